@@ -1,0 +1,83 @@
+"""Baseline supports: magnitude (MP / MP+), ThiNet's greedy output-error removal, exact enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import Tensor
+
+from .problem import LayerProblem, factorize
+
+# Enumeration refuses problems beyond this many groups (C(20, 10) = 184,756 supports).
+EXACT_MAX_GROUPS = 20
+
+
+def magnitude_support(problem: LayerProblem) -> Tensor:
+    """MP: the num_prune groups of W_hat with the smallest Frobenius norm."""
+    return problem.magnitude_order()[: problem.num_prune]
+
+
+def thinet_support(problem: LayerProblem) -> Tensor:
+    """ThiNet (Luo et al. 2017): greedily zero the group whose removal raises the error least.
+
+    The error is the layer objective of the *un-refit* weight (W_hat with the chosen rows zeroed;
+    W* = H^-1 G when no dense weight is given), updated in O(d1 g d2) per step through the residual
+    R = H W - G; the refit happens afterwards, as in ThiNet's second stage.
+    """
+    pb, g = problem, problem.group_size
+    if pb.dense_weight is not None:
+        W = pb.dense_weight.clone()
+    else:
+        W = pb.refit(torch.empty(0, dtype=torch.long, device=pb.device))
+    p = pb.num_groups
+    R = pb.H @ W - pb.G  # gradient of the objective at W
+    Hb = pb.H.view(p, g, p, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (p, g, g) H_jj
+    alive = torch.ones(p, dtype=torch.bool, device=pb.device)
+    order = []
+    for _ in range(pb.num_prune):
+        Wg, Rg = W.view(p, g, -1), R.view(p, g, -1)
+        # f(W - E_j) - f(W) = 1/2 Tr(W_j^T H_jj W_j) - Tr(W_j^T R_j)
+        quad = 0.5 * (Wg * (Hb @ Wg)).sum((1, 2))
+        delta = torch.where(alive, quad - (Wg * Rg).sum((1, 2)), torch.inf)
+        j = int(torch.argmin(delta))
+        rows = slice(j * g, (j + 1) * g)
+        R -= pb.H[:, rows] @ W[rows]
+        W[rows] = 0
+        alive[j] = False
+        order.append(j)
+    return torch.tensor(order, dtype=torch.long, device=pb.device)
+
+
+def exact_support(problem: LayerProblem, chunk: int = 4096) -> Tensor:
+    """The optimal support by enumerating all C(p, num_prune) of them (batched small solves)."""
+    pb, g, p = problem, problem.group_size, problem.num_groups
+    if p > EXACT_MAX_GROUPS:
+        raise ValueError(f"method 'exact' enumerates supports and refuses more than "
+                         f"{EXACT_MAX_GROUPS} groups (got {p})")
+    n_keep = p - pb.num_prune
+    if n_keep == 0 or pb.num_prune == 0:
+        return torch.arange(pb.num_prune, device=pb.device)
+    # f(S) = -1/2 Tr(G_K^T H_KK^-1 G_K); damp once so every principal block factorises alike.
+    _, lam = factorize(pb.H, pb.mean_diag)
+    H = pb.H.clone()
+    H.diagonal().add_(lam * (pb.mean_diag or 1.0))
+    best_f, best = math.inf, None
+    combos = itertools.combinations(range(p), n_keep)
+    offsets = torch.arange(g, device=pb.device)
+    while batch := list(itertools.islice(combos, chunk)):
+        kept = torch.tensor(batch, device=pb.device)  # (b, n_keep)
+        rows = (kept.unsqueeze(2) * g + offsets).reshape(len(batch), -1)  # (b, m)
+        H_KK = H[rows.unsqueeze(2), rows.unsqueeze(1)]  # (b, m, m)
+        G_K = pb.G[rows]  # (b, m, d2)
+        chol, info = torch.linalg.cholesky_ex(H_KK)
+        y = torch.linalg.solve_triangular(chol, G_K, upper=False)
+        f = -0.5 * y.square().sum((1, 2))
+        f = torch.where(info == 0, f, torch.inf)
+        k = int(torch.argmin(f))
+        if float(f[k]) < best_f:
+            best_f, best = float(f[k]), kept[k]
+    pruned = torch.ones(p, dtype=torch.bool, device=pb.device)
+    pruned[best] = False
+    return torch.nonzero(pruned).squeeze(1)

@@ -1,0 +1,189 @@
+"""One layer's pruning problem: validated inputs, the objective f and the refit every method shares.
+
+    f(S) = min_W 1/2 Tr(W^T H W) - Tr(G^T W)   s.t. rows of the groups in S are zero,
+    H = X^T X (d1 x d1), G = X^T X_hat W_hat (d1 x d2), groups = contiguous blocks of `group_size` rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Damping for factorisations of (sub-blocks of) H: delta = lambda * mean(diag H) with lambda taken from
+# this ladder, first rung that factorises. 0 first: the answer is then exactly the caller's problem.
+DAMPING_LADDER = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2)
+
+
+@dataclass(frozen=True)
+class LayerProblem:
+    """Validated inputs of `solve_layer`, on the caller's device, in float64 for exact evaluation."""
+
+    H: Tensor  # d1 x d1, symmetric PSD, float64
+    G: Tensor  # d1 x d2, float64
+    group_size: int
+    num_prune: int
+    dense_weight: Tensor | None  # d1 x d2 float64, or None
+    out_dtype: torch.dtype  # dtype of the returned weight (the caller's G dtype)
+
+    @property
+    def d1(self) -> int:
+        return self.H.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.d1 // self.group_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.H.device
+
+    @property
+    def mean_diag(self) -> float:
+        return float(self.H.diagonal().mean())
+
+    @classmethod
+    def validate(
+        cls,
+        H: Tensor,
+        G: Tensor,
+        group_size: int,
+        num_prune: int,
+        dense_weight: Tensor | None = None,
+    ) -> LayerProblem:
+        """Check every input and raise one ValueError that names each problem found."""
+        errors: list[str] = []
+        if not isinstance(H, Tensor) or not isinstance(G, Tensor):
+            raise ValueError("H and G must be torch.Tensor")
+        if not H.is_floating_point() or not G.is_floating_point():
+            errors.append(f"H and G must be floating point (got {H.dtype}, {G.dtype})")
+        if H.dim() != 2 or H.shape[0] != H.shape[1]:
+            errors.append(f"H must be square d1 x d1 (got shape {tuple(H.shape)})")
+        if G.dim() != 2 or (H.dim() == 2 and G.shape[0] != H.shape[0]):
+            errors.append(f"G must be d1 x d2 with d1 = {H.shape[0]} (got shape {tuple(G.shape)})")
+        if H.device != G.device:
+            errors.append(f"H and G are on different devices ({H.device}, {G.device})")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            errors.append(f"group_size must be a positive int (got {group_size!r})")
+        elif H.dim() == 2 and H.shape[0] % group_size != 0:
+            errors.append(f"d1 = {H.shape[0]} is not divisible by group_size = {group_size}")
+        if dense_weight is not None:
+            if not isinstance(dense_weight, Tensor) or dense_weight.shape != G.shape:
+                shape = tuple(dense_weight.shape) if isinstance(dense_weight, Tensor) else None
+                errors.append(f"dense_weight must have G's shape {tuple(G.shape)} (got {shape})")
+            elif dense_weight.device != G.device:
+                errors.append(f"dense_weight is on {dense_weight.device}, G on {G.device}")
+            elif not _all_finite(dense_weight):
+                errors.append("dense_weight contains NaN or Inf")
+        if errors:
+            raise ValueError("invalid layer problem: " + "; ".join(errors))
+        num_groups = H.shape[0] // group_size
+        if isinstance(num_prune, bool) or not isinstance(num_prune, int):
+            errors.append(f"num_prune must be an int (got {num_prune!r})")
+        elif not 0 <= num_prune <= num_groups:
+            errors.append(f"num_prune = {num_prune} is outside [0, {num_groups}] (number of groups)")
+        lo, hi = (float(v) for v in torch.aminmax(H.detach()))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            errors.append("H contains NaN or Inf")
+        if not _all_finite(G):
+            errors.append("G contains NaN or Inf")
+        if errors:
+            raise ValueError("invalid layer problem: " + "; ".join(errors))
+        H64 = H.detach().to(torch.float64)
+        if bool((H64.diagonal() < 0).any()):
+            errors.append("H has negative diagonal entries, so it is not positive semi-definite")
+        # Symmetry by a random-sign probe (O(d1^2), no transposed copy): for symmetric H the two
+        # products agree to rounding; an unsymmetric H misses by ~ max|H| sqrt(d1).
+        gen = torch.Generator(device=H.device).manual_seed(0)
+        v = torch.randint(0, 2, (H64.shape[0], 1), generator=gen, device=H.device)
+        v = v.to(torch.float64) * 2 - 1
+        gap = float((H64 @ v - H64.T @ v).abs().max()) if H64.numel() else 0.0
+        scale = max(abs(lo), abs(hi))
+        if gap > 1e-4 * scale * math.sqrt(H64.shape[0]):
+            errors.append(f"H is not symmetric (probe |Hv - H^T v| = {gap:.3g}, max |H| = {scale:.3g})")
+        if errors:
+            raise ValueError("invalid layer problem: " + "; ".join(errors))
+        W_hat = None if dense_weight is None else dense_weight.detach().to(torch.float64).contiguous()
+        G64 = G.detach().to(torch.float64).contiguous()
+        return cls(H64.contiguous(), G64, group_size, num_prune, W_hat, G.dtype)
+
+    # ---- shared numerics -------------------------------------------------------------------
+    def row_mask(self, kept: Tensor) -> Tensor:
+        return kept.to(self.device).repeat_interleave(self.group_size)
+
+    def objective(self, W: Tensor) -> float:
+        """1/2 Tr(W^T H W) - Tr(G^T W) with the caller's H (float64), over W's nonzero rows only."""
+        W = W.to(torch.float64)
+        mask = W.abs().amax(1) > 0  # zero rows contribute nothing
+        W_r = W[mask]
+        H_rr = self.H[mask][:, mask]
+        return float(0.5 * (W_r * (H_rr @ W_r)).sum() - (self.G[mask] * W_r).sum())
+
+    def refit(self, pruned: Tensor) -> Tensor:
+        """The optimal W (float64) for the support that excludes `pruned` groups."""
+        kept = torch.ones(self.num_groups, dtype=torch.bool, device=self.device)
+        kept[pruned] = False
+        K = torch.nonzero(self.row_mask(kept)).squeeze(1)
+        W = torch.zeros_like(self.G)
+        if K.numel():
+            H_KK = self.H.index_select(0, K).index_select(1, K)
+            chol, _ = factorize(H_KK, self.mean_diag, what="H on the kept rows")
+            W[K] = torch.cholesky_solve(self.G.index_select(0, K), chol)
+        return W
+
+    def magnitude_order(self) -> Tensor:
+        """Groups of the dense weight by increasing Frobenius norm (MP's pruning order)."""
+        if self.dense_weight is None:
+            raise ValueError("this method needs dense_weight (the layer's dense weight W_hat)")
+        norms = self.dense_weight.view(self.num_groups, -1).square().sum(1)
+        return torch.argsort(norms, stable=True)
+
+    def kept_mask(self, pruned: Tensor) -> Tensor:
+        kept = torch.ones(self.num_groups, dtype=torch.bool, device=self.device)
+        kept[pruned] = False
+        return kept
+
+
+def _all_finite(x: Tensor) -> bool:
+    """No NaN or Inf, in one reduction pass (aminmax propagates both; isfinite allocates a mask)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x.detach())
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def factorize(M: Tensor, mean_diag: float, what: str = "H") -> tuple[Tensor, float]:
+    """Cholesky factor of M + delta I, with delta the first rung of DAMPING_LADDER that works.
+
+    Returns (factor, lambda used). H = X^T X is PSD but singular whenever a row of X is constant
+    zero or there are fewer samples than features; the tiny damping then picks the minimum-norm-like
+    solution among the optimal ones without changing f by more than rounding.
+    """
+    scale = mean_diag if mean_diag > 0 else 1.0
+    for lam in DAMPING_LADDER:
+        damped = M
+        if lam:
+            damped = M.clone()
+            damped.diagonal().add_(lam * scale)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            if lam:
+                log.debug("factorised %s with damping %.0e * mean(diag H)", what, lam)
+            return chol, lam
+    raise ValueError(f"{what} is not positive semi-definite (Cholesky fails even with damping)")
+
+
+@dataclass
+class LayerSolution:
+    """What `solve_layer` returns."""
+
+    pruned: list[int]  # sorted pruned group indices, len == num_prune
+    weight: Tensor  # d1 x d2, optimal for the support (except method "mp"); pruned rows exactly 0
+    objective: float  # 1/2 Tr(W^T H W) - Tr(G^T W) for `weight` and the caller's H
+    method: str
+    stats: dict[str, float | int | str] = field(default_factory=dict)  # timings, rounds, damping

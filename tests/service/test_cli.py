@@ -1,0 +1,50 @@
+"""The `osscar` CLI and its demo on the embedded real model (all-MiniLM-L6-v2 from PyPI)."""
+
+import pytest
+
+from service import cli
+from service.demo import METHODS, calibration_texts, run_demo
+
+
+def test_calibration_texts_are_seeded_and_long_enough():
+    texts = calibration_texts()
+    assert texts == calibration_texts()  # seeded
+    assert len(texts) == 96 and all(len(t.split()) > 50 for t in texts)
+
+
+@pytest.fixture(scope="module")
+def demo_results():
+    return run_demo(ratio=0.5)
+
+
+def test_demo_prunes_every_layer_and_osscar_is_best_on_average(demo_results):
+    assert len(demo_results) == 12  # 6 layers x (attention output, FFN output)
+    heads = [r for r in demo_results if "attention" in r.layer]
+    assert all(r.groups == 12 and r.pruned == 6 for r in heads)
+    ffn = [r for r in demo_results if "attention" not in r.layer]
+    assert all(r.groups == 1536 and r.pruned == 768 for r in ffn)
+    mean = {m: sum(r.errors[m] for r in demo_results) / len(demo_results) for m in METHODS}
+    assert mean["osscar"] < mean["thinet"] < mean["mp+"] < mean["mp"]
+    for r in demo_results:  # never worse than MP+, layer by layer
+        assert r.errors["osscar"] <= r.errors["mp+"] + 1e-9
+        assert all(0 <= e <= 1.0 for e in r.errors.values())
+
+
+def test_cli_demo_prints_the_table(capsys, monkeypatch, demo_results):
+    monkeypatch.setattr("service.demo.run_demo", lambda ratio, model: demo_results)
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "layer.5.output.dense" in out and out.strip().splitlines()[-1].startswith("mean")
+
+
+@pytest.mark.parametrize("ratio", ["0", "1", "1.5", "-0.2"])
+def test_cli_rejects_bad_ratios_with_one_line(ratio, capsys):
+    assert cli.main(["demo", "--ratio", ratio]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("osscar: error: ratio must be in (0, 1)")
+
+
+def test_cli_without_a_command_exits_nonzero():
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code != 0
