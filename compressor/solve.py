@@ -45,25 +45,20 @@ def _mp(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict
     return pruned, W, {}
 
 
-@register("mp+")
-def _mp_plus(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    _no_options("mp+", options)
-    pruned = magnitude_support(pb)
-    return pruned, pb.refit(pruned), {}
+def _refit_method(name: str, support: Callable[[LayerProblem], Tensor]) -> None:
+    """Register a method that picks a support and returns the least-squares refit on it."""
+
+    def method(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        _no_options(name, options)
+        pruned = support(pb)
+        return pruned, pb.refit(pruned), {}
+
+    register(name)(method)
 
 
-@register("thinet")
-def _thinet(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    _no_options("thinet", options)
-    pruned = thinet_support(pb)
-    return pruned, pb.refit(pruned), {}
-
-
-@register("exact")
-def _exact(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    _no_options("exact", options)
-    pruned = exact_support(pb)
-    return pruned, pb.refit(pruned), {}
+_refit_method("mp+", magnitude_support)
+_refit_method("thinet", thinet_support)
+_refit_method("exact", exact_support)
 
 
 @register("osscar")
