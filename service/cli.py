@@ -19,6 +19,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def _compress(args: argparse.Namespace) -> int:
+    from .compress import CompressRequest, compress
+
+    request = CompressRequest(model=args.model, uniform_ratio=args.uniform_ratio, calibration=args.calibration,
+                              out_dir=args.out, method=args.method, samples=args.samples, seed=args.seed,
+                              mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size)
+    compress(request, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osscar", description="One-shot structured pruning (OSSCAR).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress on stderr")
@@ -28,6 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", type=Path, default=None,
                       help="a local BERT-like HF model directory (default: the embedded all-MiniLM-L6-v2)")
     demo.set_defaults(func=_demo)
+
+    from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
+
+    comp = sub.add_parser("compress", help="prune a model physically and export it to ONNX")
+    comp.add_argument("model", help="a .pt2 torch.export program, a Hugging Face model directory or cached hub "
+                      "id, or torchvision:<name>")
+    comp.add_argument("--uniform-ratio", type=float, required=True,
+                      help="fraction of each prunable layer's channels removed (rounded, >= 1 kept)")
+    comp.add_argument("--calibration", type=Path, required=True,
+                      help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is")
+    comp.add_argument("--method", default="osscar", choices=("osscar", "mp", "mp+", "thinet"))
+    comp.add_argument("--out", type=Path, required=True, help="output directory")
+    comp.add_argument("--samples", type=int, default=500, help="calibration images drawn (default 500)")
+    comp.add_argument("--seed", type=int, default=0, help="seed of the calibration draw")
+    comp.add_argument("--mean", type=_floats, default=IMAGENET_MEAN, help="per-channel mean for .npz images")
+    comp.add_argument("--std", type=_floats, default=IMAGENET_STD, help="per-channel std for .npz images")
+    comp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    comp.add_argument("--batch-size", type=int, default=100, help="calibration batch size")
+    comp.set_defaults(func=_compress)
     return parser
 
 
@@ -38,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"osscar: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as err:  # bad input: one line, no traceback
+        print(f"osscar: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
 
 

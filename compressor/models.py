@@ -1,0 +1,169 @@
+"""Model references: one resolver for every entry point, and saving pruned graph models.
+
+Accepted references:
+  * a `torch.export` program file (`.pt2`);
+  * a Hugging Face model directory, or a hub id already in the local cache (never downloaded;
+    `trust_remote_code` stays off unless the caller enables it);
+  * `torchvision:<name>` where torchvision imports (it does not next to the CPU torch wheel).
+Everything else is refused with what was expected: unknown schemes, missing files, and pickles that
+`torch.load(weights_only=True)` cannot load (they could run code).
+
+Whatever the source, the model is brought to torch.export's ATen graph (a GraphModule), the one
+representation the analysis and surgery work on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".pkl"}
+
+
+class ModelReferenceError(ValueError):
+    """A model reference that cannot be resolved (says what was expected)."""
+
+
+@dataclass
+class LoadedModel:
+    module: fx.GraphModule  # ATen graph, eval mode
+    input_shape: tuple[int, ...]  # one sample's shape, e.g. (3, 32, 32)
+    source: str  # the reference as given
+    kind: str  # "pt2" | "hf" | "torchvision"
+    input_name: str = "x"
+
+
+def load_model(reference: str, *, trust_remote_code: bool = False, image_size: int | None = None) -> LoadedModel:
+    """Resolve `reference` to a graph module (see the module docstring for what is accepted)."""
+    ref = str(reference).strip()
+    if not ref:
+        raise ModelReferenceError("empty model reference")
+    if ref.startswith("torchvision:"):
+        return _load_torchvision(ref, image_size)
+    scheme = ref.split(":", 1)[0] if ":" in ref and not Path(ref).exists() else ""
+    if scheme and "/" not in scheme and len(scheme) > 1:
+        raise ModelReferenceError(f"unknown model reference scheme {scheme!r} in {ref!r}; expected a .pt2 file, "
+                                  "a Hugging Face model directory or cached hub id, or torchvision:<name>")
+    path = Path(ref).expanduser()
+    if path.suffix == ".pt2":
+        if not path.is_file():
+            raise ModelReferenceError(f"no such torch.export program: {path}")
+        return _load_pt2(path, ref)
+    if path.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelReferenceError(f"{path} is a directory without config.json; expected a Hugging Face model "
+                                      "directory")
+        return _load_hf(str(path), ref, trust_remote_code, image_size)
+    if path.exists():
+        raise ModelReferenceError(f"{path}: unsupported file type {path.suffix!r}; expected a .pt2 torch.export "
+                                  "program or a Hugging Face model directory")
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        return _load_hf(ref, ref, trust_remote_code, image_size)  # a hub id: local cache only
+    raise ModelReferenceError(f"no such file or directory: {ref}")
+
+
+def _input_shape(gm: fx.GraphModule) -> tuple[int, ...]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ModelReferenceError(f"expected a model with one input tensor, found {len(placeholders)} inputs")
+    val = placeholders[0].meta.get("val")
+    if val is None or val.dim() < 2:
+        raise ModelReferenceError("the program records no input shape")
+    shape = []
+    for s in val.shape[1:]:
+        if not isinstance(s, int):
+            raise ModelReferenceError("only the batch dimension of the input may be dynamic")
+        shape.append(int(s))
+    return tuple(shape)
+
+
+def _load_pt2(path: Path, ref: str) -> LoadedModel:
+    try:
+        program = torch.export.load(str(path))
+    except Exception as err:  # a corrupt or foreign file: say what it is, not a traceback
+        raise ModelReferenceError(f"{path} is not a loadable torch.export program: {err}") from err
+    gm = program.module()
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return LoadedModel(gm, _input_shape(gm), ref, "pt2", placeholders[0] if placeholders else "x")
+
+
+def _refuse_pickle(path: Path) -> None:
+    if not path.is_file():
+        raise ModelReferenceError(f"no such file: {path}")
+    try:
+        obj = torch.load(str(path), weights_only=True, map_location="cpu")
+    except Exception as err:
+        raise ModelReferenceError(f"{path} is a pickle that weights_only loading refuses (it may run code); "
+                                  "export the model with torch.export and pass the .pt2") from err
+    raise ModelReferenceError(f"{path} holds {type(obj).__name__} weights without an architecture; pass a "
+                              ".pt2 torch.export program or a Hugging Face model directory")
+
+
+def export_module(module: torch.nn.Module, example: torch.Tensor) -> fx.GraphModule:
+    """torch.export an eager module (dynamic batch) and return its ATen graph module."""
+    module = module.eval()
+    batch = torch.export.Dim.DYNAMIC
+    with torch.no_grad():
+        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
+    return program.module()
+
+
+def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int | None) -> LoadedModel:
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(location, local_files_only=True,
+                                                         trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ModelReferenceError(f"{ref!r} is neither a local model directory nor a model in the local Hugging "
+                                  f"Face cache (nothing is downloaded): {err}") from err
+    if not hasattr(config, "num_channels"):
+        raise ModelReferenceError(f"{ref}: {config.model_type!r} is not an image model; transformer models are "
+                                  "pruned by the transformer adapters")
+    model = transformers.AutoModelForImageClassification.from_pretrained(
+        location, local_files_only=True, trust_remote_code=trust_remote_code)
+    size = image_size or int(getattr(config, "image_size", 224) or 224)
+
+    class Logits(torch.nn.Module):  # the first output (logits) as a plain tensor
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return self.inner(pixel_values=pixel_values).logits
+
+    example = torch.zeros(2, config.num_channels, size, size)
+    gm = export_module(Logits(model), example)
+    return LoadedModel(gm, (config.num_channels, size, size), ref, "hf", "pixel_values")
+
+
+def _load_torchvision(ref: str, image_size: int | None) -> LoadedModel:
+    name = ref.split(":", 1)[1]
+    try:
+        import torchvision
+    except Exception as err:  # ImportError, or its C++ ops failing next to a CPU-only torch
+        raise ModelReferenceError(f"{ref}: torchvision does not import on this machine ({err}); pass a .pt2 "
+                                  "torch.export program instead") from err
+    try:
+        model = torchvision.models.get_model(name, weights=None)
+    except ValueError as err:
+        raise ModelReferenceError(f"{ref}: unknown torchvision model {name!r}") from err
+    size = image_size or 224
+    return LoadedModel(export_module(model, torch.zeros(2, 3, size, size)), (3, size, size), ref, "torchvision")
+
+
+def save_program(module: fx.GraphModule, path: str | Path, example: torch.Tensor) -> None:
+    """Save a (pruned) graph module as a .pt2 program with a dynamic batch dimension."""
+    batch = torch.export.Dim.DYNAMIC
+    example = example.detach().clone()  # a view would store its whole base tensor in the file
+    with torch.no_grad():
+        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
+    torch.export.save(program, str(path))

@@ -1,0 +1,128 @@
+"""Physical channel removal on an exported conv graph: small typed functions, one per tensor role.
+
+Parameters live as attributes of the GraphModule (`get_attr` nodes); removing channels replaces them
+by smaller tensors, and a depthwise conv's `groups` argument is rewritten in the graph. Every
+function checks its indices and lists every bad one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, fx, nn
+
+from .graph import BATCH_NORM_OPS, ChannelUnit, ConvSpec, conv_spec
+
+
+class SurgeryError(ValueError):
+    """Indices or shapes that surgery cannot apply."""
+
+
+def check_keep(keep: Sequence[int] | Tensor, size: int, what: str) -> Tensor:
+    """Sorted unique kept indices in [0, size), at least one; raise listing every bad index."""
+    idx = torch.as_tensor(keep, dtype=torch.long).flatten()
+    bad = sorted({int(i) for i in idx.tolist() if not 0 <= int(i) < size})
+    problems = []
+    if bad:
+        problems.append(f"indices out of range [0, {size}): {bad}")
+    dupes = sorted({int(i) for i in idx.tolist() if int((idx == i).sum()) > 1})
+    if dupes:
+        problems.append(f"repeated indices: {dupes}")
+    if idx.numel() == 0:
+        problems.append("no channel kept")
+    if problems:
+        raise SurgeryError(f"{what}: " + "; ".join(problems))
+    return torch.sort(idx).values
+
+
+def get_tensor(gm: fx.GraphModule, target: str) -> Tensor:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def set_tensor(gm: fx.GraphModule, target: str, value: Tensor) -> None:
+    """Replace a parameter or buffer of the GraphModule, keeping its kind."""
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if name in owner._parameters:
+        owner._parameters[name] = nn.Parameter(value.detach().clone(), requires_grad=False)
+    elif name in owner._buffers:
+        owner._buffers[name] = value.detach().clone()
+    else:
+        setattr(owner, name, value.detach().clone())
+
+
+def _slice(gm: fx.GraphModule, target: str | None, dim: int, keep: Tensor) -> None:
+    if target is not None:
+        tensor = get_tensor(gm, target)
+        set_tensor(gm, target, tensor.index_select(dim, keep.to(tensor.device)))
+
+
+def prune_conv_out_channels(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor) -> None:
+    """Keep output channels `keep` of a (non-grouped) conv: weight rows and bias entries."""
+    keep = check_keep(keep, get_tensor(gm, conv.weight).shape[0], f"{conv.weight} output channels")
+    _slice(gm, conv.weight, 0, keep)
+    _slice(gm, conv.bias, 0, keep)
+
+
+def prune_conv_in_channels(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor,
+                           weight: Tensor | None = None) -> None:
+    """Keep input channels `keep` of a non-grouped conv; `weight` (out, kept, kH, kW) replaces the
+    sliced weight (the solver's refit), when given."""
+    w = get_tensor(gm, conv.weight)
+    keep = check_keep(keep, w.shape[1], f"{conv.weight} input channels")
+    if weight is None:
+        weight = w.index_select(1, keep.to(w.device))
+    expected = (w.shape[0], keep.numel(), *w.shape[2:])
+    if tuple(weight.shape) != expected:
+        raise SurgeryError(f"{conv.weight}: new weight has shape {tuple(weight.shape)}, expected {expected}")
+    set_tensor(gm, conv.weight, weight.to(dtype=w.dtype, device=w.device))
+
+
+def prune_depthwise(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor) -> None:
+    """Keep filters `keep` of a depthwise conv and rewrite its `groups` argument."""
+    keep = check_keep(keep, conv.groups, f"{conv.weight} depthwise filters")
+    _slice(gm, conv.weight, 0, keep)
+    _slice(gm, conv.bias, 0, keep)
+    node = conv.node
+    if node.target is torch.ops.aten.convolution.default:
+        node.update_arg(8, keep.numel())
+    elif "groups" in node.kwargs:
+        node.update_kwarg("groups", keep.numel())
+    else:
+        args = list(node.args) + [None] * (7 - len(node.args))
+        args[5] = args[5] if args[5] is not None else [1, 1]  # dilation must precede groups
+        args[6] = keep.numel()
+        node.args = tuple(args)
+
+
+def prune_batch_norm(gm: fx.GraphModule, node: fx.Node, keep: Sequence[int] | Tensor) -> None:
+    """Keep entries `keep` of a BatchNorm's weight, bias, running mean and variance."""
+    if node.target not in BATCH_NORM_OPS:
+        raise SurgeryError(f"{node.name} is not a batch norm")
+    mean = node.args[3]
+    size = get_tensor(gm, mean.target).shape[0]
+    keep = check_keep(keep, size, f"{node.name} entries")
+    for arg in node.args[1:5]:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            _slice(gm, arg.target, 0, keep)
+
+
+def prune_unit(gm: fx.GraphModule, unit: ChannelUnit, keep: Sequence[int] | Tensor,
+               consumer_weight: Tensor | None = None) -> None:
+    """Remove every channel of `unit` not in `keep`, through producer, chain and consumer."""
+    keep = check_keep(keep, unit.channels, f"unit {unit.name}")
+    prune_conv_out_channels(gm, unit.producer, keep)
+    for node in unit.chain:
+        if node.target in BATCH_NORM_OPS:
+            prune_batch_norm(gm, node, keep)
+        elif (spec := conv_spec(node)) is not None:
+            prune_depthwise(gm, spec, keep)
+    prune_conv_in_channels(gm, unit.consumer, keep, consumer_weight)
+    gm.recompile()
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Learned parameters (BatchNorm running statistics are buffers and not counted)."""
+    return sum(p.numel() for p in module.parameters())

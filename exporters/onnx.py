@@ -1,0 +1,88 @@
+"""ONNX export through the dynamo exporter, with a torch-vs-ONNX Runtime parity gate."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParityMismatch:
+    output: str
+    problem: str
+
+
+@dataclass
+class ParityError(RuntimeError):
+    """Every difference between the PyTorch model and its ONNX export, in one error."""
+
+    mismatches: list[ParityMismatch] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "ONNX export does not match PyTorch: " + "; ".join(f"{m.output}: {m.problem}" for m in self.mismatches)
+
+
+def export_onnx(
+    module: fx.GraphModule | torch.nn.Module,
+    example: torch.Tensor,
+    path: str | Path,
+    *,
+    input_name: str = "x",
+    output_name: str = "logits",
+    opset: int = 18,
+) -> Path:
+    """Export with a dynamic batch dimension, fp32, the model's input name and `output_name` first."""
+    path = Path(path)
+    batch = torch.export.Dim.DYNAMIC
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module, (example,), dynamo=True, input_names=[input_name], output_names=[output_name],
+            dynamic_shapes=({0: batch},), opset_version=opset, external_data=False, verbose=False,
+        )
+    program.save(str(path))
+    return path
+
+
+def check_parity(
+    module: torch.nn.Module,
+    path: str | Path,
+    inputs: torch.Tensor,
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-4,
+) -> float:
+    """Run the ONNX file in ONNX Runtime (CPU) and compare with `module`; returns the max abs error.
+
+    Raises ParityError listing every mismatch (output count, shape, values beyond tolerance).
+    """
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: inputs.detach().cpu().numpy()}
+    got = session.run(None, feed)
+    with torch.no_grad():
+        expected = module(inputs)
+    expected = [expected] if isinstance(expected, torch.Tensor) else list(torch.utils._pytree.tree_leaves(expected))
+    mismatches = []
+    if len(got) != len(expected):
+        mismatches.append(ParityMismatch("outputs", f"ONNX has {len(got)} outputs, PyTorch {len(expected)}"))
+    worst = 0.0
+    for out, (g, e) in zip(session.get_outputs(), zip(got, expected, strict=False), strict=False):
+        e = e.detach().cpu().numpy()
+        if g.shape != e.shape:
+            mismatches.append(ParityMismatch(out.name, f"shape {g.shape} != {e.shape}"))
+            continue
+        err = float(np.abs(g - e).max()) if g.size else 0.0
+        worst = max(worst, err)
+        if not np.allclose(g, e, rtol=rtol, atol=atol):
+            mismatches.append(ParityMismatch(out.name, f"max abs error {err:.3g} beyond rtol={rtol}, atol={atol}"))
+    if mismatches:
+        raise ParityError(mismatches)
+    return worst

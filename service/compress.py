@@ -1,0 +1,107 @@
+"""The compression job: resolve -> calibrate -> prune layer by layer -> save -> export -> check.
+
+`compress()` is what `osscar compress` runs, importable for pipelines that script it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError, load_images
+from compressor.cnn import prune_conv_graph
+from compressor.graph import analyse
+from compressor.models import load_model, save_program
+from compressor.solve import METHODS
+from compressor.surgery import count_parameters
+from exporters.onnx import check_parity, export_onnx
+
+log = logging.getLogger(__name__)
+
+PRUNING_METHODS = ("osscar", "mp", "mp+", "thinet")  # "exact" only solves single small layers
+
+
+@dataclass(frozen=True)
+class CompressRequest:
+    model: str  # .pt2 file, HF model directory / cached hub id, or torchvision:<name>
+    uniform_ratio: float  # fraction of each prunable layer's groups removed (>= 1 group kept)
+    calibration: Path  # .npz (x: uint8 NHWC) or .npy (float32 NCHW)
+    out_dir: Path
+    method: str = "osscar"
+    samples: int = 500  # calibration images drawn (seeded)
+    seed: int = 0
+    mean: tuple[float, ...] = IMAGENET_MEAN  # applied to .npz images after scaling to [0, 1]
+    std: tuple[float, ...] = IMAGENET_STD
+    device: str | None = None  # default: cuda when available, else cpu
+    batch_size: int = 100
+
+    def validate(self) -> None:
+        errors = []
+        if self.method not in PRUNING_METHODS:
+            errors.append(f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
+        assert set(PRUNING_METHODS) <= set(METHODS)
+        if not 0 < self.uniform_ratio < 1:
+            errors.append(f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
+        if self.samples < 1:
+            errors.append(f"--samples must be >= 1 (got {self.samples})")
+        if self.batch_size < 1:
+            errors.append(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+def _write_json_atomically(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def compress(request: CompressRequest, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the job; writes model.onnx, model.pt2 and report.json into request.out_dir."""
+    request.validate()
+    say = progress or (lambda message: log.info("%s", message))
+    start = time.perf_counter()
+    loaded = load_model(request.model)
+    images = load_images(request.calibration, samples=request.samples, seed=request.seed,
+                         mean=request.mean, std=request.std)
+    if tuple(images.shape[1:]) != loaded.input_shape:
+        raise CalibrationError(f"calibration images have shape {tuple(images.shape[1:])}, the model expects "
+                               f"{loaded.input_shape}")
+    analysis = analyse(loaded.module)
+    say(f"{request.model}: {len(analysis.units)} prunable conv layers, {len(images)} calibration images, "
+        f"method {request.method}, ratio {request.uniform_ratio}")
+    pruned, layers = prune_conv_graph(loaded.module, images, request.uniform_ratio, method=request.method,
+                                      device=request.device, batch_size=request.batch_size, progress=say)
+    out = Path(request.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    example = images[:2].clone()  # a view would save the whole calibration tensor
+    say("saving model.pt2 and exporting model.onnx")
+    save_program(pruned, out / "model.pt2", example)
+    export_onnx(pruned, example, out / "model.onnx", input_name=loaded.input_name)
+    parity = check_parity(pruned, out / "model.onnx", images[: min(16, len(images))])
+    report = {
+        "model": request.model,
+        "method": request.method,
+        "uniform_ratio": request.uniform_ratio,
+        "calibration": str(request.calibration),
+        "samples": len(images),
+        "seed": request.seed,
+        "params_before": count_parameters(loaded.module),
+        "params_after": count_parameters(pruned),
+        "layers": [asdict(layer) for layer in layers],
+        "not_pruned": analysis.refused,
+        "onnx": {"path": "model.onnx", "input": loaded.input_name, "output": "logits",
+                 "parity_max_abs_error": parity},
+        "elapsed_s": time.perf_counter() - start,
+    }
+    _write_json_atomically(out / "report.json", report)
+    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, model.pt2, "
+        f"report.json in {report['elapsed_s']:.1f}s")
+    return report

@@ -1,0 +1,129 @@
+"""Small random conv graphs covering the structures channel pruning must handle."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compressor.models import export_module
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels: int, inner: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, inner, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(inner)
+        self.conv2 = nn.Conv2d(inner, inner, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(inner)
+        self.conv3 = nn.Conv2d(inner, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + x)
+
+
+class BottleneckNet(nn.Module):
+    """ResNet with bottleneck blocks: units conv1 -> conv2 and conv2 -> conv3 inside each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.block1 = Bottleneck(16, 12)
+        self.block2 = Bottleneck(16, 8)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.stem(x)))
+        x = self.block2(self.block1(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, channels: int, expand: int) -> None:
+        super().__init__()
+        hidden = channels * expand
+        self.expand = nn.Conv2d(channels, hidden, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(hidden)
+        self.dw = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False)
+        self.bn2 = nn.BatchNorm2d(hidden)
+        self.project = nn.Conv2d(hidden, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = F.relu6(self.bn1(self.expand(x)))
+        y = F.relu6(self.bn2(self.dw(y)))
+        return self.bn3(self.project(y)) + x
+
+
+class MobileNetish(nn.Module):
+    """MobileNetV2 inverted residuals (unit expand -> depthwise -> project) and a MobileNetV1
+    depthwise-separable block (unit pointwise -> depthwise -> pointwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.ir1 = InvertedResidual(8, 3)
+        self.ir2 = InvertedResidual(8, 2)
+        self.pw1 = nn.Conv2d(8, 12, 1, bias=False)
+        self.pw1_bn = nn.BatchNorm2d(12)
+        self.dw = nn.Conv2d(12, 12, 3, padding=1, groups=12, bias=True)
+        self.dw_bn = nn.BatchNorm2d(12)
+        self.pw2 = nn.Conv2d(12, 10, 1, bias=False)
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x):
+        x = F.relu6(self.bn(self.stem(x)))
+        x = self.ir2(self.ir1(x))
+        x = F.relu(self.pw1_bn(self.pw1(x)))
+        x = F.relu(self.dw_bn(self.dw(x)))
+        x = self.pw2(x)
+        return self.fc(x.mean((2, 3)))
+
+
+class FoldedPadNet(nn.Module):
+    """BatchNorm folded into conv biases, and explicit F.pad between convs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 10, 3, padding=1)
+        self.conv2 = nn.Conv2d(10, 14, 3)  # padded explicitly
+        self.conv3 = nn.Conv2d(14, 6, 3, stride=2)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.pad(x, (1, 1, 1, 1))
+        x = F.silu(self.conv2(x))
+        x = F.pad(x, (0, 1, 0, 1), mode="constant", value=0.0)
+        x = torch.relu(self.conv3(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial BatchNorm statistics, as in a trained model."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.bias.data.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+    return model
+
+
+MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet}
+# unit consumers each model must expose
+EXPECTED_UNITS = {
+    "bottleneck": ["block1.conv2", "block1.conv3", "block2.conv2", "block2.conv3"],
+    "mobilenet": ["ir1.project", "ir2.project", "pw2"],
+    "folded_pad": ["conv2", "conv3"],
+}
+
+
+def exported(name: str, size: int = 16):
+    torch.manual_seed(0)
+    model = randomize_batch_norms(MODELS[name]()).eval()
+    return export_module(model, torch.randn(2, 3, size, size))

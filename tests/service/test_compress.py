@@ -1,0 +1,82 @@
+"""`osscar compress` and `service.compress.compress` end to end."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from compressor.models import save_program
+from service import cli
+from service.compress import CompressRequest, compress
+from tests.compressor.conv_models import exported
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compress")
+    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
+    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
+    np.savez(root / "cal.npz", x=x)
+    return root
+
+
+def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
+    root = model_and_data
+    out = root / "out"
+    code = cli.main(["compress", str(root / "model.pt2"), "--uniform-ratio", "0.5", "--calibration",
+                     str(root / "cal.npz"), "--out", str(out), "--samples", "32"])
+    assert code == 0
+    assert "block2.conv3" in capsys.readouterr().err  # progress on stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "osscar" and report["uniform_ratio"] == 0.5 and report["samples"] == 32
+    assert report["params_after"] < report["params_before"]
+    assert [layer["width_after"] for layer in report["layers"]] == [6, 6, 4, 4]
+    assert {"name", "kind", "width_before", "width_after", "objective"} <= set(report["layers"][0])
+    assert report["elapsed_s"] > 0
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["x"]
+    assert session.get_outputs()[0].name == "logits"
+    pruned = torch.export.load(str(out / "model.pt2")).module()
+    x = torch.randn(3, 3, 16, 16)
+    got = session.run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(got, pruned(x).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_importable_function_matches_the_cli(model_and_data):
+    root = model_and_data
+    report = compress(CompressRequest(model=str(root / "model.pt2"), uniform_ratio=0.25,
+                                      calibration=root / "cal.npz", out_dir=root / "py", samples=16,
+                                      method="mp+"))
+    assert report["method"] == "mp+" and (root / "py" / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--uniform-ratio", "1.2"], "--uniform-ratio must be in (0, 1)"),
+    (["--uniform-ratio", "0.5", "--samples", "0"], "--samples must be >= 1"),
+    (["--uniform-ratio", "0.5", "--model-override"], None),
+])
+def test_bad_arguments_give_one_line_and_nonzero_exit(model_and_data, args, words, capsys):
+    root = model_and_data
+    argv = ["compress", str(root / "model.pt2"), "--calibration", str(root / "cal.npz"), "--out",
+            str(root / "bad"), *args]
+    if words is None:  # argparse rejects unknown flags itself
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        return
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+
+
+def test_missing_model_and_mismatched_images(model_and_data, tmp_path, capsys):
+    root = model_and_data
+    assert cli.main(["compress", str(tmp_path / "none.pt2"), "--uniform-ratio", "0.5", "--calibration",
+                     str(root / "cal.npz"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such torch.export program" in capsys.readouterr().err
+    np.savez(tmp_path / "big.npz", x=np.zeros((4, 32, 32, 3), np.uint8))
+    assert cli.main(["compress", str(root / "model.pt2"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "big.npz"), "--out", str(tmp_path / "o")]) == 2
+    assert "the model expects (3, 16, 16)" in capsys.readouterr().err
