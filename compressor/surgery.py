@@ -59,11 +59,18 @@ def _slice(gm: fx.GraphModule, target: str | None, dim: int, keep: Tensor) -> No
         set_tensor(gm, target, tensor.index_select(dim, keep.to(tensor.device)))
 
 
+def live_bias(conv: ConvSpec) -> str | None:
+    """The conv's bias attribute as the graph has it now (surgery may have added one)."""
+    args = conv.node.args
+    bias = args[2] if len(args) > 2 else conv.node.kwargs.get("bias")
+    return bias.target if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+
+
 def prune_conv_out_channels(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor) -> None:
     """Keep output channels `keep` of a (non-grouped) conv: weight rows and bias entries."""
     keep = check_keep(keep, get_tensor(gm, conv.weight).shape[0], f"{conv.weight} output channels")
     _slice(gm, conv.weight, 0, keep)
-    _slice(gm, conv.bias, 0, keep)
+    _slice(gm, live_bias(conv), 0, keep)
 
 
 def prune_conv_in_channels(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor,
@@ -84,7 +91,7 @@ def prune_depthwise(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Te
     """Keep filters `keep` of a depthwise conv and rewrite its `groups` argument."""
     keep = check_keep(keep, conv.groups, f"{conv.weight} depthwise filters")
     _slice(gm, conv.weight, 0, keep)
-    _slice(gm, conv.bias, 0, keep)
+    _slice(gm, live_bias(conv), 0, keep)
     node = conv.node
     if node.target is torch.ops.aten.convolution.default:
         node.update_arg(8, keep.numel())
@@ -120,6 +127,35 @@ def prune_unit(gm: fx.GraphModule, unit: ChannelUnit, keep: Sequence[int] | Tens
         elif (spec := conv_spec(node)) is not None:
             prune_depthwise(gm, spec, keep)
     prune_conv_in_channels(gm, unit.consumer, keep, consumer_weight)
+    gm.recompile()
+
+
+def add_output_shift(gm: fx.GraphModule, conv: ConvSpec, shift: Tensor) -> None:
+    """Add a constant per output channel to a conv's output: into its bias, else into the running
+    mean of the BatchNorm that alone consumes it, else as a new bias parameter."""
+    w = get_tensor(gm, conv.weight)
+    if shift.shape != (w.shape[0],):
+        raise SurgeryError(f"{conv.weight}: shift has shape {tuple(shift.shape)}, expected ({w.shape[0]},)")
+    if (bias_target := live_bias(conv)) is not None:
+        bias = get_tensor(gm, bias_target)
+        set_tensor(gm, bias_target, bias + shift.to(bias))
+        return
+    users = list(conv.node.users)
+    if len(users) == 1 and users[0].target in BATCH_NORM_OPS and users[0].args[0] is conv.node:
+        mean_node = users[0].args[3]
+        mean = get_tensor(gm, mean_node.target)
+        set_tensor(gm, mean_node.target, mean - shift.to(mean))  # BN(y + s) = BN'(y), mean' = mean - s
+        return
+    owner_path = conv.weight.rpartition(".")[0]
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    name = "bias" if not hasattr(owner, "bias") else "output_shift"
+    owner.register_parameter(name, nn.Parameter(shift.to(w).clone(), requires_grad=False))
+    target = f"{owner_path}.{name}" if owner_path else name
+    with gm.graph.inserting_before(conv.node):
+        bias_node = gm.graph.get_attr(target)
+    args = list(conv.node.args) + [None] * (3 - len(conv.node.args))  # conv2d(x, w) has no bias slot yet
+    args[2] = bias_node
+    conv.node.args = tuple(args)
     gm.recompile()
 
 

@@ -108,3 +108,54 @@ def test_resnet20_units_are_the_inner_block_channels(shared_data):
     assert [u.name for u in analysis.units] == [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)]
     assert [u.channels for u in analysis.units] == [16] * 3 + [32] * 3 + [64] * 3
     assert "residual" in analysis.refused["layer1.1.conv1"]
+
+
+@pytest.mark.parametrize("name,consumer", [
+    ("bottleneck", "block1.conv2"),  # no bias, BatchNorm next: goes into its running mean
+    ("folded_pad", "conv2"),  # conv with a bias
+    ("mobilenet", "pw2"),  # no bias, no BatchNorm: a new bias parameter
+])
+def test_output_shift_adds_a_constant_to_the_conv_output(name, consumer):
+    from compressor.cnn import prefix_module
+    from compressor.surgery import add_output_shift
+
+    gm = exported(name)
+    unit = next(u for u in analyse(gm).units if u.name == consumer)
+    out_channels = get_tensor(gm, unit.consumer.weight).shape[0]
+    shift = torch.linspace(-1, 1, out_channels)
+    conv_out = prefix_module(gm, unit.consumer.node)(X)
+    after = next(iter(unit.consumer.node.users))
+    reference = copy.deepcopy(gm)
+    add_output_shift(gm, unit.consumer, shift)
+    if after.target in BATCH_NORM_OPS:  # compare what the BatchNorm produces
+        bn = torch.nn.functional.batch_norm(
+            conv_out + shift.view(1, -1, 1, 1), *(get_tensor(reference, a.target) for a in after.args[3:5]),
+            *(get_tensor(reference, a.target) for a in after.args[1:3]), eps=float(after.args[7]))
+        torch.testing.assert_close(prefix_module(gm, after)(X), bn, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(prefix_module(gm, unit.consumer.node)(X), conv_out + shift.view(1, -1, 1, 1))
+    assert gm(X).shape == reference(X).shape
+
+
+def test_a_bias_added_by_surgery_is_pruned_with_its_conv():
+    """A shift on a conv without bias or BatchNorm creates a bias; pruning that conv's outputs
+    later (as a producer) must slice the new bias too."""
+    from compressor.surgery import add_output_shift
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 6, 3, padding=1, bias=False)
+            self.b = torch.nn.Conv2d(6, 8, 3, padding=1, bias=False)
+            self.c = torch.nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x))))).mean((2, 3))
+
+    from compressor.models import export_module
+    gm = export_module(Chain(), torch.randn(2, 3, 8, 8))
+    first, second = analyse(gm).units  # a -> b, then b -> c
+    prune_unit(gm, first, [0, 2, 4])
+    add_output_shift(gm, first.consumer, torch.ones(8))  # b gets a new bias
+    prune_unit(gm, second, [1, 3, 5, 7])  # b is the producer now
+    assert gm(torch.randn(2, 3, 8, 8)).shape == (2, 4)

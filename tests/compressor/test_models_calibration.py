@@ -82,3 +82,23 @@ def test_npy_is_used_as_is(tmp_path):
 def test_bad_calibration_data_is_refused(tmp_path, setup, words):
     with pytest.raises(CalibrationError, match=words):
         load_images(setup(tmp_path))
+
+
+def test_hf_image_model_directory_is_exported_and_prunable(tmp_path):
+    """A random-init Hugging Face ResNet saved locally: resolved offline, exported to the ATen
+    graph with pixel_values as input and logits as output, and its inner channels found."""
+    import transformers
+
+    from compressor.graph import analyse
+
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                       layer_type="bottleneck", image_size=32, num_labels=4)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / "hf-resnet")
+    loaded = load_model(str(tmp_path / "hf-resnet"))
+    assert loaded.kind == "hf" and loaded.input_name == "pixel_values" and loaded.input_shape == (3, 32, 32)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module(x), model(pixel_values=x).logits, rtol=1e-5, atol=1e-5)
+    assert len(analyse(loaded.module).units) >= 2  # the bottlenecks' inner convs
