@@ -42,23 +42,6 @@ class LayerReport:
     seconds: float
 
 
-def prefix_module(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule:
-    """A GraphModule computing `target`'s value from the model input (shares gm's parameters)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            break
-        if node.op == "call_module":  # shape guards of exported programs: not needed here
-            continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-        if node is target:
-            break
-    graph.output(env[target])
-    graph.eliminate_dead_code()
-    return fx.GraphModule(gm, graph)
-
-
 def num_to_prune(channels: int, ratio: float) -> int:
     """round(ratio * channels), keeping at least one channel."""
     return max(0, min(channels - 1, round(ratio * channels)))

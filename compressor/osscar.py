@@ -16,12 +16,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from .problem import DAMPING_LADDER, LayerProblem
 from .sweep import NestedState, PivotError, SwapState
+
+State = TypeVar("State", NestedState, SwapState)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class OsscarSolver:
         self.config = config
         self.stats: dict[str, float | int | str] = {}
         self.damping = 0.0  # lambda of the damping delta = lambda * mean(diag H) in use
+        self._nested: NestedState | None = None  # kept by search(): H^-1 and W0 for improve()
         self._tol = 1e-10 if config.dtype == torch.float64 else 1e-5
 
     # ---- factorisation ---------------------------------------------------------------------
@@ -112,7 +116,7 @@ class OsscarSolver:
             fresh.prune(pruned)
         return fresh if isinstance(state, NestedState) else fresh.to_swap()
 
-    def _guarded(self, state, update: Callable[[NestedState | SwapState], None]):
+    def _guarded(self, state: State, update: Callable[[State], None]) -> State:
         """Apply a low-rank update; on a lost pivot, refactorise and apply it again."""
         try:
             update(state)
@@ -287,6 +291,7 @@ class OsscarSolver:
 
     def improve(self, pruned: Tensor) -> SwapState:
         """Swap rounds from a given support (e.g. MP's), reusing the factorisation of search()."""
+        assert self._nested is not None, "improve() needs search() first"
         nested = self._nested
         nested.reset()
         if pruned.numel():
@@ -296,6 +301,7 @@ class OsscarSolver:
     def dense_objective(self, pruned: Tensor, lower_bound: bool = False) -> float:
         """f(pruned) (or a cheap lower bound on it) in the search's problem, from the
         factorisation of search(), without a refit."""
+        assert self._nested is not None, "dense_objective() needs search() first"
         nested = self._nested
         if not pruned.numel():
             return nested.f0

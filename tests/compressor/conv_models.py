@@ -2,7 +2,7 @@
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 from compressor.models import export_module
 
@@ -127,3 +127,20 @@ def exported(name: str, size: int = 16):
     torch.manual_seed(0)
     model = randomize_batch_norms(MODELS[name]()).eval()
     return export_module(model, torch.randn(2, 3, size, size))
+
+
+def prefix_module(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule:
+    """A GraphModule computing `target`'s value from the model input (shares gm's parameters)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            break
+        if node.op == "call_module":  # shape guards of exported programs: not needed here
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if node is target:
+            break
+    graph.output(env[target])
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)

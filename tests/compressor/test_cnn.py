@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from compressor.calibration import load_images
-from compressor.cnn import num_to_prune, prefix_module, prune_conv_graph
+from compressor.cnn import num_to_prune, prune_conv_graph
 from compressor.graph import analyse
 from compressor.surgery import count_parameters
 
-from .conv_models import EXPECTED_UNITS, exported
+from .conv_models import EXPECTED_UNITS, exported, prefix_module
 
 
 def test_num_to_prune_rounds_and_keeps_one():

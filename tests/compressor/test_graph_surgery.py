@@ -10,7 +10,7 @@ from compressor.models import save_program
 from compressor.surgery import SurgeryError, check_keep, count_parameters, get_tensor, prune_unit
 from exporters.onnx import check_parity, export_onnx
 
-from .conv_models import EXPECTED_UNITS, exported
+from .conv_models import EXPECTED_UNITS, exported, prefix_module
 
 X = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 
@@ -116,7 +116,6 @@ def test_resnet20_units_are_the_inner_block_channels(shared_data):
     ("mobilenet", "pw2"),  # no bias, no BatchNorm: a new bias parameter
 ])
 def test_output_shift_adds_a_constant_to_the_conv_output(name, consumer):
-    from compressor.cnn import prefix_module
     from compressor.surgery import add_output_shift
 
     gm = exported(name)
