@@ -17,29 +17,18 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
 from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
+from .reports import LayerReport
 from .segments import GraphWalker
 from .solve import solve_layer
 from .surgery import add_output_shift, get_tensor, prune_unit
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LayerReport:
-    name: str  # the consumer conv
-    kind: str  # "conv_channels"
-    width_before: int
-    width_after: int
-    objective: float  # f(S) of the layer problem (minus 1/2 ||X_hat W_hat||^2, see solve_layer)
-    relative_error: float  # ||X W - X_hat W_hat||^2 / ||X_hat W_hat||^2 on the calibration data
-    seconds: float
 
 
 def num_to_prune(channels: int, ratio: float) -> int:
@@ -175,9 +164,8 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: float, method: 
             add_output_shift(pruned, unit.consumer, shift.cpu())
         kept = torch.tensor(keep)
         pruned_walk.replace(cut, [x.index_select(1, kept) for x in inputs])  # kept channels are unchanged
-        report = LayerReport(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
-                             max(0.0, sol.objective + energy) / energy if energy > 0 else 0.0,
-                             time.perf_counter() - start)
+        report = LayerReport.measure(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
+                                     energy, start)
         reports.append(report)
         if progress:
             progress(f"[{index + 1}/{len(units)}] {unit.name}: {unit.channels} -> {len(keep)} channels, "

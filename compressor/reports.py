@@ -1,0 +1,24 @@
+"""What each pruned layer reports (report.json's `layers`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    name: str  # the pruned layer (conv consumer, o_proj, down_proj, ...)
+    kind: str  # "conv_channels" | "attention_heads" | "ffn_neurons"
+    width_before: int  # groups: channels, KV head groups or neurons
+    width_after: int
+    objective: float  # f(S) of the layer problem (solve_layer's objective)
+    relative_error: float  # ||X W - X_hat W_hat||^2 / ||X_hat W_hat||^2 on the calibration data
+    seconds: float
+
+    @classmethod
+    def measure(cls, name: str, kind: str, before: int, after: int, objective: float, energy: float,
+                start: float) -> LayerReport:
+        """From the layer objective and the dense energy 1/2 ||X_hat W_hat||^2 (f + energy >= 0)."""
+        relative = max(0.0, objective + energy) / energy if energy > 0 else 0.0
+        return cls(name, kind, before, after, objective, relative, time.perf_counter() - start)
