@@ -24,11 +24,15 @@ class FamilyAdapter:
     down: str  # FFN output projection: its input rows are the neurons
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention
+    # post-norm families: the LayerNorm right after each projection's residual add (its gamma scales
+    # every output channel of the projection before anything else sees it)
+    o_norm: str | None = None
+    down_norm: str | None = None
 
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
                           v="attention.self.value", o="attention.output.dense", up=("intermediate.dense",),
-                          down="output.dense")
+                          down="output.dense", o_norm="attention.output.LayerNorm", down_norm="output.LayerNorm")
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads")
