@@ -50,6 +50,44 @@ def export_onnx(
     return path
 
 
+class _NamedInputs(torch.nn.Module):
+    """Positional inputs in a fixed order -> the HF model's keyword inputs; returns one output."""
+
+    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], output: str) -> None:
+        super().__init__()
+        self.model, self.names, self.output = model, names, output
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(**dict(zip(self.names, inputs, strict=True))), self.output)
+
+
+def export_text_onnx(
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    path: str | Path,
+    *,
+    output_name: str,
+    max_length: int | None = None,
+    opset: int = 18,
+) -> Path:
+    """Export a HF text model with its input names (input_ids, attention_mask, token_type_ids when
+    given), dynamic batch and sequence length, and `output_name` (last_hidden_state, logits) as the
+    first output."""
+    path = Path(path)
+    names = tuple(example)
+    batch = torch.export.Dim("batch")
+    seq = torch.export.Dim("sequence", max=max_length) if max_length else torch.export.Dim("sequence")
+    wrapper = _NamedInputs(model.eval(), names, output_name).eval()
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper, tuple(example[n] for n in names), dynamo=True, input_names=list(names),
+            output_names=[output_name], dynamic_shapes=(tuple({0: batch, 1: seq} for _ in names),),  # *inputs
+            opset_version=opset, verbose=False,
+        )
+    program.save(str(path))
+    return path
+
+
 def check_parity(
     module: torch.nn.Module,
     path: str | Path,
