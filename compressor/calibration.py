@@ -66,3 +66,85 @@ def _subset(x: np.ndarray, samples: int, seed: int) -> np.ndarray:
         return x
     order = np.random.default_rng(seed).permutation(len(x))[:samples]
     return x[np.sort(order)]
+
+
+def load_text(
+    path: str | Path,
+    *,
+    tokenizer=None,
+    sequences: int = 128,
+    length: int = 128,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> list[dict[str, torch.Tensor]]:
+    """Token batches for a text model: `sequences` windows of at most `length` tokens, seeded.
+
+    `.txt` (documents separated by blank lines or `<|endoftext|>`) and `.jsonl` (`{"text": ...}` per
+    line) go through `tokenizer` (the model's); `.npz` with `ids` and `offsets` (document i is
+    `ids[offsets[i]:offsets[i+1]]`, as stories260K's tokens) or `.npy` with one id array are used
+    as-is. Each sequence is a window of one document, starting at a seeded random position; batches
+    carry `input_ids` and `attention_mask` (padding masked out).
+    """
+    path = Path(path)
+    if sequences < 1 or length < 2:
+        raise CalibrationError(f"need sequences >= 1 and length >= 2 (got {sequences}, {length})")
+    if not path.is_file():
+        raise CalibrationError(f"no such calibration file: {path}")
+    documents = _token_documents(path, tokenizer)
+    documents = [d for d in documents if len(d) >= 2]
+    if not documents:
+        raise CalibrationError(f"{path}: no document with at least 2 tokens")
+    rng = np.random.default_rng(seed)
+    picks = []
+    for doc_index in rng.integers(0, len(documents), size=sequences):
+        doc = documents[int(doc_index)]
+        start = int(rng.integers(0, max(1, len(doc) - length + 1)))
+        picks.append(torch.as_tensor(np.asarray(doc[start:start + length], dtype=np.int64)))
+    batches = []
+    for b in range(0, len(picks), batch_size):
+        chunk = picks[b:b + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    return batches
+
+
+def _token_documents(path: Path, tokenizer) -> list[np.ndarray]:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as data:
+            if "ids" not in data or "offsets" not in data:
+                raise CalibrationError(f"{path}: expected arrays 'ids' and 'offsets', found {sorted(data.files)}")
+            ids, offsets = data["ids"], data["offsets"]
+        rising = offsets.ndim == 1 and len(offsets) >= 2 and not (np.diff(offsets) < 0).any()
+        if not rising or offsets[0] != 0 or offsets[-1] != len(ids):
+            raise CalibrationError(f"{path}: 'offsets' must rise from 0 to len(ids)")
+        return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    if path.suffix == ".npy":
+        ids = np.load(path, allow_pickle=False)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise CalibrationError(f"{path}: expected a 1-d integer array of token ids, got {ids.dtype} {ids.shape}")
+        return [ids]
+    if path.suffix not in (".txt", ".jsonl"):
+        raise CalibrationError(f"{path}: unsupported text calibration format {path.suffix!r}; expected .txt, "
+                               ".jsonl, .npz (ids, offsets) or .npy (ids)")
+    if tokenizer is None:
+        raise CalibrationError(f"{path}: text needs the model's tokenizer (this model has none: pass token ids "
+                               "as .npz with ids and offsets)")
+    if path.suffix == ".jsonl":
+        import json
+
+        texts = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(str(json.loads(line)["text"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CalibrationError(f"{path}:{number}: expected a JSON object with a 'text' field") from err
+    else:
+        raw = path.read_text(encoding="utf-8").replace("<|endoftext|>", "\n\n")
+        texts = [t.strip() for t in raw.split("\n\n") if t.strip()]
+    return [np.asarray(tokenizer(t, add_special_tokens=True)["input_ids"], dtype=np.int64) for t in texts]

