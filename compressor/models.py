@@ -167,3 +167,50 @@ def save_program(module: fx.GraphModule, path: str | Path, example: torch.Tensor
     with torch.no_grad():
         program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
     torch.export.save(program, str(path))
+
+
+@dataclass
+class LoadedTransformer:
+    model: torch.nn.Module  # eval mode
+    tokenizer: object | None  # the model's tokenizer, when the directory has one
+    output_name: str  # "last_hidden_state" (encoders) or "logits" (language models)
+    input_names: tuple[str, ...]  # ONNX inputs, as the source model takes them
+    source: str
+
+
+def is_transformer_reference(reference: str) -> bool:
+    """A local HF directory whose model family has a transformer adapter."""
+    path = Path(str(reference)).expanduser()
+    if not (path / "config.json").is_file():
+        return False
+    import json
+
+    from .adapters import ADAPTERS
+
+    return json.loads((path / "config.json").read_text()).get("model_type") in ADAPTERS
+
+
+def load_transformer(reference: str, *, trust_remote_code: bool = False) -> LoadedTransformer:
+    """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
+    encoders as the base model."""
+    import transformers
+
+    from .adapters import ADAPTERS
+
+    path = Path(str(reference)).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelReferenceError(f"{reference}: expected a Hugging Face model directory with config.json")
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    if config.model_type not in ADAPTERS:
+        raise ModelReferenceError(f"{reference}: unsupported transformer family {config.model_type!r}; "
+                                  f"supported: {sorted(ADAPTERS)}")
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model = auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    names: tuple[str, ...] = ("input_ids", "attention_mask")
+    if not causal and getattr(config, "type_vocab_size", 0):
+        names += ("token_type_ids",)
+    return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names, str(reference))

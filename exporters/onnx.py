@@ -91,7 +91,7 @@ def export_text_onnx(
 def check_parity(
     module: torch.nn.Module,
     path: str | Path,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
     *,
     rtol: float = 1e-4,
     atol: float = 1e-4,
@@ -103,10 +103,11 @@ def check_parity(
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feed = {session.get_inputs()[0].name: inputs.detach().cpu().numpy()}
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
     got = session.run(None, feed)
     with torch.no_grad():
-        expected = module(inputs)
+        expected = module(*inputs)
     expected = [expected] if isinstance(expected, torch.Tensor) else list(torch.utils._pytree.tree_leaves(expected))
     mismatches = []
     if len(got) != len(expected):
@@ -124,3 +125,10 @@ def check_parity(
     if mismatches:
         raise ParityError(mismatches)
     return worst
+
+
+def check_text_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, torch.Tensor], output_name: str,
+                      *, rtol: float = 1e-4, atol: float = 1e-4) -> float:
+    """`check_parity` for a text model: named inputs, one named output (padding positions included)."""
+    return check_parity(_NamedInputs(model.eval(), tuple(inputs), output_name), path,
+                        tuple(inputs.values()), rtol=rtol, atol=atol)

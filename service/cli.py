@@ -31,7 +31,8 @@ def _compress(args: argparse.Namespace) -> int:
 
     request = CompressRequest(model=args.model, uniform_ratio=args.uniform_ratio, calibration=args.calibration,
                               out_dir=args.out, method=args.method, samples=args.samples, seed=args.seed,
-                              mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size)
+                              mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
+                              sequences=args.sequences, sequence_length=args.sequence_length)
     compress(request, progress=lambda message: print(message, file=sys.stderr, flush=True))
     return 0
 
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--uniform-ratio", type=float, required=True,
                       help="fraction of each prunable layer's channels removed (rounded, >= 1 kept)")
     comp.add_argument("--calibration", type=Path, required=True,
-                      help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is")
+                      help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text (transformers): "
+                      ".txt/.jsonl through the model's tokenizer, or token ids as .npz (ids, offsets) / .npy")
     comp.add_argument("--method", default="osscar", choices=("osscar", "mp", "mp+", "thinet"))
     comp.add_argument("--out", type=Path, required=True, help="output directory")
     comp.add_argument("--samples", type=int, default=500, help="calibration images drawn (default 500)")
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--mean", type=_floats, default=IMAGENET_MEAN, help="per-channel mean for .npz images")
     comp.add_argument("--std", type=_floats, default=IMAGENET_STD, help="per-channel std for .npz images")
     comp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    comp.add_argument("--batch-size", type=int, default=100, help="calibration batch size")
+    comp.add_argument("--batch-size", type=int, default=100, help="calibration batch size (images)")
+    comp.add_argument("--sequences", type=int, default=128, help="text calibration: sequences drawn (default 128)")
+    comp.add_argument("--sequence-length", type=int, default=128, help="text calibration: tokens per sequence")
     comp.set_defaults(func=_compress)
     return parser
 

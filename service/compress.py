@@ -14,13 +14,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError, load_images
+import torch
+
+from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError, load_images, load_text
 from compressor.cnn import prune_conv_graph
 from compressor.graph import analyse
-from compressor.models import load_model, save_program
+from compressor.models import is_transformer_reference, load_model, load_transformer, save_program
 from compressor.solve import METHODS
 from compressor.surgery import count_parameters
-from exporters.onnx import check_parity, export_onnx
+from compressor.transformer_pipeline import prune_transformer
+from compressor.transformer_surgery import save_pruned, widths
+from exporters.onnx import check_parity, check_text_parity, export_onnx, export_text_onnx
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class CompressRequest:
     std: tuple[float, ...] = IMAGENET_STD
     device: str | None = None  # default: cuda when available, else cpu
     batch_size: int = 100
+    sequences: int = 128  # text calibration: windows drawn (seeded)
+    sequence_length: int = 128  # text calibration: tokens per window
 
     def validate(self) -> None:
         errors = []
@@ -52,6 +58,9 @@ class CompressRequest:
             errors.append(f"--samples must be >= 1 (got {self.samples})")
         if self.batch_size < 1:
             errors.append(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.sequences < 1 or self.sequence_length < 2:
+            errors.append(f"--sequences must be >= 1 and --sequence-length >= 2 (got {self.sequences}, "
+                          f"{self.sequence_length})")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -67,6 +76,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     """Run the job; writes model.onnx, model.pt2 and report.json into request.out_dir."""
     request.validate()
     say = progress or (lambda message: log.info("%s", message))
+    if is_transformer_reference(request.model):
+        return _compress_transformer(request, say)
     start = time.perf_counter()
     loaded = load_model(request.model)
     images = load_images(request.calibration, samples=request.samples, seed=request.seed,
@@ -103,5 +114,50 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     }
     _write_json_atomically(out / "report.json", report)
     say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, model.pt2, "
+        f"report.json in {report['elapsed_s']:.1f}s")
+    return report
+
+
+def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) -> dict:
+    """Heads and FFN neurons of a HF transformer: pruned HF directory (+ width manifest) and ONNX."""
+    start = time.perf_counter()
+    loaded = load_transformer(request.model)
+    batches = load_text(request.calibration, tokenizer=loaded.tokenizer, sequences=request.sequences,
+                        length=request.sequence_length, seed=request.seed, batch_size=16)
+    if "token_type_ids" in loaded.input_names:
+        batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+    say(f"{request.model}: {type(loaded.model).__name__}, {request.sequences} calibration sequences of <= "
+        f"{request.sequence_length} tokens, method {request.method}, ratio {request.uniform_ratio}")
+    pruned, layers = prune_transformer(loaded.model, batches, request.uniform_ratio, method=request.method,
+                                       device=request.device, progress=say)
+    pruned = pruned.cpu().eval()
+    out = Path(request.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say("saving the pruned model (model/) and exporting model.onnx")
+    save_pruned(pruned, out / "model")
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(out / "model")
+    example = {name: batches[0][name][:2].clone() for name in loaded.input_names}
+    export_text_onnx(pruned, example, out / "model.onnx", output_name=loaded.output_name)
+    parity = check_text_parity(pruned, out / "model.onnx", {k: batches[0][k] for k in loaded.input_names},
+                               loaded.output_name)
+    report = {
+        "model": request.model,
+        "method": request.method,
+        "uniform_ratio": request.uniform_ratio,
+        "calibration": str(request.calibration),
+        "sequences": request.sequences,
+        "sequence_length": request.sequence_length,
+        "seed": request.seed,
+        "params_before": count_parameters(loaded.model),
+        "params_after": count_parameters(pruned),
+        "layers": [asdict(layer) for layer in layers],
+        "widths": widths(pruned),
+        "onnx": {"path": "model.onnx", "inputs": list(loaded.input_names), "output": loaded.output_name,
+                 "parity_max_abs_error": parity},
+        "elapsed_s": time.perf_counter() - start,
+    }
+    _write_json_atomically(out / "report.json", report)
+    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, model/, "
         f"report.json in {report['elapsed_s']:.1f}s")
     return report

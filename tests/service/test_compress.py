@@ -80,3 +80,41 @@ def test_missing_model_and_mismatched_images(model_and_data, tmp_path, capsys):
     assert cli.main(["compress", str(root / "model.pt2"), "--uniform-ratio", "0.5", "--calibration",
                      str(tmp_path / "big.npz"), "--out", str(tmp_path / "o")]) == 2
     assert "the model expects (3, 16, 16)" in capsys.readouterr().err
+
+
+def test_compress_a_transformer_directory(tmp_path, capsys):
+    """A (tiny, GQA) Llama directory with token-id calibration: pruned HF directory + manifest, ONNX
+    with the model's input names and logits, report; the saved model reloads with the same outputs."""
+    from compressor.transformer_surgery import load_pruned
+    from tests.compressor.test_transformer_surgery import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    lengths = [30, 25, 40, 33]
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=sum(lengths)),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    out = tmp_path / "out"
+    assert cli.main(["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "ids.npz"), "--out", str(out), "--sequences", "8", "--sequence-length", "16"]) == 0
+    assert "mlp.down_proj" in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["widths"] == {"head_groups": [1, 1], "ffn": [10, 10]}
+    assert report["params_after"] < report["params_before"]
+    assert [layer["kind"] for layer in report["layers"]] == ["attention_heads", "ffn_neurons"] * 2
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
+    assert session.get_outputs()[0].name == "logits"
+    reloaded = load_pruned(out / "model")
+    ids = torch.randint(0, 50, (2, 7))
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": np.ones((2, 7), np.int64)})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, reloaded(input_ids=ids).logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
+    from tests.compressor.test_transformer_surgery import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    (tmp_path / "c.txt").write_text("some text\n\nmore text")
+    assert cli.main(["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "c.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "needs the model's tokenizer" in capsys.readouterr().err
