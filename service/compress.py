@@ -97,25 +97,12 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     save_program(pruned, out / "model.pt2", example)
     export_onnx(pruned, example, out / "model.onnx", input_name=loaded.input_name)
     parity = check_parity(pruned, out / "model.onnx", images[: min(16, len(images))])
-    report = {
-        "model": request.model,
-        "method": request.method,
-        "uniform_ratio": request.uniform_ratio,
-        "calibration": str(request.calibration),
+    return _write_report(request, out, start, loaded.module, pruned, layers, say, artifacts="model.pt2", extra={
         "samples": len(images),
-        "seed": request.seed,
-        "params_before": count_parameters(loaded.module),
-        "params_after": count_parameters(pruned),
-        "layers": [asdict(layer) for layer in layers],
         "not_pruned": analysis.refused,
         "onnx": {"path": "model.onnx", "input": loaded.input_name, "output": "logits",
                  "parity_max_abs_error": parity},
-        "elapsed_s": time.perf_counter() - start,
-    }
-    _write_json_atomically(out / "report.json", report)
-    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, model.pt2, "
-        f"report.json in {report['elapsed_s']:.1f}s")
-    return report
+    })
 
 
 def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) -> dict:
@@ -141,23 +128,32 @@ def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) 
     export_text_onnx(pruned, example, out / "model.onnx", output_name=loaded.output_name)
     parity = check_text_parity(pruned, out / "model.onnx", {k: batches[0][k] for k in loaded.input_names},
                                loaded.output_name)
+    return _write_report(request, out, start, loaded.model, pruned, layers, say, artifacts="model/", extra={
+        "sequences": request.sequences,
+        "sequence_length": request.sequence_length,
+        "widths": widths(pruned),
+        "onnx": {"path": "model.onnx", "inputs": list(loaded.input_names), "output": loaded.output_name,
+                 "parity_max_abs_error": parity},
+    })
+
+
+def _write_report(request: CompressRequest, out: Path, start: float, dense: torch.nn.Module,
+                  pruned: torch.nn.Module, layers: list, say: Callable[[str], None], *, artifacts: str,
+                  extra: dict) -> dict:
+    """report.json: the fields every job reports, then the model kind's own (`extra`)."""
     report = {
         "model": request.model,
         "method": request.method,
         "uniform_ratio": request.uniform_ratio,
         "calibration": str(request.calibration),
-        "sequences": request.sequences,
-        "sequence_length": request.sequence_length,
         "seed": request.seed,
-        "params_before": count_parameters(loaded.model),
+        "params_before": count_parameters(dense),
         "params_after": count_parameters(pruned),
         "layers": [asdict(layer) for layer in layers],
-        "widths": widths(pruned),
-        "onnx": {"path": "model.onnx", "inputs": list(loaded.input_names), "output": loaded.output_name,
-                 "parity_max_abs_error": parity},
+        **extra,
         "elapsed_s": time.perf_counter() - start,
     }
     _write_json_atomically(out / "report.json", report)
-    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, model/, "
+    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, {artifacts}, "
         f"report.json in {report['elapsed_s']:.1f}s")
     return report
