@@ -23,17 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
+from .layerstats import LayerStatistics, compute_device, kept_solution, num_to_prune
 from .reports import LayerReport
 from .segments import GraphWalker
 from .solve import solve_layer
 from .surgery import add_output_shift, get_tensor, prune_unit
 
 log = logging.getLogger(__name__)
-
-
-def num_to_prune(channels: int, ratio: float) -> int:
-    """round(ratio * channels), keeping at least one channel."""
-    return max(0, min(channels - 1, round(ratio * channels)))
 
 
 def output_scale(gm: fx.GraphModule, consumer: fx.Node) -> Tensor | None:
@@ -57,44 +53,23 @@ def output_scale(gm: fx.GraphModule, consumer: fx.Node) -> Tensor | None:
 
 
 def _layer_statistics(unit: ChannelUnit, W_hat: Tensor, scale: Tensor | None, inputs: list[Tensor],
-                      dense_inputs: list[Tensor], device: torch.device, center: bool,
-                      ) -> tuple[Tensor, Tensor, Tensor, float, Tensor, Tensor]:
-    """H, G (float64), W_hat as a (C_in kH kW, C_out) matrix (columns scaled by `scale`), the energy
-    1/2 ||X_hat W_hat||^2 and the means of X and X_hat W_hat, from the consumer's pruned and dense
-    input batches; with `center`, H and G are those of the centred data (a refit with intercept)."""
+                      dense_inputs: list[Tensor], device: torch.device) -> tuple[LayerStatistics, Tensor]:
+    """Statistics of one unit's consumer from its pruned and dense input batches (unfolded into
+    kH kW patches), and W_hat as a (C_in kH kW, C_out) matrix with columns scaled by `scale`."""
     spec = unit.consumer
     kernel = W_hat.shape[2:]
     W_mat = W_hat.reshape(W_hat.shape[0], -1).T.to(device=device, dtype=torch.float64)
     if scale is not None:
         W_mat = W_mat * scale.to(device)  # solve for the conv + BN layer; unscaled after the solve
-    d1 = W_mat.shape[0]
-    H = torch.zeros(d1, d1, dtype=torch.float64, device=device)
-    G = torch.zeros(d1, W_mat.shape[1], dtype=torch.float64, device=device)
-    sum_x = torch.zeros(d1, dtype=torch.float64, device=device)
-    sum_y = torch.zeros(W_mat.shape[1], dtype=torch.float64, device=device)
-    energy, rows = 0.0, 0
+    stats = LayerStatistics(W_mat)
 
     def patches(x: Tensor) -> Tensor:  # (N, C, H, W) -> (N L, C kH kW)
         cols = F.unfold(x, kernel, dilation=spec.dilation, padding=spec.padding, stride=spec.stride)
         return cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(torch.float64)
 
     for x, x_hat in zip(inputs, dense_inputs, strict=True):
-        X = patches(x.to(device))
-        Y_hat = patches(x_hat.to(device)) @ W_mat  # the dense layer's pre-bias output
-        H.addmm_(X.T, X)
-        G.addmm_(X.T, Y_hat)
-        energy += 0.5 * float(Y_hat.square().sum())
-        sum_x += X.sum(0)
-        sum_y += Y_hat.sum(0)
-        rows += X.shape[0]
-    mu, nu = sum_x / rows, sum_y / rows
-    if center:
-        # least squares with an intercept = least squares on centred data, for every support
-        H -= rows * torch.outer(mu, mu)
-        H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
-        G -= rows * torch.outer(mu, nu)
-        energy -= 0.5 * rows * float(nu.square().sum())
-    return H, G, W_mat, energy, mu, nu
+        stats.add(patches(x.to(device)), patches(x_hat.to(device)))
+    return stats, W_mat
 
 
 def prune_conv_graph(
@@ -121,7 +96,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: float, method: 
                       device: str | torch.device | None, batch_size: int, weight_by_next_bn: bool,
                       bias_correction: bool, progress: Callable[[str], None] | None,
                       ) -> tuple[fx.GraphModule, list[LayerReport]]:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = compute_device(device)
     dense = copy.deepcopy(gm).eval()
     pruned = copy.deepcopy(gm).eval()
     dense_units = analyse(dense).units
@@ -145,25 +120,20 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: float, method: 
         dense_inputs = dense_walk.advance(dense_unit.consumer.node.args[0])
         W_dense = get_tensor(dense, dense_unit.consumer.weight).detach()  # (C_out, C_in, kH, kW)
         scale = output_scale(dense, dense_unit.consumer.node) if weight_by_next_bn else None
-        H, G, W_hat, energy, mu, nu = _layer_statistics(unit, W_dense, scale, inputs, dense_inputs, device,
-                                                        bias_correction)
+        stats, W_hat = _layer_statistics(unit, W_dense, scale, inputs, dense_inputs, device)
+        H, G, energy, mu, nu = stats.finish(center=bias_correction)
         g = int(W_hat.shape[0] // unit.channels)
-        k = num_to_prune(unit.channels, ratio)
-        sol = solve_layer(H, G, g, k, method, dense_weight=W_hat)
-        keep = [c for c in range(unit.channels) if c not in set(sol.pruned)]
-        rows = torch.tensor([c * g + a for c in keep for a in range(g)], device=sol.weight.device)
-        W = sol.weight.index_select(0, rows)  # (kept kH kW, C_out)
-        shift = (nu - mu @ sol.weight.to(mu.device)) if bias_correction else None  # intercept, C_out
-        if scale is not None:
-            W = W / scale.to(W.device)
-            shift = None if shift is None else shift / scale.to(shift.device)
+        sol = solve_layer(H, G, g, num_to_prune(unit.channels, ratio), method, dense_weight=W_hat)
+        kept = kept_solution(sol, g, scale, mu, nu)
+        keep, W = kept.keep, kept.weight  # (kept kH kW, C_out)
+        shift = kept.shift if bias_correction else None  # the intercept, C_out
         old = get_tensor(pruned, unit.consumer.weight)
         new_weight = W.T.reshape(old.shape[0], len(keep), *old.shape[2:]).to(dtype=old.dtype, device=old.device)
         prune_unit(pruned, unit, keep, new_weight)
         if shift is not None:
             add_output_shift(pruned, unit.consumer, shift.cpu())
-        kept = torch.tensor(keep)
-        pruned_walk.replace(cut, [x.index_select(1, kept) for x in inputs])  # kept channels are unchanged
+        kept_channels = torch.tensor(keep)
+        pruned_walk.replace(cut, [x.index_select(1, kept_channels) for x in inputs])  # kept channels unchanged
         report = LayerReport.measure(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
                                      energy, start)
         reports.append(report)

@@ -1,0 +1,86 @@
+"""What every pruning pipeline does around `solve_layer`: accumulate a layer's statistics, then turn
+the solution into kept groups, a weight and an intercept.
+
+Life cycle (as sparsegpt's): `LayerStatistics(W_hat)` -> `add(X, X_hat)` per calibration batch ->
+`finish(center)` -> solve -> `kept_solution(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .problem import LayerSolution
+
+
+def compute_device(device: str | torch.device | None) -> torch.device:
+    """The requested device, else CUDA when available, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def num_to_prune(groups: int, ratio: float) -> int:
+    """round(ratio * groups), keeping at least one group."""
+    return max(0, min(groups - 1, round(ratio * groups)))
+
+
+class LayerStatistics:
+    """H = X^T X and G = X^T X_hat W_hat over the calibration rows, with the sums the intercept needs.
+
+    X are the pruned model's input rows to the layer, X_hat the dense model's, W_hat (d1 x d2) the
+    dense weight (columns possibly scaled by the caller), all float64 on the compute device.
+    """
+
+    def __init__(self, W_hat: Tensor) -> None:
+        d1, d2 = W_hat.shape
+        self.W_hat = W_hat
+        self.H = torch.zeros(d1, d1, dtype=W_hat.dtype, device=W_hat.device)
+        self.G = torch.zeros(d1, d2, dtype=W_hat.dtype, device=W_hat.device)
+        self.sum_x = torch.zeros(d1, dtype=W_hat.dtype, device=W_hat.device)
+        self.sum_y = torch.zeros(d2, dtype=W_hat.dtype, device=W_hat.device)
+        self.energy = 0.0  # 1/2 ||X_hat W_hat||^2
+        self.rows = 0
+
+    def add(self, X: Tensor, X_hat: Tensor) -> None:
+        """One batch of matching rows (n x d1 each)."""
+        Y = X_hat @ self.W_hat  # the dense layer's pre-bias output
+        self.H.addmm_(X.T, X)
+        self.G.addmm_(X.T, Y)
+        self.energy += 0.5 * float(Y.square().sum())
+        self.sum_x += X.sum(0)
+        self.sum_y += Y.sum(0)
+        self.rows += X.shape[0]
+
+    def finish(self, center: bool) -> tuple[Tensor, Tensor, float, Tensor, Tensor]:
+        """(H, G, energy, mean of X, mean of X_hat W_hat); with `center`, the statistics of the
+        centred rows: least squares with an intercept = least squares on centred data, for every
+        support."""
+        mu, nu = self.sum_x / self.rows, self.sum_y / self.rows
+        H, G, energy = self.H, self.G, self.energy
+        if center:
+            H -= self.rows * torch.outer(mu, mu)
+            H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
+            G -= self.rows * torch.outer(mu, nu)
+            energy -= 0.5 * self.rows * float(nu.square().sum())
+        return H, G, energy, mu, nu
+
+
+@dataclass(frozen=True)
+class KeptSolution:
+    keep: list[int]  # kept groups, sorted
+    weight: Tensor  # (kept groups x group_size) x d2, in the caller's (unscaled) column space
+    shift: Tensor  # d2: the intercept nu - mu W, unscaled
+
+
+def kept_solution(sol: LayerSolution, group_size: int, scale: Tensor | None, mu: Tensor, nu: Tensor) -> KeptSolution:
+    """The kept groups' rows of the solved weight and the intercept, with column scaling undone."""
+    pruned = set(sol.pruned)
+    groups = sol.weight.shape[0] // group_size
+    keep = [j for j in range(groups) if j not in pruned]
+    rows = torch.tensor([j * group_size + a for j in keep for a in range(group_size)], device=sol.weight.device)
+    W = sol.weight.index_select(0, rows)
+    shift = nu - mu @ sol.weight.to(mu)
+    if scale is not None:
+        W, shift = W / scale.to(W), shift / scale.to(shift)
+    return KeptSolution(keep, W, shift)
