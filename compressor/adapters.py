@@ -1,6 +1,6 @@
 """Architecture knowledge as data: where each transformer family keeps its heads and FFN neurons.
 
-Every read of a transformers config or module path goes through this file, so a config rename in a
+Every read of a transformers config field or module path goes through this file, so a rename in a
 new transformers release breaks one table entry, not the pipeline.
 """
 
@@ -13,7 +13,10 @@ from torch import nn
 
 @dataclass(frozen=True)
 class FamilyAdapter:
-    """Submodule paths of one family, relative to the model (layers) or to a layer (the rest)."""
+    """Submodule paths of one family, relative to the model (layers) or to a block (the rest).
+
+    Projections are nn.Linear or transformers' Conv1D (GPT-2: the weight is stored transposed).
+    """
 
     layers: str  # path of the ModuleList of blocks
     q: str
@@ -24,6 +27,12 @@ class FamilyAdapter:
     down: str  # FFN output projection: its input rows are the neurons
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention
+    # q, k and v are one projection with [q | k | v] output rows (GPT-2's c_attn)
+    fused_qkv: bool = False
+    # attention attributes that reshapes read after surgery: the query-head count, the query width
+    # (heads x head_dim); models that reshape with -1 need neither
+    head_count_attrs: tuple[str, ...] = ()
+    width_attrs: tuple[str, ...] = ()
     # post-norm families: the LayerNorm right after each projection's residual add (its gamma scales
     # every output channel of the projection before anything else sees it)
     o_norm: str | None = None
@@ -33,6 +42,15 @@ class FamilyAdapter:
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
                           v="attention.self.value", o="attention.output.dense", up=("intermediate.dense",),
                           down="output.dense", o_norm="attention.output.LayerNorm", down_norm="output.LayerNorm")
+VIT_LIKE = FamilyAdapter(layers="layers", q="attention.q_proj", k="attention.k_proj", v="attention.v_proj",
+                         o="attention.o_proj", up=("mlp.fc1",), down="mlp.fc2")
+# pre-norm OPT (do_layer_norm_before, every size but 350m); its reshapes use self.num_heads
+OPT_LIKE = FamilyAdapter(layers="model.decoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
+                         v="self_attn.v_proj", o="self_attn.out_proj", up=("fc1",), down="fc2",
+                         head_count_attrs=("self_attn.num_heads",))
+GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.c_attn", o="attn.c_proj",
+                          up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
+                          head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",))
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads")
@@ -41,6 +59,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "bert": BERT_LIKE,
     "roberta": BERT_LIKE,
     "xlm-roberta": BERT_LIKE,
+    "vit": VIT_LIKE,
+    "opt": OPT_LIKE,
+    "gpt2": GPT2_LIKE,
     "llama": LLAMA_LIKE,
     "mistral": LLAMA_LIKE,
     "qwen2": LLAMA_LIKE,
@@ -53,7 +74,6 @@ class TransformerDims:
     heads: int
     kv_heads: int  # == heads without grouped-query attention
     head_dim: int
-    intermediate: int
 
     @property
     def group(self) -> int:
@@ -65,7 +85,10 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ADAPTERS:
         raise ValueError(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
-    return ADAPTERS[model_type]
+    adapter = ADAPTERS[model_type]
+    if model_type == "opt" and not getattr(model.config, "do_layer_norm_before", True):
+        raise ValueError("post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported")
+    return adapter
 
 
 def _base(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
@@ -79,17 +102,25 @@ def _base(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
     raise ValueError(f"no {adapter.layers!r} in {type(model).__name__}")
 
 
-def layers(model: nn.Module) -> list[nn.Module]:
+def layers_path(model: nn.Module) -> str:
+    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h")."""
     adapter = adapter_for(model)
-    return list(_base(model, adapter).get_submodule(adapter.layers))
+    base = _base(model, adapter)
+    prefix = next((name for name, module in model.named_modules() if module is base), "")
+    return f"{prefix}.{adapter.layers}" if prefix else adapter.layers
+
+
+def layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_submodule(layers_path(model))
 
 
 def dims(model: nn.Module) -> TransformerDims:
-    """Head and FFN sizes from the config (the one place config fields are read)."""
+    """Head sizes from the config (the one place config fields are read)."""
     config = model.config
     adapter = adapter_for(model)
     heads = int(getattr(config, adapter.heads_key))
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim,
-                           int(config.intermediate_size))
+    if adapter.fused_qkv and kv_heads != heads:
+        raise ValueError("fused q/k/v projections with grouped-query attention are not supported")
+    return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim)

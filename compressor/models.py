@@ -190,6 +190,20 @@ def is_transformer_reference(reference: str) -> bool:
     return json.loads((path / "config.json").read_text()).get("model_type") in ADAPTERS
 
 
+LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def hf_model_class(config) -> tuple[type, bool]:
+    """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
+    GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads)."""
+    import transformers
+
+    arch = (config.architectures or [""])[0]
+    if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
+        return getattr(transformers, arch), True
+    return transformers.AutoModel, False
+
+
 def load_transformer(reference: str, *, trust_remote_code: bool = False) -> LoadedTransformer:
     """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
     encoders as the base model."""
@@ -204,9 +218,8 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False) -> Load
     if config.model_type not in ADAPTERS:
         raise ModelReferenceError(f"{reference}: unsupported transformer family {config.model_type!r}; "
                                   f"supported: {sorted(ADAPTERS)}")
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    model = auto.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
+    cls, causal = hf_model_class(config)
+    model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,13 +1,17 @@
-"""Sequential head and FFN pruning of a HF transformer (first version).
+"""Sequential head and FFN pruning of a HF transformer, one block at a time.
 
-Per block, in order: the attention output projection (groups = KV groups of heads, head_dim x group
-rows each), then the FFN output projection (groups = neurons). H comes from the *pruned* model's
-inputs to the projection and G from the *dense* model's, over non-padding tokens only; the solver
-picks the groups, surgery removes them and installs the refit projection.
+The model's embeddings run once to capture the first block's inputs (hidden states and the keyword
+arguments the model passes its blocks: masks, rotary tables, ...). Then, block by block, only that
+block is on the compute device: a dense copy advances the dense stream, the block itself the pruned
+stream, and both streams live on the CPU between blocks (`activation_dtype`, float16 allowed).
+Per block, in order: the attention output projection (groups = KV groups of heads, head_dim x
+group rows each), then the FFN output projection (groups = neurons). H comes from the pruned
+stream's inputs to the projection and G from the dense stream's, over non-padding tokens only; the
+solver picks the groups, surgery removes them and installs the refit projection.
 
-Not yet done here (issue 4): block-by-block activation offload (this version runs both models on
-the whole calibration set for every projection), memory-mapped weights, ONNX export of pruned
-transformers.
+Blocks come from a `BlockSource`: the model's own blocks (`InMemoryBlocks`), or blocks read one at a
+time from safetensors shards and written back pruned (`compressor.offload.StreamedCheckpoint`), for
+models larger than memory.
 """
 
 from __future__ import annotations
@@ -15,54 +19,162 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .adapters import adapter_for, dims, layers
+from .adapters import adapter_for, dims, layers, layers_path
 from .layerstats import LayerStatistics, compute_device, kept_solution, num_to_prune
 from .reports import LayerReport
 from .solve import solve_layer
-from .transformer_surgery import prune_ffn, prune_heads
+from .transformer_surgery import dense_weight, projection, prune_ffn, prune_heads
 
 log = logging.getLogger(__name__)
 
 
-def _statistics(pruned: nn.Module, dense: nn.Module, lin_p: nn.Linear, lin_d: nn.Linear,
-                batches: Sequence[dict[str, Tensor]], device: torch.device,
-                scale: Tensor | None) -> tuple[LayerStatistics, Tensor]:
-    """Statistics of one Linear from the inputs the pruned and dense models give it (padding tokens
-    excluded), and W_hat (d1 x d2, float64) with columns scaled by `scale`."""
-    store: dict[str, Tensor] = {}
+class BlockSource(Protocol):
+    """Where blocks live between their turns on the compute device."""
 
-    def hook(key: str):
-        def fn(_module, inputs, _output):
-            store[key] = inputs[0].detach()
-        return fn
+    model: nn.Module  # the model whose non-block modules compute the first block's inputs
 
-    W_hat = lin_d.weight.detach().T.to(device=device, dtype=torch.float64)
-    if scale is not None:  # weight output column c by scale_c^2 (undone after the solve)
-        W_hat = W_hat * scale.to(device=device, dtype=torch.float64)
-    stats = LayerStatistics(W_hat)
-    handles = [lin_p.register_forward_hook(hook("x")), lin_d.register_forward_hook(hook("x_hat"))]
+    def load(self, index: int) -> nn.Module:
+        """Block `index` with its dense weights (on the CPU), installed in `model`'s layer list."""
+
+    def store(self, index: int) -> None:
+        """Block `index` is pruned: keep it (its module in `model` has its final widths)."""
+
+
+class InMemoryBlocks:
+    """The model's own blocks, moved back to the CPU once pruned."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def load(self, index: int) -> nn.Module:
+        return layers(self.model)[index]
+
+    def store(self, index: int) -> None:
+        layers(self.model)[index].to("cpu")
+
+
+@dataclass
+class _Stream:
+    """One calibration batch as the blocks see it."""
+
+    hidden: Tensor  # dense stream's block input, CPU, activation dtype
+    pruned: Tensor  # pruned stream's block input
+    args: tuple[Any, ...]  # what the model passes every block besides the hidden states (CPU)
+    kwargs: dict[str, Any]
+    mask: Tensor | None  # (batch, seq) bool: tokens that count (padding excluded)
+
+
+class _Stop(Exception):
+    """Raised by a hook once it has what it needs: the rest of the forward pass is not run."""
+
+
+def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
+    if isinstance(obj, tuple | list):
+        return type(obj)(_to(o, device, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+@contextmanager
+def _without_blocks(model: nn.Module) -> Iterator[None]:
+    """Temporarily swap the block list out (to move the rest of the model without its blocks)."""
+    owner_path, _, name = layers_path(model).rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    blocks = getattr(owner, name)
+    setattr(owner, name, nn.ModuleList())
+    try:
+        yield
+    finally:
+        setattr(owner, name, blocks)
+
+
+def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: torch.device,
+                         activation_dtype: torch.dtype) -> list[_Stream]:
+    """Run the model up to its first block for every batch; its inputs, stored on the CPU."""
+    first = layers(model)[0]
+    streams: list[_Stream] = []
+    captured: dict[str, Any] = {}
+
+    def catch(_module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured["hidden"], captured["args"], captured["kwargs"] = hidden, args[1:], kwargs
+        raise _Stop
+
+    with _without_blocks(model):
+        model.to(device)
+    use_cache = getattr(model.config, "use_cache", None)
+    if use_cache is not None:
+        model.config.use_cache = False  # no KV cache is built, nor passed to the blocks
+    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
             for batch in batches:
-                batch = {k: v.to(device) for k, v in batch.items()}
-                pruned(**batch)
-                dense(**batch)
+                try:
+                    model(**_to(batch, device))
+                except _Stop:
+                    pass
+                else:
+                    raise RuntimeError("the model never called its first block")
+                hidden = captured["hidden"].detach().to("cpu", activation_dtype)
                 mask = batch.get("attention_mask")
-                keep = mask.reshape(-1).bool() if mask is not None else slice(None)
-                stats.add(*(store[k].reshape(-1, store[k].shape[-1])[keep].double() for k in ("x", "x_hat")))
+                streams.append(_Stream(hidden, hidden, _to(captured["args"], "cpu"), _to(captured["kwargs"], "cpu"),
+                                       mask.bool().cpu() if mask is not None else None))
     finally:
-        for h in handles:
-            h.remove()
-    return stats, W_hat
+        handle.remove()
+        if use_cache is not None:
+            model.config.use_cache = use_cache
+        with _without_blocks(model):
+            model.to("cpu")
+    return streams
 
 
-def prune_transformer(
-    model: nn.Module,
+def _block_output(out: Any) -> Tensor:
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def _run(block: nn.Module, hidden: Tensor, stream: _Stream, device: torch.device) -> Tensor | None:
+    """block(hidden) on the device; None when a hook stopped it early."""
+    try:
+        return _block_output(block(hidden.to(device, torch.float32), *_to(stream.args, device),
+                                     **_to(stream.kwargs, device)))
+    except _Stop:
+        return None
+
+
+def _inputs_of(module: nn.Module, stop: bool) -> tuple[dict[str, Tensor], Any]:
+    """A hook storing the module's input; with `stop`, the block stops right there."""
+    store: dict[str, Tensor] = {}
+
+    def hook(_module, inputs):
+        store["x"] = inputs[0].detach()
+        if stop:
+            raise _Stop
+
+    return store, module.register_forward_pre_hook(hook)
+
+
+def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
+    """(batch, seq, d) -> (tokens, d) float64 over the counted tokens."""
+    rows = x.reshape(-1, x.shape[-1])
+    if mask is not None and mask.numel() == rows.shape[0]:
+        rows = rows[mask.reshape(-1).to(rows.device)]
+    return rows.double()
+
+
+def prune_blocks(
+    source: BlockSource,
     batches: Sequence[dict[str, Tensor]],
     ratio: float,
     *,
@@ -70,26 +182,50 @@ def prune_transformer(
     device: str | torch.device | None = None,
     bias_correction: bool = True,
     weight_by_norm: bool = True,
+    activation_dtype: torch.dtype = torch.float32,
     progress: Callable[[str], None] | None = None,
-) -> tuple[nn.Module, list[LayerReport]]:
-    """Prune `ratio` of the head groups and FFN neurons of every block; returns (copy, reports)."""
+) -> list[LayerReport]:
+    """Prune `ratio` of the head groups and FFN neurons of every block of `source`, in place."""
     if not 0 <= ratio < 1:
         raise ValueError(f"uniform ratio must be in [0, 1) (got {ratio})")
+    if not batches:
+        raise ValueError("no calibration batches")
     device = compute_device(device)
-    dense = copy.deepcopy(model).eval().to(device)
-    pruned = copy.deepcopy(model).eval().to(device)
-    adapter, d = adapter_for(pruned), dims(pruned)
+    model = source.model.eval()
+    adapter, d = adapter_for(model), dims(model)
+    prefix = layers_path(model)
+    streams = capture_block_inputs(model, batches, device, activation_dtype)
     reports = []
-    for i, (layer_p, layer_d) in enumerate(zip(layers(pruned), layers(dense), strict=True)):
+    for i in range(d.layers):
+        block = source.load(i).eval().to(device)
+        dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         for kind, path, norm in (("attention_heads", adapter.o, adapter.o_norm),
                                  ("ffn_neurons", adapter.down, adapter.down_norm)):
             start = time.perf_counter()
-            linear = layer_p.get_submodule(path)
-            center = bias_correction and method != "mp" and linear.bias is not None
+            proj, proj_dense = projection(block, path), projection(dense, path)
+            center = bias_correction and method != "mp" and proj.bias is not None
+            W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
             scale = None
             if weight_by_norm and norm is not None and method != "mp":
-                scale = layer_d.get_submodule(norm).weight.detach().abs()
-            stats, W_hat = _statistics(pruned, dense, linear, layer_d.get_submodule(path), batches, device, scale)
+                # post-norm: gamma_c scales output column c before anything reads it, so the error in
+                # column c is weighted by gamma_c^2 (undone after the solve)
+                scale = dense.get_submodule(norm).weight.detach().abs().double()
+                W_hat = W_hat * scale
+            stats = LayerStatistics(W_hat)
+            last = kind == "ffn_neurons"  # the dense block runs to its end once: the next dense input
+            x_store, h1 = _inputs_of(proj, stop=True)
+            x_hat_store, h2 = _inputs_of(proj_dense, stop=not last)
+            try:
+                with torch.no_grad():
+                    for s in streams:
+                        out = _run(dense, s.hidden, s, device)
+                        _run(block, s.pruned, s, device)
+                        stats.add(_rows(x_store["x"], s.mask), _rows(x_hat_store["x"], s.mask))
+                        if last:
+                            s.hidden = out.to("cpu", activation_dtype)
+            finally:
+                h1.remove()
+                h2.remove()
             H, G, energy, mu, nu = stats.finish(center)
             g = d.group * d.head_dim if kind == "attention_heads" else 1
             groups = H.shape[0] // g
@@ -97,15 +233,27 @@ def prune_transformer(
             kept = kept_solution(sol, g, scale, mu, nu)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one
-                linear.bias.data += kept.shift.to(linear.bias)
-            if kind == "attention_heads":
-                prune_heads(pruned, i, kept.keep, new_weight)
-            else:
-                prune_ffn(pruned, i, kept.keep, new_weight)
-            report = LayerReport.measure(f"{adapter.layers}.{i}.{path}", kind, groups, len(kept.keep),
+                proj.bias.data += kept.shift.to(proj.bias)
+            (prune_heads if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
+            report = LayerReport.measure(f"{prefix}.{i}.{path}", kind, groups, len(kept.keep),
                                          sol.objective, energy, start)
             reports.append(report)
             if progress:
                 progress(f"{report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
                          f"{report.relative_error:.4f}")
+            del stats, H, G
+        with torch.no_grad():
+            for s in streams:
+                s.pruned = _run(block, s.pruned, s, device).to("cpu", activation_dtype)
+        del dense
+        source.store(i)
+    return reports
+
+
+def prune_transformer(model: nn.Module, batches: Sequence[dict[str, Tensor]], ratio: float,
+                      **options: Any) -> tuple[nn.Module, list[LayerReport]]:
+    """A pruned copy of an in-memory model (the input is left unchanged) and its layer reports;
+    options as `prune_blocks`."""
+    pruned = copy.deepcopy(model).to("cpu")
+    reports = prune_blocks(InMemoryBlocks(pruned), batches, ratio, **options)
     return pruned, reports

@@ -1,10 +1,13 @@
 """Physical removal of attention heads and FFN neurons in HF transformer blocks, and reloading.
 
-Heads: q/k/v output rows and the output projection's input columns, head_dim at a time. With
+Heads: q/k/v output rows and the output projection's input rows, head_dim at a time. With
 grouped-query attention whole KV groups are removed (a KV head with all the query heads that share
 it): every layer keeps `heads / kv_heads` query heads per KV head, which the attention kernels and
-`repeat_kv` assume, and the width of a layer is still any multiple of the group.
-FFN neurons: up (and gate) output rows, down input columns.
+`repeat_kv` assume, and the width of a layer is still any multiple of the group. Removing query
+heads inside a group instead would leave layers with unequal groups, which no HF attention runs.
+FFN neurons: up (and gate) output rows, down input rows.
+Projections are nn.Linear (weight out x in) or transformers' Conv1D (weight in x out); the helpers
+below are the only code that knows the difference.
 Layers end up with different widths; `widths()` records them and `load_pruned()` rebuilds the model
 from its config, applies the widths and loads the weights, so save -> reload gives the same outputs.
 """
@@ -24,48 +27,80 @@ from .surgery import check_keep
 MANIFEST = "osscar_widths.json"
 
 
-def _linear(layer: nn.Module, path: str) -> nn.Linear:
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def projection(layer: nn.Module, path: str) -> nn.Module:
     module = layer.get_submodule(path)
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear")
+    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear or Conv1D")
     return module
 
 
-def keep_output_rows(linear: nn.Linear, rows: Tensor) -> None:
-    """Keep output features `rows` of a Linear (weight rows, bias entries)."""
-    rows = check_keep(rows, linear.out_features, "linear output features").to(linear.weight.device)
-    linear.weight = nn.Parameter(linear.weight.data.index_select(0, rows).clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data.index_select(0, rows).clone(), requires_grad=False)
-    linear.out_features = rows.numel()
+def in_features(proj: nn.Module) -> int:
+    return proj.nx if _is_conv1d(proj) else proj.in_features
 
 
-def keep_input_columns(linear: nn.Linear, cols: Tensor, weight: Tensor | None = None) -> None:
-    """Keep input features `cols` of a Linear; `weight` (out x kept) replaces the slice (a refit)."""
-    cols = check_keep(cols, linear.in_features, "linear input features").to(linear.weight.device)
-    new = linear.weight.data.index_select(1, cols) if weight is None else weight
-    if tuple(new.shape) != (linear.out_features, cols.numel()):
-        raise ValueError(f"new weight has shape {tuple(new.shape)}, expected {(linear.out_features, cols.numel())}")
-    linear.weight = nn.Parameter(new.to(linear.weight).clone(), requires_grad=False)
-    linear.in_features = cols.numel()
+def out_features(proj: nn.Module) -> int:
+    return proj.nf if _is_conv1d(proj) else proj.out_features
+
+
+def dense_weight(proj: nn.Module) -> Tensor:
+    """The weight as the solver's W_hat: in x out (a view)."""
+    return proj.weight.detach() if _is_conv1d(proj) else proj.weight.detach().T
+
+
+def keep_output_rows(proj: nn.Module, rows: Tensor) -> None:
+    """Keep output features `rows` of a projection (weight rows or Conv1D columns, bias entries)."""
+    rows = check_keep(rows, out_features(proj), "projection output features").to(proj.weight.device)
+    axis = 1 if _is_conv1d(proj) else 0
+    proj.weight = nn.Parameter(proj.weight.data.index_select(axis, rows).clone(), requires_grad=False)
+    if proj.bias is not None:
+        proj.bias = nn.Parameter(proj.bias.data.index_select(0, rows).clone(), requires_grad=False)
+    if _is_conv1d(proj):
+        proj.nf = rows.numel()
+    else:
+        proj.out_features = rows.numel()
+
+
+def keep_input_columns(proj: nn.Module, cols: Tensor, weight: Tensor | None = None) -> None:
+    """Keep input features `cols` of a projection; `weight` (out x kept) replaces the slice (a refit)."""
+    cols = check_keep(cols, in_features(proj), "projection input features").to(proj.weight.device)
+    if weight is None:
+        new = proj.weight.data.index_select(0 if _is_conv1d(proj) else 1, cols)
+    else:
+        if tuple(weight.shape) != (out_features(proj), cols.numel()):
+            raise ValueError(f"new weight has shape {tuple(weight.shape)}, expected "
+                             f"{(out_features(proj), cols.numel())}")
+        new = weight.T if _is_conv1d(proj) else weight
+    proj.weight = nn.Parameter(new.to(proj.weight).contiguous().clone(), requires_grad=False)
+    if _is_conv1d(proj):
+        proj.nx = cols.numel()
+    else:
+        proj.in_features = cols.numel()
 
 
 def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_weight: Tensor | None = None) -> None:
     """Keep FFN neurons `keep` of block `index` (down_weight: the refit down projection, out x kept)."""
     adapter, layer = adapter_for(model), layers(model)[index]
-    down = _linear(layer, adapter.down)
-    keep = check_keep(keep, down.in_features, f"layer {index} FFN neurons")
+    down = projection(layer, adapter.down)
+    keep = check_keep(keep, in_features(down), f"layer {index} FFN neurons")
     for path in adapter.up:
-        keep_output_rows(_linear(layer, path), keep)
+        keep_output_rows(projection(layer, path), keep)
     keep_input_columns(down, keep, down_weight)
+
+
+def _query_width(model: nn.Module, layer: nn.Module) -> int:
+    adapter = adapter_for(model)
+    width = out_features(projection(layer, adapter.q))
+    return width // 3 if adapter.fused_qkv else width
 
 
 def head_groups(model: nn.Module, index: int) -> int:
     """Prunable head groups of block `index`: KV heads under GQA, heads otherwise."""
-    adapter, layer = adapter_for(model), layers(model)[index]
     d = dims(model)
-    q_rows = _linear(layer, adapter.q).out_features
-    return q_rows // (d.head_dim * d.group)
+    return _query_width(model, layers(model)[index]) // (d.head_dim * d.group)
 
 
 def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tensor,
@@ -74,16 +109,31 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     projection (out x kept query-head rows)."""
     adapter, layer = adapter_for(model), layers(model)[index]
     d = dims(model)
-    groups = head_groups(model, index)
-    keep = check_keep(keep_groups, groups, f"layer {index} head groups")
+    width = _query_width(model, layer)
+    keep = check_keep(keep_groups, width // (d.head_dim * d.group), f"layer {index} head groups")
     hd, g = d.head_dim, d.group
     # a group is one KV head and the g query heads that share it (g = 1 without GQA)
     q_rows = (keep.view(-1, 1) * g * hd + torch.arange(g * hd)).reshape(-1)
     kv_rows = (keep.view(-1, 1) * hd + torch.arange(hd)).reshape(-1)
-    keep_output_rows(_linear(layer, adapter.q), q_rows)
-    keep_output_rows(_linear(layer, adapter.k), kv_rows)
-    keep_output_rows(_linear(layer, adapter.v), kv_rows)
-    keep_input_columns(_linear(layer, adapter.o), q_rows, o_weight)
+    if adapter.fused_qkv:  # [q | k | v], each `width` rows (no GQA here: kv rows == q rows)
+        keep_output_rows(projection(layer, adapter.q), torch.cat([q_rows, width + kv_rows, 2 * width + kv_rows]))
+    else:
+        keep_output_rows(projection(layer, adapter.q), q_rows)
+        keep_output_rows(projection(layer, adapter.k), kv_rows)
+        keep_output_rows(projection(layer, adapter.v), kv_rows)
+    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    for attr in adapter.head_count_attrs:
+        _set_attr(layer, attr, q_rows.numel() // hd)
+    for attr in adapter.width_attrs:
+        _set_attr(layer, attr, q_rows.numel())
+
+
+def _set_attr(layer: nn.Module, path: str, value: int) -> None:
+    owner, _, name = path.rpartition(".")
+    module = layer.get_submodule(owner) if owner else layer
+    if not hasattr(module, name):
+        raise AttributeError(f"{path} not found: the adapter table is out of date for this transformers version")
+    setattr(module, name, value)
 
 
 def widths(model: nn.Module) -> dict[str, list[int]]:
@@ -92,19 +142,56 @@ def widths(model: nn.Module) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {"head_groups": [], "ffn": []}
     for i, layer in enumerate(layers(model)):
         out["head_groups"].append(head_groups(model, i))
-        out["ffn"].append(_linear(layer, adapter.down).in_features)
+        out["ffn"].append(in_features(projection(layer, adapter.down)))
     return out
 
 
+def apply_widths(model: nn.Module, manifest: dict[str, list[int]]) -> None:
+    """Resize every block to the manifest's widths (weights are loaded afterwards)."""
+    n = len(layers(model))
+    if len(manifest.get("head_groups", [])) != n or len(manifest.get("ffn", [])) != n:
+        raise ValueError(f"width manifest does not describe {n} layers: {manifest}")
+    for i in range(n):
+        prune_heads(model, i, range(manifest["head_groups"][i]))
+        prune_ffn(model, i, range(manifest["ffn"][i]))
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that share another parameter's storage (tied embeddings), first name kept."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in seen:
+            aliases.add(name)
+        seen.add(key)
+    return aliases
+
+
+def state_to_save(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
+    """The model's own state dict keys (not a checkpoint conversion's), tied aliases dropped."""
+    aliases = _aliases(model)
+    return {prefix + k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
+
+
 def save_pruned(model: nn.Module, directory: str | Path) -> None:
-    """save_pretrained plus the width manifest that `load_pruned` applies."""
+    """config.json, model.safetensors in the model's own parameter names, and the width manifest
+    that `load_pruned` applies."""
+    from safetensors.torch import save_file
+
     directory = Path(directory)
-    model.save_pretrained(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]  # what load_pruned instantiates
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    save_file(state_to_save(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / MANIFEST).write_text(json.dumps(widths(model), indent=1))
 
 
 def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Module:
-    """Rebuild a pruned model: config -> model -> resize every layer to the manifest -> weights."""
+    """Rebuild a pruned model: config -> model -> resize every layer to the manifest -> weights
+    (every *.safetensors file of the directory)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -114,17 +201,13 @@ def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Mo
     model = cls(config)
     manifest = json.loads((directory / MANIFEST).read_text()) if (directory / MANIFEST).exists() else None
     if manifest is not None:
-        for i in range(len(layers(model))):
-            prune_heads(model, i, range(manifest["head_groups"][i]))
-            prune_ffn(model, i, range(manifest["ffn"][i]))
+        apply_widths(model, manifest)
     state = {}
     for shard in sorted(directory.glob("*.safetensors")):
         state.update(load_file(str(shard)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    missing = sorted(set(missing) - _aliases(model))
     if missing or unexpected:
         raise ValueError(f"{directory}: weights do not match the manifest (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
-    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
-        model.tie_weights()
     return model.eval()

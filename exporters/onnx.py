@@ -61,7 +61,7 @@ class _NamedInputs(torch.nn.Module):
         return getattr(self.model(**dict(zip(self.names, inputs, strict=True))), self.output)
 
 
-def export_text_onnx(
+def export_hf_onnx(
     model: torch.nn.Module,
     example: dict[str, torch.Tensor],
     path: str | Path,
@@ -70,18 +70,20 @@ def export_text_onnx(
     max_length: int | None = None,
     opset: int = 18,
 ) -> Path:
-    """Export a HF text model with its input names (input_ids, attention_mask, token_type_ids when
-    given), dynamic batch and sequence length, and `output_name` (last_hidden_state, logits) as the
-    first output."""
+    """Export a HF model with its input names (input_ids, attention_mask, token_type_ids; pixel_values),
+    a dynamic batch, a dynamic sequence length for token inputs, and `output_name` (last_hidden_state,
+    logits) as the first output."""
     path = Path(path)
     names = tuple(example)
     batch = torch.export.Dim("batch")
     seq = torch.export.Dim("sequence", max=max_length) if max_length else torch.export.Dim("sequence")
+    # token inputs are (batch, sequence) integers; images keep their channel and spatial sizes
+    dynamic = tuple({0: batch, 1: seq} if not example[n].is_floating_point() else {0: batch} for n in names)
     wrapper = _NamedInputs(model.eval(), names, output_name).eval()
     with torch.no_grad():
         program = torch.onnx.export(
             wrapper, tuple(example[n] for n in names), dynamo=True, input_names=list(names),
-            output_names=[output_name], dynamic_shapes=(tuple({0: batch, 1: seq} for _ in names),),  # *inputs
+            output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
             opset_version=opset, verbose=False,
         )
     program.save(str(path))
@@ -127,8 +129,8 @@ def check_parity(
     return worst
 
 
-def check_text_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, torch.Tensor], output_name: str,
+def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, torch.Tensor], output_name: str,
                       *, rtol: float = 1e-4, atol: float = 1e-4) -> float:
-    """`check_parity` for a text model: named inputs, one named output (padding positions included)."""
+    """`check_parity` for a HF model: named inputs, one named output (padding positions included)."""
     return check_parity(_NamedInputs(model.eval(), tuple(inputs), output_name), path,
                         tuple(inputs.values()), rtol=rtol, atol=atol)

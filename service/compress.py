@@ -24,7 +24,7 @@ from compressor.solve import METHODS
 from compressor.surgery import count_parameters
 from compressor.transformer_pipeline import prune_transformer
 from compressor.transformer_surgery import save_pruned, widths
-from exporters.onnx import check_parity, check_text_parity, export_onnx, export_text_onnx
+from exporters.onnx import check_hf_parity, check_parity, export_hf_onnx, export_onnx
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) 
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(out / "model")
     example = {name: batches[0][name][:2].clone() for name in loaded.input_names}
-    export_text_onnx(pruned, example, out / "model.onnx", output_name=loaded.output_name)
-    parity = check_text_parity(pruned, out / "model.onnx", {k: batches[0][k] for k in loaded.input_names},
+    export_hf_onnx(pruned, example, out / "model.onnx", output_name=loaded.output_name)
+    parity = check_hf_parity(pruned, out / "model.onnx", {k: batches[0][k] for k in loaded.input_names},
                                loaded.output_name)
     return _write_report(request, out, start, loaded.model, pruned, layers, say, artifacts="model/", extra={
         "sequences": request.sequences,

@@ -1,38 +1,62 @@
-"""Sequential head and FFN pruning of HF transformers (first version)."""
+"""Sequential, block-by-block head and FFN pruning of HF transformers."""
 
 import pytest
 import torch
 
 from compressor.adapters import adapter_for, layers
-from compressor.transformer_pipeline import prune_transformer
-from compressor.transformer_surgery import head_groups
+from compressor.transformer_pipeline import _run, capture_block_inputs, prune_transformer
+from compressor.transformer_surgery import head_groups, in_features, projection
 
-from .test_transformer_surgery import first_output, tiny_bert, tiny_llama
-
-
-def batches(vocab=50, n=4, length=12):
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (3, length), generator=gen)
-        mask = torch.ones_like(ids)
-        mask[0, length // 2:] = 0  # padding is excluded from the statistics
-        out.append({"input_ids": ids, "attention_mask": mask})
-    return out
+from .transformer_models import MODELS, example_inputs, first_output
 
 
-@pytest.mark.parametrize("make", [tiny_bert, tiny_llama], ids=["bert", "llama"])
-def test_every_block_is_pruned_and_runs(make):
-    model = make()
-    pruned, reports = prune_transformer(model, batches(), 0.5)
+def batches(model, n=3):
+    return [example_inputs(model, batch=3, length=12, seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_replayed_block_inputs_match_the_models_hidden_states(name):
+    model = MODELS[name]()
+    data = batches(model, 2)
+    streams = capture_block_inputs(model, data, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for s, batch in zip(streams, data, strict=True):
+            expected = model(**batch, output_hidden_states=True).hidden_states
+            hidden = s.hidden
+            for i, block in enumerate(layers(model)):
+                torch.testing.assert_close(hidden, expected[i], rtol=1e-5, atol=1e-5)
+                hidden = _run(block, hidden, s, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_block_is_pruned_and_runs(name):
+    model = MODELS[name]()
+    before = first_output(model)
+    pruned, reports = prune_transformer(model, batches(model), 0.5)
     adapter = adapter_for(model)
     assert [r.kind for r in reports] == ["attention_heads", "ffn_neurons"] * len(layers(model))
     for i, layer in enumerate(layers(pruned)):
         assert head_groups(pruned, i) == head_groups(model, i) // 2
-        ffn = model.config.intermediate_size
-        assert layer.get_submodule(adapter.down).in_features == ffn - round(0.5 * ffn)
-    assert first_output(pruned).shape == first_output(model).shape
+        ffn = in_features(projection(layers(model)[i], adapter.down))
+        assert in_features(projection(layer, adapter.down)) == ffn - round(0.5 * ffn)
+    assert first_output(pruned).shape == before.shape
+    torch.testing.assert_close(first_output(model), before)  # the input model is left alone
     assert all(0 <= r.relative_error <= 1.5 for r in reports)
+
+
+def test_nothing_pruned_keeps_the_outputs():
+    model = MODELS["llama"]()
+    pruned, reports = prune_transformer(model, batches(model), 0.0)
+    assert all(r.width_after == r.width_before for r in reports)
+    torch.testing.assert_close(first_output(pruned), first_output(model), rtol=1e-4, atol=1e-4)
+
+
+def test_float16_activations_prune_like_float32():
+    model = MODELS["bert"]()
+    full = prune_transformer(model, batches(model), 0.5)[1]
+    half = prune_transformer(model, batches(model), 0.5, activation_dtype=torch.float16)[1]
+    for a, b in zip(full, half, strict=True):
+        assert a.relative_error == pytest.approx(b.relative_error, rel=0.05, abs=1e-3)
 
 
 def test_osscar_beats_mp_plus_on_stories260k(shared_data):

@@ -1,4 +1,4 @@
-"""Head (GQA-aware) and FFN surgery on HF transformers, and save -> reload through the manifest."""
+"""Head (GQA-aware) and FFN surgery on every transformer family, and save -> reload via the manifest."""
 
 import copy
 
@@ -8,63 +8,60 @@ import transformers
 
 from compressor.adapters import adapter_for, dims, layers
 from compressor.surgery import count_parameters
-from compressor.transformer_surgery import head_groups, load_pruned, prune_ffn, prune_heads, save_pruned
+from compressor.transformer_surgery import (
+    head_groups,
+    in_features,
+    load_pruned,
+    projection,
+    prune_ffn,
+    prune_heads,
+    save_pruned,
+)
+
+from .transformer_models import MODELS, first_output, tiny_gpt2, tiny_llama
 
 
-def tiny_bert():
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=24, max_position_embeddings=32)
-    torch.manual_seed(0)
-    return transformers.BertModel(config).eval()
-
-
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
-                                      num_key_value_heads=2, head_dim=4, intermediate_size=20,
-                                      max_position_embeddings=32, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-MODELS = {"bert": tiny_bert, "llama": tiny_llama}
-IDS = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
-
-
-def first_output(model, ids=IDS):
-    with torch.no_grad():
-        out = model(input_ids=ids)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-def zero_columns(model, index, path, cols):
+def zero_inputs(model, index, path, kept):
+    """The dense model with every input row of a projection but `kept` zeroed."""
     ref = copy.deepcopy(model)
-    linear = layers(ref)[index].get_submodule(path)
-    dropped = torch.ones(linear.in_features, dtype=torch.bool)
-    dropped[cols] = False
-    linear.weight.data[:, dropped] = 0
+    proj = projection(layers(ref)[index], path)
+    dropped = torch.ones(in_features(proj), dtype=torch.bool)
+    dropped[kept] = False
+    if proj.weight.shape[0] == in_features(proj) and type(proj).__name__ == "Conv1D":
+        proj.weight.data[dropped] = 0
+    else:
+        proj.weight.data[:, dropped] = 0
     return ref
 
 
+def removed_parameters(model, index, groups_removed, neurons_removed):
+    adapter, d = adapter_for(model), dims(model)
+    layer, hidden = layers(model)[index], model.config.hidden_size
+    per_group = d.group * d.head_dim * 2 * hidden + 2 * d.head_dim * hidden  # q and o, k and v
+    if projection(layer, adapter.q).bias is not None:
+        per_group += d.group * d.head_dim + 2 * d.head_dim
+    per_neuron = hidden * (1 + len(adapter.up)) + sum(projection(layer, p).bias is not None for p in adapter.up)
+    return groups_removed * per_group + neurons_removed * per_neuron
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_heads_and_neurons_pruned_equal_zeroed_columns(name):
+def test_pruning_equals_the_dense_model_with_those_rows_zeroed(name):
     model = MODELS[name]()
     adapter, d = adapter_for(model), dims(model)
     assert head_groups(model, 0) == d.kv_heads  # GQA: whole KV groups are the unit
     before = count_parameters(model)
     keep_groups = [0, d.kv_heads - 1]
-    q_cols = [h * d.head_dim + a for grp in keep_groups for h in range(grp * d.group, (grp + 1) * d.group)
+    q_rows = [h * d.head_dim + a for grp in keep_groups for h in range(grp * d.group, (grp + 1) * d.group)
               for a in range(d.head_dim)]
-    reference = zero_columns(model, 0, adapter.o, q_cols)
+    reference = zero_inputs(model, 0, adapter.o, q_rows)
     prune_heads(model, 0, keep_groups)
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
-    reference = zero_columns(model, 1, adapter.down, [1, 4, 5, 9])
+    ffn = in_features(projection(layers(model)[1], adapter.down))
+    reference = zero_inputs(model, 1, adapter.down, [1, 4, 5, 9])
     prune_ffn(model, 1, [1, 4, 5, 9])
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
-    hidden = model.config.hidden_size
-    removed_heads = (d.kv_heads - 2) * (d.group * d.head_dim * 2 * hidden + 2 * d.head_dim * hidden)
-    removed_ffn = (d.intermediate - 4) * hidden * (1 + len(adapter.up))
-    biases = 0 if name == "llama" else (d.kv_heads - 2) * 3 * d.head_dim + (d.intermediate - 4)
-    assert count_parameters(model) == before - removed_heads - removed_ffn - biases
+    assert count_parameters(model) == before - removed_parameters(MODELS[name](), 0, d.kv_heads - 2, 0) \
+        - removed_parameters(MODELS[name](), 1, 0, ffn - 4)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -75,7 +72,18 @@ def test_save_and_reload_through_the_manifest(name, tmp_path):
     save_pruned(model, tmp_path / "m")
     reloaded = load_pruned(tmp_path / "m")
     torch.testing.assert_close(first_output(reloaded), first_output(model))
-    assert head_groups(reloaded, 1) == 1 and layers(reloaded)[0].get_submodule(adapter_for(model).down).in_features == 5
+    assert head_groups(reloaded, 1) == 1
+    assert in_features(projection(layers(reloaded)[0], adapter_for(model).down)) == 5
+
+
+def test_gpt2_fused_qkv_keeps_q_k_and_v_of_the_kept_heads():
+    model = tiny_gpt2()
+    c_attn = layers(model)[0].attn.c_attn.weight.detach().clone()  # (hidden, 3 * hidden) Conv1D
+    prune_heads(model, 0, [2])
+    hd = dims(model).head_dim
+    cols = [c + part * 32 for part in range(3) for c in range(2 * hd, 3 * hd)]
+    torch.testing.assert_close(layers(model)[0].attn.c_attn.weight, c_attn[:, cols])
+    assert layers(model)[0].attn.split_size == hd and layers(model)[0].attn.num_heads == 1
 
 
 def test_bad_selections_are_refused():
@@ -86,6 +94,11 @@ def test_bad_selections_are_refused():
         prune_ffn(model, 0, [])
     with pytest.raises(ValueError, match="unsupported transformer family"):
         adapter_for(torch.nn.Linear(2, 2))
+    opt350 = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=8, num_attention_heads=2, word_embed_proj_dim=16,
+        do_layer_norm_before=False))
+    with pytest.raises(ValueError, match="post-norm OPT"):
+        adapter_for(opt350)
 
 
 def test_stories260k_gqa_prunes_and_reloads(shared_data, tmp_path):
@@ -94,7 +107,7 @@ def test_stories260k_gqa_prunes_and_reloads(shared_data, tmp_path):
     assert (d.heads, d.kv_heads, d.head_dim) == (8, 4, 8)
     for i in range(d.layers):
         prune_heads(model, i, [0, 2, 3])
-        prune_ffn(model, i, range(0, d.intermediate, 2))
-    ids = torch.tensor([[1, 300, 301, 302, 50, 60]])
+        prune_ffn(model, i, range(0, 172, 2))
+    ids = {"input_ids": torch.tensor([[1, 300, 301, 302, 50, 60]])}
     save_pruned(model, tmp_path / "s")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "s"), ids), first_output(model, ids))

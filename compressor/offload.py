@@ -1,0 +1,179 @@
+"""Prune a HF checkpoint larger than memory: blocks are read one at a time from its safetensors shards
+and written back pruned, so peak memory is one block (twice: dense copy and pruned) plus the
+calibration activations, whatever the model size.
+
+Life cycle: `StreamedCheckpoint(source_dir, out_dir)` builds the model with its blocks on the meta
+device (no memory) and everything else loaded; `prune_blocks(checkpoint, ...)` calls `load(i)` /
+`store(i)` around each block; `finish()` writes config, tokenizer files, the non-block weights, the
+width manifest and the shard index, after which `load_pruned(out_dir)` rebuilds the pruned model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .adapters import adapter_for, layers, layers_path
+from .models import hf_model_class
+from .transformer_surgery import MANIFEST, _aliases, state_to_save, widths
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+class StreamedCheckpoint:
+    """A `BlockSource` over a local HF directory of safetensors weights (see the module docstring)."""
+
+    def __init__(self, source: str | Path, out_dir: str | Path) -> None:
+        import transformers
+        from safetensors import safe_open
+
+        self.source, self.out_dir = Path(source), Path(out_dir)
+        config = transformers.AutoConfig.from_pretrained(self.source, local_files_only=True)
+        cls, _ = hf_model_class(config)
+        build = cls.from_config if cls is transformers.AutoModel else cls
+        # where every tensor is (the index of a sharded checkpoint, or the one file) and its dtype
+        index = self.source / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (self.source / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{self.source}: no model.safetensors or model.safetensors.index.json "
+                                    "(streaming needs safetensors weights)")
+        self.where: dict[str, str] = {}
+        self._source_name: dict[str, str] = {}  # model name -> checkpoint name
+        self.dtypes: dict[str, torch.dtype] = {}  # as read: pruned tensors are saved in their source dtype
+        for name in files:
+            with safe_open(str(self.source / name), "pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    self.where[key] = name
+        # the blocks as meta tensors: shapes without memory
+        with torch.device("meta"):
+            skeleton = build(config)
+        # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
+        # a one-block model; its block is the template for those buffers
+        small_config = copy.deepcopy(config)
+        small_config.num_hidden_layers = 1
+        self.model = build(small_config).eval()
+        self._template = layers(self.model)[0]
+        owner_path, _, name = layers_path(self.model).rpartition(".")
+        setattr(self.model.get_submodule(owner_path) if owner_path else self.model, name, layers(skeleton))
+        self.model.config.num_hidden_layers = config.num_hidden_layers
+        adapter_for(self.model)  # refuses unsupported families before any work
+        self.where = self._model_names(self.where)
+        self.prefix = layers_path(self.model) + "."
+        self._weight_map: dict[str, str] = {}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._load_rest()
+
+    def _model_names(self, where: dict[str, str]) -> dict[str, str]:
+        """Checkpoint tensor names -> the model's names, as from_pretrained renames them (legacy layouts,
+        e.g. ViT's encoder.layer.N.attention.attention.query; checkpoints of the base model without the
+        task model's prefix). Conversions that merge or split tensors cannot be streamed."""
+        import re
+
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        renames = []
+        for transform in get_model_conversion_mapping(self.model):
+            if type(transform).__name__ != "WeightRenaming":
+                raise ValueError(f"{self.source}: loading this checkpoint converts tensors "
+                                 f"({type(transform).__name__}); stream a checkpoint saved by this transformers "
+                                 "version instead")
+            sources, targets = list(transform.source_patterns), list(transform.target_patterns)
+            targets = targets * len(sources) if len(targets) == 1 else targets  # many sources, one target
+            renames += [(re.compile(source), target) for source, target in zip(sources, targets, strict=True)]
+        expected = set(self.model.state_dict())
+        base = getattr(self.model, "base_model_prefix", "")
+        out = {}
+        for key, file in where.items():
+            name = key
+            for pattern, target in renames:
+                name = pattern.sub(target, name)
+            if name not in expected and base and f"{base}.{name}" in expected:
+                name = f"{base}.{name}"
+            self._source_name[name] = key
+            out[name] = file
+        return out
+
+    def _read(self, keys: list[str]) -> dict[str, Tensor]:
+        """Tensors by name; each shard is mapped only while it is read (its pages then leave RSS)."""
+        from safetensors import safe_open
+
+        missing = [k for k in keys if k not in self.where]
+        if missing:
+            raise KeyError(f"{self.source}: checkpoint lacks {len(missing)} tensors the model expects, e.g. "
+                           f"{missing[:5]}")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for key in keys:
+            by_file[self.where[key]].append(key)
+        out = {}
+        for name, names in by_file.items():
+            with safe_open(str(self.source / name), "pt", device="cpu") as f:
+                for key in names:
+                    out[key] = f.get_tensor(self._source_name.get(key, key))
+                    self.dtypes[key] = out[key].dtype
+        return out
+
+    def _load_rest(self) -> None:
+        aliases = _aliases(self.model)
+        keys = [k for k in self.model.state_dict() if not k.startswith(self.prefix) and k not in aliases]
+        keys = [k for k in keys if k in self.where or not k.endswith("num_batches_tracked")]
+        missing, unexpected = self.model.load_state_dict(self._read(keys), strict=False)
+        missing = [k for k in missing if not k.startswith(self.prefix) and k not in aliases]
+        if missing or unexpected:
+            raise ValueError(f"{self.source}: non-block weights do not match (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+
+    def load(self, index: int) -> nn.Module:
+        block = layers(self.model)[index].to_empty(device="cpu")
+        prefix = f"{self.prefix}{index}."
+        state = self._read([prefix + k for k in block.state_dict()])
+        block.load_state_dict({k[len(prefix):]: v for k, v in state.items()}, strict=True)
+        persistent = set(self._template.state_dict())
+        for name, buffer in self._template.named_buffers():
+            if name not in persistent:  # e.g. causal masks: not in the checkpoint, rebuilt from the template
+                owner, _, attr = name.rpartition(".")
+                (block.get_submodule(owner) if owner else block)._buffers[attr] = buffer.clone()
+        return block
+
+    def _save(self, state: dict[str, Tensor], filename: str) -> None:
+        from safetensors.torch import save_file
+
+        state = {k: v.to("cpu", self.dtypes.get(k, v.dtype)).contiguous() for k, v in state.items()}
+        tmp = self.out_dir / f".{filename}.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(self.out_dir / filename)  # no partial shard is ever visible under its name
+        self._weight_map.update(dict.fromkeys(state, filename))
+
+    def store(self, index: int) -> None:
+        block = layers(self.model)[index]
+        self._save(state_to_save(block, prefix=f"{self.prefix}{index}."), f"model-block-{index:05d}.safetensors")
+        block.to("meta")  # shapes (the widths) stay, memory goes
+
+    def finish(self) -> Path:
+        """Write what `load_pruned` needs besides the blocks; returns the output directory."""
+        rest = {k: v for k, v in state_to_save(self.model).items() if not k.startswith(self.prefix)}
+        self._save(rest, "model-rest.safetensors")
+        config = self.model.config
+        config.architectures = [type(self.model).__name__]
+        config.save_pretrained(self.out_dir)
+        if (self.source / "generation_config.json").is_file():
+            shutil.copy(self.source / "generation_config.json", self.out_dir)
+        for name in TOKENIZER_FILES:
+            if (self.source / name).is_file():
+                shutil.copy(self.source / name, self.out_dir)
+        (self.out_dir / MANIFEST).write_text(json.dumps(widths(self.model), indent=1))
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": self._weight_map},
+                                                                             indent=1))
+        return self.out_dir

@@ -1,0 +1,73 @@
+"""Streaming a checkpoint block by block: same result as in memory, one block materialised at a time."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compressor.adapters import layers
+from compressor.offload import StreamedCheckpoint
+from compressor.transformer_pipeline import prune_blocks, prune_transformer
+from compressor.transformer_surgery import MANIFEST, load_pruned, widths
+
+from .transformer_models import MODELS, example_inputs, first_output
+
+
+def data(model):
+    return [example_inputs(model, batch=3, length=12, seed=i) for i in range(3)]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_streamed_pruning_equals_in_memory_pruning(name, tmp_path):
+    model = MODELS[name]()
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")  # several shards
+    assert len(list((tmp_path / "src").glob("*.safetensors"))) > 1
+    expected, expected_reports = prune_transformer(model, data(model), 0.5)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    reports = prune_blocks(checkpoint, data(model), 0.5)
+    out = checkpoint.finish()
+    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    assert json.loads((out / MANIFEST).read_text()) == widths(expected)
+    reloaded = load_pruned(out)
+    torch.testing.assert_close(first_output(reloaded), first_output(expected), rtol=1e-4, atol=1e-4)
+    assert not list(out.glob(".*"))  # no temporary shard left behind
+
+
+def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
+    model = MODELS["llama"]().half()
+    model.save_pretrained(tmp_path / "src")
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    checkpoint.model.float()  # prune in float32
+    materialised = []
+    load = checkpoint.load
+
+    def spy(index):
+        block = load(index)
+        materialised.append([not next(b.parameters()).is_meta for b in layers(checkpoint.model)])
+        return block
+
+    checkpoint.load = spy
+    prune_blocks(checkpoint, data(model), 0.25)
+    out = checkpoint.finish()
+    assert materialised == [[True, False], [False, True]]
+    with safe_open(str(out / "model-block-00001.safetensors"), "pt") as f:
+        assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())  # noqa: SIM118
+    assert load_pruned(out) is not None
+
+
+def test_missing_weights_and_non_safetensors_are_refused(tmp_path):
+    model = MODELS["bert"]()
+    model.save_pretrained(tmp_path / "src")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="needs safetensors"):
+        StreamedCheckpoint(tmp_path / "bin", tmp_path / "out")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "src" / "model.safetensors"))
+    del state[next(k for k in state if "layer.1." in k and k.endswith("query.weight"))]
+    save_file(state, str(tmp_path / "src" / "model.safetensors"))
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    with pytest.raises(KeyError, match="lacks 1 tensors"):
+        prune_blocks(checkpoint, data(model), 0.25)

@@ -1,0 +1,74 @@
+"""Tiny random-init models of every supported transformer family (structure tests only)."""
+
+import torch
+import transformers
+
+VOCAB = 50
+
+
+def _seeded(cls, config):
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def tiny_bert():
+    return _seeded(transformers.BertModel, transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=32))
+
+
+def tiny_vit():
+    return _seeded(transformers.ViTModel, transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24, image_size=16,
+        patch_size=4, add_pooling_layer=False))
+
+
+def tiny_opt():
+    return _seeded(transformers.OPTForCausalLM, transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=24, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=2, eos_token_id=2))
+
+
+def tiny_gpt2():
+    return _seeded(transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=24, n_positions=32, bos_token_id=0,
+        eos_token_id=0))
+
+
+def tiny_llama():
+    """Grouped-query attention: 8 query heads over 2 KV heads."""
+    return _seeded(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=4, intermediate_size=20, max_position_embeddings=32, tie_word_embeddings=True))
+
+
+def tiny_qwen2():
+    """Grouped-query attention with q/k/v biases."""
+    return _seeded(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=20, max_position_embeddings=32))
+
+
+MODELS = {"bert": tiny_bert, "vit": tiny_vit, "opt": tiny_opt, "gpt2": tiny_gpt2, "llama": tiny_llama,
+          "qwen2": tiny_qwen2}
+
+
+def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if model.config.model_type == "vit":
+        size = model.config.image_size
+        return {"pixel_values": torch.randn(batch, 3, size, size, generator=gen)}
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, length // 2:] = 0  # right padding in the first row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def output_name(model) -> str:
+    return "logits" if hasattr(model, "lm_head") else "last_hidden_state"
+
+
+def first_output(model, inputs=None) -> torch.Tensor:
+    inputs = example_inputs(model) if inputs is None else inputs
+    with torch.no_grad():
+        return getattr(model(**inputs), output_name(model))
