@@ -1,11 +1,15 @@
-"""CNN quality benchmark (paper protocol) -> bench/RESULTS.md and bench/quality.png.
+"""Quality benchmarks (paper protocol) -> bench/RESULTS.md and bench/quality.png.
 
     python bench/quality.py                      # ResNet-20 and ResNet-56, ratios 0.3 / 0.5 / 0.7
     python bench/quality.py --models resnet20 --ratios 0.5
+    python bench/quality.py --transformers       # stories260K and all-MiniLM-L6-v2, ratios 0.25 / 0.5
 
-Prune the inner channels of every block (input channels of each block's second conv) with a
+CNNs: prune the inner channels of every block (input channels of each block's second conv) with a
 uniform ratio, sequentially, calibrating on 500 images of `train_prefix_5085.npz`; export to ONNX;
 report the top-1 of the exported model in ONNX Runtime on `test_first1017.npz`, and the prune time.
+
+Transformers (`bench/quality_transformers.py`): heads and FFN neurons at uniform ratios, sequential,
+each run in its own process so its peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_results.json"))
     parser.add_argument("--plot", type=Path, default=Path(__file__).with_name("quality.png"))
-    args = parser.parse_args()
+    parser.add_argument("--transformers", action="store_true", help="run bench/quality_transformers.py instead")
+    args, rest = parser.parse_known_args()
+    if args.transformers:
+        from quality_transformers import main as transformers_main
+
+        transformers_main(rest)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     calibration = load_images(DATA / "cifar10" / "train_prefix_5085.npz", samples=args.samples, seed=0)
     test_images = load_images(DATA / "cifar10" / "test_first1017.npz", samples=10**9)

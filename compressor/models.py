@@ -204,9 +204,10 @@ def hf_model_class(config) -> tuple[type, bool]:
     return transformers.AutoModel, False
 
 
-def load_transformer(reference: str, *, trust_remote_code: bool = False) -> LoadedTransformer:
+def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:
     """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
-    encoders as the base model."""
+    encoders as the base model. `weights=False` builds it on the meta device (shapes, no memory), for
+    callers that stream the weights themselves."""
     import transformers
 
     from .adapters import ADAPTERS
@@ -219,7 +220,11 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False) -> Load
         raise ModelReferenceError(f"{reference}: unsupported transformer family {config.model_type!r}; "
                                   f"supported: {sorted(ADAPTERS)}")
     cls, causal = hf_model_class(config)
-    model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
+    if weights:
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
+    else:
+        with torch.device("meta"):
+            model = (cls.from_config(config) if cls is transformers.AutoModel else cls(config)).eval()
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

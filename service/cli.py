@@ -32,7 +32,8 @@ def _compress(args: argparse.Namespace) -> int:
     request = CompressRequest(model=args.model, uniform_ratio=args.uniform_ratio, calibration=args.calibration,
                               out_dir=args.out, method=args.method, samples=args.samples, seed=args.seed,
                               mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
-                              sequences=args.sequences, sequence_length=args.sequence_length)
+                              sequences=args.sequences, sequence_length=args.sequence_length, stream=args.stream,
+                              activation_dtype=args.activation_dtype)
     compress(request, progress=lambda message: print(message, file=sys.stderr, flush=True))
     return 0
 
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--batch-size", type=int, default=100, help="calibration batch size (images)")
     comp.add_argument("--sequences", type=int, default=128, help="text calibration: sequences drawn (default 128)")
     comp.add_argument("--sequence-length", type=int, default=128, help="text calibration: tokens per sequence")
+    comp.add_argument("--stream", action="store_true",
+                      help="transformers: read one block at a time from the safetensors shards and write it back "
+                      "pruned (memory bounded by a block, for models larger than RAM)")
+    comp.add_argument("--activation-dtype", default="float32", choices=("float32", "float16"),
+                      help="transformers: dtype of the calibration activations kept on the CPU between blocks")
     comp.set_defaults(func=_compress)
     return parser
 

