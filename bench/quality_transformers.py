@@ -6,6 +6,9 @@
 stories260K: calibrate on 128 windows of <= 128 tokens from the first half of the 221 stories of
 `tinystories-valid-tokens.npz` (the CLI's calibration loader, seed 0); perplexity on the held-out
 half (stories 110..220), each story scored alone on its first 256 tokens, token-weighted (dense 3.42).
+stories260k-query-heads: the same with the KV heads duplicated so that query heads are pruned one by
+one (the protocol of the issue's official numbers; not a physical GQA result: the duplicated K/V
+rows cost what they save).
 all-MiniLM-L6-v2: calibrate on 128 windows of <= 128 tokens of C4 validation documents; mean cosine
 similarity of mean-pooled embeddings to the dense model's on 1,000 WikiText-2 test sentences.
 Uniform ratios of KV head groups and FFN neurons, sequential, dense-output/pruned-input objective.
@@ -35,13 +38,36 @@ METHODS = ("mp", "mp+", "osscar")
 log = logging.getLogger("bench.quality_transformers")
 
 
-def _stories(ratio: float, method: str) -> dict:
+def _expand_kv_heads(model: torch.nn.Module) -> torch.nn.Module:
+    """The same function with one KV head per query head (K/V rows duplicated): head pruning then
+    chooses query heads one by one, as the official code's protocol does, instead of whole KV groups."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(model.config)
+    group = config.num_attention_heads // config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    config.num_key_value_heads = config.num_attention_heads
+    expanded = transformers.LlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    for key in state:
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            w = state[key]
+            state[key] = w.view(-1, head_dim, w.shape[1]).repeat_interleave(group, 0).reshape(-1, w.shape[1])
+    expanded.load_state_dict(state)
+    return expanded
+
+
+def _stories(ratio: float, method: str, query_heads: bool = False) -> dict:
     import transformers
 
     from compressor.calibration import load_text
     from compressor.transformer_pipeline import prune_transformer
 
     model = transformers.LlamaForCausalLM.from_pretrained(str(DATA / "stories260K")).eval()
+    if query_heads:
+        model = _expand_kv_heads(model)
     tokens = np.load(DATA / "stories260K" / "tinystories-valid-tokens.npz")
     ids, offsets = tokens["ids"], tokens["offsets"]
     half = (len(offsets) - 1) // 2
@@ -116,7 +142,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-JOBS = {"stories260k": _stories, "minilm": _minilm}
+def _stories_query_heads(ratio: float, method: str) -> dict:
+    return _stories(ratio, method, query_heads=True)
+
+
+JOBS = {"stories260k": _stories, "stories260k-query-heads": _stories_query_heads, "minilm": _minilm}
 
 
 def _job(model: str, ratio: float, method: str) -> dict:
@@ -127,7 +157,7 @@ def _job(model: str, ratio: float, method: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="stories260k,minilm")
+    parser.add_argument("--models", default="stories260k,stories260k-query-heads,minilm")
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_transformers.json"))
