@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
-from .layerstats import LayerStatistics, compute_device, kept_solution, num_to_prune
+from .layerstats import (
+    LayerObservation,
+    LayerStatistics,
+    Widths,
+    check_plan,
+    compute_device,
+    kept_solution,
+    planned_prune,
+)
 from .reports import LayerReport
 from .segments import GraphWalker
 from .solve import solve_layer
@@ -72,10 +80,29 @@ def _layer_statistics(unit: ChannelUnit, W_hat: Tensor, scale: Tensor | None, in
     return stats, W_mat
 
 
+def channel_cost(unit: ChannelUnit) -> float:
+    """FLOPs (multiply-adds) one channel of `unit` costs per sample: its producer's output channel and
+    the consumer's input channel (shapes from the exported graph's metadata)."""
+
+    def spatial(node: fx.Node) -> int:
+        val = node.meta.get("val")
+        return int(val.shape[2] * val.shape[3]) if val is not None and val.dim() == 4 else 1
+
+    def kernel(node: fx.Node) -> tuple[int, int]:
+        weight = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        return (int(weight.shape[1] * weight.shape[2] * weight.shape[3]), int(weight.shape[0])) \
+            if weight is not None else (1, 1)
+
+    produce_per_out, _ = kernel(unit.producer.node)  # Cin/groups kH kW per output channel
+    consume_k, consume_out = kernel(unit.consumer.node)
+    consume_per_in = consume_out * consume_k // max(1, unit.channels)  # Cout kH kW per input channel
+    return float(produce_per_out * spatial(unit.producer.node) + consume_per_in * spatial(unit.consumer.node))
+
+
 def prune_conv_graph(
     gm: fx.GraphModule,
     images: Tensor,
-    ratio: float,
+    ratio: Widths,
     *,
     method: str = "osscar",
     device: str | torch.device | None = None,
@@ -83,18 +110,21 @@ def prune_conv_graph(
     weight_by_next_bn: bool = True,
     bias_correction: bool = True,
     progress: Callable[[str], None] | None = None,
+    observe: Callable[[LayerObservation], None] | None = None,
 ) -> tuple[fx.GraphModule, list[LayerReport]]:
-    """Prune `ratio` of the channels of every prunable unit of `gm`; returns (pruned copy, reports)."""
-    if not 0 <= ratio < 1:
-        raise ValueError(f"uniform ratio must be in [0, 1) (got {ratio})")
+    """Prune the channels of every prunable unit of `gm` (`ratio`: a uniform ratio, or the kept
+    channels of each unit by name); returns (pruned copy, reports). `observe` sees each layer's
+    statistics before its solve (ratio 0 + observe = the dense statistics pass)."""
+    check_plan(ratio)
     with torch.no_grad():
         return _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
-                                 bias_correction, progress)
+                                 bias_correction, progress, observe)
 
 
-def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: float, method: str,
+def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method: str,
                       device: str | torch.device | None, batch_size: int, weight_by_next_bn: bool,
                       bias_correction: bool, progress: Callable[[str], None] | None,
+                      observe: Callable[[LayerObservation], None] | None,
                       ) -> tuple[fx.GraphModule, list[LayerReport]]:
     device = compute_device(device)
     dense = copy.deepcopy(gm).eval()
@@ -123,7 +153,9 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: float, method: 
         stats, W_hat = _layer_statistics(unit, W_dense, scale, inputs, dense_inputs, device)
         H, G, energy, mu, nu = stats.finish(center=bias_correction)
         g = int(W_hat.shape[0] // unit.channels)
-        sol = solve_layer(H, G, g, num_to_prune(unit.channels, ratio), method, dense_weight=W_hat)
+        if observe:
+            observe(LayerObservation(unit.name, "conv_channels", H, G, g, energy, channel_cost(unit)))
+        sol = solve_layer(H, G, g, planned_prune(unit.name, unit.channels, ratio), method, dense_weight=W_hat)
         kept = kept_solution(sol, g, scale, mu, nu)
         keep, W = kept.keep, kept.weight  # (kept kH kW, C_out)
         shift = kept.shift if bias_correction else None  # the intercept, C_out

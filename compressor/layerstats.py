@@ -7,6 +7,7 @@ Life cycle (as sparsegpt's): `LayerStatistics(W_hat)` -> `add(X, X_hat)` per cal
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,39 @@ def compute_device(device: str | torch.device | None) -> torch.device:
 def num_to_prune(groups: int, ratio: float) -> int:
     """round(ratio * groups), keeping at least one group."""
     return max(0, min(groups - 1, round(ratio * groups)))
+
+
+Widths = float | Mapping[str, int]  # a uniform ratio, or the kept width (groups) of every layer by name
+
+
+def planned_prune(name: str, groups: int, plan: Widths) -> int:
+    """Groups to prune in layer `name` under a uniform ratio or a per-layer width plan."""
+    if isinstance(plan, Mapping):
+        if name not in plan:
+            raise ValueError(f"the width plan has no entry for layer {name!r}")
+        kept = int(plan[name])
+        if not 1 <= kept <= groups:
+            raise ValueError(f"layer {name!r}: planned width {kept} is outside [1, {groups}]")
+        return groups - kept
+    return num_to_prune(groups, plan)
+
+
+def check_plan(plan: Widths) -> None:
+    if not isinstance(plan, Mapping) and not 0 <= plan < 1:
+        raise ValueError(f"uniform ratio must be in [0, 1) (got {plan})")
+
+
+@dataclass(frozen=True)
+class LayerObservation:
+    """What a pipeline saw of one layer before solving it (for loss-versus-width curves)."""
+
+    name: str
+    kind: str
+    H: Tensor  # d1 x d1 (centred when the layer has an intercept), float64
+    G: Tensor  # d1 x d2
+    group_size: int
+    energy: float  # 1/2 ||X_hat W_hat||^2 (centred likewise): the loss normaliser
+    cost: float  # FLOPs one group costs per sample at the pipeline's shape (latency model)
 
 
 class LayerStatistics:

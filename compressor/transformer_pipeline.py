@@ -31,7 +31,15 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import adapter_for, dims, layers, layers_path
-from .layerstats import LayerStatistics, compute_device, kept_solution, num_to_prune
+from .layerstats import (
+    LayerObservation,
+    LayerStatistics,
+    Widths,
+    check_plan,
+    compute_device,
+    kept_solution,
+    planned_prune,
+)
 from .reports import LayerReport
 from .solve import solve_layer
 from .transformer_surgery import dense_weight, projection, prune_ffn, prune_heads
@@ -176,10 +184,20 @@ def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
     return rows.double()
 
 
+def group_cost(model: nn.Module, kind: str, sequence_length: int) -> float:
+    """Multiply-adds one group costs per token: a head group's q/k/v/o rows and its attention over
+    `sequence_length` keys, or one FFN neuron's rows."""
+    adapter, d = adapter_for(model), dims(model)
+    hidden = int(model.config.hidden_size)
+    if kind == "attention_heads":
+        return float(hidden * d.head_dim * (2 * d.group + 2) + 2 * sequence_length * d.head_dim * d.group)
+    return float(hidden * (1 + len(adapter.up)))
+
+
 def prune_blocks(
     source: BlockSource,
     batches: Sequence[dict[str, Tensor]],
-    ratio: float,
+    ratio: Widths,
     *,
     method: str = "osscar",
     device: str | torch.device | None = None,
@@ -187,10 +205,13 @@ def prune_blocks(
     weight_by_norm: bool = True,
     activation_dtype: torch.dtype = torch.float32,
     progress: Callable[[str], None] | None = None,
+    observe: Callable[[LayerObservation], None] | None = None,
+    cost_sequence_length: int = 128,
 ) -> list[LayerReport]:
-    """Prune `ratio` of the head groups and FFN neurons of every block of `source`, in place."""
-    if not 0 <= ratio < 1:
-        raise ValueError(f"uniform ratio must be in [0, 1) (got {ratio})")
+    """Prune the head groups and FFN neurons of every block of `source`, in place (`ratio`: a uniform
+    ratio, or the kept groups of each projection by name). `observe` sees each projection's
+    statistics before its solve, with the latency-model cost of one group at `cost_sequence_length`."""
+    check_plan(ratio)
     if not batches:
         raise ValueError("no calibration batches")
     device = compute_device(device)
@@ -232,13 +253,16 @@ def prune_blocks(
             H, G, energy, mu, nu = stats.finish(center)
             g = d.group * d.head_dim if kind == "attention_heads" else 1
             groups = H.shape[0] // g
-            sol = solve_layer(H, G, g, num_to_prune(groups, ratio), method, dense_weight=W_hat)
+            name = f"{prefix}.{i}.{path}"
+            if observe:
+                observe(LayerObservation(name, kind, H, G, g, energy, group_cost(model, kind, cost_sequence_length)))
+            sol = solve_layer(H, G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
             kept = kept_solution(sol, g, scale, mu, nu)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one
                 proj.bias.data += kept.shift.to(proj.bias)
             (prune_heads if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
-            report = LayerReport.measure(f"{prefix}.{i}.{path}", kind, groups, len(kept.keep),
+            report = LayerReport.measure(name, kind, groups, len(kept.keep),
                                          sol.objective, energy, start)
             reports.append(report)
             if progress:
@@ -265,7 +289,7 @@ def _release_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def prune_transformer(model: nn.Module, batches: Sequence[dict[str, Tensor]], ratio: float,
+def prune_transformer(model: nn.Module, batches: Sequence[dict[str, Tensor]], ratio: Widths,
                       **options: Any) -> tuple[nn.Module, list[LayerReport]]:
     """A pruned copy of an in-memory model (the input is left unchanged) and its layer reports;
     options as `prune_blocks`."""

@@ -90,6 +90,12 @@ def export_hf_onnx(
     return path
 
 
+def output_names_of(path: str | Path) -> list[str]:
+    import onnx
+
+    return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
+
+
 def check_parity(
     module: torch.nn.Module,
     path: str | Path,
@@ -98,16 +104,16 @@ def check_parity(
     rtol: float = 1e-4,
     atol: float = 1e-4,
 ) -> float:
-    """Run the ONNX file in ONNX Runtime (CPU) and compare with `module`; returns the max abs error.
+    """Run the ONNX file in ONNX Runtime (CPU, a spawned subprocess) and compare with `module`; returns
+    the max abs error.
 
     Raises ParityError listing every mismatch (output count, shape, values beyond tolerance).
     """
-    import onnxruntime as ort
+    from .runtime import run_outputs
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
-    got = session.run(None, feed)
+    got = run_outputs(path, [[x.detach().cpu().numpy() for x in inputs]])[0]  # ONNX Runtime in a subprocess
+    output_names = output_names_of(path)
     with torch.no_grad():
         expected = module(*inputs)
     expected = [expected] if isinstance(expected, torch.Tensor) else list(torch.utils._pytree.tree_leaves(expected))
@@ -115,15 +121,16 @@ def check_parity(
     if len(got) != len(expected):
         mismatches.append(ParityMismatch("outputs", f"ONNX has {len(got)} outputs, PyTorch {len(expected)}"))
     worst = 0.0
-    for out, (g, e) in zip(session.get_outputs(), zip(got, expected, strict=False), strict=False):
+    for index, (g, e) in enumerate(zip(got, expected, strict=False)):
+        name = output_names[index] if index < len(output_names) else f"output {index}"
         e = e.detach().cpu().numpy()
         if g.shape != e.shape:
-            mismatches.append(ParityMismatch(out.name, f"shape {g.shape} != {e.shape}"))
+            mismatches.append(ParityMismatch(name, f"shape {g.shape} != {e.shape}"))
             continue
         err = float(np.abs(g - e).max()) if g.size else 0.0
         worst = max(worst, err)
         if not np.allclose(g, e, rtol=rtol, atol=atol):
-            mismatches.append(ParityMismatch(out.name, f"max abs error {err:.3g} beyond rtol={rtol}, atol={atol}"))
+            mismatches.append(ParityMismatch(name, f"max abs error {err:.3g} beyond rtol={rtol}, atol={atol}"))
     if mismatches:
         raise ParityError(mismatches)
     return worst

@@ -26,15 +26,54 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
 
 
+def _shape(text: str) -> dict[str, int]:
+    try:
+        pairs = [item.split("=", 1) for item in text.split(",") if item]
+        return {k.strip(): int(v) for k, v in pairs}
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected name=N pairs such as batch=8,sequence=128, got {text!r}") from err
+
+
+class _Progress:
+    """Stage lines as they come; on a terminal, per-layer lines overwrite one another (a progress bar
+    of sorts), elsewhere every line is kept (logs)."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.tty, self.open = stream, stream.isatty(), False
+
+    def __call__(self, message: str) -> None:
+        layer = message.startswith("[") or "relative error" in message
+        if self.tty and layer:
+            self.stream.write("\r\033[K" + message[: 150])
+            self.open = True
+        else:
+            if self.open:
+                self.stream.write("\n")
+                self.open = False
+            self.stream.write(message + "\n")
+        self.stream.flush()
+
+
 def _compress(args: argparse.Namespace) -> int:
     from .compress import CompressRequest, compress
 
-    request = CompressRequest(model=args.model, uniform_ratio=args.uniform_ratio, calibration=args.calibration,
-                              out_dir=args.out, method=args.method, samples=args.samples, seed=args.seed,
-                              mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
-                              sequences=args.sequences, sequence_length=args.sequence_length, stream=args.stream,
-                              activation_dtype=args.activation_dtype)
-    compress(request, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    request = CompressRequest(
+        model=args.model, uniform_ratio=args.uniform_ratio, target_speedup=args.target_speedup,
+        calibration=args.calibration, eval=args.eval, out_dir=args.out, method=args.method, samples=args.samples,
+        seed=args.seed, mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
+        sequences=args.sequences, sequence_length=args.sequence_length, stream=args.stream,
+        activation_dtype=args.activation_dtype, shape=args.shape or {}, execution_provider=args.execution_provider,
+        threads=args.threads, deployment_target=args.deployment_target, round_to=args.round_to,
+        min_width=args.min_width, max_rounds=args.max_rounds, accuracy_budget=args.accuracy_budget,
+        back_off=args.back_off, repeats=args.repeats)
+    progress = _Progress(sys.stderr)
+    report = compress(request, progress=progress)
+    if report["status"] != "ok":
+        print(f"osscar: {report['status']}: measured speedup {report['measured_speedup']:.3f}x "
+              f"(target {report['target_speedup']}), {report['metric']['name']} {report['metric']['baseline']:.4f}"
+              f" -> {report['metric']['compressed']:.4f}; the best artifact and report are in {args.out}",
+              file=sys.stderr)
+        return 2
     return 0
 
 
@@ -53,11 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compress", help="prune a model physically and export it to ONNX")
     comp.add_argument("model", help="a .pt2 torch.export program, a Hugging Face model directory or cached hub "
                       "id, or torchvision:<name>")
-    comp.add_argument("--uniform-ratio", type=float, required=True,
-                      help="fraction of each prunable layer's channels removed (rounded, >= 1 kept)")
+    mode = comp.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--target-speedup", type=float, help="measured speedup to reach in ONNX Runtime (e.g. 1.5)")
+    mode.add_argument("--uniform-ratio", type=float,
+                      help="fraction of each prunable layer's channels removed (rounded, >= 1 kept): the paper's "
+                      "protocol, one round")
     comp.add_argument("--calibration", type=Path, required=True,
                       help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text (transformers): "
                       ".txt/.jsonl through the model's tokenizer, or token ids as .npz (ids, offsets) / .npy")
+    comp.add_argument("--eval", type=Path, default=None,
+                      help="evaluation data: images .npz with labels y (top-1), token ids / text (perplexity for "
+                      "LMs); default: held-out calibration-like data (cosine to the dense outputs, perplexity)")
     comp.add_argument("--method", default="osscar", choices=("osscar", "mp", "mp+", "thinet"))
     comp.add_argument("--out", type=Path, required=True, help="output directory")
     comp.add_argument("--samples", type=int, default=500, help="calibration images drawn (default 500)")
@@ -73,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
                       "pruned (memory bounded by a block, for models larger than RAM)")
     comp.add_argument("--activation-dtype", default="float32", choices=("float32", "float16"),
                       help="transformers: dtype of the calibration activations kept on the CPU between blocks")
+    comp.add_argument("--shape", type=_shape, default=None,
+                      help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; encoders "
+                      "batch=8,sequence=128; decoders batch=1,sequence=512)")
+    comp.add_argument("--execution-provider", choices=("cpu", "cuda"), default=None,
+                      help="ONNX Runtime provider for measurement (default: cuda when available)")
+    comp.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: cores available)")
+    comp.add_argument("--deployment-target", choices=("cpu", "cuda"), default=None,
+                      help="where the model will be served; a warning when measurement runs elsewhere")
+    comp.add_argument("--round-to", type=int, default=8, help="target mode: widths in multiples of this (default 8)")
+    comp.add_argument("--min-width", type=float, default=0.1,
+                      help="target mode: minimum kept fraction of every layer (default 0.1)")
+    comp.add_argument("--max-rounds", type=int, default=4, help="target mode: prune-measure rounds at most")
+    comp.add_argument("--accuracy-budget", type=float, default=None,
+                      help="maximum relative drop of the metric (e.g. 0.02)")
+    comp.add_argument("--back-off", action="store_true",
+                      help="with --accuracy-budget: return the largest measured speedup that meets it")
+    comp.add_argument("--repeats", type=int, default=20, help="latency runs per model (median and p90)")
     comp.set_defaults(func=_compress)
     return parser
 

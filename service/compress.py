@@ -1,24 +1,35 @@
-"""The compression job: resolve -> calibrate -> prune layer by layer -> save -> export -> check.
+"""The compression job: resolve -> calibrate -> (curves -> allocate) -> prune -> export -> measure ->
+adjust, and the report.
 
-`compress()` is what `osscar compress` runs, importable for pipelines that script it.
+`compress()` is what `osscar compress` runs, importable for pipelines that script it. Two modes:
+`uniform_ratio` (the paper's protocol: that fraction of every layer, one round) and `target_speedup`
+(widths per layer from the dense model's loss-versus-width curves and a latency model, then a closed
+loop: prune, export, measure the speedup in ONNX Runtime, correct the latency model, retry).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
+from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
 from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError, load_images, load_text
 from compressor.cnn import prune_conv_graph
 from compressor.graph import analyse
+from compressor.layerstats import LayerObservation
 from compressor.models import is_transformer_reference, load_model, load_transformer, save_program
 from compressor.offload import StreamedCheckpoint
 from compressor.solve import METHODS
@@ -26,37 +37,59 @@ from compressor.surgery import count_parameters
 from compressor.transformer_pipeline import prune_blocks, prune_transformer
 from compressor.transformer_surgery import load_pruned, save_pruned, widths
 from exporters.onnx import check_hf_parity, check_parity, export_hf_onnx, export_onnx
+from exporters.runtime import PROVIDERS, Latency, default_provider, device_name, measure_latency, run_outputs
+
+from .report_html import write_html
 
 log = logging.getLogger(__name__)
 
 PRUNING_METHODS = ("osscar", "mp", "mp+", "thinet")  # "exact" only solves single small layers
+MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
+AIM = 1.10  # and the loop aims at <= 1.10 x target
 
 
 @dataclass(frozen=True)
 class CompressRequest:
     model: str  # .pt2 file, HF model directory / cached hub id, or torchvision:<name>
-    uniform_ratio: float  # fraction of each prunable layer's groups removed (>= 1 group kept)
-    calibration: Path  # .npz (x: uint8 NHWC) or .npy (float32 NCHW)
+    calibration: Path  # images: .npz (x uint8 NHWC) / .npy (NCHW); text: .txt/.jsonl/.npz/.npy
     out_dir: Path
+    uniform_ratio: float | None = None  # fraction of each prunable layer's groups removed
+    target_speedup: float | None = None  # measured speedup to reach instead
+    eval: Path | None = None  # evaluation data (images .npz with labels y -> top-1; token ids -> perplexity)
     method: str = "osscar"
     samples: int = 500  # calibration images drawn (seeded)
     seed: int = 0
     mean: tuple[float, ...] = IMAGENET_MEAN  # applied to .npz images after scaling to [0, 1]
     std: tuple[float, ...] = IMAGENET_STD
-    device: str | None = None  # default: cuda when available, else cpu
+    device: str | None = None  # pruning device; default: cuda when available, else cpu
     batch_size: int = 100
     sequences: int = 128  # text calibration: windows drawn (seeded)
     sequence_length: int = 128  # text calibration: tokens per window
-    stream: bool = False  # transformers: read blocks one at a time from the safetensors shards (bounded memory)
-    activation_dtype: str = "float32"  # transformers: dtype of the calibration activations kept on the CPU
+    stream: bool = False  # transformers: blocks read one at a time from the safetensors shards
+    activation_dtype: str = "float32"  # transformers: calibration activations kept on the CPU
+    shape: dict[str, int] = field(default_factory=dict)  # measured shape: batch (+ sequence for text)
+    execution_provider: str | None = None  # cpu | cuda; default: cuda when ONNX Runtime has it
+    threads: int | None = None  # ONNX Runtime intra-op threads (default: the cores available)
+    deployment_target: str | None = None  # the provider it will be served on; warns when it differs
+    round_to: int = 8  # target mode: kept widths are multiples of this (or the full width)
+    min_width: float = 0.1  # target mode: no layer keeps less than this fraction of its groups
+    max_rounds: int = 4  # target mode: prune -> measure rounds at most
+    accuracy_budget: float | None = None  # max relative drop of the metric
+    back_off: bool = False  # on a blown budget, return the largest measured speedup that meets it
+    repeats: int = 20  # latency runs per model
 
     def validate(self) -> None:
         errors = []
         if self.method not in PRUNING_METHODS:
             errors.append(f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
         assert set(PRUNING_METHODS) <= set(METHODS)
-        if not 0 < self.uniform_ratio < 1:
+        if (self.uniform_ratio is None) == (self.target_speedup is None):
+            errors.append("give exactly one of --target-speedup and --uniform-ratio")
+        if self.uniform_ratio is not None and not 0 < self.uniform_ratio < 1:
             errors.append(f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
+        if self.target_speedup is not None and not (math.isfinite(self.target_speedup) and
+                                                    1 < self.target_speedup <= 20):
+            errors.append(f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
         if self.samples < 1:
             errors.append(f"--samples must be >= 1 (got {self.samples})")
         if self.batch_size < 1:
@@ -66,6 +99,25 @@ class CompressRequest:
                           f"{self.sequence_length})")
         if self.activation_dtype not in ("float32", "float16"):
             errors.append(f"--activation-dtype must be float32 or float16 (got {self.activation_dtype!r})")
+        bad = {k: v for k, v in self.shape.items() if k not in ("batch", "sequence") or not 1 <= v <= 65536}
+        if bad:
+            errors.append(f"--shape takes batch=N and sequence=N with 1 <= N <= 65536 (got {bad})")
+        for name, value in (("--execution-provider", self.execution_provider),
+                            ("--deployment-target", self.deployment_target)):
+            if value is not None and value not in PROVIDERS:
+                errors.append(f"{name} must be one of {', '.join(PROVIDERS)} (got {value!r})")
+        if self.round_to < 1:
+            errors.append(f"--round-to must be >= 1 (got {self.round_to})")
+        if not 0 < self.min_width <= 1:
+            errors.append(f"--min-width must be in (0, 1] (got {self.min_width})")
+        if self.max_rounds < 1:
+            errors.append(f"--max-rounds must be >= 1 (got {self.max_rounds})")
+        if self.accuracy_budget is not None and not 0 < self.accuracy_budget < 1:
+            errors.append(f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
+        if self.back_off and self.accuracy_budget is None:
+            errors.append("--back-off needs --accuracy-budget")
+        if self.repeats < 3:
+            errors.append(f"--repeats must be >= 3 (got {self.repeats})")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -77,96 +129,369 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+# ---- what differs between conv graphs and transformers ---------------------------------------------
+
+
+@dataclass
+class Metric:
+    name: str  # top1 | perplexity | cosine
+    higher_is_better: bool
+
+
+class _ConvJob:
+    kind = "conv"
+
+    def __init__(self, request: CompressRequest, say: Callable[[str], None]) -> None:
+        self.request, self.say = request, say
+        self.loaded = load_model(request.model)
+        self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
+                                  mean=request.mean, std=request.std)
+        if tuple(self.images.shape[1:]) != self.loaded.input_shape:
+            raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
+                                   f"expects {self.loaded.input_shape}")
+        self.analysis = analyse(self.loaded.module)
+        self.dense = self.loaded.module
+        self.params_before = count_parameters(self.dense)
+        self.shape = {"batch": request.shape.get("batch", 64)}
+        if request.eval is not None:
+            self.eval_x = load_images(request.eval, samples=10**9, mean=request.mean, std=request.std)
+            with np.load(request.eval, allow_pickle=False) as data:
+                if "y" not in data:
+                    raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
+                self.eval_y = data["y"]
+            self.metric = Metric("top1", True)
+        else:  # no labels: agreement with the dense model on held-out calibration-like images
+            self.eval_x = load_images(request.calibration, samples=256, seed=request.seed + 1,
+                                      mean=request.mean, std=request.std)
+            self.eval_y = None
+            self.metric = Metric("cosine", True)
+        self.say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} "
+                 f"calibration images, method {request.method}")
+
+    def prune(self, plan, observe=None):
+        return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
+                                batch_size=self.request.batch_size, progress=self.say, observe=observe)
+
+    def export(self, module, path: Path) -> float:
+        example = self.images[:2].clone()  # a view would save the whole calibration tensor
+        export_onnx(module, example, path, input_name=self.loaded.input_name)
+        return check_parity(module, path, self.images[: min(16, len(self.images))])
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        x = self.images[: self.shape["batch"]]
+        reps = math.ceil(self.shape["batch"] / len(x))
+        return {self.loaded.input_name: x.repeat(reps, 1, 1, 1)[: self.shape["batch"]].numpy()}
+
+    def outputs(self, path: Path) -> np.ndarray:
+        batches = [[b.numpy()] for b in self.eval_x.split(256)]
+        return np.concatenate(run_outputs(path, batches, reduce="raw"))
+
+    def save(self, module, out: Path) -> str:
+        save_program(module, out / "model.pt2", self.images[:2].clone())
+        return "model.pt2"
+
+    def extra(self) -> dict:
+        return {"samples": len(self.images), "not_pruned": self.analysis.refused}
+
+
+class _TextJob:
+    kind = "transformer"
+
+    def __init__(self, request: CompressRequest, say: Callable[[str], None]) -> None:
+        self.request, self.say = request, say
+        self.loaded = load_transformer(request.model)
+        self.dense = self.loaded.model
+        self.params_before = count_parameters(self.dense)
+        self.causal = self.loaded.output_name == "logits"
+        text = {"tokenizer": self.loaded.tokenizer, "length": request.sequence_length, "batch_size": 16}
+        self.batches = self._typed(load_text(request.calibration, sequences=request.sequences, seed=request.seed,
+                                             **text))
+        if request.eval is not None:
+            self.eval_batches = self._typed(load_text(request.eval, sequences=64, seed=request.seed, **text))
+        else:  # held-out windows of the calibration data (another seed)
+            self.eval_batches = self._typed(load_text(request.calibration, sequences=64, seed=request.seed + 1,
+                                                      **text))
+        self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
+        default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
+        limit = int(getattr(self.dense.config, "max_position_embeddings", 0) or 0)
+        if limit:
+            default["sequence"] = min(default["sequence"], limit)
+            if request.shape.get("sequence", 0) > limit:
+                raise ValueError(f"--shape sequence={request.shape['sequence']} exceeds the model's "
+                                 f"max_position_embeddings ({limit})")
+        self.shape = {**default, **request.shape}
+        self.say(f"{request.model}: {type(self.dense).__name__}, {request.sequences} calibration sequences of <= "
+                 f"{request.sequence_length} tokens, method {request.method}")
+
+    def _typed(self, batches: list[dict]) -> list[dict]:
+        if "token_type_ids" in self.loaded.input_names:
+            batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+        return batches
+
+    def prune(self, plan, observe=None):
+        request = self.request
+        options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
+                   "activation_dtype": getattr(torch, request.activation_dtype),
+                   "cost_sequence_length": self.shape["sequence"]}
+        if request.stream:
+            work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
+            checkpoint = StreamedCheckpoint(request.model, work / "model")
+            layers = prune_blocks(checkpoint, self.batches, plan, **options)
+            checkpoint.finish()
+            pruned = load_pruned(work / "model")
+            shutil.rmtree(work, ignore_errors=True)
+            return pruned, layers
+        pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
+        return pruned.cpu().eval(), layers
+
+    def export(self, module, path: Path) -> float:
+        names = self.loaded.input_names
+        example = {name: self.batches[0][name][:2].clone() for name in names}
+        export_hf_onnx(module, example, path, output_name=self.loaded.output_name)
+        return check_hf_parity(module, path, {k: self.batches[0][k] for k in names}, self.loaded.output_name)
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        batch, seq = self.shape["batch"], self.shape["sequence"]
+        vocab = int(getattr(self.dense.config, "vocab_size", 100))
+        ids = np.random.default_rng(0).integers(3, vocab, size=(batch, seq), dtype=np.int64)
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if "token_type_ids" in self.loaded.input_names:
+            feed["token_type_ids"] = np.zeros_like(ids)
+        return feed
+
+    def outputs(self, path: Path):
+        batches = [{k: v.numpy() for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
+        return run_outputs(path, batches, reduce="nll" if self.causal else "mean_pool")
+
+    def save(self, module, out: Path) -> str:
+        save_pruned(module, out / "model")
+        if self.loaded.tokenizer is not None:
+            self.loaded.tokenizer.save_pretrained(out / "model")
+        return "model/"
+
+    def extra(self) -> dict:
+        return {"sequences": self.request.sequences, "sequence_length": self.request.sequence_length,
+                "onnx_inputs": list(self.loaded.input_names), "onnx_output": self.loaded.output_name}
+
+
+def _score(job, outputs, reference) -> float:
+    """The metric of one model's evaluation outputs (`reference`: the dense model's, for cosine)."""
+    name = job.metric.name
+    if name == "top1":
+        return float((outputs.argmax(1) == job.eval_y).mean())
+    if name == "perplexity":
+        nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
+        return float(math.exp(nll / max(count, 1)))
+    a = np.concatenate([np.asarray(o).reshape(len(o), -1) for o in outputs]) if isinstance(outputs, list) \
+        else outputs.reshape(len(outputs), -1)
+    b = np.concatenate([np.asarray(o).reshape(len(o), -1) for o in reference]) if isinstance(reference, list) \
+        else reference.reshape(len(reference), -1)
+    cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    return float(cos.mean())
+
+
+def _drop(metric: Metric, baseline: float, value: float) -> float:
+    """Relative degradation (>= 0 is worse)."""
+    if baseline == 0:
+        return 0.0
+    return (baseline - value) / abs(baseline) if metric.higher_is_better else (value - baseline) / abs(baseline)
+
+
+# ---- the job ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Round:
+    plan: Any  # ratio or {layer: kept width}
+    module: Any
+    layers: list
+    onnx: Path
+    parity: float
+    latency: Latency
+    metric: float
+    predicted_saving: float | None = None
+
+
 def compress(request: CompressRequest, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the job; writes model.onnx, model.pt2 and report.json into request.out_dir."""
+    """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
+    Returns the report; its `status` says whether the target and the accuracy budget were met."""
     request.validate()
     say = progress or (lambda message: log.info("%s", message))
-    if is_transformer_reference(request.model):
-        return _compress_transformer(request, say)
     start = time.perf_counter()
-    loaded = load_model(request.model)
-    images = load_images(request.calibration, samples=request.samples, seed=request.seed,
-                         mean=request.mean, std=request.std)
-    if tuple(images.shape[1:]) != loaded.input_shape:
-        raise CalibrationError(f"calibration images have shape {tuple(images.shape[1:])}, the model expects "
-                               f"{loaded.input_shape}")
-    analysis = analyse(loaded.module)
-    say(f"{request.model}: {len(analysis.units)} prunable conv layers, {len(images)} calibration images, "
-        f"method {request.method}, ratio {request.uniform_ratio}")
-    pruned, layers = prune_conv_graph(loaded.module, images, request.uniform_ratio, method=request.method,
-                                      device=request.device, batch_size=request.batch_size, progress=say)
+    job = _TextJob(request, say) if is_transformer_reference(request.model) else _ConvJob(request, say)
+    provider = request.execution_provider or default_provider()
+    if request.deployment_target and request.deployment_target != provider:
+        say(f"WARNING: measuring on {provider}, but the declared deployment target is {request.deployment_target}; "
+            "the speedup may not transfer")
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    example = images[:2].clone()  # a view would save the whole calibration tensor
-    say("saving model.pt2 and exporting model.onnx")
-    save_program(pruned, out / "model.pt2", example)
-    export_onnx(pruned, example, out / "model.onnx", input_name=loaded.input_name)
-    parity = check_parity(pruned, out / "model.onnx", images[: min(16, len(images))])
-    return _write_report(request, out, start, loaded.module, pruned, layers, say, artifacts="model.pt2", extra={
-        "samples": len(images),
-        "not_pruned": analysis.refused,
-        "onnx": {"path": "model.onnx", "input": loaded.input_name, "output": "logits",
-                 "parity_max_abs_error": parity},
-    })
+    work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
+    try:
+        say("exporting the dense model for the baseline")
+        dense_onnx = work / "dense.onnx"
+        job.export(job.dense, dense_onnx)
+        reference = job.outputs(dense_onnx)
+        baseline_metric = _score(job, reference, reference)
+        feed = job.latency_feed()
+
+        def run_round(plan, index: int, predicted: float | None = None) -> _Round:
+            module, layers = job.prune(plan)
+            path = work / f"round{index}.onnx"
+            say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
+            parity = job.export(module, path)
+            latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                      repeats=request.repeats)
+            value = _score(job, job.outputs(path), reference)
+            say(f"round {index}: measured speedup {latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> "
+                f"{latency.compressed_ms:.1f} ms), {job.metric.name} {baseline_metric:.4f} -> {value:.4f}")
+            return _Round(plan, module, layers, path, parity, latency, value, predicted)
+
+        rounds: list[_Round] = []
+        if request.uniform_ratio is not None:
+            rounds.append(run_round(request.uniform_ratio, 0))
+        else:
+            curves = _curves(job, request, say)
+            rounds += _target_loop(request, curves, run_round, job, baseline_metric, say)
+        chosen, status = _choose(request, rounds, job.metric, baseline_metric)
+        say("saving the pruned model and model.onnx")
+        artifact = job.save(chosen.module, out)
+        os.replace(chosen.onnx, out / "model.onnx")
+        report = _report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
+        _write_json_atomically(out / "report.json", report)
+        write_html(report, out / "report.html")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    say(f"{status}: measured speedup {report['measured_speedup']:.3f}x, {job.metric.name} "
+        f"{report['metric']['baseline']:.4f} -> {report['metric']['compressed']:.4f}, params "
+        f"{report['params_before']} -> {report['params_after']}; wrote {out} in {report['elapsed_s']:.1f}s")
+    return report
 
 
-def _compress_transformer(request: CompressRequest, say: Callable[[str], None]) -> dict:
-    """Heads and FFN neurons of a HF transformer: pruned HF directory (+ width manifest) and ONNX."""
-    start = time.perf_counter()
-    loaded = load_transformer(request.model, weights=not request.stream)
-    batches = load_text(request.calibration, tokenizer=loaded.tokenizer, sequences=request.sequences,
-                        length=request.sequence_length, seed=request.seed, batch_size=16)
-    if "token_type_ids" in loaded.input_names:
-        batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
-    say(f"{request.model}: {type(loaded.model).__name__}, {request.sequences} calibration sequences of <= "
-        f"{request.sequence_length} tokens, method {request.method}, ratio {request.uniform_ratio}")
-    options = {"method": request.method, "device": request.device, "progress": say,
-               "activation_dtype": getattr(torch, request.activation_dtype)}
-    out = Path(request.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if request.stream:  # blocks from the shards, written back pruned into model/
-        checkpoint = StreamedCheckpoint(request.model, out / "model")
-        layers = prune_blocks(checkpoint, batches, request.uniform_ratio, **options)
-        checkpoint.finish()
-        pruned = load_pruned(out / "model")
-        say("exporting model.onnx")
-    else:
-        pruned, layers = prune_transformer(loaded.model, batches, request.uniform_ratio, **options)
-        pruned = pruned.cpu().eval()
-        say("saving the pruned model (model/) and exporting model.onnx")
-        save_pruned(pruned, out / "model")
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(out / "model")
-    example = {name: batches[0][name][:2].clone() for name in loaded.input_names}
-    export_hf_onnx(pruned, example, out / "model.onnx", output_name=loaded.output_name)
-    parity = check_hf_parity(pruned, out / "model.onnx", {k: batches[0][k] for k in loaded.input_names},
-                               loaded.output_name)
-    return _write_report(request, out, start, loaded.model, pruned, layers, say, artifacts="model/", extra={
-        "sequences": request.sequences,
-        "sequence_length": request.sequence_length,
-        "widths": widths(pruned),
-        "onnx": {"path": "model.onnx", "inputs": list(loaded.input_names), "output": loaded.output_name,
-                 "parity_max_abs_error": parity},
-    })
+def _curves(job, request: CompressRequest, say: Callable[[str], None]) -> list[LayerCurve]:
+    """Loss-versus-width curves of every layer from the dense model's statistics (one pass)."""
+    say("dense statistics pass: loss-versus-width curve of every layer")
+    curves: list[LayerCurve] = []
+    kv_multiple = 1
+
+    def observe(obs: LayerObservation) -> None:
+        groups = obs.H.shape[0] // obs.group_size
+        # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
+        multiple = kv_multiple if obs.kind == "attention_heads" else request.round_to
+        minimum = max(1, math.ceil(request.min_width * groups))
+        allowed = allowed_widths(groups, multiple, minimum)
+        losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
+        norm = obs.energy if obs.energy > 0 else 1.0
+        curves.append(LayerCurve(obs.name, obs.kind, allowed, [v / norm for v in losses], obs.cost))
+
+    job.prune(0.0, observe=observe)
+    return curves
 
 
-def _write_report(request: CompressRequest, out: Path, start: float, dense: torch.nn.Module,
-                  pruned: torch.nn.Module, layers: list, say: Callable[[str], None], *, artifacts: str,
-                  extra: dict) -> dict:
-    """report.json: the fields every job reports, then the model kind's own (`extra`)."""
-    report = {
-        "model": request.model,
-        "method": request.method,
+def _target_loop(request: CompressRequest, curves: list[LayerCurve], run_round, job, baseline_metric: float,
+                 say: Callable[[str], None]) -> list[_Round]:
+    """Allocate -> prune -> measure; correct the latency model's prunable share and retry."""
+    full = total_cost(curves)
+    share = 0.85  # fraction of the latency in the prunable layers: corrected after each measurement
+    target = request.target_speedup
+    rounds: list[_Round] = []
+    for index in range(request.max_rounds):
+        wanted = (1 - 1 / target) / share  # fraction of the prunable cost to remove
+        plan = allocate(curves, wanted * full)
+        saved = 1 - total_cost(curves, plan) / full
+        say(f"round {index}: removing {saved:.1%} of the prunable cost (modelled prunable share {share:.2f})")
+        result = run_round(plan, index, predicted=1 / (1 - share * saved))
+        rounds.append(result)
+        speedup = result.latency.speedup
+        blown = request.accuracy_budget is not None and \
+            _drop(job.metric, baseline_metric, result.metric) > request.accuracy_budget
+        if blown and request.back_off:
+            target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
+            say(f"round {index}: accuracy budget exceeded; backing off to {target:.3f}x")
+        elif MET * request.target_speedup <= speedup <= AIM * request.target_speedup:
+            break
+        if saved > 0 and speedup > 0:  # observed share of the latency that the removed cost accounted for
+            share = min(1.5, max(0.05, (1 - 1 / speedup) / saved))
+        if saved >= 1 - 1e-9 or (speedup < MET * target and saved >= _max_saving(curves) - 1e-9):
+            say("the minimum widths allow no more pruning")
+            break
+    return rounds
+
+
+def _max_saving(curves: list[LayerCurve]) -> float:
+    full = total_cost(curves)
+    return 1 - sum(c.cost * c.widths[-1] for c in curves) / full
+
+
+def _choose(request: CompressRequest, rounds: list[_Round], metric: Metric, baseline: float) -> tuple[_Round, str]:
+    def within_budget(r: _Round) -> bool:
+        return request.accuracy_budget is None or _drop(metric, baseline, r.metric) <= request.accuracy_budget
+
+    def quality(r: _Round) -> float:
+        return r.metric if metric.higher_is_better else -r.metric
+
+    if request.uniform_ratio is not None:
+        chosen = rounds[0]
+        return chosen, "ok" if within_budget(chosen) else "accuracy_budget_exceeded"
+    target = request.target_speedup
+    met = [r for r in rounds if r.latency.speedup >= MET * target]
+    if request.back_off:
+        fine = [r for r in rounds if within_budget(r)]
+        if fine:
+            best = max(fine, key=lambda r: r.latency.speedup)
+            return best, "ok" if best.latency.speedup >= MET * target else "target_not_met"
+        return max(rounds, key=quality), "accuracy_budget_exceeded"
+    if met:
+        best = max(met, key=quality)
+        return best, "ok" if within_budget(best) else "accuracy_budget_exceeded"
+    return max(rounds, key=lambda r: r.latency.speedup), "target_not_met"
+
+
+def _report(request: CompressRequest, job, chosen: _Round, rounds: list[_Round], status: str, baseline_metric: float,
+            provider: str, artifact: str, start: float) -> dict:
+    import onnxruntime
+    import transformers
+
+    lat = chosen.latency
+    return {
+        "status": status,
+        "target_speedup": request.target_speedup,
         "uniform_ratio": request.uniform_ratio,
+        "measured_speedup": lat.speedup,
+        "baseline_latency_ms": lat.baseline_ms,
+        "compressed_latency_ms": lat.compressed_ms,
+        "latency_p90_ms": {"baseline": lat.baseline_p90_ms, "compressed": lat.compressed_p90_ms},
+        "execution_provider": provider,
+        "threads": lat.threads,
+        "device": device_name(provider),
+        "deployment_target": request.deployment_target,
+        "shape": job.shape,
+        "metric": {"name": job.metric.name, "baseline": baseline_metric, "compressed": chosen.metric,
+                   "relative_drop": _drop(job.metric, baseline_metric, chosen.metric)},
+        "params_before": job.params_before,
+        "params_after": count_parameters(chosen.module),
+        "method": request.method,
+        "layers": [{"name": r.name, "kind": r.kind, "width_before": r.width_before, "width_after": r.width_after,
+                    "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds}
+                   for r in chosen.layers],
+        "rounds": [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_saving,
+                    "metric": r.metric} for r in rounds],
+        "model": request.model,
         "calibration": str(request.calibration),
+        "eval": str(request.eval) if request.eval else None,
         "seed": request.seed,
-        "params_before": count_parameters(dense),
-        "params_after": count_parameters(pruned),
-        "layers": [asdict(layer) for layer in layers],
-        **extra,
+        "artifacts": {"onnx": "model.onnx", "model": artifact, "parity_max_abs_error": chosen.parity},
+        **({"widths": widths(chosen.module)} if job.kind == "transformer" else {}),
+        **job.extra(),
+        "versions": {"osscar": _version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+                     "transformers": transformers.__version__, "python": sys.version.split()[0]},
         "elapsed_s": time.perf_counter() - start,
     }
-    _write_json_atomically(out / "report.json", report)
-    say(f"params {report['params_before']} -> {report['params_after']}; wrote {out}/model.onnx, {artifacts}, "
-        f"report.json in {report['elapsed_s']:.1f}s")
-    return report
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("osscar-service")
+    except PackageNotFoundError:
+        return "unknown"

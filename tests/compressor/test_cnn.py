@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from compressor.calibration import load_images
-from compressor.cnn import num_to_prune, prune_conv_graph
+from compressor.cnn import prune_conv_graph
 from compressor.graph import analyse
+from compressor.layerstats import num_to_prune
 from compressor.surgery import count_parameters
 
 from .conv_models import EXPECTED_UNITS, exported, prefix_module

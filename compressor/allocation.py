@@ -1,0 +1,97 @@
+"""Per-layer widths for a latency budget: loss-versus-width curves and their allocation.
+
+Curves come from the dense model's layer statistics (one calibration pass): the nested greedy path
+of OSSCAR (prune the groups with the smallest impact B_j, a few at a time) gives f for every width
+along one path from one factorisation. Each layer's loss is normalised by its dense output energy
+(a relative error), so layers of different scales compare. `allocate` then removes width where the
+loss per unit of saved latency is smallest until the predicted saving is reached (a greedy on the
+Lagrangian, exact for convex curves), never below a layer's minimum width.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .osscar import OsscarConfig, OsscarSolver
+from .problem import LayerProblem
+
+
+def allowed_widths(groups: int, multiple: int, minimum: int) -> list[int]:
+    """Kept widths a layer may take, descending: its full width, then the multiples of `multiple`
+    (hardware-friendly sizes) down to `minimum` (at least one group, or one multiple)."""
+    if groups < 1 or multiple < 1:
+        raise ValueError(f"need groups >= 1 and multiple >= 1 (got {groups}, {multiple})")
+    floor = max(1, minimum)
+    widths = [groups] + [w for w in range(groups - groups % multiple, 0, -multiple) if w != groups and w >= floor]
+    if groups < multiple and groups > floor:  # a layer narrower than the multiple: allow its floor
+        widths.append(floor)
+    return widths
+
+
+def loss_path(H: Tensor, G: Tensor, group_size: int, widths: Sequence[int]) -> list[float]:
+    """f(S_w) - f(dense) for each kept width in `widths` (descending), along the nested greedy path."""
+    groups = H.shape[0] // group_size
+    if list(widths) != sorted(widths, reverse=True) or widths[0] > groups or widths[-1] < 1:
+        raise ValueError(f"widths must descend within [1, {groups}] (got {list(widths)})")
+    problem = LayerProblem.validate(H, G, group_size, groups - widths[-1])
+    state = OsscarSolver(problem, OsscarConfig()).start()
+    out = []
+    for width in widths:
+        remove = groups - width - int((~state.kept).sum())
+        while remove > 0:  # in steps of at most 1/5 of what is left, as the greedy phase
+            t = max(1, min(remove, (groups - width) // 5 or 1))
+            state.prune(torch.topk(state.scores(), t, largest=False).indices)
+            remove -= t
+        out.append(state.f - state.f0)
+    return out
+
+
+@dataclass
+class LayerCurve:
+    name: str
+    kind: str  # conv_channels | attention_heads | ffn_neurons
+    widths: list[int]  # allowed kept widths (groups), descending, widths[0] = dense
+    loss: list[float]  # normalised loss at each width (0 at the dense width)
+    cost: float  # latency-model cost of one group (FLOPs at the declared shape)
+
+    @property
+    def groups(self) -> int:
+        return self.widths[0]
+
+
+def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
+    """Kept width per layer that saves at least `saving` cost units at the least total loss (greedy on
+    the marginal loss per saved cost). Saves as much as the minimum widths allow if `saving` is out of
+    reach."""
+    position = {c.name: 0 for c in curves}
+    heap: list[tuple[float, int, str]] = []
+
+    def push(curve: LayerCurve) -> None:
+        k = position[curve.name]
+        if k + 1 < len(curve.widths):
+            saved = curve.cost * (curve.widths[k] - curve.widths[k + 1])
+            dloss = max(0.0, curve.loss[k + 1] - curve.loss[k])
+            heapq.heappush(heap, (dloss / max(saved, 1e-30), id(curve), curve.name))
+
+    by_name = {c.name: c for c in curves}
+    for curve in curves:
+        push(curve)
+    done = 0.0
+    while done < saving and heap:
+        _, _, name = heapq.heappop(heap)
+        curve = by_name[name]
+        k = position[name]
+        done += curve.cost * (curve.widths[k] - curve.widths[k + 1])
+        position[name] = k + 1
+        push(curve)
+    return {c.name: c.widths[position[c.name]] for c in curves}
+
+
+def total_cost(curves: Sequence[LayerCurve], widths: dict[str, int] | None = None) -> float:
+    """The prunable cost of the layers at `widths` (dense widths when None)."""
+    return sum(c.cost * (widths[c.name] if widths else c.groups) for c in curves)

@@ -1,0 +1,164 @@
+"""ONNX Runtime, always in a spawned subprocess: outputs for the parity gate and evaluation, and
+latency of a baseline and a compressed model measured alternately in one process.
+
+A crashing or hanging session (a bad kernel, an out-of-memory provider) ends the subprocess, not
+the caller: it surfaces as `RuntimeFailure`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class RuntimeFailure(RuntimeError):
+    """ONNX Runtime failed or crashed in its subprocess."""
+
+
+def default_provider() -> str:
+    import onnxruntime as ort
+
+    return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def device_name(provider: str) -> str:
+    if provider == "cuda":
+        try:
+            import torch
+
+            return torch.cuda.get_device_name(0)
+        except Exception:  # a name is informative only
+            return "CUDA device"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({default_threads()} cores available)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _session(path: str, provider: str, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    providers = [PROVIDERS[provider]] + (["CPUExecutionProvider"] if provider != "cpu" else [])
+    return ort.InferenceSession(path, options, providers=providers)
+
+
+def _feed(session, inputs: list[np.ndarray] | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if isinstance(inputs, dict):
+        return {i.name: inputs[i.name] for i in session.get_inputs()}
+    return {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
+
+
+def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
+    if kind == "raw":
+        return output
+    if kind == "mean_pool":  # sentence embeddings: mean over non-padding tokens
+        mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64))[..., None].astype(np.float64)
+        return (output * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    if kind == "nll":  # causal LM: summed next-token NLL and token count (padding excluded)
+        logits = output[:, :-1].astype(np.float64)
+        target = feed["input_ids"][:, 1:]
+        mask = feed.get("attention_mask", np.ones_like(feed["input_ids"]))[:, 1:].astype(bool)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        picked = np.take_along_axis(logp, target[..., None], -1)[..., 0]
+        return float(-(picked * mask).sum()), int(mask.sum())
+    raise ValueError(f"unknown reduction {kind!r}")
+
+
+def _outputs_worker(path: str, batches: list, provider: str, threads: int, reduce: str) -> list:
+    session = _session(path, provider, threads)
+    out = []
+    for inputs in batches:
+        feed = _feed(session, inputs)
+        results = session.run(None, feed)
+        out.append(results if reduce == "all" else _reduce(reduce, results[0], feed))
+    return out
+
+
+def _call(fn, *args):
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool as err:
+            raise RuntimeFailure("ONNX Runtime crashed in its subprocess") from err
+        except Exception as err:  # re-raised typed, with the cause
+            raise RuntimeFailure(f"ONNX Runtime failed: {type(err).__name__}: {err}") from err
+
+
+def run_outputs(path: str | Path, batches: list, *, provider: str = "cpu", threads: int | None = None,
+                reduce: str = "all") -> list:
+    """Run `path` on each batch (a list in input order, or a dict by name) in a subprocess; per batch all
+    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "nll")."""
+    return _call(_outputs_worker, str(path), batches, provider, threads or default_threads(), reduce)
+
+
+@dataclass(frozen=True)
+class Latency:
+    baseline_ms: float  # median
+    compressed_ms: float
+    baseline_p90_ms: float
+    compressed_p90_ms: float
+    speedup: float  # ratio of the medians
+    provider: str
+    threads: int
+    device: str
+    repeats: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _latency_worker(baseline: str, compressed: str, feed: dict, provider: str, threads: int, warmup: int,
+                    repeats: int) -> tuple[list[float], list[float]]:
+    import time
+
+    sessions = [_session(baseline, provider, threads), _session(compressed, provider, threads)]
+    feeds = [_feed(s, feed) for s in sessions]
+    for _ in range(warmup):
+        for s, f in zip(sessions, feeds, strict=True):
+            s.run(None, f)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):  # alternate, so a noisy neighbour slows both alike
+        for k, (s, f) in enumerate(zip(sessions, feeds, strict=True)):
+            start = time.perf_counter()
+            s.run(None, f)
+            times[k].append(1000 * (time.perf_counter() - start))
+    return times
+
+
+def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
+                    provider: str = "cpu", threads: int | None = None, warmup: int = 3,
+                    repeats: int = 20) -> Latency:
+    """Median and p90 latency of two models on one input, runs alternating in one subprocess."""
+    if provider not in PROVIDERS:
+        raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
+    threads = threads or default_threads()
+    base, comp = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup, repeats)
+
+    def p90(values: list[float]) -> float:
+        return float(np.percentile(values, 90))
+
+    b, c = statistics.median(base), statistics.median(comp)
+    return Latency(b, c, p90(base), p90(comp), b / c, provider, threads, device_name(provider), repeats)

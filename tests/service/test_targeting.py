@@ -1,0 +1,141 @@
+"""Target mode: the closed loop corrects its latency model; the report contract; the CLI's exit codes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from compressor.allocation import LayerCurve, total_cost
+from exporters.runtime import Latency
+from service import cli
+from service.compress import CompressRequest, Metric, _choose, _Round, _target_loop
+
+
+def curves():
+    out = []
+    for i in range(6):  # convex losses, different per layer
+        widths = list(range(64, 0, -8))
+        out.append(LayerCurve(f"layer{i}", "ffn_neurons", widths, [(i + 1) * (1 - w / 64) ** 2 for w in widths],
+                              cost=1.0 + i % 3))
+    return out
+
+
+def fake_rounds(share: float):
+    """run_round of a model whose true prunable share of the latency is `share`."""
+    layer_curves = curves()
+    full = total_cost(layer_curves)
+
+    def run_round(plan, index, predicted=None):
+        saved = 1 - total_cost(layer_curves, plan) / full
+        compressed = 100.0 * (1 - share * saved)
+        latency = Latency(100.0, compressed, 101.0, compressed + 1, 100.0 / compressed, "cpu", 2, "test", 5)
+        quality = 1.0 - sum(c.loss[c.widths.index(plan[c.name])] for c in layer_curves) / 100
+        return _Round(plan, None, [], None, 0.0, latency, quality, predicted)
+
+    return layer_curves, run_round
+
+
+@pytest.mark.parametrize("share,target", [(0.6, 1.5), (0.95, 1.25), (0.4, 1.3)])
+def test_the_loop_corrects_its_latency_model_and_meets_the_target(share, target):
+    layer_curves, run_round = fake_rounds(share)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target)
+    rounds = _target_loop(request, layer_curves, run_round, None, 1.0, lambda m: None)
+    assert len(rounds) <= request.max_rounds
+    chosen, status = _choose(request, rounds, Metric("cosine", True), 1.0)
+    assert status == "ok"
+    assert 0.98 * target <= chosen.latency.speedup <= 1.10 * target
+
+
+def test_an_unreachable_target_returns_the_fastest_round_as_not_met():
+    layer_curves, run_round = fake_rounds(0.3)  # even the minimum widths give < 1.4x
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=3.0)
+    rounds = _target_loop(request, layer_curves, run_round, None, 1.0, lambda m: None)
+    chosen, status = _choose(request, rounds, Metric("cosine", True), 1.0)
+    assert status == "target_not_met"
+    assert chosen.latency.speedup == max(r.latency.speedup for r in rounds)
+
+
+class CosineJob:
+    metric = Metric("cosine", True)
+
+
+def test_accuracy_budget_and_back_off():
+    layer_curves, run_round = fake_rounds(0.8)
+    strict = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, accuracy_budget=0.001)
+    rounds = _target_loop(strict, layer_curves, run_round, CosineJob, 1.0, lambda m: None)
+    assert _choose(strict, rounds, Metric("cosine", True), 1.0)[1] == "accuracy_budget_exceeded"
+    backing = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, accuracy_budget=0.01,
+                              back_off=True, max_rounds=6)
+    rounds = _target_loop(backing, layer_curves, run_round, CosineJob, 1.0, lambda m: None)
+    chosen, status = _choose(backing, rounds, Metric("cosine", True), 1.0)
+    assert 1.0 - chosen.metric <= 0.01  # within the budget
+    assert chosen.latency.speedup == max(r.latency.speedup for r in rounds if 1.0 - r.metric <= 0.01)
+    assert status in ("ok", "target_not_met")
+
+
+REPORT_KEYS = {"status", "target_speedup", "uniform_ratio", "measured_speedup", "baseline_latency_ms",
+               "compressed_latency_ms", "execution_provider", "device", "shape", "metric", "params_before",
+               "params_after", "method", "layers", "versions", "elapsed_s"}
+
+
+def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
+    import torch
+
+    from compressor.models import save_program
+    from tests.compressor.conv_models import exported
+
+    save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
+    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
+    np.savez(tmp_path / "cal.npz", x=x)
+    np.savez(tmp_path / "eval.npz", x=x[:20], y=np.arange(20) % 10)
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "model.pt2"), "--target-speedup", "1.3", "--calibration",
+                     str(tmp_path / "cal.npz"), "--eval", str(tmp_path / "eval.npz"), "--out", str(out),
+                     "--samples", "40", "--repeats", "5", "--shape", "batch=16", "--max-rounds", "2"])
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= REPORT_KEYS
+    assert report["uniform_ratio"] is None and report["target_speedup"] == 1.3
+    assert report["metric"]["name"] == "top1" and report["shape"] == {"batch": 16}
+    met = report["measured_speedup"] >= 0.98 * 1.3
+    assert report["status"] == ("ok" if met else "target_not_met") and code == (0 if met else 2)
+    assert all(layer["width_after"] % 8 == 0 or layer["width_after"] == layer["width_before"]
+               or layer["width_before"] < 8 for layer in report["layers"])
+    assert 1 <= len(report["rounds"]) <= 2
+    assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file() and (out / "report.html").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no work files left behind
+
+
+def test_bad_target_arguments_are_refused(tmp_path, capsys):
+    base = ["compress", "m.pt2", "--calibration", "c.npz", "--out", str(tmp_path / "o")]
+    for extra, words in ((["--target-speedup", "0.9"], "--target-speedup must be in (1, 20]"),
+                         (["--target-speedup", "nan"], "--target-speedup must be in (1, 20]"),
+                         (["--target-speedup", "2", "--accuracy-budget", "1.5"], "--accuracy-budget"),
+                         (["--target-speedup", "2", "--back-off"], "--back-off needs --accuracy-budget"),
+                         (["--target-speedup", "2", "--shape", "batch=0"], "--shape")):
+        assert cli.main(base + extra) == 2
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # both modes at once: argparse refuses
+        cli.main([*base, "--target-speedup", "2", "--uniform-ratio", "0.5"])
+
+
+def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
+    from tests.compressor.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    lengths = [30, 25, 40, 33]
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=sum(lengths)),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "llama"), "--target-speedup", "1.2", "--calibration",
+                     str(tmp_path / "ids.npz"), "--out", str(out), "--sequences", "8", "--sequence-length", "16",
+                     "--repeats", "5", "--max-rounds", "2", "--min-width", "0.5"])
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= REPORT_KEYS and report["metric"]["name"] == "perplexity"
+    assert report["shape"] == {"batch": 1, "sequence": 32}  # 512 clamped to max_position_embeddings
+    assert code == (0 if report["status"] == "ok" else 2)
+    for layer in report["layers"]:
+        assert 2 * layer["width_after"] >= layer["width_before"]  # --min-width 0.5
+        if layer["kind"] == "ffn_neurons":
+            assert layer["width_after"] in (20, 16)  # the full width or multiples of 8 above 10
+    assert report["widths"]["head_groups"] == [r["width_after"] for r in report["layers"]
+                                               if r["kind"] == "attention_heads"]
