@@ -44,10 +44,34 @@ def export_onnx(
     with torch.no_grad():
         program = torch.onnx.export(
             module, (example,), dynamo=True, input_names=[input_name], output_names=[output_name],
-            dynamic_shapes=({0: batch},), opset_version=opset, external_data=False, verbose=False,
+            dynamic_shapes=({0: batch},), opset_version=opset, verbose=False,
         )
-    program.save(str(path))
+    program.save(str(path), external_data=_needs_external_data(module))
     return path
+
+
+EXTERNAL_DATA_BYTES = 2 * 1024**3  # protobuf's limit: larger models keep their weights beside the .onnx
+
+
+def _needs_external_data(module: torch.nn.Module) -> bool:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) >= EXTERNAL_DATA_BYTES
+
+
+def stamp_metadata(path: str | Path, metadata: dict[str, object]) -> None:
+    """Record preprocessing and provenance in the ONNX file's metadata_props (values as JSON strings)."""
+    import json
+
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    existing = {p.key: p for p in model.metadata_props}
+    for key, value in metadata.items():
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if key in existing:
+            existing[key].value = text
+        else:
+            model.metadata_props.add(key=key, value=text)
+    onnx.save(model, str(path))
 
 
 class _NamedInputs(torch.nn.Module):
@@ -86,7 +110,7 @@ def export_hf_onnx(
             output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
             opset_version=opset, verbose=False,
         )
-    program.save(str(path))
+    program.save(str(path), external_data=_needs_external_data(model))
     return path
 
 

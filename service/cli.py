@@ -59,6 +59,7 @@ def _compress(args: argparse.Namespace) -> int:
 
     request = CompressRequest(
         model=args.model, uniform_ratio=args.uniform_ratio, target_speedup=args.target_speedup,
+        widths_from=args.widths_from,
         calibration=args.calibration, eval=args.eval, out_dir=args.out, method=args.method, samples=args.samples,
         seed=args.seed, mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
         sequences=args.sequences, sequence_length=args.sequence_length, stream=args.stream,
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--uniform-ratio", type=float,
                       help="fraction of each prunable layer's channels removed (rounded, >= 1 kept): the paper's "
                       "protocol, one round")
+    mode.add_argument("--widths-from", type=Path,
+                      help="the per-layer widths of an earlier report.json (e.g. to compare methods at equal widths)")
     comp.add_argument("--calibration", type=Path, required=True,
                       help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text (transformers): "
                       ".txt/.jsonl through the model's tokenizer, or token ids as .npz (ids, offsets) / .npy")

@@ -36,7 +36,7 @@ from compressor.solve import METHODS
 from compressor.surgery import count_parameters
 from compressor.transformer_pipeline import prune_blocks, prune_transformer
 from compressor.transformer_surgery import load_pruned, save_pruned, widths
-from exporters.onnx import check_hf_parity, check_parity, export_hf_onnx, export_onnx
+from exporters.onnx import check_hf_parity, check_parity, export_hf_onnx, export_onnx, stamp_metadata
 from exporters.runtime import PROVIDERS, Latency, default_provider, device_name, measure_latency, run_outputs
 
 from .report_html import write_html
@@ -55,6 +55,7 @@ class CompressRequest:
     out_dir: Path
     uniform_ratio: float | None = None  # fraction of each prunable layer's groups removed
     target_speedup: float | None = None  # measured speedup to reach instead
+    widths_from: Path | None = None  # or the per-layer widths of an earlier report.json (e.g. another method's)
     eval: Path | None = None  # evaluation data (images .npz with labels y -> top-1; token ids -> perplexity)
     method: str = "osscar"
     samples: int = 500  # calibration images drawn (seeded)
@@ -83,8 +84,10 @@ class CompressRequest:
         if self.method not in PRUNING_METHODS:
             errors.append(f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
         assert set(PRUNING_METHODS) <= set(METHODS)
-        if (self.uniform_ratio is None) == (self.target_speedup is None):
-            errors.append("give exactly one of --target-speedup and --uniform-ratio")
+        if sum(x is not None for x in (self.uniform_ratio, self.target_speedup, self.widths_from)) != 1:
+            errors.append("give exactly one of --target-speedup, --uniform-ratio and --widths-from")
+        if self.widths_from is not None and not Path(self.widths_from).is_file():
+            errors.append(f"--widths-from: no such report: {self.widths_from}")
         if self.uniform_ratio is not None and not 0 < self.uniform_ratio < 1:
             errors.append(f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
         if self.target_speedup is not None and not (math.isfinite(self.target_speedup) and
@@ -193,6 +196,11 @@ class _ConvJob:
     def extra(self) -> dict:
         return {"samples": len(self.images), "not_pruned": self.analysis.refused}
 
+    def preprocessing(self) -> dict:
+        return {"input": self.loaded.input_name, "layout": "NCHW float32", "shape": list(self.loaded.input_shape),
+                "npz_images": "uint8 NHWC / 255, then (x - mean) / std", "mean": list(self.request.mean),
+                "std": list(self.request.std)}
+
 
 class _TextJob:
     kind = "transformer"
@@ -268,6 +276,10 @@ class _TextJob:
         if self.loaded.tokenizer is not None:
             self.loaded.tokenizer.save_pretrained(out / "model")
         return "model/"
+
+    def preprocessing(self) -> dict:
+        return {"inputs": list(self.loaded.input_names), "tokenizer": "the model's (saved in model/)"
+                if self.loaded.tokenizer is not None else None}
 
     def extra(self) -> dict:
         return {"sequences": self.request.sequences, "sequence_length": self.request.sequence_length,
@@ -349,6 +361,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         rounds: list[_Round] = []
         if request.uniform_ratio is not None:
             rounds.append(run_round(request.uniform_ratio, 0))
+        elif request.widths_from is not None:
+            rounds.append(run_round(_widths_of(request.widths_from), 0))
         else:
             curves = _curves(job, request, say)
             rounds += _target_loop(request, curves, run_round, job, baseline_metric, say)
@@ -356,6 +370,13 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         say("saving the pruned model and model.onnx")
         artifact = job.save(chosen.module, out)
         os.replace(chosen.onnx, out / "model.onnx")
+        for data in work.glob(f"{chosen.onnx.name}.data"):  # external weights of a model over 2 GB
+            os.replace(data, out / "model.onnx.data")
+        stamp_metadata(out / "model.onnx", {
+            "osscar.source_model": request.model, "osscar.method": request.method,
+            "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": _sha256(request.calibration),
+            "osscar.seed": request.seed, "osscar.version": _version(), "osscar.preprocessing": job.preprocessing(),
+            "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
         report = _report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
         _write_json_atomically(out / "report.json", report)
         write_html(report, out / "report.html")
@@ -417,6 +438,15 @@ def _target_loop(request: CompressRequest, curves: list[LayerCurve], run_round, 
     return rounds
 
 
+def _widths_of(path: Path) -> dict[str, int]:
+    """{layer: kept width} from a report.json's layers."""
+    try:
+        layers = json.loads(Path(path).read_text())["layers"]
+        return {layer["name"]: int(layer["width_after"]) for layer in layers}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--widths-from {path}: expected a report.json with layers[].name and width_after") from err
+
+
 def _max_saving(curves: list[LayerCurve]) -> float:
     full = total_cost(curves)
     return 1 - sum(c.cost * c.widths[-1] for c in curves) / full
@@ -429,7 +459,7 @@ def _choose(request: CompressRequest, rounds: list[_Round], metric: Metric, base
     def quality(r: _Round) -> float:
         return r.metric if metric.higher_is_better else -r.metric
 
-    if request.uniform_ratio is not None:
+    if request.target_speedup is None:
         chosen = rounds[0]
         return chosen, "ok" if within_budget(chosen) else "accuracy_budget_exceeded"
     target = request.target_speedup
@@ -486,6 +516,16 @@ def _report(request: CompressRequest, job, chosen: _Round, rounds: list[_Round],
                      "transformers": transformers.__version__, "python": sys.version.split()[0]},
         "elapsed_s": time.perf_counter() - start,
     }
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _version() -> str:

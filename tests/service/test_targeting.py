@@ -103,6 +103,12 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert 1 <= len(report["rounds"]) <= 2
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file() and (out / "report.html").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no work files left behind
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx")).metadata_props}
+    assert meta["osscar.method"] == "osscar" and len(meta["osscar.calibration_sha256"]) == 64
+    assert json.loads(meta["osscar.widths"]) == {r["name"]: r["width_after"] for r in report["layers"]}
+    assert json.loads(meta["osscar.preprocessing"])["mean"] == [0.485, 0.456, 0.406]
 
 
 def test_bad_target_arguments_are_refused(tmp_path, capsys):
@@ -139,3 +145,21 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
             assert layer["width_after"] in (20, 16)  # the full width or multiples of 8 above 10
     assert report["widths"]["head_groups"] == [r["width_after"] for r in report["layers"]
                                                if r["kind"] == "attention_heads"]
+
+
+def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(tmp_path):
+    import torch
+
+    from compressor.models import save_program
+    from tests.compressor.conv_models import exported
+
+    save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
+    base = [str(tmp_path / "model.pt2"), "--calibration", str(tmp_path / "cal.npz"), "--repeats", "3",
+            "--shape", "batch=4"]
+    assert cli.main(["compress", *base, "--uniform-ratio", "0.5", "--out", str(tmp_path / "a")]) == 0
+    assert cli.main(["compress", *base, "--widths-from", str(tmp_path / "a" / "report.json"), "--method", "mp+",
+                     "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("a", "b"))
+    assert [r["width_after"] for r in a["layers"]] == [r["width_after"] for r in b["layers"]]
+    assert b["method"] == "mp+" and b["params_after"] == a["params_after"]

