@@ -1,6 +1,6 @@
 """Peak memory of transformer pruning against model size -> bench/RESULTS.md.
 
-    python bench/memory.py                        # ~3.8 GB fp32 random-init Llama-style decoder
+    python bench/memory.py                        # ~3.3 GB fp32 random-init Llama-style decoder
     python bench/memory.py --layers 4 --hidden 1024 --intermediate 2816   # a quick run
 
 Builds (once, cached in --workdir) a random-init decoder saved as safetensors shards, then prunes it
