@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ class CompressRequest:
     accuracy_budget: float | None = None  # max relative drop of the metric
     back_off: bool = False  # on a blown budget, return the largest measured speedup that meets it
     repeats: int = 20  # latency runs per model
+    opset: int = 18  # ONNX opset of the exports
+    # target mode: where dense loss curves are cached (None: not cached)
+    curves_cache: Path | None = field(default_factory=lambda: default_home() / "curves")
 
     def validate(self) -> None:
         errors = []
@@ -119,10 +122,17 @@ class CompressRequest:
             errors.append(f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
         if self.back_off and self.accuracy_budget is None:
             errors.append("--back-off needs --accuracy-budget")
+        if not 14 <= self.opset <= 23:
+            errors.append(f"--opset must be in [14, 23] (got {self.opset})")
         if self.repeats < 3:
             errors.append(f"--repeats must be >= 3 (got {self.repeats})")
         if errors:
             raise ValueError("; ".join(errors))
+
+
+def default_home() -> Path:
+    """$OSSCAR_HOME, else ~/.osscar: caches and (later) the service's data."""
+    return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
@@ -177,7 +187,7 @@ class _ConvJob:
 
     def export(self, module, path: Path) -> float:
         example = self.images[:2].clone()  # a view would save the whole calibration tensor
-        export_onnx(module, example, path, input_name=self.loaded.input_name)
+        export_onnx(module, example, path, input_name=self.loaded.input_name, opset=self.request.opset)
         return check_parity(module, path, self.images[: min(16, len(self.images))])
 
     def latency_feed(self) -> dict[str, np.ndarray]:
@@ -255,7 +265,7 @@ class _TextJob:
     def export(self, module, path: Path) -> float:
         names = self.loaded.input_names
         example = {name: self.batches[0][name][:2].clone() for name in names}
-        export_hf_onnx(module, example, path, output_name=self.loaded.output_name)
+        export_hf_onnx(module, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
         return check_hf_parity(module, path, {k: self.batches[0][k] for k in names}, self.loaded.output_name)
 
     def latency_feed(self) -> dict[str, np.ndarray]:
@@ -388,8 +398,36 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     return report
 
 
+def _fingerprint(path: str | Path) -> list:
+    """What identifies a model or data reference without reading gigabytes: each file's name, size and
+    modification time (a content digest for files under 64 MB)."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
+    out: list = [str(path.resolve()) if path.exists() else str(path)]
+    for f in files:
+        stat = f.stat()
+        out.append([f.name, stat.st_size, _sha256(f) if stat.st_size < 64 << 20 else stat.st_mtime_ns])
+    return out
+
+
+def curves_cache_key(job, request: CompressRequest) -> str:
+    import hashlib
+
+    parts = {"model": _fingerprint(request.model), "calibration": _fingerprint(request.calibration),
+             "seed": request.seed, "samples": request.samples, "sequences": request.sequences,
+             "sequence_length": request.sequence_length, "mean": request.mean, "std": request.std,
+             "round_to": request.round_to, "min_width": request.min_width, "shape": job.shape,
+             "version": _version()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
 def _curves(job, request: CompressRequest, say: Callable[[str], None]) -> list[LayerCurve]:
-    """Loss-versus-width curves of every layer from the dense model's statistics (one pass)."""
+    """Loss-versus-width curves of every layer from the dense model's statistics (one pass), cached by
+    model, calibration and settings, so a sweep of targets costs one calibration pass."""
+    cache = Path(request.curves_cache) / f"{curves_cache_key(job, request)}.json" if request.curves_cache else None
+    if cache is not None and cache.is_file():
+        say(f"dense statistics: cached curves {cache}")
+        return [LayerCurve(**c) for c in json.loads(cache.read_text())]
     say("dense statistics pass: loss-versus-width curve of every layer")
     curves: list[LayerCurve] = []
     kv_multiple = 1
@@ -405,6 +443,9 @@ def _curves(job, request: CompressRequest, say: Callable[[str], None]) -> list[L
         curves.append(LayerCurve(obs.name, obs.kind, allowed, [v / norm for v in losses], obs.cost))
 
     job.prune(0.0, observe=observe)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _write_json_atomically(cache, [asdict(c) for c in curves])
     return curves
 
 

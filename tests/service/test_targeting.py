@@ -8,7 +8,7 @@ import pytest
 from compressor.allocation import LayerCurve, total_cost
 from exporters.runtime import Latency
 from service import cli
-from service.compress import CompressRequest, Metric, _choose, _Round, _target_loop
+from service.compress import CompressRequest, Metric, _choose, _Round, _target_loop, compress
 
 
 def curves():
@@ -163,3 +163,23 @@ def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(
     a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("a", "b"))
     assert [r["width_after"] for r in a["layers"]] == [r["width_after"] for r in b["layers"]]
     assert b["method"] == "mp+" and b["params_after"] == a["params_after"]
+
+
+def test_a_second_target_reuses_the_cached_dense_curves(tmp_path, osscar_home):
+    import torch
+
+    from compressor.models import save_program
+    from tests.compressor.conv_models import exported
+
+    save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
+    messages: list[list[str]] = []
+    for target, out in ((1.2, "a"), (1.4, "b")):
+        messages.append([])
+        request = CompressRequest(model=str(tmp_path / "model.pt2"), calibration=tmp_path / "cal.npz",
+                                  out_dir=tmp_path / out, target_speedup=target, repeats=3, max_rounds=1,
+                                  shape={"batch": 4})
+        compress(request, progress=messages[-1].append)
+    assert any("dense statistics pass" in m for m in messages[0])
+    assert any("cached curves" in m for m in messages[1]) and not any("statistics pass" in m for m in messages[1])
+    assert len(list((osscar_home / "curves").glob("*.json"))) == 1
