@@ -57,6 +57,9 @@ class LayerObservation:
     group_size: int
     energy: float  # 1/2 ||X_hat W_hat||^2 (centred likewise): the loss normaliser
     cost: float  # FLOPs one group costs per sample at the pipeline's shape (latency model)
+    # 1/2 ||residual stream||^2 where the layer's output joins it (None: no residual), the scale its
+    # error is felt at
+    stream_energy: float | None = None
 
 
 class LayerStatistics:

@@ -222,6 +222,8 @@ def prune_blocks(
     reports = []
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
+        # the residual stream this block's projections add to, over the counted tokens
+        stream_energy = sum(0.5 * float(_rows(s.hidden, s.mask).square().sum()) for s in streams)
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         for kind, path, norm in (("attention_heads", adapter.o, adapter.o_norm),
                                  ("ffn_neurons", adapter.down, adapter.down_norm)):
@@ -255,7 +257,8 @@ def prune_blocks(
             groups = H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
             if observe:
-                observe(LayerObservation(name, kind, H, G, g, energy, group_cost(model, kind, cost_sequence_length)))
+                observe(LayerObservation(name, kind, H, G, g, energy, group_cost(model, kind, cost_sequence_length),
+                                         stream_energy))
             sol = solve_layer(H, G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
             kept = kept_solution(sol, g, scale, mu, nu)
             new_weight = kept.weight.T.float()  # (out, kept)

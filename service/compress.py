@@ -79,6 +79,7 @@ class CompressRequest:
     back_off: bool = False  # on a blown budget, return the largest measured speedup that meets it
     repeats: int = 20  # latency runs per model
     opset: int = 18  # ONNX opset of the exports
+    normalise: str = "stream"  # target mode: layer losses relative to the residual stream, or the layer's output
     # target mode: where dense loss curves are cached (None: not cached)
     curves_cache: Path | None = field(default_factory=lambda: default_home() / "curves")
 
@@ -124,6 +125,8 @@ class CompressRequest:
             errors.append("--back-off needs --accuracy-budget")
         if not 14 <= self.opset <= 23:
             errors.append(f"--opset must be in [14, 23] (got {self.opset})")
+        if self.normalise not in ("stream", "layer"):
+            errors.append(f"normalise must be 'stream' or 'layer' (got {self.normalise!r})")
         if self.repeats < 3:
             errors.append(f"--repeats must be >= 3 (got {self.repeats})")
         if errors:
@@ -383,7 +386,7 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         for data in work.glob(f"{chosen.onnx.name}.data"):  # external weights of a model over 2 GB
             os.replace(data, out / "model.onnx.data")
         stamp_metadata(out / "model.onnx", {
-            "osscar.source_model": request.model, "osscar.method": request.method,
+            "osscar.source_model": str(request.model), "osscar.method": request.method,
             "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": _sha256(request.calibration),
             "osscar.seed": request.seed, "osscar.version": _version(), "osscar.preprocessing": job.preprocessing(),
             "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
@@ -417,6 +420,7 @@ def curves_cache_key(job, request: CompressRequest) -> str:
              "seed": request.seed, "samples": request.samples, "sequences": request.sequences,
              "sequence_length": request.sequence_length, "mean": request.mean, "std": request.std,
              "round_to": request.round_to, "min_width": request.min_width, "shape": job.shape,
+             "normalise": request.normalise,
              "version": _version()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -439,7 +443,9 @@ def _curves(job, request: CompressRequest, say: Callable[[str], None]) -> list[L
         minimum = max(1, math.ceil(request.min_width * groups))
         allowed = allowed_widths(groups, multiple, minimum)
         losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
-        norm = obs.energy if obs.energy > 0 else 1.0
+        # a layer's loss counts relative to what its error adds to: the residual stream when there is one
+        norm = obs.stream_energy if request.normalise == "stream" and obs.stream_energy else obs.energy
+        norm = norm if norm > 0 else 1.0
         curves.append(LayerCurve(obs.name, obs.kind, allowed, [v / norm for v in losses], obs.cost))
 
     job.prune(0.0, observe=observe)
@@ -546,7 +552,7 @@ def _report(request: CompressRequest, job, chosen: _Round, rounds: list[_Round],
                    for r in chosen.layers],
         "rounds": [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_saving,
                     "metric": r.metric} for r in rounds],
-        "model": request.model,
+        "model": str(request.model),
         "calibration": str(request.calibration),
         "eval": str(request.eval) if request.eval else None,
         "seed": request.seed,

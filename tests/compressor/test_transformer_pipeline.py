@@ -77,3 +77,14 @@ def test_osscar_beats_mp_plus_on_stories260k(shared_data):
     results = {method: nll(prune_transformer(model, cal, 0.25, method=method)[0]) for method in ("osscar", "mp+")}
     assert results["osscar"] < results["mp+"]
     assert nll(model) < results["osscar"]
+
+
+def test_observations_carry_the_residual_stream_energy():
+    model = MODELS["llama"]()
+    seen = []
+    prune_transformer(model, batches(model), 0.0, observe=seen.append)
+    assert [o.kind for o in seen] == ["attention_heads", "ffn_neurons"] * 2
+    for o in seen:
+        assert o.stream_energy > 0 and o.energy > 0 and o.cost > 0
+        assert o.H.shape[0] == o.G.shape[0] and o.H.shape[0] % o.group_size == 0
+    assert seen[0].stream_energy == seen[1].stream_energy  # one block, one stream
