@@ -361,7 +361,10 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
 
         def run_round(plan, index: int, predicted: float | None = None) -> _Round:
             module, layers = job.prune(plan)
-            path = work / f"round{index}.onnx"
+            # one folder per round: the file keeps its final name, so the external data it references over
+            # 2 GB (model.onnx.data) stays valid when moved
+            path = work / f"round{index}" / "model.onnx"
+            path.parent.mkdir()
             say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
             parity = job.export(module, path)
             latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
@@ -383,8 +386,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         say("saving the pruned model and model.onnx")
         artifact = job.save(chosen.module, out)
         os.replace(chosen.onnx, out / "model.onnx")
-        for data in work.glob(f"{chosen.onnx.name}.data"):  # external weights of a model over 2 GB
-            os.replace(data, out / "model.onnx.data")
+        for data in chosen.onnx.parent.glob("*.data"):  # external weights of a model over 2 GB
+            os.replace(data, out / data.name)
         stamp_metadata(out / "model.onnx", {
             "osscar.source_model": str(request.model), "osscar.method": request.method,
             "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": _sha256(request.calibration),
