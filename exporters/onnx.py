@@ -74,6 +74,32 @@ def stamp_metadata(path: str | Path, metadata: dict[str, object]) -> None:
     onnx.save(model, str(path))
 
 
+class Float16(torch.nn.Module):
+    """A float16 copy of a model behind float32 inputs and outputs: the export computes in half precision
+    and stays a drop-in for the float32 one (same input and output dtypes)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        import copy
+
+        self.model = copy.deepcopy(model).half().eval()
+        if hasattr(model, "config"):
+            self.config = model.config
+
+    def forward(self, x: torch.Tensor | None = None, **named: torch.Tensor):
+        """One positional input (graph models) or keyword inputs (HF models)."""
+        def cast(t, dtype):
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        args = () if x is None else (cast(x, torch.float16),)
+        out = self.model(*args, **{k: cast(v, torch.float16) for k, v in named.items()})
+        if isinstance(out, torch.Tensor):
+            return out.float()
+        for key in list(out.keys()) if hasattr(out, "keys") else []:
+            out[key] = cast(out[key], torch.float32)
+        return out
+
+
 class _NamedInputs(torch.nn.Module):
     """Positional inputs in a fixed order -> the HF model's keyword inputs; returns one output."""
 

@@ -66,7 +66,7 @@ def _compress(args: argparse.Namespace) -> int:
         activation_dtype=args.activation_dtype, shape=args.shape or {}, execution_provider=args.execution_provider,
         threads=args.threads, deployment_target=args.deployment_target, round_to=args.round_to,
         min_width=args.min_width, max_rounds=args.max_rounds, accuracy_budget=args.accuracy_budget,
-        back_off=args.back_off, repeats=args.repeats, opset=args.opset,
+        back_off=args.back_off, repeats=args.repeats, opset=args.opset, precision=args.precision,
         **({"curves_cache": None} if args.no_curves_cache else {}))
     progress = _Progress(sys.stderr)
     report = compress(request, progress=progress)
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --accuracy-budget: return the largest measured speedup that meets it")
     comp.add_argument("--repeats", type=int, default=20, help="latency runs per model (median and p90)")
     comp.add_argument("--opset", type=int, default=18, help="ONNX opset of the export (default 18)")
+    comp.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                      help="compute precision of the exports, dense baseline included; inputs and outputs stay "
+                      "float32 (default fp32)")
     comp.add_argument("--no-curves-cache", action="store_true",
                       help="target mode: recompute the dense loss curves instead of reusing $OSSCAR_HOME/curves")
     comp.set_defaults(func=_compress)

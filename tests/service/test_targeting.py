@@ -183,3 +183,32 @@ def test_a_second_target_reuses_the_cached_dense_curves(tmp_path, osscar_home):
     assert any("dense statistics pass" in m for m in messages[0])
     assert any("cached curves" in m for m in messages[1]) and not any("statistics pass" in m for m in messages[1])
     assert len(list((osscar_home / "curves").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("kind", ["conv", "decoder"])
+def test_fp16_exports_keep_float32_inputs_and_outputs(tmp_path, kind):
+    import onnxruntime as ort
+    import torch
+
+    if kind == "conv":
+        from compressor.models import save_program
+        from tests.compressor.conv_models import exported
+
+        save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
+        np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (24, 16, 16, 3), dtype=np.uint8))
+        args = [str(tmp_path / "model.pt2"), "--calibration", str(tmp_path / "cal.npz"), "--shape", "batch=4"]
+    else:
+        from tests.compressor.transformer_models import tiny_llama
+
+        tiny_llama().save_pretrained(tmp_path / "llama")
+        np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=120), offsets=[0, 60, 120])
+        args = [str(tmp_path / "llama"), "--calibration", str(tmp_path / "ids.npz"), "--sequences", "8",
+                "--sequence-length", "16"]
+    out = tmp_path / "out"
+    assert cli.main(["compress", *args, "--uniform-ratio", "0.5", "--precision", "fp16", "--repeats", "3",
+                     "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["precision"] == "fp16" and report["metric"]["compressed"] > 0
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].type == "tensor(float)"  # a drop-in for the float32 export
+    assert all(i.type in ("tensor(float)", "tensor(int64)") for i in session.get_inputs())
