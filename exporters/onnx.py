@@ -191,3 +191,72 @@ def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, 
     """`check_parity` for a HF model: named inputs, one named output (padding positions included)."""
     return check_parity(_NamedInputs(model.eval(), tuple(inputs), output_name), path,
                         tuple(inputs.values()), rtol=rtol, atol=atol)
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decoding step of a HF causal LM with its KV cache as plain tensors: (input_ids, attention_mask,
+    past key/value per layer) -> (logits, present key/value per layer). Layers may have different KV
+    head counts (pruned models)."""
+
+    def __init__(self, model: torch.nn.Module, layers: int) -> None:
+        super().__init__()
+        self.model, self.layers = model, layers
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i in range(self.layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        present = out.past_key_values.layers
+        return (out.logits, *[t for i in range(self.layers) for t in (present[i].keys, present[i].values)])
+
+
+def decode_step_names(layers: int) -> tuple[list[str], list[str]]:
+    kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
+    return ["input_ids", "attention_mask"] + [f"past_key_values.{n}" for n in kv], ["logits"] + [f"present.{n}"
+                                                                                               for n in kv]
+
+
+def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: str | Path, *,
+                       opset: int = 18, max_length: int = 4096) -> Path:
+    """Export a causal LM's decode step with past key/values (dynamic batch and past length); input and
+    output names follow the optimum convention (past_key_values.N.key / present.N.value)."""
+    path = Path(path)
+    layers = int(model.config.num_hidden_layers)
+    past_len = example_ids.shape[1] - 1
+    if past_len < 1:
+        raise ValueError("the example needs at least 2 tokens (a past and a step)")
+    past = _past_of(model, example_ids[:, :past_len])
+    mask = torch.ones_like(example_ids)
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("past", min=1, max=max_length)
+    dynamic = ({0: batch}, {0: batch, 1: length + 1}, tuple({0: batch, 2: length} for _ in past))
+    inputs, outputs = decode_step_names(layers)
+    # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
+    # both compute the same attention
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(_DecodeStep(model.eval(), layers).eval(),
+                                        (example_ids[:, past_len:], mask, *past), dynamo=True, dynamic_shapes=dynamic,
+                                        input_names=inputs, output_names=outputs, opset_version=opset, verbose=False)
+    finally:
+        model.config._attn_implementation = previous
+    program.save(str(path), external_data=_needs_external_data(model))
+    return path
+
+
+def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Tensor, *, rtol: float = 1e-4,
+                        atol: float = 1e-4) -> float:
+    """The exported decode step against the model's own next-token logits after `ids[:, :-1]`."""
+    past = _past_of(model, ids[:, :-1])
+    step = _DecodeStep(model.eval(), int(model.config.num_hidden_layers)).eval()
+    return check_parity(step, path, (ids[:, -1:], torch.ones_like(ids), *past), rtol=rtol, atol=atol)

@@ -67,6 +67,7 @@ def _compress(args: argparse.Namespace) -> int:
         threads=args.threads, deployment_target=args.deployment_target, round_to=args.round_to,
         min_width=args.min_width, max_rounds=args.max_rounds, accuracy_budget=args.accuracy_budget,
         back_off=args.back_off, repeats=args.repeats, opset=args.opset, precision=args.precision,
+        decode_step=args.decode_step,
         **({"curves_cache": None} if args.no_curves_cache else {}))
     progress = _Progress(sys.stderr)
     report = compress(request, progress=progress)
@@ -143,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                       help="compute precision of the exports, dense baseline included; inputs and outputs stay "
                       "float32 (default fp32)")
+    comp.add_argument("--decode-step", action="store_true",
+                      help="causal LMs: also export decode.onnx, one token with past key/values per layer")
     comp.add_argument("--no-curves-cache", action="store_true",
                       help="target mode: recompute the dense loss curves instead of reusing $OSSCAR_HOME/curves")
     comp.set_defaults(func=_compress)

@@ -36,7 +36,16 @@ from compressor.solve import METHODS
 from compressor.surgery import count_parameters
 from compressor.transformer_pipeline import prune_blocks, prune_transformer
 from compressor.transformer_surgery import load_pruned, save_pruned, widths
-from exporters.onnx import Float16, check_hf_parity, check_parity, export_hf_onnx, export_onnx, stamp_metadata
+from exporters.onnx import (
+    Float16,
+    check_decode_parity,
+    check_hf_parity,
+    check_parity,
+    export_decode_step,
+    export_hf_onnx,
+    export_onnx,
+    stamp_metadata,
+)
 from exporters.runtime import PROVIDERS, Latency, default_provider, device_name, measure_latency, run_outputs
 
 from .report_html import write_html
@@ -80,6 +89,7 @@ class CompressRequest:
     repeats: int = 20  # latency runs per model
     opset: int = 18  # ONNX opset of the exports
     precision: str = "fp32"  # exports (dense baseline and compressed alike) compute in fp32 or fp16
+    decode_step: bool = False  # causal LMs: also export decode.onnx (one token with past key/values)
     normalise: str = "stream"  # target mode: layer losses relative to the residual stream, or the layer's output
     # target mode: where dense loss curves are cached (None: not cached)
     curves_cache: Path | None = field(default_factory=lambda: default_home() / "curves")
@@ -128,6 +138,8 @@ class CompressRequest:
             errors.append(f"--opset must be in [14, 23] (got {self.opset})")
         if self.precision not in ("fp32", "fp16"):
             errors.append(f"--precision must be fp32 or fp16 (got {self.precision!r})")
+        if self.decode_step and self.precision != "fp32":
+            errors.append("--decode-step is exported in fp32 only")
         if self.normalise not in ("stream", "layer"):
             errors.append(f"normalise must be 'stream' or 'layer' (got {self.normalise!r})")
         if self.repeats < 3:
@@ -190,6 +202,9 @@ class _ConvJob:
     def prune(self, plan, observe=None):
         return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=self.say, observe=observe)
+
+    def export_decode_step(self, module, path: Path) -> float:
+        raise ValueError("--decode-step is for causal language models")
 
     def export(self, module, path: Path) -> float:
         example = self.images[:2].clone()  # a view would save the whole calibration tensor
@@ -277,6 +292,11 @@ class _TextJob:
         return check_hf_parity(module, path, {k: self.batches[0][k] for k in names}, self.loaded.output_name,
                                **_tolerance(self.request))
 
+    def export_decode_step(self, module, path: Path) -> float:
+        ids = self.batches[0]["input_ids"][:2, :8].clone()
+        export_decode_step(module, ids, path, opset=self.request.opset)
+        return check_decode_parity(module, path, ids)
+
     def latency_feed(self) -> dict[str, np.ndarray]:
         batch, seq = self.shape["batch"], self.shape["sequence"]
         vocab = int(getattr(self.dense.config, "vocab_size", 100))
@@ -356,6 +376,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     say = progress or (lambda message: log.info("%s", message))
     start = time.perf_counter()
     job = _TextJob(request, say) if is_transformer_reference(request.model) else _ConvJob(request, say)
+    if request.decode_step and not getattr(job, "causal", False):
+        raise ValueError("--decode-step is for causal language models")
     provider = request.execution_provider or default_provider()
     if request.deployment_target and request.deployment_target != provider:
         say(f"WARNING: measuring on {provider}, but the declared deployment target is {request.deployment_target}; "
@@ -405,7 +427,13 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": _sha256(request.calibration),
             "osscar.seed": request.seed, "osscar.version": _version(), "osscar.preprocessing": job.preprocessing(),
             "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
+        decode = None
+        if request.decode_step:
+            say("exporting the decode step (decode.onnx)")
+            decode = job.export_decode_step(chosen.module, out / "decode.onnx")
         report = _report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
+        if decode is not None:
+            report["artifacts"]["decode_step"] = {"path": "decode.onnx", "parity_max_abs_error": decode}
         _write_json_atomically(out / "report.json", report)
         write_html(report, out / "report.html")
     finally:

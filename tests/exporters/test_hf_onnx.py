@@ -45,3 +45,24 @@ def test_parity_gate_passes_and_catches_a_changed_model(exported):
             check_hf_parity(model, path, example, output_name(model))
     finally:
         layer_weight.data.copy_(saved)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "opt", "gpt2"])
+def test_decode_step_with_past_key_values_matches_the_full_forward(name, tmp_path):
+    from exporters.onnx import _DecodeStep, _past_of, check_decode_parity, decode_step_names, export_decode_step
+
+    model = MODELS[name]()
+    prune_heads(model, 0, [0])  # layers with different KV widths
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    path = export_decode_step(model, ids, tmp_path / "decode.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs, outputs = decode_step_names(model.config.num_hidden_layers)
+    assert [i.name for i in session.get_inputs()] == inputs and [o.name for o in session.get_outputs()] == outputs
+    for batch, length in ((2, 8), (3, 13)):  # other batch and past lengths
+        ids = torch.randint(3, 50, (batch, length), generator=torch.Generator().manual_seed(length))
+        assert check_decode_parity(model, path, ids) < 1e-4
+        with torch.no_grad():
+            full = model(input_ids=ids).logits[:, -1:]
+        step, past = _DecodeStep(model, model.config.num_hidden_layers), _past_of(model, ids[:, :-1])
+        with torch.no_grad():  # the step's semantics: one token after the cache = the full forward's last
+            torch.testing.assert_close(step(ids[:, -1:], torch.ones_like(ids), *past)[0], full, rtol=1e-4, atol=1e-4)

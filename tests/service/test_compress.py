@@ -82,7 +82,8 @@ def test_missing_model_and_mismatched_images(model_and_data, tmp_path, capsys):
     assert "the model expects (3, 16, 16)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra", [[], ["--stream", "--activation-dtype", "float16"]], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("extra", [["--decode-step"], ["--stream", "--activation-dtype", "float16"]],
+                         ids=["in-memory", "streamed"])
 def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     """A (tiny, GQA) Llama directory with token-id calibration: pruned HF directory + manifest, ONNX
     with the model's input names and logits, report; the saved model reloads with the same outputs.
@@ -99,6 +100,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
                      str(tmp_path / "ids.npz"), "--out", str(out), "--sequences", "8", "--sequence-length", "16",
                      *extra]) == 0
     assert "mlp.down_proj" in capsys.readouterr().err
+    assert (out / "decode.onnx").is_file() == ("--decode-step" in extra)
     report = json.loads((out / "report.json").read_text())
     assert report["widths"] == {"head_groups": [1, 1], "ffn": [10, 10]}
     assert (report["params_before"], report["params_after"]) == (10720, 6240)
