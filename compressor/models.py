@@ -204,6 +204,14 @@ def hf_model_class(config) -> tuple[type, bool]:
     return transformers.AutoModel, False
 
 
+def build_hf_model(cls: type, config) -> torch.nn.Module:
+    """An untrained model of `cls` (a concrete class, or AutoModel) for `config`, on the current default
+    device (use `with torch.device("meta")` for shapes without memory)."""
+    import transformers
+
+    return (cls.from_config(config) if cls is transformers.AutoModel else cls(config)).eval()
+
+
 def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:
     """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
     encoders as the base model. `weights=False` builds it on the meta device (shapes, no memory), for
@@ -224,7 +232,7 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
     else:
         with torch.device("meta"):
-            model = (cls.from_config(config) if cls is transformers.AutoModel else cls(config)).eval()
+            model = build_hf_model(cls, config)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import adapter_for, layers, layers_path
-from .models import hf_model_class
+from .models import build_hf_model, hf_model_class
 from .transformer_surgery import MANIFEST, _aliases, state_to_save, widths
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ class StreamedCheckpoint:
         self.source, self.out_dir = Path(source), Path(out_dir)
         config = transformers.AutoConfig.from_pretrained(self.source, local_files_only=True)
         cls, _ = hf_model_class(config)
-        build = cls.from_config if cls is transformers.AutoModel else cls
         # where every tensor is (the index of a sharded checkpoint, or the one file) and its dtype
         index = self.source / "model.safetensors.index.json"
         if index.is_file():
@@ -59,12 +58,12 @@ class StreamedCheckpoint:
                     self.where[key] = name
         # the blocks as meta tensors: shapes without memory
         with torch.device("meta"):
-            skeleton = build(config)
+            skeleton = build_hf_model(cls, config)
         # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
         # a one-block model; its block is the template for those buffers
         small_config = copy.deepcopy(config)
         small_config.num_hidden_layers = 1
-        self.model = build(small_config).eval()
+        self.model = build_hf_model(cls, small_config)
         self._template = layers(self.model)[0]
         owner_path, _, name = layers_path(self.model).rpartition(".")
         setattr(self.model.get_submodule(owner_path) if owner_path else self.model, name, layers(skeleton))

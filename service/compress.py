@@ -48,6 +48,7 @@ from exporters.onnx import (
 )
 from exporters.runtime import PROVIDERS, Latency, default_provider, device_name, measure_latency, run_outputs
 
+from .files import write_text_atomically
 from .report_html import write_html
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,8 @@ def default_home() -> Path:
     return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
 
 
-def _write_json_atomically(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+def _write_json_atomically(path: Path, data: dict | list) -> None:
+    write_text_atomically(path, json.dumps(data, indent=2))
 
 
 # ---- what differs between conv graphs and transformers ---------------------------------------------

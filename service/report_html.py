@@ -4,9 +4,9 @@ and quality — as one self-contained file (inline SVG, no scripts, no network).
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from pathlib import Path
+
+from .files import write_text_atomically
 
 
 def _bars(rows: list[tuple[str, float, float]], width: int = 640, height: int = 14) -> str:
@@ -70,7 +70,4 @@ table{{border-collapse:collapse}}tr:nth-child(even){{background:#f4f4f4}}</style
 
 
 def write_html(report: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(render(report))
-    os.replace(tmp, path)
+    write_text_atomically(path, render(report))
