@@ -167,7 +167,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
         kept_channels = torch.tensor(keep)
         pruned_walk.replace(cut, [x.index_select(1, kept_channels) for x in inputs])  # kept channels unchanged
         report = LayerReport.measure(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
-                                     energy, start)
+                                     energy, start, kept=keep)
         reports.append(report)
         if progress:
             progress(f"[{index + 1}/{len(units)}] {unit.name}: {unit.channels} -> {len(keep)} channels, "

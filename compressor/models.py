@@ -30,6 +30,10 @@ class ModelReferenceError(ValueError):
     """A model reference that cannot be resolved (says what was expected)."""
 
 
+class UnsupportedArchitecture(ModelReferenceError):
+    """A model that loads but whose architecture no pipeline here prunes."""
+
+
 @dataclass
 class LoadedModel:
     module: fx.GraphModule  # ATen graph, eval mode
@@ -126,7 +130,7 @@ def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int |
         raise ModelReferenceError(f"{ref!r} is neither a local model directory nor a model in the local Hugging "
                                   f"Face cache (nothing is downloaded): {err}") from err
     if not hasattr(config, "num_channels"):
-        raise ModelReferenceError(f"{ref}: {config.model_type!r} is not an image model; transformer models are "
+        raise UnsupportedArchitecture(f"{ref}: {config.model_type!r} is not an image model; transformer models are "
                                   "pruned by the transformer adapters")
     model = transformers.AutoModelForImageClassification.from_pretrained(
         location, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -225,7 +229,7 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         raise ModelReferenceError(f"{reference}: expected a Hugging Face model directory with config.json")
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     if config.model_type not in ADAPTERS:
-        raise ModelReferenceError(f"{reference}: unsupported transformer family {config.model_type!r}; "
+        raise UnsupportedArchitecture(f"{reference}: unsupported transformer family {config.model_type!r}; "
                                   f"supported: {sorted(ADAPTERS)}")
     cls, causal = hf_model_class(config)
     if weights:

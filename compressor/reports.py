@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -15,10 +16,13 @@ class LayerReport:
     objective: float  # f(S) of the layer problem (solve_layer's objective)
     relative_error: float  # ||X W - X_hat W_hat||^2 / ||X_hat W_hat||^2 on the calibration data
     seconds: float
+    kept: tuple[int, ...] = ()  # indices of the kept groups, in the layer's original numbering (provenance)
 
     @classmethod
     def measure(cls, name: str, kind: str, before: int, after: int, objective: float, energy: float,
-                start: float) -> LayerReport:
+                start: float, kept: Sequence[int] = ()) -> LayerReport:
         """From the layer objective and the dense energy 1/2 ||X_hat W_hat||^2 (f + energy >= 0)."""
         relative = max(0.0, objective + energy) / energy if energy > 0 else 0.0
-        return cls(name, kind, before, after, objective, relative, time.perf_counter() - start)
+        assert not kept or len(kept) == after, f"{name}: {len(kept)} kept indices for width {after}"
+        return cls(name, kind, before, after, objective, relative, time.perf_counter() - start,
+                   tuple(int(k) for k in kept))

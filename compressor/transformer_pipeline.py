@@ -266,10 +266,10 @@ def prune_blocks(
                 proj.bias.data += kept.shift.to(proj.bias)
             (prune_heads if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
             report = LayerReport.measure(name, kind, groups, len(kept.keep),
-                                         sol.objective, energy, start)
+                                         sol.objective, energy, start, kept=kept.keep)
             reports.append(report)
             if progress:
-                progress(f"{report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
+                progress(f"[{i + 1}/{d.layers}] {report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
                          f"{report.relative_error:.4f}")
             del H, G
         with torch.no_grad():

@@ -54,11 +54,27 @@ class _Progress:
         self.stream.flush()
 
 
-def _compress(args: argparse.Namespace) -> int:
-    from .compress import CompressRequest, compress
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
+
+def _compress(args: argparse.Namespace) -> int:
+    if args.server:
+        from .client import remote_compress
+
+        return remote_compress(args)
+    from .compress import CompressRequest, compress, default_home
+    from .references import embedded
+
+    for name in ("model", "calibration", "eval"):  # embedded:<name> works locally too
+        value = getattr(args, name)
+        if value is not None and str(value).startswith("embedded:"):
+            setattr(args, name, embedded(str(value), default_home()))
     request = CompressRequest(
-        model=args.model, uniform_ratio=args.uniform_ratio, target_speedup=args.target_speedup,
+        model=str(args.model), uniform_ratio=args.uniform_ratio, target_speedup=args.target_speedup,
         widths_from=args.widths_from,
         calibration=args.calibration, eval=args.eval, out_dir=args.out, method=args.method, samples=args.samples,
         seed=args.seed, mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
@@ -77,6 +93,29 @@ def _compress(args: argparse.Namespace) -> int:
               f" -> {report['metric']['compressed']:.4f}; the best artifact and report are in {args.out}",
               file=sys.stderr)
         return 2
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .compress import default_home
+    from .grpc_server import ServerConfig, serve
+    from .jobs import ServiceConfig
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (got {args.port})")
+    if args.max_queue < 1 or args.max_attempts < 1 or args.retention_days <= 0 or args.grace < 0:
+        raise ValueError("--max-queue and --max-attempts must be >= 1, --retention-days > 0, --grace >= 0")
+    home = (args.home or default_home()).expanduser().resolve()
+    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else ()
+    config = ServerConfig(ServiceConfig(home=home, max_queue=args.max_queue, devices=devices,
+                                        max_attempts=args.max_attempts, retention_s=args.retention_days * 86400),
+                          host=args.host, port=args.port, grace_s=args.grace)
+
+    def ready(port: int) -> None:
+        print(f"osscar: serving on {args.host}:{port} (plaintext, no auth; data in {home})", file=sys.stderr,
+              flush=True)
+
+    serve(config, ready)
     return 0
 
 
@@ -148,14 +187,44 @@ def build_parser() -> argparse.ArgumentParser:
                       help="causal LMs: also export decode.onnx, one token with past key/values per layer")
     comp.add_argument("--no-curves-cache", action="store_true",
                       help="target mode: recompute the dense loss curves instead of reusing $OSSCAR_HOME/curves")
+    remote = comp.add_argument_group("through a server (osscar serve)")
+    remote.add_argument("--server", metavar="HOST:PORT", default=None,
+                        help="run the job on an osscar server; outputs are downloaded into --out")
+    remote.add_argument("--upload", action="store_true",
+                        help="upload the model and data (directories as tar) instead of sending their paths")
+    remote.add_argument("--request-id", default=None,
+                        help="idempotency key (a UUID; default: a new one): resubmitting it returns the same job")
+    remote.add_argument("--label", type=_label, action="append", metavar="KEY=VALUE", help="a label on the job")
+    remote.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="wall-clock budget of the job on the server")
+    remote.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
+    remote.add_argument("--connect-timeout", type=float, default=60.0,
+                        help="how long to wait for the server to come up (default 60 s)")
     comp.set_defaults(func=_compress)
+
+    serve = sub.add_parser("serve", help="run the gRPC compression service")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
+    serve.add_argument("--home", type=Path, default=None,
+                       help="jobs, artifacts and caches (default $OSSCAR_HOME, else ~/.osscar)")
+    serve.add_argument("--max-queue", type=int, default=16, help="queued jobs before RESOURCE_EXHAUSTED (16)")
+    serve.add_argument("--devices", default=None,
+                       help="comma-separated device slots, one job each (default: every CUDA device, else cpu)")
+    serve.add_argument("--max-attempts", type=int, default=3,
+                       help="runs of a job interrupted by server restarts before it fails (default 3)")
+    serve.add_argument("--retention-days", type=float, default=30.0,
+                       help="finished jobs and unused uploads are deleted after this many days (default 30)")
+    serve.add_argument("--grace", type=float, default=30.0,
+                       help="seconds running jobs get on shutdown before they are re-queued (default 30)")
+    serve.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    verbose = args.verbose or args.command == "serve"  # a server logs its jobs
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

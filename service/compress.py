@@ -95,58 +95,62 @@ class CompressRequest:
     # target mode: where dense loss curves are cached (None: not cached)
     curves_cache: Path | None = field(default_factory=lambda: default_home() / "curves")
 
-    def validate(self) -> None:
-        errors = []
-        if self.method not in PRUNING_METHODS:
-            errors.append(f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
+    def violations(self) -> list[tuple[str, str]]:
+        """Every problem with the request as (field, message); the messages name the CLI flags."""
+        errors: list[tuple[str, str]] = []
+
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                errors.append((field, message))
+
         assert set(PRUNING_METHODS) <= set(METHODS)
-        if sum(x is not None for x in (self.uniform_ratio, self.target_speedup, self.widths_from)) != 1:
-            errors.append("give exactly one of --target-speedup, --uniform-ratio and --widths-from")
-        if self.widths_from is not None and not Path(self.widths_from).is_file():
-            errors.append(f"--widths-from: no such report: {self.widths_from}")
-        if self.uniform_ratio is not None and not 0 < self.uniform_ratio < 1:
-            errors.append(f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
-        if self.target_speedup is not None and not (math.isfinite(self.target_speedup) and
-                                                    1 < self.target_speedup <= 20):
-            errors.append(f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
-        if self.samples < 1:
-            errors.append(f"--samples must be >= 1 (got {self.samples})")
-        if self.batch_size < 1:
-            errors.append(f"--batch-size must be >= 1 (got {self.batch_size})")
-        if self.sequences < 1 or self.sequence_length < 2:
-            errors.append(f"--sequences must be >= 1 and --sequence-length >= 2 (got {self.sequences}, "
-                          f"{self.sequence_length})")
-        if self.activation_dtype not in ("float32", "float16"):
-            errors.append(f"--activation-dtype must be float32 or float16 (got {self.activation_dtype!r})")
+        check(self.method in PRUNING_METHODS, "method",
+              f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
+        check(sum(x is not None for x in (self.uniform_ratio, self.target_speedup, self.widths_from)) == 1,
+              "target_speedup", "give exactly one of --target-speedup, --uniform-ratio and --widths-from")
+        check(self.widths_from is None or Path(self.widths_from).is_file(), "widths_from",
+              f"--widths-from: no such report: {self.widths_from}")
+        check(self.uniform_ratio is None or 0 < self.uniform_ratio < 1, "uniform_ratio",
+              f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
+        check(self.target_speedup is None or (math.isfinite(self.target_speedup) and 1 < self.target_speedup <= 20),
+              "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
+        check(self.samples >= 1, "samples", f"--samples must be >= 1 (got {self.samples})")
+        check(self.batch_size >= 1, "batch_size", f"--batch-size must be >= 1 (got {self.batch_size})")
+        check(self.sequences >= 1, "sequences", f"--sequences must be >= 1 (got {self.sequences})")
+        check(self.sequence_length >= 2, "sequence_length", f"--sequence-length must be >= 2 (got "
+              f"{self.sequence_length})")
+        check(self.activation_dtype in ("float32", "float16"), "activation_dtype",
+              f"--activation-dtype must be float32 or float16 (got {self.activation_dtype!r})")
         bad = {k: v for k, v in self.shape.items() if k not in ("batch", "sequence") or not 1 <= v <= 65536}
-        if bad:
-            errors.append(f"--shape takes batch=N and sequence=N with 1 <= N <= 65536 (got {bad})")
-        for name, value in (("--execution-provider", self.execution_provider),
-                            ("--deployment-target", self.deployment_target)):
-            if value is not None and value not in PROVIDERS:
-                errors.append(f"{name} must be one of {', '.join(PROVIDERS)} (got {value!r})")
-        if self.round_to < 1:
-            errors.append(f"--round-to must be >= 1 (got {self.round_to})")
-        if not 0 < self.min_width <= 1:
-            errors.append(f"--min-width must be in (0, 1] (got {self.min_width})")
-        if self.max_rounds < 1:
-            errors.append(f"--max-rounds must be >= 1 (got {self.max_rounds})")
-        if self.accuracy_budget is not None and not 0 < self.accuracy_budget < 1:
-            errors.append(f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
-        if self.back_off and self.accuracy_budget is None:
-            errors.append("--back-off needs --accuracy-budget")
-        if not 14 <= self.opset <= 23:
-            errors.append(f"--opset must be in [14, 23] (got {self.opset})")
-        if self.precision not in ("fp32", "fp16"):
-            errors.append(f"--precision must be fp32 or fp16 (got {self.precision!r})")
-        if self.decode_step and self.precision != "fp32":
-            errors.append("--decode-step is exported in fp32 only")
-        if self.normalise not in ("stream", "layer"):
-            errors.append(f"normalise must be 'stream' or 'layer' (got {self.normalise!r})")
-        if self.repeats < 3:
-            errors.append(f"--repeats must be >= 3 (got {self.repeats})")
+        check(not bad, "shape", f"--shape takes batch=N and sequence=N with 1 <= N <= 65536 (got {bad})")
+        for field_name, value in (("execution_provider", self.execution_provider),
+                                  ("deployment_target", self.deployment_target)):
+            check(value is None or value in PROVIDERS, field_name,
+                  f"--{field_name.replace('_', '-')} must be one of {', '.join(PROVIDERS)} (got {value!r})")
+        check(self.threads is None or 1 <= self.threads <= 1024, "threads",
+              f"--threads must be in [1, 1024] (got {self.threads})")
+        check(self.round_to >= 1, "round_to", f"--round-to must be >= 1 (got {self.round_to})")
+        check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
+        check(self.max_rounds >= 1, "max_rounds", f"--max-rounds must be >= 1 (got {self.max_rounds})")
+        check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
+              f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
+        check(not self.back_off or self.accuracy_budget is not None, "back_off", "--back-off needs --accuracy-budget")
+        check(14 <= self.opset <= 23, "opset", f"--opset must be in [14, 23] (got {self.opset})")
+        check(self.precision in ("fp32", "fp16"), "precision",
+              f"--precision must be fp32 or fp16 (got {self.precision!r})")
+        check(not (self.decode_step and self.precision != "fp32"), "decode_step",
+              "--decode-step is exported in fp32 only")
+        check(self.normalise in ("stream", "layer"), "normalise",
+              f"normalise must be 'stream' or 'layer' (got {self.normalise!r})")
+        check(self.repeats >= 3, "repeats", f"--repeats must be >= 3 (got {self.repeats})")
+        check(len(self.mean) == len(self.std) and all(math.isfinite(v) for v in (*self.mean, *self.std)) and
+              all(v > 0 for v in self.std), "std", "--mean and --std need the same number of finite values, std > 0")
+        return errors
+
+    def validate(self) -> None:
+        errors = self.violations()
         if errors:
-            raise ValueError("; ".join(errors))
+            raise ValueError("; ".join(message for _, message in errors))
 
 
 def default_home() -> Path:
@@ -367,12 +371,18 @@ class _Round:
     predicted_saving: float | None = None
 
 
-def compress(request: CompressRequest, progress: Callable[[str], None] | None = None) -> dict:
+def compress(request: CompressRequest, progress: Callable[[str], None] | None = None,
+             stage: Callable[[str, int], None] | None = None) -> dict:
     """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
-    Returns the report; its `status` says whether the target and the accuracy budget were met."""
+    Returns the report; its `status` says whether the target and the accuracy budget were met.
+
+    `progress` receives every progress line; `stage(name, round)` each stage as it begins: loading,
+    baseline, statistics, allocate, prune, measure, save (round: the prune-measure round, else 0)."""
     request.validate()
     say = progress or (lambda message: log.info("%s", message))
+    enter = stage or (lambda name, index: None)
     start = time.perf_counter()
+    enter("loading", 0)
     job = _TextJob(request, say) if is_transformer_reference(request.model) else _ConvJob(request, say)
     if request.decode_step and not getattr(job, "causal", False):
         raise ValueError("--decode-step is for causal language models")
@@ -384,6 +394,7 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
     try:
+        enter("baseline", 0)
         say("exporting the dense model for the baseline")
         dense_onnx = work / "dense.onnx"
         job.export(job.dense, dense_onnx)
@@ -392,7 +403,9 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         feed = job.latency_feed()
 
         def run_round(plan, index: int, predicted: float | None = None) -> _Round:
+            enter("prune", index)
             module, layers = job.prune(plan)
+            enter("measure", index)
             # one folder per round: the file keeps its final name, so the external data it references over
             # 2 GB (model.onnx.data) stays valid when moved
             path = work / f"round{index}" / "model.onnx"
@@ -412,9 +425,11 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         elif request.widths_from is not None:
             rounds.append(run_round(_widths_of(request.widths_from), 0))
         else:
+            enter("statistics", 0)
             curves = _curves(job, request, say)
-            rounds += _target_loop(request, curves, run_round, job, baseline_metric, say)
+            rounds += _target_loop(request, curves, run_round, job, baseline_metric, say, enter)
         chosen, status = _choose(request, rounds, job.metric, baseline_metric)
+        enter("save", len(rounds) - 1)
         say("saving the pruned model and model.onnx")
         artifact = job.save(chosen.module, out)
         os.replace(chosen.onnx, out / "model.onnx")
@@ -497,7 +512,7 @@ def _curves(job, request: CompressRequest, say: Callable[[str], None]) -> list[L
 
 
 def _target_loop(request: CompressRequest, curves: list[LayerCurve], run_round, job, baseline_metric: float,
-                 say: Callable[[str], None]) -> list[_Round]:
+                 say: Callable[[str], None], enter: Callable[[str, int], None] | None = None) -> list[_Round]:
     """Allocate -> prune -> measure; correct the latency model's prunable share and retry."""
     full = total_cost(curves)
     share = 0.85  # fraction of the latency in the prunable layers: corrected after each measurement
@@ -507,6 +522,8 @@ def _target_loop(request: CompressRequest, curves: list[LayerCurve], run_round, 
         wanted = (1 - 1 / target) / share  # fraction of the prunable cost to remove
         plan = allocate(curves, wanted * full)
         saved = 1 - total_cost(curves, plan) / full
+        if enter:
+            enter("allocate", index)
         say(f"round {index}: removing {saved:.1%} of the prunable cost (modelled prunable share {share:.2f})")
         result = run_round(plan, index, predicted=1 / (1 - share * saved))
         rounds.append(result)
@@ -590,8 +607,8 @@ def _report(request: CompressRequest, job, chosen: _Round, rounds: list[_Round],
         "params_after": count_parameters(chosen.module),
         "method": request.method,
         "layers": [{"name": r.name, "kind": r.kind, "width_before": r.width_before, "width_after": r.width_after,
-                    "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds}
-                   for r in chosen.layers],
+                    "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds,
+                    "kept": list(r.kept)} for r in chosen.layers],
         "rounds": [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_saving,
                     "metric": r.metric} for r in rounds],
         "model": str(request.model),

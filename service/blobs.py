@@ -1,0 +1,203 @@
+"""The content-addressed blob store: uploads and artifacts under `sha256/<aa>/<hex>`.
+
+Every blob is written to `tmp/` beside the store, fsynced, and renamed into place (atomic on one
+filesystem), so no reader ever sees a partial file and a crash leaves at most a temporary file that the
+next start removes. Jobs read uploads through a view, `files/<hex>/<name>` (loaders need the file's name
+and extension; a directory uploaded as a tar is extracted there), built the same way: in `tmp/`, then
+renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+CHUNK = 1 << 20
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9._+-][A-Za-z0-9._+ -]{0,254}$")
+
+
+def valid_digest(digest: str) -> bool:
+    return bool(_HEX.match(digest))
+
+
+def valid_filename(name: str) -> bool:
+    """A plain file name: no separators, not `.`/`..`, printable ASCII."""
+    return bool(_NAME.match(name)) and name not in (".", "..")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_sha256(path: Path) -> str:
+    """A file's digest, or a directory's: sha256 over its files' relative paths and digests, sorted."""
+    path = Path(path)
+    if path.is_file():
+        return file_sha256(path)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{f.relative_to(path).as_posix()}\0{file_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
+class BlobWriter:
+    """Incremental write of one blob; `commit()` moves it into place and returns (digest, size)."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self.store = store
+        fd, name = tempfile.mkstemp(dir=store.tmp, prefix="blob-")
+        self.tmp = Path(name)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+
+    def commit(self) -> tuple[str, int]:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        digest = self.hash.hexdigest()
+        final = self.store.path(digest)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():  # same content already stored
+            self.tmp.unlink()
+        else:
+            os.replace(self.tmp, final)
+        return digest, self.size
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blobs = self.root / "sha256"
+        self.files = self.root / "files"
+        self.tmp = self.root / "tmp"
+        for d in (self.blobs, self.files, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def clean_tmp(self) -> int:
+        """Remove what an interrupted write left behind (only at start, when no write is in flight)."""
+        leftovers = list(self.tmp.iterdir())
+        for p in leftovers:
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        return len(leftovers)
+
+    def path(self, digest: str) -> Path:
+        assert valid_digest(digest), f"not a sha256 hex digest: {digest!r}"
+        return self.blobs / digest[:2] / digest
+
+    def exists(self, digest: str) -> bool:
+        return valid_digest(digest) and self.path(digest).is_file()
+
+    def writer(self) -> BlobWriter:
+        return BlobWriter(self)
+
+    def put_file(self, source: Path) -> tuple[str, int]:
+        writer = self.writer()
+        try:
+            with open(source, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    writer.write(chunk)
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def put_tree(self, directory: Path) -> tuple[str, int]:
+        """A directory as an uncompressed tar blob (members relative to the directory, sorted, with fixed
+        metadata so the same content gives the same digest)."""
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="tar-")
+        os.close(fd)
+        try:
+            write_tar(directory, Path(name))
+            return self.put_file(Path(name))
+        finally:
+            Path(name).unlink(missing_ok=True)
+
+    def delete(self, digest: str) -> None:
+        if valid_digest(digest):
+            self.path(digest).unlink(missing_ok=True)
+            shutil.rmtree(self.files / digest, ignore_errors=True)
+
+    def view(self, digest: str, filename: str, archive: bool) -> Path:
+        """`files/<hex>/<filename>`: the blob under its name, or the tar extracted as that directory."""
+        assert valid_filename(filename), filename
+        target = self.files / digest / filename
+        if target.exists():
+            return target
+        staging = Path(tempfile.mkdtemp(dir=self.tmp, prefix="view-"))
+        try:
+            if archive:
+                extract_tar(self.path(digest), staging / filename)
+            else:
+                try:
+                    os.link(self.path(digest), staging / filename)  # blobs are immutable: share the inode
+                except OSError:
+                    shutil.copyfile(self.path(digest), staging / filename)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(staging / filename, target)
+            except OSError:
+                if not target.exists():  # lost a race to an identical view: fine; anything else is not
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+
+class ArchiveError(ValueError):
+    """A tar upload that is not a plain directory of regular files."""
+
+
+def write_tar(directory: Path, out: Path) -> None:
+    directory = Path(directory)
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(directory.rglob("*")):
+            if not (path.is_file() or path.is_dir()) or path.is_symlink():
+                continue
+            info = tar.gettarinfo(str(path), arcname=path.relative_to(directory).as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            if path.is_file():
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+
+
+def extract_tar(archive: Path, target: Path) -> None:
+    """Regular files and directories only, every member inside `target`; anything else is refused with
+    the list of offending members."""
+    target.mkdir(parents=True)
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = tar.getmembers()
+            bad = [m.name for m in members
+                   if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts]
+            if bad:
+                raise ArchiveError(f"the archive may hold only regular files and directories inside it; refused "
+                                   f"members: {', '.join(bad[:10])}")
+            tar.extractall(target, filter="data")
+    except tarfile.TarError as err:
+        raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err

@@ -1,0 +1,293 @@
+"""`osscar compress --server HOST:PORT`: the same job through the gRPC service.
+
+Builds the request from the command's flags (relative paths made absolute, or uploaded with --upload),
+submits it with a request_id (so a retry after a lost connection is the same job), follows the watch
+stream with a progress bar (reconnecting across server restarts), then downloads every artifact, checks
+its sha256 and writes the same outputs as the local command. Refusals and failed jobs exit 2 with the
+status code and message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
+
+from .api import compression_pb2 as pb
+from .api import compression_pb2_grpc as pb_grpc
+from .blobs import extract_tar, write_tar
+from .references import is_remote_reference
+from .wire import STATE_NAMES, error_details, unpack_metadata, unpack_response
+
+UPLOAD_CHUNK = 1 << 20
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ClientError(Exception):
+    """What the command prints before exiting 2."""
+
+
+class ProgressBar:
+    """Stage lines as they come; per-layer events as one bar that redraws in place on a terminal (every
+    line is kept elsewhere, e.g. in CI logs)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.tty, self.open = stream, stream.isatty(), False
+        self.last = ""
+
+    def __call__(self, event: pb.CompressionEvent) -> None:
+        if event.layers:
+            done = int(24 * event.layer / event.layers)
+            line = (f"{event.stage:<9} [{'#' * done}{'.' * (24 - done)}] {event.layer}/{event.layers} "
+                    f"{event.message.split('] ', 1)[-1]}")
+        else:
+            line = f"{event.stage:<9} {event.message}" if event.message else f"{event.stage}"
+        if line == self.last:
+            return
+        self.last = line
+        if self.tty and event.layers:
+            self.stream.write("\r\033[K" + line[:150])
+            self.open = True
+        else:
+            if self.open:
+                self.stream.write("\n")
+                self.open = False
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+class RemoteCompressor:
+    def __init__(self, target: str, timeout_s: float = 60.0) -> None:
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)])
+        self.target = target
+        self.timeout = timeout_s
+        self.stub = pb_grpc.CompressionStub(self.channel)
+        self.operations = operations_pb2_grpc.OperationsStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ClientError(f"cannot reach an osscar server at {self.target} within {timeout_s:.0f}s "
+                              "(start one with `osscar serve --port P`)") from None
+
+    def _call(self, method, request, attempts: int = 5):
+        """Unary call with a deadline, retried on UNAVAILABLE (requests carry a request_id, so a retried
+        Compress is the same job)."""
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=self.timeout, wait_for_ready=True)
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE or attempt == attempts - 1:
+                    raise
+                time.sleep(min(2.0 ** attempt, 10.0))
+        raise AssertionError("unreachable")
+
+    def upload(self, path: Path) -> str:
+        """A file, or a directory as a tar; returns the blob reference."""
+        path = Path(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            source, archive = path, False
+            if path.is_dir():
+                source, archive = Path(tmp) / "upload.tar", True
+                write_tar(path, source)
+            digest = hashlib.sha256()
+            with open(source, "rb") as f:
+                for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
+                    digest.update(chunk)
+            header = pb.BlobHeader(filename=path.name, archive=archive, size_bytes=source.stat().st_size,
+                                   sha256=digest.hexdigest())
+
+            def messages():
+                yield pb.UploadBlobRequest(header=header)
+                with open(source, "rb") as f:
+                    for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
+                        yield pb.UploadBlobRequest(chunk=chunk)
+
+            blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True)
+        if blob.sha256 != header.sha256:
+            raise ClientError(f"upload of {path}: the server stored sha256 {blob.sha256}, expected {header.sha256}")
+        return blob.reference
+
+    def submit(self, request: pb.CompressRequest) -> operations_pb2.Operation:
+        return self._call(self.stub.Compress, request)
+
+    def follow(self, name: str, show) -> operations_pb2.Operation:
+        """Watch until done; a dropped stream (server restart) is resumed."""
+        delay = 1.0
+        while True:
+            try:
+                for event in self.stub.WatchCompression(pb.WatchCompressionRequest(name=name), wait_for_ready=True):
+                    delay = 1.0
+                    if (event.message or event.layers) and event.stage != "done":
+                        show(event)
+                    if event.HasField("operation") and event.operation.done:
+                        return event.operation
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE and err.code() != grpc.StatusCode.CANCELLED:
+                    raise
+            # the stream ended without the final event: the server went away; resume
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def download(self, name: str, artifact: pb.Artifact, out: Path) -> Path:
+        """One artifact into `out`, written under a temporary name and renamed once its sha256 matches."""
+        target = out / artifact.name
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{artifact.name}.")
+        digest, size, expected = hashlib.sha256(), 0, None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                stream = self.stub.DownloadArtifact(pb.DownloadArtifactRequest(name=name, artifact=artifact.name),
+                                                    timeout=max(self.timeout, 3600), wait_for_ready=True)
+                for chunk in stream:
+                    if chunk.HasField("artifact"):
+                        expected = chunk.artifact
+                    if chunk.offset != size:
+                        raise ClientError(f"{artifact.name}: chunk at offset {chunk.offset}, expected {size}")
+                    f.write(chunk.data)
+                    digest.update(chunk.data)
+                    size += len(chunk.data)
+            if expected is None or digest.hexdigest() != expected.sha256 or size != expected.size_bytes or \
+                    expected.sha256 != artifact.sha256:
+                raise ClientError(f"{artifact.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "
+                                  f"server announced {artifact.size_bytes} bytes with {artifact.sha256}")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+
+def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
+    def reference(value) -> str:
+        if value is None:
+            return ""
+        text = str(value)
+        if is_remote_reference(text):
+            return text
+        path = Path(text).expanduser()
+        if args.upload:
+            if not path.exists():
+                raise ClientError(f"--upload: no such file or directory: {path}")
+            print(f"uploading {path}", file=sys.stderr)
+            return client.upload(path)
+        return str(path.resolve())
+
+    request = pb.CompressRequest(
+        model=reference(args.model), calibration=reference(args.calibration), eval=reference(args.eval),
+        method=args.method, back_off=args.back_off, execution_provider=args.execution_provider or "",
+        request_id=args.request_id or str(uuid.uuid4()), labels=dict(args.label or []))
+    if args.target_speedup is not None:
+        request.target_speedup = args.target_speedup
+    elif args.uniform_ratio is not None:
+        request.uniform_ratio = args.uniform_ratio
+    elif args.widths_from is not None:
+        request.widths_from = reference(args.widths_from)
+    for key, value in (args.shape or {}).items():
+        if key not in ("batch", "sequence"):
+            raise ClientError(f"--shape takes batch=N and sequence=N (got {key})")
+        setattr(request.shape, key, value)
+    if args.accuracy_budget is not None:
+        request.accuracy_budget = args.accuracy_budget
+    if args.time_budget is not None:
+        request.time_budget.FromMilliseconds(int(args.time_budget * 1000))
+    o = request.options
+    for name in ("samples", "seed", "batch_size", "sequences", "sequence_length", "round_to", "min_width",
+                 "max_rounds", "repeats", "opset"):
+        setattr(o, name, getattr(args, name))
+    if args.threads is not None:
+        o.threads = args.threads
+    o.mean.extend(args.mean)
+    o.std.extend(args.std)
+    o.stream, o.decode_step, o.no_curves_cache = args.stream, args.decode_step, args.no_curves_cache
+    o.activation_dtype, o.precision = args.activation_dtype, args.precision
+    o.deployment_target = args.deployment_target or ""
+    return request
+
+
+def describe_error(err: grpc.RpcError) -> str:
+    lines = [f"{err.code().name}: {err.details()}"]
+    details = error_details(err)
+    if "bad_request" in details:
+        lines += [f"  {v.field}: {v.description}" for v in details["bad_request"].field_violations]
+    if "error_info" in details:
+        info = details["error_info"]
+        lines.append(f"  reason {info.reason}" + "".join(f", {k}={v}" for k, v in sorted(info.metadata.items())))
+    if "retry" in details:
+        lines.append(f"  retry after {details['retry'].retry_delay.ToTimedelta().total_seconds():.0f}s")
+    return "\n".join(lines)
+
+
+def format_report(report: pb.CompressReport, out: Path) -> str:
+    m = report.metric
+    target = f"{report.target_speedup:g}x" if report.HasField("target_speedup") else \
+        f"uniform ratio {report.uniform_ratio:g}" if report.HasField("uniform_ratio") else "widths from a report"
+    rows = [("status", report.status), ("target", target),
+            ("measured speedup", f"{report.measured_speedup:.3f}x ({report.execution_provider}, {report.device})"),
+            ("latency", f"{report.baseline_latency_ms:.2f} -> {report.compressed_latency_ms:.2f} ms"),
+            (f"metric ({m.name})", f"{m.baseline:.4f} -> {m.compressed:.4f} (relative drop {m.relative_drop:.2%})"),
+            ("parameters", f"{report.params_before:,} -> {report.params_after:,}"),
+            ("method", report.method), ("layers", ", ".join(f"{layer.width_after}/{layer.width_before}"
+                                                            for layer in report.layers)),
+            ("elapsed", f"{report.elapsed_s:.1f}s"), ("artifacts", str(out))]
+    return "\n".join(f"{k:<18} {v}" for k, v in rows)
+
+
+def remote_compress(args: argparse.Namespace) -> int:
+    if args.device is not None:
+        raise ClientError("--device is chosen by the server (one job per device); drop it with --server")
+    client = RemoteCompressor(args.server, timeout_s=args.timeout)
+    try:
+        client.wait_ready(args.connect_timeout)
+        try:
+            request = build_request(args, client)
+            op = client.submit(request)
+        except grpc.RpcError as err:
+            raise ClientError(f"the server refused the request: {describe_error(err)}") from None
+        print(f"{op.name}: {STATE_NAMES.get(unpack_metadata(op).state, '?').lower()} on {args.server}",
+              file=sys.stderr)
+        final = client.follow(op.name, ProgressBar(sys.stderr)) if not op.done else op
+        final = client.operations.GetOperation(operations_pb2.GetOperationRequest(name=op.name),
+                                               timeout=client.timeout, wait_for_ready=True) if not final.done else final
+        meta = unpack_metadata(final)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for artifact in meta.artifacts:
+            path = client.download(final.name, artifact, out)
+            if path.suffix == ".tar":  # a pruned model directory
+                staging = Path(tempfile.mkdtemp(dir=out, prefix=".extract-"))
+                try:
+                    extract_tar(path, staging / path.stem)
+                    shutil.rmtree(out / path.stem, ignore_errors=True)
+                    os.replace(staging / path.stem, out / path.stem)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+                path.unlink()
+        if meta.artifacts:
+            print(f"downloaded {len(meta.artifacts)} artifacts (sha256 verified) into {out}", file=sys.stderr)
+        if final.HasField("error"):
+            code = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == final.error.code))
+            raise ClientError(f"{final.name} failed: {code.name}: {final.error.message}")
+        print(format_report(unpack_response(final).report, out))
+        return 0
+    except ClientError as err:
+        print(f"osscar: error: {err}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:
+        print(f"osscar: error: {describe_error(err)}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()

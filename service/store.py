@@ -1,0 +1,255 @@
+"""The durable job store: one SQLite file (embedded, no server), versioned schema, every change committed.
+
+Operations are rows; their artifacts are rows pointing into the content-addressed blob store
+(`service.blobs`). The schema version lives in SQLite's `user_version`; `MIGRATIONS[i]` takes a database
+from version i to i + 1 inside one transaction, so a crash mid-migration leaves the old version intact.
+A database written by a newer release (a higher version than this code knows) is refused rather than
+guessed at. Journal: WAL with synchronous=FULL, so a committed state change survives a power cut.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+MIGRATIONS: tuple[str, ...] = (
+    # 0 -> 1: operations and their artifacts
+    """
+    CREATE TABLE operations (
+        name TEXT PRIMARY KEY,              -- operations/<uuid>
+        request_id TEXT UNIQUE,             -- AIP-155 idempotency key, NULL when the client sent none
+        body_sha256 TEXT NOT NULL,          -- the request without its request_id: same id + other body = conflict
+        request BLOB NOT NULL,              -- the request as the transport received it (echoed in metadata)
+        spec TEXT NOT NULL,                 -- JSON: the resolved job (CompressRequest fields)
+        labels TEXT NOT NULL,               -- JSON object
+        time_budget_s REAL,                 -- NULL: no budget
+        state TEXT NOT NULL,
+        progress TEXT NOT NULL,             -- JSON: stage, round, layer, layers, message
+        attempt INTEGER NOT NULL DEFAULT 0, -- runs started
+        error TEXT,                         -- JSON: code, message, reason, metadata
+        report TEXT,                        -- JSON: report.json
+        create_time REAL NOT NULL,
+        start_time REAL,
+        end_time REAL
+    );
+    CREATE INDEX operations_by_time ON operations (create_time, name);
+    CREATE INDEX operations_by_state ON operations (state);
+    CREATE TABLE artifacts (
+        operation TEXT NOT NULL REFERENCES operations (name) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        media_type TEXT NOT NULL,
+        PRIMARY KEY (operation, name)
+    );
+    CREATE INDEX artifacts_by_digest ON artifacts (sha256);
+    """,
+    # 1 -> 2: uploads, so that retention can forget blobs nobody has used for a while
+    """
+    CREATE TABLE uploads (
+        sha256 TEXT NOT NULL,
+        filename TEXT NOT NULL,
+        archive INTEGER NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        last_used REAL NOT NULL,
+        PRIMARY KEY (sha256, filename)
+    );
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreVersionError(RuntimeError):
+    """The database was written by a newer release."""
+
+
+@dataclass
+class JobRecord:
+    name: str
+    body_sha256: str
+    request: bytes
+    spec: dict[str, Any]
+    labels: dict[str, str] = field(default_factory=dict)
+    request_id: str | None = None
+    time_budget_s: float | None = None
+    state: str = QUEUED
+    progress: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 0
+    error: dict[str, Any] | None = None
+    report: dict[str, Any] | None = None
+    create_time: float = field(default_factory=time.time)
+    start_time: float | None = None
+    end_time: float | None = None
+    artifacts: list[ArtifactRecord] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.state in FINISHED
+
+
+@dataclass(frozen=True)
+class ArtifactRecord:
+    name: str
+    sha256: str
+    size_bytes: int
+    media_type: str
+
+
+_JSON_COLUMNS = ("spec", "labels", "progress", "error", "report")
+_COLUMNS = ("name", "request_id", "body_sha256", "request", "spec", "labels", "time_budget_s", "state", "progress",
+            "attempt", "error", "report", "create_time", "start_time", "end_time")
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring `db` to SCHEMA_VERSION; returns the version it had."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreVersionError(f"the job store has schema version {version}, newer than this release knows "
+                                f"({SCHEMA_VERSION}); run a newer osscar or point OSSCAR_HOME elsewhere")
+    for target in range(version, SCHEMA_VERSION):
+        # executescript commits first; the explicit transaction makes each step all-or-nothing
+        db.executescript(f"BEGIN; {MIGRATIONS[target]} PRAGMA user_version = {target + 1}; COMMIT;")
+    return version
+
+
+class JobStore:
+    """Operations and artifacts in SQLite. Called from one thread (the server's event loop); every
+    method commits before it returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = FULL")
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self.db.execute("PRAGMA busy_timeout = 5000")
+        migrate(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def ping(self) -> bool:
+        try:
+            self.db.execute("SELECT 1").fetchone()
+            return True
+        except sqlite3.Error:
+            return False
+
+    # ---- operations ---------------------------------------------------------------------------------
+
+    def insert(self, record: JobRecord) -> None:
+        values = [_encode(c, getattr(record, c)) for c in _COLUMNS]
+        self.db.execute(f"INSERT INTO operations ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                        values)
+
+    def get(self, name: str) -> JobRecord | None:
+        row = self.db.execute("SELECT * FROM operations WHERE name = ?", (name,)).fetchone()
+        return self._record(row) if row else None
+
+    def by_request_id(self, request_id: str) -> JobRecord | None:
+        row = self.db.execute("SELECT * FROM operations WHERE request_id = ?", (request_id,)).fetchone()
+        return self._record(row) if row else None
+
+    def update(self, name: str, **fields: Any) -> None:
+        bad = set(fields) - set(_COLUMNS[1:])
+        assert not bad, f"not operation columns: {sorted(bad)}"
+        sets = ", ".join(f"{c} = ?" for c in fields)
+        self.db.execute(f"UPDATE operations SET {sets} WHERE name = ?",
+                        [*(_encode(c, v) for c, v in fields.items()), name])
+
+    def in_states(self, states: Iterable[str]) -> list[JobRecord]:
+        states = list(states)
+        rows = self.db.execute(f"SELECT * FROM operations WHERE state IN ({', '.join('?' * len(states))}) "
+                               "ORDER BY create_time, name", states).fetchall()
+        return [self._record(r) for r in rows]
+
+    def count(self, state: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM operations WHERE state = ?", (state,)).fetchone()[0]
+
+    def page(self, where: Sequence[tuple[str, Any]], after: tuple[float, str] | None, limit: int) -> list[JobRecord]:
+        """Operations in creation order after the cursor `after` (create_time, name), filtered by
+        `where`: (SQL condition with one placeholder, value) pairs over the columns."""
+        clauses, values = [], []
+        for condition, value in where:
+            clauses.append(condition)
+            values.append(value)
+        if after is not None:
+            clauses.append("(create_time, name) > (?, ?)")
+            values += list(after)
+        sql = "SELECT * FROM operations" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+        rows = self.db.execute(sql + " ORDER BY create_time, name LIMIT ?", [*values, limit]).fetchall()
+        return [self._record(r) for r in rows]
+
+    def delete(self, name: str) -> list[str]:
+        """Forget an operation; returns the digests of its artifacts that no other operation uses."""
+        digests = [r[0] for r in self.db.execute("SELECT sha256 FROM artifacts WHERE operation = ?", (name,))]
+        self.db.execute("BEGIN")
+        try:
+            self.db.execute("DELETE FROM operations WHERE name = ?", (name,))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return [d for d in set(digests) if not self.referenced(d)]
+
+    def finished_before(self, cutoff: float) -> list[str]:
+        states = list(FINISHED)
+        rows = self.db.execute(f"SELECT name FROM operations WHERE state IN ({', '.join('?' * len(states))}) "
+                               "AND end_time < ?", [*states, cutoff])
+        return [r[0] for r in rows]
+
+    # ---- artifacts and uploads ----------------------------------------------------------------------
+
+    def set_artifacts(self, name: str, artifacts: Sequence[ArtifactRecord]) -> None:
+        self.db.execute("BEGIN")
+        try:
+            self.db.execute("DELETE FROM artifacts WHERE operation = ?", (name,))
+            self.db.executemany("INSERT INTO artifacts VALUES (?, ?, ?, ?, ?)",
+                                [(name, a.name, a.sha256, a.size_bytes, a.media_type) for a in artifacts])
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def referenced(self, digest: str) -> bool:
+        hit = self.db.execute("SELECT 1 FROM artifacts WHERE sha256 = ? UNION ALL SELECT 1 FROM uploads WHERE "
+                              "sha256 = ? LIMIT 1", (digest, digest)).fetchone()
+        return hit is not None
+
+    def record_upload(self, digest: str, filename: str, archive: bool, size: int) -> None:
+        self.db.execute("INSERT INTO uploads VALUES (?, ?, ?, ?, ?) ON CONFLICT (sha256, filename) DO UPDATE SET "
+                        "last_used = excluded.last_used", (digest, filename, int(archive), size, time.time()))
+
+    def touch_upload(self, digest: str, filename: str) -> None:
+        self.db.execute("UPDATE uploads SET last_used = ? WHERE sha256 = ? AND filename = ?",
+                        (time.time(), digest, filename))
+
+    def forget_uploads_before(self, cutoff: float) -> list[tuple[str, str]]:
+        rows = self.db.execute("SELECT sha256, filename FROM uploads WHERE last_used < ?", (cutoff,)).fetchall()
+        self.db.execute("DELETE FROM uploads WHERE last_used < ?", (cutoff,))
+        return [(r[0], r[1]) for r in rows]
+
+    def _record(self, row: sqlite3.Row) -> JobRecord:
+        values = {c: (json.loads(row[c]) if c in _JSON_COLUMNS and row[c] is not None else row[c]) for c in _COLUMNS}
+        record = JobRecord(**values)
+        record.artifacts = [ArtifactRecord(r["name"], r["sha256"], r["size_bytes"], r["media_type"]) for r in
+                            self.db.execute("SELECT * FROM artifacts WHERE operation = ? ORDER BY name",
+                                            (record.name,))]
+        return record
+
+
+def _encode(column: str, value: Any) -> Any:
+    if column in _JSON_COLUMNS and value is not None:
+        return json.dumps(value, sort_keys=True)
+    return value

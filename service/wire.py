@@ -1,0 +1,194 @@
+"""Protobuf <-> domain conversions of the gRPC API, shared by the server and the client."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Any
+
+import grpc
+from google.longrunning import operations_pb2
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import ParseDict
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from .api import compression_pb2 as pb
+from .store import JobRecord
+
+DOMAIN = "osscar.compression.v1"
+# CompressOptions fields; proto3 `optional` scalars are copied only when set (else the command's defaults)
+OPTIONAL_OPTIONS = ("samples", "seed", "batch_size", "sequences", "sequence_length", "threads", "round_to",
+                    "min_width", "max_rounds", "repeats", "opset")
+OPTION_FIELDS = (*OPTIONAL_OPTIONS, "mean", "std", "stream", "activation_dtype", "deployment_target", "precision",
+                 "decode_step", "no_curves_cache")
+STATE_NAMES = {pb.QUEUED: "QUEUED", pb.RUNNING: "RUNNING", pb.SUCCEEDED: "SUCCEEDED", pb.FAILED: "FAILED",
+               pb.CANCELLED: "CANCELLED"}
+STATES = {v: k for k, v in STATE_NAMES.items()}
+
+
+def spec_from_proto(request: pb.CompressRequest) -> dict[str, Any]:
+    """CompressRequest fields (service.compress) from the wire; references stay unresolved strings."""
+    spec: dict[str, Any] = {"model": request.model, "calibration": request.calibration,
+                            "eval": request.eval or None, "widths_from": None, "uniform_ratio": None,
+                            "target_speedup": None}
+    mode = request.WhichOneof("mode")
+    if mode is not None:
+        spec[mode] = getattr(request, mode)
+    shape = {k: getattr(request.shape, k) for k in ("batch", "sequence") if getattr(request.shape, k)}
+    spec["shape"] = shape
+    if request.execution_provider:
+        spec["execution_provider"] = request.execution_provider
+    if request.method:
+        spec["method"] = request.method
+    if request.HasField("accuracy_budget"):
+        spec["accuracy_budget"] = request.accuracy_budget
+    spec["back_off"] = request.back_off
+    options = request.options
+    for name in OPTIONAL_OPTIONS:
+        if options.HasField(name):
+            spec[name] = getattr(options, name)
+    if options.mean:
+        spec["mean"] = list(options.mean)
+    if options.std:
+        spec["std"] = list(options.std)
+    for name in ("activation_dtype", "deployment_target", "precision"):
+        if getattr(options, name):
+            spec[name] = getattr(options, name)
+    for name in ("stream", "decode_step", "no_curves_cache"):
+        spec[name] = getattr(options, name)
+    return spec
+
+
+def body_digest(request: pb.CompressRequest) -> str:
+    """Digest of the request without its request_id: what makes two submissions the same request."""
+    copy = pb.CompressRequest()
+    copy.CopyFrom(request)
+    copy.request_id = ""
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+
+
+def api_field(name: str) -> str:
+    """A domain field name as the API spells it (options live under `options.`)."""
+    return f"options.{name}" if name in OPTION_FIELDS else name
+
+
+def api_description(text: str) -> str:
+    """CLI flags in a domain message (`--uniform-ratio`) as the API's field paths (`uniform_ratio`)."""
+    return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: api_field(m.group(1).replace("-", "_")), text)
+
+
+def _code(name: str) -> int:
+    return getattr(code_pb2, name, code_pb2.UNKNOWN)
+
+
+def status_of_error(error: dict) -> status_pb2.Status:
+    """An operation's stored error as google.rpc.Status with an ErrorInfo."""
+    status = status_pb2.Status(code=_code(error["code"]), message=error["message"])
+    info = error_details_pb2.ErrorInfo(reason=error.get("reason", error["code"]), domain=DOMAIN,
+                                       metadata={k: str(v) for k, v in (error.get("metadata") or {}).items()})
+    status.details.add().Pack(info)
+    return status
+
+
+def report_to_proto(report: dict) -> pb.CompressReport:
+    metric = report.get("metric") or {}
+    out = pb.CompressReport(
+        status=report["status"], measured_speedup=report["measured_speedup"],
+        baseline_latency_ms=report["baseline_latency_ms"], compressed_latency_ms=report["compressed_latency_ms"],
+        execution_provider=report["execution_provider"], device=str(report.get("device") or ""),
+        metric=pb.Metric(name=metric.get("name", ""), baseline=metric.get("baseline", 0.0),
+                         compressed=metric.get("compressed", 0.0), relative_drop=metric.get("relative_drop", 0.0)),
+        params_before=report["params_before"], params_after=report["params_after"], method=report["method"],
+        elapsed_s=report["elapsed_s"],
+        layers=[pb.LayerResult(name=layer["name"], kind=layer["kind"], width_before=layer["width_before"],
+                               width_after=layer["width_after"], objective=layer["objective"],
+                               relative_error=layer["relative_error"]) for layer in report["layers"]])
+    for key in ("target_speedup", "uniform_ratio"):
+        if report.get(key) is not None:
+            setattr(out, key, report[key])
+    full = struct_pb2.Struct()
+    ParseDict(_json_safe(report), full)
+    out.full.CopyFrom(full)
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    """Struct holds JSON: non-finite floats become strings, tuples lists."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def artifact_to_proto(a) -> pb.Artifact:
+    return pb.Artifact(name=a.name, sha256=a.sha256, size_bytes=a.size_bytes, media_type=a.media_type)
+
+
+def metadata_of(record: JobRecord) -> pb.CompressMetadata:
+    progress = record.progress or {}
+    meta = pb.CompressMetadata(
+        state=STATES[record.state], stage=progress.get("stage", ""), round=int(progress.get("round", 0)),
+        layer=int(progress.get("layer", 0)), layers=int(progress.get("layers", 0)),
+        message=str(progress.get("message", ""))[:2000], attempt=record.attempt, labels=record.labels,
+        artifacts=[artifact_to_proto(a) for a in record.artifacts])
+    meta.create_time.FromNanoseconds(int(record.create_time * 1e9))
+    if record.start_time:
+        meta.start_time.FromNanoseconds(int(record.start_time * 1e9))
+    if record.end_time:
+        meta.end_time.FromNanoseconds(int(record.end_time * 1e9))
+    meta.request.ParseFromString(record.request)
+    return meta
+
+
+def operation_of(record: JobRecord) -> operations_pb2.Operation:
+    op = operations_pb2.Operation(name=record.name, done=record.done)
+    op.metadata.Pack(metadata_of(record))
+    if record.error:
+        op.error.CopyFrom(status_of_error(record.error))
+    elif record.done and record.report is not None:
+        op.response.Pack(pb.CompressResponse(report=report_to_proto(record.report),
+                                             artifacts=[artifact_to_proto(a) for a in record.artifacts]))
+    return op
+
+
+def event_to_proto(name: str, event: dict) -> pb.CompressionEvent:
+    out = pb.CompressionEvent(name=name, state=STATES.get(event.get("state", ""), pb.STATE_UNSPECIFIED),
+                              stage=event.get("stage", ""), round=int(event.get("round", 0)),
+                              layer=int(event.get("layer", 0)), layers=int(event.get("layers", 0)),
+                              message=str(event.get("message", ""))[:2000])
+    out.time.FromNanoseconds(int(event.get("time", 0) * 1e9))
+    return out
+
+
+def unpack_metadata(op: operations_pb2.Operation) -> pb.CompressMetadata:
+    meta = pb.CompressMetadata()
+    op.metadata.Unpack(meta)
+    return meta
+
+
+def unpack_response(op: operations_pb2.Operation) -> pb.CompressResponse:
+    response = pb.CompressResponse()
+    op.response.Unpack(response)
+    return response
+
+
+def error_details(error: grpc.RpcError) -> dict[str, Any]:
+    """Client side: the AIP-193 details of a failed call (field violations, reason, metadata)."""
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    out: dict[str, Any] = {}
+    if status is None:
+        return out
+    for detail in status.details:
+        for cls, key in ((error_details_pb2.BadRequest, "bad_request"), (error_details_pb2.ErrorInfo, "error_info"),
+                         (error_details_pb2.ResourceInfo, "resource_info"), (error_details_pb2.RetryInfo, "retry")):
+            if detail.Is(cls.DESCRIPTOR):
+                message = cls()
+                detail.Unpack(message)
+                out[key] = message
+    return out

