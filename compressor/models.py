@@ -132,8 +132,9 @@ def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int |
     if not hasattr(config, "num_channels"):
         raise UnsupportedArchitecture(f"{ref}: {config.model_type!r} is not an image model; transformer models are "
                                   "pruned by the transformer adapters")
+    # safetensors only: a pickled pytorch_model.bin can run code when loaded
     model = transformers.AutoModelForImageClassification.from_pretrained(
-        location, local_files_only=True, trust_remote_code=trust_remote_code)
+        location, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True)
     size = image_size or int(getattr(config, "image_size", 224) or 224)
 
     class Logits(torch.nn.Module):  # the first output (logits) as a plain tensor
@@ -233,7 +234,8 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
                                   f"supported: {sorted(ADAPTERS)}")
     cls, causal = hf_model_class(config)
     if weights:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code).eval()
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
+                                    use_safetensors=True).eval()  # never a pickle: it could run code
     else:
         with torch.device("meta"):
             model = build_hf_model(cls, config)

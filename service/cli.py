@@ -96,26 +96,60 @@ def _compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if args.tls_ca:
+        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(args.tls_ca.read_bytes()))
+    else:
+        channel = grpc.insecure_channel(args.server)
+    with channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                               timeout=args.timeout).status
+        except grpc.RpcError as err:
+            print(f"osscar: {args.server}: {err.code().name}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(name)
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+SERVE_FLAGS = ("host", "port", "home", "max_queue", "devices", "max_attempts", "retention_days", "grace_s",
+               "insecure", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "allowed_roots", "allowed_schemes",
+               "trust_remote_code", "max_upload_mb", "max_message_mb", "max_concurrent_rpcs", "metrics_port",
+               "log_format", "health_port")
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from .compress import default_home
-    from .grpc_server import ServerConfig, serve
-    from .jobs import ServiceConfig
+    import pydantic
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535] (got {args.port})")
-    if args.max_queue < 1 or args.max_attempts < 1 or args.retention_days <= 0 or args.grace < 0:
-        raise ValueError("--max-queue and --max-attempts must be >= 1, --retention-days > 0, --grace >= 0")
-    home = (args.home or default_home()).expanduser().resolve()
-    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else ()
-    config = ServerConfig(ServiceConfig(home=home, max_queue=args.max_queue, devices=devices,
-                                        max_attempts=args.max_attempts, retention_s=args.retention_days * 86400),
-                          host=args.host, port=args.port, grace_s=args.grace)
+    from .grpc_server import Server, serve
+    from .logs import configure
+    from .settings import ServerSettings
 
-    def ready(port: int) -> None:
-        print(f"osscar: serving on {args.host}:{port} (plaintext, no auth; data in {home})", file=sys.stderr,
-              flush=True)
+    given = {name: getattr(args, name) for name in SERVE_FLAGS
+             if getattr(args, name) is not None and getattr(args, name) is not False}
+    try:  # flags override OSSCAR_* environment variables
+        settings = ServerSettings(**given)
+    except pydantic.ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in err.errors())
+        raise ValueError(problems) from None
+    configure(settings.log_format)
 
-    serve(config, ready)
+    def ready(server: Server) -> None:
+        security = ("mTLS" if settings.tls_client_ca else "TLS") if settings.tls else "plaintext"
+        auth = "bearer tokens" if settings.bearer_tokens() else "client certificates" if settings.tls_client_ca \
+            else "no auth"
+        metrics = f", metrics on {settings.host}:{server.metrics_port}" if server.metrics_port is not None else ""
+        if server.health_port is not None:
+            metrics += f", health on 127.0.0.1:{server.health_port}"
+        print(f"osscar: serving on {settings.host}:{server.port} ({security}, {auth}; data in "
+              f"{server.jobs.home}{metrics})", file=sys.stderr, flush=True)
+
+    serve(settings, ready)
     return 0
 
 
@@ -200,31 +234,58 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
     remote.add_argument("--connect-timeout", type=float, default=60.0,
                         help="how long to wait for the server to come up (default 60 s)")
+    remote.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
+    remote.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
+    remote.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    remote.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the bearer token (default: $OSSCAR_TOKEN)")
     comp.set_defaults(func=_compress)
 
-    serve = sub.add_parser("serve", help="run the gRPC compression service")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
-    serve.add_argument("--home", type=Path, default=None,
-                       help="jobs, artifacts and caches (default $OSSCAR_HOME, else ~/.osscar)")
-    serve.add_argument("--max-queue", type=int, default=16, help="queued jobs before RESOURCE_EXHAUSTED (16)")
-    serve.add_argument("--devices", default=None,
-                       help="comma-separated device slots, one job each (default: every CUDA device, else cpu)")
-    serve.add_argument("--max-attempts", type=int, default=3,
-                       help="runs of a job interrupted by server restarts before it fails (default 3)")
-    serve.add_argument("--retention-days", type=float, default=30.0,
-                       help="finished jobs and unused uploads are deleted after this many days (default 30)")
-    serve.add_argument("--grace", type=float, default=30.0,
-                       help="seconds running jobs get on shutdown before they are re-queued (default 30)")
+    serve = sub.add_parser("serve", help="run the gRPC compression service",
+                           description="Every flag has an OSSCAR_<NAME> environment variable (flags win); bearer "
+                           "tokens come from OSSCAR_TOKENS or --tokens-file, never from the command line.")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, help="port (default 50051; 0 picks a free one)")
+    serve.add_argument("--home", type=Path, help="jobs, artifacts and caches (default $OSSCAR_HOME, else ~/.osscar)")
+    serve.add_argument("--max-queue", type=int, help="queued jobs before RESOURCE_EXHAUSTED (16)")
+    serve.add_argument("--devices", help="comma-separated device slots, one job each (default: every CUDA device, "
+                       "else cpu)")
+    serve.add_argument("--max-attempts", type=int, help="runs of a job interrupted by server restarts before it "
+                       "fails (3)")
+    serve.add_argument("--retention-days", type=float, help="finished jobs and unused uploads are deleted after "
+                       "this many days (30)")
+    serve.add_argument("--grace", dest="grace_s", type=float, help="seconds running jobs get on shutdown before "
+                       "they are re-queued (30)")
+    serve.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without TLS "
+                       "and authentication")
+    serve.add_argument("--tls-cert", type=Path, help="PEM server certificate chain (with --tls-key: TLS)")
+    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", type=Path, help="PEM CA that client certificates must chain to (mTLS)")
+    serve.add_argument("--tokens-file", type=Path, help="bearer tokens, one per line")
+    serve.add_argument("--allowed-roots", help="comma-separated directories path references must resolve inside")
+    serve.add_argument("--allowed-schemes", help="reference kinds accepted: path,blob,embedded (default all)")
+    serve.add_argument("--trust-remote-code", help="comma-separated model directories allowed to run their own code")
+    serve.add_argument("--max-upload-mb", type=int, help="largest upload in MiB (65536)")
+    serve.add_argument("--max-message-mb", type=int, help="largest gRPC message in MiB (8)")
+    serve.add_argument("--max-concurrent-rpcs", type=int, help="RPCs in flight before RESOURCE_EXHAUSTED (1000)")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: a free one)")
+    serve.add_argument("--log-format", choices=("json", "text"), help="server log lines (default json)")
+    serve.add_argument("--health-port", type=int, help="also answer plaintext health checks on 127.0.0.1:PORT")
     serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")
+    check.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    check.add_argument("--service", default="", help="service name (default: the whole server)")
+    check.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
+    check.add_argument("--timeout", type=float, default=5.0)
+    check.set_defaults(func=_health)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    verbose = args.verbose or args.command == "serve"  # a server logs its jobs
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

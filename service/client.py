@@ -67,8 +67,20 @@ class ProgressBar:
 
 
 class RemoteCompressor:
-    def __init__(self, target: str, timeout_s: float = 60.0) -> None:
-        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)])
+    def __init__(self, target: str, timeout_s: float = 60.0, *, tls_ca: Path | None = None,
+                 tls_cert: Path | None = None, tls_key: Path | None = None, token: str | None = None) -> None:
+        options = [("grpc.max_receive_message_length", 8 << 20)]
+        if tls_ca is not None or tls_cert is not None:
+            if (tls_cert is None) != (tls_key is None):
+                raise ClientError("--tls-cert and --tls-key go together")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+                private_key=Path(tls_key).read_bytes() if tls_key else None,
+                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
+            self.channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.target = target
         self.timeout = timeout_s
         self.stub = pb_grpc.CompressionStub(self.channel)
@@ -89,7 +101,7 @@ class RemoteCompressor:
         Compress is the same job)."""
         for attempt in range(attempts):
             try:
-                return method(request, timeout=self.timeout, wait_for_ready=True)
+                return method(request, timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
             except grpc.RpcError as err:
                 if err.code() not in RETRYABLE or attempt == attempts - 1:
                     raise
@@ -117,7 +129,8 @@ class RemoteCompressor:
                     for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
                         yield pb.UploadBlobRequest(chunk=chunk)
 
-            blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True)
+            blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True,
+                                        metadata=self.metadata)
         if blob.sha256 != header.sha256:
             raise ClientError(f"upload of {path}: the server stored sha256 {blob.sha256}, expected {header.sha256}")
         return blob.reference
@@ -130,7 +143,8 @@ class RemoteCompressor:
         delay = 1.0
         while True:
             try:
-                for event in self.stub.WatchCompression(pb.WatchCompressionRequest(name=name), wait_for_ready=True):
+                for event in self.stub.WatchCompression(pb.WatchCompressionRequest(name=name), wait_for_ready=True,
+                                                        metadata=self.metadata):
                     delay = 1.0
                     if (event.message or event.layers) and event.stage != "done":
                         show(event)
@@ -151,7 +165,8 @@ class RemoteCompressor:
         try:
             with os.fdopen(fd, "wb") as f:
                 stream = self.stub.DownloadArtifact(pb.DownloadArtifactRequest(name=name, artifact=artifact.name),
-                                                    timeout=max(self.timeout, 3600), wait_for_ready=True)
+                                                    timeout=max(self.timeout, 3600), wait_for_ready=True,
+                                                    metadata=self.metadata)
                 for chunk in stream:
                     if chunk.HasField("artifact"):
                         expected = chunk.artifact
@@ -249,7 +264,9 @@ def format_report(report: pb.CompressReport, out: Path) -> str:
 def remote_compress(args: argparse.Namespace) -> int:
     if args.device is not None:
         raise ClientError("--device is chosen by the server (one job per device); drop it with --server")
-    client = RemoteCompressor(args.server, timeout_s=args.timeout)
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("OSSCAR_TOKEN")
+    client = RemoteCompressor(args.server, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key, token=token or None)
     try:
         client.wait_ready(args.connect_timeout)
         try:
@@ -260,8 +277,8 @@ def remote_compress(args: argparse.Namespace) -> int:
         print(f"{op.name}: {STATE_NAMES.get(unpack_metadata(op).state, '?').lower()} on {args.server}",
               file=sys.stderr)
         final = client.follow(op.name, ProgressBar(sys.stderr)) if not op.done else op
-        final = client.operations.GetOperation(operations_pb2.GetOperationRequest(name=op.name),
-                                               timeout=client.timeout, wait_for_ready=True) if not final.done else final
+        if not final.done:
+            final = client._call(client.operations.GetOperation, operations_pb2.GetOperationRequest(name=op.name))
         meta = unpack_metadata(final)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 PRUNING_METHODS = ("osscar", "mp", "mp+", "thinet")  # "exact" only solves single small layers
 MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
 AIM = 1.10  # and the loop aims at <= 1.10 x target
+MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class CompressRequest:
     precision: str = "fp32"  # exports (dense baseline and compressed alike) compute in fp32 or fp16
     decode_step: bool = False  # causal LMs: also export decode.onnx (one token with past key/values)
     normalise: str = "stream"  # target mode: layer losses relative to the residual stream, or the layer's output
+    trust_remote_code: bool = False  # run a HF model's own code (the server grants it per model directory)
     # target mode: where dense loss curves are cached (None: not cached)
     curves_cache: Path | None = field(default_factory=lambda: default_home() / "curves")
 
@@ -114,24 +116,30 @@ class CompressRequest:
               f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
         check(self.target_speedup is None or (math.isfinite(self.target_speedup) and 1 < self.target_speedup <= 20),
               "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
-        check(self.samples >= 1, "samples", f"--samples must be >= 1 (got {self.samples})")
-        check(self.batch_size >= 1, "batch_size", f"--batch-size must be >= 1 (got {self.batch_size})")
-        check(self.sequences >= 1, "sequences", f"--sequences must be >= 1 (got {self.sequences})")
-        check(self.sequence_length >= 2, "sequence_length", f"--sequence-length must be >= 2 (got "
-              f"{self.sequence_length})")
+        check(1 <= self.samples <= 1_000_000, "samples", f"--samples must be in [1, 1000000] (got {self.samples})")
+        check(1 <= self.batch_size <= 100_000, "batch_size", f"--batch-size must be in [1, 100000] (got "
+              f"{self.batch_size})")
+        check(1 <= self.sequences <= 1_000_000, "sequences", f"--sequences must be in [1, 1000000] (got "
+              f"{self.sequences})")
+        check(2 <= self.sequence_length <= 65536, "sequence_length", f"--sequence-length must be in [2, 65536] "
+              f"(got {self.sequence_length})")
+        check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")
         check(self.activation_dtype in ("float32", "float16"), "activation_dtype",
               f"--activation-dtype must be float32 or float16 (got {self.activation_dtype!r})")
         bad = {k: v for k, v in self.shape.items() if k not in ("batch", "sequence") or not 1 <= v <= 65536}
         check(not bad, "shape", f"--shape takes batch=N and sequence=N with 1 <= N <= 65536 (got {bad})")
+        tokens = self.shape.get("batch", 1) * self.shape.get("sequence", 1)
+        check(bool(bad) or tokens <= MAX_MEASURED_ELEMENTS, "shape", f"--shape batch x sequence must be at most "
+              f"{MAX_MEASURED_ELEMENTS} (got {tokens})")
         for field_name, value in (("execution_provider", self.execution_provider),
                                   ("deployment_target", self.deployment_target)):
             check(value is None or value in PROVIDERS, field_name,
                   f"--{field_name.replace('_', '-')} must be one of {', '.join(PROVIDERS)} (got {value!r})")
         check(self.threads is None or 1 <= self.threads <= 1024, "threads",
               f"--threads must be in [1, 1024] (got {self.threads})")
-        check(self.round_to >= 1, "round_to", f"--round-to must be >= 1 (got {self.round_to})")
+        check(1 <= self.round_to <= 4096, "round_to", f"--round-to must be in [1, 4096] (got {self.round_to})")
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
-        check(self.max_rounds >= 1, "max_rounds", f"--max-rounds must be >= 1 (got {self.max_rounds})")
+        check(1 <= self.max_rounds <= 20, "max_rounds", f"--max-rounds must be in [1, 20] (got {self.max_rounds})")
         check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
               f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
         check(not self.back_off or self.accuracy_budget is not None, "back_off", "--back-off needs --accuracy-budget")
@@ -142,9 +150,11 @@ class CompressRequest:
               "--decode-step is exported in fp32 only")
         check(self.normalise in ("stream", "layer"), "normalise",
               f"normalise must be 'stream' or 'layer' (got {self.normalise!r})")
-        check(self.repeats >= 3, "repeats", f"--repeats must be >= 3 (got {self.repeats})")
-        check(len(self.mean) == len(self.std) and all(math.isfinite(v) for v in (*self.mean, *self.std)) and
-              all(v > 0 for v in self.std), "std", "--mean and --std need the same number of finite values, std > 0")
+        check(3 <= self.repeats <= 10_000, "repeats", f"--repeats must be in [3, 10000] (got {self.repeats})")
+        finite = all(math.isfinite(v) for v in (*self.mean, *self.std))
+        check(len(self.mean) <= 16 and len(self.mean) == len(self.std) and finite and all(v > 0 for v in self.std),
+              "std",
+              "--mean and --std need the same number (at most 16) of finite values, std > 0")
         return errors
 
     def validate(self) -> None:
@@ -176,7 +186,7 @@ class _ConvJob:
 
     def __init__(self, request: CompressRequest, say: Callable[[str], None]) -> None:
         self.request, self.say = request, say
-        self.loaded = load_model(request.model)
+        self.loaded = load_model(request.model, trust_remote_code=request.trust_remote_code)
         self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
                                   mean=request.mean, std=request.std)
         if tuple(self.images.shape[1:]) != self.loaded.input_shape:
@@ -241,7 +251,7 @@ class _TextJob:
 
     def __init__(self, request: CompressRequest, say: Callable[[str], None]) -> None:
         self.request, self.say = request, say
-        self.loaded = load_transformer(request.model)
+        self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
         self.dense = self.loaded.model
         self.params_before = count_parameters(self.dense)
         self.causal = self.loaded.output_name == "logits"

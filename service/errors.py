@@ -64,3 +64,19 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     """The server is draining for shutdown."""
+
+
+class PermissionDenied(ServiceError):
+    """The reference policy forbids what was asked (a path outside the allowed roots, a disabled scheme)."""
+
+    def __init__(self, reason: str, description: str) -> None:
+        self.reason = reason
+        super().__init__(description)
+
+
+class Unauthenticated(ServiceError):
+    """No valid bearer token."""
+
+    def __init__(self, reason: str, description: str) -> None:
+        self.reason = reason
+        super().__init__(description)

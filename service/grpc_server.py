@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
@@ -32,6 +34,9 @@ from . import errors
 from .api import compression_pb2 as pb
 from .api import compression_pb2_grpc as pb_grpc
 from .jobs import JobService, ServiceConfig, SubmitRequest, UploadHeader
+from .metrics import Metrics
+from .policy import ReferencePolicy
+from .settings import ServerSettings
 from .wire import (
     DOMAIN,
     api_description,
@@ -85,50 +90,70 @@ def status_of(err: errors.ServiceError) -> status_pb2.Status:
         return packed(code_pb2.RESOURCE_EXHAUSTED, str(err), info)
     if isinstance(err, errors.Unavailable):
         return packed(code_pb2.UNAVAILABLE, str(err))
+    if isinstance(err, errors.PermissionDenied):
+        return packed(code_pb2.PERMISSION_DENIED, str(err), error_details_pb2.ErrorInfo(reason=err.reason,
+                                                                                        domain=DOMAIN))
+    if isinstance(err, errors.Unauthenticated):
+        return packed(code_pb2.UNAUTHENTICATED, str(err), error_details_pb2.ErrorInfo(reason=err.reason,
+                                                                                      domain=DOMAIN))
     raise TypeError(f"unmapped service error {type(err).__name__}")
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, err: BaseException) -> None:
+async def _abort(context: grpc.aio.ServicerContext, method: str, err: BaseException,
+                 metrics: Metrics | None = None) -> None:
     if isinstance(err, errors.ServiceError):
-        await context.abort_with_status(rpc_status.to_status(status_of(err)))
+        status = status_of(err)
+        if metrics:
+            metrics.rpc_errors.labels(method, code_pb2.Code.Name(status.code)).inc()
+        await context.abort_with_status(rpc_status.to_status(status))
+    if metrics:
+        metrics.rpc_errors.labels(method, "INTERNAL").inc()
     log.error("%s failed", method, exc_info=err)
     await context.abort_with_status(rpc_status.to_status(status_pb2.Status(
         code=code_pb2.INTERNAL, message="internal error (logged on the server)")))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """The one place where exceptions become status codes."""
+    """The one place where exceptions become status codes (and unary RPCs are timed)."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method
+        # bytes that do not parse as the request type are the caller's error (INVALID_ARGUMENT), not grpc's
+        # default INTERNAL: parse leniently, refuse in the handler
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
         if handler.unary_unary:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=self._unary(_checked(handler.unary_unary, False), method))
         if handler.stream_unary:
-            return handler._replace(stream_unary=self._unary(handler.stream_unary, method))
+            return handler._replace(stream_unary=self._unary(_checked(handler.stream_unary, True), method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method))
+            return handler._replace(unary_stream=self._streaming(_checked(handler.unary_stream, False), method))
         if handler.stream_stream:
-            return handler._replace(stream_stream=self._streaming(handler.stream_stream, method))
+            return handler._replace(stream_stream=self._streaming(_checked(handler.stream_stream, True), method))
         return handler
 
-    @staticmethod
-    def _unary(behaviour: Callable, method: str) -> Callable:
+    def _unary(self, behaviour: Callable, method: str) -> Callable:
         @functools.wraps(behaviour)
         async def wrapped(request, context):
+            start = time.perf_counter()
             try:
                 return await behaviour(request, context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except BaseException as err:
-                await _abort(context, method, err)
+                await _abort(context, method, err, self.metrics)
+            finally:
+                if self.metrics:
+                    self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
         return wrapped
 
-    @staticmethod
-    def _streaming(behaviour: Callable, method: str) -> Callable:
+    def _streaming(self, behaviour: Callable, method: str) -> Callable:
         @functools.wraps(behaviour)
         async def wrapped(request, context):
             try:
@@ -137,9 +162,90 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except BaseException as err:
-                await _abort(context, method, err)
+                await _abort(context, method, err, self.metrics)
 
         return wrapped
+
+
+class _Malformed:
+    """A request message that did not parse."""
+
+
+def _lenient(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception:  # DecodeError and friends: refused by _checked
+            return _Malformed()
+
+    return parse
+
+
+def _refuse_malformed(message) -> None:
+    if isinstance(message, _Malformed):
+        raise errors.InvalidArgument([errors.FieldViolation("request", "not a valid protobuf message of this "
+                                                                       "method's request type")])
+
+
+def _checked(behaviour: Callable, streaming_request: bool) -> Callable:
+    if not streaming_request:
+        def unary(request, context):
+            _refuse_malformed(request)
+            return behaviour(request, context)
+
+        return unary
+
+    async def messages(iterator):
+        async for message in iterator:
+            _refuse_malformed(message)
+            yield message
+
+    def streaming(request_iterator, context):
+        return behaviour(messages(request_iterator), context)
+
+    return streaming
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer tokens in `authorization` metadata; health checks are exempt (probes carry no secrets)."""
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, tokens: frozenset[str]) -> None:
+        assert tokens, "an AuthInterceptor needs at least one token"
+        self.tokens = tuple(t.encode() for t in tokens)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.EXEMPT):
+            return handler
+        header = dict(details.invocation_metadata or ()).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            refusal = errors.Unauthenticated("TOKEN_MISSING", "this server needs `authorization: Bearer <token>`")
+        elif scheme.lower() != "bearer" or not self._known(token.strip().encode()):
+            refusal = errors.Unauthenticated("TOKEN_INVALID", "the bearer token is not valid here")
+        else:
+            return handler
+        status = rpc_status.to_status(status_of(refusal))
+
+        async def refuse(request, context):
+            await context.abort_with_status(status)
+
+        async def refuse_stream(request, context):
+            await context.abort_with_status(status)
+            yield  # pragma: no cover - an async generator, as streaming handlers are
+
+        kind = "unary_unary" if handler.unary_unary else "stream_unary" if handler.stream_unary else \
+            "unary_stream" if handler.unary_stream else "stream_stream"
+        return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
+
+    def _known(self, token: bytes) -> bool:
+        # compare against every token in constant time: no timing hint of a near miss
+        return any([hmac.compare_digest(token, t) for t in self.tokens])
 
 
 # ---- servicers -------------------------------------------------------------------------------------
@@ -233,36 +339,64 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
 # ---- the server ------------------------------------------------------------------------------------
 
 
-@dataclass
-class ServerConfig:
-    service: ServiceConfig
-    host: str = "127.0.0.1"  # loopback unless asked: no auth by default
-    port: int = 50051  # 0: any free port (printed)
-    grace_s: float = 30.0  # on SIGTERM/SIGINT: running jobs get this long before they are re-queued
+def service_config(settings: ServerSettings) -> ServiceConfig:
+    return ServiceConfig(
+        home=Path(settings.home).expanduser().resolve(), max_queue=settings.max_queue,
+        devices=settings.list_of("devices"), max_attempts=settings.max_attempts,
+        retention_s=settings.retention_days * 86400, max_upload_bytes=settings.max_upload_mb << 20,
+        policy=ReferencePolicy.of(settings.list_of("allowed_roots"), settings.list_of("allowed_schemes"),
+                                  settings.list_of("trust_remote_code")),
+        log_format=settings.log_format)
 
 
 class Server:
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.jobs = JobService(config.service)
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.jobs = JobService(service_config(settings), self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self.health_server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
 
     async def start(self) -> int:
+        settings = self.settings
         await self.jobs.start()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
+        interceptors = [ErrorInterceptor(self.metrics)]
+        tokens = settings.bearer_tokens()
+        if tokens:  # outermost: nothing runs for a caller without a valid token
+            interceptors.insert(0, AuthInterceptor(tokens))
+        size = settings.max_message_mb << 20
+        self.server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+                                      options=[("grpc.max_receive_message_length", size),
+                                               ("grpc.max_send_message_length", size)])
         pb_grpc.add_CompressionServicer_to_server(CompressionServicer(self.jobs), self.server)
         operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{settings.host}:{settings.port}"
+        if settings.tls:
+            client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+            credentials = grpc.ssl_server_credentials(
+                [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())],
+                root_certificates=client_ca, require_client_auth=client_ca is not None)
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if not self.port:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot bind {address}")
         await self.server.start()
+        if settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(settings.host, settings.metrics_port)
+        if settings.health_port is not None:  # loopback only: it answers health and nothing else
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"127.0.0.1:{settings.health_port}")
+            await self.health_server.start()
         await self._set_health()
         self._monitor = asyncio.create_task(self._health_monitor())
         return self.port
@@ -282,20 +416,22 @@ class Server:
         log.info("shutting down: NOT_SERVING, draining")
         self._monitor.cancel()
         await self.health.enter_graceful_shutdown()
-        await self.jobs.drain(self.config.grace_s)
+        await self.jobs.drain(self.settings.grace_s)
         await self.server.stop(grace=5)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=1)
 
-    async def run_until_signalled(self, ready: Callable[[int], None] | None = None) -> None:
-        port = await self.start()
+    async def run_until_signalled(self, ready: Callable[[Server], None] | None = None) -> None:
+        await self.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, self._stopping.set)
         if ready:
-            ready(port)
+            ready(self)
         await self._stopping.wait()
         await self.stop()
 
 
-def serve(config: ServerConfig, ready: Callable[[int], None] | None = None) -> None:
-    asyncio.run(Server(config).run_until_signalled(ready))
+def serve(settings: ServerSettings, ready: Callable[[Server], None] | None = None) -> None:
+    asyncio.run(Server(settings).run_until_signalled(ready))

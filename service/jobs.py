@@ -43,6 +43,9 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
+from .logs import operation_context
+from .metrics import Metrics
+from .policy import ReferencePolicy
 from .references import resolve
 from .store import CANCELLED, FAILED, FINISHED, QUEUED, RUNNING, SUCCEEDED, ArtifactRecord, JobRecord, JobStore
 from .worker import WorkerArgs
@@ -68,6 +71,8 @@ class ServiceConfig:
     max_wait_s: float = 600.0  # WaitOperation's timeout is capped here
     default_wait_s: float = 60.0
     retry_after_s: float = 30.0  # suggested to clients refused because the queue is full
+    policy: ReferencePolicy = field(default_factory=ReferencePolicy)  # what references may name
+    log_format: str = "json"  # of the workers' logs, as the server's
 
 
 @dataclass
@@ -116,8 +121,9 @@ class _Running:
 
 
 class JobService:
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.home = Path(config.home)
         self.store: JobStore | None = None
         self.blobs = BlobStore(self.home / "blobs")
@@ -140,6 +146,7 @@ class JobService:
             log.info("removed %d partial files left by an interrupted write", removed)
         self.slots = list(self.config.devices or _detect_devices())
         self._recover()
+        self._observe()
         self._background = [asyncio.create_task(self._scheduler(), name="scheduler"),
                             asyncio.create_task(self._retention(), name="retention")]
         log.info("job service: %s, devices %s, queue limit %d", self.home, ",".join(self.slots),
@@ -155,7 +162,8 @@ class JobService:
             self.store.update(record.name, state=QUEUED, progress={
                 **record.progress, "stage": "queued",
                 "message": f"re-queued: the server stopped during attempt {record.attempt}"})
-            log.info("%s: re-queued after a restart (attempt %d was interrupted)", record.name, record.attempt)
+            with operation_context(record.name):
+                log.info("re-queued after a restart (attempt %d was interrupted)", record.attempt)
         for record in self.store.in_states([QUEUED]):
             self.queue.append(record.name)
             self.feeds.setdefault(record.name, _Feed())
@@ -174,7 +182,8 @@ class JobService:
             log.info("draining: waiting up to %.0fs for %d running job(s)", grace_s, len(pending))
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         for name, running in list(self.running.items()):
-            log.info("%s: stopped by shutdown; it runs again at the next start", name)
+            with operation_context(name):
+                log.info("stopped by shutdown; it runs again at the next start")
             running.stop_reason = "shutdown"
             _kill(running.process)
         if pending:
@@ -214,7 +223,9 @@ class JobService:
         self.queue.append(record.name)
         self.feeds[record.name] = _Feed()
         self._wake.set()
-        log.info("%s: queued (%s)", record.name, references.get("model"))
+        with operation_context(record.name):
+            log.info("queued: %s", references.get("model"))
+        self._observe()
         return self.store.get(record.name)
 
     def _validate(self, request: SubmitRequest) -> tuple[dict, dict]:
@@ -233,7 +244,7 @@ class JobService:
                 continue
             references[key] = reference
             try:
-                spec[key] = str(resolve(reference, key, resource, self.blobs, self.home))
+                spec[key] = str(resolve(reference, key, resource, self.blobs, self.home, self.config.policy))
                 if reference.startswith("blob:"):
                     digest, name = reference.split(":", 2)[2].split("/", 1)
                     self.store.touch_upload(digest, name)
@@ -252,7 +263,8 @@ class JobService:
             violations.append(FieldViolation("time_budget", f"must be positive and at most {MAX_TIME_BUDGET_S}s "
                                                             f"(got {budget})"))
         try:
-            compress_request = CompressRequest(**{k: v for k, v in spec.items() if k != "no_curves_cache"},
+            compress_request = CompressRequest(**{k: v for k, v in spec.items()
+                                                  if k not in ("no_curves_cache", "trust_remote_code")},
                                                out_dir=Path("/nonexistent"))
             found = compress_request.violations()
         except TypeError as err:  # a transport bug, not the caller's: surfaces as INTERNAL
@@ -264,6 +276,7 @@ class JobService:
         if not_found:
             raise not_found[0]
         self._check_model(Path(spec["model"]), references["model"])
+        spec["trust_remote_code"] = self.config.policy.trusts_code(Path(spec["model"]))
         return spec, references
 
     @staticmethod
@@ -284,6 +297,8 @@ class JobService:
             config = json.loads(config_file.read_text())
         except (OSError, ValueError):
             raise InvalidArgument([FieldViolation("model", f"{reference}: config.json is not valid JSON")]) from None
+        if not isinstance(config, dict):
+            raise InvalidArgument([FieldViolation("model", f"{reference}: config.json is not a JSON object")])
         model_type = config.get("model_type")
         if model_type == "opt" and config.get("do_layer_norm_before") is False:
             raise FailedPrecondition("UNSUPPORTED_ARCHITECTURE", "post-norm OPT (e.g. opt-350m) is not supported",
@@ -293,6 +308,10 @@ class JobService:
                 "UNSUPPORTED_ARCHITECTURE",
                 f"model_type {model_type!r} is neither a supported transformer family ({', '.join(sorted(ADAPTERS))}) "
                 "nor an image model", {"model_type": str(model_type)})
+        if not any(path.glob("*.safetensors")):
+            raise InvalidArgument([FieldViolation("model", f"{reference}: no *.safetensors weights; only "
+                                                           "safetensors are loaded (pickled pytorch_model.bin files "
+                                                           "can run code)")])
 
     def get(self, name: str) -> JobRecord:
         record = self.store.get(name) if name.startswith("operations/") else None
@@ -303,6 +322,8 @@ class JobService:
         return record
 
     def list(self, filter_text: str, page_size: int, page_token: str) -> tuple[list[JobRecord], str]:
+        if len(filter_text) > 2048 or len(page_token) > 2048:
+            raise InvalidArgument([FieldViolation("filter", "filter and page_token are at most 2048 characters")])
         if page_size < 0:
             raise InvalidArgument([FieldViolation("page_size", f"must be >= 0 (got {page_size})")])
         size = min(page_size or 50, 1000)
@@ -345,7 +366,9 @@ class JobService:
         for digest in self.store.delete(name):
             self.blobs.delete(digest)
         self.feeds.pop(name, None)
-        log.info("%s: deleted", name)
+        with operation_context(name):
+            log.info("deleted")
+        self._observe()
 
     async def wait(self, name: str, timeout_s: float | None) -> JobRecord:
         if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s < 0):
@@ -453,6 +476,10 @@ class JobService:
                 task.add_done_callback(self.tasks.discard)
 
     async def _run(self, record: JobRecord, slot: str) -> None:
+        with operation_context(record.name):  # every record logged while supervising names the job
+            await self._supervise(record, slot)
+
+    async def _supervise(self, record: JobRecord, slot: str) -> None:
         name, attempt = record.name, record.attempt + 1
         op_id = name.split("/", 1)[1]
         work = self.home / "work" / op_id
@@ -460,12 +487,15 @@ class JobService:
         work_dir = work / f"attempt-{attempt}"
         work_dir.mkdir(parents=True)
         progress = {"stage": "starting", "round": 0, "layer": 0, "layers": 0, "message": f"attempt {attempt} on {slot}"}
-        self.store.update(name, state=RUNNING, attempt=attempt, start_time=time.time(), progress=progress)
+        started = time.time()
+        self.store.update(name, state=RUNNING, attempt=attempt, start_time=started, progress=progress)
         self._publish(name, RUNNING, progress)
+        self._observe()
+        stage, stage_start = progress["stage"], started
         context = multiprocessing.get_context("spawn")
         receiver, sender = context.Pipe(duplex=False)
         args = WorkerArgs(name, record.spec["resolved"], record.spec["references"], str(self.home), str(work_dir),
-                          slot, os.getpid())
+                          slot, os.getpid(), self.config.log_format)
         process = context.Process(target=run_worker, args=(args, sender), name=f"osscar-worker-{op_id[:8]}")
         running = _Running(process, slot)
         self.running[name] = running
@@ -473,7 +503,7 @@ class JobService:
         try:
             process.start()
             sender.close()
-            log.info("%s: attempt %d running on %s (worker pid %d)", name, attempt, slot, process.pid)
+            log.info("attempt %d running on %s (worker pid %d)", attempt, slot, process.pid)
             async with asyncio.timeout(record.time_budget_s):
                 while True:
                     try:
@@ -483,12 +513,16 @@ class JobService:
                     if kind == "progress":
                         self.store.update(name, progress=payload)
                         self._publish(name, RUNNING, payload)
+                        if payload.get("stage") != stage and self.metrics:
+                            now = time.time()
+                            self.metrics.stage_seconds.labels(stage).observe(now - stage_start)
+                            stage, stage_start = payload.get("stage"), now
                     else:
                         outcome = (kind, payload)
         except TimeoutError:
             running.stop_reason = running.stop_reason or "deadline"
         except Exception:
-            log.exception("%s: supervising the worker failed", name)
+            log.exception("supervising the worker failed")
         finally:
             _kill(process)
             await asyncio.to_thread(process.join)
@@ -506,6 +540,7 @@ class JobService:
             self.store.update(name, state=QUEUED, attempt=attempt - 1, progress={
                 "stage": "queued", "round": 0, "layer": 0, "layers": 0,
                 "message": "interrupted by a server shutdown; runs again at the next start"})
+            self._observe()
             return
         if reason == "cancel":
             self._finish(name, CANCELLED, error={"code": "CANCELLED", "message": "cancelled by the client",
@@ -517,7 +552,7 @@ class JobService:
                 "metadata": {"time_budget_s": f"{record.time_budget_s:g}"}})
         elif outcome is None:
             how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
-            log.error("%s: the worker process ended without a result (%s)", name, how)
+            log.error("the worker process ended without a result (%s)", how)
             self._finish(name, FAILED, error={"code": "INTERNAL", "reason": "WORKER_CRASHED",
                                               "message": f"the worker process ended without a result ({how})"})
         elif outcome[0] == "error":
@@ -545,10 +580,26 @@ class JobService:
         record = self.store.get(name)
         progress = {**(record.progress if record else {}), "stage": "done",
                     "message": error["message"] if error else "done"}
-        self.store.update(name, state=state, error=error, report=report, end_time=time.time(), progress=progress)
-        log.info("%s: %s%s", name, state, f" ({error['code']}: {error['message']})" if error else "")
+        end = time.time()
+        self.store.update(name, state=state, error=error, report=report, end_time=end, progress=progress)
+        with operation_context(name):
+            log.info("%s%s", state, f" ({error['code']}: {error['message']})" if error else "")
         self._publish(name, state, progress, done=True)
         self.feeds.pop(name, None)
+        if self.metrics:
+            self.metrics.finished.labels(state, error["code"] if error else "OK").inc()
+            if record is not None and record.start_time:
+                self.metrics.job_seconds.labels(state).observe(end - record.start_time)
+        self._observe()
+
+    def _observe(self) -> None:
+        """Gauges from the store, the source of truth (a few ms; called on transitions only)."""
+        if self.metrics is None:
+            return
+        counts = self.store.counts()
+        for state in (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED):
+            self.metrics.jobs.labels(state).set(counts.get(state, 0))
+        self.metrics.queue_depth.set(len(self.queue))
 
     def _publish(self, name: str, state: str, progress: dict, done: bool = False) -> None:
         feed = self.feeds.setdefault(name, _Feed())

@@ -15,9 +15,11 @@ from pathlib import Path
 from .blobs import BlobStore, valid_digest, valid_filename
 from .errors import FieldViolation, InvalidArgument, NotFound
 from .files import write_text_atomically
+from .policy import ReferencePolicy
 
 EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"
 EMBEDDED_CALIBRATION = "embedded:calibration.txt"
+MAX_REFERENCE = 4096
 _BLOB = re.compile(r"^blob:sha256:([^/]*)/(.*)$")
 
 
@@ -42,17 +44,23 @@ def embedded(reference: str, home: Path) -> Path:
     raise ValueError(f"unknown embedded resource {reference!r}; known: {EMBEDDED_MODEL}, {EMBEDDED_CALIBRATION}")
 
 
-def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, home: Path) -> Path:
-    """The path behind `reference` for request field `field`; InvalidArgument when malformed, NotFound
-    when it names nothing."""
+def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, home: Path,
+            policy: ReferencePolicy | None = None) -> Path:
+    """The path behind `reference` for request field `field`, under `policy`: InvalidArgument when
+    malformed, NotFound when it names nothing, PermissionDenied when the policy forbids it."""
+    policy = policy or ReferencePolicy()
     if not reference:
         raise InvalidArgument([FieldViolation(field, "required")])
+    if len(reference) > MAX_REFERENCE:
+        raise InvalidArgument([FieldViolation(field, f"references are at most {MAX_REFERENCE} characters")])
     if reference.startswith("embedded:"):
+        policy.require_scheme("embedded", field)
         try:
             return embedded(reference, home)
         except ValueError as err:
             raise NotFound(resource, reference, str(err)) from None
     if reference.startswith("blob:"):
+        policy.require_scheme("blob", field)
         match = _BLOB.match(reference)
         if not match or not valid_digest(match.group(1)) or not valid_filename(match.group(2)):
             raise InvalidArgument([FieldViolation(field, f"malformed blob reference {reference!r}; expected "
@@ -66,10 +74,5 @@ def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, 
     if ":" in reference.split("/", 1)[0]:
         raise InvalidArgument([FieldViolation(field, f"unknown reference scheme in {reference!r}; expected an "
                                                      "absolute path, blob:sha256:<hex>/<name> or embedded:<name>")])
-    path = Path(reference)
-    if not path.is_absolute():
-        raise InvalidArgument([FieldViolation(field, f"{reference!r} is a relative path; send absolute paths (the "
-                                                     "server does not share the client's working directory)")])
-    if not path.exists():
-        raise NotFound(resource, reference, f"no such {resource} on the server: {reference}")
-    return path
+    policy.require_scheme("path", field)
+    return policy.check_path(reference, field, resource)

@@ -174,6 +174,9 @@ class JobStore:
                                "ORDER BY create_time, name", states).fetchall()
         return [self._record(r) for r in rows]
 
+    def counts(self) -> dict[str, int]:
+        return dict(self.db.execute("SELECT state, COUNT(*) FROM operations GROUP BY state").fetchall())
+
     def count(self, state: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM operations WHERE state = ?", (state,)).fetchone()[0]
 

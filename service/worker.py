@@ -41,6 +41,7 @@ class WorkerArgs:
     work_dir: str  # scratch directory of this attempt (removed at the end)
     device: str  # the device slot this job holds: "cpu" or "cuda:N"
     parent_pid: int
+    log_format: str = "json"  # the server's: json or text
 
 
 def run(args: WorkerArgs, conn: Connection) -> None:
@@ -48,10 +49,10 @@ def run(args: WorkerArgs, conn: Connection) -> None:
     _bind_to_parent(args.parent_pid)
     with contextlib.suppress(OSError):
         os.nice(10)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {args.operation} %(name)s %(message)s",
-                        stream=sys.stderr)
-    for ours in ("service", "compressor", "exporters"):  # third-party INFO (exporter passes) stays quiet
-        logging.getLogger(ours).setLevel(logging.INFO)
+    from .logs import configure, operation_id
+
+    configure(args.log_format)
+    operation_id.set(args.operation)
     try:
         result = _compress(args, conn)
         conn.send(("done", result))
@@ -100,9 +101,11 @@ def _compress(args: WorkerArgs, conn: Connection) -> dict:
 
     def stage(name: str, index: int) -> None:
         current.update(stage=name, round=index)
+        log.info("stage %s (round %d)", name, index)
         conn.send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
 
     def progress(message: str) -> None:
+        log.info("%s", message)  # the job's own log, with its operation id; the event goes to watchers
         event = {**current, "message": message}
         match = _LAYER.match(message)
         if match:

@@ -21,15 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    def __init__(self, home: Path, *extra: str) -> None:
-        self.home, self.extra = Path(home), extra
+    def __init__(self, home: Path, *extra: str, env: dict[str, str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.home, self.extra, self.env, self.credentials = Path(home), extra, env or {}, credentials
         self.log = self.home.parent / f"{self.home.name}-server.log"
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self.channel: grpc.Channel | None = None
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
-        env = {**os.environ, "OSSCAR_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OSSCAR_HOME": str(self.home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               **self.env}
         with open(self.log, "a") as log:  # the child keeps its own copy of the descriptor
             mark = self.log.stat().st_size
             self.process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0",
@@ -46,7 +48,8 @@ class ServerProcess:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"the server did not come up:\n{self.log.read_text()[-3000:]}")
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.secure_channel(self.address, self.credentials) if self.credentials else \
+            grpc.insecure_channel(self.address)
         return self
 
     @property

@@ -1,0 +1,51 @@
+# osscar-service for GPU nodes: the gRPC server (`osscar serve`) with the CUDA build of torch 2.13.0 and
+# ONNX Runtime's CUDA execution provider, used for measurement when a GPU is present (the server picks
+# cuda when ONNX Runtime offers it). The host needs the NVIDIA driver and container toolkit
+# (`docker run --gpus all ...`); CUDA and cuDNN libraries come from the wheels.
+#
+#   docker build -t osscar .
+#   docker run --gpus all -p 50051:50051 -v osscar-data:/data \
+#       -v /path/to/tls:/tls:ro -e OSSCAR_TLS_CERT=/tls/server.pem -e OSSCAR_TLS_KEY=/tls/server.key \
+#       -e OSSCAR_TOKENS_FILE=/tls/tokens osscar
+#
+# The server binds 0.0.0.0 in the container, so it refuses to start without TLS and authentication
+# (tokens or mTLS) unless OSSCAR_INSECURE=true: configure them through OSSCAR_* variables (README).
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    OSSCAR_HOME=/data \
+    OSSCAR_HOST=0.0.0.0 \
+    OSSCAR_PORT=50051 \
+    OSSCAR_HEALTH_PORT=50052
+
+WORKDIR /opt/osscar
+
+# torch first, from the CUDA index, so that installing the package never resolves another torch
+RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY compressor ./compressor
+COPY exporters ./exporters
+COPY service ./service
+
+# the CPU onnxruntime (a base dependency) and onnxruntime-gpu install the same module: keep only the GPU one.
+# The package itself comes from the build context (its dependencies' bounds are in pyproject.toml).
+# hadolint ignore=DL3013
+RUN pip install '.[gpu]' \
+    && pip uninstall -y onnxruntime \
+    && pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1
+
+RUN useradd --create-home --uid 10001 osscar \
+    && mkdir -p /data \
+    && chown osscar:osscar /data
+USER 10001
+VOLUME ["/data"]
+EXPOSE 50051
+
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
+    CMD ["osscar", "health", "--server", "127.0.0.1:50052"]
+
+ENTRYPOINT ["osscar", "serve"]

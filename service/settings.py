@@ -1,0 +1,115 @@
+"""The server's configuration: environment variables (`OSSCAR_<FIELD>`) overridden by `osscar serve` flags.
+
+One table in the README lists every field (a test keeps the two in step). Lists are comma-separated in
+both places (`OSSCAR_ALLOWED_ROOTS=/models,/data`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SCHEMES = ("path", "blob", "embedded")
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OSSCAR_", extra="forbid", validate_default=True)
+
+    # --- network
+    host: str = Field("127.0.0.1", description="address to bind; non-loopback needs TLS and auth (or --insecure)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one (printed at start)")
+    insecure: bool = Field(False, description="allow a non-loopback bind without TLS and auth")
+    tls_cert: Path | None = Field(None, description="PEM server certificate (chain); TLS when set with tls_key")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_client_ca: Path | None = Field(None, description="PEM CA bundle: clients must present a certificate it "
+                                                         "signed (mTLS)")
+    tokens: SecretStr | None = Field(None, description="comma-separated bearer tokens accepted in `authorization` "
+                                                       "metadata (health is exempt)")
+    tokens_file: Path | None = Field(None, description="file with one bearer token per line (# comments)")
+    max_message_mb: int = Field(8, ge=1, le=64, description="largest gRPC message accepted (uploads are chunked)")
+    max_concurrent_rpcs: int = Field(1000, ge=1, description="RPCs in flight before RESOURCE_EXHAUSTED")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on the same "
+                                                                       "host (unset: off; 0: a free one)")
+    health_port: int | None = Field(None, ge=0, le=65535, description="plaintext grpc.health.v1 only, on "
+                                                                      "127.0.0.1 (for probes that cannot do TLS); "
+                                                                      "unset: off")
+    # --- jobs and data
+    home: Path = Field(default_factory=_default_home, description="jobs.sqlite, blobs/, work/, curves/ "
+                                                                  "(default ~/.osscar)")
+    max_queue: int = Field(16, ge=1, description="queued jobs before RESOURCE_EXHAUSTED")
+    devices: str = Field("", description="comma-separated device slots, one job each (default: every CUDA "
+                                         "device, else cpu)")
+    max_attempts: int = Field(3, ge=1, description="runs of a job interrupted by restarts before it fails")
+    retention_days: float = Field(30.0, gt=0, description="finished jobs and unused uploads are deleted after this")
+    grace_s: float = Field(30.0, ge=0, description="seconds running jobs get on shutdown before they are re-queued")
+    max_upload_mb: int = Field(65536, ge=1, description="largest upload")
+    allowed_roots: str = Field("", description="comma-separated directories that path references must resolve "
+                                               "inside (symlinks followed); empty: any absolute path")
+    allowed_schemes: str = Field(",".join(SCHEMES), description="reference kinds accepted: path, blob, embedded")
+    trust_remote_code: str = Field("", description="comma-separated model directories allowed to run their own "
+                                                   "code (transformers trust_remote_code); empty: none")
+    log_format: Literal["json", "text"] = Field("json", description="json: one object per line with the "
+                                                                    "operation id; text: for people")
+
+    @field_validator("allowed_schemes")
+    @classmethod
+    def _schemes(cls, value: str) -> str:
+        bad = [s for s in _split(value) if s not in SCHEMES]
+        if bad:
+            raise ValueError(f"unknown schemes {bad}; known: {', '.join(SCHEMES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ServerSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        if not self.loopback and not self.insecure and not (self.tls and self.authenticated):
+            raise ValueError(f"refusing to serve on {self.host} without TLS and authentication (tokens or mTLS); "
+                             "set them, bind 127.0.0.1, or pass --insecure")
+        return self
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.bearer_tokens()) or self.tls_client_ca is not None
+
+    def bearer_tokens(self) -> frozenset[str]:
+        found = set(_split(self.tokens.get_secret_value())) if self.tokens else set()
+        if self.tokens_file is not None:
+            lines = Path(self.tokens_file).read_text().splitlines()
+            found |= {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}
+        return frozenset(found)
+
+    def list_of(self, name: str) -> tuple[str, ...]:
+        return tuple(_split(getattr(self, name)))
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
