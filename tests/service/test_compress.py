@@ -54,7 +54,7 @@ def test_importable_function_matches_the_cli(model_and_data):
 
 @pytest.mark.parametrize("args,words", [
     (["--uniform-ratio", "1.2"], "--uniform-ratio must be in (0, 1)"),
-    (["--uniform-ratio", "0.5", "--samples", "0"], "--samples must be >= 1"),
+    (["--uniform-ratio", "0.5", "--samples", "0"], "--samples must be in [1, 1000000]"),
     (["--uniform-ratio", "0.5", "--model-override"], None),
 ])
 def test_bad_arguments_give_one_line_and_nonzero_exit(model_and_data, args, words, capsys):
