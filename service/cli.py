@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .terminal import ProgressLines
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import format_table, run_demo
@@ -35,23 +37,13 @@ def _shape(text: str) -> dict[str, int]:
 
 
 class _Progress:
-    """Stage lines as they come; on a terminal, per-layer lines overwrite one another (a progress bar
-    of sorts), elsewhere every line is kept (logs)."""
+    """Stage lines as they come; per-layer lines are transient (redrawn in place on a terminal)."""
 
     def __init__(self, stream) -> None:
-        self.stream, self.tty, self.open = stream, stream.isatty(), False
+        self.lines = ProgressLines(stream)
 
     def __call__(self, message: str) -> None:
-        layer = message.startswith("[") or "relative error" in message
-        if self.tty and layer:
-            self.stream.write("\r\033[K" + message[: 150])
-            self.open = True
-        else:
-            if self.open:
-                self.stream.write("\n")
-                self.open = False
-            self.stream.write(message + "\n")
-        self.stream.flush()
+        self.lines(message, transient=message.startswith("[") or "relative error" in message)
 
 
 def _label(text: str) -> tuple[str, str]:

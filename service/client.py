@@ -27,6 +27,7 @@ from .api import compression_pb2 as pb
 from .api import compression_pb2_grpc as pb_grpc
 from .blobs import extract_tar, write_tar
 from .references import is_remote_reference
+from .terminal import ProgressLines
 from .wire import STATE_NAMES, error_details, unpack_metadata, unpack_response
 
 UPLOAD_CHUNK = 1 << 20
@@ -38,11 +39,10 @@ class ClientError(Exception):
 
 
 class ProgressBar:
-    """Stage lines as they come; per-layer events as one bar that redraws in place on a terminal (every
-    line is kept elsewhere, e.g. in CI logs)."""
+    """Watch events as stage lines, per-layer events as a bar (redrawn in place on a terminal)."""
 
     def __init__(self, stream: TextIO) -> None:
-        self.stream, self.tty, self.open = stream, stream.isatty(), False
+        self.lines = ProgressLines(stream)
         self.last = ""
 
     def __call__(self, event: pb.CompressionEvent) -> None:
@@ -52,18 +52,9 @@ class ProgressBar:
                     f"{event.message.split('] ', 1)[-1]}")
         else:
             line = f"{event.stage:<9} {event.message}" if event.message else f"{event.stage}"
-        if line == self.last:
-            return
-        self.last = line
-        if self.tty and event.layers:
-            self.stream.write("\r\033[K" + line[:150])
-            self.open = True
-        else:
-            if self.open:
-                self.stream.write("\n")
-                self.open = False
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        if line != self.last:
+            self.last = line
+            self.lines(line, transient=bool(event.layers))
 
 
 class RemoteCompressor:

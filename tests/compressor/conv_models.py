@@ -1,10 +1,13 @@
 """Small random conv graphs covering the structures channel pruning must handle."""
 
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from compressor.models import export_module
+from compressor.models import export_module, save_program
 
 
 class Bottleneck(nn.Module):
@@ -144,3 +147,12 @@ def prefix_module(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule:
     graph.output(env[target])
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)
+
+
+def write_conv_job(root: Path) -> Path:
+    """`model.pt2` (the bottleneck network on 16 x 16 images) and `cal.npz` (40 seeded uint8 NHWC
+    images) in `root`: the smallest complete compression job."""
+    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
+    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
+    np.savez(root / "cal.npz", x=x)
+    return root

@@ -7,19 +7,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from compressor.models import save_program
 from service import cli
 from service.compress import CompressRequest, compress
-from tests.compressor.conv_models import exported
+from tests.compressor.conv_models import write_conv_job
 
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("compress")
-    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
-    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
-    np.savez(root / "cal.npz", x=x)
-    return root
+    return write_conv_job(root)
 
 
 def test_compress_writes_onnx_program_and_report(model_and_data, capsys):

@@ -17,17 +17,15 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 from google.longrunning import operations_pb2
 from google.rpc import code_pb2, error_details_pb2
 from grpc_health.v1 import health_pb2
 
-from compressor.models import save_program
 from service import cli
 from service.api import compression_pb2 as pb
 from service.client import RemoteCompressor
 from service.wire import error_details, unpack_metadata, unpack_response
-from tests.compressor.conv_models import exported
+from tests.compressor.conv_models import write_conv_job
 
 from .server_process import ServerProcess, wait_gone
 
@@ -38,9 +36,7 @@ CIFAR = {"mean": [0.4914, 0.4822, 0.4465], "std": [0.247, 0.243, 0.261]}
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("grpc-data")
-    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
-    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
-    np.savez(root / "cal.npz", x=x)
+    write_conv_job(root)
     (root / "weights.pth").write_bytes(b"not a model")
     (root / "no-config").mkdir()
     (root / "neox").mkdir()

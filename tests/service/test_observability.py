@@ -8,14 +8,11 @@ import urllib.request
 import uuid
 
 import grpc
-import numpy as np
 import pytest
-import torch
 from google.longrunning import operations_pb2
 
-from compressor.models import save_program
 from service.api import compression_pb2 as pb
-from tests.compressor.conv_models import exported
+from tests.compressor.conv_models import write_conv_job
 
 from .server_process import ServerProcess
 
@@ -23,8 +20,7 @@ from .server_process import ServerProcess
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("observed")
-    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
-    np.savez(root / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8))
+    write_conv_job(root)
     server = ServerProcess(root / "home", "--metrics-port", "0").start()
     request = pb.CompressRequest(model=str(root / "model.pt2"), calibration=str(root / "cal.npz"), uniform_ratio=0.5,
                                  request_id=str(uuid.uuid4()))

@@ -11,19 +11,16 @@ import uuid
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
-import torch
 from google.longrunning import operations_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from compressor.models import save_program
 from service import cli
 from service.api import compression_pb2 as pb
 from service.api import compression_pb2_grpc as pb_grpc
 from service.settings import ServerSettings
 from service.wire import error_details
-from tests.compressor.conv_models import exported
+from tests.compressor.conv_models import write_conv_job
 
 from .certs import make_pki
 from .server_process import ServerProcess
@@ -36,10 +33,7 @@ TOKEN = "s3cret-token-for-tests"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("secure-data")
-    save_program(exported("bottleneck"), root / "model.pt2", torch.randn(2, 3, 16, 16))
-    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
-    np.savez(root / "cal.npz", x=x)
-    return root
+    return write_conv_job(root)
 
 
 # ---- settings and the bind rule ----------------------------------------------------------------------
