@@ -7,9 +7,14 @@ the caller: it surfaces as `RuntimeFailure`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import signal
 import statistics
+import sys
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
@@ -97,8 +102,30 @@ def _outputs_worker(path: str, batches: list, provider: str, threads: int, reduc
     return out
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process exit when `parent_pid` does (PR_SET_PDEATHSIG on Linux, and a watchdog on the
+    parent's pid everywhere): a killed parent must not leave children holding a device or blocking on a
+    pipe forever."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
+
+
 def _call(fn, *args):
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         try:
             return pool.submit(fn, *args).result()
         except BrokenProcessPool as err:

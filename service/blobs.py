@@ -144,6 +144,9 @@ class BlobStore:
         assert valid_filename(filename), filename
         target = self.files / digest / filename
         if target.exists():
+            if target.is_dir() != archive:
+                raise ArchiveError(f"this content is already here as a {'directory' if target.is_dir() else 'file'} "
+                                   f"named {filename!r}; upload it under another name")
             return target
         staging = Path(tempfile.mkdtemp(dir=self.tmp, prefix="view-"))
         try:
@@ -201,3 +204,5 @@ def extract_tar(archive: Path, target: Path) -> None:
             tar.extractall(target, filter="data")
     except tarfile.TarError as err:
         raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
+    except OSError as err:  # members that contradict each other (a file `a`, then `a/b`)
+        raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err

@@ -110,7 +110,7 @@ class CompressRequest:
               f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
         check(sum(x is not None for x in (self.uniform_ratio, self.target_speedup, self.widths_from)) == 1,
               "target_speedup", "give exactly one of --target-speedup, --uniform-ratio and --widths-from")
-        check(self.widths_from is None or Path(self.widths_from).is_file(), "widths_from",
+        check(self.widths_from is None or _is_file(self.widths_from), "widths_from",
               f"--widths-from: no such report: {self.widths_from}")
         check(self.uniform_ratio is None or 0 < self.uniform_ratio < 1, "uniform_ratio",
               f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
@@ -161,6 +161,13 @@ class CompressRequest:
         errors = self.violations()
         if errors:
             raise ValueError("; ".join(message for _, message in errors))
+
+
+def _is_file(path: str | Path) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
+        return False
 
 
 def default_home() -> Path:

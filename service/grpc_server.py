@@ -59,31 +59,36 @@ MAX_MESSAGE = 8 << 20  # upload chunks and downloads stay well below
 # ---- errors ----------------------------------------------------------------------------------------
 
 
+def _clip(text: str, limit: int) -> str:
+    """Messages echo the caller's input; a long one must not push the reply past gRPC's header limits."""
+    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+
+
 def status_of(err: errors.ServiceError) -> status_pb2.Status:
-    """AIP-193: the code and details for a domain error."""
+    """AIP-193: the code and details for a domain error (echoed input clipped)."""
     def packed(code: int, message: str, *details) -> status_pb2.Status:
-        status = status_pb2.Status(code=code, message=message)
+        status = status_pb2.Status(code=code, message=_clip(message, 1024))
         for detail in details:
             status.details.add().Pack(detail)
         return status
 
     if isinstance(err, errors.InvalidArgument):
         bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=api_field(v.field),
-                                                        description=api_description(v.description))
-            for v in err.violations])
+            error_details_pb2.BadRequest.FieldViolation(field=_clip(api_field(v.field), 128),
+                                                        description=_clip(api_description(v.description), 512))
+            for v in err.violations[:50]])
         return packed(code_pb2.INVALID_ARGUMENT, api_description(str(err) if len(err.violations) > 1 else
                                                                  f"{api_field(err.violations[0].field)}: "
                                                                  f"{err.violations[0].description}"), bad)
     if isinstance(err, errors.NotFound):
         return packed(code_pb2.NOT_FOUND, str(err), error_details_pb2.ResourceInfo(
-            resource_type=err.resource_type, resource_name=err.name, description=str(err)))
+            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 512)))
     if isinstance(err, errors.AlreadyExists):
         return packed(code_pb2.ALREADY_EXISTS, str(err), error_details_pb2.ResourceInfo(
-            resource_type=err.resource_type, resource_name=err.name, description=str(err)))
+            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 512)))
     if isinstance(err, errors.FailedPrecondition):
         return packed(code_pb2.FAILED_PRECONDITION, str(err), error_details_pb2.ErrorInfo(
-            reason=err.reason, domain=DOMAIN, metadata=err.metadata))
+            reason=err.reason, domain=DOMAIN, metadata={k: _clip(str(v), 256) for k, v in err.metadata.items()}))
     if isinstance(err, errors.ResourceExhausted):
         info = error_details_pb2.RetryInfo()
         info.retry_delay.FromMilliseconds(int(err.retry_after_s * 1000))
@@ -251,12 +256,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 # ---- servicers -------------------------------------------------------------------------------------
 
 
+def _seconds(duration) -> float:
+    """A Duration in seconds, any value (ToTimedelta overflows on huge ones; range checks are the core's)."""
+    return duration.seconds + duration.nanos / 1e9
+
+
 class CompressionServicer(pb_grpc.CompressionServicer):
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
 
     async def Compress(self, request: pb.CompressRequest, context) -> operations_pb2.Operation:
-        budget = request.time_budget.ToTimedelta().total_seconds() if request.HasField("time_budget") else None
+        budget = _seconds(request.time_budget) if request.HasField("time_budget") else None
         record = await self.jobs.submit(SubmitRequest(
             spec=spec_from_proto(request), body=request.SerializeToString(deterministic=True),
             body_sha256=body_digest(request), labels=dict(request.labels), request_id=request.request_id,
@@ -329,7 +339,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         return empty_pb2.Empty()
 
     async def WaitOperation(self, request, context) -> operations_pb2.Operation:
-        timeout = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else None
+        timeout = _seconds(request.timeout) if request.HasField("timeout") else None
         remaining = context.time_remaining()
         if remaining is not None:  # answer before the caller's deadline, with the latest state
             timeout = min(timeout if timeout is not None else remaining, max(0.0, remaining - 0.5))

@@ -250,8 +250,10 @@ class JobService:
                     self.store.touch_upload(digest, name)
             except InvalidArgument as err:
                 violations += err.violations
+                spec[key] = None  # refused: not looked at again
             except NotFound as err:
                 not_found.append(err)
+                spec[key] = None
         for key, value in request.labels.items():
             if not _LABEL_KEY.match(key) or len(value) > 63:
                 violations.append(FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ "
@@ -371,7 +373,7 @@ class JobService:
         self._observe()
 
     async def wait(self, name: str, timeout_s: float | None) -> JobRecord:
-        if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s < 0):
+        if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s < 0):  # long ones are capped
             raise InvalidArgument([FieldViolation("timeout", f"must be >= 0 (got {timeout_s})")])
         record = self.get(name)
         if record.done:

@@ -15,15 +15,14 @@ import logging
 import os
 import re
 import shutil
-import signal
-import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from exporters.runtime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class WorkerArgs:
 
 def run(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point (spawned)."""
-    _bind_to_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     with contextlib.suppress(OSError):
         os.nice(10)
     from .logs import configure, operation_id
@@ -63,24 +62,6 @@ def run(args: WorkerArgs, conn: Connection) -> None:
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
         conn.close()
-
-
-def _bind_to_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the server died before the prctl took effect
-        os._exit(1)
-
-    def watchdog() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
 
 
 def _compress(args: WorkerArgs, conn: Connection) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -82,6 +83,19 @@ class ServerProcess:
                     pids.append(int(pid))
         return pids
 
+    def descendants(self) -> list[int]:
+        """Every job process below the server: workers and their ONNX Runtime children (not the server's
+        own multiprocessing resource tracker, which lives as long as the server)."""
+        found, frontier = [], [self.process.pid]
+        while frontier:
+            pid = frontier.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    children = [int(c) for c in (task / "children").read_text().split()]
+                    frontier += children
+                    found += [c for c in children if not (pid == self.process.pid and _is_tracker(c))]
+        return found
+
     def get(self, name: str) -> operations_pb2.Operation:
         return self.operations.GetOperation(operations_pb2.GetOperationRequest(name=name), timeout=10)
 
@@ -119,6 +133,13 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(30)
         return self.process.returncode
+
+
+def _is_tracker(pid: int) -> bool:
+    try:
+        return "resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
 
 
 def wait_gone(pids: list[int], timeout: float = 30.0) -> bool:

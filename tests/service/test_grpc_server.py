@@ -215,13 +215,14 @@ def test_cancel_frees_the_device_and_a_full_queue_is_resource_exhausted(server, 
     assert server.health() == SERVING  # a full queue is not unhealthy
     workers = server.workers()
     assert len(workers) == 1
+    below = server.descendants()
     server.operations.CancelOperation(operations_pb2.CancelOperationRequest(name=queued[0].name), timeout=10)
     server.operations.CancelOperation(operations_pb2.CancelOperationRequest(name=long.name), timeout=40)
     for name in (long.name, queued[0].name):
         op = server.wait_done(name, timeout=60)
         assert op.error.code == code_pb2.CANCELLED and unpack_metadata(op).state == pb.CANCELLED
     assert unpack_metadata(server.get(queued[0].name)).attempt == 0  # cancelled before it ever ran
-    assert wait_gone(workers)  # the device is free: the next job runs
+    assert wait_gone(below)  # the worker and its children: the device is free, the next job runs
     done = server.wait_done(queued[1].name)
     assert not done.HasField("error") and unpack_metadata(done).state == pb.SUCCEEDED
 
@@ -230,9 +231,11 @@ def test_a_crashing_worker_fails_its_job_alone(server, shared_data, data):
     op = server.compression.Compress(long_request(shared_data, repeats=400), timeout=30)
     server.wait_for_stage(op.name, ("prune", "measure"))
     (worker,) = server.workers()
+    below = server.descendants()
     os.kill(worker, signal.SIGSEGV)
     final = server.wait_done(op.name, timeout=60)
     assert final.error.code == code_pb2.INTERNAL and "signal" in final.error.message
+    assert wait_gone(below)  # its ONNX Runtime child too
     assert server.health() == SERVING
     assert server.wait_done(server.compression.Compress(tiny_request(data), timeout=30).name).error.code == 0
 
@@ -292,9 +295,12 @@ def test_server_killed_mid_job_restarts_and_reruns_it_without_partial_artifacts(
     op = first.compression.Compress(long_request(shared_data, repeats=40), timeout=30)
     first.wait_for_stage(op.name, ("measure",))
     workers = first.workers()
-    assert workers
+    deadline = time.monotonic() + 60
+    while len(below := first.descendants()) <= len(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers and len(below) > len(workers)  # the measure stage runs ONNX Runtime in a child of the worker
     first.kill()
-    assert wait_gone(workers), "the worker outlived its server"
+    assert wait_gone(below), "a worker or its ONNX Runtime child outlived the server"
     for blob in (home / "blobs" / "sha256").rglob("*"):  # only complete, content-addressed files are visible
         assert blob.is_dir() or sha256(blob) == blob.name
     second = ServerProcess(home).start()
@@ -346,6 +352,10 @@ def _compress(**fields):
                 request.ClearField(value)
             elif key == "time_budget":
                 request.time_budget.FromMilliseconds(value)
+            elif key == "time_budget_seconds":
+                request.time_budget.seconds = value
+            elif key == "widths_from":
+                request.widths_from = value
             elif key == "labels":
                 request.labels.update(value)
             elif key == "shape":
@@ -371,20 +381,23 @@ def _upload(*messages):
     return call
 
 
-def _tar_with(name: str) -> bytes:
+def _tar_with(*names: str) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        info = tarfile.TarInfo(name)
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
     return buffer.getvalue()
 
 
 def _operations(method: str, **fields):
     def call(server, data):
-        request = getattr(operations_pb2, f"{method}Request")(**fields)
-        if method == "WaitOperation":
-            request.timeout.FromNanoseconds(-1_000_000_000)
+        given = dict(fields)
+        timeout = given.pop("timeout_seconds", None)
+        request = getattr(operations_pb2, f"{method}Request")(**given)
+        if timeout is not None:
+            request.timeout.seconds = timeout
         return getattr(server.operations, method)(request, timeout=10)
     return call
 
@@ -439,7 +452,13 @@ BAD_REQUESTS = [
     ("get malformed name", _operations("GetOperation", name="jobs/1"), "INVALID_ARGUMENT", "name"),
     ("cancel unknown", _operations("CancelOperation", name=UNKNOWN), "NOT_FOUND", None),
     ("delete unknown", _operations("DeleteOperation", name=UNKNOWN), "NOT_FOUND", None),
-    ("wait negative timeout", _operations("WaitOperation", name=UNKNOWN), "INVALID_ARGUMENT", "timeout"),
+    ("wait negative timeout", _operations("WaitOperation", name=UNKNOWN, timeout_seconds=-1), "INVALID_ARGUMENT",
+     "timeout"),
+    ("wait timeout beyond timedelta (capped)", _operations("WaitOperation", name=UNKNOWN, timeout_seconds=2**62),
+     "NOT_FOUND", None),
+    ("time budget beyond timedelta", _compress(time_budget_seconds=2**62), "INVALID_ARGUMENT", "time_budget"),
+    ("long relative widths_from", _compress(widths_from="x" * 300), "INVALID_ARGUMENT", "widths_from"),
+    ("get a huge name", _operations("GetOperation", name="operations/" + "x" * 6000), "NOT_FOUND", None),
     ("list bad filter", _operations("ListOperations", filter="state ~ RUNNING"), "INVALID_ARGUMENT", "filter"),
     ("list unknown field", _operations("ListOperations", filter="owner = me"), "INVALID_ARGUMENT", "filter"),
     ("list bad token", _operations("ListOperations", page_token="garbage"), "INVALID_ARGUMENT", "page_token"),
@@ -454,6 +473,9 @@ BAD_REQUESTS = [
                                     pb.UploadBlobRequest(chunk=b"abc")), "INVALID_ARGUMENT", "header.sha256"),
     ("upload wrong size", _upload(pb.UploadBlobRequest(header=pb.BlobHeader(filename="a.npz", size_bytes=10)),
                                   pb.UploadBlobRequest(chunk=b"abc")), "INVALID_ARGUMENT", "header.size_bytes"),
+    ("upload conflicting tar", _upload(pb.UploadBlobRequest(header=pb.BlobHeader(filename="m2", archive=True)),
+                                       pb.UploadBlobRequest(chunk=_tar_with("a", "a/b"))), "INVALID_ARGUMENT",
+     "header.archive"),
     ("upload escaping tar", _upload(pb.UploadBlobRequest(header=pb.BlobHeader(filename="m", archive=True)),
                                     pb.UploadBlobRequest(chunk=_tar_with("../evil"))), "INVALID_ARGUMENT",
      "header.archive"),
