@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Compression"].full_name,
                  operations_pb2.DESCRIPTOR.services_by_name["Operations"].full_name)
 DOWNLOAD_CHUNK = 1 << 20
+MAX_VIOLATIONS = 10  # listed in one error (with the count of the rest): replies stay under the header limit
 MAX_MESSAGE = 8 << 20  # upload chunks and downloads stay well below
 
 
@@ -60,32 +61,39 @@ MAX_MESSAGE = 8 << 20  # upload chunks and downloads stay well below
 
 
 def _clip(text: str, limit: int) -> str:
-    """Messages echo the caller's input; a long one must not push the reply past gRPC's header limits."""
-    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+    """Messages echo the caller's input; a long one must not push the reply past gRPC's 16 KiB limit on
+    trailing metadata (the message travels percent-encoded: up to 3 bytes per UTF-8 byte), so `limit`
+    counts UTF-8 bytes."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 32].decode(errors="ignore") + f"... ({len(text)} characters)"
 
 
 def status_of(err: errors.ServiceError) -> status_pb2.Status:
     """AIP-193: the code and details for a domain error (echoed input clipped)."""
     def packed(code: int, message: str, *details) -> status_pb2.Status:
-        status = status_pb2.Status(code=code, message=_clip(message, 1024))
+        status = status_pb2.Status(code=code, message=_clip(message, 600))
         for detail in details:
             status.details.add().Pack(detail)
         return status
 
     if isinstance(err, errors.InvalidArgument):
         bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=_clip(api_field(v.field), 128),
-                                                        description=_clip(api_description(v.description), 512))
-            for v in err.violations[:50]])
-        return packed(code_pb2.INVALID_ARGUMENT, api_description(str(err) if len(err.violations) > 1 else
-                                                                 f"{api_field(err.violations[0].field)}: "
-                                                                 f"{err.violations[0].description}"), bad)
+            error_details_pb2.BadRequest.FieldViolation(field=_clip(api_field(v.field), 100),
+                                                        description=_clip(api_description(v.description), 300))
+            for v in err.violations[:MAX_VIOLATIONS]])
+        more = len(err.violations) - MAX_VIOLATIONS
+        message = _clip("; ".join(f"{api_field(v.field)}: {_clip(api_description(v.description), 120)}"
+                                  for v in err.violations[:MAX_VIOLATIONS]), 500)
+        message += f"; and {more} more" if more > 0 else ""
+        return packed(code_pb2.INVALID_ARGUMENT, message, bad)
     if isinstance(err, errors.NotFound):
         return packed(code_pb2.NOT_FOUND, str(err), error_details_pb2.ResourceInfo(
-            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 512)))
+            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 300)))
     if isinstance(err, errors.AlreadyExists):
         return packed(code_pb2.ALREADY_EXISTS, str(err), error_details_pb2.ResourceInfo(
-            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 512)))
+            resource_type=err.resource_type, resource_name=_clip(err.name, 256), description=_clip(str(err), 300)))
     if isinstance(err, errors.FailedPrecondition):
         return packed(code_pb2.FAILED_PRECONDITION, str(err), error_details_pb2.ErrorInfo(
             reason=err.reason, domain=DOMAIN, metadata={k: _clip(str(v), 256) for k, v in err.metadata.items()}))

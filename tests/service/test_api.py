@@ -35,6 +35,16 @@ def test_domain_errors_map_to_aip193_statuses():
     assert api_description("--uniform-ratio and --sequence-length") == "uniform_ratio and options.sequence_length"
 
 
+def test_echoed_input_is_clipped_under_the_trailer_limit():
+    echo = "𝔘" * 4000  # 4 UTF-8 bytes each, percent-encoded to 12 on the wire
+    many = errors.InvalidArgument([errors.FieldViolation(f"labels[k{i}]", f"bad {echo}") for i in range(64)])
+    for err in (many, errors.NotFound("model", echo, f"no such model: {echo}")):
+        status = status_of(err)
+        wire = 3 * len(status.message.encode()) + 4 * len(status.SerializeToString()) // 3  # message + base64
+        assert wire < 12_000, wire
+    assert "and 54 more" in status_of(many).message
+
+
 class _Failing(grpc.GenericRpcHandler):
     def service(self, details):
         async def boom(request, context):

@@ -292,14 +292,16 @@ def test_list_operations_pages_and_filters(server):
 def test_server_killed_mid_job_restarts_and_reruns_it_without_partial_artifacts(tmp_path, shared_data):
     home = tmp_path / "home"
     first = ServerProcess(home).start()
-    op = first.compression.Compress(long_request(shared_data, repeats=40), timeout=30)
-    first.wait_for_stage(op.name, ("measure",))
-    workers = first.workers()
-    deadline = time.monotonic() + 60
-    while len(below := first.descendants()) <= len(workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert workers and len(below) > len(workers)  # the measure stage runs ONNX Runtime in a child of the worker
-    first.kill()
+    try:
+        op = first.compression.Compress(long_request(shared_data, repeats=40), timeout=30)
+        first.wait_for_stage(op.name, ("measure",))
+        workers = first.workers()
+        deadline = time.monotonic() + 60
+        while len(below := first.descendants()) <= len(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers and len(below) > len(workers)  # the measure stage runs ONNX Runtime in a worker's child
+    finally:
+        first.kill()
     assert wait_gone(below), "a worker or its ONNX Runtime child outlived the server"
     for blob in (home / "blobs" / "sha256").rglob("*"):  # only complete, content-addressed files are visible
         assert blob.is_dir() or sha256(blob) == blob.name
@@ -319,16 +321,18 @@ def test_server_killed_mid_job_restarts_and_reruns_it_without_partial_artifacts(
 def test_shutdown_drains_then_requeues_the_running_job_without_counting_an_attempt(tmp_path, shared_data):
     home = tmp_path / "home"
     first = ServerProcess(home, "--grace", "6").start()
-    op = first.compression.Compress(long_request(shared_data, repeats=400), timeout=30)
-    first.wait_for_stage(op.name, ("prune", "measure"))
-    first.process.send_signal(signal.SIGTERM)
-    draining = False
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not draining:
-        with contextlib.suppress(grpc.RpcError):
-            draining = first.health() == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert draining  # NOT_SERVING while the running job gets its grace period
-    assert first.process.wait(60) == 0
+    try:
+        op = first.compression.Compress(long_request(shared_data, repeats=400), timeout=30)
+        first.wait_for_stage(op.name, ("prune", "measure"))
+        first.process.send_signal(signal.SIGTERM)
+        draining = False
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not draining:
+            with contextlib.suppress(grpc.RpcError):
+                draining = first.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert draining  # NOT_SERVING while the running job gets its grace period
+    finally:
+        assert first.stop() == 0
     second = ServerProcess(home).start()
     try:
         meta = unpack_metadata(second.get(op.name))
@@ -459,6 +463,7 @@ BAD_REQUESTS = [
     ("time budget beyond timedelta", _compress(time_budget_seconds=2**62), "INVALID_ARGUMENT", "time_budget"),
     ("long relative widths_from", _compress(widths_from="x" * 300), "INVALID_ARGUMENT", "widths_from"),
     ("get a huge name", _operations("GetOperation", name="operations/" + "x" * 6000), "NOT_FOUND", None),
+    ("long 4-byte unicode reference", _compress(eval="𝔘" * 4000), "INVALID_ARGUMENT", "eval"),
     ("list bad filter", _operations("ListOperations", filter="state ~ RUNNING"), "INVALID_ARGUMENT", "filter"),
     ("list unknown field", _operations("ListOperations", filter="owner = me"), "INVALID_ARGUMENT", "filter"),
     ("list bad token", _operations("ListOperations", page_token="garbage"), "INVALID_ARGUMENT", "page_token"),
