@@ -72,6 +72,7 @@ from service_common import (
     ROOT,
     git_state,
     leftover_processes,
+    record,
 )
 
 from service.api import compression_pb2 as pb
@@ -615,10 +616,7 @@ def main() -> None:
         result["kept"] = str(work)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(result) + "\n")
-    print(json.dumps(result, indent=2))
+    record(result, args.out)
 
 
 def _exception_line(log: str) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -46,6 +45,7 @@ from service_common import (
     DATA,
     git_state,
     leftover_processes,
+    record,
     resnet_request,
 )
 
@@ -283,10 +283,7 @@ def main() -> None:
         result["work"] = str(work)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(result) + "\n")
-    print(json.dumps(result, indent=2))
+    record(result, args.out)
 
 
 if __name__ == "__main__":

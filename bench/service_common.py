@@ -85,3 +85,13 @@ def git_state() -> dict[str, object]:
 
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--",
                                                                               "service", "compressor", "exporters"))}
+
+
+def record(result: dict, out: Path) -> None:
+    """Append `result` as one JSON line to `out` and print it."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+    print(json.dumps(result, indent=2))
