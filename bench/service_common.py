@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from service.api import compression_pb2 as pb  # noqa: E402
-from service.blobs import file_sha256  # noqa: E402, F401 - re-exported for the benchmarks
+from service.files import file_sha256  # noqa: E402, F401 - re-exported for the benchmarks
 
 DATA = ROOT.parent / "shared" / "data"
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)

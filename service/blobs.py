@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
+from .files import file_sha256
+
 CHUNK = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9._+-][A-Za-z0-9._+ -]{0,254}$")
@@ -30,14 +32,6 @@ def valid_digest(digest: str) -> bool:
 def valid_filename(name: str) -> bool:
     """A plain file name: no separators, not `.`/`..`, printable ASCII."""
     return bool(_NAME.match(name)) and name not in (".", "..")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tree_sha256(path: Path) -> str:

@@ -26,6 +26,7 @@ from google.longrunning import operations_pb2, operations_pb2_grpc
 from .api import compression_pb2 as pb
 from .api import compression_pb2_grpc as pb_grpc
 from .blobs import extract_tar, write_tar
+from .files import file_sha256
 from .references import is_remote_reference
 from .terminal import ProgressLines
 from .wire import STATE_NAMES, error_details, unpack_metadata, unpack_response
@@ -107,12 +108,8 @@ class RemoteCompressor:
             if path.is_dir():
                 source, archive = Path(tmp) / "upload.tar", True
                 write_tar(path, source)
-            digest = hashlib.sha256()
-            with open(source, "rb") as f:
-                for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
-                    digest.update(chunk)
             header = pb.BlobHeader(filename=path.name, archive=archive, size_bytes=source.stat().st_size,
-                                   sha256=digest.hexdigest())
+                                   sha256=file_sha256(source))
 
             def messages():
                 yield pb.UploadBlobRequest(header=header)

@@ -48,7 +48,7 @@ from exporters.onnx import (
 )
 from exporters.runtime import PROVIDERS, Latency, default_provider, device_name, measure_latency, run_outputs
 
-from .files import write_text_atomically
+from .files import file_sha256, write_text_atomically
 from .report_html import write_html
 
 log = logging.getLogger(__name__)
@@ -454,7 +454,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             os.replace(data, out / data.name)
         stamp_metadata(out / "model.onnx", {
             "osscar.source_model": str(request.model), "osscar.method": request.method,
-            "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": _sha256(request.calibration),
+            "osscar.calibration": str(request.calibration),
+            "osscar.calibration_sha256": file_sha256(request.calibration),
             "osscar.seed": request.seed, "osscar.version": _version(), "osscar.preprocessing": job.preprocessing(),
             "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
         decode = None
@@ -482,7 +483,7 @@ def _fingerprint(path: str | Path) -> list:
     out: list = [str(path.resolve()) if path.exists() else str(path)]
     for f in files:
         stat = f.stat()
-        out.append([f.name, stat.st_size, _sha256(f) if stat.st_size < 64 << 20 else stat.st_mtime_ns])
+        out.append([f.name, stat.st_size, file_sha256(f) if stat.st_size < 64 << 20 else stat.st_mtime_ns])
     return out
 
 
@@ -639,16 +640,6 @@ def _report(request: CompressRequest, job, chosen: _Round, rounds: list[_Round],
                      "transformers": transformers.__version__, "python": sys.version.split()[0]},
         "elapsed_s": time.perf_counter() - start,
     }
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _version() -> str:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's content, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_text_atomically(path: Path, text: str) -> None:

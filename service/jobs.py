@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .blobs import ArchiveError, BlobStore, valid_filename
+from .blobs import ArchiveError, BlobStore, valid_digest, valid_filename
 from .errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -416,7 +416,7 @@ class JobService:
         if header.size_bytes < 0 or header.size_bytes > self.config.max_upload_bytes:
             violations.append(FieldViolation("header.size_bytes", f"must be in [0, {self.config.max_upload_bytes}] "
                                                                   f"(got {header.size_bytes})"))
-        if header.sha256 and not re.fullmatch(r"[0-9a-f]{64}", header.sha256):
+        if header.sha256 and not valid_digest(header.sha256):
             violations.append(FieldViolation("header.sha256", "must be 64 lowercase hex digits"))
         if violations:
             raise InvalidArgument(violations)
