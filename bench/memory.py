@@ -55,10 +55,10 @@ def _calibration(vocab: int, sequences: int, length: int) -> list:
 
 def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, length: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    from compressor.models import load_transformer
-    from compressor.offload import StreamedCheckpoint
-    from compressor.transformer_pipeline import prune_blocks, prune_transformer
-    from compressor.transformer_surgery import save_pruned
+    from compressor.transformer.models import load_transformer
+    from compressor.transformer.offload import StreamedCheckpoint
+    from compressor.transformer.pipeline import prune_blocks, prune_transformer
+    from compressor.transformer.surgery import save_pruned
 
     start = time.perf_counter()
     if mode == "streamed":

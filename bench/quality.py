@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compressor.calibration import load_images
-from compressor.cnn import prune_conv_graph
-from compressor.surgery import count_parameters
+from compressor.cnn.pipeline import prune_conv_graph
+from compressor.modules import count_parameters
 from exporters.onnx import export_onnx
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

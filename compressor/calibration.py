@@ -7,12 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import CalibrationError
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class CalibrationError(ValueError):
-    """Calibration data that cannot be used (says what was expected)."""
 
 
 def load_images(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .problem import LayerSolution
+from .solver import LayerSolution
 
 
 def compute_device(device: str | torch.device | None) -> torch.device:

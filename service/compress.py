@@ -26,16 +26,18 @@ import numpy as np
 import torch
 
 from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
-from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, CalibrationError, load_images, load_text
-from compressor.cnn import prune_conv_graph
-from compressor.graph import analyse
+from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD, load_images, load_text
+from compressor.cnn.graph import analyse
+from compressor.cnn.models import load_model, save_program
+from compressor.cnn.pipeline import prune_conv_graph
+from compressor.errors import CalibrationError
 from compressor.layerstats import LayerObservation
-from compressor.models import is_transformer_reference, load_model, load_transformer, save_program
-from compressor.offload import StreamedCheckpoint
-from compressor.solve import METHODS
-from compressor.surgery import count_parameters
-from compressor.transformer_pipeline import prune_blocks, prune_transformer
-from compressor.transformer_surgery import load_pruned, save_pruned, widths
+from compressor.modules import count_parameters
+from compressor.solver.solve import METHODS
+from compressor.transformer.models import is_transformer_reference, load_transformer
+from compressor.transformer.offload import StreamedCheckpoint
+from compressor.transformer.pipeline import prune_blocks, prune_transformer
+from compressor.transformer.surgery import load_pruned, save_pruned, widths
 from exporters.onnx import (
     Float16,
     check_decode_parity,

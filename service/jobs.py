@@ -283,7 +283,7 @@ class JobService:
 
     @staticmethod
     def _check_model(path: Path, reference: str) -> None:
-        from compressor.adapters import ADAPTERS
+        from compressor.transformer.adapters import ADAPTERS
 
         if path.is_file():
             if path.suffix != ".pt2":

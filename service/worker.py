@@ -131,7 +131,7 @@ def _compress(args: WorkerArgs, conn: Connection) -> dict:
 def classify(err: BaseException) -> dict:
     """An exception as the operation's error: a status code name, a short message and an ErrorInfo reason.
     Our own input errors keep their message; anything else is INTERNAL with a generic one."""
-    from compressor.models import UnsupportedArchitecture
+    from compressor.errors import UnsupportedArchitecture
 
     if isinstance(err, UnsupportedArchitecture):
         return {"code": "FAILED_PRECONDITION", "message": _first_line(err), "reason": "UNSUPPORTED_ARCHITECTURE"}

@@ -6,7 +6,7 @@ import pytest
 
 from compressor import solve_layer
 from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
-from compressor.synthetic import correlated_problem
+from compressor.solver.synthetic import correlated_problem
 
 
 def test_allowed_widths_are_hardware_multiples_above_the_minimum():

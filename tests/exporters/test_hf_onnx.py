@@ -5,10 +5,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from compressor.adapters import adapter_for, dims, layers
-from compressor.transformer_surgery import projection, prune_ffn, prune_heads
+from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.surgery import projection, prune_ffn, prune_heads
 from exporters.onnx import ParityError, check_hf_parity, export_hf_onnx
-from tests.compressor.transformer_models import MODELS, example_inputs, first_output, output_name
+from tests.compressor.transformer.transformer_models import MODELS, example_inputs, first_output, output_name
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

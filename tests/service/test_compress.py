@@ -9,7 +9,7 @@ import torch
 
 from service import cli
 from service.compress import CompressRequest, compress
-from tests.compressor.conv_models import write_conv_job
+from tests.compressor.cnn.conv_models import write_conv_job
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     """A (tiny, GQA) Llama directory with token-id calibration: pruned HF directory + manifest, ONNX
     with the model's input names and logits, report; the saved model reloads with the same outputs.
     Streamed from its shards, the job gives the same widths and parameter counts."""
-    from compressor.transformer_surgery import load_pruned
-    from tests.compressor.transformer_models import tiny_llama
+    from compressor.transformer.surgery import load_pruned
+    from tests.compressor.transformer.transformer_models import tiny_llama
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     lengths = [30, 25, 40, 33]
@@ -112,7 +112,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
 
 
 def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
-    from tests.compressor.transformer_models import tiny_llama
+    from tests.compressor.transformer.transformer_models import tiny_llama
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     (tmp_path / "c.txt").write_text("some text\n\nmore text")

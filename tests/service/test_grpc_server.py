@@ -25,7 +25,7 @@ from service import cli
 from service.api import compression_pb2 as pb
 from service.client import RemoteCompressor
 from service.wire import error_details, unpack_metadata, unpack_response
-from tests.compressor.conv_models import write_conv_job
+from tests.compressor.cnn.conv_models import write_conv_job
 
 from .server_process import ServerProcess, wait_gone
 

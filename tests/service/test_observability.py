@@ -12,7 +12,7 @@ import pytest
 from google.longrunning import operations_pb2
 
 from service.api import compression_pb2 as pb
-from tests.compressor.conv_models import write_conv_job
+from tests.compressor.cnn.conv_models import write_conv_job
 
 from .server_process import ServerProcess
 

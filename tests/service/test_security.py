@@ -20,7 +20,7 @@ from service.api import compression_pb2 as pb
 from service.api import compression_pb2_grpc as pb_grpc
 from service.settings import ServerSettings
 from service.wire import error_details
-from tests.compressor.conv_models import write_conv_job
+from tests.compressor.cnn.conv_models import write_conv_job
 
 from .certs import make_pki
 from .server_process import ServerProcess

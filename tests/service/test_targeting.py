@@ -81,8 +81,8 @@ REPORT_KEYS = {"status", "target_speedup", "uniform_ratio", "measured_speedup", 
 def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     import torch
 
-    from compressor.models import save_program
-    from tests.compressor.conv_models import exported
+    from compressor.cnn.models import save_program
+    from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
     x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
@@ -125,7 +125,7 @@ def test_bad_target_arguments_are_refused(tmp_path, capsys):
 
 
 def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
-    from tests.compressor.transformer_models import tiny_llama
+    from tests.compressor.transformer.transformer_models import tiny_llama
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     lengths = [30, 25, 40, 33]
@@ -150,8 +150,8 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
 def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(tmp_path):
     import torch
 
-    from compressor.models import save_program
-    from tests.compressor.conv_models import exported
+    from compressor.cnn.models import save_program
+    from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
     np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
@@ -168,8 +168,8 @@ def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(
 def test_a_second_target_reuses_the_cached_dense_curves(tmp_path, osscar_home):
     import torch
 
-    from compressor.models import save_program
-    from tests.compressor.conv_models import exported
+    from compressor.cnn.models import save_program
+    from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
     np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
@@ -191,14 +191,14 @@ def test_fp16_exports_keep_float32_inputs_and_outputs(tmp_path, kind):
     import torch
 
     if kind == "conv":
-        from compressor.models import save_program
-        from tests.compressor.conv_models import exported
+        from compressor.cnn.models import save_program
+        from tests.compressor.cnn.conv_models import exported
 
         save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
         np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (24, 16, 16, 3), dtype=np.uint8))
         args = [str(tmp_path / "model.pt2"), "--calibration", str(tmp_path / "cal.npz"), "--shape", "batch=4"]
     else:
-        from tests.compressor.transformer_models import tiny_llama
+        from tests.compressor.transformer.transformer_models import tiny_llama
 
         tiny_llama().save_pretrained(tmp_path / "llama")
         np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=120), offsets=[0, 60, 120])

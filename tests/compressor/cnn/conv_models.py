@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from compressor.models import export_module, save_program
+from compressor.cnn.models import export_module, save_program
 
 
 class Bottleneck(nn.Module):

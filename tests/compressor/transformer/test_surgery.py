@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from compressor.adapters import adapter_for, dims, layers
-from compressor.surgery import count_parameters
-from compressor.transformer_surgery import (
+from compressor.modules import count_parameters
+from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.surgery import (
     head_groups,
     in_features,
     load_pruned,

@@ -10,7 +10,7 @@ stream's inputs to the projection and G from the dense stream's, over non-paddin
 solver picks the groups, surgery removes them and installs the refit projection.
 
 Blocks come from a `BlockSource`: the model's own blocks (`InMemoryBlocks`), or blocks read one at a
-time from safetensors shards and written back pruned (`compressor.offload.StreamedCheckpoint`), for
+time from safetensors shards and written back pruned (`compressor.transformer.offload.StreamedCheckpoint`), for
 models larger than memory.
 """
 
@@ -30,8 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .adapters import adapter_for, dims, layers, layers_path
-from .layerstats import (
+from ..layerstats import (
     LayerObservation,
     LayerStatistics,
     Widths,
@@ -40,9 +39,11 @@ from .layerstats import (
     kept_solution,
     planned_prune,
 )
-from .reports import LayerReport
-from .solve import solve_layer
-from .transformer_surgery import dense_weight, projection, prune_ffn, prune_heads
+from ..modules import owner_of
+from ..reports import LayerReport
+from ..solver import solve_layer
+from .adapters import adapter_for, dims, layers, layers_path
+from .surgery import dense_weight, projection, prune_ffn, prune_heads
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None) 
 @contextmanager
 def _without_blocks(model: nn.Module) -> Iterator[None]:
     """Temporarily swap the block list out (to move the rest of the model without its blocks)."""
-    owner_path, _, name = layers_path(model).rpartition(".")
-    owner = model.get_submodule(owner_path) if owner_path else model
+    owner, name = owner_of(model, layers_path(model))
     blocks = getattr(owner, name)
     setattr(owner, name, nn.ModuleList())
     try:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
-from .transformer_surgery import MANIFEST, _aliases, state_to_save, widths
+from .surgery import MANIFEST, _aliases, state_to_save, widths
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class StreamedCheckpoint:
         small_config.num_hidden_layers = 1
         self.model = build_hf_model(cls, small_config)
         self._template = layers(self.model)[0]
-        owner_path, _, name = layers_path(self.model).rpartition(".")
-        setattr(self.model.get_submodule(owner_path) if owner_path else self.model, name, layers(skeleton))
+        owner, name = owner_of(self.model, layers_path(self.model))
+        setattr(owner, name, layers(skeleton))
         self.model.config.num_hidden_layers = config.num_hidden_layers
         adapter_for(self.model)  # refuses unsupported families before any work
         self.where = self._model_names(self.where)
@@ -142,8 +143,8 @@ class StreamedCheckpoint:
         persistent = set(self._template.state_dict())
         for name, buffer in self._template.named_buffers():
             if name not in persistent:  # e.g. causal masks: not in the checkpoint, rebuilt from the template
-                owner, _, attr = name.rpartition(".")
-                (block.get_submodule(owner) if owner else block)._buffers[attr] = buffer.clone()
+                owner, attr = owner_of(block, name)
+                owner._buffers[attr] = buffer.clone()
         return block
 
     def _save(self, state: dict[str, Tensor], filename: str) -> None:

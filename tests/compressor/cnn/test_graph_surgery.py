@@ -5,9 +5,11 @@ import copy
 import pytest
 import torch
 
-from compressor.graph import BATCH_NORM_OPS, analyse, conv_spec
-from compressor.models import save_program
-from compressor.surgery import SurgeryError, check_keep, count_parameters, get_tensor, prune_unit
+from compressor.cnn.graph import BATCH_NORM_OPS, analyse, conv_spec
+from compressor.cnn.models import save_program
+from compressor.cnn.surgery import get_tensor, prune_unit
+from compressor.errors import SurgeryError
+from compressor.modules import check_keep, count_parameters
 from exporters.onnx import check_parity, export_onnx
 
 from .conv_models import EXPECTED_UNITS, exported, prefix_module
@@ -116,7 +118,7 @@ def test_resnet20_units_are_the_inner_block_channels(shared_data):
     ("mobilenet", "pw2"),  # no bias, no BatchNorm: a new bias parameter
 ])
 def test_output_shift_adds_a_constant_to_the_conv_output(name, consumer):
-    from compressor.surgery import add_output_shift
+    from compressor.cnn.surgery import add_output_shift
 
     gm = exported(name)
     unit = next(u for u in analyse(gm).units if u.name == consumer)
@@ -139,7 +141,7 @@ def test_output_shift_adds_a_constant_to_the_conv_output(name, consumer):
 def test_a_bias_added_by_surgery_is_pruned_with_its_conv():
     """A shift on a conv without bias or BatchNorm creates a bias; pruning that conv's outputs
     later (as a producer) must slice the new bias too."""
-    from compressor.surgery import add_output_shift
+    from compressor.cnn.surgery import add_output_shift
 
     class Chain(torch.nn.Module):
         def __init__(self):
@@ -151,7 +153,7 @@ def test_a_bias_added_by_surgery_is_pruned_with_its_conv():
         def forward(self, x):
             return self.c(torch.relu(self.b(torch.relu(self.a(x))))).mean((2, 3))
 
-    from compressor.models import export_module
+    from compressor.cnn.models import export_module
     gm = export_module(Chain(), torch.randn(2, 3, 8, 8))
     first, second = analyse(gm).units  # a -> b, then b -> c
     prune_unit(gm, first, [0, 2, 4])

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compressor.adapters import layers
-from compressor.offload import StreamedCheckpoint
-from compressor.transformer_pipeline import prune_blocks, prune_transformer
-from compressor.transformer_surgery import MANIFEST, load_pruned, widths
+from compressor.transformer.adapters import layers
+from compressor.transformer.offload import StreamedCheckpoint
+from compressor.transformer.pipeline import prune_blocks, prune_transformer
+from compressor.transformer.surgery import MANIFEST, load_pruned, widths
 
 from .transformer_models import MODELS, example_inputs, first_output
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from ..modules import get_attr
+
 aten = torch.ops.aten
 
 CONV_OPS = (aten.conv2d.default, aten.convolution.default)
@@ -165,5 +167,4 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
 
 
 def _weight_shape(gm: fx.GraphModule, target: str) -> torch.Size:
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr).shape
+    return get_attr(gm, target).shape

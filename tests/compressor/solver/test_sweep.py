@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from compressor.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta
-from compressor.problem import LayerProblem
-from compressor.sweep import NestedState, sweep_dense
-from compressor.synthetic import correlated_problem
+from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta
+from compressor.solver.problem import LayerProblem
+from compressor.solver.sweep import NestedState, sweep_dense
+from compressor.solver.synthetic import correlated_problem
 
 RTOL = 1e-8
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from compressor.calibration import load_images
-from compressor.cnn import prune_conv_graph
-from compressor.graph import analyse
+from compressor.cnn.graph import analyse
+from compressor.cnn.pipeline import prune_conv_graph
 from compressor.layerstats import num_to_prune
-from compressor.surgery import count_parameters
+from compressor.modules import count_parameters
 
 from .conv_models import EXPECTED_UNITS, exported, prefix_module
 
@@ -59,7 +59,7 @@ def test_bad_ratio_and_unprunable_graph_are_refused():
         def forward(self, x):
             return self.conv(x)
 
-    from compressor.models import export_module
+    from compressor.cnn.models import export_module
     with pytest.raises(ValueError, match="no prunable conv channels"):
         prune_conv_graph(export_module(Single(), torch.randn(2, 3, 8, 8)), torch.randn(4, 3, 8, 8), 0.5)
 

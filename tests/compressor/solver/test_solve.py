@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compressor import METHODS, solve_layer
-from compressor.synthetic import correlated_problem
+from compressor.solver.synthetic import correlated_problem
 
 
 def brute_force_f(H, G, g, pruned):

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..modules import check_keep, owner_of
 from .adapters import adapter_for, dims, layers
-from .surgery import check_keep
 
 MANIFEST = "osscar_widths.json"
 
@@ -129,8 +129,7 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
 
 
 def _set_attr(layer: nn.Module, path: str, value: int) -> None:
-    owner, _, name = path.rpartition(".")
-    module = layer.get_submodule(owner) if owner else layer
+    module, name = owner_of(layer, path)
     if not hasattr(module, name):
         raise AttributeError(f"{path} not found: the adapter table is out of date for this transformers version")
     setattr(module, name, value)

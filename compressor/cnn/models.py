@@ -1,4 +1,4 @@
-"""Model references: one resolver for every entry point, and saving pruned graph models.
+"""Graph models (CNNs): resolving a reference to an ATen graph, and saving pruned programs.
 
 Accepted references:
   * a `torch.export` program file (`.pt2`);
@@ -21,17 +21,11 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from ..errors import ModelReferenceError, UnsupportedArchitecture
+
 log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".pkl"}
-
-
-class ModelReferenceError(ValueError):
-    """A model reference that cannot be resolved (says what was expected)."""
-
-
-class UnsupportedArchitecture(ModelReferenceError):
-    """A model that loads but whose architecture no pipeline here prunes."""
 
 
 @dataclass
@@ -131,7 +125,7 @@ def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int |
                                   f"Face cache (nothing is downloaded): {err}") from err
     if not hasattr(config, "num_channels"):
         raise UnsupportedArchitecture(f"{ref}: {config.model_type!r} is not an image model; transformer models are "
-                                  "pruned by the transformer adapters")
+                                      "pruned by the transformer adapters")
     # safetensors only: a pickled pytorch_model.bin can run code when loaded
     model = transformers.AutoModelForImageClassification.from_pretrained(
         location, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True)
@@ -172,77 +166,3 @@ def save_program(module: fx.GraphModule, path: str | Path, example: torch.Tensor
     with torch.no_grad():
         program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
     torch.export.save(program, str(path))
-
-
-@dataclass
-class LoadedTransformer:
-    model: torch.nn.Module  # eval mode
-    tokenizer: object | None  # the model's tokenizer, when the directory has one
-    output_name: str  # "last_hidden_state" (encoders) or "logits" (language models)
-    input_names: tuple[str, ...]  # ONNX inputs, as the source model takes them
-    source: str
-
-
-def is_transformer_reference(reference: str) -> bool:
-    """A local HF directory whose model family has a transformer adapter."""
-    path = Path(str(reference)).expanduser()
-    if not (path / "config.json").is_file():
-        return False
-    import json
-
-    from .adapters import ADAPTERS
-
-    return json.loads((path / "config.json").read_text()).get("model_type") in ADAPTERS
-
-
-LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-
-
-def hf_model_class(config) -> tuple[type, bool]:
-    """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
-    GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads)."""
-    import transformers
-
-    arch = (config.architectures or [""])[0]
-    if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
-        return getattr(transformers, arch), True
-    return transformers.AutoModel, False
-
-
-def build_hf_model(cls: type, config) -> torch.nn.Module:
-    """An untrained model of `cls` (a concrete class, or AutoModel) for `config`, on the current default
-    device (use `with torch.device("meta")` for shapes without memory)."""
-    import transformers
-
-    return (cls.from_config(config) if cls is transformers.AutoModel else cls(config)).eval()
-
-
-def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:
-    """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
-    encoders as the base model. `weights=False` builds it on the meta device (shapes, no memory), for
-    callers that stream the weights themselves."""
-    import transformers
-
-    from .adapters import ADAPTERS
-
-    path = Path(str(reference)).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelReferenceError(f"{reference}: expected a Hugging Face model directory with config.json")
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    if config.model_type not in ADAPTERS:
-        raise UnsupportedArchitecture(f"{reference}: unsupported transformer family {config.model_type!r}; "
-                                  f"supported: {sorted(ADAPTERS)}")
-    cls, causal = hf_model_class(config)
-    if weights:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
-                                    use_safetensors=True).eval()  # never a pickle: it could run code
-    else:
-        with torch.device("meta"):
-            model = build_hf_model(cls, config)
-    tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    names: tuple[str, ...] = ("input_ids", "attention_mask")
-    if not causal and getattr(config, "type_vocab_size", 0):
-        names += ("token_type_ids",)
-    return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names, str(reference))

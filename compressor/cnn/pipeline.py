@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
-from .layerstats import (
+from ..layerstats import (
     LayerObservation,
     LayerStatistics,
     Widths,
@@ -32,9 +31,10 @@ from .layerstats import (
     kept_solution,
     planned_prune,
 )
-from .reports import LayerReport
+from ..reports import LayerReport
+from ..solver import solve_layer
+from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
 from .segments import GraphWalker
-from .solve import solve_layer
 from .surgery import add_output_shift, get_tensor, prune_unit
 
 log = logging.getLogger(__name__)

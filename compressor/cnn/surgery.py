@@ -12,39 +12,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx, nn
 
+from ..errors import SurgeryError
+from ..modules import check_keep, get_attr, owner_of
 from .graph import BATCH_NORM_OPS, ChannelUnit, ConvSpec, conv_spec
 
 
-class SurgeryError(ValueError):
-    """Indices or shapes that surgery cannot apply."""
-
-
-def check_keep(keep: Sequence[int] | Tensor, size: int, what: str) -> Tensor:
-    """Sorted unique kept indices in [0, size), at least one; raise listing every bad index."""
-    idx = torch.as_tensor(keep, dtype=torch.long).flatten()
-    bad = sorted({int(i) for i in idx.tolist() if not 0 <= int(i) < size})
-    problems = []
-    if bad:
-        problems.append(f"indices out of range [0, {size}): {bad}")
-    dupes = sorted({int(i) for i in idx.tolist() if int((idx == i).sum()) > 1})
-    if dupes:
-        problems.append(f"repeated indices: {dupes}")
-    if idx.numel() == 0:
-        problems.append("no channel kept")
-    if problems:
-        raise SurgeryError(f"{what}: " + "; ".join(problems))
-    return torch.sort(idx).values
-
-
 def get_tensor(gm: fx.GraphModule, target: str) -> Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
+    return get_attr(gm, target)
 
 
 def set_tensor(gm: fx.GraphModule, target: str, value: Tensor) -> None:
     """Replace a parameter or buffer of the GraphModule, keeping its kind."""
-    owner_path, _, name = target.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
+    owner, name = owner_of(gm, target)
     if name in owner._parameters:
         owner._parameters[name] = nn.Parameter(value.detach().clone(), requires_grad=False)
     elif name in owner._buffers:
@@ -146,8 +125,8 @@ def add_output_shift(gm: fx.GraphModule, conv: ConvSpec, shift: Tensor) -> None:
         mean = get_tensor(gm, mean_node.target)
         set_tensor(gm, mean_node.target, mean - shift.to(mean))  # BN(y + s) = BN'(y), mean' = mean - s
         return
+    owner, _ = owner_of(gm, conv.weight)
     owner_path = conv.weight.rpartition(".")[0]
-    owner = gm.get_submodule(owner_path) if owner_path else gm
     name = "bias" if not hasattr(owner, "bias") else "output_shift"
     owner.register_parameter(name, nn.Parameter(shift.to(w).clone(), requires_grad=False))
     target = f"{owner_path}.{name}" if owner_path else name
@@ -157,8 +136,3 @@ def add_output_shift(gm: fx.GraphModule, conv: ConvSpec, shift: Tensor) -> None:
     args[2] = bias_node
     conv.node.args = tuple(args)
     gm.recompile()
-
-
-def count_parameters(module: nn.Module) -> int:
-    """Learned parameters (BatchNorm running statistics are buffers and not counted)."""
-    return sum(p.numel() for p in module.parameters())

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from compressor.adapters import adapter_for, layers
-from compressor.transformer_pipeline import _run, capture_block_inputs, prune_transformer
-from compressor.transformer_surgery import head_groups, in_features, projection
+from compressor.transformer.adapters import adapter_for, layers
+from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer
+from compressor.transformer.surgery import head_groups, in_features, projection
 
 from .transformer_models import MODELS, example_inputs, first_output
 

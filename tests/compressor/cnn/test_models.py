@@ -1,0 +1,72 @@
+"""The graph-model resolver: what is accepted, what is refused and how."""
+
+import pytest
+import torch
+
+from compressor.cnn.models import load_model, save_program
+from compressor.errors import ModelReferenceError
+
+from .conv_models import exported
+
+
+def test_pt2_round_trip(tmp_path):
+    gm = exported("folded_pad")
+    save_program(gm, tmp_path / "m.pt2", torch.randn(2, 3, 16, 16))
+    loaded = load_model(str(tmp_path / "m.pt2"))
+    assert loaded.kind == "pt2" and loaded.input_shape == (3, 16, 16)
+    x = torch.randn(4, 3, 16, 16)
+    torch.testing.assert_close(loaded.module(x), gm(x))
+
+
+class Tiny(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: "s3://bucket/model.pt2", "unknown model reference scheme 's3'"),
+    (lambda p: str(p / "missing.pt2"), "no such torch.export program"),
+    (lambda p: str(p / "nothing-here"), "no such file"),
+    (lambda p: "", "empty model reference"),
+    (lambda p: "torchvision:resnet18", "torchvision"),
+    (lambda p: (p / "empty").mkdir() or str(p / "empty"), "without config.json"),
+    (lambda p: (p / "weights.txt").write_text("x") and str(p / "weights.txt"), "unsupported file type"),
+])
+def test_bad_references_are_refused_with_what_was_expected(tmp_path, make, words):
+    with pytest.raises(ModelReferenceError, match=words):
+        load_model(make(tmp_path))
+
+
+def test_pickles_are_refused(tmp_path):
+    torch.save(Tiny(), tmp_path / "module.pt")  # a pickled module: code on load
+    with pytest.raises(ModelReferenceError, match="weights_only loading refuses"):
+        load_model(str(tmp_path / "module.pt"))
+    torch.save({"w": torch.ones(2)}, tmp_path / "state.pt")
+    with pytest.raises(ModelReferenceError, match="without an architecture"):
+        load_model(str(tmp_path / "state.pt"))
+
+
+def test_uncached_hub_id_is_not_downloaded(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelReferenceError, match="local Hugging Face cache"):
+        load_model("no-such-org/no-such-model")
+
+
+def test_hf_image_model_directory_is_exported_and_prunable(tmp_path):
+    """A random-init Hugging Face ResNet saved locally: resolved offline, exported to the ATen
+    graph with pixel_values as input and logits as output, and its inner channels found."""
+    import transformers
+
+    from compressor.cnn.graph import analyse
+
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                       layer_type="bottleneck", image_size=32, num_labels=4)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / "hf-resnet")
+    loaded = load_model(str(tmp_path / "hf-resnet"))
+    assert loaded.kind == "hf" and loaded.input_name == "pixel_values" and loaded.input_shape == (3, 32, 32)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module(x), model(pixel_values=x).logits, rtol=1e-5, atol=1e-5)
+    assert len(analyse(loaded.module).units) >= 2  # the bottlenecks' inner convs
