@@ -68,6 +68,7 @@ from service_common import (
 )
 
 from service.api import compression_pb2 as pb
+from service.core.outcomes import OUTCOMES
 from service.wire import STATE_NAMES, unpack_metadata
 from tests.service.server_process import ServerProcess, wait_gone
 
@@ -136,6 +137,9 @@ def outcome_violations(op) -> list[str]:
             out.append(f"an error without an ErrorInfo reason (code {op.error.code})")
         if state not in ("FAILED", "CANCELLED"):
             out.append(f"an error but state {state}")
+        row = (state, code_pb2.Code.Name(op.error.code), reason_of(op))
+        if row not in {(o.state, o.code, o.reason) for o in OUTCOMES}:
+            out.append(f"an outcome that is not in the outcome table: {' '.join(row)}")
         return out
     if state != "SUCCEEDED" or not op.HasField("response"):
         return [f"done without an error but state {state}, response set: {op.HasField('response')}"]

@@ -3,9 +3,9 @@
 Curves come from the dense model's layer statistics (one calibration pass): the nested greedy path
 of OSSCAR (prune the groups with the smallest impact B_j, a few at a time) gives f for every width
 along one path from one factorisation. Each layer's loss is normalised by its dense output energy
-(a relative error), so layers of different scales compare. `allocate` then removes width where the
-loss per unit of saved latency is smallest until the predicted saving is reached (a greedy on the
-Lagrangian, exact for convex curves), never below a layer's minimum width.
+(a relative error), so layers of different scales compare. `allocate` then narrows layers one
+allowed width at a time, always the step that adds the least loss per unit of saved cost, until the
+predicted saving is reached or every layer is at its narrowest allowed width.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ def loss_path(H: Tensor, G: Tensor, group_size: int, widths: Sequence[int]) -> l
     out = []
     for width in widths:
         remove = groups - width - int((~state.kept).sum())
-        while remove > 0:  # in steps of at most 1/5 of what is left, as the greedy phase
+        # Steps of a fifth of the groups this width prunes in all (at least one), capped at what is
+        # left to reach it; not the search's ceil(0.2 * still-to-prune): far from dense a width is then
+        # reached in one step instead of a run of ever smaller ones, which keeps the path cheap when a
+        # layer has many allowed widths.
+        while remove > 0:
             t = max(1, min(remove, (groups - width) // 5 or 1))
             state.prune(torch.topk(state.scores(), t, largest=False).indices)
             remove -= t
@@ -65,18 +69,27 @@ class LayerCurve:
 
 
 def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
-    """Kept width per layer that saves at least `saving` cost units at the least total loss (greedy on
-    the marginal loss per saved cost). Saves as much as the minimum widths allow if `saving` is out of
-    reach."""
+    """Kept width per layer saving at least `saving` cost units, by a greedy on the marginal loss per
+    saved cost.
+
+    Each step moves one layer to its next allowed width: the layer whose step has the smallest loss
+    increase per unit of cost saved. Steps stop once the cost saved reaches `saving` (the last step
+    may overshoot it) or every layer is at its narrowest allowed width (then the saving falls short).
+    When every curve is convex in saved cost, this is a greedy on the Lagrangian: each allocation it
+    passes through has the least total loss for the cost it saves. Otherwise it is a heuristic.
+    """
     position = {c.name: 0 for c in curves}
+    order = {c.name: i for i, c in enumerate(curves)}
     heap: list[tuple[float, int, str]] = []
 
     def push(curve: LayerCurve) -> None:
         k = position[curve.name]
         if k + 1 < len(curve.widths):
             saved = curve.cost * (curve.widths[k] - curve.widths[k + 1])
-            dloss = max(0.0, curve.loss[k + 1] - curve.loss[k])
-            heapq.heappush(heap, (dloss / max(saved, 1e-30), id(curve), curve.name))
+            dloss = max(0.0, curve.loss[k + 1] - curve.loss[k])  # f is monotone along a nested path: < 0 is rounding
+            # a step that saves nothing goes last instead of dividing by zero; equal ratios (common:
+            # many steps lose nothing) go in layer order, so the same curves give the same widths
+            heapq.heappush(heap, (dloss / max(saved, 1e-30), order[curve.name], curve.name))
 
     by_name = {c.name: c for c in curves}
     for curve in curves:

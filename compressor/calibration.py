@@ -1,8 +1,11 @@
-"""Calibration data: images for CNNs (text arrives with the transformer adapters)."""
+"""Calibration data: images for CNNs (`load_images`), token batches for transformers (`load_text`)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,6 +14,9 @@ from .errors import CalibrationError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# a Hugging Face tokenizer, as called here: tokenizer(text, add_special_tokens=True)["input_ids"]
+Tokenizer = Callable[..., Mapping[str, Any]]
 
 
 def load_images(
@@ -69,7 +75,7 @@ def _subset(x: np.ndarray, samples: int, seed: int) -> np.ndarray:
 def load_text(
     path: str | Path,
     *,
-    tokenizer=None,
+    tokenizer: Tokenizer | None = None,
     sequences: int = 128,
     length: int = 128,
     seed: int = 0,
@@ -110,7 +116,7 @@ def load_text(
     return batches
 
 
-def _token_documents(path: Path, tokenizer) -> list[np.ndarray]:
+def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as data:
             if "ids" not in data or "offsets" not in data:
@@ -132,8 +138,6 @@ def _token_documents(path: Path, tokenizer) -> list[np.ndarray]:
         raise CalibrationError(f"{path}: text needs the model's tokenizer (this model has none: pass token ids "
                                "as .npz with ids and offsets)")
     if path.suffix == ".jsonl":
-        import json
-
         texts = []
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():

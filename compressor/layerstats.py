@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .errors import InputError
 from .solver import LayerSolution
+from .solver.problem import group_rows
 
 
 def compute_device(device: str | torch.device | None) -> torch.device:
@@ -33,17 +35,17 @@ def planned_prune(name: str, groups: int, plan: Widths) -> int:
     """Groups to prune in layer `name` under a uniform ratio or a per-layer width plan."""
     if isinstance(plan, Mapping):
         if name not in plan:
-            raise ValueError(f"the width plan has no entry for layer {name!r}")
+            raise InputError(f"the width plan has no entry for layer {name!r}")
         kept = int(plan[name])
         if not 1 <= kept <= groups:
-            raise ValueError(f"layer {name!r}: planned width {kept} is outside [1, {groups}]")
+            raise InputError(f"layer {name!r}: planned width {kept} is outside [1, {groups}]")
         return groups - kept
     return num_to_prune(groups, plan)
 
 
 def check_plan(plan: Widths) -> None:
     if not isinstance(plan, Mapping) and not 0 <= plan < 1:
-        raise ValueError(f"uniform ratio must be in [0, 1) (got {plan})")
+        raise InputError(f"uniform ratio must be in [0, 1) (got {plan})")
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,10 @@ class LayerStatistics:
         self.sum_y += Y.sum(0)
         self.rows += X.shape[0]
 
-    def finish(self, center: bool) -> tuple[Tensor, Tensor, float, Tensor, Tensor]:
-        """(H, G, energy, mean of X, mean of X_hat W_hat); with `center`, the statistics of the
-        centred rows: least squares with an intercept = least squares on centred data, for every
-        support."""
+    def finish(self, center: bool) -> FinishedStatistics:
+        """The layer problem's inputs; with `center`, those of the centred rows: least squares with an
+        intercept = least squares on centred data, for every support. Centring works in place on H and
+        G (no second d1 x d1 matrix), so `finish` is called once."""
         mu, nu = self.sum_x / self.rows, self.sum_y / self.rows
         H, G, energy = self.H, self.G, self.energy
         if center:
@@ -100,7 +102,18 @@ class LayerStatistics:
             H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
             G -= self.rows * torch.outer(mu, nu)
             energy -= 0.5 * self.rows * float(nu.square().sum())
-        return H, G, energy, mu, nu
+        return FinishedStatistics(H, G, energy, mu, nu)
+
+
+@dataclass(frozen=True)
+class FinishedStatistics:
+    """What `LayerStatistics.finish` returns: the solver's H and G, and what the intercept needs."""
+
+    H: Tensor  # d1 x d1 = X^T X (centred with `center`)
+    G: Tensor  # d1 x d2 = X^T X_hat W_hat (centred likewise)
+    energy: float  # 1/2 ||X_hat W_hat||^2 (centred likewise): the loss normaliser
+    mean_x: Tensor  # mu (d1): mean input row of the pruned model
+    mean_y: Tensor  # nu (d2): mean row of the dense layer's pre-bias output X_hat W_hat
 
 
 @dataclass(frozen=True)
@@ -110,14 +123,16 @@ class KeptSolution:
     shift: Tensor  # d2: the intercept nu - mu W, unscaled
 
 
-def kept_solution(sol: LayerSolution, group_size: int, scale: Tensor | None, mu: Tensor, nu: Tensor) -> KeptSolution:
-    """The kept groups' rows of the solved weight and the intercept, with column scaling undone."""
+def kept_solution(sol: LayerSolution, group_size: int, scale: Tensor | None,
+                  stats: FinishedStatistics) -> KeptSolution:
+    """The kept groups' rows of the solved weight and the intercept nu - mu W, with column scaling
+    undone (`stats`: what the problem was solved from)."""
     pruned = set(sol.pruned)
     groups = sol.weight.shape[0] // group_size
     keep = [j for j in range(groups) if j not in pruned]
-    rows = torch.tensor([j * group_size + a for j in keep for a in range(group_size)], device=sol.weight.device)
+    rows = group_rows(torch.tensor(keep, dtype=torch.long, device=sol.weight.device), group_size)
     W = sol.weight.index_select(0, rows)
-    shift = nu - mu @ sol.weight.to(mu)
+    shift = stats.mean_y - stats.mean_x @ sol.weight.to(stats.mean_x)
     if scale is not None:
         W, shift = W / scale.to(W), shift / scale.to(shift)
     return KeptSolution(keep, W, shift)

@@ -4,6 +4,7 @@ kept-index checks and parameter counts."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ def owner_of(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(owner) if owner else root), name
 
 
-def get_attr(root: nn.Module, path: str):
+def get_attr(root: nn.Module, path: str) -> Any:
     """The attribute at a dotted path below `root` (a parameter, buffer, submodule or plain value)."""
     owner, name = owner_of(root, path)
     return getattr(owner, name)

@@ -1,5 +1,6 @@
-"""ONNX export and ONNX Runtime validation/latency of pruned models.
+"""ONNX export and ONNX Runtime validation/latency of pruned models: `onnx` (export through the dynamo
+exporter, decode steps with a KV cache, the parity gate) and `runtime` (ONNX Runtime in a spawned
+subprocess: outputs and alternating latency measurements).
 
-May import `compressor`; never `service`. The exporters arrive with the export issue; this package
-exists now so the layering (service -> exporters -> compressor) is fixed from the start.
+May import `compressor`; never `service` (service -> exporters -> compressor).
 """

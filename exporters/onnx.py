@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,22 +40,24 @@ def export_onnx(
     opset: int = 18,
 ) -> Path:
     """Export with a dynamic batch dimension, fp32, the model's input name and `output_name` first."""
-    path = Path(path)
     batch = torch.export.Dim.DYNAMIC
-    with torch.no_grad():
-        program = torch.onnx.export(
-            module, (example,), dynamo=True, input_names=[input_name], output_names=[output_name],
-            dynamic_shapes=({0: batch},), opset_version=opset, verbose=False,
-        )
-    program.save(str(path), external_data=_needs_external_data(module))
-    return path
+    return _export(module, (example,), path, weights=module, input_names=[input_name],
+                   output_names=[output_name], dynamic_shapes=({0: batch},), opset_version=opset)
 
 
 EXTERNAL_DATA_BYTES = 2 * 1024**3  # protobuf's limit: larger models keep their weights beside the .onnx
 
 
-def _needs_external_data(module: torch.nn.Module) -> bool:
-    return sum(p.numel() * p.element_size() for p in module.parameters()) >= EXTERNAL_DATA_BYTES
+def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *, weights: torch.nn.Module,
+            **options: Any) -> Path:
+    """torch.onnx.export through the dynamo exporter, saved to `path` (with `weights`' size deciding
+    whether the weights go to an external data file)."""
+    path = Path(path)
+    with torch.no_grad():
+        program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
+    size = sum(p.numel() * p.element_size() for p in weights.parameters())
+    program.save(str(path), external_data=size >= EXTERNAL_DATA_BYTES)
+    return path
 
 
 def stamp_metadata(path: str | Path, metadata: dict[str, object]) -> None:
@@ -86,7 +89,7 @@ class Float16(torch.nn.Module):
         if hasattr(model, "config"):
             self.config = model.config
 
-    def forward(self, x: torch.Tensor | None = None, **named: torch.Tensor):
+    def forward(self, x: torch.Tensor | None = None, **named: torch.Tensor) -> Any:
         """One positional input (graph models) or keyword inputs (HF models)."""
         def cast(t, dtype):
             return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -123,21 +126,15 @@ def export_hf_onnx(
     """Export a HF model with its input names (input_ids, attention_mask, token_type_ids; pixel_values),
     a dynamic batch, a dynamic sequence length for token inputs, and `output_name` (last_hidden_state,
     logits) as the first output."""
-    path = Path(path)
     names = tuple(example)
     batch = torch.export.Dim("batch")
     seq = torch.export.Dim("sequence", max=max_length) if max_length else torch.export.Dim("sequence")
     # token inputs are (batch, sequence) integers; images keep their channel and spatial sizes
     dynamic = tuple({0: batch, 1: seq} if not example[n].is_floating_point() else {0: batch} for n in names)
     wrapper = _NamedInputs(model.eval(), names, output_name).eval()
-    with torch.no_grad():
-        program = torch.onnx.export(
-            wrapper, tuple(example[n] for n in names), dynamo=True, input_names=list(names),
-            output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
-            opset_version=opset, verbose=False,
-        )
-    program.save(str(path), external_data=_needs_external_data(model))
-    return path
+    return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
+                   output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
+                   opset_version=opset)
 
 
 def output_names_of(path: str | Path) -> list[str]:
@@ -202,7 +199,8 @@ class _DecodeStep(torch.nn.Module):
         super().__init__()
         self.model, self.layers = model, layers
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -229,7 +227,6 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
                        opset: int = 18, max_length: int = 4096) -> Path:
     """Export a causal LM's decode step with past key/values (dynamic batch and past length); input and
     output names follow the optimum convention (past_key_values.N.key / present.N.value)."""
-    path = Path(path)
     layers = int(model.config.num_hidden_layers)
     past_len = example_ids.shape[1] - 1
     if past_len < 1:
@@ -244,14 +241,11 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     previous = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
-        with torch.no_grad():
-            program = torch.onnx.export(_DecodeStep(model.eval(), layers).eval(),
-                                        (example_ids[:, past_len:], mask, *past), dynamo=True, dynamic_shapes=dynamic,
-                                        input_names=inputs, output_names=outputs, opset_version=opset, verbose=False)
+        return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
+                       weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,
+                       opset_version=opset)
     finally:
         model.config._attn_implementation = previous
-    program.save(str(path), external_data=_needs_external_data(model))
-    return path
 
 
 def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Tensor, *, rtol: float = 1e-4,

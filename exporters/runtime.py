@@ -15,14 +15,18 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
+Batch = list[np.ndarray] | dict[str, np.ndarray]  # model inputs in input order, or by name
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -69,7 +73,7 @@ def _session(path: str, provider: str, threads: int):
     return ort.InferenceSession(path, options, providers=providers)
 
 
-def _feed(session, inputs: list[np.ndarray] | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _feed(session, inputs: Batch) -> dict[str, np.ndarray]:
     if isinstance(inputs, dict):
         return {i.name: inputs[i.name] for i in session.get_inputs()}
     return {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
@@ -92,7 +96,7 @@ def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
     raise ValueError(f"unknown reduction {kind!r}")
 
 
-def _outputs_worker(path: str, batches: list, provider: str, threads: int, reduce: str) -> list:
+def _outputs_worker(path: str, batches: list[Batch], provider: str, threads: int, reduce: str) -> list[Any]:
     session = _session(path, provider, threads)
     out = []
     for inputs in batches:
@@ -123,7 +127,7 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
 
 
-def _call(fn, *args):
+def _call(fn: Callable[..., T], *args: Any) -> T:
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), initializer=die_with_parent,
                              initargs=(os.getpid(),)) as pool:
         try:
@@ -134,8 +138,8 @@ def _call(fn, *args):
             raise RuntimeFailure(f"ONNX Runtime failed: {type(err).__name__}: {err}") from err
 
 
-def run_outputs(path: str | Path, batches: list, *, provider: str = "cpu", threads: int | None = None,
-                reduce: str = "all") -> list:
+def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu", threads: int | None = None,
+                reduce: str = "all") -> list[Any]:
     """Run `path` on each batch (a list in input order, or a dict by name) in a subprocess; per batch all
     outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "nll")."""
     return _call(_outputs_worker, str(path), batches, provider, threads or default_threads(), reduce)
@@ -153,14 +157,9 @@ class Latency:
     device: str
     repeats: int
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-
-def _latency_worker(baseline: str, compressed: str, feed: dict, provider: str, threads: int, warmup: int,
-                    repeats: int) -> tuple[list[float], list[float]]:
-    import time
-
+def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
+                    warmup: int, repeats: int) -> tuple[list[float], list[float]]:
     sessions = [_session(baseline, provider, threads), _session(compressed, provider, threads)]
     feeds = [_feed(s, feed) for s in sessions]
     for _ in range(warmup):

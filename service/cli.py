@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
+
+from compressor.errors import InputError
 
 from .terminal import ProgressLines
 
@@ -53,36 +59,34 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
+def compress_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields the command line set (absent flags: the request's defaults apply)."""
+    from .job.request import CompressRequest
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(CompressRequest)
+            if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+
+
 def _compress(args: argparse.Namespace) -> int:
     if args.server:
         from .client import remote_compress
 
         return remote_compress(args)
-    from .compress import CompressRequest, compress, default_home
+    from .files import default_home
+    from .job import CompressRequest, compress
     from .references import embedded
 
+    options = compress_options(args)
     for name in ("model", "calibration", "eval"):  # embedded:<name> works locally too
-        value = getattr(args, name)
+        value = options.get(name)
         if value is not None and str(value).startswith("embedded:"):
-            setattr(args, name, embedded(str(value), default_home()))
-    request = CompressRequest(
-        model=str(args.model), uniform_ratio=args.uniform_ratio, target_speedup=args.target_speedup,
-        widths_from=args.widths_from,
-        calibration=args.calibration, eval=args.eval, out_dir=args.out, method=args.method, samples=args.samples,
-        seed=args.seed, mean=args.mean, std=args.std, device=args.device, batch_size=args.batch_size,
-        sequences=args.sequences, sequence_length=args.sequence_length, stream=args.stream,
-        activation_dtype=args.activation_dtype, shape=args.shape or {}, execution_provider=args.execution_provider,
-        threads=args.threads, deployment_target=args.deployment_target, round_to=args.round_to,
-        min_width=args.min_width, max_rounds=args.max_rounds, accuracy_budget=args.accuracy_budget,
-        back_off=args.back_off, repeats=args.repeats, opset=args.opset, precision=args.precision,
-        decode_step=args.decode_step,
-        **({"curves_cache": None} if args.no_curves_cache else {}))
-    progress = _Progress(sys.stderr)
-    report = compress(request, progress=progress)
+            options[name] = embedded(str(value), default_home())
+    options["model"] = str(options["model"])
+    report = compress(CompressRequest(**options), progress=_Progress(sys.stderr))
     if report["status"] != "ok":
         print(f"osscar: {report['status']}: measured speedup {report['measured_speedup']:.3f}x "
               f"(target {report['target_speedup']}), {report['metric']['name']} {report['metric']['baseline']:.4f}"
-              f" -> {report['metric']['compressed']:.4f}; the best artifact and report are in {args.out}",
+              f" -> {report['metric']['compressed']:.4f}; the best artifact and report are in {args.out_dir}",
               file=sys.stderr)
         return 2
     return 0
@@ -108,10 +112,9 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-SERVE_FLAGS = ("host", "port", "home", "max_queue", "devices", "max_attempts", "retention_days", "grace_s",
-               "insecure", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "allowed_roots", "allowed_schemes",
-               "trust_remote_code", "max_upload_mb", "max_message_mb", "max_concurrent_rpcs", "metrics_port",
-               "log_format", "health_port")
+# flags whose name is not the field's; fields that never come from the command line (secrets)
+SERVE_FLAG_NAMES = {"grace_s": "--grace"}
+SERVE_NOT_FLAGS = ("tokens",)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -121,14 +124,14 @@ def _serve(args: argparse.Namespace) -> int:
     from .logs import configure
     from .settings import ServerSettings
 
-    given = {name: getattr(args, name) for name in SERVE_FLAGS
-             if getattr(args, name) is not None and getattr(args, name) is not False}
+    given = {name: getattr(args, name) for name in ServerSettings.model_fields
+             if getattr(args, name, None) is not None and getattr(args, name, None) is not False}
     try:  # flags override OSSCAR_* environment variables
         settings = ServerSettings(**given)
     except pydantic.ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
                              for e in err.errors())
-        raise ValueError(problems) from None
+        raise InputError(problems) from None
     configure(settings.log_format)
 
     def ready(server: Server) -> None:
@@ -145,6 +148,74 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_type(kind: Any) -> Any:
+    """The argparse `type` of a field type."""
+    origin = typing.get_origin(kind) or kind
+    if origin is tuple:
+        return _floats
+    if origin is dict:
+        return _shape
+    return kind
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" for v in value)
+    return str(value)
+
+
+def add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """`osscar compress`'s flags, one per CompressRequest field (service.job.request holds the help and
+    defaults; argparse defaults stay None so that an absent flag means the request's default)."""
+    from .job.request import MODES, CompressRequest, field_types
+
+    types = field_types()
+    mode = parser.add_mutually_exclusive_group(required=True)
+    for f in dataclasses.fields(CompressRequest):
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        help_text = meta["help"]
+        if f.default not in (None, False, dataclasses.MISSING):
+            help_text += f" (default {_default_text(f.default)})"
+        if f.name == "model":
+            parser.add_argument("model", help=help_text)
+            continue
+        flag = "--out" if f.name == "out_dir" else "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if types[f.name] is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=_flag_type(types[f.name]), choices=meta["choices"], metavar=meta["metavar"])
+        if f.name in ("calibration", "out_dir"):
+            kwargs["required"] = True
+        (mode if f.name in MODES else parser).add_argument(flag, **kwargs)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """`osscar serve`'s flags, one per ServerSettings field (help from the field's description)."""
+    from .settings import ServerSettings
+
+    for name, info in ServerSettings.model_fields.items():
+        if name in SERVE_NOT_FLAGS:
+            continue
+        flag = SERVE_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+        kwargs: dict[str, Any] = {"dest": name, "help": info.description}
+        kind = info.annotation
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(kind) is typing.Literal:
+            kwargs["choices"] = typing.get_args(kind)
+        else:
+            kwargs["type"] = kind
+        default = info.get_default(call_default_factory=False)
+        if default not in (None, False, "") and info.default_factory is None:
+            kwargs["help"] += f" (default {default})"
+        parser.add_argument(flag, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osscar", description="One-shot structured pruning (OSSCAR).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress on stderr")
@@ -155,64 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a local BERT-like HF model directory (default: the embedded all-MiniLM-L6-v2)")
     demo.set_defaults(func=_demo)
 
-    from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
-
     comp = sub.add_parser("compress", help="prune a model physically and export it to ONNX")
-    comp.add_argument("model", help="a .pt2 torch.export program, a Hugging Face model directory or cached hub "
-                      "id, or torchvision:<name>")
-    mode = comp.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--target-speedup", type=float, help="measured speedup to reach in ONNX Runtime (e.g. 1.5)")
-    mode.add_argument("--uniform-ratio", type=float,
-                      help="fraction of each prunable layer's channels removed (rounded, >= 1 kept): the paper's "
-                      "protocol, one round")
-    mode.add_argument("--widths-from", type=Path,
-                      help="the per-layer widths of an earlier report.json (e.g. to compare methods at equal widths)")
-    comp.add_argument("--calibration", type=Path, required=True,
-                      help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text (transformers): "
-                      ".txt/.jsonl through the model's tokenizer, or token ids as .npz (ids, offsets) / .npy")
-    comp.add_argument("--eval", type=Path, default=None,
-                      help="evaluation data: images .npz with labels y (top-1), token ids / text (perplexity for "
-                      "LMs); default: held-out calibration-like data (cosine to the dense outputs, perplexity)")
-    comp.add_argument("--method", default="osscar", choices=("osscar", "mp", "mp+", "thinet"))
-    comp.add_argument("--out", type=Path, required=True, help="output directory")
-    comp.add_argument("--samples", type=int, default=500, help="calibration images drawn (default 500)")
-    comp.add_argument("--seed", type=int, default=0, help="seed of the calibration draw")
-    comp.add_argument("--mean", type=_floats, default=IMAGENET_MEAN, help="per-channel mean for .npz images")
-    comp.add_argument("--std", type=_floats, default=IMAGENET_STD, help="per-channel std for .npz images")
-    comp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    comp.add_argument("--batch-size", type=int, default=100, help="calibration batch size (images)")
-    comp.add_argument("--sequences", type=int, default=128, help="text calibration: sequences drawn (default 128)")
-    comp.add_argument("--sequence-length", type=int, default=128, help="text calibration: tokens per sequence")
-    comp.add_argument("--stream", action="store_true",
-                      help="transformers: read one block at a time from the safetensors shards and write it back "
-                      "pruned (memory bounded by a block, for models larger than RAM)")
-    comp.add_argument("--activation-dtype", default="float32", choices=("float32", "float16"),
-                      help="transformers: dtype of the calibration activations kept on the CPU between blocks")
-    comp.add_argument("--shape", type=_shape, default=None,
-                      help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; encoders "
-                      "batch=8,sequence=128; decoders batch=1,sequence=512)")
-    comp.add_argument("--execution-provider", choices=("cpu", "cuda"), default=None,
-                      help="ONNX Runtime provider for measurement (default: cuda when available)")
-    comp.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: cores available)")
-    comp.add_argument("--deployment-target", choices=("cpu", "cuda"), default=None,
-                      help="where the model will be served; a warning when measurement runs elsewhere")
-    comp.add_argument("--round-to", type=int, default=8, help="target mode: widths in multiples of this (default 8)")
-    comp.add_argument("--min-width", type=float, default=0.1,
-                      help="target mode: minimum kept fraction of every layer (default 0.1)")
-    comp.add_argument("--max-rounds", type=int, default=4, help="target mode: prune-measure rounds at most")
-    comp.add_argument("--accuracy-budget", type=float, default=None,
-                      help="maximum relative drop of the metric (e.g. 0.02)")
-    comp.add_argument("--back-off", action="store_true",
-                      help="with --accuracy-budget: return the largest measured speedup that meets it")
-    comp.add_argument("--repeats", type=int, default=20, help="latency runs per model (median and p90)")
-    comp.add_argument("--opset", type=int, default=18, help="ONNX opset of the export (default 18)")
-    comp.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
-                      help="compute precision of the exports, dense baseline included; inputs and outputs stay "
-                      "float32 (default fp32)")
-    comp.add_argument("--decode-step", action="store_true",
-                      help="causal LMs: also export decode.onnx, one token with past key/values per layer")
-    comp.add_argument("--no-curves-cache", action="store_true",
-                      help="target mode: recompute the dense loss curves instead of reusing $OSSCAR_HOME/curves")
+    add_request_flags(comp)
     remote = comp.add_argument_group("through a server (osscar serve)")
     remote.add_argument("--server", metavar="HOST:PORT", default=None,
                         help="run the job on an osscar server; outputs are downloaded into --out")
@@ -236,33 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gRPC compression service",
                            description="Every flag has an OSSCAR_<NAME> environment variable (flags win); bearer "
                            "tokens come from OSSCAR_TOKENS or --tokens-file, never from the command line.")
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, help="port (default 50051; 0 picks a free one)")
-    serve.add_argument("--home", type=Path, help="jobs, artifacts and caches (default $OSSCAR_HOME, else ~/.osscar)")
-    serve.add_argument("--max-queue", type=int, help="queued jobs before RESOURCE_EXHAUSTED (16)")
-    serve.add_argument("--devices", help="comma-separated device slots, one job each (default: every CUDA device, "
-                       "else cpu)")
-    serve.add_argument("--max-attempts", type=int, help="runs of a job interrupted by server restarts before it "
-                       "fails (3)")
-    serve.add_argument("--retention-days", type=float, help="finished jobs and unused uploads are deleted after "
-                       "this many days (30)")
-    serve.add_argument("--grace", dest="grace_s", type=float, help="seconds running jobs get on shutdown before "
-                       "they are re-queued (30)")
-    serve.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without TLS "
-                       "and authentication")
-    serve.add_argument("--tls-cert", type=Path, help="PEM server certificate chain (with --tls-key: TLS)")
-    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    serve.add_argument("--tls-client-ca", type=Path, help="PEM CA that client certificates must chain to (mTLS)")
-    serve.add_argument("--tokens-file", type=Path, help="bearer tokens, one per line")
-    serve.add_argument("--allowed-roots", help="comma-separated directories path references must resolve inside")
-    serve.add_argument("--allowed-schemes", help="reference kinds accepted: path,blob,embedded (default all)")
-    serve.add_argument("--trust-remote-code", help="comma-separated model directories allowed to run their own code")
-    serve.add_argument("--max-upload-mb", type=int, help="largest upload in MiB (65536)")
-    serve.add_argument("--max-message-mb", type=int, help="largest gRPC message in MiB (8)")
-    serve.add_argument("--max-concurrent-rpcs", type=int, help="RPCs in flight before RESOURCE_EXHAUSTED (1000)")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: a free one)")
-    serve.add_argument("--log-format", choices=("json", "text"), help="server log lines (default json)")
-    serve.add_argument("--health-port", type=int, help="also answer plaintext health checks on 127.0.0.1:PORT")
+    add_settings_flags(serve)
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")
@@ -281,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # bad input: one line, no traceback
+    except (InputError, FileNotFoundError) as err:  # bad input: one line, no traceback (bugs keep theirs)
         print(f"osscar: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
 

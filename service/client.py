@@ -29,7 +29,7 @@ from .blobs import extract_tar, write_tar
 from .files import file_sha256
 from .references import is_remote_reference
 from .terminal import ProgressLines
-from .wire import STATE_NAMES, error_details, unpack_metadata, unpack_response
+from .wire import STATE_NAMES, error_details, spec_to_proto, unpack_metadata, unpack_response
 
 UPLOAD_CHUNK = 1 << 20
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -175,9 +175,12 @@ class RemoteCompressor:
 
 
 def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
+    """The Compress request of the command's flags: the options it set (the server applies the same
+    defaults to the rest), references made absolute or uploaded."""
+    from .cli import compress_options
+    from .job.request import LOCAL_ONLY, REFERENCES, SHAPE_KEYS
+
     def reference(value) -> str:
-        if value is None:
-            return ""
         text = str(value)
         if is_remote_reference(text):
             return text
@@ -189,35 +192,17 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
             return client.upload(path)
         return str(path.resolve())
 
-    request = pb.CompressRequest(
-        model=reference(args.model), calibration=reference(args.calibration), eval=reference(args.eval),
-        method=args.method, back_off=args.back_off, execution_provider=args.execution_provider or "",
-        request_id=args.request_id or str(uuid.uuid4()), labels=dict(args.label or []))
-    if args.target_speedup is not None:
-        request.target_speedup = args.target_speedup
-    elif args.uniform_ratio is not None:
-        request.uniform_ratio = args.uniform_ratio
-    elif args.widths_from is not None:
-        request.widths_from = reference(args.widths_from)
-    for key, value in (args.shape or {}).items():
-        if key not in ("batch", "sequence"):
-            raise ClientError(f"--shape takes batch=N and sequence=N (got {key})")
-        setattr(request.shape, key, value)
-    if args.accuracy_budget is not None:
-        request.accuracy_budget = args.accuracy_budget
+    options = {k: v for k, v in compress_options(args).items() if k not in LOCAL_ONLY}
+    for name in REFERENCES:
+        if name in options:
+            options[name] = reference(options[name])
+    bad = sorted(set(options.get("shape", {})) - set(SHAPE_KEYS))
+    if bad:
+        raise ClientError(f"--shape takes batch=N and sequence=N (got {', '.join(bad)})")
+    request = spec_to_proto(options, pb.CompressRequest(request_id=args.request_id or str(uuid.uuid4()),
+                                                        labels=dict(args.label or [])))
     if args.time_budget is not None:
         request.time_budget.FromMilliseconds(int(args.time_budget * 1000))
-    o = request.options
-    for name in ("samples", "seed", "batch_size", "sequences", "sequence_length", "round_to", "min_width",
-                 "max_rounds", "repeats", "opset"):
-        setattr(o, name, getattr(args, name))
-    if args.threads is not None:
-        o.threads = args.threads
-    o.mean.extend(args.mean)
-    o.std.extend(args.std)
-    o.stream, o.decode_step, o.no_curves_cache = args.stream, args.decode_step, args.no_curves_cache
-    o.activation_dtype, o.precision = args.activation_dtype, args.precision
-    o.deployment_target = args.deployment_target or ""
     return request
 
 
@@ -268,7 +253,7 @@ def remote_compress(args: argparse.Namespace) -> int:
         if not final.done:
             final = client._call(client.operations.GetOperation, operations_pb2.GetOperationRequest(name=op.name))
         meta = unpack_metadata(final)
-        out = Path(args.out)
+        out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         for artifact in meta.artifacts:
             path = client.download(final.name, artifact, out)

@@ -18,10 +18,14 @@ from pathlib import Path
 import torch
 
 from compressor import solve_layer
+from compressor.errors import InputError
+from compressor.layerstats import num_to_prune
+from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.surgery import dense_weight, projection
+
+from .job.request import PRUNING_METHODS as METHODS
 
 log = logging.getLogger(__name__)
-
-METHODS = ("mp", "mp+", "thinet", "osscar")
 
 
 @dataclass(frozen=True)
@@ -57,18 +61,19 @@ def calibration_texts(sequences: int = 96, per_sequence: int = 8, seed: int = 0)
 
 
 def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
-    """(name, H, W_hat, group_size) for every BERT layer's attention output and FFN output."""
+    """(name, H, W_hat, group_size) for every layer's attention output and FFN output projections (the
+    model's family from the adapter table; H over the non-padding tokens)."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModel.from_pretrained(model_dir).eval()
     batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
     sums: dict[str, torch.Tensor] = {}
+    adapter, head_dim = adapter_for(model), dims(model).head_dim
     targets = {}
-    for i, layer in enumerate(model.encoder.layer):
-        targets[f"layer.{i}.attention.output.dense"] = (layer.attention.output.dense,
-                                                        model.config.hidden_size // model.config.num_attention_heads)
-        targets[f"layer.{i}.output.dense"] = (layer.output.dense, 1)
+    for i, layer in enumerate(layers(model)):
+        targets[f"layer.{i}.{adapter.o}"] = (projection(layer, adapter.o), head_dim)
+        targets[f"layer.{i}.{adapter.down}"] = (projection(layer, adapter.down), 1)
     hooks = []
     current_mask = batch["attention_mask"]
     for name, (module, _) in targets.items():
@@ -84,18 +89,18 @@ def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch
             model(**chunk)
     for h in hooks:
         h.remove()
-    return [(name, sums[name], module.weight.detach().T.double(), g) for name, (module, g) in targets.items()]
+    return [(name, sums[name], dense_weight(module).double(), g) for name, (module, g) in targets.items()]
 
 
 def run_demo(ratio: float = 0.5, model_dir: Path | None = None) -> list[LayerResult]:
     if not 0 < ratio < 1:
-        raise ValueError(f"ratio must be in (0, 1) (got {ratio})")
+        raise InputError(f"ratio must be in (0, 1) (got {ratio})")
     problems = collect_problems(model_dir or default_model_path(), calibration_texts())
     results = []
     for name, H, W_hat, g in problems:
         G = H @ W_hat
         p = H.shape[0] // g
-        k = min(p - 1, max(1, round(ratio * p)))
+        k = max(1, num_to_prune(p, ratio))
         f0 = solve_layer(H, G, g, 0, "mp+", dense_weight=W_hat).objective
         errors, seconds = {}, {}
         for method in METHODS:

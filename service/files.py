@@ -1,4 +1,4 @@
-"""Writing files so that no reader ever sees a partial one."""
+"""Files: where our data lives, content digests, and writes that no reader ever sees half done."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+
+def default_home() -> Path:
+    """$OSSCAR_HOME, else ~/.osscar: the curves cache, embedded models and the server's data."""
+    return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
 
 
 def file_sha256(path: Path) -> str:

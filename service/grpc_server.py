@@ -1,13 +1,15 @@
-"""The gRPC server (`osscar serve`): thin servicers over `service.jobs.JobService`.
+"""The gRPC server (`osscar serve`): thin servicers over `service.core.JobService`.
 
 - `osscar.compression.v1.Compression`: Compress, WatchCompression, UploadBlob, DownloadArtifact;
 - `google.longrunning.Operations`: Get/List/Cancel/Delete/WaitOperation;
 - `grpc.health.v1.Health` (SERVING while work is accepted, NOT_SERVING while draining or when the store
   is unreachable) and server reflection.
 
-One interceptor maps the domain errors of `service.errors` to status codes with AIP-193 details; any
-other exception is logged with the RPC's name and answered INTERNAL without its text. grpc.aio serves
-hundreds of watch streams from one event loop.
+The servicers only convert protobuf to and from the core's calls (`service.wire`); one interceptor maps
+the domain errors of `service.errors` to status codes with AIP-193 details; any other exception is logged
+with the RPC's name and answered INTERNAL without its text (a finished job's error is a
+`service.core.JobError`, converted by `wire.status_of_error`). grpc.aio serves hundreds of watch streams
+from one event loop.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from grpc_status import rpc_status
 from . import errors
 from .api import compression_pb2 as pb
 from .api import compression_pb2_grpc as pb_grpc
-from .jobs import JobService, ServiceConfig, SubmitRequest, UploadHeader
+from .core import JobService, ServiceConfig, SubmitRequest, UploadHeader
 from .metrics import Metrics
 from .policy import ReferencePolicy
 from .settings import ServerSettings

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from compressor.errors import InputError
+
 from .blobs import BlobStore, valid_digest, valid_filename
 from .errors import FieldViolation, InvalidArgument, NotFound
 from .files import write_text_atomically
@@ -41,7 +43,7 @@ def embedded(reference: str, home: Path) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomically(path, "\n\n".join(calibration_texts()) + "\n")
         return path
-    raise ValueError(f"unknown embedded resource {reference!r}; known: {EMBEDDED_MODEL}, {EMBEDDED_CALIBRATION}")
+    raise InputError(f"unknown embedded resource {reference!r}; known: {EMBEDDED_MODEL}, {EMBEDDED_CALIBRATION}")
 
 
 def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, home: Path,
@@ -57,7 +59,7 @@ def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, 
         policy.require_scheme("embedded", field)
         try:
             return embedded(reference, home)
-        except ValueError as err:
+        except InputError as err:
             raise NotFound(resource, reference, str(err)) from None
     if reference.startswith("blob:"):
         policy.require_scheme("blob", field)

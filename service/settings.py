@@ -7,18 +7,15 @@ both places (`OSSCAR_ALLOWED_ROOTS=/models,/data`).
 from __future__ import annotations
 
 import ipaddress
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .files import default_home
+
 SCHEMES = ("path", "blob", "embedded")
-
-
-def _default_home() -> Path:
-    return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
 
 
 class ServerSettings(BaseSettings):
@@ -43,7 +40,7 @@ class ServerSettings(BaseSettings):
                                                                       "127.0.0.1 (for probes that cannot do TLS); "
                                                                       "unset: off")
     # --- jobs and data
-    home: Path = Field(default_factory=_default_home, description="jobs.sqlite, blobs/, work/, curves/ "
+    home: Path = Field(default_factory=default_home, description="jobs.sqlite, blobs/, work/, curves/ "
                                                                   "(default ~/.osscar)")
     max_queue: int = Field(16, ge=1, description="queued jobs before RESOURCE_EXHAUSTED")
     devices: str = Field("", description="comma-separated device slots, one job each (default: every CUDA "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.longrunning import operations_pb2
@@ -14,50 +15,74 @@ from google.protobuf.json_format import ParseDict
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from .api import compression_pb2 as pb
-from .store import JobRecord
+
+if TYPE_CHECKING:  # annotations only: clients import this module without the service core
+    from .core.outcomes import JobError
+    from .core.store import JobRecord
 
 DOMAIN = "osscar.compression.v1"
-# CompressOptions fields; proto3 `optional` scalars are copied only when set (else the command's defaults)
-OPTIONAL_OPTIONS = ("samples", "seed", "batch_size", "sequences", "sequence_length", "threads", "round_to",
-                    "min_width", "max_rounds", "repeats", "opset")
-OPTION_FIELDS = (*OPTIONAL_OPTIONS, "mean", "std", "stream", "activation_dtype", "deployment_target", "precision",
-                 "decode_step", "no_curves_cache")
+# CompressRequest fields that belong to the submission, not to the job's options
+SUBMISSION_FIELDS = ("time_budget", "labels", "request_id", "options")
 STATE_NAMES = {pb.QUEUED: "QUEUED", pb.RUNNING: "RUNNING", pb.SUCCEEDED: "SUCCEEDED", pb.FAILED: "FAILED",
                pb.CANCELLED: "CANCELLED"}
 STATES = {v: k for k, v in STATE_NAMES.items()}
+_UNSET = object()
+
+
+def _job_fields(message: Any) -> list:
+    """(message, field descriptor) of every job option: the request's own fields, then its options'."""
+    top = [(message, fd) for fd in message.DESCRIPTOR.fields if fd.name not in SUBMISSION_FIELDS]
+    return top + [(message.options, fd) for fd in message.options.DESCRIPTOR.fields]
+
+
+def wire_option_names() -> tuple[set[str], set[str]]:
+    """(request-level names, names under `options`) of the job options the API carries."""
+    top = {fd.name for fd in pb.CompressRequest.DESCRIPTOR.fields if fd.name not in SUBMISSION_FIELDS}
+    return top, {fd.name for fd in pb.CompressOptions.DESCRIPTOR.fields}
+
+
+def _read(message: Any, fd: Any) -> Any:
+    """A field's value, or _UNSET where the caller left it out (so the request's default applies)."""
+    if fd.is_repeated:
+        return list(getattr(message, fd.name)) or _UNSET
+    if fd.message_type is not None:  # Shape: the dimensions that were given (0 = the model kind's default)
+        value = getattr(message, fd.name)
+        return {f.name: getattr(value, f.name) for f in fd.message_type.fields if getattr(value, f.name)}
+    if fd.has_presence:  # proto3 optional and oneof members
+        return getattr(message, fd.name) if message.HasField(fd.name) else _UNSET
+    value = getattr(message, fd.name)
+    return value if value or fd.type == fd.TYPE_BOOL else _UNSET  # "" means "the default"
 
 
 def spec_from_proto(request: pb.CompressRequest) -> dict[str, Any]:
-    """CompressRequest fields (service.compress) from the wire; references stay unresolved strings."""
-    spec: dict[str, Any] = {"model": request.model, "calibration": request.calibration,
-                            "eval": request.eval or None, "widths_from": None, "uniform_ratio": None,
-                            "target_speedup": None}
-    mode = request.WhichOneof("mode")
-    if mode is not None:
-        spec[mode] = getattr(request, mode)
-    shape = {k: getattr(request.shape, k) for k in ("batch", "sequence") if getattr(request.shape, k)}
-    spec["shape"] = shape
-    if request.execution_provider:
-        spec["execution_provider"] = request.execution_provider
-    if request.method:
-        spec["method"] = request.method
-    if request.HasField("accuracy_budget"):
-        spec["accuracy_budget"] = request.accuracy_budget
-    spec["back_off"] = request.back_off
-    options = request.options
-    for name in OPTIONAL_OPTIONS:
-        if options.HasField(name):
-            spec[name] = getattr(options, name)
-    if options.mean:
-        spec["mean"] = list(options.mean)
-    if options.std:
-        spec["std"] = list(options.std)
-    for name in ("activation_dtype", "deployment_target", "precision"):
-        if getattr(options, name):
-            spec[name] = getattr(options, name)
-    for name in ("stream", "decode_step", "no_curves_cache"):
-        spec[name] = getattr(options, name)
+    """CompressRequest fields (service.job.request) from the wire: what the caller set, by iterating the
+    message's fields; references stay unresolved strings."""
+    spec = {}
+    for message, fd in _job_fields(request):
+        value = _read(message, fd)
+        if value is not _UNSET:
+            spec[fd.name] = value
     return spec
+
+
+def spec_to_proto(spec: dict[str, Any], request: pb.CompressRequest | None = None) -> pb.CompressRequest:
+    """The inverse: job options (CompressRequest field names, None = not given) into a request message."""
+    request = request if request is not None else pb.CompressRequest()
+    top, options = wire_option_names()
+    for name, value in spec.items():
+        if value is None:
+            continue
+        if name not in top | options:
+            raise ValueError(f"{name!r} does not travel on the wire")
+        message = request if name in top else request.options
+        if isinstance(value, dict):
+            for key, item in value.items():
+                setattr(getattr(message, name), key, item)
+        elif isinstance(value, list | tuple):
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, str(value) if isinstance(value, Path) else value)
+    return request
 
 
 def body_digest(request: pb.CompressRequest) -> str:
@@ -70,7 +95,7 @@ def body_digest(request: pb.CompressRequest) -> str:
 
 def api_field(name: str) -> str:
     """A domain field name as the API spells it (options live under `options.`)."""
-    return f"options.{name}" if name in OPTION_FIELDS else name
+    return f"options.{name}" if name in wire_option_names()[1] else name
 
 
 def api_description(text: str) -> str:
@@ -82,11 +107,10 @@ def _code(name: str) -> int:
     return getattr(code_pb2, name, code_pb2.UNKNOWN)
 
 
-def status_of_error(error: dict) -> status_pb2.Status:
-    """An operation's stored error as google.rpc.Status with an ErrorInfo."""
-    status = status_pb2.Status(code=_code(error["code"]), message=error["message"])
-    info = error_details_pb2.ErrorInfo(reason=error.get("reason", error["code"]), domain=DOMAIN,
-                                       metadata={k: str(v) for k, v in (error.get("metadata") or {}).items()})
+def status_of_error(error: JobError) -> status_pb2.Status:
+    """A finished operation's error as google.rpc.Status with an ErrorInfo."""
+    status = status_pb2.Status(code=_code(error.code), message=error.message)
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=dict(error.metadata))
     status.details.add().Pack(info)
     return status
 

@@ -37,8 +37,8 @@ class ConvSpec:
     """The arguments of one conv node that surgery and calibration need."""
 
     node: fx.Node
-    weight: str  # attribute path of the weight (out, in/groups, kH, kW)
-    bias: str | None
+    weight: str  # attribute path of the weight (out, in/groups, kH, kW); the bias is read from the graph
+    # when needed (`surgery.live_bias`): surgery may add one after the analysis
     stride: tuple[int, int]
     padding: tuple[int, int]
     dilation: tuple[int, int]
@@ -95,21 +95,13 @@ def conv_spec(node: fx.Node) -> ConvSpec | None:
     weight = _attr(args[1])
     if weight is None or isinstance(padding, str):
         return None
-    return ConvSpec(node, weight, _attr(args[2]), _pair(stride, 1), _pair(padding, 0), _pair(dilation, 1),
+    return ConvSpec(node, weight, _pair(stride, 1), _pair(padding, 0), _pair(dilation, 1),
                     int(groups or 1))
 
 
 def _is_depthwise(spec: ConvSpec, gm: fx.GraphModule) -> bool:
-    w = gm.get_parameter(spec.weight) if _has_param(gm, spec.weight) else gm.get_buffer(spec.weight)
-    return spec.groups > 1 and w.shape[1] == 1 and w.shape[0] == spec.groups
-
-
-def _has_param(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
+    shape = get_attr(gm, spec.weight).shape
+    return spec.groups > 1 and shape[1] == 1 and shape[0] == spec.groups
 
 
 def _is_spatial_pad(node: fx.Node) -> bool:
@@ -148,7 +140,7 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
                 if spec.groups != 1:
                     reason = f"{current.name} is a grouped conv"
                     break
-                channels = _weight_shape(gm, spec.weight)[0]
+                channels = get_attr(gm, spec.weight).shape[0]
                 result.units.append(ChannelUnit(spec, tuple(reversed(chain)), consumer, channels))
                 break
             if current.target in BATCH_NORM_OPS or current.target in ELEMENTWISE_OPS:
@@ -165,6 +157,3 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
             result.refused[name] = reason
     return result
 
-
-def _weight_shape(gm: fx.GraphModule, target: str) -> torch.Size:
-    return get_attr(gm, target).shape

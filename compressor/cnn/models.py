@@ -32,7 +32,6 @@ PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".pkl"}
 class LoadedModel:
     module: fx.GraphModule  # ATen graph, eval mode
     input_shape: tuple[int, ...]  # one sample's shape, e.g. (3, 32, 32)
-    source: str  # the reference as given
     kind: str  # "pt2" | "hf" | "torchvision"
     input_name: str = "x"
 
@@ -90,7 +89,7 @@ def _load_pt2(path: Path, ref: str) -> LoadedModel:
         raise ModelReferenceError(f"{path} is not a loadable torch.export program: {err}") from err
     gm = program.module()
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return LoadedModel(gm, _input_shape(gm), ref, "pt2", placeholders[0] if placeholders else "x")
+    return LoadedModel(gm, _input_shape(gm), "pt2", placeholders[0] if placeholders else "x")
 
 
 def _refuse_pickle(path: Path) -> None:
@@ -105,13 +104,16 @@ def _refuse_pickle(path: Path) -> None:
                               ".pt2 torch.export program or a Hugging Face model directory")
 
 
-def export_module(module: torch.nn.Module, example: torch.Tensor) -> fx.GraphModule:
-    """torch.export an eager module (dynamic batch) and return its ATen graph module."""
-    module = module.eval()
+def _export(module: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """torch.export with a dynamic batch dimension (the one input's first)."""
     batch = torch.export.Dim.DYNAMIC
     with torch.no_grad():
-        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
-    return program.module()
+        return torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
+
+
+def export_module(module: torch.nn.Module, example: torch.Tensor) -> fx.GraphModule:
+    """torch.export an eager module (dynamic batch) and return its ATen graph module."""
+    return _export(module.eval(), example).module()
 
 
 def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int | None) -> LoadedModel:
@@ -141,7 +143,7 @@ def _load_hf(location: str, ref: str, trust_remote_code: bool, image_size: int |
 
     example = torch.zeros(2, config.num_channels, size, size)
     gm = export_module(Logits(model), example)
-    return LoadedModel(gm, (config.num_channels, size, size), ref, "hf", "pixel_values")
+    return LoadedModel(gm, (config.num_channels, size, size), "hf", "pixel_values")
 
 
 def _load_torchvision(ref: str, image_size: int | None) -> LoadedModel:
@@ -156,13 +158,10 @@ def _load_torchvision(ref: str, image_size: int | None) -> LoadedModel:
     except ValueError as err:
         raise ModelReferenceError(f"{ref}: unknown torchvision model {name!r}") from err
     size = image_size or 224
-    return LoadedModel(export_module(model, torch.zeros(2, 3, size, size)), (3, size, size), ref, "torchvision")
+    return LoadedModel(export_module(model, torch.zeros(2, 3, size, size)), (3, size, size), "torchvision")
 
 
 def save_program(module: fx.GraphModule, path: str | Path, example: torch.Tensor) -> None:
     """Save a (pruned) graph module as a .pt2 program with a dynamic batch dimension."""
-    batch = torch.export.Dim.DYNAMIC
     example = example.detach().clone()  # a view would store its whole base tensor in the file
-    with torch.no_grad():
-        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},), strict=False)
-    torch.export.save(program, str(path))
+    torch.export.save(_export(module, example), str(path))

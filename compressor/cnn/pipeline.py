@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
+from ..errors import UnsupportedArchitecture
 from ..layerstats import (
     LayerObservation,
     LayerStatistics,
@@ -133,7 +134,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
     units = analyse(pruned).units
     if not units:
         reasons = "; ".join(f"{k}: {v}" for k, v in analyse(pruned).refused.items())
-        raise ValueError(f"no prunable conv channels in this graph ({reasons or 'no convs'})")
+        raise UnsupportedArchitecture(f"no prunable conv channels in this graph ({reasons or 'no convs'})")
     if method == "mp":  # magnitude pruning stays what it is: no refit, no intercept, raw magnitudes
         weight_by_next_bn = bias_correction = False
     # dense and pruned activations advance cut by cut (cuts = consumer inputs, in graph order)
@@ -151,12 +152,14 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
         W_dense = get_tensor(dense, dense_unit.consumer.weight).detach()  # (C_out, C_in, kH, kW)
         scale = output_scale(dense, dense_unit.consumer.node) if weight_by_next_bn else None
         stats, W_hat = _layer_statistics(unit, W_dense, scale, inputs, dense_inputs, device)
-        H, G, energy, mu, nu = stats.finish(center=bias_correction)
+        finished = stats.finish(center=bias_correction)
         g = int(W_hat.shape[0] // unit.channels)
         if observe:
-            observe(LayerObservation(unit.name, "conv_channels", H, G, g, energy, channel_cost(unit)))
-        sol = solve_layer(H, G, g, planned_prune(unit.name, unit.channels, ratio), method, dense_weight=W_hat)
-        kept = kept_solution(sol, g, scale, mu, nu)
+            observe(LayerObservation(unit.name, "conv_channels", finished.H, finished.G, g, finished.energy,
+                                     channel_cost(unit)))
+        sol = solve_layer(finished.H, finished.G, g, planned_prune(unit.name, unit.channels, ratio), method,
+                          dense_weight=W_hat)
+        kept = kept_solution(sol, g, scale, finished)
         keep, W = kept.keep, kept.weight  # (kept kH kW, C_out)
         shift = kept.shift if bias_correction else None  # the intercept, C_out
         old = get_tensor(pruned, unit.consumer.weight)
@@ -167,7 +170,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
         kept_channels = torch.tensor(keep)
         pruned_walk.replace(cut, [x.index_select(1, kept_channels) for x in inputs])  # kept channels unchanged
         report = LayerReport.measure(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
-                                     energy, start, kept=keep)
+                                     finished.energy, start, kept=keep)
         reports.append(report)
         if progress:
             progress(f"[{index + 1}/{len(units)}] {unit.name}: {unit.channels} -> {len(keep)} channels, "

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from .problem import LayerProblem, factorize
+from .problem import LayerProblem, damp, factorize, group_rows
 
 # Enumeration refuses problems beyond this many groups (C(20, 10) = 184,756 supports).
 EXACT_MAX_GROUPS = 20
@@ -61,14 +61,12 @@ def exact_support(problem: LayerProblem, chunk: int = 4096) -> Tensor:
         return torch.arange(pb.num_prune, device=pb.device)
     # f(S) = -1/2 Tr(G_K^T H_KK^-1 G_K); damp once so every principal block factorises alike.
     _, lam = factorize(pb.H, pb.mean_diag)
-    H = pb.H.clone()
-    H.diagonal().add_(lam * (pb.mean_diag or 1.0))
+    H = damp(pb.H, lam, pb.mean_diag)
     best_f, best = math.inf, None
     combos = itertools.combinations(range(p), n_keep)
-    offsets = torch.arange(g, device=pb.device)
     while batch := list(itertools.islice(combos, chunk)):
         kept = torch.tensor(batch, device=pb.device)  # (b, n_keep)
-        rows = (kept.unsqueeze(2) * g + offsets).reshape(len(batch), -1)  # (b, m)
+        rows = group_rows(kept, g).view(len(batch), -1)  # (b, m)
         H_KK = H[rows.unsqueeze(2), rows.unsqueeze(1)]  # (b, m, m)
         G_K = pb.G[rows]  # (b, m, d2)
         chol, info = torch.linalg.cholesky_ex(H_KK)

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .problem import DAMPING_LADDER, LayerProblem
+from .problem import DAMPING_LADDER, LayerProblem, factorize, group_rows
 from .sweep import NestedState, PivotError, SwapState
 
 State = TypeVar("State", NestedState, SwapState)
@@ -77,26 +77,22 @@ class OsscarSolver:
         self._nested: NestedState | None = None  # kept by search(): H^-1 and W0 for improve()
         self._tol = 1e-10 if config.dtype == torch.float64 else 1e-5
 
+    def _count(self, name: str, n: int = 1) -> None:
+        """Add to a counter of `stats` (search() and improve() both run swap rounds: they add up)."""
+        self.stats[name] = int(self.stats.get(name, 0)) + n
+
+    def _threshold(self, state: SwapState) -> float:
+        """Changes of f below this (negative) value improve it beyond rounding: accepting changes
+        within rounding could cycle forever."""
+        return -self._tol * max(abs(state.f), 1e-300)
+
     # ---- factorisation ---------------------------------------------------------------------
     def start(self, floor: float = 0.0) -> NestedState:
         """NestedState of the dense support with the smallest damping >= floor that factorises."""
         pb = self.problem
         H = pb.H.to(self.config.dtype)
-        G = pb.G.to(self.config.dtype)
-        for lam in DAMPING_LADDER:
-            if lam < floor:
-                continue
-            damped = H
-            if lam:
-                damped = H.clone()
-                damped.diagonal().add_(lam * (pb.mean_diag or 1.0))
-            try:
-                state = NestedState(damped, G, pb.group_size, pb.num_prune)
-            except PivotError:
-                continue
-            self.damping = lam
-            return state
-        raise ValueError("H is not positive semi-definite (Cholesky fails even with damping)")
+        chol, self.damping = factorize(H, pb.mean_diag, floor=floor)
+        return NestedState(H, pb.G.to(self.config.dtype), pb.group_size, pb.num_prune, factor=chol)
 
     @property
     def exact(self) -> bool:
@@ -106,7 +102,7 @@ class OsscarSolver:
     def _refactorise(self, state: NestedState | SwapState) -> NestedState | SwapState:
         """The same support from scratch, one damping rung up (drift or ill-conditioning)."""
         log.warning("osscar: a pivot lost positive definiteness; refactorising the support")
-        self.stats["refactorisations"] = int(self.stats.get("refactorisations", 0)) + 1
+        self._count("refactorisations")
         higher = [lam for lam in DAMPING_LADDER if lam > self.damping]
         if not higher:
             raise ValueError("H is too ill-conditioned for the search even with the largest damping")
@@ -135,7 +131,7 @@ class OsscarSolver:
             groups = torch.topk(state.scores(), t, largest=False).indices
             state = self._guarded(state, lambda s, q=groups: s.prune(q))
             steps += 1
-        self.stats["greedy_steps"] = int(self.stats.get("greedy_steps", 0)) + steps
+        self._count("greedy_steps", steps)
         return state
 
     def swaps(self, state: SwapState) -> SwapState:
@@ -147,13 +143,13 @@ class OsscarSolver:
                 move = self._best_double_exchange(state)
                 if move is None:
                     break
-                self.stats["double_swaps"] = int(self.stats.get("double_swaps", 0)) + 1
+                self._count("double_swaps")
             restore, prune = move
             state = self._guarded(state, lambda s, r=restore, q=prune: s.swap(r, q))
             rounds += 1
             accepted += restore.numel()
-        self.stats["swap_rounds"] = int(self.stats.get("swap_rounds", 0)) + rounds
-        self.stats["swaps"] = int(self.stats.get("swaps", 0)) + accepted
+        self._count("swap_rounds", rounds)
+        self._count("swaps", accepted)
         return state
 
     def _best_exchange(self, state: SwapState) -> tuple[Tensor, Tensor] | None:
@@ -165,9 +161,9 @@ class OsscarSolver:
         gains = torch.where(state.kept, -torch.inf, scores)
         cand = torch.topk(gains, min(self.config.swap_candidates, num_pruned)).indices
         delta = self._pair_deltas(state, cand, scores[cand])  # (c, p)
-        tol = self._tol * max(abs(state.f), 1e-300)
+        threshold = self._threshold(state)
         flat = delta.flatten()
-        n_improving = int((flat < -tol).sum())
+        n_improving = int((flat < threshold).sum())
         if n_improving == 0:
             return None
         p = state.num_groups
@@ -189,7 +185,7 @@ class OsscarSolver:
             if len(pairs) == 1:
                 return restore, prune
             try:
-                if state.swap_delta(restore, prune) < -tol:
+                if state.swap_delta(restore, prune) < threshold:
                     return restore, prune
             except PivotError:
                 pass
@@ -211,7 +207,7 @@ class OsscarSolver:
         cand_out = torch.topk(torch.where(state.kept, scores, torch.inf),
                               min(c, state.num_groups - num_pruned), largest=False).indices
         cand = torch.cat([cand_in, cand_out])
-        rows = (cand.unsqueeze(1) * g + torch.arange(g, device=cand.device)).reshape(-1)
+        rows = group_rows(cand, g)
         block = state.columns(rows)[rows].view(cand.numel(), g, cand.numel(), g)
         z = state.Z[rows]
         gram = (z @ z.T).view(cand.numel(), g, cand.numel(), g)
@@ -227,7 +223,7 @@ class OsscarSolver:
 
         delta = _batched_swap_delta(sub_blocks(block), sub_blocks(gram), 2 * g)
         best = int(torch.argmin(delta))
-        if not float(delta[best]) < -self._tol * max(abs(state.f), 1e-300):
+        if not float(delta[best]) < self._threshold(state):
             return None
         return cand[combos[best, :2]], cand[combos[best, 2:]]
 
@@ -235,7 +231,7 @@ class OsscarSolver:
     def _pair_deltas(state: SwapState, cand: Tensor, gain: Tensor) -> Tensor:
         """delta[i, j] = f(S - {cand_i} + {j}) - f(S) for every kept j (inf elsewhere)."""
         g, p = state.group_size, state.num_groups
-        rows_c = (cand.unsqueeze(1) * g + torch.arange(g, device=cand.device)).reshape(-1)
+        rows_c = group_rows(cand, g)
         cols = state.columns(rows_c)  # d1 x (c g): A[:, cand]
         Z = state.Z
         if g == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,9 +114,6 @@ class LayerProblem:
         return cls(H64.contiguous(), G64, group_size, num_prune, W_hat, G.dtype)
 
     # ---- shared numerics -------------------------------------------------------------------
-    def row_mask(self, kept: Tensor) -> Tensor:
-        return kept.to(self.device).repeat_interleave(self.group_size)
-
     def objective(self, W: Tensor) -> float:
         """1/2 Tr(W^T H W) - Tr(G^T W) with the caller's H (float64), over W's nonzero rows only."""
         W = W.to(torch.float64)
@@ -128,7 +126,7 @@ class LayerProblem:
         """The optimal W (float64) for the support that excludes `pruned` groups."""
         kept = torch.ones(self.num_groups, dtype=torch.bool, device=self.device)
         kept[pruned] = False
-        K = torch.nonzero(self.row_mask(kept)).squeeze(1)
+        K = group_rows(torch.nonzero(kept).squeeze(1), self.group_size)
         W = torch.zeros_like(self.G)
         if K.numel():
             H_KK = self.H.index_select(0, K).index_select(1, K)
@@ -143,10 +141,13 @@ class LayerProblem:
         norms = self.dense_weight.view(self.num_groups, -1).square().sum(1)
         return torch.argsort(norms, stable=True)
 
-    def kept_mask(self, pruned: Tensor) -> Tensor:
-        kept = torch.ones(self.num_groups, dtype=torch.bool, device=self.device)
-        kept[pruned] = False
-        return kept
+
+def group_rows(groups: Tensor | Sequence[int], group_size: int) -> Tensor:
+    """Row indices of `groups` (contiguous blocks of `group_size` rows), group by group in the given
+    order, on the groups' device."""
+    groups = torch.as_tensor(groups, dtype=torch.long)
+    offsets = torch.arange(group_size, device=groups.device)
+    return (groups.reshape(-1, 1) * group_size + offsets).reshape(-1)
 
 
 def _all_finite(x: Tensor) -> bool:
@@ -157,20 +158,28 @@ def _all_finite(x: Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
-def factorize(M: Tensor, mean_diag: float, what: str = "H") -> tuple[Tensor, float]:
-    """Cholesky factor of M + delta I, with delta the first rung of DAMPING_LADDER that works.
+def damp(M: Tensor, lam: float, mean_diag: float) -> Tensor:
+    """M + lam * mean(diag H) I (M itself for lam = 0); a zero diagonal is damped by lam alone, so
+    that an all-zero H still factorises."""
+    if not lam:
+        return M
+    damped = M.clone()
+    damped.diagonal().add_(lam * (mean_diag if mean_diag > 0 else 1.0))
+    return damped
+
+
+def factorize(M: Tensor, mean_diag: float, what: str = "H", floor: float = 0.0) -> tuple[Tensor, float]:
+    """Cholesky factor of M + delta I, with delta the first rung of DAMPING_LADDER (at least `floor`)
+    that works.
 
     Returns (factor, lambda used). H = X^T X is PSD but singular whenever a row of X is constant
     zero or there are fewer samples than features; the tiny damping then picks the minimum-norm-like
     solution among the optimal ones without changing f by more than rounding.
     """
-    scale = mean_diag if mean_diag > 0 else 1.0
     for lam in DAMPING_LADDER:
-        damped = M
-        if lam:
-            damped = M.clone()
-            damped.diagonal().add_(lam * scale)
-        chol, info = torch.linalg.cholesky_ex(damped)
+        if lam < floor:
+            continue
+        chol, info = torch.linalg.cholesky_ex(damp(M, lam, mean_diag))
         if int(info) == 0:
             if lam:
                 log.debug("factorised %s with damping %.0e * mean(diag H)", what, lam)

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,22 +14,25 @@ from torch import Tensor
 
 from .baselines import exact_support, magnitude_support, thinet_support
 from .osscar import OsscarConfig, OsscarSolver
-from .problem import LayerProblem, LayerSolution
+from .problem import LayerProblem, LayerSolution, group_rows
 from .sweep import SwapState
 
 log = logging.getLogger(__name__)
 
-# method name -> fn(problem, options) -> (pruned groups, float64 weight, stats)
-Method = Callable[[LayerProblem, dict[str, Any]], tuple[Tensor, Tensor, dict[str, Any]]]
-METHODS: dict[str, Method] = {}
+
+@dataclass(frozen=True)
+class MethodResult:
+    """What a registered method returns; `solve_layer` sorts, casts and evaluates it."""
+
+    pruned: Tensor  # pruned group indices, any order
+    weight: Tensor  # d1 x d2 float64 for the support (pruned rows are zeroed by solve_layer)
+    stats: dict[str, Any] = field(default_factory=dict)
+    # f of `weight` on the caller's H when the method tracked it exactly (saves an evaluation)
+    objective: float | None = None
 
 
-def register(name: str) -> Callable[[Method], Method]:
-    def deco(fn: Method) -> Method:
-        METHODS[name] = fn
-        return fn
-
-    return deco
+# fn(problem, options) -> MethodResult; the registry METHODS follows the methods
+Method = Callable[[LayerProblem, dict[str, Any]], MethodResult]
 
 
 def _no_options(method: str, options: dict[str, Any]) -> None:
@@ -36,33 +40,26 @@ def _no_options(method: str, options: dict[str, Any]) -> None:
         raise ValueError(f"method {method!r} takes no options (got {sorted(options)})")
 
 
-@register("mp")
-def _mp(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+def _mp(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     _no_options("mp", options)
     pruned = magnitude_support(pb)
     W = pb.dense_weight.clone()
-    W[~pb.row_mask(pb.kept_mask(pruned))] = 0
-    return pruned, W, {}
+    W[group_rows(pruned, pb.group_size)] = 0
+    return MethodResult(pruned, W)
 
 
-def _refit_method(name: str, support: Callable[[LayerProblem], Tensor]) -> None:
-    """Register a method that picks a support and returns the least-squares refit on it."""
+def _refit_method(name: str, support: Callable[[LayerProblem], Tensor]) -> Method:
+    """A method that picks a support and returns the least-squares refit on it."""
 
-    def method(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    def method(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
         _no_options(name, options)
         pruned = support(pb)
-        return pruned, pb.refit(pruned), {}
+        return MethodResult(pruned, pb.refit(pruned))
 
-    register(name)(method)
-
-
-_refit_method("mp+", magnitude_support)
-_refit_method("thinet", thinet_support)
-_refit_method("exact", exact_support)
+    return method
 
 
-@register("osscar")
-def _osscar(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     known = {f.name for f in dataclasses.fields(OsscarConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -81,9 +78,8 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> tuple[Tensor, Tensor, 
         # The tracked W is the optimum for the caller's H, and f(S) was tracked with it: the
         # objective of the returned weight equals it to rounding (casting W to a lower precision
         # changes f only at second order, since the gradient vanishes on the support).
-        stats["tracked_objective"] = state.f
-        return pruned, state.weight(), stats
-    return pruned, pb.refit(pruned), stats
+        return MethodResult(pruned, state.weight(), stats, objective=state.f)
+    return MethodResult(pruned, pb.refit(pruned), stats)
 
 
 def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
@@ -111,6 +107,15 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
         stats["source"] = "mp+ improved" if f_improved < f_mp else "mp+"
         return improved
     return state
+
+
+METHODS: dict[str, Method] = {
+    "mp": _mp,
+    "mp+": _refit_method("mp+", magnitude_support),
+    "thinet": _refit_method("thinet", thinet_support),
+    "exact": _refit_method("exact", exact_support),
+    "osscar": _osscar,
+}
 
 
 def solve_layer(
@@ -142,18 +147,17 @@ def solve_layer(
     if method in ("mp", "mp+") and pb.dense_weight is None:
         raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
     start = time.perf_counter()
-    pruned, W, stats = METHODS[method](pb, dict(options))
-    pruned = torch.sort(pruned).values
-    weight = W.to(pb.out_dtype)
-    weight[~pb.row_mask(pb.kept_mask(pruned))] = 0
-    tracked = stats.pop("tracked_objective", None)
+    result = METHODS[method](pb, dict(options))
+    pruned = torch.sort(result.pruned).values
+    weight = result.weight.to(pb.out_dtype)
+    weight[group_rows(pruned, pb.group_size)] = 0
     if pb.num_prune == pb.num_groups:
         objective = 0.0  # nothing left: W = 0 exactly
-    elif tracked is not None:
-        objective = float(tracked)
+    elif result.objective is not None:
+        objective = float(result.objective)
     else:
         objective = pb.objective(weight)
-    stats = {**stats, "elapsed_s": time.perf_counter() - start}
+    stats = {**result.stats, "elapsed_s": time.perf_counter() - start}
     assert pruned.numel() == pb.num_prune, (pruned.numel(), pb.num_prune)
     return LayerSolution(
         pruned=[int(j) for j in pruned.tolist()],

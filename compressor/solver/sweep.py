@@ -29,15 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .problem import group_rows
+
 
 class PivotError(RuntimeError):
     """A pivot block lost positive definiteness: the state drifted (or H is too ill-conditioned)."""
-
-
-def _group_rows(groups: Tensor, group_size: int) -> Tensor:
-    """Row indices of `groups` (contiguous blocks of `group_size` rows)."""
-    offsets = torch.arange(group_size, device=groups.device)
-    return (groups.reshape(-1, 1) * group_size + offsets).reshape(-1)
 
 
 def block_gram(Z: Tensor, group_size: int) -> Tensor:
@@ -101,11 +97,16 @@ class NestedState:
     Life cycle: __init__ (one factorisation of H) -> scores / prune -> to_swap (or reset).
     """
 
-    def __init__(self, H: Tensor, G: Tensor, group_size: int, capacity: int) -> None:
+    def __init__(self, H: Tensor, G: Tensor, group_size: int, capacity: int, *,
+                 factor: Tensor | None = None) -> None:
+        """`factor`: a Cholesky factor the caller already has (of H, possibly damped); H then only gives
+        the shape, dtype and device."""
         d1, g = H.shape[0], group_size
-        chol, info = torch.linalg.cholesky_ex(H)
-        if int(info) != 0:
-            raise PivotError("H is not positive definite")
+        chol = factor
+        if chol is None:
+            chol, info = torch.linalg.cholesky_ex(H)
+            if int(info) != 0:
+                raise PivotError("H is not positive definite")
         self.group_size = g
         self.Hinv = torch.cholesky_inverse(chol)  # d1 x d1: H^-1, never modified
         self.W0 = self.Hinv @ G  # d1 x d2: optimal W with nothing pruned
@@ -147,7 +148,7 @@ class NestedState:
     def _dense_block(self, groups: Tensor) -> tuple[Tensor, Tensor]:
         """H^-1[P, P] and W0[P] for the rows P of `groups` (sorted)."""
         mask = torch.zeros(self.Hinv.shape[0], dtype=torch.bool, device=groups.device)
-        mask[_group_rows(groups, self.group_size)] = True  # boolean gathers beat index_select(1)
+        mask[group_rows(groups, self.group_size)] = True  # boolean gathers beat index_select(1)
         return self.Hinv[mask][:, mask], self.W0[mask]
 
     def dense_prune_delta(self, groups: Tensor) -> float:
@@ -174,7 +175,7 @@ class NestedState:
     def prune(self, groups: Tensor) -> None:
         """Case 1 for `groups` (all kept): downdate the inverse and the weight, update f."""
         assert bool(self.kept[groups].all()), "prune() takes kept groups only"
-        rows = _group_rows(groups, self.group_size)
+        rows = group_rows(groups, self.group_size)
         m, n = rows.numel(), self.n
         cols_t = self._rows_of_inverse(rows)  # m x d1
         chol, info = torch.linalg.cholesky_ex(cols_t[:, rows])  # C = H_cur^-1[P, P] = Lc Lc^T
@@ -235,7 +236,7 @@ class SwapState:
         d1 = self._Hinv.shape[0]
         base_kept = nested.kept.repeat_interleave(g)
         self._K = torch.nonzero(base_kept).squeeze(1)  # the greedy's kept rows
-        self._S = _group_rows(torch.cat(nested.order), g) if nested.order else self._K[:0]
+        self._S = group_rows(torch.cat(nested.order), g) if nested.order else self._K[:0]
         U = nested.U[:, : nested.n]
         self._U_K = U.index_select(0, self._K)  # |K| x R (copies: the greedy's buffer may be reused)
         self._U_S = U.index_select(0, self._S)  # R x R, lower triangular
@@ -309,7 +310,7 @@ class SwapState:
         return scores
 
     def _sweep(self, groups: Tensor, restore: bool) -> None:
-        rows = _group_rows(groups, self.group_size)
+        rows = group_rows(groups, self.group_size)
         sign = 1.0 if restore else -1.0
         col = self.columns(rows)  # d1 x m
         pivot_inv = _pivot_inverse(col[rows], sign)
@@ -343,8 +344,8 @@ class SwapState:
 
     def swap_delta(self, restore: Tensor, prune: Tensor) -> float:
         """Exact change of f if `swap(restore, prune)` were applied, from the small sub-block only."""
-        rows_in = _group_rows(restore, self.group_size)
-        rows = torch.cat([rows_in, _group_rows(prune, self.group_size)])
+        rows_in = group_rows(restore, self.group_size)
+        rows = torch.cat([rows_in, group_rows(prune, self.group_size)])
         sub_A = self.columns(rows)[rows]
         sub_Z = self.Z[rows]
         local = torch.arange(rows.numel(), device=rows.device)

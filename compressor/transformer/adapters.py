@@ -1,7 +1,10 @@
 """Architecture knowledge as data: where each transformer family keeps its heads and FFN neurons.
 
-Every read of a transformers config field or module path goes through this file, so a rename in a
-new transformers release breaks one table entry, not the pipeline.
+Module paths and the config keys that differ between families live in this table, and `dims` reads
+the sizes that pruning works with (layers, heads, head size, hidden width) from the config, so a
+rename in a new transformers release breaks one table entry, not the pipeline. Config fields that
+every HF model has and that say nothing about the pruned widths (`use_cache`, `architectures`,
+`type_vocab_size`, ...) are read where they are used.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
+from ..errors import UnsupportedArchitecture
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class TransformerDims:
     heads: int
     kv_heads: int  # == heads without grouped-query attention
     head_dim: int
+    hidden: int  # the residual stream's width
 
     @property
     def group(self) -> int:
@@ -84,10 +90,11 @@ class TransformerDims:
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ADAPTERS:
-        raise ValueError(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
+        raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
     adapter = ADAPTERS[model_type]
-    if model_type == "opt" and not getattr(model.config, "do_layer_norm_before", True):
-        raise ValueError("post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported")
+    if model_type == "opt":  # post-norm OPT: refused by the same rule as a config.json
+        check_config({"model_type": "opt", "do_layer_norm_before": bool(getattr(model.config, "do_layer_norm_before",
+                                                                                 True))}, type(model).__name__)
     return adapter
 
 
@@ -99,7 +106,7 @@ def _base(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
     for child in model.children():
         if hasattr(child, root):
             return child
-    raise ValueError(f"no {adapter.layers!r} in {type(model).__name__}")
+    raise UnsupportedArchitecture(f"no {adapter.layers!r} in {type(model).__name__}")
 
 
 def layers_path(model: nn.Module) -> str:
@@ -115,12 +122,26 @@ def layers(model: nn.Module) -> nn.ModuleList:
 
 
 def dims(model: nn.Module) -> TransformerDims:
-    """Head sizes from the config (the one place config fields are read)."""
+    """The model's sizes, from its config (the one place the size fields are read)."""
     config = model.config
     adapter = adapter_for(model)
     heads = int(getattr(config, adapter.heads_key))
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    hidden = int(config.hidden_size)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     if adapter.fused_qkv and kv_heads != heads:
-        raise ValueError("fused q/k/v projections with grouped-query attention are not supported")
-    return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim)
+        raise UnsupportedArchitecture("fused q/k/v projections with grouped-query attention are not supported")
+    return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def check_config(config: dict, reference: str) -> None:
+    """Refuse a Hugging Face config (config.json as a dict) that no pipeline here prunes, before anything is
+    loaded: post-norm OPT, and a model_type that is neither a family of ADAPTERS nor an image model (a config
+    with num_channels, pruned as a conv graph). Raises UnsupportedArchitecture naming `reference`."""
+    model_type = config.get("model_type")
+    if model_type == "opt" and config.get("do_layer_norm_before") is False:
+        raise UnsupportedArchitecture(f"{reference}: post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is "
+                                      "not supported")
+    if model_type not in ADAPTERS and "num_channels" not in config:
+        raise UnsupportedArchitecture(f"{reference}: model_type {model_type!r} is neither a supported transformer "
+                                      f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")

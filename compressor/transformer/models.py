@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from .adapters import ADAPTERS
+
+if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -19,21 +23,21 @@ class LoadedTransformer:
     tokenizer: object | None  # the model's tokenizer, when the directory has one
     output_name: str  # "last_hidden_state" (encoders) or "logits" (language models)
     input_names: tuple[str, ...]  # ONNX inputs, as the source model takes them
-    source: str
 
 
-def is_transformer_reference(reference: str) -> bool:
-    """A local HF directory whose model family has a transformer adapter."""
-    path = Path(str(reference)).expanduser()
-    if not (path / "config.json").is_file():
-        return False
-    return json.loads((path / "config.json").read_text()).get("model_type") in ADAPTERS
+def transformer_config(reference: str) -> dict | None:
+    """The config.json of a local HF directory whose model family has a transformer adapter, else None."""
+    path = Path(str(reference)).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    return config if isinstance(config, dict) and config.get("model_type") in ADAPTERS else None
 
 
 LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
-def hf_model_class(config) -> tuple[type, bool]:
+def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
     GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads)."""
     import transformers
@@ -44,7 +48,7 @@ def hf_model_class(config) -> tuple[type, bool]:
     return transformers.AutoModel, False
 
 
-def build_hf_model(cls: type, config) -> torch.nn.Module:
+def build_hf_model(cls: type, config: PretrainedConfig) -> torch.nn.Module:
     """An untrained model of `cls` (a concrete class, or AutoModel) for `config`, on the current default
     device (use `with torch.device("meta")` for shapes without memory)."""
     import transformers
@@ -76,6 +80,8 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     names: tuple[str, ...] = ("input_ids", "attention_mask")
-    if not causal and getattr(config, "type_vocab_size", 0):
+    if hasattr(config, "num_channels"):  # vision transformers take images
+        names = ("pixel_values",)
+    elif not causal and getattr(config, "type_vocab_size", 0):
         names += ("token_type_ids",)
-    return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names, str(reference))
+    return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -20,10 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..errors import ModelReferenceError
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
-from .surgery import MANIFEST, _aliases, state_to_save, widths
+from .surgery import save_config_and_widths, state_to_save, tied_aliases
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,12 @@ class StreamedCheckpoint:
         """Checkpoint tensor names -> the model's names, as from_pretrained renames them (legacy layouts,
         e.g. ViT's encoder.layer.N.attention.attention.query; checkpoints of the base model without the
         task model's prefix). Conversions that merge or split tensors cannot be streamed."""
-        import re
-
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         renames = []
         for transform in get_model_conversion_mapping(self.model):
             if type(transform).__name__ != "WeightRenaming":
-                raise ValueError(f"{self.source}: loading this checkpoint converts tensors "
+                raise ModelReferenceError(f"{self.source}: loading this checkpoint converts tensors "
                                  f"({type(transform).__name__}); stream a checkpoint saved by this transformers "
                                  "version instead")
             sources, targets = list(transform.source_patterns), list(transform.target_patterns)
@@ -126,13 +126,13 @@ class StreamedCheckpoint:
         return out
 
     def _load_rest(self) -> None:
-        aliases = _aliases(self.model)
+        aliases = tied_aliases(self.model)
         keys = [k for k in self.model.state_dict() if not k.startswith(self.prefix) and k not in aliases]
         keys = [k for k in keys if k in self.where or not k.endswith("num_batches_tracked")]
         missing, unexpected = self.model.load_state_dict(self._read(keys), strict=False)
         missing = [k for k in missing if not k.startswith(self.prefix) and k not in aliases]
         if missing or unexpected:
-            raise ValueError(f"{self.source}: non-block weights do not match (missing {missing[:5]}, "
+            raise ModelReferenceError(f"{self.source}: non-block weights do not match (missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]})")
 
     def load(self, index: int) -> nn.Module:
@@ -165,15 +165,10 @@ class StreamedCheckpoint:
         """Write what `load_pruned` needs besides the blocks; returns the output directory."""
         rest = {k: v for k, v in state_to_save(self.model).items() if not k.startswith(self.prefix)}
         self._save(rest, "model-rest.safetensors")
-        config = self.model.config
-        config.architectures = [type(self.model).__name__]
-        config.save_pretrained(self.out_dir)
-        if (self.source / "generation_config.json").is_file():
-            shutil.copy(self.source / "generation_config.json", self.out_dir)
-        for name in TOKENIZER_FILES:
+        save_config_and_widths(self.model, self.out_dir)
+        for name in ("generation_config.json", *TOKENIZER_FILES):
             if (self.source / name).is_file():
                 shutil.copy(self.source / name, self.out_dir)
-        (self.out_dir / MANIFEST).write_text(json.dumps(widths(self.model), indent=1))
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": self._weight_map},
                                                                              indent=1))
         return self.out_dir

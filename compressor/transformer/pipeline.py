@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..errors import CalibrationError
 from ..layerstats import (
     LayerObservation,
     LayerStatistics,
@@ -188,10 +189,9 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int) -> float:
     """Multiply-adds one group costs per token: a head group's q/k/v/o rows and its attention over
     `sequence_length` keys, or one FFN neuron's rows."""
     adapter, d = adapter_for(model), dims(model)
-    hidden = int(model.config.hidden_size)
     if kind == "attention_heads":
-        return float(hidden * d.head_dim * (2 * d.group + 2) + 2 * sequence_length * d.head_dim * d.group)
-    return float(hidden * (1 + len(adapter.up)))
+        return float(d.hidden * d.head_dim * (2 * d.group + 2) + 2 * sequence_length * d.head_dim * d.group)
+    return float(d.hidden * (1 + len(adapter.up)))
 
 
 def prune_blocks(
@@ -213,7 +213,7 @@ def prune_blocks(
     statistics before its solve, with the latency-model cost of one group at `cost_sequence_length`."""
     check_plan(ratio)
     if not batches:
-        raise ValueError("no calibration batches")
+        raise CalibrationError("no calibration batches")
     device = compute_device(device)
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
@@ -252,26 +252,26 @@ def prune_blocks(
             finally:
                 h1.remove()
                 h2.remove()
-            H, G, energy, mu, nu = stats.finish(center)
+            finished = stats.finish(center)
             g = d.group * d.head_dim if kind == "attention_heads" else 1
-            groups = H.shape[0] // g
+            groups = finished.H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
             if observe:
-                observe(LayerObservation(name, kind, H, G, g, energy, group_cost(model, kind, cost_sequence_length),
-                                         stream_energy))
-            sol = solve_layer(H, G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
-            kept = kept_solution(sol, g, scale, mu, nu)
+                observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
+                                         group_cost(model, kind, cost_sequence_length), stream_energy))
+            sol = solve_layer(finished.H, finished.G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
+            kept = kept_solution(sol, g, scale, finished)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one
                 proj.bias.data += kept.shift.to(proj.bias)
             (prune_heads if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
             report = LayerReport.measure(name, kind, groups, len(kept.keep),
-                                         sol.objective, energy, start, kept=kept.keep)
+                                         sol.objective, finished.energy, start, kept=kept.keep)
             reports.append(report)
             if progress:
                 progress(f"[{i + 1}/{d.layers}] {report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
                          f"{report.relative_error:.4f}")
-            del H, G
+            del finished
         with torch.no_grad():
             for s in streams:
                 s.pruned = _run(block, s.pruned, s, device).to("cpu", activation_dtype)

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..errors import ModelReferenceError
 from ..modules import check_keep, owner_of
+from ..solver.problem import group_rows
 from .adapters import adapter_for, dims, layers
 
 MANIFEST = "osscar_widths.json"
@@ -113,8 +115,7 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     keep = check_keep(keep_groups, width // (d.head_dim * d.group), f"layer {index} head groups")
     hd, g = d.head_dim, d.group
     # a group is one KV head and the g query heads that share it (g = 1 without GQA)
-    q_rows = (keep.view(-1, 1) * g * hd + torch.arange(g * hd)).reshape(-1)
-    kv_rows = (keep.view(-1, 1) * hd + torch.arange(hd)).reshape(-1)
+    q_rows, kv_rows = group_rows(keep, g * hd), group_rows(keep, hd)
     if adapter.fused_qkv:  # [q | k | v], each `width` rows (no GQA here: kv rows == q rows)
         keep_output_rows(projection(layer, adapter.q), torch.cat([q_rows, width + kv_rows, 2 * width + kv_rows]))
     else:
@@ -149,13 +150,13 @@ def apply_widths(model: nn.Module, manifest: dict[str, list[int]]) -> None:
     """Resize every block to the manifest's widths (weights are loaded afterwards)."""
     n = len(layers(model))
     if len(manifest.get("head_groups", [])) != n or len(manifest.get("ffn", [])) != n:
-        raise ValueError(f"width manifest does not describe {n} layers: {manifest}")
+        raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
     for i in range(n):
         prune_heads(model, i, range(manifest["head_groups"][i]))
         prune_ffn(model, i, range(manifest["ffn"][i]))
 
 
-def _aliases(model: nn.Module) -> set[str]:
+def tied_aliases(model: nn.Module) -> set[str]:
     """Names of parameters that share another parameter's storage (tied embeddings), first name kept."""
     seen: set[int] = set()
     aliases = set()
@@ -169,8 +170,16 @@ def _aliases(model: nn.Module) -> set[str]:
 
 def state_to_save(model: nn.Module, prefix: str = "") -> dict[str, Tensor]:
     """The model's own state dict keys (not a checkpoint conversion's), tied aliases dropped."""
-    aliases = _aliases(model)
+    aliases = tied_aliases(model)
     return {prefix + k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
+
+
+def save_config_and_widths(model: nn.Module, directory: Path) -> None:
+    """config.json naming the model's class (what `load_pruned` instantiates) and the width manifest
+    it applies: everything `load_pruned` needs besides the weights and generation settings."""
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    (directory / MANIFEST).write_text(json.dumps(widths(model), indent=1))
 
 
 def save_pruned(model: nn.Module, directory: str | Path) -> None:
@@ -180,12 +189,10 @@ def save_pruned(model: nn.Module, directory: str | Path) -> None:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = [type(model).__name__]  # what load_pruned instantiates
-    model.config.save_pretrained(directory)
+    save_config_and_widths(model, directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
     save_file(state_to_save(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / MANIFEST).write_text(json.dumps(widths(model), indent=1))
 
 
 def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Module:
@@ -205,8 +212,8 @@ def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Mo
     for shard in sorted(directory.glob("*.safetensors")):
         state.update(load_file(str(shard)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = sorted(set(missing) - _aliases(model))
+    missing = sorted(set(missing) - tied_aliases(model))
     if missing or unexpected:
-        raise ValueError(f"{directory}: weights do not match the manifest (missing {missing[:5]}, "
+        raise ModelReferenceError(f"{directory}: weights do not match the manifest (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
     return model.eval()

@@ -48,3 +48,16 @@ def test_cli_without_a_command_exits_nonzero():
     with pytest.raises(SystemExit) as exc:
         cli.main([])
     assert exc.value.code != 0
+
+
+def test_serve_has_a_flag_for_every_setting_but_the_secret_tokens():
+    from service.settings import ServerSettings
+
+    serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {a.dest: a for a in serve._actions}
+    assert set(ServerSettings.model_fields) - set(cli.SERVE_NOT_FLAGS) <= set(dests)
+    assert "tokens" not in dests  # secrets never on the command line
+    assert dests["grace_s"].option_strings == ["--grace"]
+    assert all(dests[name].help for name in ServerSettings.model_fields if name in dests)
+    args = cli.build_parser().parse_args(["serve", "--max-queue", "3", "--log-format", "text", "--insecure"])
+    assert (args.max_queue, args.log_format, args.insecure, args.port) == (3, "text", True, None)

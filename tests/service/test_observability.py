@@ -64,10 +64,10 @@ def test_logs_are_json_lines_carrying_the_operation_id(finished):
             records.append(json.loads(line))
     assert records and all({"time", "level", "logger", "message"} <= set(r) for r in records)
     mine = [r for r in records if r.get("operation") == op.name]
-    assert any(r["logger"] == "service.jobs" and r["message"].startswith("SUCCEEDED") for r in mine)
+    assert any(r["logger"] == "service.core.supervisor" and r["message"].startswith("SUCCEEDED") for r in mine)
     workers = {r["pid"] for r in mine} - {server.process.pid}
     assert workers, "the worker's own records carry the operation id too"
-    progress = [r["message"] for r in mine if r["logger"] == "service.worker"]
+    progress = [r["message"] for r in mine if r["logger"] == "service.core.worker"]
     assert any(m.startswith("[4/4]") for m in progress) and "stage measure (round 0)" in progress
 
 

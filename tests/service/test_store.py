@@ -1,19 +1,22 @@
-"""The durable job store: migrations, idempotency keys, paging, deletes that report orphaned blobs."""
+"""The durable job store: migrations, idempotency keys, paging, filters, page tokens, stored errors, deletes
+that report orphaned blobs."""
 
+import json
 import sqlite3
 
 import pytest
 
-from service.store import (
+from service.core.outcomes import FAILED, QUEUED, SUCCEEDED, JobError
+from service.core.store import (
     MIGRATIONS,
-    QUEUED,
     SCHEMA_VERSION,
-    SUCCEEDED,
     ArtifactRecord,
     JobRecord,
     JobStore,
     StoreVersionError,
+    parse_filter,
 )
+from service.errors import InvalidArgument
 
 
 def record(name: str, t: float, request_id: str | None = None, **fields) -> JobRecord:
@@ -85,3 +88,58 @@ def test_delete_returns_only_the_digests_nobody_else_uses(tmp_path):
     assert store.delete("operations/a") == [own]
     assert store.get("operations/a") is None and store.referenced(shared)
     assert store.delete("operations/b") == [shared]
+
+
+def test_search_pages_with_tokens_bound_to_their_filter(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    for i in range(5):
+        store.insert(record(f"operations/{i}", float(i), state=SUCCEEDED if i % 2 else QUEUED))
+    names, token = [], ""
+    while True:
+        page, token = store.search("done = false", 2, token)
+        names += [r.name for r in page]
+        if not token:
+            break
+    assert names == ["operations/0", "operations/2", "operations/4"]
+    _, token = store.search("", 2, "")
+    with pytest.raises(InvalidArgument, match="another filter"):
+        store.search("state = QUEUED", 2, token)
+    with pytest.raises(InvalidArgument, match="not a page token"):
+        store.search("", 2, "bm90IGpzb24")
+
+
+@pytest.mark.parametrize("text, sql", [
+    ("", []),
+    ('state = running AND labels.team = "ml"', ["state = ?", "json_extract(labels, '$.\"team\"') = ?"]),
+    ("done = true", ["(state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')) = ?"]),
+])
+def test_filters_become_parameterised_conditions(text, sql):
+    assert [condition for condition, _ in parse_filter(text)] == sql
+
+
+@pytest.mark.parametrize("text", ["state = SLEEPING", "done = maybe", "labels.Bad = x", "x = 1 OR y = 2",
+                                  "model ~ x", "labels.a = \"x\" AND"])
+def test_bad_filters_are_invalid_arguments(text):
+    with pytest.raises(InvalidArgument):
+        parse_filter(text)
+
+
+def test_errors_are_stored_as_the_json_of_earlier_releases(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.insert(record("operations/budget", 1.0))
+    store.update("operations/budget", state=FAILED, error=JobError.time_budget_exceeded(4))
+    raw = store.db.execute("SELECT error FROM operations WHERE name = 'operations/budget'").fetchone()[0]
+    assert json.loads(raw) == {"code": "DEADLINE_EXCEEDED", "reason": "TIME_BUDGET_EXCEEDED",
+                               "message": "the job exceeded its time budget of 4s", "metadata": {"time_budget_s": "4"}}
+    assert raw == json.dumps(json.loads(raw), sort_keys=True)
+    # a row as an earlier release wrote it (no metadata key; reason-less errors read the code as the reason)
+    for name, error in (("operations/old", {"code": "CANCELLED", "message": "cancelled by the client",
+                                            "reason": "CANCELLED"}),
+                        ("operations/older", {"code": "INTERNAL", "message": "boom"})):
+        store.insert(record(name, 2.0, state=FAILED))
+        store.db.execute("UPDATE operations SET error = ? WHERE name = ?", (json.dumps(error), name))
+    assert store.get("operations/old").error == JobError.cancelled()
+    assert store.get("operations/old").error.to_dict() == {"code": "CANCELLED", "message": "cancelled by the client",
+                                                           "reason": "CANCELLED"}
+    older = store.get("operations/older").error
+    assert (older.code, older.reason, older.metadata) == ("INTERNAL", "INTERNAL", {})

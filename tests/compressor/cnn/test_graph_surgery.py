@@ -7,7 +7,7 @@ import torch
 
 from compressor.cnn.graph import BATCH_NORM_OPS, analyse, conv_spec
 from compressor.cnn.models import save_program
-from compressor.cnn.surgery import get_tensor, prune_unit
+from compressor.cnn.surgery import get_tensor, live_bias, prune_unit
 from compressor.errors import SurgeryError
 from compressor.modules import check_keep, count_parameters
 from exporters.onnx import check_parity, export_onnx
@@ -30,12 +30,12 @@ def zero_consumer_inputs(gm, unit, keep):
 def removed_parameters(gm, unit, n_removed):
     """Parameters one removed channel of `unit` carries, from the shapes."""
     per_channel = get_tensor(gm, unit.producer.weight)[0].numel()
-    per_channel += 1 if unit.producer.bias else 0
+    per_channel += 1 if live_bias(unit.producer) else 0
     for node in unit.chain:
         if node.target in BATCH_NORM_OPS:
             per_channel += sum(1 for a in node.args[1:3] if a is not None)
         elif (spec := conv_spec(node)) is not None:
-            per_channel += get_tensor(gm, spec.weight)[0].numel() + (1 if spec.bias else 0)
+            per_channel += get_tensor(gm, spec.weight)[0].numel() + (1 if live_bias(spec) else 0)
     w = get_tensor(gm, unit.consumer.weight)
     per_channel += w.shape[0] * w.shape[2] * w.shape[3]
     return per_channel * n_removed

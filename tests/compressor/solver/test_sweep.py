@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta
-from compressor.solver.problem import LayerProblem
+from compressor.solver.problem import LayerProblem, group_rows
 from compressor.solver.sweep import NestedState, sweep_dense
 from compressor.solver.synthetic import correlated_problem
 
@@ -133,7 +133,7 @@ def test_batched_and_pairwise_deltas_match_the_dense_sweep(problem):
             assert float(pair[a, j]) == pytest.approx(expected, rel=1e-8, abs=1e-10)
     # 2-for-2 exchanges: batched Gram-based evaluation against the explicit dense sweep
     I, J = pruned[:2], kept[:2]
-    rows = torch.cat([state_rows(I, g), state_rows(J, g)])
+    rows = torch.cat([group_rows(I, g), group_rows(J, g)])
     sub_A = state.columns(rows)[rows]
     sub_Z = state.Z[rows]
     batched = _batched_swap_delta(sub_A.unsqueeze(0), (sub_Z @ sub_Z.T).unsqueeze(0), 2 * g)
@@ -143,8 +143,10 @@ def test_batched_and_pairwise_deltas_match_the_dense_sweep(problem):
     assert float(batched[0]) == pytest.approx(dense, rel=1e-8, abs=1e-10)
 
 
-def state_rows(groups, g):
-    return (groups.unsqueeze(1) * g + torch.arange(g)).reshape(-1)
+def test_group_rows_expands_groups_in_their_order():
+    assert group_rows(torch.tensor([2, 0]), 3).tolist() == [6, 7, 8, 0, 1, 2]
+    assert group_rows([1], 1).tolist() == [1]
+    assert group_rows(torch.empty(0, dtype=torch.long), 4).numel() == 0
 
 
 def test_lower_bound_never_exceeds_the_exact_change(problem):

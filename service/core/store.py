@@ -5,11 +5,19 @@ Operations are rows; their artifacts are rows pointing into the content-addresse
 from version i to i + 1 inside one transaction, so a crash mid-migration leaves the old version intact.
 A database written by a newer release (a higher version than this code knows) is refused rather than
 guessed at. Journal: WAL with synchronous=FULL, so a committed state change survives a power cut.
+
+Listing lives here too, next to its SQL: the AIP-160 filter subset becomes parameterised conditions, and
+page tokens are opaque cursors bound to their filter. An operation's error is a `JobError`, stored as the
+JSON of `JobError.to_dict`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -17,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
-STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
-FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+from ..errors import FieldViolation, InvalidArgument
+from .outcomes import FINISHED, QUEUED, STATES, JobError
+
+LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_FILTER_TERM = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(?:"([^"]*)"|([^\s"]+))\s*$')
 
 MIGRATIONS: tuple[str, ...] = (
     # 0 -> 1: operations and their artifacts
@@ -84,7 +94,7 @@ class JobRecord:
     state: str = QUEUED
     progress: dict[str, Any] = field(default_factory=dict)
     attempt: int = 0
-    error: dict[str, Any] | None = None
+    error: JobError | None = None
     report: dict[str, Any] | None = None
     create_time: float = field(default_factory=time.time)
     start_time: float | None = None
@@ -194,6 +204,18 @@ class JobStore:
         rows = self.db.execute(sql + " ORDER BY create_time, name LIMIT ?", [*values, limit]).fetchall()
         return [self._record(r) for r in rows]
 
+    def search(self, filter_text: str, size: int, page_token: str) -> tuple[list[JobRecord], str]:
+        """One page of `size` operations matching the filter, after the page token's cursor; returns them
+        and the next page's token ("" on the last page)."""
+        where = parse_filter(filter_text)
+        fingerprint = hashlib.sha256(filter_text.encode()).hexdigest()[:16]
+        after = decode_page_token(page_token, fingerprint) if page_token else None
+        records = self.page(where, after, size + 1)
+        if len(records) <= size:
+            return records, ""
+        records = records[:size]
+        return records, encode_page_token(records[-1], fingerprint)
+
     def delete(self, name: str) -> list[str]:
         """Forget an operation; returns the digests of its artifacts that no other operation uses."""
         digests = [r[0] for r in self.db.execute("SELECT sha256 FROM artifacts WHERE operation = ?", (name,))]
@@ -245,6 +267,8 @@ class JobStore:
 
     def _record(self, row: sqlite3.Row) -> JobRecord:
         values = {c: (json.loads(row[c]) if c in _JSON_COLUMNS and row[c] is not None else row[c]) for c in _COLUMNS}
+        if values["error"] is not None:
+            values["error"] = JobError.from_dict(values["error"])
         record = JobRecord(**values)
         record.artifacts = [ArtifactRecord(r["name"], r["sha256"], r["size_bytes"], r["media_type"]) for r in
                             self.db.execute("SELECT * FROM artifacts WHERE operation = ? ORDER BY name",
@@ -253,6 +277,62 @@ class JobStore:
 
 
 def _encode(column: str, value: Any) -> Any:
+    if isinstance(value, JobError):
+        value = value.to_dict()
     if column in _JSON_COLUMNS and value is not None:
         return json.dumps(value, sort_keys=True)
     return value
+
+
+# ---- listing -----------------------------------------------------------------------------------------
+
+
+def parse_filter(text: str) -> list[tuple[str, Any]]:
+    """The AIP-160 subset we serve: `key = value` terms joined by AND over state, done, model, calibration,
+    method and labels.<key>; returns (SQL condition with one placeholder, value) pairs for `JobStore.page`."""
+    where: list[tuple[str, Any]] = []
+    if not text.strip():
+        return where
+    for term in re.split(r"\s+AND\s+", text.strip()):
+        match = _FILTER_TERM.match(term)
+        if not match:
+            raise InvalidArgument([FieldViolation("filter", f"cannot parse {term!r}; expected key = value terms "
+                                                            "joined by AND")])
+        key, value = match.group(1), match.group(2) if match.group(2) is not None else match.group(3)
+        if key == "state":
+            if value.upper() not in STATES:
+                raise InvalidArgument([FieldViolation("filter", f"unknown state {value!r}")])
+            where.append(("state = ?", value.upper()))
+        elif key == "done":
+            if value not in ("true", "false"):
+                raise InvalidArgument([FieldViolation("filter", "done takes true or false")])
+            finished = ", ".join(f"'{s}'" for s in FINISHED)
+            where.append((f"(state IN ({finished})) = ?", int(value == "true")))
+        elif key in ("model", "calibration"):
+            where.append((f"json_extract(spec, '$.references.{key}') = ?", value))
+        elif key == "method":
+            where.append(("json_extract(spec, '$.resolved.method') = ?", value))
+        elif key.startswith("labels.") and LABEL_KEY.match(key[7:]):
+            where.append((f"json_extract(labels, '$.\"{key[7:]}\"') = ?", value))
+        else:
+            raise InvalidArgument([FieldViolation("filter", f"unknown filter field {key!r}; known: state, done, "
+                                                            "model, calibration, method, labels.<key>")])
+    return where
+
+
+def encode_page_token(last: JobRecord, fingerprint: str) -> str:
+    """The cursor after `last`, bound to the filter's fingerprint."""
+    return base64.urlsafe_b64encode(json.dumps({"t": last.create_time, "n": last.name, "f": fingerprint}).encode()
+                                    ).decode()
+
+
+def decode_page_token(token: str, fingerprint: str) -> tuple[float, str]:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(token.encode()))
+        after = (float(data["t"]), str(data["n"]))
+        same_filter = data["f"] == fingerprint
+    except (ValueError, KeyError, TypeError, binascii.Error):
+        raise InvalidArgument([FieldViolation("page_token", "not a page token from this server")]) from None
+    if not same_filter:
+        raise InvalidArgument([FieldViolation("page_token", "the page token belongs to another filter")])
+    return after

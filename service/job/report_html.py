@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .files import write_text_atomically
+from ..files import write_text_atomically
 
 
 def _bars(rows: list[tuple[str, float, float]], width: int = 640, height: int = 14) -> str:

@@ -8,7 +8,9 @@ import pytest
 from compressor.allocation import LayerCurve, total_cost
 from exporters.runtime import Latency
 from service import cli
-from service.compress import CompressRequest, Metric, _choose, _Round, _target_loop, compress
+from service.job import CompressRequest, compress
+from service.job.kinds import Metric
+from service.job.targeting import Round, choose, target_loop
 
 
 def curves():
@@ -30,7 +32,7 @@ def fake_rounds(share: float):
         compressed = 100.0 * (1 - share * saved)
         latency = Latency(100.0, compressed, 101.0, compressed + 1, 100.0 / compressed, "cpu", 2, "test", 5)
         quality = 1.0 - sum(c.loss[c.widths.index(plan[c.name])] for c in layer_curves) / 100
-        return _Round(plan, None, [], None, 0.0, latency, quality, predicted)
+        return Round(plan, None, [], None, 0.0, latency, quality, predicted)
 
     return layer_curves, run_round
 
@@ -39,9 +41,9 @@ def fake_rounds(share: float):
 def test_the_loop_corrects_its_latency_model_and_meets_the_target(share, target):
     layer_curves, run_round = fake_rounds(share)
     request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target)
-    rounds = _target_loop(request, layer_curves, run_round, None, 1.0, lambda m: None)
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
     assert len(rounds) <= request.max_rounds
-    chosen, status = _choose(request, rounds, Metric("cosine", True), 1.0)
+    chosen, status = choose(request, rounds, Metric("cosine", True), 1.0)
     assert status == "ok"
     assert 0.98 * target <= chosen.latency.speedup <= 1.10 * target
 
@@ -49,25 +51,21 @@ def test_the_loop_corrects_its_latency_model_and_meets_the_target(share, target)
 def test_an_unreachable_target_returns_the_fastest_round_as_not_met():
     layer_curves, run_round = fake_rounds(0.3)  # even the minimum widths give < 1.4x
     request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=3.0)
-    rounds = _target_loop(request, layer_curves, run_round, None, 1.0, lambda m: None)
-    chosen, status = _choose(request, rounds, Metric("cosine", True), 1.0)
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
+    chosen, status = choose(request, rounds, Metric("cosine", True), 1.0)
     assert status == "target_not_met"
     assert chosen.latency.speedup == max(r.latency.speedup for r in rounds)
-
-
-class CosineJob:
-    metric = Metric("cosine", True)
 
 
 def test_accuracy_budget_and_back_off():
     layer_curves, run_round = fake_rounds(0.8)
     strict = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, accuracy_budget=0.001)
-    rounds = _target_loop(strict, layer_curves, run_round, CosineJob, 1.0, lambda m: None)
-    assert _choose(strict, rounds, Metric("cosine", True), 1.0)[1] == "accuracy_budget_exceeded"
+    rounds = target_loop(strict, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
+    assert choose(strict, rounds, Metric("cosine", True), 1.0)[1] == "accuracy_budget_exceeded"
     backing = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, accuracy_budget=0.01,
                               back_off=True, max_rounds=6)
-    rounds = _target_loop(backing, layer_curves, run_round, CosineJob, 1.0, lambda m: None)
-    chosen, status = _choose(backing, rounds, Metric("cosine", True), 1.0)
+    rounds = target_loop(backing, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
+    chosen, status = choose(backing, rounds, Metric("cosine", True), 1.0)
     assert 1.0 - chosen.metric <= 0.01  # within the budget
     assert chosen.latency.speedup == max(r.latency.speedup for r in rounds if 1.0 - r.metric <= 0.01)
     assert status in ("ok", "target_not_met")

@@ -1,4 +1,4 @@
-"""`osscar compress` and `service.compress.compress` end to end."""
+"""`osscar compress` and `service.job.compress` end to end."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service import cli
-from service.compress import CompressRequest, compress
+from service.job import CompressRequest, compress
 from tests.compressor.cnn.conv_models import write_conv_job
 
 
@@ -119,3 +119,37 @@ def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
     assert cli.main(["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration",
                      str(tmp_path / "c.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "needs the model's tokenizer" in capsys.readouterr().err
+
+
+def test_compress_a_vision_transformer_directory(tmp_path):
+    """A ViT directory is an image job through the transformer pipeline: image calibration, pixel_values
+    in the ONNX, cosine of the pooled hidden states, heads and FFN neurons physically removed; the saved
+    model reloads with the ONNX file's outputs."""
+    from compressor.transformer.surgery import load_pruned
+    from tests.compressor.transformer.transformer_models import tiny_vit
+
+    tiny_vit().save_pretrained(tmp_path / "vit")
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (24, 16, 16, 3), dtype=np.uint8))
+    out = tmp_path / "out"
+    assert cli.main(["compress", str(tmp_path / "vit"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "cal.npz"), "--out", str(out), "--repeats", "3", "--shape", "batch=4"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["metric"]["name"] == "cosine"
+    assert 0 < report["metric"]["compressed"] <= 1 and report["params_after"] < report["params_before"]
+    assert report["widths"]["ffn"] == [12, 12] and report["onnx_inputs"] == ["pixel_values"]
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["pixel_values"]
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        expected = load_pruned(out / "model")(pixel_values=x).last_hidden_state.numpy()
+    np.testing.assert_allclose(session.run(None, {"pixel_values": x.numpy()})[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_vision_transformer_refuses_calibration_of_another_size(tmp_path, capsys):
+    from tests.compressor.transformer.transformer_models import tiny_vit
+
+    tiny_vit().save_pretrained(tmp_path / "vit")
+    np.savez(tmp_path / "cal.npz", x=np.zeros((4, 32, 32, 3), dtype=np.uint8))
+    assert cli.main(["compress", str(tmp_path / "vit"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "cal.npz"), "--out", str(tmp_path / "o")]) == 2
+    assert "the model expects (3, 16, 16)" in capsys.readouterr().err

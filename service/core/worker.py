@@ -1,10 +1,10 @@
 """One compression job in its own process.
 
-The server spawns `run` with a pipe; the worker runs `service.compress.compress`, sends every stage and
+The server spawns `run` with a pipe; the worker runs `service.job.compress`, sends every stage and
 progress line up the pipe, publishes the artifacts into the content-addressed store and sends the result
-(or a classified error) last. It lowers its own priority (the server stays responsive) and dies with the
-server (PR_SET_PDEATHSIG on Linux, plus a watchdog on the parent's pid), so a killed server never leaves
-an orphan holding the device.
+(or the `JobError` its exception maps to, `JobError.from_exception`) last. It lowers its own priority
+(the server stays responsive) and dies with the server (PR_SET_PDEATHSIG on Linux, plus a watchdog on the
+parent's pid), so a killed server never leaves an orphan holding the device.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import os
 import re
 import shutil
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from exporters.runtime import die_with_parent
+
+from .outcomes import JobError
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,18 @@ def run(args: WorkerArgs, conn: Connection) -> None:
     die_with_parent(args.parent_pid)
     with contextlib.suppress(OSError):
         os.nice(10)
-    from .logs import configure, operation_id
+    from ..logs import configure, operation_id
 
     configure(args.log_format)
     operation_id.set(args.operation)
     try:
         result = _compress(args, conn)
         conn.send(("done", result))
-    except BaseException as err:  # classified for the caller; the traceback stays in the server log
-        conn.send(("error", classify(err)))
+    except BaseException as err:  # mapped for the caller; the traceback stays in the server's log
+        error = JobError.from_exception(err)
+        if error.reason == "INTERNAL":
+            log.error("job failed", exc_info=err)
+        conn.send(("error", error))
         if not isinstance(err, Exception):
             raise
     finally:
@@ -65,19 +69,12 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
 
 def _compress(args: WorkerArgs, conn: Connection) -> dict:
-    from .blobs import BlobStore, tree_sha256
-    from .compress import CompressRequest, compress
+    from ..blobs import BlobStore, tree_sha256
+    from ..job import compress
+    from ..job.request import request_from_spec
 
     out = Path(args.work_dir) / "out"
-    spec = dict(args.spec)
-    if "shape" in spec:
-        spec["shape"] = dict(spec["shape"])
-    for key in ("mean", "std"):
-        if key in spec:
-            spec[key] = tuple(spec[key])
-    no_cache = spec.pop("no_curves_cache", False)
-    request = CompressRequest(**spec, out_dir=out, device=args.device,
-                              curves_cache=None if no_cache else Path(args.home) / "curves")
+    request = request_from_spec(args.spec, out_dir=out, device=args.device, home=Path(args.home))
     current = {"stage": "loading", "round": 0}
 
     def stage(name: str, index: int) -> None:
@@ -126,26 +123,3 @@ def _compress(args: WorkerArgs, conn: Connection) -> dict:
     artifacts.append({"name": "manifest.json", "sha256": digest, "size_bytes": size,
                       "media_type": MEDIA_TYPES[".json"]})
     return {"report": report, "artifacts": artifacts}
-
-
-def classify(err: BaseException) -> dict:
-    """An exception as the operation's error: a status code name, a short message and an ErrorInfo reason.
-    Our own input errors keep their message; anything else is INTERNAL with a generic one."""
-    from compressor.errors import UnsupportedArchitecture
-
-    if isinstance(err, UnsupportedArchitecture):
-        return {"code": "FAILED_PRECONDITION", "message": _first_line(err), "reason": "UNSUPPORTED_ARCHITECTURE"}
-    if isinstance(err, FileNotFoundError):
-        return {"code": "NOT_FOUND", "message": _first_line(err), "reason": "INPUT_NOT_FOUND"}
-    if isinstance(err, ValueError):  # CalibrationError, ModelReferenceError, request checks: the caller's input
-        return {"code": "INVALID_ARGUMENT", "message": _first_line(err), "reason": "INVALID_INPUT"}
-    if isinstance(err, MemoryError):
-        return {"code": "RESOURCE_EXHAUSTED", "message": "the job ran out of memory", "reason": "OUT_OF_MEMORY"}
-    log.error("job failed:\n%s", "".join(traceback.format_exception(err)))
-    return {"code": "INTERNAL", "message": "the job failed with an internal error (logged on the server)",
-            "reason": "INTERNAL"}
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:500]

@@ -1,0 +1,23 @@
+"""The service core's settings (the transport builds them from `service.settings.ServerSettings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..policy import ReferencePolicy
+
+
+@dataclass
+class ServiceConfig:
+    home: Path  # $OSSCAR_HOME: jobs.sqlite, blobs/, work/, curves/
+    max_queue: int = 16  # queued jobs beyond this are refused with RESOURCE_EXHAUSTED
+    devices: tuple[str, ...] = ()  # one job at a time on each; empty: every CUDA device, else ("cpu",)
+    max_attempts: int = 3  # runs of a job interrupted by server restarts before it fails INTERRUPTED
+    retention_s: float = 30 * 86400  # finished operations and unused uploads are forgotten after this
+    max_upload_bytes: int = 64 << 30
+    max_wait_s: float = 600.0  # WaitOperation's timeout is capped here
+    default_wait_s: float = 60.0
+    retry_after_s: float = 30.0  # suggested to clients refused because the queue is full
+    policy: ReferencePolicy = field(default_factory=ReferencePolicy)  # what references may name
+    log_format: str = "json"  # of the workers' logs, as the server's

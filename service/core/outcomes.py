@@ -1,0 +1,178 @@
+"""The states of a job and every way a job ends, as one table; the typed error of a failed job.
+
+`OUTCOMES` has one row per outcome: a status of the job's report (`report`), an exception the worker
+caught (`worker`) or an end the server imposed (`server`), with the operation's final state, its
+google.rpc code and ErrorInfo reason, the exit code of `osscar compress` and whether the artifacts are
+kept (downloadable). `JobError`'s constructors look their row up, so a new status is one new row here
+(README.md's "Job outcomes" shows the same table; a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+INTERNAL_MESSAGE = "the job failed with an internal error (logged on the server)"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str  # the report's status, or how the job ended
+    source: str  # report | worker | server
+    state: str  # the operation's final state
+    code: str  # google.rpc.Code name ("OK": no error)
+    reason: str  # ErrorInfo reason ("": no error)
+    exit_code: int  # of `osscar compress`
+    artifacts: bool  # the artifacts are kept and can be downloaded
+    when: str
+
+    def cells(self) -> tuple[str, ...]:
+        """The row as README.md's table writes it."""
+        return (f"`{self.name}`", self.source, self.state, self.code, f"`{self.reason}`" if self.reason else "-",
+                str(self.exit_code), "yes" if self.artifacts else "no", self.when)
+
+
+COLUMNS = ("outcome", "from", "state", "code", "reason", "exit", "artifacts", "when")
+OUTCOMES: tuple[Outcome, ...] = (
+    Outcome("ok", "report", SUCCEEDED, "OK", "", 0, True, "the job met its target (or ran its uniform ratio / "
+            "widths) within the accuracy budget"),
+    Outcome("target_not_met", "report", FAILED, "FAILED_PRECONDITION", "TARGET_NOT_MET", 2, True,
+            "no round reached the target speedup; the fastest round is delivered, the numbers in the metadata"),
+    Outcome("accuracy_budget_exceeded", "report", FAILED, "FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED", 2, True,
+            "no round kept the metric within `accuracy_budget`; the best round is delivered"),
+    Outcome("invalid_input", "worker", FAILED, "INVALID_ARGUMENT", "INVALID_INPUT", 2, False,
+            "`compressor.errors.InputError`: calibration data, a model reference or surgery indices that cannot "
+            "be used"),
+    Outcome("input_not_found", "worker", FAILED, "NOT_FOUND", "INPUT_NOT_FOUND", 2, False,
+            "`FileNotFoundError`: an input went missing while the job ran"),
+    Outcome("unsupported_architecture", "worker", FAILED, "FAILED_PRECONDITION", "UNSUPPORTED_ARCHITECTURE", 2, False,
+            "`compressor.errors.UnsupportedArchitecture`: the model loads but no pipeline prunes it"),
+    Outcome("out_of_memory", "worker", FAILED, "RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", 2, False,
+            "`MemoryError` in the worker"),
+    Outcome("internal", "worker", FAILED, "INTERNAL", "INTERNAL", 2, False,
+            "any other exception (a plain `ValueError` too): a generic message, the traceback in the server's log"),
+    Outcome("time_budget_exceeded", "server", FAILED, "DEADLINE_EXCEEDED", "TIME_BUDGET_EXCEEDED", 2, False,
+            "the job ran past its `time_budget`; its worker is killed"),
+    Outcome("cancelled", "server", CANCELLED, "CANCELLED", "CANCELLED", 2, False,
+            "`CancelOperation`; a running worker is killed"),
+    Outcome("interrupted", "server", FAILED, "ABORTED", "INTERRUPTED", 2, False,
+            "the server stopped during each of `--max-attempts` runs"),
+    Outcome("worker_crashed", "server", FAILED, "INTERNAL", "WORKER_CRASHED", 2, False,
+            "the worker process ended without a result (a signal, an exit)"),
+)
+_BY_NAME = {o.name: o for o in OUTCOMES}
+_BY_REASON = {o.reason: o for o in OUTCOMES if o.reason}
+assert len(_BY_NAME) == len(_BY_REASON) + 1 == len(OUTCOMES), "outcomes and reasons are unique"
+
+
+def outcome(name: str) -> Outcome:
+    return _BY_NAME[name]
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Why a job did not succeed: a google.rpc code name, an ErrorInfo reason, a short message for the caller
+    and string metadata. Stored as JSON ({"code", "reason", "message"[, "metadata"]})."""
+
+    code: str
+    reason: str
+    message: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> Outcome:
+        """Its row of OUTCOMES (an unknown reason, from some other release's store, reads as internal)."""
+        return _BY_REASON.get(self.reason, _BY_NAME["internal"])
+
+    @property
+    def state(self) -> str:
+        return self.outcome.state
+
+    # ---- how jobs end ------------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, name: str, message: str, metadata: Mapping[str, Any] | None = None) -> JobError:
+        """The error of outcome `name`, its code and reason from the table."""
+        row = _BY_NAME[name]
+        assert row.code != "OK", f"{name} is not an error"
+        return cls(row.code, row.reason, message, {k: str(v) for k, v in (metadata or {}).items()})
+
+    @classmethod
+    def cancelled(cls) -> JobError:
+        return cls.of("cancelled", "cancelled by the client")
+
+    @classmethod
+    def interrupted(cls, attempts: int) -> JobError:
+        return cls.of("interrupted", f"the server stopped during each of {attempts} attempts; not retried again")
+
+    @classmethod
+    def time_budget_exceeded(cls, seconds: float) -> JobError:
+        return cls.of("time_budget_exceeded", f"the job exceeded its time budget of {seconds:g}s",
+                      {"time_budget_s": f"{seconds:g}"})
+
+    @classmethod
+    def worker_crashed(cls, exitcode: int | None) -> JobError:
+        how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+        return cls.of("worker_crashed", f"the worker process ended without a result ({how})")
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any]) -> JobError | None:
+        """None when the report's status is a success, else its row's error with the measured numbers."""
+        status = report["status"]
+        row = _BY_NAME.get(status)
+        if row is None or row.source != "report":
+            log.error("the job reported status %r, which is not in the outcome table", status)
+            return cls.of("internal", INTERNAL_MESSAGE)
+        if row.code == "OK":
+            return None
+        metric = report["metric"]
+        return cls.of(
+            status,
+            f"{status}: measured speedup {report['measured_speedup']:.3f}x (target {report['target_speedup']}), "
+            f"{metric['name']} {metric['baseline']:.4f} -> {metric['compressed']:.4f}; the best artifact can be "
+            "downloaded",
+            {"measured_speedup": f"{report['measured_speedup']:.4f}", "target_speedup": str(report["target_speedup"]),
+             "metric": metric["name"], "metric_baseline": f"{metric['baseline']:.6g}",
+             "metric_compressed": f"{metric['compressed']:.6g}", "relative_drop": f"{metric['relative_drop']:.6g}"})
+
+    @classmethod
+    def from_exception(cls, err: BaseException) -> JobError:
+        """An exception the job raised. Only the compressor's input errors (and missing files) are the
+        caller's; anything else is a bug: INTERNAL with a generic message (the caller logs the traceback)."""
+        from compressor.errors import InputError, UnsupportedArchitecture
+
+        if isinstance(err, UnsupportedArchitecture):  # an InputError too, but no retry with other input helps
+            return cls.of("unsupported_architecture", _first_line(err))
+        if isinstance(err, InputError):
+            return cls.of("invalid_input", _first_line(err))
+        if isinstance(err, FileNotFoundError):
+            return cls.of("input_not_found", _first_line(err))
+        if isinstance(err, MemoryError):
+            return cls.of("out_of_memory", "the job ran out of memory")
+        return cls.of("internal", INTERNAL_MESSAGE)
+
+    # ---- storage -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "reason": self.reason, "message": self.message}
+        if self.metadata:
+            out["metadata"] = dict(self.metadata)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobError:
+        return cls(str(data["code"]), str(data.get("reason") or data["code"]), str(data["message"]),
+                   {str(k): str(v) for k, v in (data.get("metadata") or {}).items()})
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:500]

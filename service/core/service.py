@@ -1,0 +1,273 @@
+"""`JobService`: the service core's one entry point, transport-agnostic.
+
+The gRPC layer converts protobuf to and from these calls and maps `service.errors` to status codes.
+Life of a job: `submit` validates synchronously (`submission`: every field violation at once, references
+resolved, the architecture checked), dedupes by request_id and persists it QUEUED; the `supervisor` runs
+it in a worker process on a free device slot and ends it SUCCEEDED / FAILED / CANCELLED (`outcomes`);
+nothing is left without a final state. Watchers follow the in-memory `feeds`; the `store` is the source of
+truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..blobs import ArchiveError, BlobStore, valid_digest, valid_filename
+from ..errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from ..logs import operation_context
+from ..metrics import Metrics
+from .config import ServiceConfig
+from .feeds import Feeds
+from .outcomes import CANCELLED, QUEUED
+from .store import ArtifactRecord, JobRecord, JobStore
+from .submission import SubmitRequest, check_request_id, validate
+from .supervisor import Supervisor, detect_devices
+
+log = logging.getLogger(__name__)
+
+MAX_LIST_TEXT = 2048  # filter and page_token characters
+DEFAULT_PAGE, MAX_PAGE = 50, 1000
+CANCEL_WAIT_S = 30.0  # CancelOperation answers once the worker is gone, or after this
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    filename: str
+    archive: bool = False
+    size_bytes: int = 0  # 0: not declared
+    sha256: str = ""  # "": not declared
+
+
+class JobService:
+    def __init__(self, config: ServiceConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.home = Path(config.home)
+        self.blobs = BlobStore(self.home / "blobs")
+        self.feeds = Feeds()
+        self.store: JobStore | None = None  # from `open`
+        self.supervisor: Supervisor | None = None
+        self.draining = False
+        self._background: list[asyncio.Task] = []
+
+    # ---- life cycle ------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open (and migrate) the store, remove what a crash left half-written, recover the jobs a stop
+        interrupted and queue the queued ones; nothing runs until `start`."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.store = JobStore(self.home / "jobs.sqlite")
+        removed = self.blobs.clean_tmp()
+        if removed:
+            log.info("removed %d partial files left by an interrupted write", removed)
+        slots = list(self.config.devices or detect_devices())
+        self.supervisor = Supervisor(self.config, self.store, self.blobs, self.feeds, self.metrics, slots)
+        self.supervisor.recover()
+        self.supervisor.observe()
+
+    async def start(self) -> None:
+        self.open()
+        self._background = [asyncio.create_task(self.supervisor.schedule(), name="scheduler"),
+                            asyncio.create_task(self._retention(), name="retention")]
+        log.info("job service: %s, devices %s, queue limit %d", self.home, ",".join(self.supervisor.slots),
+                 self.config.max_queue)
+
+    @property
+    def accepting(self) -> bool:
+        return not self.draining and self.store is not None and self.store.ping()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking work; give running jobs `grace_s` to finish, then stop them and leave them QUEUED
+        for the next start (an interruption by shutdown does not count as an attempt)."""
+        self.draining = True
+        await self.supervisor.drain(grace_s)
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.store.close()
+
+    # ---- operations ------------------------------------------------------------------------------
+
+    async def submit(self, request: SubmitRequest) -> JobRecord:
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry against another instance or later")
+        if request.request_id:
+            check_request_id(request.request_id)
+            earlier = self.store.by_request_id(request.request_id)
+            if earlier is not None:
+                if earlier.body_sha256 != request.body_sha256:
+                    raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for "
+                                        f"a different request ({earlier.name}); use a new request_id")
+                return earlier
+        accepted = validate(request, home=self.home, blobs=self.blobs, store=self.store, policy=self.config.policy)
+        if self.store.count(QUEUED) >= self.config.max_queue:
+            raise ResourceExhausted(f"the job queue is full ({self.config.max_queue} waiting); retry later",
+                                    self.config.retry_after_s)
+        record = JobRecord(
+            name=f"operations/{uuid.uuid4()}", body_sha256=request.body_sha256, request=request.body,
+            spec={"resolved": accepted.resolved, "references": accepted.references}, labels=dict(request.labels),
+            request_id=request.request_id or None, time_budget_s=request.time_budget_s,
+            progress={"stage": "queued", "round": 0, "layer": 0, "layers": 0, "message": "queued"})
+        self.store.insert(record)
+        self.supervisor.enqueue(record.name)
+        with operation_context(record.name):
+            log.info("queued: %s", accepted.references.get("model"))
+        self.supervisor.observe()
+        return self.store.get(record.name)
+
+    def get(self, name: str) -> JobRecord:
+        record = self.store.get(name) if name.startswith("operations/") else None
+        if record is None:
+            if not name.startswith("operations/"):
+                raise InvalidArgument([FieldViolation("name", f"expected operations/<id>, got {name!r}")])
+            raise NotFound("operation", name)
+        return record
+
+    def list(self, filter_text: str, page_size: int, page_token: str) -> tuple[list[JobRecord], str]:
+        if len(filter_text) > MAX_LIST_TEXT or len(page_token) > MAX_LIST_TEXT:
+            raise InvalidArgument([FieldViolation("filter", f"filter and page_token are at most {MAX_LIST_TEXT} "
+                                                            "characters")])
+        if page_size < 0:
+            raise InvalidArgument([FieldViolation("page_size", f"must be >= 0 (got {page_size})")])
+        return self.store.search(filter_text, min(page_size or DEFAULT_PAGE, MAX_PAGE), page_token)
+
+    async def cancel(self, name: str) -> JobRecord:
+        record = self.get(name)
+        if record.state == CANCELLED:
+            return record
+        if record.done:
+            raise FailedPrecondition("OPERATION_DONE", f"{name} already ended {record.state}; nothing to cancel",
+                                     {"state": record.state})
+        self.supervisor.cancel(name)
+        return await self.wait(name, CANCEL_WAIT_S)
+
+    async def delete(self, name: str) -> None:
+        record = self.get(name)
+        if not record.done:
+            raise FailedPrecondition("OPERATION_NOT_DONE", f"{name} is {record.state}; cancel it before deleting "
+                                     "it", {"state": record.state})
+        for digest in self.store.delete(name):
+            self.blobs.delete(digest)
+        self.feeds.close(name)
+        with operation_context(name):
+            log.info("deleted")
+        self.supervisor.observe()
+
+    async def wait(self, name: str, timeout_s: float | None) -> JobRecord:
+        if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s < 0):  # long ones are capped
+            raise InvalidArgument([FieldViolation("timeout", f"must be >= 0 (got {timeout_s})")])
+        record = self.get(name)
+        if record.done:
+            return record
+        timeout = min(self.config.default_wait_s if timeout_s is None else timeout_s, self.config.max_wait_s)
+        await self.feeds.wait_done(name, timeout)
+        return self.get(name)
+
+    async def watch(self, name: str) -> AsyncIterator[tuple[dict | None, JobRecord | None]]:
+        """(None, record) first, then (event, None) as they happen, then (None, record) when done."""
+        record = self.get(name)
+        if record.done:
+            yield None, record
+            return
+        feed = self.feeds.of(name)  # taken before the first yield: an end while the caller sends is not missed
+        cursor = feed.seq
+        yield None, record
+        async for event in feed.follow(cursor):
+            yield event, None
+        final = self.store.get(name)
+        if final is not None:
+            yield None, final
+
+    # ---- blobs -----------------------------------------------------------------------------------
+
+    async def upload(self, header: UploadHeader, chunks: AsyncIterator[bytes]) -> tuple[str, str, int]:
+        """Store an upload; returns (reference, sha256, size)."""
+        violations = []
+        if not valid_filename(header.filename):
+            violations.append(FieldViolation("header.filename", f"a plain file name without separators is required "
+                                                                f"(got {header.filename!r})"))
+        if header.size_bytes < 0 or header.size_bytes > self.config.max_upload_bytes:
+            violations.append(FieldViolation("header.size_bytes", f"must be in [0, {self.config.max_upload_bytes}] "
+                                                                  f"(got {header.size_bytes})"))
+        if header.sha256 and not valid_digest(header.sha256):
+            violations.append(FieldViolation("header.sha256", "must be 64 lowercase hex digits"))
+        if violations:
+            raise InvalidArgument(violations)
+        writer = self.blobs.writer()
+        try:
+            async for chunk in chunks:
+                if writer.size + len(chunk) > self.config.max_upload_bytes:
+                    raise InvalidArgument([FieldViolation("chunk", f"the upload exceeds the server's limit of "
+                                                                   f"{self.config.max_upload_bytes} bytes")])
+                await asyncio.to_thread(writer.write, chunk)
+            if header.size_bytes and writer.size != header.size_bytes:
+                raise InvalidArgument([FieldViolation("header.size_bytes", f"declared {header.size_bytes} bytes, "
+                                                                           f"received {writer.size}")])
+            if header.sha256 and writer.hash.hexdigest() != header.sha256:
+                raise InvalidArgument([FieldViolation("header.sha256", f"declared {header.sha256}, received content "
+                                                                       f"has {writer.hash.hexdigest()}")])
+            digest, size = await asyncio.to_thread(writer.commit)
+        except BaseException:
+            writer.abort()
+            raise
+        try:
+            await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
+        except ArchiveError as err:
+            if not self.store.referenced(digest):
+                self.blobs.delete(digest)
+            raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
+        self.store.record_upload(digest, header.filename, header.archive, size)
+        return f"blob:sha256:{digest}/{header.filename}", digest, size
+
+    def artifact(self, name: str, artifact: str) -> tuple[ArtifactRecord, Path]:
+        record = self.get(name)
+        for a in record.artifacts:
+            if a.name == artifact:
+                path = self.blobs.path(a.sha256)
+                if not path.is_file():
+                    raise NotFound("artifact", f"{name}/{artifact}", f"the content of {artifact} is gone from "
+                                   "the artifact store")
+                return a, path
+        available = ", ".join(a.name for a in record.artifacts) or "none yet"
+        raise NotFound("artifact", f"{name}/{artifact}", f"{name} has no artifact {artifact!r} (available: "
+                                                         f"{available})")
+
+    # ---- retention -------------------------------------------------------------------------------
+
+    async def _retention(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("retention sweep failed")
+            await asyncio.sleep(3600)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Forget finished operations and unused uploads older than the retention period."""
+        cutoff = (now or time.time()) - self.config.retention_s
+        names = self.store.finished_before(cutoff)
+        for name in names:
+            for digest in self.store.delete(name):
+                self.blobs.delete(digest)
+        for digest, _ in self.store.forget_uploads_before(cutoff):
+            if not self.store.referenced(digest):
+                self.blobs.delete(digest)
+        return len(names)

@@ -1,0 +1,147 @@
+"""What a submission must pass before it is queued: every field violation at once, references resolved
+(under the server's reference policy), labels, the time budget, the request's own checks
+(`CompressRequest.violations`) and the model (a loadable format and a supported architecture).
+
+Refusals are `service.errors`: INVALID_ARGUMENT with every violation, NOT_FOUND for a reference that does
+not exist, FAILED_PRECONDITION `UNSUPPORTED_ARCHITECTURE`, PERMISSION_DENIED from the policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..blobs import BlobStore
+from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from ..policy import ReferencePolicy
+from ..references import resolve
+from .store import LABEL_KEY, JobStore
+
+# what each reference names, in NOT_FOUND messages (the keys are service.job.request.REFERENCES)
+RESOURCES = {"model": "model", "calibration": "calibration data", "eval": "evaluation data", "widths_from": "report"}
+REQUIRED = ("model", "calibration")
+MAX_LABELS = 64
+MAX_TIME_BUDGET_S = 7 * 86400
+
+
+@dataclass
+class SubmitRequest:
+    """A Compress call, as the transport received it."""
+
+    spec: dict[str, Any]  # CompressRequest fields; model/calibration/eval/widths_from are references
+    body: bytes  # the request's canonical serialization (echoed back; its digest settles request_id reuse)
+    body_sha256: str  # of the body without the request_id
+    labels: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    time_budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A submission that passed: the job's spec (references resolved to paths) and the references as given."""
+
+    resolved: dict[str, Any]
+    references: dict[str, str]
+
+
+def check_request_id(request_id: str) -> None:
+    try:
+        uuid.UUID(request_id)
+    except ValueError:
+        raise InvalidArgument([FieldViolation("request_id", "must be a UUID (AIP-155), e.g. from uuid.uuid4()")]
+                              ) from None
+
+
+def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, store: JobStore,
+             policy: ReferencePolicy) -> Accepted:
+    """Every check of a submission; raises the first kind of refusal with all of its violations."""
+    from ..job.request import REFERENCES, request_from_spec
+
+    assert set(RESOURCES) == set(REFERENCES), "a new reference field needs its resource name here"
+    violations: list[FieldViolation] = []
+    not_found: list[NotFound] = []
+    spec = dict(request.spec)
+    references = {}
+    for key in REFERENCES:
+        reference = spec.get(key)
+        if not reference:
+            if key in REQUIRED:
+                violations.append(FieldViolation(key, "required"))
+            spec[key] = None
+            continue
+        references[key] = reference
+        try:
+            spec[key] = str(resolve(reference, key, RESOURCES[key], blobs, home, policy))
+            if reference.startswith("blob:"):
+                digest, name = reference.split(":", 2)[2].split("/", 1)
+                store.touch_upload(digest, name)
+        except InvalidArgument as err:
+            violations += err.violations
+            spec[key] = None  # refused: not looked at again
+        except NotFound as err:
+            not_found.append(err)
+            spec[key] = None
+    violations += _label_violations(request.labels)
+    budget = request.time_budget_s
+    if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TIME_BUDGET_S):
+        violations.append(FieldViolation("time_budget", f"must be positive and at most {MAX_TIME_BUDGET_S}s "
+                                                        f"(got {budget})"))
+    try:
+        found = request_from_spec(spec, out_dir=Path("/nonexistent")).violations()
+    except TypeError as err:  # a transport bug, not the caller's: surfaces as INTERNAL
+        raise RuntimeError(f"request fields do not match CompressRequest: {err}") from err
+    # references were checked when resolved above
+    violations += [FieldViolation(f, m) for f, m in found if f not in REFERENCES]
+    if violations:
+        raise InvalidArgument(violations)
+    if not_found:
+        raise not_found[0]
+    check_model(Path(spec["model"]), references["model"])
+    spec["trust_remote_code"] = policy.trusts_code(Path(spec["model"]))
+    return Accepted(spec, references)
+
+
+def _label_violations(labels: dict[str, str]) -> list[FieldViolation]:
+    violations = [FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ and - (start with a "
+                                                   "letter, <= 63), values <= 63 characters")
+                  for key, value in labels.items() if not LABEL_KEY.match(key) or len(value) > 63]
+    if len(labels) > MAX_LABELS:
+        violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels"))
+    return violations
+
+
+def check_model(path: Path, reference: str) -> None:
+    """A .pt2 program, or a Hugging Face directory with config.json of an architecture the compressor prunes
+    (`compressor.transformer.adapters.check_config`) and safetensors weights (pickles can run code)."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import check_config
+
+    if path.is_file():
+        if path.suffix != ".pt2":
+            raise InvalidArgument([FieldViolation("model", f"{reference}: expected a .pt2 torch.export program "
+                                                           f"or a Hugging Face model directory, got a "
+                                                           f"{path.suffix or 'suffix-less'} file")])
+        return
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidArgument([FieldViolation("model", f"{reference}: a directory without config.json; expected "
+                                                       "a Hugging Face model directory")])
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        raise InvalidArgument([FieldViolation("model", f"{reference}: config.json is not valid JSON")]) from None
+    if not isinstance(config, dict):
+        raise InvalidArgument([FieldViolation("model", f"{reference}: config.json is not a JSON object")])
+    try:
+        check_config(config, reference)
+    except UnsupportedArchitecture as err:
+        raise FailedPrecondition("UNSUPPORTED_ARCHITECTURE", str(err),
+                                 {"model_type": str(config.get("model_type"))}) from None
+    if not any(path.glob("*.safetensors")):
+        raise InvalidArgument([FieldViolation("model", f"{reference}: no *.safetensors weights; only "
+                                                       "safetensors are loaded (pickled pytorch_model.bin files "
+                                                       "can run code)")])

@@ -1,0 +1,260 @@
+"""Running jobs: the queue, one device slot per job, a spawned worker process each, and how each job ends.
+
+The scheduler starts the next queued job when a slot is free, persisting RUNNING and every progress event;
+the worker's result or error, a cancel, the job's time budget or a crashed worker end it (`conclude`,
+with the `JobError` of its row of `service.core.outcomes.OUTCOMES`). After a restart, jobs that were
+RUNNING are queued again (artifacts are content-addressed, so a re-run is safe) until `max_attempts`,
+then fail INTERRUPTED; a shutdown stops running jobs and leaves them QUEUED without counting an attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..blobs import BlobStore
+from ..logs import operation_context
+from ..metrics import Metrics
+from .config import ServiceConfig
+from .feeds import Feeds
+from .outcomes import FINISHED, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
+from .store import ArtifactRecord, JobRecord, JobStore
+from .worker import WorkerArgs
+from .worker import run as run_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    slot: str  # held from the moment the scheduler picks the job
+    process: Any = None  # the worker, once spawned
+    stop_reason: str | None = None  # cancel | shutdown | deadline
+
+
+class Supervisor:
+    def __init__(self, config: ServiceConfig, store: JobStore, blobs: BlobStore, feeds: Feeds,
+                 metrics: Metrics | None, slots: list[str]) -> None:
+        self.config, self.store, self.blobs, self.feeds, self.metrics = config, store, blobs, feeds, metrics
+        self.home = Path(config.home)
+        self.slots = slots
+        self.queue: deque[str] = deque()
+        self.running: dict[str, _Running] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.stopping = False
+        self._wake = asyncio.Event()
+
+    def recover(self) -> None:
+        """After a (re)start: RUNNING jobs were interrupted; run them again or, out of attempts, fail them.
+        Queue every QUEUED job in creation order."""
+        for record in self.store.in_states([RUNNING]):
+            if record.attempt >= self.config.max_attempts:
+                self.finish(record.name, JobError.interrupted(record.attempt))
+                continue
+            self.store.update(record.name, state=QUEUED, progress={
+                **record.progress, "stage": "queued",
+                "message": f"re-queued: the server stopped during attempt {record.attempt}"})
+            with operation_context(record.name):
+                log.info("re-queued after a restart (attempt %d was interrupted)", record.attempt)
+        for record in self.store.in_states([QUEUED]):
+            self.enqueue(record.name)
+
+    def enqueue(self, name: str) -> None:
+        self.queue.append(name)
+        self.feeds.of(name)
+        self._wake.set()
+
+    def cancel(self, name: str) -> None:
+        """Cancel an unfinished job: a running one's worker is killed (the device is freed when the process is
+        gone; the job ends CANCELLED when its supervision notices), a queued one ends at once."""
+        running = self.running.get(name)
+        if running is not None:
+            running.stop_reason = "cancel"
+            _kill(running.process)
+            return
+        with contextlib.suppress(ValueError):
+            self.queue.remove(name)
+        self.finish(name, JobError.cancelled())
+
+    async def drain(self, grace_s: float) -> None:
+        """Start no more jobs; give running ones `grace_s` to finish, then stop them (they stay QUEUED)."""
+        self.stopping = True
+        pending = set(self.tasks)
+        if pending:
+            log.info("draining: waiting up to %.0fs for %d running job(s)", grace_s, len(pending))
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+        for name, running in list(self.running.items()):
+            with operation_context(name):
+                log.info("stopped by shutdown; it runs again at the next start")
+            running.stop_reason = "shutdown"
+            _kill(running.process)
+        if pending:
+            await asyncio.wait(pending)
+
+    async def schedule(self) -> None:
+        """Forever: start queued jobs on free device slots."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.queue and not self.stopping:
+                free = [s for s in self.slots if s not in {r.slot for r in self.running.values()}]
+                if not free:
+                    break
+                name = self.queue.popleft()
+                record = self.store.get(name)
+                if record is None or record.state != QUEUED:
+                    continue
+                running = self.running[name] = _Running(free[0])  # the slot is taken before the task runs
+                task = asyncio.create_task(self._run(record, running), name=f"job {name}")
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, record: JobRecord, running: _Running) -> None:
+        with operation_context(record.name):  # every record logged while supervising names the job
+            try:
+                await self._supervise(record, running)
+            except Exception:  # e.g. no space for the scratch directory: the job runs again after a restart
+                log.exception("supervising the job failed")
+            finally:
+                if self.running.get(record.name) is running:  # the slot is free again, whatever happened
+                    del self.running[record.name]
+                self._wake.set()
+
+    async def _supervise(self, record: JobRecord, running: _Running) -> None:
+        name, attempt, slot = record.name, record.attempt + 1, running.slot
+        if running.stop_reason is not None:  # cancelled or shut down between the scheduler's pick and now
+            del self.running[name]
+            self.conclude(record, attempt, running.stop_reason, None, None)
+            return
+        op_id = name.split("/", 1)[1]
+        work = self.home / "work" / op_id
+        shutil.rmtree(work, ignore_errors=True)  # an interrupted attempt's scratch
+        work_dir = work / f"attempt-{attempt}"
+        work_dir.mkdir(parents=True)
+        progress = {"stage": "starting", "round": 0, "layer": 0, "layers": 0, "message": f"attempt {attempt} on {slot}"}
+        started = time.time()
+        self.store.update(name, state=RUNNING, attempt=attempt, start_time=started, progress=progress)
+        self.feeds.publish(name, RUNNING, progress)
+        self.observe()
+        stage, stage_start = progress["stage"], started
+        context = multiprocessing.get_context("spawn")
+        receiver, sender = context.Pipe(duplex=False)
+        args = WorkerArgs(name, record.spec["resolved"], record.spec["references"], str(self.home), str(work_dir),
+                          slot, os.getpid(), self.config.log_format)
+        process = running.process = context.Process(target=run_worker, args=(args, sender),
+                                                    name=f"osscar-worker-{op_id[:8]}")
+        outcome: tuple[str, Any] | None = None
+        try:
+            process.start()
+            sender.close()
+            log.info("attempt %d running on %s (worker pid %d)", attempt, slot, process.pid)
+            async with asyncio.timeout(record.time_budget_s):
+                while True:
+                    try:
+                        kind, payload = await asyncio.to_thread(receiver.recv)
+                    except (EOFError, OSError):
+                        break
+                    if kind == "progress":
+                        self.store.update(name, progress=payload)
+                        self.feeds.publish(name, RUNNING, payload)
+                        if payload.get("stage") != stage and self.metrics:
+                            now = time.time()
+                            self.metrics.stage_seconds.labels(stage).observe(now - stage_start)
+                            stage, stage_start = payload.get("stage"), now
+                    else:
+                        outcome = (kind, payload)
+        except TimeoutError:
+            running.stop_reason = running.stop_reason or "deadline"
+        except Exception:
+            log.exception("supervising the worker failed")
+        finally:
+            _kill(process)
+            await asyncio.to_thread(process.join)
+            receiver.close()
+            del self.running[name]
+            shutil.rmtree(work, ignore_errors=True)
+            self._wake.set()
+        self.conclude(record, attempt, running.stop_reason, process.exitcode, outcome)
+
+    def conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, exitcode: int | None,
+                 outcome: tuple[str, Any] | None) -> None:
+        """End a job whose worker is gone, from why it was stopped and what the worker sent last:
+        ("done", {"report", "artifacts"}) or ("error", JobError)."""
+        name = record.name
+        if stop_reason == "shutdown" and outcome is None:
+            self.store.update(name, state=QUEUED, attempt=attempt - 1, progress={
+                "stage": "queued", "round": 0, "layer": 0, "layers": 0,
+                "message": "interrupted by a server shutdown; runs again at the next start"})
+            self.observe()
+            return
+        report, artifacts = None, []
+        if outcome is not None and outcome[0] == "done":
+            report, artifacts = outcome[1]["report"], [ArtifactRecord(**a) for a in outcome[1]["artifacts"]]
+        if stop_reason == "cancel":
+            error = JobError.cancelled()
+        elif stop_reason == "deadline":
+            error = JobError.time_budget_exceeded(record.time_budget_s)
+        elif outcome is None:
+            error = JobError.worker_crashed(exitcode)
+            log.error("%s", error.message)
+        elif outcome[0] == "error":
+            error = outcome[1]
+        else:
+            error = JobError.from_report(report)
+        kept = error.outcome.artifacts if error else True
+        if kept and artifacts:
+            self.store.set_artifacts(name, artifacts)
+        else:  # published by the worker, then not wanted: nothing may keep them
+            for artifact in artifacts:
+                if not self.store.referenced(artifact.sha256):
+                    self.blobs.delete(artifact.sha256)
+        self.finish(name, error, report=report if kept else None)
+
+    def finish(self, name: str, error: JobError | None, report: dict | None = None) -> None:
+        """The final state: SUCCEEDED without an error, else its outcome's state (FAILED or CANCELLED)."""
+        state = error.state if error else SUCCEEDED
+        assert state in FINISHED
+        record = self.store.get(name)
+        progress = {**(record.progress if record else {}), "stage": "done",
+                    "message": error.message if error else "done"}
+        end = time.time()
+        self.store.update(name, state=state, error=error, report=report, end_time=end, progress=progress)
+        with operation_context(name):
+            log.info("%s%s", state, f" ({error.code}: {error.message})" if error else "")
+        self.feeds.publish(name, state, progress, done=True)
+        if self.metrics:
+            self.metrics.finished.labels(state, error.code if error else "OK").inc()
+            if record is not None and record.start_time:
+                self.metrics.job_seconds.labels(state).observe(end - record.start_time)
+        self.observe()
+
+    def observe(self) -> None:
+        """Gauges from the store, the source of truth (a few ms; called on transitions only)."""
+        if self.metrics is None:
+            return
+        counts = self.store.counts()
+        for state in STATES:
+            self.metrics.jobs.labels(state).set(counts.get(state, 0))
+        self.metrics.queue_depth.set(len(self.queue))
+
+
+def _kill(process) -> None:
+    if process is not None and process.is_alive():
+        process.kill()
+
+
+def detect_devices() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+

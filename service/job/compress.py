@@ -1,0 +1,125 @@
+"""The compression job: resolve -> calibrate -> (curves -> allocate) -> prune -> export -> measure ->
+adjust -> save, and the report.
+
+Two modes: `uniform_ratio` (the paper's protocol: that fraction of every layer, one round) or
+`widths_from` (the widths of an earlier report, one round), and `target_speedup` (widths from the dense
+model's loss-versus-width curves and a latency model, then the closed loop of `targeting`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from compressor.errors import InputError
+from compressor.layerstats import Widths
+from exporters.onnx import stamp_metadata
+from exporters.runtime import default_provider, measure_latency
+
+from ..files import file_sha256, write_text_atomically
+from .kinds import ModelJob, open_job
+from .report import build_report, version
+from .report_html import write_html
+from .request import CompressRequest
+from .targeting import Round, choose, dense_curves, target_loop, widths_of
+
+log = logging.getLogger(__name__)
+
+Stage = Callable[[str, int], None]
+
+
+def compress(request: CompressRequest, progress: Callable[[str], None] | None = None,
+             stage: Stage | None = None) -> dict:
+    """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
+    Returns the report; its `status` says whether the target and the accuracy budget were met.
+
+    `progress` receives every progress line; `stage(name, round)` each stage as it begins: loading,
+    baseline, statistics, allocate, prune, measure, save (round: the prune-measure round, else 0)."""
+    request.validate()
+    if request.out_dir is None:
+        raise InputError("an output directory is required (--out)")
+    say = progress or (lambda message: log.info("%s", message))
+    enter = stage or (lambda name, index: None)
+    start = time.perf_counter()
+    enter("loading", 0)
+    job = open_job(request, say)
+    if request.decode_step and not job.causal:
+        raise InputError("--decode-step is for causal language models")
+    provider = request.execution_provider or default_provider()
+    if request.deployment_target and request.deployment_target != provider:
+        say(f"WARNING: measuring on {provider}, but the declared deployment target is {request.deployment_target}; "
+            "the speedup may not transfer")
+    out = Path(request.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
+    try:
+        enter("baseline", 0)
+        say("exporting the dense model for the baseline")
+        dense_onnx = work / "dense.onnx"
+        job.export(job.dense, dense_onnx)
+        reference = job.outputs(dense_onnx)
+        baseline_metric = job.score(reference, reference)
+        feed = job.latency_feed()
+
+        def run_round(plan: Widths, index: int, predicted: float | None = None) -> Round:
+            enter("prune", index)
+            module, layers = job.prune(plan)
+            enter("measure", index)
+            # one folder per round: the file keeps its final name, so the external data it references over
+            # 2 GB (model.onnx.data) stays valid when moved
+            path = work / f"round{index}" / "model.onnx"
+            path.parent.mkdir()
+            say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
+            parity = job.export(module, path)
+            latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                      repeats=request.repeats)
+            value = job.score(job.outputs(path), reference)
+            say(f"round {index}: measured speedup {latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> "
+                f"{latency.compressed_ms:.1f} ms), {job.metric.name} {baseline_metric:.4f} -> {value:.4f}")
+            return Round(plan, module, layers, path, parity, latency, value, predicted)
+
+        if request.target_speedup is not None:
+            enter("statistics", 0)
+            curves = dense_curves(job, request, say, version())
+            rounds = target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter)
+        else:
+            plan = request.uniform_ratio if request.widths_from is None else widths_of(request.widths_from)
+            rounds = [run_round(plan, 0)]
+        chosen, status = choose(request, rounds, job.metric, baseline_metric)
+        enter("save", len(rounds) - 1)
+        say("saving the pruned model and model.onnx")
+        artifact = _save(request, job, chosen, out)
+        report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
+        if request.decode_step:
+            say("exporting the decode step (decode.onnx)")
+            parity = job.export_decode_step(chosen.module, out / "decode.onnx")
+            report["artifacts"]["decode_step"] = {"path": "decode.onnx", "parity_max_abs_error": parity}
+        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+        write_html(report, out / "report.html")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    say(f"{status}: measured speedup {report['measured_speedup']:.3f}x, {job.metric.name} "
+        f"{report['metric']['baseline']:.4f} -> {report['metric']['compressed']:.4f}, params "
+        f"{report['params_before']} -> {report['params_after']}; wrote {out} in {report['elapsed_s']:.1f}s")
+    return report
+
+
+def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:
+    """The chosen round's pruned model and model.onnx (with provenance) into `out`; returns the model's
+    artifact name."""
+    artifact = job.save(chosen.module, out)
+    os.replace(chosen.onnx, out / "model.onnx")
+    for data in chosen.onnx.parent.glob("*.data"):  # external weights of a model over 2 GB
+        os.replace(data, out / data.name)
+    stamp_metadata(out / "model.onnx", {
+        "osscar.source_model": str(request.model), "osscar.method": request.method,
+        "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": file_sha256(request.calibration),
+        "osscar.seed": request.seed, "osscar.version": version(), "osscar.preprocessing": job.preprocessing(),
+        "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
+    return artifact

@@ -1,0 +1,387 @@
+"""What differs between model kinds, behind one declared protocol (`ModelJob`).
+
+* `ConvJob`: conv graphs (`.pt2`, HF image CNNs, torchvision): image calibration, top-1 or cosine.
+* `TextJob`: HF text transformers (encoders, causal LMs): text calibration, cosine or perplexity.
+* `ImageTransformerJob`: HF vision transformers (ViT): image calibration through the transformer
+  pipeline, `pixel_values` in, cosine of the pooled `last_hidden_state`.
+
+`open_job` is the one place that decides which kind a reference is; the compressor's CNN and
+transformer parts never meet anywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from compressor.calibration import load_images, load_text
+from compressor.cnn.graph import analyse
+from compressor.cnn.models import load_model, save_program
+from compressor.cnn.pipeline import prune_conv_graph
+from compressor.errors import CalibrationError, InputError
+from compressor.layerstats import LayerObservation, Widths
+from compressor.modules import count_parameters
+from compressor.reports import LayerReport
+from compressor.transformer.models import load_transformer, transformer_config
+from compressor.transformer.offload import StreamedCheckpoint
+from compressor.transformer.pipeline import prune_blocks, prune_transformer
+from compressor.transformer.surgery import load_pruned, save_pruned, widths
+from exporters.onnx import (
+    Float16,
+    check_decode_parity,
+    check_hf_parity,
+    check_parity,
+    export_decode_step,
+    export_hf_onnx,
+    export_onnx,
+)
+from exporters.runtime import run_outputs
+
+from .request import CompressRequest
+
+Say = Callable[[str], None]
+Observe = Callable[[LayerObservation], None]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # top1 | perplexity | cosine
+    higher_is_better: bool
+
+    def relative_drop(self, baseline: float, value: float) -> float:
+        """Relative degradation from `baseline` (>= 0 is worse)."""
+        if baseline == 0:
+            return 0.0
+        change = (baseline - value) if self.higher_is_better else (value - baseline)
+        return change / abs(baseline)
+
+
+class ModelJob(Protocol):
+    """One model kind, as the compression job drives it."""
+
+    causal: bool  # a causal LM (decode-step export, perplexity)
+    dense: nn.Module  # the model as loaded, eval mode
+    metric: Metric
+    shape: dict[str, int]  # the measured input shape
+    params_before: int
+
+    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+        """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
+        layer's statistics before its solve (the dense curves pass prunes nothing)."""
+        ...
+
+    def export(self, module: nn.Module, path: Path) -> float:
+        """Export to ONNX, check parity against `module`; returns the max abs error."""
+        ...
+
+    def export_decode_step(self, module: nn.Module, path: Path) -> float: ...
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        """ONNX Runtime inputs of the measured shape."""
+        ...
+
+    def outputs(self, path: Path) -> Any:
+        """The evaluation outputs of one ONNX model, as `score` takes them."""
+        ...
+
+    def score(self, outputs: Any, reference: Any) -> float:
+        """The metric of one model's evaluation outputs (`reference`: the dense model's)."""
+        ...
+
+    def save(self, module: nn.Module, out: Path) -> str:
+        """Save the pruned model into `out`; returns its artifact name."""
+        ...
+
+    def preprocessing(self) -> dict:
+        """What a server of the ONNX file must do to inputs (stamped into its metadata)."""
+        ...
+
+    def report_fields(self, module: nn.Module) -> dict:
+        """Kind-specific entries of report.json."""
+        ...
+
+
+def open_job(request: CompressRequest, say: Say) -> ModelJob:
+    """The job for the request's model kind (see the module docstring)."""
+    config = transformer_config(request.model)
+    if config is not None:
+        if "num_channels" in config:
+            return ImageTransformerJob(request, say)
+        return TextJob(request, say)
+    return ConvJob(request, say)
+
+
+def tolerance(request: CompressRequest) -> dict[str, float]:
+    """Parity tolerance of an export against the PyTorch module it came from (half precision rounds
+    differently in ONNX Runtime's kernels)."""
+    return {"rtol": 2e-2, "atol": 2e-2} if request.precision == "fp16" else {"rtol": 1e-4, "atol": 1e-4}
+
+
+def cosine(outputs: Sequence[np.ndarray] | np.ndarray, reference: Sequence[np.ndarray] | np.ndarray) -> float:
+    """Mean cosine similarity of matching rows (each sample's output flattened)."""
+    def rows(x) -> np.ndarray:
+        parts = x if isinstance(x, list) else [x]
+        return np.concatenate([np.asarray(p).reshape(len(p), -1) for p in parts])
+
+    a, b = rows(outputs), rows(reference)
+    cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    return float(cos.mean())
+
+
+def _no_decode_step(module: nn.Module, path: Path) -> float:
+    raise InputError("--decode-step is for causal language models")
+
+
+def _image_preprocessing(request: CompressRequest, input_name: str, shape: Sequence[int]) -> dict:
+    return {"input": input_name, "layout": "NCHW float32", "shape": list(shape),
+            "npz_images": "uint8 NHWC / 255, then (x - mean) / std", "mean": list(request.mean),
+            "std": list(request.std)}
+
+
+def _repeat_to(x: torch.Tensor, batch: int) -> np.ndarray:
+    """`batch` samples from `x`, cycling through it."""
+    reps = math.ceil(batch / len(x))
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch].numpy()
+
+
+class ConvJob:
+    causal = False
+
+    def __init__(self, request: CompressRequest, say: Say) -> None:
+        self.request, self.say = request, say
+        self.loaded = load_model(request.model, trust_remote_code=request.trust_remote_code)
+        self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
+                                  mean=request.mean, std=request.std)
+        if tuple(self.images.shape[1:]) != self.loaded.input_shape:
+            raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
+                                   f"expects {self.loaded.input_shape}")
+        self.analysis = analyse(self.loaded.module)
+        self.dense = self.loaded.module
+        self.params_before = count_parameters(self.dense)
+        self.shape = {"batch": request.shape.get("batch", 64)}
+        self.eval_y: np.ndarray | None = None
+        if request.eval is not None:
+            self.eval_x = load_images(request.eval, samples=10**9, mean=request.mean, std=request.std)
+            with np.load(request.eval, allow_pickle=False) as data:
+                if "y" not in data:
+                    raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
+                self.eval_y = data["y"]
+            self.metric = Metric("top1", True)
+        else:  # no labels: agreement with the dense model on held-out calibration-like images
+            self.eval_x = load_images(request.calibration, samples=256, seed=request.seed + 1,
+                                      mean=request.mean, std=request.std)
+            self.metric = Metric("cosine", True)
+        say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
+            f"images, method {request.method}")
+
+    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+        return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
+                                batch_size=self.request.batch_size, progress=self.say, observe=observe)
+
+    export_decode_step = staticmethod(_no_decode_step)
+
+    def export(self, module: nn.Module, path: Path) -> float:
+        example = self.images[:2].clone()  # a view would save the whole calibration tensor
+        module = Float16(module) if self.request.precision == "fp16" else module
+        export_onnx(module, example, path, input_name=self.loaded.input_name, opset=self.request.opset)
+        return check_parity(module, path, self.images[: min(16, len(self.images))], **tolerance(self.request))
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        return {self.loaded.input_name: _repeat_to(self.images, self.shape["batch"])}
+
+    def outputs(self, path: Path) -> np.ndarray:
+        batches = [[b.numpy()] for b in self.eval_x.split(256)]
+        return np.concatenate(run_outputs(path, batches, reduce="raw"))
+
+    def score(self, outputs: np.ndarray, reference: np.ndarray) -> float:
+        if self.metric.name == "top1":
+            return float((outputs.argmax(1) == self.eval_y).mean())
+        return cosine(outputs, reference)
+
+    def save(self, module: nn.Module, out: Path) -> str:
+        save_program(module, out / "model.pt2", self.images[:2].clone())
+        return "model.pt2"
+
+    def preprocessing(self) -> dict:
+        return _image_preprocessing(self.request, self.loaded.input_name, self.loaded.input_shape)
+
+    def report_fields(self, module: nn.Module) -> dict:
+        return {"samples": len(self.images), "not_pruned": self.analysis.refused}
+
+
+class _TransformerJob:
+    """What text and vision transformers share: the block pipeline, HF exports and saving."""
+
+    causal = False
+
+    def __init__(self, request: CompressRequest, say: Say) -> None:
+        self.request, self.say = request, say
+        self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
+        self.dense = self.loaded.model
+        self.params_before = count_parameters(self.dense)
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self.shape: dict[str, int] = {}
+
+    def _tokens(self) -> int:
+        """Tokens per sample at the measured shape (the latency model's sequence length)."""
+        raise NotImplementedError
+
+    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+        request = self.request
+        options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
+                   "activation_dtype": getattr(torch, request.activation_dtype),
+                   "cost_sequence_length": self._tokens()}
+        if request.stream:
+            work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
+            try:
+                checkpoint = StreamedCheckpoint(request.model, work / "model")
+                layers = prune_blocks(checkpoint, self.batches, plan, **options)
+                checkpoint.finish()
+                return load_pruned(work / "model"), layers
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
+        return pruned.cpu().eval(), layers
+
+    def export(self, module: nn.Module, path: Path) -> float:
+        names = self.loaded.input_names
+        example = {name: self.batches[0][name][:2].clone() for name in names}
+        module = Float16(module) if self.request.precision == "fp16" else module
+        export_hf_onnx(module, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
+        return check_hf_parity(module, path, {k: self.batches[0][k] for k in names}, self.loaded.output_name,
+                               **tolerance(self.request))
+
+    export_decode_step = staticmethod(_no_decode_step)
+
+    def save(self, module: nn.Module, out: Path) -> str:
+        save_pruned(module, out / "model")
+        if self.loaded.tokenizer is not None:
+            self.loaded.tokenizer.save_pretrained(out / "model")
+        return "model/"
+
+    def report_fields(self, module: nn.Module) -> dict:
+        return {"widths": widths(module), "onnx_inputs": list(self.loaded.input_names),
+                "onnx_output": self.loaded.output_name}
+
+
+class TextJob(_TransformerJob):
+    def __init__(self, request: CompressRequest, say: Say) -> None:
+        super().__init__(request, say)
+        self.causal = self.loaded.output_name == "logits"
+        text = {"tokenizer": self.loaded.tokenizer, "length": request.sequence_length, "batch_size": 16}
+        self.batches = self._typed(load_text(request.calibration, sequences=request.sequences, seed=request.seed,
+                                             **text))
+        if request.eval is not None:
+            self.eval_batches = self._typed(load_text(request.eval, sequences=64, seed=request.seed, **text))
+        else:  # held-out windows of the calibration data (another seed)
+            self.eval_batches = self._typed(load_text(request.calibration, sequences=64, seed=request.seed + 1,
+                                                      **text))
+        self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
+        default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
+        limit = int(getattr(self.dense.config, "max_position_embeddings", 0) or 0)
+        if limit:
+            default["sequence"] = min(default["sequence"], limit)
+            if request.shape.get("sequence", 0) > limit:
+                raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the model's "
+                                 f"max_position_embeddings ({limit})")
+        self.shape = {**default, **request.shape}
+        say(f"{request.model}: {type(self.dense).__name__}, {request.sequences} calibration sequences of <= "
+            f"{request.sequence_length} tokens, method {request.method}")
+
+    def _typed(self, batches: list[dict]) -> list[dict]:
+        if "token_type_ids" in self.loaded.input_names:
+            batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+        return batches
+
+    def _tokens(self) -> int:
+        return self.shape["sequence"]
+
+    def export_decode_step(self, module: nn.Module, path: Path) -> float:
+        if not self.causal:
+            return _no_decode_step(module, path)
+        ids = self.batches[0]["input_ids"][:2, :8].clone()
+        export_decode_step(module, ids, path, opset=self.request.opset)
+        return check_decode_parity(module, path, ids)
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        batch, seq = self.shape["batch"], self.shape["sequence"]
+        vocab = int(getattr(self.dense.config, "vocab_size", 100))
+        ids = np.random.default_rng(0).integers(3, vocab, size=(batch, seq), dtype=np.int64)
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if "token_type_ids" in self.loaded.input_names:
+            feed["token_type_ids"] = np.zeros_like(ids)
+        return feed
+
+    def outputs(self, path: Path) -> list:
+        batches = [{k: v.numpy() for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
+        return run_outputs(path, batches, reduce="nll" if self.causal else "mean_pool")
+
+    def score(self, outputs: list, reference: list) -> float:
+        if self.metric.name == "perplexity":
+            nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
+            return float(math.exp(nll / max(count, 1)))
+        return cosine(outputs, reference)
+
+    def preprocessing(self) -> dict:
+        return {"inputs": list(self.loaded.input_names), "tokenizer": "the model's (saved in model/)"
+                if self.loaded.tokenizer is not None else None}
+
+    def report_fields(self, module: nn.Module) -> dict:
+        return {**super().report_fields(module), "sequences": self.request.sequences,
+                "sequence_length": self.request.sequence_length}
+
+
+class ImageTransformerJob(_TransformerJob):
+    """A ViT: calibration images (as for CNNs) through the transformer pipeline; no task head, so the
+    metric is the cosine of the mean-pooled last hidden state to the dense model's."""
+
+    EVAL_SAMPLES = 64
+
+    def __init__(self, request: CompressRequest, say: Say) -> None:
+        super().__init__(request, say)
+        config = self.dense.config
+        size, channels = int(config.image_size), int(config.num_channels)
+        self.input_shape = (channels, size, size)
+        self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
+                                  mean=request.mean, std=request.std)
+        if tuple(self.images.shape[1:]) != self.input_shape:
+            raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
+                                   f"expects {self.input_shape}")
+        batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
+        self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
+        source = request.eval if request.eval is not None else request.calibration
+        self.eval_x = load_images(source, samples=self.EVAL_SAMPLES, seed=request.seed + 1, mean=request.mean,
+                                  std=request.std)
+        self.metric = Metric("cosine", True)
+        self.shape = {"batch": request.shape.get("batch", 8)}
+        patch = int(config.patch_size)
+        self.tokens = (size // patch) ** 2 + 1  # patches and the [CLS] token
+        say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
+            f"{request.method}")
+
+    def _tokens(self) -> int:
+        return self.tokens
+
+    def latency_feed(self) -> dict[str, np.ndarray]:
+        return {"pixel_values": _repeat_to(self.images, self.shape["batch"])}
+
+    def outputs(self, path: Path) -> list:
+        return run_outputs(path, [{"pixel_values": b.numpy()} for b in self.eval_x.split(32)], reduce="mean_pool")
+
+    def score(self, outputs: list, reference: list) -> float:
+        return cosine(outputs, reference)
+
+    def preprocessing(self) -> dict:
+        return _image_preprocessing(self.request, "pixel_values", self.input_shape)
+
+    def report_fields(self, module: nn.Module) -> dict:
+        return {**super().report_fields(module), "samples": len(self.images)}

@@ -1,0 +1,213 @@
+"""The compression request: one dataclass is the schema of every compress option.
+
+Each field carries its help text (and CLI details) in its metadata, so the `osscar compress` flags
+(`service.cli`), the protobuf conversion (`service.wire`) and the server's validation all come from here:
+a new option is a field here plus its proto field. Fields that deliberately do not travel on the wire are
+listed in `LOCAL_ONLY`; a test keeps the proto and this class in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
+from compressor.errors import InputError
+from compressor.solver import METHODS
+from exporters.runtime import PROVIDERS
+
+from ..files import default_home
+
+PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar")  # "exact" only solves single small layers
+MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
+SHAPE_KEYS = ("batch", "sequence")
+
+# Request fields that never travel on the wire, and why:
+LOCAL_ONLY = {
+    "out_dir": "the server writes into a scratch directory and publishes artifacts",
+    "device": "the server gives each job a device slot",
+    "home": "the server's own $OSSCAR_HOME",
+    "trust_remote_code": "granted per model directory by the server's policy, never by the request",
+    "normalise": "a research knob of the target mode (bench/speedup.py); jobs use the default",
+}
+# The exactly-one-of group of the run mode (a proto oneof, a required mutually exclusive CLI group).
+MODES = ("target_speedup", "uniform_ratio", "widths_from")
+# Fields that name a model or data file: resolved by the server, uploaded by the client.
+REFERENCES = ("model", "calibration", "eval", "widths_from")
+
+
+def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,
+           choices: tuple[str, ...] | None = None, metavar: str | None = None, cli: bool = True) -> Any:
+    """A request field with its documentation (`help`, shown by `osscar compress -h`)."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class CompressRequest:
+    model: str = option(help="a .pt2 torch.export program, a Hugging Face model directory or cached hub id, or "
+                        "torchvision:<name>")
+    calibration: Path = option(help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text "
+                               "(transformers): .txt/.jsonl through the model's tokenizer, or token ids as .npz "
+                               "(ids, offsets) / .npy")
+    out_dir: Path = option(help="output directory", metavar="OUT")
+    target_speedup: float | None = option(help="measured speedup to reach in ONNX Runtime (e.g. 1.5)")
+    uniform_ratio: float | None = option(help="fraction of each prunable layer's groups removed (rounded, >= 1 "
+                                         "kept): the paper's protocol, one round")
+    widths_from: Path | None = option(help="the per-layer widths of an earlier report.json (e.g. to compare "
+                                      "methods at equal widths)")
+    eval: Path | None = option(help="evaluation data: images .npz with labels y (top-1), token ids / text "
+                               "(perplexity for LMs); default: held-out calibration-like data (cosine to the "
+                               "dense outputs, perplexity)")
+    method: str = option("osscar", "layer solver", choices=PRUNING_METHODS)
+    samples: int = option(500, "calibration images drawn (seeded)")
+    seed: int = option(0, "seed of the calibration draw")
+    mean: tuple[float, ...] = option(IMAGENET_MEAN, "per-channel mean for .npz images, after scaling to [0, 1]")
+    std: tuple[float, ...] = option(IMAGENET_STD, "per-channel std for .npz images")
+    device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
+    batch_size: int = option(100, "calibration batch size (images)")
+    sequences: int = option(128, "text calibration: windows drawn (seeded)")
+    sequence_length: int = option(128, "text calibration: tokens per window")
+    stream: bool = option(False, "transformers: read one block at a time from the safetensors shards and write it "
+                          "back pruned (memory bounded by a block, for models larger than RAM)")
+    activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
+                                   "CPU between blocks", choices=("float32", "float16"))
+    shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; "
+                                   "encoders batch=8,sequence=128; decoders batch=1,sequence=512)", factory=dict)
+    execution_provider: str | None = option(help="ONNX Runtime provider for measurement (default: cuda when "
+                                            "available)", choices=PROVIDERS)
+    threads: int | None = option(help="ONNX Runtime intra-op threads (default: the cores available)")
+    deployment_target: str | None = option(help="where the model will be served; a warning when measurement runs "
+                                           "elsewhere", choices=PROVIDERS)
+    round_to: int = option(8, "target mode: kept widths are multiples of this (or the full width)")
+    min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups")
+    max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
+    accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02)")
+    back_off: bool = option(False, "with --accuracy-budget: return the largest measured speedup that meets it")
+    repeats: int = option(20, "latency runs per model (median and p90)")
+    opset: int = option(18, "ONNX opset of the exports")
+    precision: str = option("fp32", "compute precision of the exports, dense baseline included; inputs and outputs "
+                            "stay float32", choices=("fp32", "fp16"))
+    decode_step: bool = option(False, "causal LMs: also export decode.onnx, one token with past key/values per "
+                               "layer")
+    normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
+                            "to the layer's own output", choices=("stream", "layer"), cli=False)
+    no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
+                                   "$OSSCAR_HOME/curves")
+    home: Path | None = option(help="where caches live (default $OSSCAR_HOME, else ~/.osscar)", cli=False)
+    trust_remote_code: bool = option(False, "run a Hugging Face model's own code", cli=False)
+
+    @property
+    def curves_cache(self) -> Path | None:
+        """Where dense loss curves are cached (None: not cached)."""
+        return None if self.no_curves_cache else (self.home or default_home()) / "curves"
+
+    def violations(self) -> list[tuple[str, str]]:
+        """Every problem with the request as (field, message); the messages name the CLI flags."""
+        errors: list[tuple[str, str]] = []
+
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                errors.append((field, message))
+
+        assert set(PRUNING_METHODS) <= set(METHODS)
+        check(bool(self.model), "model", "a model is required")
+        check(bool(self.calibration), "calibration", "calibration data is required (--calibration)")
+        check(self.method in PRUNING_METHODS, "method",
+              f"method must be one of {', '.join(PRUNING_METHODS)} (got {self.method!r})")
+        check(sum(getattr(self, mode) is not None for mode in MODES) == 1,
+              "target_speedup", "give exactly one of --target-speedup, --uniform-ratio and --widths-from")
+        check(self.widths_from is None or _is_file(self.widths_from), "widths_from",
+              f"--widths-from: no such report: {self.widths_from}")
+        check(self.uniform_ratio is None or 0 < self.uniform_ratio < 1, "uniform_ratio",
+              f"--uniform-ratio must be in (0, 1) (got {self.uniform_ratio})")
+        check(self.target_speedup is None or (math.isfinite(self.target_speedup) and 1 < self.target_speedup <= 20),
+              "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
+        for name, low, high in (("samples", 1, 1_000_000), ("batch_size", 1, 100_000), ("sequences", 1, 1_000_000),
+                                ("sequence_length", 2, 65536), ("round_to", 1, 4096), ("max_rounds", 1, 20),
+                                ("opset", 14, 23), ("repeats", 3, 10_000)):
+            value = getattr(self, name)
+            check(low <= value <= high, name, f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
+        check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")
+        for name, value in self._choices():
+            allowed = _field(name).metadata["choices"]
+            check(value in allowed, name, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} "
+                                          f"(got {value!r})")
+        bad = {k: v for k, v in self.shape.items() if k not in SHAPE_KEYS or not 1 <= v <= 65536}
+        check(not bad, "shape", f"--shape takes batch=N and sequence=N with 1 <= N <= 65536 (got {bad})")
+        tokens = self.shape.get("batch", 1) * self.shape.get("sequence", 1)
+        check(bool(bad) or tokens <= MAX_MEASURED_ELEMENTS, "shape", f"--shape batch x sequence must be at most "
+              f"{MAX_MEASURED_ELEMENTS} (got {tokens})")
+        check(self.threads is None or 1 <= self.threads <= 1024, "threads",
+              f"--threads must be in [1, 1024] (got {self.threads})")
+        check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
+        check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
+              f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
+        check(not self.back_off or self.accuracy_budget is not None, "back_off", "--back-off needs --accuracy-budget")
+        check(not (self.decode_step and self.precision != "fp32"), "decode_step",
+              "--decode-step is exported in fp32 only")
+        finite = all(math.isfinite(v) for v in (*self.mean, *self.std))
+        check(len(self.mean) <= 16 and len(self.mean) == len(self.std) and finite and all(v > 0 for v in self.std),
+              "std", "--mean and --std need the same number (at most 16) of finite values, std > 0")
+        return errors
+
+    def _choices(self) -> list[tuple[str, Any]]:
+        """(field, value) of every set field whose values are a fixed list."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.metadata.get("choices") and getattr(self, f.name) is not None]
+
+    def validate(self) -> None:
+        errors = self.violations()
+        if errors:
+            raise InputError("; ".join(message for _, message in errors))
+
+
+def _field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(CompressRequest)}[name]
+
+
+def field_types() -> dict[str, Any]:
+    """Each field's type with `| None` removed (Path, float, tuple[float, ...], ...)."""
+    hints = typing.get_type_hints(CompressRequest)
+    out = {}
+    for name, hint in hints.items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[name] = args[0] if isinstance(hint, types.UnionType) and len(args) == 1 else hint
+    return out
+
+
+def request_from_spec(spec: dict[str, Any], **local: Any) -> CompressRequest:
+    """A request from plain values (JSON from the wire or the store; references already resolved to paths)
+    plus the local-only fields (`out_dir`, `device`, ...). Values take their field's type; unknown names are
+    a bug of the caller and raise TypeError."""
+    types = field_types()
+    values: dict[str, Any] = {}
+    for name, value in {**spec, **local}.items():
+        if name not in types:
+            raise TypeError(f"CompressRequest has no field {name!r}")
+        kind = typing.get_origin(types[name]) or types[name]
+        if value is None or kind in (str, bool, int, float):
+            values[name] = value
+        elif kind is Path:
+            values[name] = Path(value)
+        elif kind is tuple:
+            values[name] = tuple(float(v) for v in value)
+        elif kind is dict:
+            values[name] = {str(k): int(v) for k, v in dict(value).items()}
+        else:
+            raise TypeError(f"no conversion for field {name!r} of type {types[name]}")
+    return CompressRequest(**values)
+
+
+def _is_file(path: str | Path) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
+        return False

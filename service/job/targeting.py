@@ -1,0 +1,170 @@
+"""Measured-speedup targeting: dense loss-versus-width curves (cached), the closed prune -> measure loop
+that corrects its latency model, and the choice of the round to return.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch import nn
+
+from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
+from compressor.errors import InputError
+from compressor.layerstats import LayerObservation, Widths
+from compressor.reports import LayerReport
+from exporters.runtime import Latency
+
+from ..files import file_sha256, write_text_atomically
+from .kinds import Metric, ModelJob
+from .request import CompressRequest
+
+MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
+AIM = 1.10  # and the loop aims at <= 1.10 x target
+INITIAL_SHARE = 0.85  # modelled fraction of the latency in the prunable layers before the first measurement
+
+
+@dataclass
+class Round:
+    """One prune -> export -> measure round."""
+
+    plan: Widths  # the uniform ratio, or {layer: kept width}
+    module: nn.Module | None  # the pruned model
+    layers: list[LayerReport]
+    onnx: Path | None  # its export (in the job's scratch directory)
+    parity: float  # max abs error of the export against the PyTorch model
+    latency: Latency  # dense and pruned, measured together
+    metric: float  # the job's metric on the evaluation data
+    predicted_speedup: float | None = None  # what the latency model expected (target mode)
+
+
+RunRound = Callable[[Widths, int, float | None], Round]
+
+
+def _fingerprint(path: str | Path) -> list:
+    """What identifies a model or data reference without reading gigabytes: each file's name, size and
+    modification time (a content digest for files under 64 MB)."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
+    out: list = [str(path.resolve()) if path.exists() else str(path)]
+    for f in files:
+        stat = f.stat()
+        out.append([f.name, stat.st_size, file_sha256(f) if stat.st_size < 64 << 20 else stat.st_mtime_ns])
+    return out
+
+
+def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> str:
+    parts = {"model": _fingerprint(request.model), "calibration": _fingerprint(request.calibration),
+             "seed": request.seed, "samples": request.samples, "sequences": request.sequences,
+             "sequence_length": request.sequence_length, "mean": request.mean, "std": request.std,
+             "round_to": request.round_to, "min_width": request.min_width, "shape": job.shape,
+             "normalise": request.normalise, "version": version}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def dense_curves(job: ModelJob, request: CompressRequest, say: Callable[[str], None], version: str) -> list[LayerCurve]:
+    """Loss-versus-width curves of every layer from the dense model's statistics (one pass), cached by
+    model, calibration and settings, so a sweep of targets costs one calibration pass."""
+    cache_dir = request.curves_cache
+    cache = cache_dir / f"{curves_cache_key(job, request, version)}.json" if cache_dir else None
+    if cache is not None and cache.is_file():
+        say(f"dense statistics: cached curves {cache}")
+        return [LayerCurve(**c) for c in json.loads(cache.read_text())]
+    say("dense statistics pass: loss-versus-width curve of every layer")
+    curves: list[LayerCurve] = []
+
+    def observe(obs: LayerObservation) -> None:
+        groups = obs.H.shape[0] // obs.group_size
+        # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
+        multiple = 1 if obs.kind == "attention_heads" else request.round_to
+        minimum = max(1, math.ceil(request.min_width * groups))
+        allowed = allowed_widths(groups, multiple, minimum)
+        losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
+        # a layer's loss counts relative to what its error adds to: the residual stream when there is one
+        norm = obs.stream_energy if request.normalise == "stream" and obs.stream_energy else obs.energy
+        norm = norm if norm > 0 else 1.0
+        curves.append(LayerCurve(obs.name, obs.kind, allowed, [v / norm for v in losses], obs.cost))
+
+    job.prune(0.0, observe=observe)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(cache, json.dumps([asdict(c) for c in curves], indent=2))
+    return curves
+
+
+def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
+                baseline_metric: float, say: Callable[[str], None],
+                enter: Callable[[str, int], None] | None = None) -> list[Round]:
+    """Allocate -> prune -> measure; correct the latency model's prunable share and retry."""
+    full = total_cost(curves)
+    share = INITIAL_SHARE  # corrected after each measurement
+    target = request.target_speedup
+    assert target is not None
+    rounds: list[Round] = []
+    for index in range(request.max_rounds):
+        wanted = (1 - 1 / target) / share  # fraction of the prunable cost to remove
+        plan = allocate(curves, wanted * full)
+        saved = 1 - total_cost(curves, plan) / full
+        if enter:
+            enter("allocate", index)
+        say(f"round {index}: removing {saved:.1%} of the prunable cost (modelled prunable share {share:.2f})")
+        result = run_round(plan, index, 1 / (1 - share * saved))
+        rounds.append(result)
+        speedup = result.latency.speedup
+        blown = request.accuracy_budget is not None and \
+            metric.relative_drop(baseline_metric, result.metric) > request.accuracy_budget
+        if blown and request.back_off:
+            target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
+            say(f"round {index}: accuracy budget exceeded; backing off to {target:.3f}x")
+        elif MET * request.target_speedup <= speedup <= AIM * request.target_speedup:
+            break
+        if saved > 0 and speedup > 0:  # observed share of the latency that the removed cost accounted for
+            share = min(1.5, max(0.05, (1 - 1 / speedup) / saved))
+        if saved >= 1 - 1e-9 or (speedup < MET * target and saved >= max_saving(curves) - 1e-9):
+            say("the minimum widths allow no more pruning")
+            break
+    return rounds
+
+
+def widths_of(path: Path) -> dict[str, int]:
+    """{layer: kept width} from a report.json's layers."""
+    try:
+        layers = json.loads(Path(path).read_text())["layers"]
+        return {layer["name"]: int(layer["width_after"]) for layer in layers}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--widths-from {path}: expected a report.json with layers[].name and width_after") from err
+
+
+def max_saving(curves: list[LayerCurve]) -> float:
+    """The fraction of the prunable cost removed with every layer at its minimum width."""
+    return 1 - total_cost(curves, {c.name: c.widths[-1] for c in curves}) / total_cost(curves)
+
+
+def choose(request: CompressRequest, rounds: list[Round], metric: Metric, baseline: float) -> tuple[Round, str]:
+    """The round to return and the job's status (ok, target_not_met, accuracy_budget_exceeded)."""
+    def within_budget(r: Round) -> bool:
+        return request.accuracy_budget is None or metric.relative_drop(baseline, r.metric) <= request.accuracy_budget
+
+    def quality(r: Round) -> float:
+        return r.metric if metric.higher_is_better else -r.metric
+
+    if request.target_speedup is None:
+        chosen = rounds[0]
+        return chosen, "ok" if within_budget(chosen) else "accuracy_budget_exceeded"
+    target = request.target_speedup
+    met = [r for r in rounds if r.latency.speedup >= MET * target]
+    if request.back_off:
+        fine = [r for r in rounds if within_budget(r)]
+        if fine:
+            best = max(fine, key=lambda r: r.latency.speedup)
+            return best, "ok" if best.latency.speedup >= MET * target else "target_not_met"
+        return max(rounds, key=quality), "accuracy_budget_exceeded"
+    if met:
+        best = max(met, key=quality)
+        return best, "ok" if within_budget(best) else "accuracy_budget_exceeded"
+    return max(rounds, key=lambda r: r.latency.speedup), "target_not_met"
+

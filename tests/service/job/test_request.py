@@ -1,0 +1,85 @@
+"""One schema for the compress options: the request dataclass, the CLI flags, the proto and the server
+all agree, and a remote job gets the request's own defaults."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from compressor.errors import InputError
+from service import cli
+from service.api import compression_pb2 as pb
+from service.job.request import LOCAL_ONLY, MODES, REFERENCES, CompressRequest, request_from_spec
+from service.wire import SUBMISSION_FIELDS, api_field, spec_from_proto, spec_to_proto, wire_option_names
+
+FIELDS = {f.name: f for f in dataclasses.fields(CompressRequest)}
+
+
+def test_the_proto_carries_exactly_the_request_fields_but_the_documented_local_ones():
+    top, options = wire_option_names()
+    assert top.isdisjoint(options)
+    assert top | options == set(FIELDS) - set(LOCAL_ONLY)
+    assert set(LOCAL_ONLY) <= set(FIELDS) and all(reason for reason in LOCAL_ONLY.values())
+    assert {fd.name for fd in pb.CompressRequest.DESCRIPTOR.fields} == top | set(SUBMISSION_FIELDS)
+    assert {fd.name for fd in pb.CompressRequest.DESCRIPTOR.oneofs_by_name["mode"].fields} == set(MODES)
+    assert set(REFERENCES) <= top
+
+
+def test_every_field_is_documented_and_the_cli_has_a_flag_for_each_cli_field():
+    assert all(f.metadata["help"] for f in FIELDS.values())
+    parser = cli.build_parser()
+    compress = parser._subparsers._group_actions[0].choices["compress"]
+    dests = {a.dest for a in compress._actions}
+    cli_fields = {name for name, f in FIELDS.items() if f.metadata["cli"]}
+    assert cli_fields <= dests
+    assert {"normalise", "home", "trust_remote_code"}.isdisjoint(dests)  # deliberately not flags
+    # argparse never supplies a default of its own: an absent flag is the request's default
+    assert all(a.default is None for a in compress._actions if a.dest in cli_fields)
+
+
+def test_flags_build_the_same_request_as_the_dataclass_defaults(tmp_path):
+    args = cli.build_parser().parse_args(["compress", "m.pt2", "--calibration", "c.npz", "--out", str(tmp_path),
+                                          "--uniform-ratio", "0.3", "--mean", "0.5,0.5,0.5", "--shape", "batch=4",
+                                          "--stream", "--method", "mp+"])
+    request = CompressRequest(**cli.compress_options(args))
+    assert request == CompressRequest(model="m.pt2", calibration=Path("c.npz"), out_dir=tmp_path, uniform_ratio=0.3,
+                                      mean=(0.5, 0.5, 0.5), shape={"batch": 4}, stream=True, method="mp+")
+
+
+def test_a_remote_request_round_trips_and_unset_options_take_the_request_defaults():
+    minimal = pb.CompressRequest(model="/m", calibration="/c", target_speedup=1.5)
+    spec = spec_from_proto(minimal)
+    assert set(spec) <= {"model", "calibration", "target_speedup", "shape", "back_off", "stream", "decode_step",
+                         "no_curves_cache"}
+    request = request_from_spec(spec, out_dir=Path("/o"))
+    defaults = CompressRequest(model="/m", calibration=Path("/c"), out_dir=Path("/o"), target_speedup=1.5)
+    assert request == defaults
+    full = {"model": "/m", "calibration": "/c", "uniform_ratio": 0.25, "eval": "/e", "samples": 7, "seed": 3,
+            "mean": (0.1, 0.2), "std": (0.3, 0.4), "shape": {"batch": 2, "sequence": 9}, "stream": True,
+            "precision": "fp16", "accuracy_budget": 0.05, "back_off": True, "threads": 2, "min_width": 0.2}
+    assert request_from_spec(spec_from_proto(spec_to_proto(full)), out_dir=Path("/o")) == \
+        request_from_spec(full, out_dir=Path("/o"))
+
+
+def test_local_only_fields_never_go_on_the_wire():
+    for name in LOCAL_ONLY:
+        with pytest.raises(ValueError, match="does not travel"):
+            spec_to_proto({name: "x"})
+
+
+def test_api_field_paths_follow_the_proto():
+    assert api_field("samples") == "options.samples" and api_field("uniform_ratio") == "uniform_ratio"
+
+
+def test_every_violation_is_listed_and_is_an_input_error():
+    bad = CompressRequest(model="", calibration=Path("c"), out_dir=Path("o"), uniform_ratio=1.5, target_speedup=2,
+                          samples=0, method="magic", precision="fp8", shape={"batch": 0})
+    fields = {f for f, _ in bad.violations()}
+    assert {"model", "uniform_ratio", "target_speedup", "samples", "method", "precision", "shape"} <= fields
+    with pytest.raises(InputError, match="--samples must be in"):
+        bad.validate()
+
+
+def test_request_from_spec_refuses_unknown_fields():
+    with pytest.raises(TypeError, match="no field 'nonsense'"):
+        request_from_spec({"nonsense": 1})
