@@ -56,7 +56,6 @@ SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Compression"].full_name,
                  operations_pb2.DESCRIPTOR.services_by_name["Operations"].full_name)
 DOWNLOAD_CHUNK = 1 << 20
 MAX_VIOLATIONS = 10  # listed in one error (with the count of the rest): replies stay under the header limit
-MAX_MESSAGE = 8 << 20  # upload chunks and downloads stay well below
 
 
 # ---- errors ----------------------------------------------------------------------------------------
