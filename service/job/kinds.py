@@ -239,7 +239,7 @@ class _TransformerJob:
         request = self.request
         options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
-                   "cost_sequence_length": self._tokens()}
+                   "cost_sequence_length": self._tokens(), "gqa": request.gqa}
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:

@@ -19,6 +19,7 @@ from typing import Any
 from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
 from compressor.errors import InputError
 from compressor.solver import METHODS
+from compressor.transformer.pipeline import GQA_UNITS
 from exporters.runtime import PROVIDERS
 
 from ..files import default_home
@@ -97,6 +98,8 @@ class CompressRequest:
                             "stay float32", choices=("fp32", "fp16"))
     decode_step: bool = option(False, "causal LMs: also export decode.onnx, one token with past key/values per "
                                "layer")
+    gqa: str = option("query-heads", "grouped-query attention: prune single query heads (a KV head goes when no "
+                      "kept query head reads it) or whole KV groups", choices=GQA_UNITS)
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
                             "to the layer's own output", choices=("stream", "layer"), cli=False)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "

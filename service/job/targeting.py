@@ -62,7 +62,7 @@ def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> s
              "seed": request.seed, "samples": request.samples, "sequences": request.sequences,
              "sequence_length": request.sequence_length, "mean": request.mean, "std": request.std,
              "round_to": request.round_to, "min_width": request.min_width, "shape": job.shape,
-             "normalise": request.normalise, "version": version}
+             "normalise": request.normalise, "gqa": request.gqa, "version": version}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -47,12 +47,18 @@ def test_parity_gate_passes_and_catches_a_changed_model(exported):
         layer_weight.data.copy_(saved)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "opt", "gpt2"])
-def test_decode_step_with_past_key_values_matches_the_full_forward(name, tmp_path):
+@pytest.mark.parametrize("name,unit", [("llama", "kv-groups"), ("qwen2", "kv-groups"), ("opt", "kv-groups"),
+                                       ("gpt2", "kv-groups"), ("llama", "query-heads"), ("qwen2", "query-heads")])
+def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, tmp_path):
+    from compressor.transformer.surgery import prune_query_heads
     from exporters.onnx import _DecodeStep, _past_of, check_decode_parity, decode_step_names, export_decode_step
 
     model = MODELS[name]()
-    prune_heads(model, 0, [0])  # layers with different KV widths
+    if unit == "kv-groups":
+        prune_heads(model, 0, [0])  # layers with different KV widths
+    else:  # single query heads: uneven query heads per KV head, a KV head gone from layer 1
+        prune_query_heads(model, 0, [0, 1, 3])
+        prune_query_heads(model, 1, [1])
     ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     path = export_decode_step(model, ids, tmp_path / "decode.onnx")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -5,7 +5,7 @@ import torch
 
 from compressor.transformer.adapters import adapter_for, layers
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer
-from compressor.transformer.surgery import head_groups, in_features, projection
+from compressor.transformer.surgery import head_groups, in_features, projection, query_heads
 
 from .transformer_models import MODELS, example_inputs, first_output
 
@@ -28,15 +28,19 @@ def test_replayed_block_inputs_match_the_models_hidden_states(name):
                 hidden = _run(block, hidden, s, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_block_is_pruned_and_runs(name):
+@pytest.mark.parametrize("name,unit", [(name, "query-heads") for name in sorted(MODELS)]
+                         + [("llama", "kv-groups"), ("qwen2", "kv-groups")])
+def test_every_block_is_pruned_and_runs(name, unit):
     model = MODELS[name]()
     before = first_output(model)
-    pruned, reports = prune_transformer(model, batches(model), 0.5)
+    pruned, reports = prune_transformer(model, batches(model), 0.5, gqa=unit)
     adapter = adapter_for(model)
     assert [r.kind for r in reports] == ["attention_heads", "ffn_neurons"] * len(layers(model))
     for i, layer in enumerate(layers(pruned)):
-        assert head_groups(pruned, i) == head_groups(model, i) // 2
+        if unit == "query-heads":
+            assert query_heads(pruned, i) == query_heads(model, i) // 2
+        else:
+            assert head_groups(pruned, i) == head_groups(model, i) // 2
         ffn = in_features(projection(layers(model)[i], adapter.down))
         assert in_features(projection(layer, adapter.down)) == ffn - round(0.5 * ffn)
     assert first_output(pruned).shape == before.shape
@@ -88,3 +92,11 @@ def test_observations_carry_the_residual_stream_energy():
         assert o.stream_energy > 0 and o.energy > 0 and o.cost > 0
         assert o.H.shape[0] == o.G.shape[0] and o.H.shape[0] % o.group_size == 0
     assert seen[0].stream_energy == seen[1].stream_energy  # one block, one stream
+
+
+def test_an_unknown_gqa_unit_is_refused():
+    from compressor.errors import InputError
+
+    model = MODELS["llama"]()
+    with pytest.raises(InputError, match="gqa must be one of query-heads, kv-groups"):
+        prune_transformer(model, batches(model), 0.5, gqa="heads")

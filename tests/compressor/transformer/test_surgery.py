@@ -11,11 +11,15 @@ from compressor.transformer.adapters import adapter_for, dims, layers
 from compressor.transformer.surgery import (
     head_groups,
     in_features,
+    kv_index,
     load_pruned,
     projection,
     prune_ffn,
     prune_heads,
+    prune_query_heads,
+    query_heads,
     save_pruned,
+    widths,
 )
 
 from .transformer_models import MODELS, first_output, tiny_gpt2, tiny_llama
@@ -90,6 +94,9 @@ def test_bad_selections_are_refused():
     model = tiny_llama()
     with pytest.raises(ValueError, match=r"head groups: indices out of range \[0, 2\): \[2\]"):
         prune_heads(model, 0, [0, 2])
+    with pytest.raises(ValueError, match=r"query heads: indices out of range \[0, 8\): \[8, 9\]; repeated "
+                                         r"indices: \[1\]"):
+        prune_query_heads(model, 0, [1, 1, 8, 9])
     with pytest.raises(ValueError, match="no channel kept"):
         prune_ffn(model, 0, [])
     with pytest.raises(ValueError, match="unsupported transformer family"):
@@ -111,3 +118,67 @@ def test_stories260k_gqa_prunes_and_reloads(shared_data, tmp_path):
     ids = {"input_ids": torch.tensor([[1, 300, 301, 302, 50, 60]])}
     save_pruned(model, tmp_path / "s")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "s"), ids), first_output(model, ids))
+
+
+def _query_rows(heads, head_dim):
+    return [h * head_dim + a for h in heads for a in range(head_dim)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_single_query_heads_equal_the_dense_model_with_those_heads_zeroed(name):
+    """GQA pruned one query head at a time: uneven query heads per KV head, and a KV head with no kept
+    query head leaves with its K/V rows."""
+    model = MODELS[name]()
+    adapter, d = adapter_for(model), dims(model)
+    last = d.heads - 1
+    keep = [0, 1, last]  # KV head 0 keeps two query heads, the last KV head one; any between: none
+    reference = zero_inputs(model, 0, adapter.o, _query_rows(keep, d.head_dim))
+    before = count_parameters(model)
+    prune_query_heads(model, 0, keep)
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+    assert query_heads(model, 0) == 3 and kv_index(model, 0).tolist() == [0, 0, 1]
+    attention = layers(model)[0].self_attn
+    assert attention.k_proj.out_features == attention.v_proj.out_features == 2 * d.head_dim
+    bias = projection(layers(model)[0], adapter.q).bias is not None
+    per_q = 2 * d.head_dim * d.hidden + (d.head_dim if bias else 0)  # q rows and o columns
+    per_kv = 2 * (d.head_dim * d.hidden + (d.head_dim if bias else 0))
+    assert before - count_parameters(model) == (d.heads - 3) * per_q + (d.kv_heads - 2) * per_kv
+    prune_query_heads(model, 0, [2])  # again on the pruned layer: the map follows the kept heads
+    assert kv_index(model, 0).tolist() == [0] and attention.k_proj.out_features == d.head_dim
+
+
+def test_query_head_widths_save_and_reload(tmp_path):
+    model = tiny_llama()
+    prune_query_heads(model, 0, [0, 2, 3, 7])
+    prune_query_heads(model, 1, [5])
+    prune_ffn(model, 1, [0, 3])
+    assert widths(model) == {"heads": [4, 1], "ffn": [20, 2], "kv_index": [[0, 0, 0, 1], [0]]}
+    save_pruned(model, tmp_path / "m")
+    reloaded = load_pruned(tmp_path / "m")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+    assert widths(reloaded) == widths(model)
+
+
+def test_manifests_of_earlier_releases_count_kv_groups(tmp_path):
+    import json
+
+    model = tiny_llama()
+    prune_heads(model, 1, [1])
+    save_pruned(model, tmp_path / "m")
+    (tmp_path / "m" / "osscar_widths.json").write_text(json.dumps({"head_groups": [2, 1], "ffn": [20, 20]}))
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model))
+
+
+def test_a_bad_kv_map_in_a_manifest_is_refused(tmp_path):
+    import json
+
+    from compressor.errors import ModelReferenceError
+
+    model = tiny_llama()
+    prune_query_heads(model, 0, [0, 7])
+    save_pruned(model, tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / "osscar_widths.json").read_text())
+    manifest["kv_index"][0] = [0, 2]  # KV head 1 kept but read by nobody
+    (tmp_path / "m" / "osscar_widths.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelReferenceError, match="kv_index"):
+        load_pruned(tmp_path / "m")

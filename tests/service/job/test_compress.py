@@ -98,8 +98,13 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     assert "mlp.down_proj" in capsys.readouterr().err
     assert (out / "decode.onnx").is_file() == ("--decode-step" in extra)
     report = json.loads((out / "report.json").read_text())
-    assert report["widths"] == {"head_groups": [1, 1], "ffn": [10, 10]}
-    assert (report["params_before"], report["params_after"]) == (10720, 6240)
+    # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
+    assert (report["widths"]["heads"], report["widths"]["ffn"]) == ([4, 4], [10, 10])
+    assert [len(m) for m in report["widths"]["kv_index"]] == [4, 4]
+    kv_heads = [len(set(m)) for m in report["widths"]["kv_index"]]
+    q_and_o, k_and_v, ffn = 2 * 4 * 32, 2 * 4 * 32, 3 * 32  # per query head, KV head, FFN neuron (hidden 32)
+    removed = sum(4 * q_and_o + (2 - kv) * k_and_v + 10 * ffn for kv in kv_heads)
+    assert (report["params_before"], report["params_after"]) == (10720, 10720 - removed)
     assert [layer["kind"] for layer in report["layers"]] == ["attention_heads", "ffn_neurons"] * 2
     session = ort.InferenceSession(str(out / "model.onnx"))
     assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]

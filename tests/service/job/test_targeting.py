@@ -141,8 +141,7 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
         assert 2 * layer["width_after"] >= layer["width_before"]  # --min-width 0.5
         if layer["kind"] == "ffn_neurons":
             assert layer["width_after"] in (20, 16)  # the full width or multiples of 8 above 10
-    assert report["widths"]["head_groups"] == [r["width_after"] for r in report["layers"]
-                                               if r["kind"] == "attention_heads"]
+    assert report["widths"]["heads"] == [r["width_after"] for r in report["layers"] if r["kind"] == "attention_heads"]
 
 
 def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(tmp_path):

@@ -1,0 +1,62 @@
+"""Attention whose query heads read their KV heads through an index: grouped-query attention after
+query heads were pruned one by one.
+
+HF's kernels assume every KV head serves the same number of query heads (`repeat_kv`). Once single
+query heads are gone that no longer holds: KV head 0 may serve three query heads and KV head 1 one.
+Each attention module then carries `kv_index` (one entry per query head: the KV head it reads), and
+this attention gathers K and V by it instead of repeating them. A KV head no kept query head reads is
+removed with its K/V rows, so the cache shrinks with it. The gather is a plain `index_select`: it
+traces into torch.export and ONNX, and the decode step's cache holds only the kept KV heads.
+
+It plugs into transformers' attention registry under `GATHERED` (`use_gathered_attention(model)`);
+modules without `kv_index` (a dense block) read KV head `h // group`, as `repeat_kv` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GATHERED = "osscar_gathered"
+
+
+def gathered_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """query (batch, heads, q_len, head_dim) over key/value (batch, kv_heads, k_len, head_dim); returns
+    the attention output (batch, q_len, heads, head_dim), as transformers' attention functions do."""
+    index = getattr(module, "kv_index", None)
+    if index is None:  # an unpruned block: query head h reads KV head h // group
+        heads, kv_heads = query.shape[1], key.shape[1]
+        index = torch.arange(heads, device=query.device) // (heads // kv_heads)
+    key = key.index_select(1, index.to(key.device))  # (batch, heads, k_len, head_dim)
+    value = value.index_select(1, index.to(value.device))
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    # as transformers' sdpa path: without a mask, a multi-token query of a causal model is causal
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=bool(is_causal),
+                                         dropout_p=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make `GATHERED` a name transformers' attention and mask registries know (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GATHERED, gathered_attention)
+    AttentionMaskInterface.register(GATHERED, sdpa_mask)  # the same boolean masks as sdpa
+
+
+def use_gathered_attention(model: nn.Module) -> None:
+    """Switch a model to the gathered attention: its config and every config its modules hold (blocks
+    built or streamed apart from the model keep config objects of their own)."""
+    register()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = GATHERED
