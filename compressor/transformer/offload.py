@@ -88,8 +88,8 @@ class StreamedCheckpoint:
         for transform in get_model_conversion_mapping(self.model):
             if type(transform).__name__ != "WeightRenaming":
                 raise ModelReferenceError(f"{self.source}: loading this checkpoint converts tensors "
-                                 f"({type(transform).__name__}); stream a checkpoint saved by this transformers "
-                                 "version instead")
+                                          f"({type(transform).__name__}); stream a checkpoint saved by this "
+                                          "transformers version instead")
             sources, targets = list(transform.source_patterns), list(transform.target_patterns)
             targets = targets * len(sources) if len(targets) == 1 else targets  # many sources, one target
             renames += [(re.compile(source), target) for source, target in zip(sources, targets, strict=True)]
@@ -133,7 +133,7 @@ class StreamedCheckpoint:
         missing = [k for k in missing if not k.startswith(self.prefix) and k not in aliases]
         if missing or unexpected:
             raise ModelReferenceError(f"{self.source}: non-block weights do not match (missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]})")
+                                      f"unexpected {unexpected[:5]})")
 
     def load(self, index: int) -> nn.Module:
         block = layers(self.model)[index].to_empty(device="cpu")

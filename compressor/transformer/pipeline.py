@@ -231,6 +231,8 @@ def prune_blocks(
     adapter, d = adapter_for(model), dims(model)
     prefix = layers_path(model)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
+    head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
+    prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
@@ -265,8 +267,7 @@ def prune_blocks(
                 h1.remove()
                 h2.remove()
             finished = stats.finish(center)
-            heads_per_group = 1 if gqa == "query-heads" else d.group
-            g = heads_per_group * d.head_dim if kind == "attention_heads" else 1
+            g = head_rows if kind == "attention_heads" else 1
             groups = finished.H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
             if observe:
@@ -277,7 +278,6 @@ def prune_blocks(
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one
                 proj.bias.data += kept.shift.to(proj.bias)
-            prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
             (prune_heads_by if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
             report = LayerReport.measure(name, kind, groups, len(kept.keep),
                                          sol.objective, finished.energy, start, kept=kept.keep)

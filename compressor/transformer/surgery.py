@@ -288,5 +288,5 @@ def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Mo
     missing = sorted(set(missing) - tied_aliases(model))
     if missing or unexpected:
         raise ModelReferenceError(f"{directory}: weights do not match the manifest (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
+                                  f"unexpected {unexpected[:5]})")
     return model.eval()

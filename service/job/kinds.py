@@ -230,16 +230,13 @@ class _TransformerJob:
         self.params_before = count_parameters(self.dense)
         self.batches: list[dict[str, torch.Tensor]] = []
         self.shape: dict[str, int] = {}
-
-    def _tokens(self) -> int:
-        """Tokens per sample at the measured shape (the latency model's sequence length)."""
-        raise NotImplementedError
+        self.tokens = 0  # tokens per sample at the measured shape (the latency model's sequence length)
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
         options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
-                   "cost_sequence_length": self._tokens(), "gqa": request.gqa}
+                   "cost_sequence_length": self.tokens, "gqa": request.gqa}
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
@@ -294,6 +291,7 @@ class TextJob(_TransformerJob):
                 raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the model's "
                                  f"max_position_embeddings ({limit})")
         self.shape = {**default, **request.shape}
+        self.tokens = self.shape["sequence"]
         say(f"{request.model}: {type(self.dense).__name__}, {request.sequences} calibration sequences of <= "
             f"{request.sequence_length} tokens, method {request.method}")
 
@@ -301,9 +299,6 @@ class TextJob(_TransformerJob):
         if "token_type_ids" in self.loaded.input_names:
             batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
         return batches
-
-    def _tokens(self) -> int:
-        return self.shape["sequence"]
 
     def export_decode_step(self, module: nn.Module, path: Path) -> float:
         if not self.causal:
@@ -367,9 +362,6 @@ class ImageTransformerJob(_TransformerJob):
         self.tokens = (size // patch) ** 2 + 1  # patches and the [CLS] token
         say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
             f"{request.method}")
-
-    def _tokens(self) -> int:
-        return self.tokens
 
     def latency_feed(self) -> dict[str, np.ndarray]:
         return {"pixel_values": _repeat_to(self.images, self.shape["batch"])}

@@ -38,8 +38,10 @@ LOCAL_ONLY = {
 }
 # The exactly-one-of group of the run mode (a proto oneof, a required mutually exclusive CLI group).
 MODES = ("target_speedup", "uniform_ratio", "widths_from")
-# Fields that name a model or data file: resolved by the server, uploaded by the client.
-REFERENCES = ("model", "calibration", "eval", "widths_from")
+# Fields that name a model or data file (resolved by the server, uploaded by the client) -> what they
+# name, in messages
+REFERENCES = {"model": "model", "calibration": "calibration data", "eval": "evaluation data",
+              "widths_from": "report"}
 
 
 def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,
