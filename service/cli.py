@@ -52,6 +52,20 @@ class _Progress:
         self.lines(message, transient=message.startswith("[") or "relative error" in message)
 
 
+NONE = "none"
+# flags that also take the literal `none`, and the request field it sets (a float cannot say "off")
+NONE_FLAGS = {"accuracy_budget": "no_accuracy_budget"}
+
+
+def _number_or_none(text: str) -> float | str:
+    if text.strip().lower() == NONE:
+        return NONE
+    try:
+        return float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from err
+
+
 def _label(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -63,8 +77,13 @@ def compress_options(args: argparse.Namespace) -> dict[str, Any]:
     """The request fields the command line set (absent flags: the request's defaults apply)."""
     from .job.request import CompressRequest
 
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(CompressRequest)
-            if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompressRequest)
+               if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    for name, switch in NONE_FLAGS.items():
+        if options.get(name) == NONE:
+            del options[name]
+            options[switch] = True
+    return options
 
 
 def _compress(args: argparse.Namespace) -> int:
@@ -83,11 +102,11 @@ def _compress(args: argparse.Namespace) -> int:
             options[name] = embedded(str(value), default_home())
     options["model"] = str(options["model"])
     report = compress(CompressRequest(**options), progress=_Progress(sys.stderr))
+    if report["status"] == "parity_failed":
+        print(f"osscar: {report['message']}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
+        return 2
     if report["status"] != "ok":
-        print(f"osscar: {report['status']}: measured speedup {report['measured_speedup']:.3f}x "
-              f"(target {report['target_speedup']}), {report['metric']['name']} {report['metric']['baseline']:.4f}"
-              f" -> {report['metric']['compressed']:.4f}; the best artifact and report are in {args.out_dir}",
-              file=sys.stderr)
+        print(f"osscar: {report['message']}; the best artifact and report are in {args.out_dir}", file=sys.stderr)
         return 2
     return 0
 
@@ -186,7 +205,8 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
         if types[f.name] is bool:
             kwargs["action"] = "store_true"
         else:
-            kwargs.update(type=_flag_type(types[f.name]), choices=meta["choices"], metavar=meta["metavar"])
+            kind = _number_or_none if f.name in NONE_FLAGS else _flag_type(types[f.name])
+            kwargs.update(type=kind, choices=meta["choices"], metavar=meta["metavar"])
         if f.name in ("calibration", "out_dir"):
             kwargs["required"] = True
         (mode if f.name in MODES else parser).add_argument(flag, **kwargs)

@@ -42,6 +42,9 @@ class FamilyAdapter:
     # every output channel of the projection before anything else sees it)
     o_norm: str | None = None
     down_norm: str | None = None
+    # decoder-only language models: a checkpoint that does not name its class (no `architectures`, common
+    # in converted checkpoints) is still loaded with its LM head
+    causal: bool = False
 
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
@@ -52,13 +55,13 @@ VIT_LIKE = FamilyAdapter(layers="layers", q="attention.q_proj", k="attention.k_p
 # pre-norm OPT (do_layer_norm_before, every size but 350m); its reshapes use self.num_heads
 OPT_LIKE = FamilyAdapter(layers="model.decoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                          v="self_attn.v_proj", o="self_attn.out_proj", up=("fc1",), down="fc2",
-                         head_count_attrs=("self_attn.num_heads",))
+                         head_count_attrs=("self_attn.num_heads",), causal=True)
 GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.c_attn", o="attn.c_proj",
                           up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
-                          head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",))
+                          head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",), causal=True)
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
-                           down="mlp.down_proj", kv_heads_key="num_key_value_heads")
+                           down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True)
 
 ADAPTERS: dict[str, FamilyAdapter] = {
     "bert": BERT_LIKE,

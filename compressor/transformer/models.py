@@ -39,12 +39,22 @@ LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
-    GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads)."""
+    GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads).
+
+    A config without `architectures` (converted checkpoints often have none) of a decoder-only family
+    (`FamilyAdapter.causal`) gets the family's causal-LM class from transformers' auto mapping: its base
+    model would lack the LM head and the layer paths the adapters name."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     arch = (config.architectures or [""])[0]
     if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), True
+    adapter = ADAPTERS.get(config.model_type)
+    if not arch and adapter is not None and adapter.causal:
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
+        if hasattr(transformers, name):
+            return getattr(transformers, name), True
     return transformers.AutoModel, False
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import gc
 import logging
 import sys
@@ -42,9 +43,10 @@ from ..layerstats import (
     planned_prune,
 )
 from ..modules import owner_of
-from ..reports import LayerReport
+from ..reports import LayerReport, RefineReport
 from ..solver import solve_layer
 from .adapters import adapter_for, dims, layers, layers_path
+from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .surgery import dense_weight, projection, prune_ffn, prune_heads, prune_query_heads
 
 log = logging.getLogger(__name__)
@@ -157,13 +159,22 @@ def _block_output(out: Any) -> Tensor:
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def _run(block: nn.Module, hidden: Tensor, stream: _Stream, device: torch.device) -> Tensor | None:
+def _run(block: nn.Module, hidden: Tensor, stream: _Stream | Sequences, device: torch.device) -> Tensor | None:
     """block(hidden) on the device; None when a hook stopped it early."""
     try:
         return _block_output(block(hidden.to(device, torch.float32), *_to(stream.args, device),
                                      **_to(stream.kwargs, device)))
     except _Stop:
         return None
+
+
+def _refine(block: nn.Module, streams: Sequence[_Stream], config: RefineConfig,
+            device: torch.device) -> RefineReport:
+    """Block reconstruction of a pruned block: its pruned-stream output fitted to the dense stream's (which
+    `streams[*].hidden` holds once the dense block has run)."""
+    batches = [Sequences(s.pruned, s.hidden, s.args, s.kwargs, s.mask) for s in streams]
+    train, held_out = split(batches, config.held_out, config.seed)
+    return BlockReconstruction(block, config).fit(train, held_out, lambda b, seqs: _run(b, seqs.x, seqs, device))
 
 
 def _inputs_of(module: nn.Module, stop: bool) -> tuple[dict[str, Tensor], Any]:
@@ -215,15 +226,22 @@ def prune_blocks(
     observe: Callable[[LayerObservation], None] | None = None,
     cost_sequence_length: int = 128,
     gqa: str = "query-heads",
+    refine_steps: int = 0,
+    refine: RefineConfig | None = None,
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
     single query head (`gqa="query-heads"`, the paper's groups) or a whole KV group ("kv-groups").
     `observe` sees each projection's statistics before its solve, with the latency-model cost of one
-    group at `cost_sequence_length`."""
+    group at `cost_sequence_length`. With `refine_steps` > 0 (or a `refine` config), each pruned block is
+    then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp")."""
     check_plan(ratio)
     if gqa not in GQA_UNITS:
         raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
+    refine = refine or RefineConfig(steps=refine_steps)
+    if refine.steps and method == "mp":
+        raise InputError("block reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning "
+                         "uses no calibration data)")
     if not batches:
         raise CalibrationError("no calibration batches")
     device = compute_device(device)
@@ -286,6 +304,13 @@ def prune_blocks(
                 progress(f"[{i + 1}/{d.layers}] {report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
                          f"{report.relative_error:.4f}")
             del finished
+        if refine.steps:
+            fit = _refine(block, streams, refine, device)
+            reports[-1] = dataclasses.replace(reports[-1], refine=fit)
+            if progress:
+                progress(f"[{i + 1}/{d.layers}] block reconstruction: held-out relative error {fit.before:.4f} -> "
+                         f"{fit.after:.4f} ({'kept' if fit.kept else 'discarded'}, {fit.steps} steps, "
+                         f"{fit.seconds:.1f}s)")
         with torch.no_grad():
             for s in streams:
                 s.pruned = _run(block, s.pruned, s, device).to("cpu", activation_dtype)

@@ -29,7 +29,7 @@ FAILED: State
 CANCELLED: State
 
 class CompressRequest(_message.Message):
-    __slots__ = ("model", "target_speedup", "uniform_ratio", "widths_from", "calibration", "eval", "shape", "execution_provider", "method", "accuracy_budget", "back_off", "time_budget", "labels", "request_id", "options")
+    __slots__ = ("model", "target_speedup", "uniform_ratio", "widths_from", "calibration", "eval", "shape", "execution_provider", "method", "accuracy_budget", "back_off", "time_budget", "labels", "request_id", "options", "no_accuracy_budget")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class CompressRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NO_ACCURACY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     model: str
     target_speedup: float
     uniform_ratio: float
@@ -67,7 +68,8 @@ class CompressRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     request_id: str
     options: CompressOptions
-    def __init__(self, model: _Optional[str] = ..., target_speedup: _Optional[float] = ..., uniform_ratio: _Optional[float] = ..., widths_from: _Optional[str] = ..., calibration: _Optional[str] = ..., eval: _Optional[str] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., execution_provider: _Optional[str] = ..., method: _Optional[str] = ..., accuracy_budget: _Optional[float] = ..., back_off: _Optional[bool] = ..., time_budget: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., request_id: _Optional[str] = ..., options: _Optional[_Union[CompressOptions, _Mapping]] = ...) -> None: ...
+    no_accuracy_budget: bool
+    def __init__(self, model: _Optional[str] = ..., target_speedup: _Optional[float] = ..., uniform_ratio: _Optional[float] = ..., widths_from: _Optional[str] = ..., calibration: _Optional[str] = ..., eval: _Optional[str] = ..., shape: _Optional[_Union[Shape, _Mapping]] = ..., execution_provider: _Optional[str] = ..., method: _Optional[str] = ..., accuracy_budget: _Optional[float] = ..., back_off: _Optional[bool] = ..., time_budget: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., request_id: _Optional[str] = ..., options: _Optional[_Union[CompressOptions, _Mapping]] = ..., no_accuracy_budget: _Optional[bool] = ...) -> None: ...
 
 class Shape(_message.Message):
     __slots__ = ("batch", "sequence")
@@ -78,7 +80,7 @@ class Shape(_message.Message):
     def __init__(self, batch: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class CompressOptions(_message.Message):
-    __slots__ = ("samples", "seed", "mean", "std", "batch_size", "sequences", "sequence_length", "stream", "activation_dtype", "threads", "deployment_target", "round_to", "min_width", "max_rounds", "repeats", "opset", "precision", "decode_step", "no_curves_cache", "gqa")
+    __slots__ = ("samples", "seed", "mean", "std", "batch_size", "sequences", "sequence_length", "stream", "activation_dtype", "threads", "deployment_target", "round_to", "min_width", "max_rounds", "repeats", "opset", "precision", "decode_step", "no_curves_cache", "gqa", "refine_steps")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class CompressOptions(_message.Message):
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     NO_CURVES_CACHE_FIELD_NUMBER: _ClassVar[int]
     GQA_FIELD_NUMBER: _ClassVar[int]
+    REFINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     samples: int
     seed: int
     mean: _containers.RepeatedScalarFieldContainer[float]
@@ -119,7 +122,8 @@ class CompressOptions(_message.Message):
     decode_step: bool
     no_curves_cache: bool
     gqa: str
-    def __init__(self, samples: _Optional[int] = ..., seed: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., batch_size: _Optional[int] = ..., sequences: _Optional[int] = ..., sequence_length: _Optional[int] = ..., stream: _Optional[bool] = ..., activation_dtype: _Optional[str] = ..., threads: _Optional[int] = ..., deployment_target: _Optional[str] = ..., round_to: _Optional[int] = ..., min_width: _Optional[float] = ..., max_rounds: _Optional[int] = ..., repeats: _Optional[int] = ..., opset: _Optional[int] = ..., precision: _Optional[str] = ..., decode_step: _Optional[bool] = ..., no_curves_cache: _Optional[bool] = ..., gqa: _Optional[str] = ...) -> None: ...
+    refine_steps: int
+    def __init__(self, samples: _Optional[int] = ..., seed: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., batch_size: _Optional[int] = ..., sequences: _Optional[int] = ..., sequence_length: _Optional[int] = ..., stream: _Optional[bool] = ..., activation_dtype: _Optional[str] = ..., threads: _Optional[int] = ..., deployment_target: _Optional[str] = ..., round_to: _Optional[int] = ..., min_width: _Optional[float] = ..., max_rounds: _Optional[int] = ..., repeats: _Optional[int] = ..., opset: _Optional[int] = ..., precision: _Optional[str] = ..., decode_step: _Optional[bool] = ..., no_curves_cache: _Optional[bool] = ..., gqa: _Optional[str] = ..., refine_steps: _Optional[int] = ...) -> None: ...
 
 class CompressMetadata(_message.Message):
     __slots__ = ("state", "stage", "round", "layer", "layers", "message", "attempt", "create_time", "start_time", "end_time", "labels", "artifacts", "request")

@@ -47,7 +47,13 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome("target_not_met", "report", FAILED, "FAILED_PRECONDITION", "TARGET_NOT_MET", 2, True,
             "no round reached the target speedup; the fastest round is delivered, the numbers in the metadata"),
     Outcome("accuracy_budget_exceeded", "report", FAILED, "FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED", 2, True,
-            "no round kept the metric within `accuracy_budget`; the best round is delivered"),
+            "no round kept the metric within the accuracy budget: `accuracy_budget` (max relative drop) or, unset, "
+            "the default rule (perplexity at most 2x dense, cosine at least 0.9, top-1 at most 10 points below "
+            "dense); the best round is delivered, the numbers and the rule in the message"),
+    Outcome("parity_failed", "report", FAILED, "FAILED_PRECONDITION", "PARITY_FAILED", 2, True,
+            "an export (the dense baseline, a round, the decode step) does not match PyTorch within the parity "
+            "tolerance or does not run in ONNX Runtime; only report.json is kept (no model.onnx), where and by how "
+            "much in the message"),
     Outcome("invalid_input", "worker", FAILED, "INVALID_ARGUMENT", "INVALID_INPUT", 2, False,
             "`compressor.errors.InputError`: calibration data, a model reference or surgery indices that cannot "
             "be used"),
@@ -133,15 +139,36 @@ class JobError:
             return cls.of("internal", INTERNAL_MESSAGE)
         if row.code == "OK":
             return None
+        if status == "parity_failed":
+            return cls._parity_failed(report)
         metric = report["metric"]
-        return cls.of(
-            status,
+        metadata = {"measured_speedup": f"{report['measured_speedup']:.4f}",
+                    "target_speedup": str(report["target_speedup"]), "metric": metric["name"],
+                    "metric_baseline": f"{metric['baseline']:.6g}", "metric_compressed": f"{metric['compressed']:.6g}",
+                    "relative_drop": f"{metric['relative_drop']:.6g}"}
+        budget = report.get("accuracy_budget")
+        if budget:
+            metadata.update(accuracy_rule=budget["rule"], accuracy_bound=budget["bound"],
+                            default_budget=str(budget["default"]).lower())
+        # the job's own one-line summary (with the budget's rule); reports of earlier releases have none
+        message = report.get("message") or (
             f"{status}: measured speedup {report['measured_speedup']:.3f}x (target {report['target_speedup']}), "
-            f"{metric['name']} {metric['baseline']:.4f} -> {metric['compressed']:.4f}; the best artifact can be "
-            "downloaded",
-            {"measured_speedup": f"{report['measured_speedup']:.4f}", "target_speedup": str(report["target_speedup"]),
-             "metric": metric["name"], "metric_baseline": f"{metric['baseline']:.6g}",
-             "metric_compressed": f"{metric['compressed']:.6g}", "relative_drop": f"{metric['relative_drop']:.6g}"})
+            f"{metric['name']} {metric['baseline']:.4f} -> {metric['compressed']:.4f}")
+        return cls.of(status, f"{message}; the best artifact can be downloaded", metadata)
+
+    @classmethod
+    def _parity_failed(cls, report: Mapping[str, Any]) -> JobError:
+        parity = report["parity"]
+        metadata = {"stage": parity["stage"], "precision": parity["precision"], "error": parity["error"]}
+        if parity.get("round") is not None:
+            metadata["round"] = parity["round"]
+        worst = max(parity.get("mismatches") or [{}], key=lambda m: m.get("peak_error") or 0.0)
+        for key in ("output", "peak_error", "aggregate_error", "max_abs_error"):
+            if worst.get(key) is not None:
+                metadata[key] = worst[key] if isinstance(worst[key], str) else f"{worst[key]:.4g}"
+        for key, value in (parity.get("tolerance") or {}).items():
+            metadata[f"tolerance_{key}"] = f"{value:g}"
+        return cls.of("parity_failed", f"{report['message']}; no model.onnx is kept", metadata)
 
     @classmethod
     def from_exception(cls, err: BaseException) -> JobError:

@@ -8,6 +8,7 @@ model's loss-versus-width curves and a latency model, then the closed loop of `t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,12 +20,13 @@ from pathlib import Path
 
 from compressor.errors import InputError
 from compressor.layerstats import Widths
-from exporters.onnx import stamp_metadata
-from exporters.runtime import default_provider, measure_latency
+from compressor.reports import LayerReport
+from exporters.onnx import ParityError, stamp_metadata
+from exporters.runtime import RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
 from .kinds import ModelJob, open_job
-from .report import build_report, version
+from .report import build_report, parity_failed_report, version
 from .report_html import write_html
 from .request import CompressRequest
 from .targeting import Round, choose, dense_curves, target_loop, widths_of
@@ -32,12 +34,26 @@ from .targeting import Round, choose, dense_curves, target_loop, widths_of
 log = logging.getLogger(__name__)
 
 Stage = Callable[[str, int], None]
+# what an export that does not match PyTorch, or that ONNX Runtime cannot run, raises
+EXPORT_FAILURES = (ParityError, RuntimeFailure)
+# what a job writes into --out beside report.json; none of it may outlive a parity_failed job there
+EXPORT_FILES = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "report.html")
+
+
+class _ExportFailed(Exception):
+    """An export of this job failed parity or ONNX Runtime: the job ends parity_failed."""
+
+    def __init__(self, stage: str, index: int | None, error: Exception, layers: list[LayerReport] | None = None):
+        super().__init__(str(error))
+        self.stage, self.index, self.error, self.layers = stage, index, error, layers or []
 
 
 def compress(request: CompressRequest, progress: Callable[[str], None] | None = None,
              stage: Stage | None = None) -> dict:
     """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
-    Returns the report; its `status` says whether the target and the accuracy budget were met.
+    Returns the report; its `status` says whether the target and the accuracy budget were met, or
+    `parity_failed`: an export (the dense baseline's, a round's or the decode step's) did not match
+    PyTorch or did not run in ONNX Runtime; then report.json, saying where and by how much, is all it writes.
 
     `progress` receives every progress line; `stage(name, round)` each stage as it begins: loading,
     baseline, statistics, allocate, prune, measure, save (round: the prune-measure round, else 0)."""
@@ -58,12 +74,17 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
+    rounds: list[Round] = []
+    baseline_metric: float | None = None
     try:
         enter("baseline", 0)
         say("exporting the dense model for the baseline")
         dense_onnx = work / "dense.onnx"
-        job.export(job.dense, dense_onnx)
-        reference = job.outputs(dense_onnx)
+        try:
+            job.export(job.dense, dense_onnx)
+            reference = job.outputs(dense_onnx)
+        except EXPORT_FAILURES as err:
+            raise _ExportFailed("baseline", None, err) from err
         baseline_metric = job.score(reference, reference)
         feed = job.latency_feed()
 
@@ -76,32 +97,55 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             path = work / f"round{index}" / "model.onnx"
             path.parent.mkdir()
             say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
-            parity = job.export(module, path)
-            latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
-                                      repeats=request.repeats)
-            value = job.score(job.outputs(path), reference)
+            try:
+                parity = job.export(module, path)
+                latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                          repeats=request.repeats)
+                value = job.score(job.outputs(path), reference)
+            except EXPORT_FAILURES as err:
+                raise _ExportFailed("round", index, err, layers) from err
             say(f"round {index}: measured speedup {latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> "
                 f"{latency.compressed_ms:.1f} ms), {job.metric.name} {baseline_metric:.4f} -> {value:.4f}")
-            return Round(plan, module, layers, path, parity, latency, value, predicted)
+            rounds.append(Round(plan, module, layers, path, parity, latency, value, predicted))
+            return rounds[-1]
 
         if request.target_speedup is not None:
             enter("statistics", 0)
             curves = dense_curves(job, request, say, version())
-            rounds = target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter)
+            target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter)  # fills `rounds`
         else:
             plan = request.uniform_ratio if request.widths_from is None else widths_of(request.widths_from)
-            rounds = [run_round(plan, 0)]
+            run_round(plan, 0)
         chosen, status = choose(request, rounds, job.metric, baseline_metric)
+        decode = None
+        if request.decode_step:  # before anything is saved: a failing decode step leaves no model.onnx
+            say("exporting the decode step (decode.onnx)")
+            decode = work / "decode" / "decode.onnx"
+            decode.parent.mkdir()
+            try:
+                decode_parity = job.export_decode_step(chosen.module, decode)
+            except EXPORT_FAILURES as err:
+                raise _ExportFailed("decode_step", None, err, chosen.layers) from err
         enter("save", len(rounds) - 1)
         say("saving the pruned model and model.onnx")
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
-        if request.decode_step:
-            say("exporting the decode step (decode.onnx)")
-            parity = job.export_decode_step(chosen.module, out / "decode.onnx")
-            report["artifacts"]["decode_step"] = {"path": "decode.onnx", "parity_max_abs_error": parity}
+        if decode is not None:
+            for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
+                os.replace(path, out / path.name)
+            report["artifacts"]["decode_step"] = {"path": "decode.onnx",
+                                                  "parity_max_abs_error": decode_parity.max_abs_error,
+                                                  "parity": dataclasses.asdict(decode_parity)}
         write_text_atomically(out / "report.json", json.dumps(report, indent=2))
         write_html(report, out / "report.html")
+    except _ExportFailed as failure:
+        report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
+                                      rounds, baseline_metric, provider, start)
+        for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
+            (out / name).unlink(missing_ok=True)
+        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+        say(f"{report['message']}; wrote {out / 'report.json'} (no model.onnx)")
+        return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say(f"{status}: measured speedup {report['measured_speedup']:.3f}x, {job.metric.name} "

@@ -3,16 +3,19 @@ report.html read)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 import torch
 
 from compressor.modules import count_parameters
+from compressor.reports import LayerReport
+from exporters.onnx import ParityError
 
-from .kinds import ModelJob
+from .kinds import ModelJob, tolerance
 from .request import CompressRequest
-from .targeting import Round
+from .targeting import Round, accuracy_rule
 
 
 def version() -> str:
@@ -28,11 +31,9 @@ def version() -> str:
 
 def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds: list[Round], status: str,
                  baseline_metric: float, provider: str, artifact: str, start: float) -> dict:
-    import onnxruntime
-    import transformers
-
     lat = chosen.latency
-    return {
+    rule = accuracy_rule(request, job.metric)
+    report = {
         "status": status,
         "target_speedup": request.target_speedup,
         "uniform_ratio": request.uniform_ratio,
@@ -51,18 +52,101 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         "params_before": job.params_before,
         "params_after": count_parameters(chosen.module),
         "method": request.method,
-        "layers": [{"name": r.name, "kind": r.kind, "width_before": r.width_before, "width_after": r.width_after,
-                    "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds,
-                    "kept": list(r.kept)} for r in chosen.layers],
-        "rounds": [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup,
-                    "metric": r.metric} for r in rounds],
+        "accuracy_budget": rule.to_dict(baseline_metric) if rule else None,
+        "block_reconstruction": _reconstruction(request, chosen.layers),
+        "layers": _layers(chosen.layers),
+        "rounds": _rounds(rounds),
         "model": str(request.model),
         "calibration": str(request.calibration),
         "eval": str(request.eval) if request.eval else None,
         "seed": request.seed,
-        "artifacts": {"onnx": "model.onnx", "model": artifact, "parity_max_abs_error": chosen.parity},
+        "artifacts": {"onnx": "model.onnx", "model": artifact, "parity_max_abs_error": chosen.parity.max_abs_error,
+                      "parity": dataclasses.asdict(chosen.parity)},
         **job.report_fields(chosen.module),
-        "versions": {"osscar": version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-                     "transformers": transformers.__version__, "python": sys.version.split()[0]},
+        "versions": _versions(),
         "elapsed_s": time.perf_counter() - start,
     }
+    report["message"] = status_message(report)
+    return report
+
+
+def _layers(layers: list[LayerReport]) -> list[dict]:
+    return [{"name": r.name, "kind": r.kind, "width_before": r.width_before, "width_after": r.width_after,
+             "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds,
+             "kept": list(r.kept), **({"refine": dataclasses.asdict(r.refine)} if r.refine else {})}
+            for r in layers]
+
+
+def _reconstruction(request: CompressRequest, layers: list[LayerReport]) -> dict | None:
+    """Block reconstruction in sum (each block's fit is in its last layer's `refine`)."""
+    fits = [r.refine for r in layers if r.refine is not None]
+    if not request.refine_steps:
+        return None
+    return {"steps": request.refine_steps, "blocks": len(fits), "blocks_kept": sum(f.kept for f in fits),
+            "seconds": sum(f.seconds for f in fits)}
+
+
+def _rounds(rounds: list[Round]) -> list[dict]:
+    return [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup, "metric": r.metric}
+            for r in rounds]
+
+
+def _versions() -> dict:
+    import onnxruntime
+    import transformers
+
+    return {"osscar": version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+
+
+def status_message(report: dict) -> str:
+    """One line: how the job ended, with the measured numbers (and the rule of an exceeded budget)."""
+    status, metric = report["status"], report["metric"]
+    mode = f"target {report['target_speedup']}x" if report["target_speedup"] is not None else \
+        f"uniform ratio {report['uniform_ratio']}" if report["uniform_ratio"] is not None else "widths from a report"
+    line = (f"{status}: measured speedup {report['measured_speedup']:.3f}x ({mode}), {metric['name']} "
+            f"{metric['baseline']:.4f} -> {metric['compressed']:.4f}")
+    budget = report.get("accuracy_budget")
+    if status == "accuracy_budget_exceeded" and budget:
+        line += (f", beyond the {'default ' if budget['default'] else ''}accuracy budget: {budget['rule']} "
+                 f"({budget['bound']})")
+    return line
+
+
+STAGES = {"baseline": "the dense model's export", "round": "the export of round {round}",
+          "decode_step": "the decode step's export"}
+
+
+def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None,
+                         error: Exception, layers: list[LayerReport], rounds: list[Round],
+                         baseline_metric: float | None, provider: str, start: float) -> dict:
+    """report.json of a job ended by an export that does not match PyTorch (ParityError) or does not run
+    in ONNX Runtime (RuntimeFailure): where it failed, the numbers, the rounds measured before; no
+    artifact but the report."""
+    where = STAGES[stage].format(round=index)
+    detail = " ".join(str(error).split())[:600]  # one line: ONNX Runtime's messages span several
+    how = "does not run in ONNX Runtime" if not isinstance(error, ParityError) else "fails the parity check"
+    mismatches = [dataclasses.asdict(m) for m in error.mismatches] if isinstance(error, ParityError) else []
+    report = {
+        "status": "parity_failed",
+        "message": f"parity_failed: {where} ({request.precision}) {how}: {detail}",
+        "parity": {"stage": stage, "round": index, "precision": request.precision,
+                   "tolerance": dataclasses.asdict(tolerance(request)), "error": type(error).__name__,
+                   "detail": detail, "mismatches": mismatches},
+        "target_speedup": request.target_speedup,
+        "uniform_ratio": request.uniform_ratio,
+        "execution_provider": provider,
+        "precision": request.precision,
+        "metric": {"name": job.metric.name, "baseline": baseline_metric},
+        "params_before": job.params_before,
+        "method": request.method,
+        "layers": _layers(layers),
+        "rounds": _rounds(rounds),
+        "model": str(request.model),
+        "calibration": str(request.calibration),
+        "seed": request.seed,
+        "artifacts": {},
+        "versions": _versions(),
+        "elapsed_s": time.perf_counter() - start,
+    }
+    return report

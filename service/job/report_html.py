@@ -23,6 +23,12 @@ def _bars(rows: list[tuple[str, float, float]], width: int = 640, height: int = 
     return "".join(out)
 
 
+def _budget(budget: dict | None) -> str:
+    if budget is None:
+        return "none"
+    return f"{budget['rule']} ({budget['bound']}){', the default' if budget['default'] else ''}"
+
+
 def render(report: dict) -> str:
     metric = report["metric"]
     summary = [
@@ -37,6 +43,7 @@ def render(report: dict) -> str:
                          f"(relative drop {metric['relative_drop']:.2%})"),
         ("parameters", f"{report['params_before']:,} -> {report['params_after']:,}"),
         ("method", report["method"]),
+        ("accuracy budget", _budget(report.get("accuracy_budget"))),
         ("elapsed", f"{report['elapsed_s']:.1f} s"),
     ]
     rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in summary)
@@ -55,6 +62,9 @@ def render(report: dict) -> str:
     if report["status"] != "ok" or metric["relative_drop"] > 0.05:
         warn = (f'<p style="color:#b00;font-weight:bold">{html.escape(report["status"])}: {metric["name"]} '
                 f'drops {metric["relative_drop"]:.1%} against the dense model</p>')
+        if report.get("message"):
+            warn += f'<p>{html.escape(report["message"])}</p>'
+
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>osscar report</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 8px;text-align:left}}
 table{{border-collapse:collapse}}tr:nth-child(even){{background:#f4f4f4}}</style></head><body>

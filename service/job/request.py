@@ -92,8 +92,13 @@ class CompressRequest:
     round_to: int = option(8, "target mode: kept widths are multiples of this (or the full width)")
     min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups")
     max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
-    accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02)")
-    back_off: bool = option(False, "with --accuracy-budget: return the largest measured speedup that meets it")
+    accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
+                                           "default: perplexity at most 2x dense, cosine at least 0.9, top-1 at "
+                                           "most 10 points below dense", metavar="D|none")
+    no_accuracy_budget: bool = option(False, "no accuracy budget, not even the default one (--accuracy-budget none)",
+                                      cli=False)
+    back_off: bool = option(False, "return the largest measured speedup within the accuracy budget (the default "
+                            "one too)")
     repeats: int = option(20, "latency runs per model (median and p90)")
     opset: int = option(18, "ONNX opset of the exports")
     precision: str = option("fp32", "compute precision of the exports, dense baseline included; inputs and outputs "
@@ -102,6 +107,8 @@ class CompressRequest:
                                "layer")
     gqa: str = option("query-heads", "grouped-query attention: prune single query heads (a KV head goes when no "
                       "kept query head reads it) or whole KV groups", choices=GQA_UNITS)
+    refine_steps: int = option(0, "transformers: Adam steps per block fitting the pruned block's weights to the "
+                               "dense block's output (block reconstruction; 0: off; not with --method mp)")
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
                             "to the layer's own output", choices=("stream", "layer"), cli=False)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
@@ -137,7 +144,8 @@ class CompressRequest:
               "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
         for name, low, high in (("samples", 1, 1_000_000), ("batch_size", 1, 100_000), ("sequences", 1, 1_000_000),
                                 ("sequence_length", 2, 65536), ("round_to", 1, 4096), ("max_rounds", 1, 20),
-                                ("opset", 14, 23), ("repeats", 3, 10_000)):
+                                ("opset", 14, 23), ("repeats", 3, 10_000),
+                                ("refine_steps", 0, 100_000)):
             value = getattr(self, name)
             check(low <= value <= high, name, f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
         check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")
@@ -155,7 +163,10 @@ class CompressRequest:
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
         check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
               f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
-        check(not self.back_off or self.accuracy_budget is not None, "back_off", "--back-off needs --accuracy-budget")
+        check(not (self.no_accuracy_budget and self.accuracy_budget is not None), "accuracy_budget",
+              f"--accuracy-budget is either a number or none (got {self.accuracy_budget} and none)")
+        check(not (self.back_off and self.no_accuracy_budget), "back_off",
+              "--back-off needs an accuracy budget (not --accuracy-budget none)")
         check(not (self.decode_step and self.precision != "fp32"), "decode_step",
               "--decode-step is exported in fp32 only")
         finite = all(math.isfinite(v) for v in (*self.mean, *self.std))

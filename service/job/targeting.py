@@ -1,5 +1,5 @@
 """Measured-speedup targeting: dense loss-versus-width curves (cached), the closed prune -> measure loop
-that corrects its latency model, and the choice of the round to return.
+that corrects its latency model, the accuracy budget, and the choice of the round to return.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_pat
 from compressor.errors import InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.reports import LayerReport
+from exporters.onnx import Parity
 from exporters.runtime import Latency
 
 from ..files import file_sha256, write_text_atomically
@@ -36,13 +37,83 @@ class Round:
     module: nn.Module | None  # the pruned model
     layers: list[LayerReport]
     onnx: Path | None  # its export (in the job's scratch directory)
-    parity: float  # max abs error of the export against the PyTorch model
+    parity: Parity  # errors of the export against the PyTorch model
     latency: Latency  # dense and pruned, measured together
     metric: float  # the job's metric on the evaluation data
     predicted_speedup: float | None = None  # what the latency model expected (target mode)
 
 
 RunRound = Callable[[Widths, int, float | None], Round]
+
+# The accuracy budget of a job without --accuracy-budget: one rule per metric, (kind, limit) as
+# AccuracyRule reads them. A broken model must never be reported "ok".
+DEFAULT_BUDGETS: dict[str, tuple[str, float]] = {
+    # at twice the dense perplexity a language model's generations visibly degrade (repetition, lost
+    # coherence): the point where one-shot pruning results are read as broken in the field
+    "perplexity": ("times", 2.0),
+    # outputs below cosine 0.9 to the dense ones reorder nearest-neighbour (retrieval) rankings
+    "cosine": ("at_least", 0.9),
+    # 10 top-1 points (absolute) is the usual ceiling of "lossy but usable" in structured-pruning papers
+    "top1": ("points", 0.10),
+}
+
+
+@dataclass(frozen=True)
+class AccuracyRule:
+    """The worst metric a pruned model may reach, given the dense model's.
+
+    kind: "relative" (an explicit --accuracy-budget: at most `limit` relative drop), "times" (a
+    lower-is-better metric at most `limit` x dense), "at_least" (an absolute floor) or "points" (at most
+    `limit` below dense, absolute)."""
+
+    metric: Metric
+    kind: str
+    limit: float
+    default: bool  # the metric's DEFAULT_BUDGETS rule, not the request's
+
+    def worst(self, baseline: float) -> float:
+        """The worst value of the metric still within the budget."""
+        better = 1.0 if self.metric.higher_is_better else -1.0
+        if self.kind == "relative":
+            return baseline - better * self.limit * abs(baseline)
+        if self.kind == "times":
+            return baseline * self.limit
+        if self.kind == "at_least":
+            return self.limit
+        if self.kind == "points":
+            return baseline - better * self.limit
+        raise ValueError(f"unknown accuracy rule {self.kind!r}")
+
+    def allows(self, baseline: float, value: float) -> bool:
+        """Whether `value` is within the budget (NaN never is)."""
+        worst = self.worst(baseline)
+        slack = 1e-9 * max(1.0, abs(worst))  # a value on the bound is within it (0.92 - 0.1 rounds above 0.82)
+        return value >= worst - slack if self.metric.higher_is_better else value <= worst + slack
+
+    def describe(self) -> str:
+        """The rule in words, e.g. "perplexity at most 2x dense"."""
+        name = self.metric.name
+        return {"relative": f"{name} at most {self.limit:g} relative drop from dense",
+                "times": f"{name} at most {self.limit:g}x dense",
+                "at_least": f"{name} at least {self.limit:g}",
+                "points": f"{name} at most {self.limit:g} below dense"}[self.kind]
+
+    def to_dict(self, baseline: float) -> dict:
+        worst = self.worst(baseline)
+        return {"rule": self.describe(), "kind": self.kind, "limit": self.limit, "default": self.default,
+                "worst_allowed": worst,
+                "bound": f"{self.metric.name} {'>=' if self.metric.higher_is_better else '<='} {worst:.4f}"}
+
+
+def accuracy_rule(request: CompressRequest, metric: Metric) -> AccuracyRule | None:
+    """The budget in force: the request's relative drop, else the metric's default rule; None with
+    `--accuracy-budget none` (no_accuracy_budget)."""
+    if request.no_accuracy_budget:
+        return None
+    if request.accuracy_budget is not None:
+        return AccuracyRule(metric, "relative", request.accuracy_budget, default=False)
+    kind, limit = DEFAULT_BUDGETS[metric.name]
+    return AccuracyRule(metric, kind, limit, default=True)
 
 
 def _fingerprint(path: str | Path) -> list:
@@ -101,6 +172,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
                 enter: Callable[[str, int], None] | None = None) -> list[Round]:
     """Allocate -> prune -> measure; correct the latency model's prunable share and retry."""
     full = total_cost(curves)
+    rule = accuracy_rule(request, metric)
     share = INITIAL_SHARE  # corrected after each measurement
     target = request.target_speedup
     assert target is not None
@@ -115,8 +187,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         result = run_round(plan, index, 1 / (1 - share * saved))
         rounds.append(result)
         speedup = result.latency.speedup
-        blown = request.accuracy_budget is not None and \
-            metric.relative_drop(baseline_metric, result.metric) > request.accuracy_budget
+        blown = rule is not None and not rule.allows(baseline_metric, result.metric)
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
             say(f"round {index}: accuracy budget exceeded; backing off to {target:.3f}x")
@@ -146,8 +217,10 @@ def max_saving(curves: list[LayerCurve]) -> float:
 
 def choose(request: CompressRequest, rounds: list[Round], metric: Metric, baseline: float) -> tuple[Round, str]:
     """The round to return and the job's status (ok, target_not_met, accuracy_budget_exceeded)."""
+    rule = accuracy_rule(request, metric)
+
     def within_budget(r: Round) -> bool:
-        return request.accuracy_budget is None or metric.relative_drop(baseline, r.metric) <= request.accuracy_budget
+        return rule is None or rule.allows(baseline, r.metric)
 
     def quality(r: Round) -> float:
         return r.metric if metric.higher_is_better else -r.metric

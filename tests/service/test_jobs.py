@@ -151,14 +151,19 @@ def _artifact(jobs: JobService, content: bytes) -> dict:
     ("ok", SUCCEEDED, code_pb2.OK, True),
     ("target_not_met", FAILED, code_pb2.FAILED_PRECONDITION, True),
     ("accuracy_budget_exceeded", FAILED, code_pb2.FAILED_PRECONDITION, True),
+    ("parity_failed", FAILED, code_pb2.FAILED_PRECONDITION, True),
     ("a_status_nobody_added", FAILED, code_pb2.INTERNAL, False),
 ])
 def test_a_report_ends_the_job_as_its_outcome_row_says(tmp_path, status, state, code, kept):
     jobs = service(tmp_path)
     record = running_record(jobs)
     artifact = _artifact(jobs, b"onnx bytes")
-    jobs.supervisor.conclude(record, 1, None, 0, ("done", {"report": {**REPORT, "status": status},
-                                                           "artifacts": [artifact]}))
+    report = {**REPORT, "status": status}
+    if status == "parity_failed":  # what such a report adds: where the export failed, by how much
+        report.update(message="parity_failed: the dense model's export (fp32) fails the parity check: ...",
+                      parity={"stage": "baseline", "round": None, "precision": "fp32", "error": "ParityError",
+                              "mismatches": [], "tolerance": {"peak": 1e-3, "aggregate": 1e-4}})
+    jobs.supervisor.conclude(record, 1, None, 0, ("done", {"report": report, "artifacts": [artifact]}))
     final = jobs.get(record.name)
     op = operation_of(final)
     assert final.state == state and op.error.code == code
@@ -166,6 +171,8 @@ def test_a_report_ends_the_job_as_its_outcome_row_says(tmp_path, status, state, 
     if status == "target_not_met":
         assert final.error.reason == "TARGET_NOT_MET" and final.error.metadata["measured_speedup"] == "1.6100"
         assert final.report["status"] == status  # the best round's report stays with the operation
+    if status == "parity_failed":
+        assert final.error.reason == "PARITY_FAILED" and final.error.metadata["stage"] == "baseline"
 
 
 def test_stops_and_crashes_end_the_job_with_their_errors(tmp_path):

@@ -79,6 +79,52 @@ def test_report_statuses_look_up_their_rows():
     assert JobError.from_report({**report, "status": "invalid_input"}).reason == "INTERNAL"  # not a report status
 
 
+def test_an_exceeded_budget_says_its_rule_and_numbers():
+    report = {"status": "accuracy_budget_exceeded", "measured_speedup": 1.2, "target_speedup": None,
+              "message": "accuracy_budget_exceeded: measured speedup 1.200x (uniform ratio 0.5), perplexity 51.6800 "
+                         "-> 1800.3700, beyond the default accuracy budget: perplexity at most 2x dense "
+                         "(perplexity <= 103.3600)",
+              "metric": {"name": "perplexity", "baseline": 51.68, "compressed": 1800.37, "relative_drop": 33.84},
+              "accuracy_budget": {"rule": "perplexity at most 2x dense", "bound": "perplexity <= 103.3600",
+                                  "default": True}}
+    error = JobError.from_report(report)
+    assert (error.code, error.reason) == ("FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED")
+    assert error.message == report["message"] + "; the best artifact can be downloaded"
+    assert error.metadata["accuracy_rule"] == "perplexity at most 2x dense"
+    assert error.metadata["default_budget"] == "true"
+    assert error.metadata["metric_compressed"] == "1800.37"
+
+
+PARITY_REPORT = {
+    "status": "parity_failed", "target_speedup": 1.5, "layers": [],
+    "message": "parity_failed: the export of round 1 (fp32) fails the parity check: ONNX export does not match "
+               "PyTorch: logits: peak error 0.031 of scale (limit 0.001), aggregate 0.0042 (limit 0.0001), max abs "
+               "error 0.75",
+    "parity": {"stage": "round", "round": 1, "precision": "fp32", "tolerance": {"peak": 1e-3, "aggregate": 1e-4},
+               "error": "ParityError", "detail": "...",
+               "mismatches": [{"output": "logits", "problem": "...", "peak_error": 0.031, "aggregate_error": 0.0042,
+                               "max_abs_error": 0.75}]},
+}
+
+
+def test_a_parity_failure_is_failed_precondition_with_its_numbers():
+    error = JobError.from_report(PARITY_REPORT)
+    assert (error.code, error.reason, error.state) == ("FAILED_PRECONDITION", "PARITY_FAILED", "FAILED")
+    assert error.message.startswith("parity_failed: the export of round 1 (fp32)")
+    assert error.message.endswith("no model.onnx is kept")
+    assert dict(error.metadata) == {"stage": "round", "round": "1", "precision": "fp32", "error": "ParityError",
+                                    "output": "logits", "peak_error": "0.031", "aggregate_error": "0.0042",
+                                    "max_abs_error": "0.75", "tolerance_peak": "0.001",
+                                    "tolerance_aggregate": "0.0001"}
+    status = status_of_error(error)
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert status.code == code_pb2.FAILED_PRECONDITION and (info.reason, info.domain) == ("PARITY_FAILED", DOMAIN)
+    runtime = {**PARITY_REPORT, "parity": {**PARITY_REPORT["parity"], "stage": "baseline", "round": None,
+                                           "error": "RuntimeFailure", "mismatches": []}}
+    assert JobError.from_report(runtime).metadata["error"] == "RuntimeFailure"
+
+
 def test_errors_round_trip_through_their_stored_form():
     for error in (JobError.cancelled(), JobError.interrupted(3), JobError.time_budget_exceeded(4.5),
                   JobError.worker_crashed(-9), JobError.worker_crashed(1)):

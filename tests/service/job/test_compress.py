@@ -158,3 +158,117 @@ def test_a_vision_transformer_refuses_calibration_of_another_size(tmp_path, caps
     assert cli.main(["compress", str(tmp_path / "vit"), "--uniform-ratio", "0.5", "--calibration",
                      str(tmp_path / "cal.npz"), "--out", str(tmp_path / "o")]) == 2
     assert "the model expects (3, 16, 16)" in capsys.readouterr().err
+
+
+def _conv_args(root, out) -> list[str]:
+    return ["compress", str(root / "model.pt2"), "--uniform-ratio", "0.5", "--calibration", str(root / "cal.npz"),
+            "--out", str(out), "--samples", "16", "--repeats", "3"]
+
+
+def _one_line_without_traceback(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("osscar: parity_failed: ")
+    return last
+
+
+def test_a_dense_export_beyond_the_parity_tolerance_fails_the_job(model_and_data, tmp_path, monkeypatch, capsys):
+    """No export can meet a negative tolerance: the dense baseline's fails, the job ends parity_failed with
+    exit 2, report.json says where and by how much, and no model.onnx is left (not even an earlier one)."""
+    from exporters.onnx import ParityTolerance
+    from service.job import kinds
+
+    monkeypatch.setitem(kinds.PARITY_TOLERANCES, "fp32", ParityTolerance(peak=-1.0, aggregate=-1.0))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.onnx").write_bytes(b"an earlier job's")
+    assert cli.main(_conv_args(model_and_data, out)) == 2
+    line = _one_line_without_traceback(capsys)
+    assert "the dense model's export (fp32) fails the parity check" in line and "peak error" in line
+    assert {p.name for p in out.iterdir()} == {"report.json"}
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "parity_failed" and report["message"] in line
+    parity = report["parity"]
+    assert (parity["stage"], parity["round"], parity["error"]) == ("baseline", None, "ParityError")
+    assert parity["tolerance"] == {"peak": -1.0, "aggregate": -1.0}
+    assert parity["mismatches"][0]["output"] == "logits" and parity["mismatches"][0]["peak_error"] >= 0
+    assert report["rounds"] == [] and report["layers"] == [] and report["metric"]["baseline"] is None
+
+
+def test_a_round_whose_export_fails_parity_ends_the_job_with_that_round(model_and_data, tmp_path, monkeypatch,
+                                                                         capsys):
+    from exporters.onnx import ParityError, ParityMismatch
+    from service.job import kinds
+
+    real, calls = kinds.check_parity, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the dense baseline passes, round 0's export does not
+            raise ParityError([ParityMismatch("logits", "peak error 0.5 of scale (limit 0.001)", 0.5, 0.1, 3.0)])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kinds, "check_parity", second_fails)
+    out = tmp_path / "out"
+    assert cli.main(_conv_args(model_and_data, out)) == 2
+    assert "the export of round 0 (fp32) fails the parity check" in _one_line_without_traceback(capsys)
+    report = json.loads((out / "report.json").read_text())
+    assert (report["parity"]["stage"], report["parity"]["round"]) == ("round", 0)
+    assert report["parity"]["mismatches"] == [{"output": "logits", "problem": "peak error 0.5 of scale (limit 0.001)",
+                                               "peak_error": 0.5, "aggregate_error": 0.1, "max_abs_error": 3.0}]
+    assert [layer["width_after"] for layer in report["layers"]] == [6, 6, 4, 4]  # what the round had pruned
+    assert report["metric"]["baseline"] == pytest.approx(1.0) and not (out / "model.onnx").exists()
+
+
+def test_onnx_runtime_failing_in_evaluation_is_a_parity_failure(model_and_data, tmp_path, monkeypatch, capsys):
+    from exporters.runtime import RuntimeFailure
+    from service.job import kinds
+
+    def crash(*args, **kwargs):
+        raise RuntimeFailure("ONNX Runtime failed: Fail: [ONNXRuntimeError] : 1 : FAIL : bad kernel\nsecond line")
+
+    monkeypatch.setattr(kinds, "run_outputs", crash)  # the evaluation outputs, not the parity check's
+    out = tmp_path / "out"
+    report = compress(CompressRequest(model=str(model_and_data / "model.pt2"), uniform_ratio=0.5,
+                                      calibration=model_and_data / "cal.npz", out_dir=out, samples=16, repeats=3))
+    assert report["status"] == "parity_failed" and report["parity"]["error"] == "RuntimeFailure"
+    assert "does not run in ONNX Runtime: ONNX Runtime failed: Fail: [ONNXRuntimeError] : 1 : FAIL : bad kernel " \
+           "second line" in report["message"]
+    assert {p.name for p in out.iterdir()} == {"report.json"}
+
+
+def test_without_a_budget_flag_the_default_budget_ends_a_broken_job(model_and_data, tmp_path, monkeypatch, capsys):
+    """The same job twice with a metric that collapses (cosine 0.5 to the dense outputs): by default it ends
+    accuracy_budget_exceeded (exit 2, artifacts kept, the numbers and the rule in the line), and with
+    `--accuracy-budget none` it is ok."""
+    from service.job import kinds
+
+    monkeypatch.setattr(kinds, "cosine", lambda outputs, reference: 1.0 if outputs is reference else 0.5)
+    out = tmp_path / "default"
+    assert cli.main(_conv_args(model_and_data, out)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("osscar: accuracy_budget_exceeded: measured speedup ")
+    assert "cosine 1.0000 -> 0.5000, beyond the default accuracy budget: cosine at least 0.9 (cosine >= 0.9000)" in line
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "accuracy_budget_exceeded" and (out / "model.onnx").is_file()
+    assert report["accuracy_budget"] == {"rule": "cosine at least 0.9", "kind": "at_least", "limit": 0.9,
+                                         "default": True, "worst_allowed": 0.9, "bound": "cosine >= 0.9000"}
+    off = tmp_path / "none"
+    assert cli.main([*_conv_args(model_and_data, off), "--accuracy-budget", "none"]) == 0
+    report = json.loads((off / "report.json").read_text())
+    assert report["status"] == "ok" and report["accuracy_budget"] is None and report["metric"]["compressed"] == 0.5
+
+
+def test_a_real_lm_pruned_past_twice_its_perplexity_is_not_ok(shared_data, tmp_path, capsys):
+    """stories260K (trained) at a uniform 0.5: perplexity ~4.4 -> ~30 on held-out stories; the default
+    budget (2x dense) ends the job instead of reporting it ok."""
+    model = shared_data / "stories260K"
+    out = tmp_path / "out"
+    assert cli.main(["compress", str(model), "--uniform-ratio", "0.5", "--calibration",
+                     str(model / "tinystories-valid-tokens.npz"), "--out", str(out), "--sequences", "16",
+                     "--sequence-length", "64", "--shape", "batch=1,sequence=64", "--repeats", "3"]) == 2
+    report = json.loads((out / "report.json").read_text())
+    metric = report["metric"]
+    assert report["status"] == "accuracy_budget_exceeded" and metric["compressed"] > 2 * metric["baseline"]
+    assert "perplexity at most 2x dense" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -50,7 +50,7 @@ def test_a_remote_request_round_trips_and_unset_options_take_the_request_default
     minimal = pb.CompressRequest(model="/m", calibration="/c", target_speedup=1.5)
     spec = spec_from_proto(minimal)
     assert set(spec) <= {"model", "calibration", "target_speedup", "shape", "back_off", "stream", "decode_step",
-                         "no_curves_cache"}
+                         "no_curves_cache", "no_accuracy_budget"}
     request = request_from_spec(spec, out_dir=Path("/o"))
     defaults = CompressRequest(model="/m", calibration=Path("/c"), out_dir=Path("/o"), target_speedup=1.5)
     assert request == defaults
@@ -59,6 +59,37 @@ def test_a_remote_request_round_trips_and_unset_options_take_the_request_default
             "precision": "fp16", "accuracy_budget": 0.05, "back_off": True, "threads": 2, "min_width": 0.2}
     assert request_from_spec(spec_from_proto(spec_to_proto(full)), out_dir=Path("/o")) == \
         request_from_spec(full, out_dir=Path("/o"))
+
+
+def _parsed(*flags: str) -> dict:
+    args = cli.build_parser().parse_args(["compress", "m.pt2", "--calibration", "c.npz", "--out", "o",
+                                          "--uniform-ratio", "0.3", *flags])
+    return cli.compress_options(args)
+
+
+def test_the_cli_takes_a_number_or_none_as_accuracy_budget(capsys):
+    assert _parsed("--accuracy-budget", "0.05")["accuracy_budget"] == 0.05
+    off = _parsed("--accuracy-budget", "none")
+    assert off["no_accuracy_budget"] is True and "accuracy_budget" not in off
+    assert CompressRequest(**off).no_accuracy_budget and CompressRequest(**off).accuracy_budget is None
+    default = _parsed()
+    assert "accuracy_budget" not in default and "no_accuracy_budget" not in default
+    with pytest.raises(SystemExit):
+        _parsed("--accuracy-budget", "lots")
+    assert "expected a number or none, got 'lots'" in capsys.readouterr().err
+
+
+def test_no_accuracy_budget_round_trips_on_the_wire():
+    spec = {"model": "/m", "calibration": "/c", "uniform_ratio": 0.5, "no_accuracy_budget": True}
+    message = pb.CompressRequest.FromString(spec_to_proto(spec).SerializeToString())
+    assert message.no_accuracy_budget and not message.HasField("accuracy_budget")
+    request = request_from_spec(spec_from_proto(message), out_dir=Path("/o"))
+    assert request.no_accuracy_budget and request.accuracy_budget is None
+    budget = spec_from_proto(spec_to_proto({**spec, "no_accuracy_budget": None, "accuracy_budget": 0.02}))
+    assert (budget["accuracy_budget"], budget["no_accuracy_budget"]) == (0.02, False)
+    both = CompressRequest(model="/m", calibration=Path("/c"), out_dir=Path("/o"), uniform_ratio=0.5,
+                           accuracy_budget=0.02, no_accuracy_budget=True)
+    assert [f for f, _ in both.violations()] == ["accuracy_budget"]
 
 
 def test_local_only_fields_never_go_on_the_wire():

@@ -10,7 +10,7 @@ from exporters.runtime import Latency
 from service import cli
 from service.job import CompressRequest, compress
 from service.job.kinds import Metric
-from service.job.targeting import Round, choose, target_loop
+from service.job.targeting import DEFAULT_BUDGETS, Round, accuracy_rule, choose, target_loop
 
 
 def curves():
@@ -32,7 +32,7 @@ def fake_rounds(share: float):
         compressed = 100.0 * (1 - share * saved)
         latency = Latency(100.0, compressed, 101.0, compressed + 1, 100.0 / compressed, "cpu", 2, "test", 5)
         quality = 1.0 - sum(c.loss[c.widths.index(plan[c.name])] for c in layer_curves) / 100
-        return Round(plan, None, [], None, 0.0, latency, quality, predicted)
+        return Round(plan, None, [], None, None, latency, quality, predicted)
 
     return layer_curves, run_round
 
@@ -40,7 +40,8 @@ def fake_rounds(share: float):
 @pytest.mark.parametrize("share,target", [(0.6, 1.5), (0.95, 1.25), (0.4, 1.3)])
 def test_the_loop_corrects_its_latency_model_and_meets_the_target(share, target):
     layer_curves, run_round = fake_rounds(share)
-    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target)
+    # about the latency model: the fake metric's values mean nothing to a budget
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target, no_accuracy_budget=True)
     rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
     assert len(rounds) <= request.max_rounds
     chosen, status = choose(request, rounds, Metric("cosine", True), 1.0)
@@ -69,6 +70,66 @@ def test_accuracy_budget_and_back_off():
     assert 1.0 - chosen.metric <= 0.01  # within the budget
     assert chosen.latency.speedup == max(r.latency.speedup for r in rounds if 1.0 - r.metric <= 0.01)
     assert status in ("ok", "target_not_met")
+
+
+def _request(**fields) -> CompressRequest:
+    return CompressRequest(model="m", calibration="c", out_dir="o", uniform_ratio=0.5, **fields)
+
+
+@pytest.mark.parametrize("metric, baseline, allowed, refused", [
+    (Metric("perplexity", False), 51.68, [51.68, 60.0, 103.36], [103.37, 1800.37, float("nan"), float("inf")]),
+    (Metric("cosine", True), 1.0, [1.0, 0.95, 0.9], [0.8999, 0.5, float("nan")]),
+    (Metric("top1", True), 0.92, [0.92, 0.85, 0.82], [0.8199, 0.5, float("nan")]),
+])
+def test_the_default_budget_is_one_rule_per_metric(metric, baseline, allowed, refused):
+    rule = accuracy_rule(_request(), metric)
+    assert rule.default and (rule.kind, rule.limit) == DEFAULT_BUDGETS[metric.name]
+    assert all(rule.allows(baseline, v) for v in allowed)
+    assert not any(rule.allows(baseline, v) for v in refused)
+
+
+def test_the_default_rules_in_words_and_numbers():
+    perplexity = accuracy_rule(_request(), Metric("perplexity", False)).to_dict(51.68)
+    assert perplexity["rule"] == "perplexity at most 2x dense" and perplexity["bound"] == "perplexity <= 103.3600"
+    assert accuracy_rule(_request(), Metric("cosine", True)).to_dict(1.0)["bound"] == "cosine >= 0.9000"
+    top1 = accuracy_rule(_request(), Metric("top1", True)).to_dict(0.92)
+    assert top1["rule"] == "top1 at most 0.1 below dense" and top1["worst_allowed"] == pytest.approx(0.82)
+
+
+def test_an_explicit_budget_is_a_relative_drop_and_none_is_no_budget():
+    for metric, baseline, ok, blown in ((Metric("perplexity", False), 10.0, 10.4, 10.6),
+                                        (Metric("cosine", True), 1.0, 0.96, 0.94)):
+        rule = accuracy_rule(_request(accuracy_budget=0.05), metric)
+        assert not rule.default and rule.allows(baseline, ok) and not rule.allows(baseline, blown)
+        assert metric.relative_drop(baseline, blown) > 0.05 >= metric.relative_drop(baseline, ok)
+    assert accuracy_rule(_request(no_accuracy_budget=True), Metric("perplexity", False)) is None
+
+
+def _measured(metric: float, speedup: float = 1.5) -> Round:
+    latency = Latency(100.0, 100.0 / speedup, 101.0, 100.0 / speedup, speedup, "cpu", 2, "test", 5)
+    return Round(0.5, None, [], None, None, latency, metric)
+
+
+def test_a_broken_model_is_not_ok_by_default():
+    perplexity = Metric("perplexity", False)
+    broken = [_measured(1800.37)]
+    assert choose(_request(), broken, perplexity, 51.68)[1] == "accuracy_budget_exceeded"
+    assert choose(_request(no_accuracy_budget=True), broken, perplexity, 51.68)[1] == "ok"
+    assert choose(_request(), [_measured(90.0)], perplexity, 51.68)[1] == "ok"
+
+
+def test_back_off_works_against_the_default_budget():
+    """The loop backs off while a round is below the default cosine floor (0.9) and returns the fastest
+    round above it."""
+    layer_curves, run_round = fake_rounds(0.8)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=3.0, back_off=True,
+                              max_rounds=6)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, messages.append)
+    assert rounds[0].metric < 0.9 and any("accuracy budget exceeded; backing off" in m for m in messages)
+    chosen, status = choose(request, rounds, Metric("cosine", True), 1.0)
+    assert chosen.metric >= 0.9 and status == "target_not_met"
+    assert chosen.latency.speedup == max(r.latency.speedup for r in rounds if r.metric >= 0.9)
 
 
 REPORT_KEYS = {"status", "target_speedup", "uniform_ratio", "measured_speedup", "baseline_latency_ms",
@@ -114,7 +175,8 @@ def test_bad_target_arguments_are_refused(tmp_path, capsys):
     for extra, words in ((["--target-speedup", "0.9"], "--target-speedup must be in (1, 20]"),
                          (["--target-speedup", "nan"], "--target-speedup must be in (1, 20]"),
                          (["--target-speedup", "2", "--accuracy-budget", "1.5"], "--accuracy-budget"),
-                         (["--target-speedup", "2", "--back-off"], "--back-off needs --accuracy-budget"),
+                         (["--target-speedup", "2", "--back-off", "--accuracy-budget", "none"],
+                          "--back-off needs an accuracy budget"),
                          (["--target-speedup", "2", "--shape", "batch=0"], "--shape")):
         assert cli.main(base + extra) == 2
         assert words in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""Block reconstruction: held-out split, the fit and its keep-only-if-better rule, and its place in the pipeline."""
+
+import copy
+
+import pytest
+import torch
+
+from compressor.errors import InputError
+from compressor.transformer.adapters import layers
+from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer
+from compressor.transformer.refine import BlockReconstruction, RefineConfig, Sequences, split
+
+from .transformer_models import MODELS, example_inputs
+
+CPU = torch.device("cpu")
+
+
+def batches(model, n=4, batch=5, length=12):
+    return [example_inputs(model, batch=batch, length=length, seed=i) for i in range(n)]
+
+
+def sequences(batch: int, tag: float) -> Sequences:
+    x = torch.arange(batch, dtype=torch.float32).view(batch, 1, 1).expand(batch, 3, 2) + tag
+    rotary = torch.randn(1, 3, 2)  # broadcast over the batch: kept whole
+    mask4d = torch.arange(batch, dtype=torch.float32).view(batch, 1, 1, 1).expand(batch, 1, 3, 3)
+    return Sequences(x, x + 1, (), {"position_embeddings": (rotary, rotary), "attention_mask": mask4d,
+                                    "cache_position": torch.arange(batch)}, torch.ones(batch, 3, dtype=torch.bool))
+
+
+def test_held_out_sequences_are_a_seeded_tenth_of_all_and_never_fitted():
+    data = [sequences(16, 100.0 * i) for i in range(8)]  # 128 sequences, each tagged by its value
+    fit, judge = split(data, 0.1, seed=0)
+    tags = lambda parts: [float(v) for p in parts for v in p.x[:, 0, 0]]  # noqa: E731
+    assert len(tags(judge)) == 13 and len(tags(fit)) == 115
+    assert set(tags(fit)).isdisjoint(tags(judge))
+    assert sorted(tags(fit) + tags(judge)) == sorted(tags(data))
+    assert tags(split(data, 0.1, seed=0)[1]) == tags(judge)
+    assert tags(split(data, 0.1, seed=1)[1]) != tags(judge)
+
+
+def test_a_split_batch_slices_its_batched_context_and_keeps_broadcast_tensors():
+    whole = sequences(6, 0.0)
+    part = whole.select(torch.tensor([1, 4]))
+    assert part.x[:, 0, 0].tolist() == [1.0, 4.0] and part.target[:, 0, 0].tolist() == [2.0, 5.0]
+    assert part.kwargs["attention_mask"][:, 0, 0, 0].tolist() == [1.0, 4.0]
+    assert part.kwargs["position_embeddings"][0] is whole.kwargs["position_embeddings"][0]
+    assert part.kwargs["cache_position"] is whole.kwargs["cache_position"]  # 1-D: positions, not sequences
+    assert part.mask.shape == (2, 3)
+
+
+def test_one_sequence_has_nothing_to_fit():
+    fit, judge = split([sequences(1, 0.0)], 0.1, seed=0)
+    assert fit == [] and len(judge) == 1
+
+
+def _block_problem(steps: int, lr: float = 0.05):
+    """Block 0 of a tiny Llama with its MLP perturbed, to be fitted back to the dense block's outputs."""
+    model = MODELS["llama"]()
+    streams = capture_block_inputs(model, batches(model), CPU, torch.float32)
+    dense = layers(model)[0]
+    block = copy.deepcopy(dense)
+    with torch.no_grad():
+        block.mlp.down_proj.weight.mul_(0.5)
+        targets = [_run(dense, s.hidden, s, CPU) for s in streams]
+    data = [Sequences(s.hidden, t, s.args, s.kwargs, s.mask) for s, t in zip(streams, targets, strict=True)]
+    fit, judge = split(data, 0.25, seed=0)
+    return block, fit, judge, RefineConfig(steps=steps, lr=lr)
+
+
+def run(block, seqs):
+    return _run(block, seqs.x, seqs, CPU)
+
+
+def test_the_fit_lowers_the_held_out_error_and_only_touches_the_block_weights():
+    block, fit, judge, config = _block_problem(steps=60)
+    norm = block.input_layernorm.weight.detach().clone()
+    result = BlockReconstruction(block, config).fit(fit, judge, run)
+    assert result.kept and result.steps == 60
+    assert result.after < 0.5 * result.before
+    assert result.after == pytest.approx(BlockReconstruction(block, config).error(judge, run), rel=1e-5)
+    torch.testing.assert_close(block.input_layernorm.weight, norm, rtol=0, atol=0)  # norms frozen by default
+    assert all(p.requires_grad for p in block.parameters())  # as it found them
+    assert all(p.grad is None for p in block.parameters())
+
+
+def test_trainable_norms_move_with_the_weights():
+    block, fit, judge, _ = _block_problem(steps=20)
+    norm = block.input_layernorm.weight.detach().clone()
+    result = BlockReconstruction(block, RefineConfig(steps=20, norms=True)).fit(fit, judge, run)
+    assert result.kept and not torch.equal(block.input_layernorm.weight, norm)
+
+
+def test_a_fit_that_does_not_help_on_held_out_data_is_discarded():
+    block, fit, judge, _ = _block_problem(steps=5)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    result = BlockReconstruction(block, RefineConfig(steps=5, lr=50.0)).fit(fit, judge, run)  # diverges
+    assert not result.kept and result.after >= result.before
+    for name, value in block.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_the_pipeline_reports_each_blocks_fit(name):
+    model = MODELS[name]()
+    data = batches(model)
+    _, plain_reports = prune_transformer(model, data, 0.5)
+    refined, reports = prune_transformer(model, data, 0.5, refine_steps=10)
+    assert [r.width_after for r in reports] == [r.width_after for r in plain_reports]
+    fits = [r.refine for r in reports]
+    assert fits[0::2] == [None] * len(layers(model))  # attention layer reports carry none
+    assert all(f is not None and f.steps == 10 and f.kept == (f.after < f.before) for f in fits[1::2])
+    assert all(r.refine is None for r in plain_reports)
+    assert refined.base_model(**example_inputs(model)).last_hidden_state.isfinite().all()
+
+
+def test_refined_stories260k_predicts_held_out_stories_better(shared_data):
+    import numpy as np
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(shared_data / "stories260K")).eval()
+    tok = np.load(shared_data / "stories260K" / "tinystories-valid-tokens.npz")
+    ids, off = tok["ids"], tok["offsets"]
+    cal = [{"input_ids": torch.stack([torch.from_numpy(ids[off[i]:off[i] + 64].astype(np.int64))
+                                      for i in range(b, b + 8)])} for b in range(0, 48, 8)]
+    held = [torch.from_numpy(ids[off[i]:off[i + 1]][:256].astype(np.int64)).unsqueeze(0) for i in range(150, 170)]
+
+    def nll(m):
+        with torch.no_grad():
+            return sum(float(m(input_ids=s, labels=s).loss) for s in held) / len(held)
+
+    plain = nll(prune_transformer(model, cal, 0.5)[0])
+    refined, reports = prune_transformer(model, cal, 0.5, refine_steps=30)
+    assert all(r.refine.kept for r in reports[1::2])
+    assert nll(refined) < plain - 0.1  # nats per token
+
+
+def test_refining_magnitude_pruning_is_refused():
+    model = MODELS["llama"]()
+    with pytest.raises(InputError, match="does not apply to method 'mp'"):
+        prune_transformer(model, batches(model), 0.5, method="mp", refine_steps=10)

@@ -1,0 +1,121 @@
+"""The parity gate: errors relative to each output's scale, per precision, every mismatch in one error."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from exporters.onnx import (
+    PARITY_TOLERANCES,
+    ParityError,
+    _NamedInputs,
+    check_hf_parity,
+    export_hf_onnx,
+    output_errors,
+)
+from exporters.runtime import run_outputs
+
+
+def test_errors_are_relative_to_the_outputs_scale():
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((4, 1000))
+    noise = 1e-6 * rng.standard_normal(t.shape)
+    small, large = output_errors(t + noise, t), output_errors(1000 * (t + noise), 1000 * t)
+    assert small.peak_error == pytest.approx(large.peak_error) and small.aggregate_error == pytest.approx(
+        large.aggregate_error)
+    assert large.max_abs_error == pytest.approx(1000 * small.max_abs_error)
+    assert small.aggregate_error == pytest.approx(1e-6, rel=0.05)  # RMS(noise) / RMS(t)
+    # the same relative noise: an absolute tolerance accepts the small output and refuses the large one
+    assert np.allclose(t + noise, t, rtol=1e-4, atol=1e-4) and not np.allclose(1000 * (t + noise), 1000 * t,
+                                                                              rtol=1e-4, atol=1e-4)
+
+
+def test_a_value_is_allowed_an_error_relative_to_its_own_size_where_it_stands_out():
+    t = np.full(100, 0.1)
+    t[0] = 100.0  # an outlier feature, ~10x the RMS
+    got = t.copy()
+    got[0] += 0.05  # half-precision rounding of the outlier: 5e-4 of its value, 5e-3 of the RMS
+    errors = output_errors(got, t)
+    assert errors.peak_error == pytest.approx(0.05 / (np.sqrt(np.mean(t**2)) + 100.0))
+    assert errors.peak_error < 5e-4 < 0.05 / np.sqrt(np.mean(t**2))
+
+
+def test_non_finite_values_fail_unless_both_sides_have_them():
+    t = np.array([1.0, np.inf, np.nan, 2.0])
+    assert output_errors(t.copy(), t).peak_error == 0.0
+    assert output_errors(np.array([1.0, np.inf, np.nan, np.nan]), t).peak_error == np.inf
+    assert output_errors(np.zeros(3), np.zeros(3)).aggregate_error == 0.0
+    assert output_errors(np.full(3, 1e-3), np.zeros(3)).max_abs_error == pytest.approx(1e-3)  # absolute on zeros
+
+
+@pytest.fixture(scope="module")
+def deep_decoder(tmp_path_factory):
+    """A random-init 12-layer Llama whose logits have a scale of ~1000 (a trained LM's are ~10-30, and its
+    fp32 noise is larger than a random model's): fp32 reduction-order noise is then above any absolute
+    1e-4 but a tiny fraction of the logits' scale."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=12, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 512, (4, 48), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1000.0 / model(**inputs).logits.std())
+    path = export_hf_onnx(model, {k: v[:2] for k, v in inputs.items()}, tmp_path_factory.mktemp("deep") / "m.onnx",
+                          output_name="logits")
+    return model, inputs, path
+
+
+def test_a_deep_decoder_passes_the_scaled_gate_that_an_absolute_one_refuses(deep_decoder):
+    model, inputs, path = deep_decoder
+    got = run_outputs(path, [[v.numpy() for v in inputs.values()]])[0][0]
+    with torch.no_grad():
+        expected = _NamedInputs(model, tuple(inputs), "logits")(*inputs.values()).numpy()
+    assert np.sqrt(np.mean(expected**2)) > 500
+    assert not np.allclose(got, expected, rtol=1e-4, atol=1e-4)  # the former fp32 rule
+    parity = check_hf_parity(model, path, inputs, "logits")
+    assert parity.max_abs_error > 1e-4
+    assert parity.peak_error <= PARITY_TOLERANCES["fp32"].peak / 10
+    assert parity.aggregate_error <= PARITY_TOLERANCES["fp32"].aggregate / 10
+
+
+def test_a_wrong_export_is_refused_with_its_numbers(deep_decoder):
+    model, inputs, path = deep_decoder
+    weight = model.model.layers[6].mlp.down_proj.weight
+    original = weight.detach().clone()
+    try:
+        with torch.no_grad():  # one weight matrix of 12 layers off by 2%: the export computes another model
+            weight.mul_(1.02)
+        with pytest.raises(ParityError) as caught:
+            check_hf_parity(model, path, inputs, "logits")
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)
+    (mismatch,) = caught.value.mismatches
+    assert mismatch.output == "logits" and mismatch.peak_error > PARITY_TOLERANCES["fp32"].peak
+    assert mismatch.aggregate_error > PARITY_TOLERANCES["fp32"].aggregate
+    assert f"peak error {mismatch.peak_error:.3g} of scale (limit {PARITY_TOLERANCES['fp32'].peak:g})" in str(
+        caught.value)
+
+
+def test_every_mismatching_output_is_listed_in_one_error(tmp_path):
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.scale, x.sum(-1) * self.scale
+
+    from exporters.onnx import _export, check_parity
+
+    x = torch.randn(3, 5)
+    module = TwoOutputs(2.0)
+    _export(module, (x,), tmp_path / "two.onnx", weights=module, input_names=["x"], output_names=["a", "b"],
+            dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    assert check_parity(module, tmp_path / "two.onnx", x).peak_error < 1e-6
+    with pytest.raises(ParityError) as caught:
+        check_parity(TwoOutputs(2.1), tmp_path / "two.onnx", x)
+    assert [m.output for m in caught.value.mismatches] == ["a", "b"]
+    assert all(m.peak_error > 1e-2 for m in caught.value.mismatches)
