@@ -226,19 +226,18 @@ def prune_blocks(
     observe: Callable[[LayerObservation], None] | None = None,
     cost_sequence_length: int = 128,
     gqa: str = "query-heads",
-    refine_steps: int = 0,
     refine: RefineConfig | None = None,
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
     single query head (`gqa="query-heads"`, the paper's groups) or a whole KV group ("kv-groups").
     `observe` sees each projection's statistics before its solve, with the latency-model cost of one
-    group at `cost_sequence_length`. With `refine_steps` > 0 (or a `refine` config), each pruned block is
+    group at `cost_sequence_length`. With `refine` (RefineConfig with steps > 0), each pruned block is
     then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp")."""
     check_plan(ratio)
     if gqa not in GQA_UNITS:
         raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
-    refine = refine or RefineConfig(steps=refine_steps)
+    refine = refine or RefineConfig()
     if refine.steps and method == "mp":
         raise InputError("block reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning "
                          "uses no calibration data)")

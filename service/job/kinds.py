@@ -34,6 +34,7 @@ from compressor.reports import LayerReport
 from compressor.transformer.models import load_transformer, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer
+from compressor.transformer.refine import RefineConfig
 from compressor.transformer.surgery import load_pruned, save_pruned, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
@@ -240,7 +241,7 @@ class _TransformerJob:
         options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine_steps": request.refine_steps}
+                   "refine": RefineConfig(steps=request.refine_steps)}
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:

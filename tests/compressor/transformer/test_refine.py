@@ -104,7 +104,7 @@ def test_the_pipeline_reports_each_blocks_fit(name):
     model = MODELS[name]()
     data = batches(model)
     _, plain_reports = prune_transformer(model, data, 0.5)
-    refined, reports = prune_transformer(model, data, 0.5, refine_steps=10)
+    refined, reports = prune_transformer(model, data, 0.5, refine=RefineConfig(steps=10))
     assert [r.width_after for r in reports] == [r.width_after for r in plain_reports]
     fits = [r.refine for r in reports]
     assert fits[0::2] == [None] * len(layers(model))  # attention layer reports carry none
@@ -129,7 +129,7 @@ def test_refined_stories260k_predicts_held_out_stories_better(shared_data):
             return sum(float(m(input_ids=s, labels=s).loss) for s in held) / len(held)
 
     plain = nll(prune_transformer(model, cal, 0.5)[0])
-    refined, reports = prune_transformer(model, cal, 0.5, refine_steps=30)
+    refined, reports = prune_transformer(model, cal, 0.5, refine=RefineConfig(steps=30))
     assert all(r.refine.kept for r in reports[1::2])
     assert nll(refined) < plain - 0.1  # nats per token
 
@@ -137,4 +137,4 @@ def test_refined_stories260k_predicts_held_out_stories_better(shared_data):
 def test_refining_magnitude_pruning_is_refused():
     model = MODELS["llama"]()
     with pytest.raises(InputError, match="does not apply to method 'mp'"):
-        prune_transformer(model, batches(model), 0.5, method="mp", refine_steps=10)
+        prune_transformer(model, batches(model), 0.5, method="mp", refine=RefineConfig(steps=10))
