@@ -139,8 +139,7 @@ def _smollm2(ratio: float, method: str, gqa: str = "query-heads", **options) -> 
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=128, length=256,
                         seed=0)
-    text = (DATA / "text" / "wikitext-2-raw-test.txt").read_text()
-    ids = torch.tensor(tokenizer(text)["input_ids"][: 64 * 256]).view(64, 256)
+    ids = wikitext_windows(tokenizer)
 
     def perplexity(m: torch.nn.Module) -> float:
         nll = 0.0
@@ -150,7 +149,48 @@ def _smollm2(ratio: float, method: str, gqa: str = "query-heads", **options) -> 
                 nll += float(m(input_ids=window, labels=window).loss) * len(window)
         return math.exp(nll / 64)  # every window has 255 scored tokens
 
-    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa, **options)
+    def onnx_score(m: torch.nn.Module) -> float:
+        return exported_perplexity(m, ids)
+
+    return _run(model, batches, ratio, method, "perplexity", perplexity, prune_transformer, gqa=gqa,
+                onnx_score=onnx_score, **options)
+
+
+def wikitext_windows(tokenizer) -> torch.Tensor:
+    """The SmolLM2 protocol's test set: the first 64 consecutive 256-token windows of WikiText-2 test."""
+    text = (DATA / "text" / "wikitext-2-raw-test.txt").read_text()
+    return torch.tensor(tokenizer(text)["input_ids"][: 64 * 256]).view(64, 256)
+
+
+def onnx_perplexity(path: str | Path, ids: torch.Tensor) -> float:
+    """Perplexity of an exported causal LM in ONNX Runtime (CPU), each window scored alone."""
+    from exporters.runtime import run_outputs
+
+    batches = [{"input_ids": w.numpy(), "attention_mask": np.ones_like(w.numpy())} for w in ids.split(8)]
+    scored = run_outputs(path, batches, reduce="nll")
+    return math.exp(sum(nll for nll, _ in scored) / sum(count for _, count in scored))
+
+
+def exported_perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """Export `model` as the job does (dynamo, logits output) and score it in ONNX Runtime."""
+    from exporters.onnx import export_hf_onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        example = {"input_ids": ids[:2, :16].clone(), "attention_mask": torch.ones_like(ids[:2, :16])}
+        export_hf_onnx(model.eval(), example, path, output_name="logits")
+        return onnx_perplexity(path, ids)
+
+
+def score_artifact(artifact: Path) -> dict:
+    """WikiText-2 perplexity (the SmolLM2 protocol) of a CLI job's model.onnx, against the dense model."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_directory())
+    ids = wikitext_windows(tokenizer)
+    report = json.loads((artifact / "report.json").read_text()) if (artifact / "report.json").is_file() else {}
+    return {"artifact": str(artifact), "onnx_perplexity": onnx_perplexity(artifact / "model.onnx", ids),
+            "status": report.get("status"), "speedup": report.get("speedup")}
 
 
 def _smollm2_kv_groups(ratio: float, method: str, **options) -> dict:
@@ -194,20 +234,22 @@ def _minilm(ratio: float, method: str, **options) -> dict:
 
 
 def _run(model, batches, ratio, method, metric, evaluate, prune, refine_steps=0, refine_lr=0.02, refine_norms=False,
-         refine_sequences=4, **options) -> dict:
+         refine_sequences=4, onnx=False, onnx_score=None, **options) -> dict:
     from compressor.modules import count_parameters
     from compressor.transformer.refine import RefineConfig
 
+    exported = {"onnx_value": onnx_score(model)} if onnx and onnx_score else {}
     if method == "dense":
         return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,
-                "peak_rss_mb": _peak_rss_mb()}
+                "peak_rss_mb": _peak_rss_mb(), **exported}
     start = time.perf_counter()
     refine = RefineConfig(steps=refine_steps, lr=refine_lr, norms=refine_norms, sequences=refine_sequences)
     pruned, layers = prune(model, batches, ratio, method=method, refine=refine, **options)
     seconds = time.perf_counter() - start
     fits = [r.refine for r in layers if r.refine is not None]
-    return {"metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned), "prune_s": seconds,
-            "peak_rss_mb": _peak_rss_mb(), "refine_steps": refine_steps, "refine_lr": refine_lr,
+    exported = {"onnx_value": onnx_score(pruned)} if onnx and onnx_score else {}
+    return {**exported, "metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned),
+            "prune_s": seconds, "peak_rss_mb": _peak_rss_mb(), "refine_steps": refine_steps, "refine_lr": refine_lr,
             "refine_norms": refine_norms, "refine_s": sum(f.seconds for f in fits),
             "refine_kept": sum(f.kept for f in fits), "refine_blocks": len(fits)}
 
@@ -245,17 +287,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine-lr", type=float, default=0.02, help="relative to each weight's RMS")
     parser.add_argument("--refine-norms", action="store_true", help="also fit the norms")
     parser.add_argument("--refine-sequences", type=int, default=4, help="calibration sequences per step")
+    parser.add_argument("--onnx", action="store_true", help="also score the exported ONNX in ONNX Runtime "
+                        "(smollm2 rows: onnx_value)")
+    parser.add_argument("--score-artifact", type=Path, action="append", default=[], metavar="DIR",
+                        help="only score a CLI job's output directory (model.onnx) on the SmolLM2 protocol")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("quality_transformers.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.score_artifact:
+        sys.path.insert(0, str(ROOT))
+        for artifact in args.score_artifact:
+            print(json.dumps(score_artifact(artifact)))
+        return
     jobs = []
     for model in args.models.split(","):
         if model not in JOBS:
             parser.error(f"unknown model {model!r}; choose from {sorted(JOBS)}")
-        jobs.append((model, 0.0, "dense", {}))
+        jobs.append((model, 0.0, "dense", {"onnx": args.onnx}))
         jobs += [(model, float(r), m, {"refine_steps": int(steps), "refine_lr": args.refine_lr,
                                        "refine_norms": args.refine_norms,
-                                       "refine_sequences": args.refine_sequences})
+                                       "refine_sequences": args.refine_sequences, "onnx": args.onnx})
                  for r in args.ratios.split(",") for m in args.methods.split(",")
                  for steps in args.refine_steps.split(",") if not (m == "mp" and int(steps))]
     rows = []
@@ -264,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         for model, ratio, method, options in jobs:
             row = pool.submit(_job, model, ratio, method, options).result()
             rows.append(row)
-            log.info("%s %s %.2f %s: %s %.4f, prune %.1fs (refine %.1fs, %d/%d blocks kept), peak RSS %.0f MB", model,
-                     method, ratio, options, row["metric"], row["value"], row["prune_s"], row.get("refine_s", 0),
+            log.info("%s %s %.2f %s: %s %.4f (ONNX %s), prune %.1fs (refine %.1fs, %d/%d blocks kept), "
+                     "peak RSS %.0f MB", model, method, ratio, options, row["metric"], row["value"],
+                     row.get("onnx_value", "-"), row["prune_s"], row.get("refine_s", 0),
                      row.get("refine_kept", 0), row.get("refine_blocks", 0), row["peak_rss_mb"])
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows},
                                    indent=1))

@@ -119,11 +119,26 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     """torch.onnx.export through the dynamo exporter, saved to `path` (with `weights`' size deciding
     whether the weights go to an external data file)."""
     path = Path(path)
+    _mark_eval(module)
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
     size = sum(p.numel() * p.element_size() for p in weights.parameters())
     program.save(str(path), external_data=size >= EXTERNAL_DATA_BYTES)
     return path
+
+
+def _mark_eval(module: torch.nn.Module) -> None:
+    """Put `module` in eval mode before export. A torch.export graph module (a conv graph: ATen ops whose
+    mode was fixed when it was captured, in eval mode) refuses `.eval()` and computes the same either
+    way, but is created with `training=True`, which made every export warn "Exporting a model while it is
+    in training mode": its flags are set directly. Other modules get `.eval()`."""
+    if not module.training:
+        return
+    if isinstance(module, fx.GraphModule):
+        for sub in module.modules():
+            sub.training = False
+    else:
+        module.eval()
 
 
 def stamp_metadata(path: str | Path, metadata: dict[str, object]) -> None:

@@ -8,6 +8,7 @@ the caller: it surfaces as `RuntimeFailure`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import signal
@@ -69,6 +70,9 @@ def _session(path: str, provider: str, threads: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # two sessions alternate in one process: an idle one's spinning workers would steal the cores of the one
+    # being timed (measured: the same pair of models 0.65x to 2.0x with spinning on)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [PROVIDERS[provider]] + (["CPUExecutionProvider"] if provider != "cpu" else [])
     return ort.InferenceSession(path, options, providers=providers)
 
@@ -156,35 +160,50 @@ class Latency:
     threads: int
     device: str
     repeats: int
+    runs_per_sample: int = 1  # back-to-back runs in each timed sample (MIN_SAMPLE_MS)
+
+
+# A timed sample lasts at least this long: a model that runs in a millisecond or two is timed as n
+# back-to-back runs (n from the warm-up), so one scheduler hiccup on a shared machine cannot swing a
+# sample by half (measured on the tests' 1.6 ms network: 3 single runs gave 0.9-1.5x for the same pair).
+MIN_SAMPLE_MS = 20.0
 
 
 def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
-                    warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+                    warmup: int, repeats: int) -> tuple[list[float], list[float], int]:
+    """Per-run milliseconds of each timed sample of both models, alternating, and the runs per sample."""
     sessions = [_session(baseline, provider, threads), _session(compressed, provider, threads)]
     feeds = [_feed(s, feed) for s in sessions]
+    last = [MIN_SAMPLE_MS, MIN_SAMPLE_MS]  # without a warm-up: one run per sample
     for _ in range(warmup):
-        for s, f in zip(sessions, feeds, strict=True):
+        for k, (s, f) in enumerate(zip(sessions, feeds, strict=True)):
+            start = time.perf_counter()
             s.run(None, f)
+            last[k] = 1000 * (time.perf_counter() - start)
+    runs = max(1, math.ceil(MIN_SAMPLE_MS / max(max(last), 1e-3)))  # the slower model's last warm-up run
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):  # alternate, so a noisy neighbour slows both alike
         for k, (s, f) in enumerate(zip(sessions, feeds, strict=True)):
             start = time.perf_counter()
-            s.run(None, f)
-            times[k].append(1000 * (time.perf_counter() - start))
-    return times
+            for _ in range(runs):
+                s.run(None, f)
+            times[k].append(1000 * (time.perf_counter() - start) / runs)
+    return times[0], times[1], runs
 
 
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
                     repeats: int = 20) -> Latency:
-    """Median and p90 latency of two models on one input, runs alternating in one subprocess."""
+    """Median and p90 latency of two models on one input, samples alternating in one subprocess. Each
+    sample is the mean of enough back-to-back runs to last MIN_SAMPLE_MS (one run for most models)."""
     if provider not in PROVIDERS:
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
-    base, comp = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup, repeats)
+    base, comp, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
+                             repeats)
 
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))
 
     b, c = statistics.median(base), statistics.median(comp)
-    return Latency(b, c, p90(base), p90(comp), b / c, provider, threads, device_name(provider), repeats)
+    return Latency(b, c, p90(base), p90(comp), b / c, provider, threads, device_name(provider), repeats, runs)

@@ -13,7 +13,7 @@ from typing import Any
 
 from compressor.errors import InputError
 
-from .terminal import ProgressLines
+from .terminal import ProgressLines, ignoring_interrupts
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -86,6 +86,55 @@ def compress_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+# what a local job writes into --out (service.job.compress and the model kinds' `save`), and its scratch
+JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "model.pt2", "model",
+               "report.json", "report.html")
+SCRATCH_PREFIX = ".osscar-work-"
+
+
+def _stamp(path: Path) -> tuple:
+    """Changes when a file or anything under a directory is written, replaced or removed."""
+    stat = path.lstat()
+    stamp = [(stat.st_ino, stat.st_mtime_ns, stat.st_size)]
+    if path.is_dir() and not path.is_symlink():
+        stamp += sorted((str(p.relative_to(path)), p.lstat().st_ino, p.lstat().st_mtime_ns, p.lstat().st_size)
+                        for p in path.rglob("*"))
+    return tuple(stamp)
+
+
+class WrittenOutputs:
+    """What a local run writes into its output directory, to take back when it is interrupted: the
+    directory itself if the run created it; otherwise the job's outputs that are new or changed since the
+    run began (an earlier run's outputs it never touched stay, and so does anything that is not a job
+    output)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.created = not out.exists()
+        self.before = {} if self.created else \
+            {p.name: _stamp(p) for p in out.iterdir() if p.name in JOB_OUTPUTS}
+
+    def undo(self) -> str:
+        """Remove them; returns what was done, in words."""
+        import shutil
+
+        if self.created:
+            shutil.rmtree(self.out, ignore_errors=True)
+            return f"removed {self.out} (this run created it)" if not self.out.exists() else \
+                f"could not remove all of {self.out}"
+        removed = []
+        for path in sorted(self.out.iterdir()) if self.out.is_dir() else []:
+            ours = path.name in JOB_OUTPUTS or path.name.startswith(SCRATCH_PREFIX)
+            if ours and (path.name not in self.before or self.before[path.name] != _stamp(path)):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return f"removed what this run wrote in {self.out} ({', '.join(removed)})" if removed else \
+            f"nothing of this run was left in {self.out}"
+
+
 def _compress(args: argparse.Namespace) -> int:
     if args.server:
         from .client import remote_compress
@@ -93,15 +142,27 @@ def _compress(args: argparse.Namespace) -> int:
         return remote_compress(args)
     from .files import default_home
     from .job import CompressRequest, compress
+    from .job.report_html import record_references
     from .references import embedded
 
     options = compress_options(args)
+    given = {name: str(options[name]) for name in ("model", "calibration", "eval", "widths_from")
+             if options.get(name) is not None}
     for name in ("model", "calibration", "eval"):  # embedded:<name> works locally too
         value = options.get(name)
         if value is not None and str(value).startswith("embedded:"):
             options[name] = embedded(str(value), default_home())
     options["model"] = str(options["model"])
-    report = compress(CompressRequest(**options), progress=_Progress(sys.stderr))
+    progress = _Progress(sys.stderr)
+    written = WrittenOutputs(Path(args.out_dir))
+    try:
+        report = compress(CompressRequest(**options), progress=progress)
+        report = record_references(Path(args.out_dir), report, given)  # report.html's title: as given
+    except KeyboardInterrupt:
+        with ignoring_interrupts():  # a second Ctrl-C must not stop the clean-up half-way
+            progress.lines.end()
+            print(f"osscar: interrupted; {written.undo()}", file=sys.stderr)
+        return 130
     if report["status"] == "parity_failed":
         print(f"osscar: {report['message']}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
         return 2
@@ -236,6 +297,24 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, **kwargs)
 
 
+def add_connection_flags(parser, connect_timeout: float) -> None:
+    """How a client reaches a server (besides --server): deadlines, TLS and the bearer token."""
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
+    parser.add_argument("--connect-timeout", type=float, default=connect_timeout,
+                        help=f"how long to wait for the server to come up (default {connect_timeout:g} s)")
+    parser.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the bearer token (default: $OSSCAR_TOKEN)")
+
+
+def _operations(args: argparse.Namespace) -> int:
+    from .client import operations_command
+
+    return operations_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osscar", description="One-shot structured pruning (OSSCAR).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress on stderr")
@@ -258,15 +337,35 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--label", type=_label, action="append", metavar="KEY=VALUE", help="a label on the job")
     remote.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="wall-clock budget of the job on the server")
-    remote.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
-    remote.add_argument("--connect-timeout", type=float, default=60.0,
-                        help="how long to wait for the server to come up (default 60 s)")
-    remote.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
-    remote.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
-    remote.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
-    remote.add_argument("--token-file", type=Path, default=None,
-                        help="file holding the bearer token (default: $OSSCAR_TOKEN)")
+    remote.add_argument("--cancel-on-interrupt", action="store_true",
+                        help="Ctrl-C cancels the job on the server (default: it keeps running, and the commands "
+                        "to follow, download or cancel it are printed)")
+    add_connection_flags(remote, connect_timeout=60.0)
     comp.set_defaults(func=_compress)
+
+    ops = sub.add_parser("operations", help="list, follow, cancel and download the jobs of a server")
+    actions = ops.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (("list", "the server's operations, oldest first"),
+                         ("get", "one operation: state, progress, error or report"),
+                         ("watch", "follow an operation's progress until it ends; exit 2 if it failed"),
+                         ("cancel", "cancel an operation (a running worker is stopped)"),
+                         ("download", "an operation's artifacts into --out (a running one is followed first)")):
+        cmd = actions.add_parser(action, help=text, description=text)
+        if action == "list":
+            cmd.add_argument("--filter", default=None,
+                             help='e.g. \'state = RUNNING AND labels.team = "x"\' (fields: state, done, model, '
+                             'method, labels.K)')
+        else:
+            cmd.add_argument("name", metavar="NAME", help="the operation's name (operations/...)")
+        if action == "get":
+            cmd.add_argument("--json", action="store_true", help="the Operation message as JSON")
+        if action == "download":
+            cmd.add_argument("--out", dest="out_dir", type=Path, required=True, metavar="DIR",
+                             help="directory for the artifacts")
+        cmd.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                         help="the osscar server (default 127.0.0.1:50051)")
+        add_connection_flags(cmd, connect_timeout=10.0)
+        cmd.set_defaults(func=_operations)
 
     serve = sub.add_parser("serve", help="run the gRPC compression service",
                            description="Every flag has an OSSCAR_<NAME> environment variable (flags win); bearer "
@@ -288,8 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    from .logs import drop_irrelevant
+
+    drop_irrelevant()
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C where no command said more: one line, the shell's 128 + SIGINT
+        print("osscar: interrupted", file=sys.stderr)
+        return 130
     except (InputError, FileNotFoundError) as err:  # bad input: one line, no traceback (bugs keep theirs)
         print(f"osscar: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 - `osscar.compression.v1.Compression`: Compress, WatchCompression, UploadBlob, DownloadArtifact;
 - `google.longrunning.Operations`: Get/List/Cancel/Delete/WaitOperation;
 - `grpc.health.v1.Health` (SERVING while work is accepted, NOT_SERVING while draining or when the store
-  is unreachable) and server reflection.
+  is unreachable) and server reflection, `grpc.reflection.v1` and `v1alpha` (`service.api.reflection_v1`).
 
 The servicers only convert protobuf to and from the core's calls (`service.wire`); one interceptor maps
 the domain errors of `service.errors` to status codes with AIP-193 details; any other exception is logged
@@ -29,12 +29,12 @@ from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import empty_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from . import errors
 from .api import compression_pb2 as pb
 from .api import compression_pb2_grpc as pb_grpc
+from .api import reflection_v1
 from .core import JobService, ServiceConfig, SubmitRequest, UploadHeader
 from .metrics import Metrics
 from .policy import ReferencePolicy
@@ -395,8 +395,7 @@ class Server:
         pb_grpc.add_CompressionServicer_to_server(CompressionServicer(self.jobs), self.server)
         operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self.server)
+        reflection_v1.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME), self.server)
         address = f"{settings.host}:{settings.port}"
         if settings.tls:
             client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None

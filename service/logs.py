@@ -60,9 +60,57 @@ class TextFormatter(logging.Formatter):
         return f"{text} [{operation}]" if operation else text
 
 
+# Third-party records that say nothing about a job, each with why it is dropped here rather than fixed at
+# its source: (logger, the start of the message).
+IRRELEVANT = (
+    # torch.onnx's dynamo exporter registers torchvision's ONNX functions on its first export and, where
+    # torchvision is not installed (the CPU machines here), warns once per op; no model of ours uses them.
+    ("torch.onnx._internal.exporter._registration", "torchvision is not installed."),
+)
+
+
+# Python warnings of the same kind: (category, message regex).
+IRRELEVANT_WARNINGS = (
+    # torch.export's run_decompositions (inside torch.onnx.export) deep-copies its own module call graph,
+    # whose pytree LeafSpec objects warn about their deprecation when re-created; nothing we call or pass.
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # torch.onnx names the dynamic axes after our Dims; inputs that share one (input_ids and attention_mask
+    # share `batch` and `sequence`, as they must) make it warn that the name is taken by ... the same name.
+    (UserWarning, r"# The axis name: (\w+) will not be used, since it shares the same shape constraints with "
+                  r"another axis: \1\.$"),
+)
+
+
+class _Irrelevant(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def drop_irrelevant() -> None:
+    """Filter the IRRELEVANT records on their own loggers only, the IRRELEVANT_WARNINGS by their message,
+    and turn off transformers' weight-loading progress bar (idempotent)."""
+    import os
+    import warnings
+
+    # transformers draws a "Loading weights" progress bar on every from_pretrained (the hub's switch turns
+    # it off; read when transformers is first imported, which is after this); nothing is downloaded here
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for category, message in IRRELEVANT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, prefix in IRRELEVANT:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Irrelevant) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_Irrelevant(prefix))
+
+
 def configure(log_format: str = "json", *, ours: int = logging.INFO, others: int = logging.WARNING) -> None:
     """Root handler on stderr; our loggers at `ours`, third-party ones at `others` (exporter passes are
-    chatty at INFO)."""
+    chatty at INFO), IRRELEVANT records dropped."""
+    drop_irrelevant()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(_OperationFilter())

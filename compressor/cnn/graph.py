@@ -1,15 +1,39 @@
-"""Channel dependencies of a conv graph in torch.export's ATen IR (`ExportedProgram.module()`).
+"""Channel groups of a conv graph in torch.export's ATen IR (`ExportedProgram.module()`).
 
-A *channel unit* is a conv whose input channels come from exactly one producer conv through
-channel-wise ops only (BatchNorm, element-wise activations, spatial padding, depthwise convs), where
-every tensor on that path feeds nothing else. Pruning input channel c of the consumer then removes
-output channel c of the producer, entry c of every BatchNorm and depthwise filter c on the path.
-Channels that meet anything else (a residual add, a concat, a channel pad, a reshape, a linear
-layer) are left alone, and the reason is reported.
+Every activation tensor has a *channel space* (dim 1). An op that acts on each channel alone keeps its
+input's space: BatchNorm, depthwise convs, spatial pads, slices and pools, spatial means, a flatten of a
+1 x 1 map, and every **pointwise op by rule** — any op with `torch.Tag.pointwise` (clamp, hardtanh,
+hardswish, sigmoid, mul/add, ...) or a value-preserving op (clone, alias, dropout in eval), provided each
+other operand is a scalar, a one-element tensor, a per-channel parameter (shape (C, 1, 1) or
+(1, C, 1, 1), sliced with the channels) or an activation broadcast over channels. Two activations that
+meet in a pointwise op with the same channel count (a residual add, a squeeze-excitation product) share
+one space. Each space is one **channel group**: removing channel c removes
+
+- output channel c of every *producer* (the non-grouped convs that write the space, and their biases),
+- entry c of every BatchNorm, depthwise filter and per-channel parameter in it (the *chain*),
+- input channel c of every *consumer* (non-grouped convs reading it, and a Linear reading pooled
+  features: the classifier after global pooling is a consumer too),
+- and the matching channel of every *channel pad* reading or writing it: the CIFAR ResNets' option-A
+  shortcut (stride-2 subsample, then zero channels before and after) maps channel c of one stage's space
+  to channel `before + c` of the next one. Surgery rewrites such a pad as a zero channel appended and an
+  `index_select` (`surgery.rewrite_channel_pad`), so both spaces are pruned independently; a kept
+  channel of the wider space whose source channel was removed reads zeros (the pruned model's
+  statistics see exactly that).
+
+A group with one producer, one consumer and no pad is an in-block *unit* (kind `conv_channels`); a
+group with several producers or consumers (a residual stream) is *coupled* (`coupled_channels`),
+named after its first producer (`coupled:<conv>`). How the pipeline chooses a coupled group's channels
+(one shared support for the OSSCAR objective summed over its consumers) is in `pipeline.py`.
+
+A space is refused, with the reason (per consumer conv in `ChannelAnalysis.refused`), when anything
+else touches it: an op that is not channel-wise (named, with why), a concat, a channel slice, a
+reshape, a grouped (not depthwise) conv, the model's input or output, or no conv writing it.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,15 +45,22 @@ aten = torch.ops.aten
 
 CONV_OPS = (aten.conv2d.default, aten.convolution.default)
 BATCH_NORM_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default)
-# element-wise on each channel, no parameters
-ELEMENTWISE_OPS = {
-    aten.relu.default, aten.relu_.default, aten.relu6.default, aten.hardtanh.default,
-    aten.hardtanh_.default, aten.silu.default, aten.silu_.default, aten.gelu.default,
-    aten.sigmoid.default, aten.hardswish.default, aten.hardswish_.default, aten.hardsigmoid.default,
-    aten.leaky_relu.default, aten.elu.default, aten.tanh.default, aten.mish.default,
-    aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-}
+LINEAR_OPS = (aten.linear.default,)
+# element-wise ops that torch does not tag pointwise: value-preserving ones (dropout is the identity in
+# eval) and hardswish (x * relu6(x + 3) / 6, untagged in ATen)
+UNTAGGED_ELEMENTWISE_OPS = {aten.alias.default, aten.contiguous.default, aten.detach.default, aten.dropout.default,
+                            aten.feature_dropout.default, aten.lift_fresh_copy.default, aten.hardswish.default,
+                            aten.hardswish_.default}
 PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
+# spatial ops that keep every channel apart
+SPATIAL_OPS = {aten.max_pool2d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
+               aten.max_pool2d_with_indices.default, aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec,
+               aten.upsample_nearest2d.default, aten.upsample_bilinear2d.default}
+REDUCE_OPS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
+RESHAPE_OPS = {aten.flatten.using_ints, aten.view.default, aten.reshape.default, aten.squeeze.dim,
+               aten.squeeze.dims, aten.unsqueeze.default, aten._unsafe_view.default}
+# ops that read a tensor's metadata only
+HARMLESS_OPS = {aten.sym_size.int, aten._assert_tensor_metadata.default, aten.sym_numel.default}
 
 
 @dataclass(frozen=True)
@@ -44,24 +75,77 @@ class ConvSpec:
     dilation: tuple[int, int]
     groups: int
 
+    @property
+    def name(self) -> str:
+        return self.weight.removesuffix(".weight")
+
 
 @dataclass(frozen=True)
-class ChannelUnit:
-    """Producer conv -> channel-wise chain -> consumer conv; `channels` can be pruned together."""
+class LinearSpec:
+    """A Linear reading a channel space as features (the classifier after global pooling)."""
 
-    producer: ConvSpec
-    chain: tuple[fx.Node, ...]  # BatchNorms, activations, pads and depthwise convs, in order
-    consumer: ConvSpec
-    channels: int
+    node: fx.Node
+    weight: str  # (out, in)
 
     @property
     def name(self) -> str:
-        return self.consumer.weight.removesuffix(".weight")
+        return self.weight.removesuffix(".weight")
+
+
+Consumer = ConvSpec | LinearSpec
+
+
+@dataclass(eq=False)
+class ChannelPad:
+    """A constant pad that adds zero channels: output channel `before + c` is input channel c. Shared by
+    the group it reads and the group it writes; surgery records what each kept and rewrites the node."""
+
+    node: fx.Node  # the pad; after surgery the index_select that replaced it
+    before: int
+    in_channels: int
+    out_channels: int
+    in_keep: list[int] | None = None  # input channels kept so far (None: all)
+    out_keep: list[int] | None = None  # output channels kept so far
+    index: str | None = None  # attribute of the index buffer once rewritten
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelGroup:
+    """Channels that are removed together: see the module docstring."""
+
+    channels: int
+    producers: tuple[ConvSpec, ...]  # graph order
+    chain: tuple[fx.Node, ...]  # BatchNorms and depthwise convs, graph order
+    consumers: tuple[Consumer, ...]  # graph order of their inputs
+    pads_in: tuple[ChannelPad, ...] = ()  # channel pads reading this space
+    pads_out: tuple[ChannelPad, ...] = ()  # channel pads writing (a block of) it
+    params: tuple[tuple[str, int], ...] = ()  # per-channel operands of pointwise ops: (attribute, dim)
+    tensors: frozenset[str] = frozenset()  # names of the nodes whose values carry these channels
+
+    @property
+    def coupled(self) -> bool:
+        return len(self.producers) > 1 or len(self.consumers) > 1 or bool(self.pads_in or self.pads_out)
+
+    @property
+    def kind(self) -> str:
+        return "coupled_channels" if self.coupled else "conv_channels"
+
+    @property
+    def name(self) -> str:
+        return f"coupled:{self.producers[0].name}" if self.coupled else self.consumers[0].name
+
+    @property
+    def producer(self) -> ConvSpec:
+        return self.producers[0]
+
+    @property
+    def consumer(self) -> Consumer:
+        return self.consumers[0]
 
 
 @dataclass
 class ChannelAnalysis:
-    units: list[ChannelUnit] = field(default_factory=list)
+    units: list[ChannelGroup] = field(default_factory=list)  # in graph order of their first consumer's input
     refused: dict[str, str] = field(default_factory=dict)  # consumer conv -> why it is not prunable
 
 
@@ -104,56 +188,270 @@ def _is_depthwise(spec: ConvSpec, gm: fx.GraphModule) -> bool:
     return spec.groups > 1 and shape[1] == 1 and shape[0] == spec.groups
 
 
-def _is_spatial_pad(node: fx.Node) -> bool:
+def _shape(node: object) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(s) if isinstance(s, int) else -1 for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _channel_pad(node: fx.Node) -> tuple[int, int] | str | None:
+    """(before, after) zero channels of a pad that pads channels, None for a spatial pad, else why not."""
     pads = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
-    # (left, right, top, bottom) pads only the last two (spatial) dims of NCHW
-    return isinstance(pads, (list, tuple)) and len(pads) <= 4
+    if not isinstance(pads, (list, tuple)) or not all(isinstance(p, int) for p in pads):
+        return "pads that are not constants"
+    if len(pads) <= 4:
+        return None
+    mode = node.args[2] if node.target is aten.pad.default and len(node.args) > 2 else "constant"
+    value = node.args[-1] if node.target is aten.pad.default and len(node.args) > 3 else \
+        node.args[2] if node.target is aten.constant_pad_nd.default and len(node.args) > 2 else 0
+    if len(pads) > 6 or mode != "constant" or (value or 0) != 0 or min(pads) < 0:
+        return "a pad of the batch, a non-zero or non-constant channel pad, or a crop"
+    if any(pads[:4]):
+        return "a pad of channels and space at once"
+    return (pads[4], pads[5])
+
+
+class _Spaces:
+    """Union-find over activation nodes, with what each space holds."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+        self.notes: dict[fx.Node, dict] = {}
+
+    def find(self, node: fx.Node) -> fx.Node:
+        self.parent.setdefault(node, node)
+        while self.parent[node] is not node:
+            self.parent[node] = self.parent[self.parent[node]]
+            node = self.parent[node]
+        return node
+
+    def note(self, node: fx.Node, key: str, value) -> None:
+        self.notes.setdefault(node, {}).setdefault(key, []).append(value)
+
+    def union(self, a: fx.Node, b: fx.Node) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[rb] = ra
+
+    def spaces(self) -> dict[fx.Node, dict]:
+        out: dict[fx.Node, dict] = {}
+        for node in self.parent:
+            merged = out.setdefault(self.find(node), {"tensors": []})
+            merged["tensors"].append(node)
+            for key, values in self.notes.get(node, {}).items():
+                merged.setdefault(key, []).extend(values)
+        return out
+
+
+def _operands(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes]
+
+
+def _pointwise(node: fx.Node) -> bool:
+    target = node.target
+    tagged = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    return tagged or target in UNTAGGED_ELEMENTWISE_OPS
 
 
 def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
-    """Every conv's channel unit, or why it has none."""
-    result = ChannelAnalysis()
-    for node in gm.graph.nodes:
-        consumer = conv_spec(node)
-        if consumer is None:
-            continue
-        name = consumer.weight.removesuffix(".weight")
-        if consumer.groups != 1:
-            result.refused[name] = "grouped/depthwise conv: its input channels are pruned with its producer"
-            continue
-        chain: list[fx.Node] = []
-        current = node.args[0]
-        reason = None
-        while True:
-            if not isinstance(current, fx.Node) or current.op != "call_function":
-                reason = "its input is not produced by a conv (model input or a non-ATen op)"
-                break
-            if len(current.users) != 1:
-                reason = f"{current.name} also feeds {len(current.users) - 1} other node(s) (e.g. a residual)"
-                break
-            spec = conv_spec(current)
-            if spec is not None:
-                if _is_depthwise(spec, gm):
-                    chain.append(current)
-                    current = current.args[0]
-                    continue
-                if spec.groups != 1:
-                    reason = f"{current.name} is a grouped conv"
-                    break
-                channels = get_attr(gm, spec.weight).shape[0]
-                result.units.append(ChannelUnit(spec, tuple(reversed(chain)), consumer, channels))
-                break
-            if current.target in BATCH_NORM_OPS or current.target in ELEMENTWISE_OPS:
-                chain.append(current)
-                current = current.args[0]
-                continue
-            if current.target in PAD_OPS and _is_spatial_pad(current):
-                chain.append(current)
-                current = current.args[0]
-                continue
-            reason = f"{current.name} ({current.target}) is not channel-wise"
-            break
-        if reason is not None:
-            result.refused[name] = reason
-    return result
+    """Every channel group of `gm` that can be pruned, and why the others cannot."""
+    spaces = _Spaces()
+    derived: set[fx.Node] = set()  # nodes computed from the model input (activations)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
 
+    def refuse(node: fx.Node, why: str) -> None:
+        spaces.note(node, "refused", why)
+
+    def tensor(node: fx.Node) -> None:
+        derived.add(node)
+        spaces.find(node)
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            tensor(node)
+            refuse(node, "its input channels are the model's input")
+            continue
+        if node.op == "output":
+            for arg in _operands(node):
+                if arg in derived:
+                    refuse(arg, f"{arg.name} is a model output")
+            continue
+        if node.op != "call_function":
+            continue  # get_attr (parameters) and call_module (the exported program's shape guards)
+        inputs = [a for a in _operands(node) if a in derived]
+        if not inputs:
+            continue  # computed from parameters only: a constant
+        tensor(node)
+        target = node.target
+        x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        spec = conv_spec(node)
+        if spec is not None:
+            others = [a for a in inputs if a is not x]
+            if others:  # a weight computed from an activation
+                for a in inputs:
+                    refuse(a, f"{node.name} uses an activation as a conv weight")
+                refuse(node, f"{node.name} uses an activation as a conv weight")
+            elif _is_depthwise(spec, gm):
+                spaces.union(x, node)
+                spaces.note(node, "chain", node)
+            elif spec.groups == 1:
+                spaces.note(x, "consumers", spec)
+                spaces.note(node, "producers", spec)
+            else:
+                refuse(x, f"{node.name} is a grouped conv")
+                refuse(node, f"{node.name} is a grouped conv")
+            continue
+        if target in LINEAR_OPS:
+            shape = _shape(x)
+            weight = _attr(node.args[1]) if len(node.args) > 1 else None
+            if shape is not None and len(shape) == 2 and weight is not None and len(inputs) == 1:
+                spaces.note(x, "consumers", LinearSpec(node, weight))
+            else:
+                for a in inputs:
+                    refuse(a, f"{node.name} (linear) reads more than pooled features")
+            refuse(node, f"{node.name} is a linear layer's output")
+            continue
+        if target in BATCH_NORM_OPS:
+            if inputs != [x]:
+                refuse(x, f"{node.name} normalises with statistics computed from activations")
+            spaces.union(x, node)
+            spaces.note(node, "chain", node)
+            continue
+        if target is operator.getitem:
+            source = node.args[0]
+            if node.args[1] == 0 and (source.target in BATCH_NORM_OPS or source.target in SPATIAL_OPS):
+                spaces.union(source, node)  # the output of a BatchNorm / pool with extra results
+            else:
+                refuse(node, f"{node.name} takes a secondary result of {source.name}")
+            continue
+        if target in PAD_OPS:
+            pad = _channel_pad(node)
+            if pad is None:
+                spaces.union(x, node)
+            elif isinstance(pad, str):
+                refuse(x, f"{node.name} ({target}) is {pad}")
+                refuse(node, f"{node.name} ({target}) is {pad}")
+            else:
+                in_shape, out_shape = _shape(x), _shape(node)
+                link = ChannelPad(node, pad[0], in_shape[1], out_shape[1])
+                spaces.note(x, "pads_in", link)
+                spaces.note(node, "pads_out", link)
+            continue
+        if target is aten.slice.Tensor:
+            dim = node.args[1] if len(node.args) > 1 else 0
+            rank = len(_shape(node) or (0, 0, 0, 0))
+            if dim % rank == 1:
+                refuse(x, f"{node.name} slices channels")
+                refuse(node, f"{node.name} slices channels")
+            else:
+                spaces.union(x, node)
+            continue
+        if target in SPATIAL_OPS:
+            spaces.union(x, node)
+            continue
+        if target in REDUCE_OPS or target in RESHAPE_OPS:
+            in_shape, out_shape = _shape(x), _shape(node)
+            why = _keeps_channels(target, node, in_shape, out_shape)
+            if why is None:
+                spaces.union(x, node)
+            else:
+                refuse(x, f"{node.name} ({target}) {why}")
+                refuse(node, f"{node.name} ({target}) {why}")
+            continue
+        if target in HARMLESS_OPS:
+            continue
+        if _pointwise(node):
+            why = _pointwise_operands(node, inputs, spaces, gm)
+            if why is not None:
+                for a in inputs:
+                    refuse(a, f"{node.name} ({target}) is not channel-wise: {why}")
+                refuse(node, f"{node.name} ({target}) is not channel-wise: {why}")
+            continue
+        why = ("not element-wise (no torch.Tag.pointwise), nor a conv, linear, BatchNorm, spatial "
+               "pad/slice/pool or a per-channel reduction")
+        for a in inputs:
+            refuse(a, f"{node.name} ({target}) is not channel-wise: {why}")
+        refuse(node, f"{node.name} ({target}) is not channel-wise: {why}")
+
+    return _groups(gm, spaces, order)
+
+
+def _keeps_channels(target, node: fx.Node, in_shape, out_shape) -> str | None:
+    """None when a reduction / reshape keeps dim 1 as the channels (spatial means, flattening a 1 x 1
+    map), else why not."""
+    if in_shape is None or out_shape is None or len(in_shape) < 2 or len(out_shape) < 2:
+        return "has no known shape"
+    if target in REDUCE_OPS:
+        dims = node.args[1] if len(node.args) > 1 else None
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        dims = [d % len(in_shape) for d in dims]
+        return None if dims and 0 not in dims and 1 not in dims else "reduces over channels or the batch"
+    if in_shape[1] == out_shape[1] and in_shape[0] == out_shape[0] and \
+            math.prod(in_shape[2:]) == 1 and math.prod(out_shape[2:]) == 1:
+        return None
+    return "reshapes the channels"
+
+
+def _pointwise_operands(node: fx.Node, inputs: list[fx.Node], spaces: _Spaces, gm: fx.GraphModule) -> str | None:
+    """Join a pointwise op to its operands' spaces; None when it is channel-wise, else why not."""
+    out = _shape(node)
+    if out is None or len(out) < 2:
+        return "its output has no channel dimension"
+    rank, channels = len(out), out[1]
+    joined = False
+    for arg in _operands(node):
+        shape = _shape(arg)
+        if arg in inputs:
+            if shape is None:
+                return f"operand {arg.name} has no known shape"
+            if len(shape) != rank:
+                return f"operand {arg.name} of shape {shape} is not an activation of the output's layout"
+            aligned = shape
+            if aligned[1] == channels:
+                spaces.union(node, arg)
+                joined = True
+            elif aligned[1] != 1:
+                return f"operand {arg.name} has {aligned[1]} channels, the output {channels}"
+            continue
+        # a constant operand: a parameter, buffer or lifted constant
+        value = get_attr(gm, arg.target) if arg.op == "get_attr" else None
+        size = value.numel() if value is not None else (math.prod(shape) if shape else None)
+        if size == 1:
+            continue
+        if value is None:
+            return f"operand {arg.name} is a computed constant of shape {shape}"
+        dims = tuple(value.shape)
+        aligned = (1,) * (rank - len(dims)) + dims
+        if len(dims) > rank or aligned[1] != channels or any(s != 1 for i, s in enumerate(aligned) if i != 1):
+            return f"operand {arg.target} of shape {dims} is neither a scalar nor per-channel"
+        spaces.note(node, "params", (arg.target, len(dims) - (rank - 1)))
+    if not joined:
+        return "no operand carries the output's channels"
+    return None
+
+
+def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> ChannelAnalysis:
+    result = ChannelAnalysis()
+    for space in spaces.spaces().values():
+        consumers = sorted(dict.fromkeys(space.get("consumers", [])), key=lambda c: order[c.node.args[0]])
+        if not consumers:
+            continue
+        names = [c.name for c in consumers if isinstance(c, ConvSpec)]
+        producers = sorted(dict.fromkeys(space.get("producers", [])), key=lambda p: order[p.node])
+        reasons = space.get("refused", [])
+        if not reasons and not producers:
+            reasons = ["no conv writes these channels"]
+        tensors = space["tensors"]
+        channels = next((_shape(n)[1] for n in tensors if _shape(n) is not None and len(_shape(n)) > 1), None)
+        if not reasons and channels is None:
+            reasons = ["the channel count is unknown"]
+        if reasons:
+            for name in names:
+                result.refused[name] = reasons[0]
+            continue
+        chain = sorted(dict.fromkeys(space.get("chain", [])), key=order.__getitem__)
+        result.units.append(ChannelGroup(
+            channels, tuple(producers), tuple(chain), tuple(consumers), tuple(dict.fromkeys(space.get("pads_in", []))),
+            tuple(dict.fromkeys(space.get("pads_out", []))), tuple(dict.fromkeys(space.get("params", []))),
+            frozenset(n.name for n in tensors)))
+    result.units.sort(key=lambda g: order[g.consumers[0].node.args[0]])
+    return result

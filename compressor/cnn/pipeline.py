@@ -1,22 +1,48 @@
 """Sequential channel pruning of a conv graph (paper appendix B.1, "pruning strategies").
 
-Units are pruned one at a time in graph order. For each, H = X^T X comes from the *pruned* model's
-input to the consumer conv (unfolded into kH kW patches) and G = X^T X_hat W_hat from the *dense*
-model's input and weight, so every layer compensates the error of the layers pruned before it.
-The solver picks the channels; surgery removes them through producer, chain and consumer, and the
-consumer gets the solver's refit weight.
+Channel groups (`graph.analyse`: in-block units and coupled groups through residual adds) are pruned
+one at a time, in graph order of their first consumer's input. For each consumer i, H_i = X_i^T X_i
+comes from the *pruned* model's input to it (unfolded into kH kW patches; a Linear's pooled features as
+they are) and G_i = X_i^T X_hat_i W_hat_i from the *dense* model's input and weight, so every layer
+compensates the error of the layers pruned before it. The solver picks the channels; surgery removes
+them from every producer, chain entry, pad and consumer, and each consumer gets its refit weight.
+
+**Coupled groups: one shared support, the objective summed over consumers.** A group read by m
+consumers is solved as one problem: f(S) = sum_i f_i(S), each f_i(W_i) = 1/2 Tr(W_i^T H_i W_i) -
+Tr(G_i^T W_i) with its own statistics, and the support S (the kept channels) shared. `combine` places
+the H_i block-diagonally (and the G_i, the dense W_hat_i, on their own output columns) and interleaves
+the rows so that channel c's rows of every consumer form one contiguous group of g = sum_i g_i rows
+(g_i = kH kW of consumer i, 1 for a Linear). Then, unchanged, the solver's state is the per-consumer
+state side by side: H_SS^-1 of a block-diagonal H is block-diagonal, pruning or restoring channel c is a
+rank-g update that is the m rank-g_i updates of the consumers at once, B_c (Lemma A.1) is the sum of the
+consumers' impacts of c, and the optimal weight on S is each consumer's own least-squares refit
+W_i = (H_i)_SS^-1 (G_i)_S. So OSSCAR's greedy and swaps search one support for the summed objective
+with the low-rank updates of every consumer, and every consumer is refit (with its own intercept into
+its BatchNorm or bias). MP+ on the same problem ranks channels by sum_i ||W_hat_i[c]||^2 (the squared
+Frobenius norm of the group's rows), then refits every consumer. An in-block unit is the case m = 1.
+An option-A shortcut that reads the group (into the next stage's stream) is one more reader in the sum,
+a 1 x 1 identity on its subsampled input (`_shortcut`), so the channels it carries onward count; it
+stays a selection (its refit is not applied).
+
+Where a group is solved: at its first consumer's input (the cut). Inputs of its later consumers
+(e.g. the next blocks' first convs on a residual stream) are computed ahead from the live values of
+both models (`GraphWalker.peek`, one batch at a time), with the pruned model as it is at that moment;
+the in-block units between them are pruned afterwards, each against the pruned stream.
 
 Memory: the dense and the pruned activations advance segment by segment (`segments.GraphWalker`):
 only the values live at the current cut are kept, on the CPU, and only the running segment's
-parameters are on the compute device, one calibration batch at a time.
+parameters are on the compute device, one calibration batch at a time. A coupled group's problem has
+C (sum_i g_i) rows (ResNet-56's last stage: 64 x 82 = 5,248).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +50,7 @@ from torch import Tensor, fx
 
 from ..errors import UnsupportedArchitecture
 from ..layerstats import (
+    FinishedStatistics,
     LayerObservation,
     LayerStatistics,
     Widths,
@@ -34,9 +61,9 @@ from ..layerstats import (
 )
 from ..reports import LayerReport
 from ..solver import solve_layer
-from .graph import BATCH_NORM_OPS, ChannelUnit, analyse
+from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse
 from .segments import GraphWalker
-from .surgery import add_output_shift, get_tensor, prune_unit
+from .surgery import add_output_shift, get_tensor, prune_group
 
 log = logging.getLogger(__name__)
 
@@ -61,43 +88,144 @@ def output_scale(gm: fx.GraphModule, consumer: fx.Node) -> Tensor | None:
     return scale * gamma.double() if gamma is not None else scale
 
 
-def _layer_statistics(unit: ChannelUnit, W_hat: Tensor, scale: Tensor | None, inputs: list[Tensor],
-                      dense_inputs: list[Tensor], device: torch.device) -> tuple[LayerStatistics, Tensor]:
-    """Statistics of one unit's consumer from its pruned and dense input batches (unfolded into
-    kH kW patches), and W_hat as a (C_in kH kW, C_out) matrix with columns scaled by `scale`."""
-    spec = unit.consumer
-    kernel = W_hat.shape[2:]
+def _dense_matrix(consumer: Consumer, W_hat: Tensor, scale: Tensor | None, device: torch.device) -> Tensor:
+    """A consumer's dense weight as a (C_in kH kW, C_out) matrix (rows channel-major), columns scaled."""
     W_mat = W_hat.reshape(W_hat.shape[0], -1).T.to(device=device, dtype=torch.float64)
-    if scale is not None:
-        W_mat = W_mat * scale.to(device)  # solve for the conv + BN layer; unscaled after the solve
-    stats = LayerStatistics(W_mat)
-
-    def patches(x: Tensor) -> Tensor:  # (N, C, H, W) -> (N L, C kH kW)
-        cols = F.unfold(x, kernel, dilation=spec.dilation, padding=spec.padding, stride=spec.stride)
-        return cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(torch.float64)
-
-    for x, x_hat in zip(inputs, dense_inputs, strict=True):
-        stats.add(patches(x.to(device)), patches(x_hat.to(device)))
-    return stats, W_mat
+    return W_mat * scale.to(device) if scale is not None else W_mat  # solved for conv + BN; unscaled after
 
 
-def channel_cost(unit: ChannelUnit) -> float:
-    """FLOPs (multiply-adds) one channel of `unit` costs per sample: its producer's output channel and
-    the consumer's input channel (shapes from the exported graph's metadata)."""
+def _rows(consumer: Consumer, W_hat: Tensor, x: Tensor) -> Tensor:
+    """A consumer's input batch as rows of its layer problem: kH kW patches of a conv's input, a
+    Linear's features as they are."""
+    if isinstance(consumer, LinearSpec):
+        return x.reshape(x.shape[0], -1).to(torch.float64)
+    cols = F.unfold(x, W_hat.shape[2:], dilation=consumer.dilation, padding=consumer.padding,
+                    stride=consumer.stride)
+    return cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(torch.float64)
+
+
+@dataclass
+class GroupProblem:
+    """The layer problem of a channel group: every consumer's own H_i and G_i, placed block-diagonally
+    and interleaved so that channel c's rows of all consumers are one contiguous group of
+    g = sum(g_i) rows (see the module docstring)."""
+
+    stats: FinishedStatistics  # combined H, G, energy, means
+    W_hat: Tensor  # combined dense weight (block-diagonal, scaled columns)
+    scale: Tensor | None  # combined column scales (None: no consumer has one)
+    group_size: int  # g
+    offsets: list[int]  # where consumer i's g_i rows start within a channel's group
+    sizes: list[int]  # g_i
+    columns: list[slice]  # consumer i's output columns
+
+    def rows(self, i: int, channels: int) -> Tensor:
+        """Row indices of consumer i's rows for `channels` consecutive groups, in its own (channel-major)
+        order."""
+        base = torch.arange(channels)[:, None] * self.group_size + self.offsets[i]
+        return (base + torch.arange(self.sizes[i])[None, :]).reshape(-1)
+
+
+def combine(parts: list[tuple[FinishedStatistics, Tensor, Tensor | None]], channels: int) -> GroupProblem:
+    """One problem from the consumers' (statistics, dense weight matrix, column scale): block-diagonal
+    H and G, rows interleaved per channel. A single consumer's problem is returned as it is."""
+    sizes = [W.shape[0] // channels for _, W, _ in parts]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    widths = [W.shape[1] for _, W, _ in parts]
+    columns = [slice(sum(widths[:i]), sum(widths[: i + 1])) for i in range(len(widths))]
+    g = sum(sizes)
+    if len(parts) == 1:
+        finished, W, scale = parts[0]
+        return GroupProblem(finished, W, scale, g, offsets, sizes, columns)
+    ref = parts[0][1]
+    D, d2 = channels * g, sum(widths)
+    H = torch.zeros(D, D, dtype=ref.dtype, device=ref.device)
+    G = torch.zeros(D, d2, dtype=ref.dtype, device=ref.device)
+    W_hat = torch.zeros(D, d2, dtype=ref.dtype, device=ref.device)
+    mean_x = torch.zeros(D, dtype=ref.dtype, device=ref.device)
+    mean_y = torch.zeros(d2, dtype=ref.dtype, device=ref.device)
+    scale = torch.ones(d2, dtype=ref.dtype, device=ref.device)
+    problem = GroupProblem(None, None, None, g, offsets, sizes, columns)  # type: ignore[arg-type]
+    for i, (finished, W, s) in enumerate(parts):
+        rows = problem.rows(i, channels).to(ref.device)
+        H[rows[:, None], rows[None, :]] = finished.H
+        G[rows, columns[i]] = finished.G
+        W_hat[rows, columns[i]] = W
+        mean_x[rows] = finished.mean_x
+        mean_y[columns[i]] = finished.mean_y
+        if s is not None:
+            scale[columns[i]] = s.to(scale)
+    energy = sum(finished.energy for finished, _, _ in parts)
+    problem.stats = FinishedStatistics(H, G, energy, mean_x, mean_y)
+    problem.W_hat = W_hat
+    problem.scale = scale if any(s is not None for _, _, s in parts) else None
+    return problem
+
+
+SHORTCUT = "<option-A shortcut>"
+
+
+def _shortcut(pad: ChannelPad) -> ConvSpec:
+    """An option-A shortcut reading a group, as a 1 x 1 identity conv on its (subsampled) input: removing
+    a channel also removes it from the next stage's residual stream, which no consumer of this group
+    sees, so the group's objective counts that error too (the identity's output is the dense shortcut).
+    Its refit is not applied: the shortcut stays a selection, so its term is a slight underestimate."""
+    node = pad.node if pad.index is None else pad.node.args[0]  # surgery turned it into pad + index_select
+    return ConvSpec(node, SHORTCUT, (1, 1), (0, 0), (1, 1), 1)
+
+
+def _weight(gm: fx.GraphModule, reader: ConvSpec | LinearSpec, channels: int) -> Tensor:
+    if reader.weight == SHORTCUT:
+        return torch.eye(channels, dtype=torch.float32).reshape(channels, channels, 1, 1)
+    return get_tensor(gm, reader.weight).detach()
+
+
+LINEAR_RIDGE = 1e-3  # relative to H's mean diagonal
+
+
+def _toward_dense(stats: FinishedStatistics, W_hat: Tensor) -> None:
+    """A Linear after global pooling sees one row per calibration image, so its H is often nearly singular
+    (features that barely vary over the images), and the exact refit then grows without bound along those
+    directions. Its problem gets a ridge toward the dense weight, lambda ||W - W_hat||^2 / 2 with lambda =
+    LINEAR_RIDGE x mean(diag H): H + lambda I and G + lambda W_hat (in place)."""
+    lam = LINEAR_RIDGE * float(stats.H.diagonal().mean())
+    stats.H.diagonal().add_(lam)
+    stats.G.add_(W_hat, alpha=lam)
+
+
+def _outputs(tensor: Tensor | None, keep: Tensor | None) -> Tensor | None:
+    """Rows (output channels) `keep` of a dense weight or scale (all when None)."""
+    return tensor if tensor is None or keep is None else tensor.index_select(0, keep.to(tensor.device))
+
+
+def channel_cost(unit: ChannelGroup) -> float:
+    """FLOPs (multiply-adds) one channel of a group costs per sample: its output channel in every
+    producer, its filter in every depthwise conv, its input channel in every consumer (shapes from the
+    exported graph's metadata)."""
 
     def spatial(node: fx.Node) -> int:
         val = node.meta.get("val")
         return int(val.shape[2] * val.shape[3]) if val is not None and val.dim() == 4 else 1
 
-    def kernel(node: fx.Node) -> tuple[int, int]:
+    def weight_shape(node: fx.Node) -> tuple[int, ...] | None:
         weight = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
-        return (int(weight.shape[1] * weight.shape[2] * weight.shape[3]), int(weight.shape[0])) \
-            if weight is not None else (1, 1)
+        return tuple(weight.shape) if weight is not None else None
 
-    produce_per_out, _ = kernel(unit.producer.node)  # Cin/groups kH kW per output channel
-    consume_k, consume_out = kernel(unit.consumer.node)
-    consume_per_in = consume_out * consume_k // max(1, unit.channels)  # Cout kH kW per input channel
-    return float(produce_per_out * spatial(unit.producer.node) + consume_per_in * spatial(unit.consumer.node))
+    cost = 0.0
+    for producer in unit.producers:
+        shape = weight_shape(producer.node)
+        cost += math.prod(shape[1:]) * spatial(producer.node) if shape else 1.0  # Cin/groups kH kW per output
+    for node in unit.chain:
+        if node.target not in BATCH_NORM_OPS and (shape := weight_shape(node)):
+            cost += math.prod(shape[1:]) * spatial(node)  # a depthwise filter
+    for consumer in unit.consumers:
+        shape = weight_shape(consumer.node)
+        if shape is None:
+            cost += 1.0
+        elif isinstance(consumer, LinearSpec):
+            cost += shape[0]
+        else:  # Cout kH kW per input channel
+            cost += shape[0] * math.prod(shape[2:]) * spatial(consumer.node)
+    return float(cost)
 
 
 def prune_conv_graph(
@@ -138,41 +266,74 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
     if method == "mp":  # magnitude pruning stays what it is: no refit, no intercept, raw magnitudes
         weight_by_next_bn = bias_correction = False
     # dense and pruned activations advance cut by cut (cuts = consumer inputs, in graph order)
-    order = {node: i for i, node in enumerate(pruned.graph.nodes)}
-    pairs = sorted(zip(units, dense_units, strict=True), key=lambda p: order[p[0].consumer.node.args[0]])
+    pairs = list(zip(units, dense_units, strict=True))  # in graph order of their first consumer's input
     batches = images.split(batch_size)
     pruned_walk = GraphWalker(pruned, batches, device)
     dense_walk = GraphWalker(dense, batches, device)
     reports = []
+    kept_outputs: dict[str, Tensor] = {}  # conv weight -> its output channels kept so far
     for index, (unit, dense_unit) in enumerate(pairs):
         start = time.perf_counter()
-        cut = unit.consumer.node.args[0]
-        inputs = pruned_walk.advance(cut)
-        dense_inputs = dense_walk.advance(dense_unit.consumer.node.args[0])
-        W_dense = get_tensor(dense, dense_unit.consumer.weight).detach()  # (C_out, C_in, kH, kW)
-        scale = output_scale(dense, dense_unit.consumer.node) if weight_by_next_bn else None
-        stats, W_hat = _layer_statistics(unit, W_dense, scale, inputs, dense_inputs, device)
-        finished = stats.finish(center=bias_correction)
-        g = int(W_hat.shape[0] // unit.channels)
+        # the consumers, then each option-A shortcut reading the group as an identity reader (see below)
+        readers = list(unit.consumers) + [_shortcut(pad) for pad in unit.pads_in]
+        dense_readers = list(dense_unit.consumers) + [_shortcut(pad) for pad in dense_unit.pads_in]
+        inputs = [c.node.args[0] for c in readers]  # read now: surgery may have replaced a node
+        dense_inputs = [c.node.args[0] for c in dense_readers]
+        pruned_walk.advance(inputs[0])
+        dense_walk.advance(dense_inputs[0])
+        # a consumer that is also a producer of a group pruned before keeps only those output channels
+        outputs = [kept_outputs.get(c.weight) for c in readers]
+        dense_weights = [_outputs(_weight(dense, c, unit.channels), out)
+                         for c, out in zip(dense_readers, outputs, strict=True)]
+        scales = [_outputs(output_scale(dense, c.node), out)
+                  if weight_by_next_bn and isinstance(c, ConvSpec) and c.weight != SHORTCUT else None
+                  for c, out in zip(dense_readers, outputs, strict=True)]
+        mats = [_dense_matrix(c, W, s, device) for c, W, s in zip(readers, dense_weights, scales, strict=True)]
+        stats = [LayerStatistics(W) for W in mats]
+        # every consumer's pruned and dense inputs, batch by batch (later consumers computed ahead of the cut)
+        for xs, dense_xs in zip(pruned_walk.peek(inputs), dense_walk.peek(dense_inputs), strict=True):
+            for c, W, st, x, x_hat in zip(readers, dense_weights, stats, xs, dense_xs, strict=True):
+                st.add(_rows(c, W, x), _rows(c, W, x_hat))
+        finished_parts = [st.finish(center=bias_correction) for st in stats]
+        for c, part, W in zip(readers, finished_parts, mats, strict=True):
+            if isinstance(c, LinearSpec):
+                _toward_dense(part, W)
+        problem = combine([(part, W, s) for part, W, s in zip(finished_parts, mats, scales, strict=True)],
+                          unit.channels)
+        finished, g = problem.stats, problem.group_size
         if observe:
-            observe(LayerObservation(unit.name, "conv_channels", finished.H, finished.G, g, finished.energy,
+            observe(LayerObservation(unit.name, unit.kind, finished.H, finished.G, g, finished.energy,
                                      channel_cost(unit)))
         sol = solve_layer(finished.H, finished.G, g, planned_prune(unit.name, unit.channels, ratio), method,
-                          dense_weight=W_hat)
-        kept = kept_solution(sol, g, scale, finished)
-        keep, W = kept.keep, kept.weight  # (kept kH kW, C_out)
-        shift = kept.shift if bias_correction else None  # the intercept, C_out
-        old = get_tensor(pruned, unit.consumer.weight)
-        new_weight = W.T.reshape(old.shape[0], len(keep), *old.shape[2:]).to(dtype=old.dtype, device=old.device)
-        prune_unit(pruned, unit, keep, new_weight)
-        if shift is not None:
-            add_output_shift(pruned, unit.consumer, shift.cpu())
-        kept_channels = torch.tensor(keep)
-        pruned_walk.replace(cut, [x.index_select(1, kept_channels) for x in inputs])  # kept channels unchanged
-        report = LayerReport.measure(unit.name, "conv_channels", unit.channels, len(keep), sol.objective,
+                          dense_weight=problem.W_hat)
+        kept = kept_solution(sol, g, problem.scale, finished)
+        keep = kept.keep
+        new_weights, shifts = [], []
+        for i, old in enumerate(dense_weights):
+            rows = problem.rows(i, len(keep)).to(kept.weight.device)
+            W = kept.weight.index_select(0, rows)[:, problem.columns[i]]  # (kept g_i, C_out)
+            new_weights.append(W.T.reshape(old.shape[0], len(keep), *old.shape[2:]).to(dtype=old.dtype))
+            shifts.append(kept.shift[problem.columns[i]] if bias_correction else None)  # the intercept
+        # a shortcut's "refit" is not applied (it stays a selection of the kept channels)
+        new_weights, shifts = new_weights[: len(unit.consumers)], shifts[: len(unit.consumers)]
+        kept_rows = torch.tensor(keep)
+        writes = {p.weight for p in unit.producers}
+        for i, consumer in enumerate(unit.consumers):
+            if consumer.weight in writes:  # it reads and writes the group: its removed outputs go too
+                new_weights[i] = new_weights[i].index_select(0, kept_rows.to(new_weights[i].device))
+                shifts[i] = shifts[i].index_select(0, kept_rows.to(shifts[i].device)) if shifts[i] is not None else None
+        prune_group(pruned, unit, keep, new_weights)
+        for producer in unit.producers:
+            kept_outputs[producer.weight] = torch.tensor(keep)
+        for consumer, shift in zip(unit.consumers, shifts, strict=True):
+            if shift is not None:
+                add_output_shift(pruned, consumer, shift.cpu())
+        pruned_walk.select_channels(unit.tensors, torch.tensor(keep))  # live values of the kept channels
+        report = LayerReport.measure(unit.name, unit.kind, unit.channels, len(keep), sol.objective,
                                      finished.energy, start, kept=keep)
         reports.append(report)
         if progress:
-            progress(f"[{index + 1}/{len(units)}] {unit.name}: {unit.channels} -> {len(keep)} channels, "
+            consumers = f" ({len(unit.consumers)} consumers)" if unit.coupled else ""
+            progress(f"[{index + 1}/{len(units)}] {unit.name}{consumers}: {unit.channels} -> {len(keep)} channels, "
                      f"relative error {report.relative_error:.4f} ({report.seconds:.1f}s)")
     return pruned, reports

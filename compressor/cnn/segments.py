@@ -8,7 +8,7 @@ Memory is then one segment's parameters plus the live activations, not the whole
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, fx
@@ -26,12 +26,19 @@ class GraphWalker:
     def __init__(self, gm: fx.GraphModule, batches: Iterable[Tensor], device: torch.device) -> None:
         self.gm = gm
         self.device = device
-        self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
             raise ValueError(f"expected one graph input, found {len(placeholders)}")
-        self.position = self.order[placeholders[0]]
+        self.at = placeholders[0]  # the current cut
+        self._reorder()
         self.values: dict[fx.Node, list[Tensor]] = {placeholders[0]: [b.cpu() for b in batches]}
+
+    def _reorder(self) -> None:
+        """Positions of the graph's nodes now (surgery may have inserted or removed nodes after the cut)."""
+        self.order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
+        self.position = self.order[self.at]
+        if hasattr(self, "values"):  # a live value of a node surgery replaced is recomputed from its inputs
+            self.values = {n: v for n, v in self.values.items() if n in self.order}
 
     def _live_after(self, position: int) -> list[fx.Node]:
         """Nodes computed at or before `position` whose value is used after it."""
@@ -45,6 +52,7 @@ class GraphWalker:
 
     def advance(self, cut: fx.Node) -> list[Tensor]:
         """Run the graph from the current cut to `cut`; returns `cut`'s value per batch (CPU)."""
+        self._reorder()
         target = self.order[cut]
         if target < self.position:
             raise ValueError(f"cannot go back from position {self.position} to {cut.name}")
@@ -61,8 +69,31 @@ class GraphWalker:
                     new_values[node].append(value.cpu())
         keep = self._live_after(target)
         self.values = {n: v for n, v in {**self.values, **new_values}.items() if n in keep or n is cut}
-        self.position = target
+        self.position, self.at = target, cut
         return self.values[cut]
+
+    def peek(self, nodes: list[fx.Node]) -> Iterator[list[Tensor]]:
+        """The values of `nodes` (live now or computed later in the graph) for each batch in turn, on the
+        device, without moving the cut: one batch's values at a time are held."""
+        self._reorder()
+        missing = [n for n in dict.fromkeys(nodes) if n not in self.values]
+        if any(self.order[n] < self.position for n in missing):
+            raise ValueError("peek needs nodes that are live or after the cut")
+        inputs = list(self.values)
+        segment = self._segment(inputs, missing) if missing else None
+        with torch.no_grad():
+            for b in range(len(next(iter(self.values.values())))):
+                known = {n: self.values[n][b].to(self.device) for n in inputs}
+                if segment is not None:
+                    known.update(zip(missing, segment(*(known[n] for n in inputs)), strict=True))
+                yield [known[n] for n in nodes]
+
+    def select_channels(self, names: frozenset[str], keep: Tensor) -> None:
+        """Keep channels `keep` of every live value whose node is one of `names` (after surgery removed
+        the others from the graph that computes them)."""
+        for node, values in self.values.items():
+            if node.name in names:
+                self.values[node] = [x.index_select(1, keep) for x in values]
 
     def replace(self, node: fx.Node, values: list[Tensor]) -> None:
         """Overwrite a live value (e.g. after surgery removed channels of it)."""

@@ -1,8 +1,9 @@
 """Physical channel removal on an exported conv graph: small typed functions, one per tensor role.
 
 Parameters live as attributes of the GraphModule (`get_attr` nodes); removing channels replaces them
-by smaller tensors, and a depthwise conv's `groups` argument is rewritten in the graph. Every
-function checks its indices and lists every bad one.
+by smaller tensors, a depthwise conv's `groups` argument is rewritten in the graph, and a channel pad
+(option-A shortcut) becomes a zero channel appended plus an `index_select`. Every function checks its
+indices and lists every bad one. `prune_group` removes a channel group through all of its roles.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import Tensor, fx, nn
 
 from ..errors import SurgeryError
 from ..modules import check_keep, get_attr, owner_of
-from .graph import BATCH_NORM_OPS, ChannelUnit, ConvSpec, conv_spec
+from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, ConvSpec, LinearSpec, conv_spec
 
 
 def get_tensor(gm: fx.GraphModule, target: str) -> Tensor:
@@ -95,23 +96,88 @@ def prune_batch_norm(gm: fx.GraphModule, node: fx.Node, keep: Sequence[int] | Te
             _slice(gm, arg.target, 0, keep)
 
 
-def prune_unit(gm: fx.GraphModule, unit: ChannelUnit, keep: Sequence[int] | Tensor,
-               consumer_weight: Tensor | None = None) -> None:
-    """Remove every channel of `unit` not in `keep`, through producer, chain and consumer."""
-    keep = check_keep(keep, unit.channels, f"unit {unit.name}")
-    prune_conv_out_channels(gm, unit.producer, keep)
-    for node in unit.chain:
+def prune_linear_in_features(gm: fx.GraphModule, linear: LinearSpec, keep: Sequence[int] | Tensor,
+                             weight: Tensor | None = None) -> None:
+    """Keep input features `keep` of a Linear; `weight` (out, kept) replaces the sliced weight, when given."""
+    w = get_tensor(gm, linear.weight)
+    keep = check_keep(keep, w.shape[1], f"{linear.weight} input features")
+    if weight is None:
+        weight = w.index_select(1, keep.to(w.device))
+    if tuple(weight.shape) != (w.shape[0], keep.numel()):
+        raise SurgeryError(f"{linear.weight}: new weight has shape {tuple(weight.shape)}, expected "
+                           f"{(w.shape[0], keep.numel())}")
+    set_tensor(gm, linear.weight, weight.to(dtype=w.dtype, device=w.device))
+
+
+def prune_consumer(gm: fx.GraphModule, consumer: ConvSpec | LinearSpec, keep: Sequence[int] | Tensor,
+                   weight: Tensor | None = None) -> None:
+    if isinstance(consumer, LinearSpec):
+        prune_linear_in_features(gm, consumer, keep, weight)
+    else:
+        prune_conv_in_channels(gm, consumer, keep, weight)
+
+
+def rewrite_channel_pad(gm: fx.GraphModule, pad: ChannelPad) -> None:
+    """Make a channel pad produce `pad.out_keep` of its output channels from the `pad.in_keep` channels its
+    input still has: a zero channel is appended to the input and an index buffer picks, for each kept
+    output channel `before + c`, input channel c where it is kept and the zero channel otherwise."""
+    in_keep = pad.in_keep if pad.in_keep is not None else list(range(pad.in_channels))
+    out_keep = pad.out_keep if pad.out_keep is not None else list(range(pad.out_channels))
+    position = {c: i for i, c in enumerate(in_keep)}
+    index = torch.tensor([position.get(o - pad.before, len(in_keep)) for o in out_keep], dtype=torch.long)
+    if pad.index is not None:
+        set_tensor(gm, pad.index, index)
+        return
+    names = {name for name, _ in gm.named_buffers()}
+    pad.index = next(f"osscar_channel_index_{i}" for i in range(len(names) + 1)
+                     if f"osscar_channel_index_{i}" not in names)
+    gm.register_buffer(pad.index, index)
+    node = pad.node
+    graph = gm.graph
+    with graph.inserting_before(node):
+        zero = graph.call_function(torch.ops.aten.constant_pad_nd.default, (node.args[0], [0, 0, 0, 0, 0, 1], 0.0))
+        index_node = graph.get_attr(pad.index)
+        gather = graph.call_function(torch.ops.aten.index_select.default, (zero, 1, index_node))
+    node.replace_all_uses_with(gather)
+    graph.erase_node(node)
+    pad.node = gather
+
+
+def prune_group(gm: fx.GraphModule, group: ChannelGroup, keep: Sequence[int] | Tensor,
+                consumer_weights: Sequence[Tensor | None] | None = None) -> None:
+    """Remove every channel of `group` not in `keep`: producers' outputs, BatchNorm entries, depthwise
+    filters, per-channel parameters, channel pads, and consumers' inputs (`consumer_weights[i]`, when
+    given, replaces consumer i's sliced weight: the solver's refit)."""
+    keep = check_keep(keep, group.channels, f"group {group.name}")
+    weights = list(consumer_weights) if consumer_weights is not None else [None] * len(group.consumers)
+    if len(weights) != len(group.consumers):
+        raise SurgeryError(f"group {group.name}: {len(weights)} consumer weights for {len(group.consumers)} consumers")
+    for producer in group.producers:
+        prune_conv_out_channels(gm, producer, keep)
+    for node in group.chain:
         if node.target in BATCH_NORM_OPS:
             prune_batch_norm(gm, node, keep)
         elif (spec := conv_spec(node)) is not None:
             prune_depthwise(gm, spec, keep)
-    prune_conv_in_channels(gm, unit.consumer, keep, consumer_weight)
+    for target, dim in group.params:
+        _slice(gm, target, dim, keep)
+    for pad in group.pads_in:
+        pad.in_keep = keep.tolist()
+        rewrite_channel_pad(gm, pad)
+    for pad in group.pads_out:
+        pad.out_keep = keep.tolist()
+        rewrite_channel_pad(gm, pad)
+    for consumer, weight in zip(group.consumers, weights, strict=True):
+        prune_consumer(gm, consumer, keep, weight)
     gm.recompile()
 
 
-def add_output_shift(gm: fx.GraphModule, conv: ConvSpec, shift: Tensor) -> None:
-    """Add a constant per output channel to a conv's output: into its bias, else into the running
-    mean of the BatchNorm that alone consumes it, else as a new bias parameter."""
+prune_unit = prune_group  # an in-block unit is a group with one producer and one consumer
+
+
+def add_output_shift(gm: fx.GraphModule, conv: ConvSpec | LinearSpec, shift: Tensor) -> None:
+    """Add a constant per output channel to a conv's (or a Linear's) output: into its bias, else into the
+    running mean of the BatchNorm that alone consumes it, else as a new bias parameter."""
     w = get_tensor(gm, conv.weight)
     if shift.shape != (w.shape[0],):
         raise SurgeryError(f"{conv.weight}: shift has shape {tuple(shift.shape)}, expected ({w.shape[0]},)")

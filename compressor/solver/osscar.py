@@ -99,26 +99,28 @@ class OsscarSolver:
         """Whether the tracked weight is the optimum of the caller's problem (no refit needed)."""
         return self.config.dtype == torch.float64 and self.damping == 0.0
 
-    def _refactorise(self, state: NestedState | SwapState) -> NestedState | SwapState:
-        """The same support from scratch, one damping rung up (drift or ill-conditioning)."""
+    def _refactorise(self, state: NestedState | SwapState, pruned: Tensor | None = None) -> NestedState | SwapState:
+        """The same support (`pruned`, default the state's) from scratch, one damping rung up (drift or
+        ill-conditioning)."""
         log.warning("osscar: a pivot lost positive definiteness; refactorising the support")
         self._count("refactorisations")
         higher = [lam for lam in DAMPING_LADDER if lam > self.damping]
         if not higher:
             raise ValueError("H is too ill-conditioned for the search even with the largest damping")
         fresh = self.start(floor=higher[0])
-        pruned = state.pruned()
+        pruned = state.pruned() if pruned is None else pruned
         if pruned.numel():
             fresh.prune(pruned)
         return fresh if isinstance(state, NestedState) else fresh.to_swap()
 
     def _guarded(self, state: State, update: Callable[[State], None]) -> State:
         """Apply a low-rank update; on a lost pivot, refactorise and apply it again."""
+        before = state.pruned()  # a swap that fails in its second half has already restored its first
         try:
             update(state)
             return state
         except PivotError:
-            fresh = self._refactorise(state)
+            fresh = self._refactorise(state, before)
             update(fresh)
             return fresh
 

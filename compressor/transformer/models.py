@@ -4,6 +4,7 @@ as the base model) from a local directory, never downloaded."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,3 +96,87 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
     elif not causal and getattr(config, "type_vocab_size", 0):
         names += ("token_type_ids",)
     return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names)
+
+
+# ---- standard outputs: a pruned model whose config says its widths ------------------------------------
+
+# the config key of the FFN width per family (GPT-2's n_inner is None until set: 4 x n_embd)
+FFN_KEYS = {"bert": "intermediate_size", "roberta": "intermediate_size", "xlm-roberta": "intermediate_size",
+            "vit": "intermediate_size", "opt": "ffn_dim", "gpt2": "n_inner", "llama": "intermediate_size",
+            "mistral": "intermediate_size", "qwen2": "intermediate_size"}
+# families whose config carries head_dim: the head count can change without changing the head size (the
+# others derive it as hidden / heads, so only their FFN width can be said)
+HEAD_DIM_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def standard_config(config: dict, manifest: dict) -> dict | None:
+    """config.json (a dict) that describes the widths of a width manifest (`osscar_widths.json`), so that
+    transformers builds the pruned model from it alone, or None when it cannot: layers of different
+    widths, heads pruned in a family whose config cannot keep head_dim, query heads reading their KV
+    heads through a map that repeat_kv does not express (uneven query heads per KV head), or a config
+    that transformers' own validation refuses (Llama: hidden_size must stay a multiple of the heads)."""
+    model_type = config.get("model_type")
+    ffn_key = FFN_KEYS.get(model_type)
+    if ffn_key is None or model_type not in ADAPTERS:
+        return None
+    adapter = ADAPTERS[model_type]
+    import transformers
+
+    # config.json keeps a family's own names (GPT-2: n_head for num_attention_heads)
+    key = transformers.CONFIG_MAPPING[model_type].attribute_map.get
+    heads_before = int(config[key(adapter.heads_key, adapter.heads_key)])
+    kv_before = int(config.get(adapter.kv_heads_key) or heads_before) if adapter.kv_heads_key else heads_before
+    group = heads_before // kv_before
+    heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
+    ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
+    if len(set(heads)) != 1 or len(set(ffn)) != 1 or (maps is not None and any(m != maps[0] for m in maps)):
+        return None
+    kept = heads[0]
+    kv_heads = len(set(maps[0])) if maps is not None else kept // group
+    if kv_heads == 0 or kept % kv_heads or \
+            (maps is not None and maps[0] != [h // (kept // kv_heads) for h in range(kept)]):
+        return None  # uneven query heads per KV head: only the gathered attention reads them
+    out = dict(config)
+    out[ffn_key] = int(ffn[0])
+    if (kept, kv_heads) != (heads_before, kv_before):
+        if model_type not in HEAD_DIM_FAMILIES:
+            return None
+        out["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads_before)
+        out[adapter.heads_key] = kept
+        out[adapter.kv_heads_key] = kv_heads
+    try:  # what transformers itself accepts: Llama's config still wants hidden_size % heads == 0
+        transformers.CONFIG_MAPPING[model_type].from_dict(out)
+    except Exception:  # its validators raise ValueError, or huggingface_hub's validation error
+        return None
+    return out
+
+
+def standardise(directory: str | Path) -> bool:
+    """Rewrite a saved pruned model's config.json to say its widths and drop its width manifest, when
+    `standard_config` can (then transformers' from_pretrained loads it with no code of ours); otherwise
+    leave the manifest for `surgery.load_pruned`. Returns whether the directory is now standard."""
+    from .surgery import MANIFEST
+
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        return True
+    config_path = directory / "config.json"
+    standard = standard_config(json.loads(config_path.read_text()), json.loads(manifest_path.read_text()))
+    if standard is None:
+        return False
+    partial = config_path.with_name(".config.json.partial")
+    partial.write_text(json.dumps(standard, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, config_path)  # never a half-written config
+    manifest_path.unlink()
+    return True
+
+
+def save_standard(model: torch.nn.Module, directory: str | Path) -> bool:
+    """`surgery.save_pruned`, then `standardise`: a pruned model directory that transformers loads by
+    itself when its widths allow, else with the width manifest for `load_pruned`. Returns whether it is
+    standard."""
+    from .surgery import save_pruned
+
+    save_pruned(model, directory)
+    return standardise(directory)

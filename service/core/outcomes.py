@@ -45,11 +45,15 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome("ok", "report", SUCCEEDED, "OK", "", 0, True, "the job met its target (or ran its uniform ratio / "
             "widths) within the accuracy budget"),
     Outcome("target_not_met", "report", FAILED, "FAILED_PRECONDITION", "TARGET_NOT_MET", 2, True,
-            "no round reached the target speedup; the fastest round is delivered, the numbers in the metadata"),
+            "no round within the accuracy budget (the sanity floor of the returned artifact) reached the target "
+            "speedup; the fastest such round is delivered, never one below the floor, the numbers in the metadata"),
     Outcome("accuracy_budget_exceeded", "report", FAILED, "FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED", 2, True,
             "no round kept the metric within the accuracy budget: `accuracy_budget` (max relative drop) or, unset, "
             "the default rule (perplexity at most 2x dense, cosine at least 0.9, top-1 at most 10 points below "
             "dense); the best round is delivered, the numbers and the rule in the message"),
+    Outcome("slower_than_dense", "report", FAILED, "FAILED_PRECONDITION", "SLOWER_THAN_DENSE", 2, True,
+            "the returned model measured below 0.98x the dense model's speed (e.g. a uniform ratio with unrounded "
+            "widths: `--round-to 8` rounds them); the artifact is delivered, the numbers in the metadata"),
     Outcome("parity_failed", "report", FAILED, "FAILED_PRECONDITION", "PARITY_FAILED", 2, True,
             "an export (the dense baseline, a round, the decode step) does not match PyTorch within the parity "
             "tolerance or does not run in ONNX Runtime; only report.json is kept (no model.onnx), where and by how "

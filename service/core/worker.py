@@ -71,6 +71,7 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 def _compress(args: WorkerArgs, conn: Connection) -> dict:
     from ..blobs import BlobStore, tree_sha256
     from ..job import compress
+    from ..job.report_html import record_references
     from ..job.request import request_from_spec
 
     out = Path(args.work_dir) / "out"
@@ -91,6 +92,7 @@ def _compress(args: WorkerArgs, conn: Connection) -> dict:
         conn.send(("progress", event))
 
     report = compress(request, progress=progress, stage=stage)
+    report = record_references(out, report, args.references)  # report.html names them as the client gave them
     blobs = BlobStore(Path(args.home) / "blobs")
     artifacts = []
     for path in sorted(out.iterdir()):

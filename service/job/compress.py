@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -19,17 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compressor.errors import InputError
-from compressor.layerstats import Widths
+from compressor.layerstats import Widths, num_to_prune
 from compressor.reports import LayerReport
 from exporters.onnx import ParityError, stamp_metadata
 from exporters.runtime import RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
-from .kinds import ModelJob, open_job
+from .kinds import ConvJob, ModelJob, open_job
 from .report import build_report, parity_failed_report, version
 from .report_html import write_html
 from .request import CompressRequest
-from .targeting import Round, choose, dense_curves, target_loop, widths_of
+from .targeting import MET, ROUND_TO, Round, choose, dense_curves, target_loop, widths_of
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,14 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     request.validate()
     if request.out_dir is None:
         raise InputError("an output directory is required (--out)")
-    say = progress or (lambda message: log.info("%s", message))
+    emit = progress or (lambda message: log.info("%s", message))
+    warnings: list[str] = []  # every WARNING line of the job, also in report.json's `warnings`
+
+    def say(message: str) -> None:
+        if message.startswith("WARNING: "):
+            warnings.append(message.removeprefix("WARNING: "))
+        emit(message)
+
     enter = stage or (lambda name, index: None)
     start = time.perf_counter()
     enter("loading", 0)
@@ -113,9 +121,10 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             enter("statistics", 0)
             curves = dense_curves(job, request, say, version())
             target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter)  # fills `rounds`
+        elif request.widths_from is not None:
+            run_round(widths_of(request.widths_from), 0)
         else:
-            plan = request.uniform_ratio if request.widths_from is None else widths_of(request.widths_from)
-            run_round(plan, 0)
+            _uniform_round(request, job, run_round, say)
         chosen, status = choose(request, rounds, job.metric, baseline_metric)
         decode = None
         if request.decode_step:  # before anything is saved: a failing decode step leaves no model.onnx
@@ -136,6 +145,9 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             report["artifacts"]["decode_step"] = {"path": "decode.onnx",
                                                   "parity_max_abs_error": decode_parity.max_abs_error,
                                                   "parity": dataclasses.asdict(decode_parity)}
+        if status == "slower_than_dense":
+            say(f"WARNING: the pruned model measured slower than dense ({chosen.latency.speedup:.3f}x < {MET}x)")
+        report["warnings"] = warnings
         write_text_atomically(out / "report.json", json.dumps(report, indent=2))
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
@@ -152,6 +164,42 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         f"{report['metric']['baseline']:.4f} -> {report['metric']['compressed']:.4f}, params "
         f"{report['params_before']} -> {report['params_after']}; wrote {out} in {report['elapsed_s']:.1f}s")
     return report
+
+
+def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) -> dict[str, int]:
+    """Uniform-ratio widths rounded to the nearest multiple of `multiple` (at least one multiple, at most
+    the full width; a layer narrower than the multiple keeps its unrounded width)."""
+    plan = {}
+    for name, groups in units:
+        kept = groups - num_to_prune(groups, ratio)
+        if groups > multiple and kept < groups:  # half-way rounds up: 0.5 of 12 at multiple 4 keeps 8
+            kept = min(groups, max(multiple, multiple * math.floor(kept / multiple + 0.5)))
+        plan[name] = kept
+    return plan
+
+
+def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[..., Round],
+                   say: Callable[[str], None]) -> None:
+    """The paper's protocol: --uniform-ratio of every layer, one round; with --round-to the widths are
+    rounded to its multiples (conv graphs), and without it a warning when the unrounded widths measure slower."""
+    ratio = request.uniform_ratio
+    assert ratio is not None
+    units = [(u.name, u.channels) for u in job.analysis.units] if isinstance(job, ConvJob) else None
+    if request.round_to is not None and units is not None:
+        plan = rounded_widths(units, ratio, request.round_to)
+        say(f"uniform ratio {ratio}, widths rounded to multiples of {request.round_to}: "
+            + ", ".join(f"{n} {c}->{plan[n]}" for n, c in units))
+        run_round(plan, 0)
+        return
+    if request.round_to is not None:
+        say(f"WARNING: --round-to {request.round_to} is applied in uniform mode to conv graphs only; this model's "
+            "widths are not rounded")
+    result = run_round(ratio, 0)
+    odd = sorted({r.width_after for r in result.layers if r.width_after % ROUND_TO and r.width_after != r.width_before})
+    if odd and result.latency.speedup < 1.0:
+        say(f"WARNING: the unrounded uniform widths ({', '.join(map(str, odd[:6]))}{' ...' if len(odd) > 6 else ''}) "
+            f"measured slower than dense ({result.latency.speedup:.3f}x); --round-to {ROUND_TO} rounds them to "
+            "hardware-friendly multiples")
 
 
 def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:

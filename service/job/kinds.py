@@ -12,8 +12,10 @@ transformer parts never meet anywhere else.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +33,11 @@ from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.modules import count_parameters
 from compressor.reports import LayerReport
-from compressor.transformer.models import load_transformer, transformer_config
+from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer
 from compressor.transformer.refine import RefineConfig
-from compressor.transformer.surgery import load_pruned, save_pruned, widths
+from compressor.transformer.surgery import load_pruned, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
     Float16,
@@ -54,6 +56,33 @@ from .request import CompressRequest
 
 Say = Callable[[str], None]
 Observe = Callable[[LayerObservation], None]
+_LAYER_LINE = re.compile(r"^\[\d+/\d+\]")  # a pipeline's per-layer progress line (the worker's progress too)
+_UNITS = {"attention_heads": "heads", "ffn_neurons": "FFN neurons"}
+
+
+def _statistics_pass(plan: Widths, observe: Observe | None, say: Say) -> tuple[Say, Observe | None]:
+    """(progress, observe) for a pipeline run. The dense statistics pass (ratio 0 with an observer) prunes
+    nothing, but the pipelines report each layer as a solve ("16 -> 16 channels, relative error
+    0.0000"); there each layer's line says what the pass did: it took the layer's statistics. Every
+    per-layer line follows its layer's observation, so they pair in order."""
+    if observe is None or not isinstance(plan, (int, float)) or plan != 0:
+        return say, observe
+    seen: deque[LayerObservation] = deque()
+
+    def observed(obs: LayerObservation) -> None:
+        seen.append(obs)
+        observe(obs)
+
+    def progress(message: str) -> None:
+        match = _LAYER_LINE.match(message)
+        if match and seen:
+            obs = seen.popleft()
+            groups = obs.H.shape[0] // obs.group_size
+            say(f"{match.group(0)} {obs.name}: statistics of {groups} {_UNITS.get(obs.kind, 'channels')}")
+        else:
+            say(message)
+
+    return progress, observed
 
 
 @dataclass(frozen=True)
@@ -188,8 +217,9 @@ class ConvJob:
             f"images, method {request.method}")
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+        progress, observe = _statistics_pass(plan, observe, self.say)
         return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
-                                batch_size=self.request.batch_size, progress=self.say, observe=observe)
+                                batch_size=self.request.batch_size, progress=progress, observe=observe)
 
     export_decode_step = staticmethod(_no_decode_step)
 
@@ -238,10 +268,12 @@ class _TransformerJob:
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
-        options = {"method": request.method, "device": request.device, "progress": self.say, "observe": observe,
+        progress, observed = _statistics_pass(plan, observe, self.say)
+        statistics = observed is not observe  # nothing is pruned: no block to reconstruct either
+        options = {"method": request.method, "device": request.device, "progress": progress, "observe": observed,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": RefineConfig(steps=request.refine_steps)}
+                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps)}
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
@@ -265,7 +297,9 @@ class _TransformerJob:
     export_decode_step = staticmethod(_no_decode_step)
 
     def save(self, module: nn.Module, out: Path) -> str:
-        save_pruned(module, out / "model")
+        # config.json says the widths when every layer kept the same ones (transformers loads it alone);
+        # otherwise osscar_widths.json beside it, for load_pruned
+        save_standard(module, out / "model")
         if self.loaded.tokenizer is not None:
             self.loaded.tokenizer.save_pretrained(out / "model")
         return "model/"

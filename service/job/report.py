@@ -41,6 +41,7 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         "baseline_latency_ms": lat.baseline_ms,
         "compressed_latency_ms": lat.compressed_ms,
         "latency_p90_ms": {"baseline": lat.baseline_p90_ms, "compressed": lat.compressed_p90_ms},
+        "latency_samples": {"repeats": lat.repeats, "runs_per_sample": lat.runs_per_sample},
         "execution_provider": provider,
         "precision": request.precision,
         "threads": lat.threads,

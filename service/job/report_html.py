@@ -1,83 +1,424 @@
-"""report.html: the report.json of a job for people — summary, per-layer widths and losses, latency
-and quality — as one self-contained file (inline SVG, no scripts, no network)."""
+"""report.html: a job's report.json for people, as one self-contained file (inline SVG charts, no script,
+nothing fetched: a content security policy forbids it).
+
+What it says, in this order: how the job ended in one sentence; what went in (the references as the user
+gave them), what came out and with which settings, in plain words; then the charts: the prune-measure
+rounds (modelled against measured speedup), quality against measured speedup for every round and the
+dense model, latency (median and p90, dense and compressed), kept width and relative error per layer;
+then the per-layer table. Every chart is an <svg data-chart="NAME"> (CHARTS lists them).
+"""
 
 from __future__ import annotations
 
 import html
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 from ..files import write_text_atomically
 
-
-def _bars(rows: list[tuple[str, float, float]], width: int = 640, height: int = 14) -> str:
-    """Horizontal bars: kept fraction of each layer (label, kept, before)."""
-    out = [f'<svg width="{width}" height="{(height + 4) * len(rows) + 4}" xmlns="http://www.w3.org/2000/svg">']
-    for i, (label, kept, before) in enumerate(rows):
-        y = 4 + i * (height + 4)
-        frac = kept / before if before else 0
-        out.append(f'<rect x="260" y="{y}" width="{(width - 300) * frac:.1f}" height="{height}" fill="#4878a8"/>')
-        out.append(f'<rect x="260" y="{y}" width="{width - 300}" height="{height}" fill="none" stroke="#999"/>')
-        out.append(f'<text x="255" y="{y + height - 3}" font-size="11" text-anchor="end">{html.escape(label)}</text>')
-        out.append(f'<text x="{width - 35}" y="{y + height - 3}" font-size="11">{int(kept)}/{int(before)}</text>')
-    out.append("</svg>")
-    return "".join(out)
+CHARTS = ("rounds", "quality", "latency", "widths", "errors")
+BLUE, ORANGE, GREY, RED, GREEN = "#3b6ea8", "#d9822b", "#8a8a8a", "#b3261e", "#2e7d32"
+FONT = 12
+CHAR_W = 6.8  # average width of a character at FONT px (labels are sized by it, never cut off)
+STATUS_WORDS = {"ok": "Target met", "target_not_met": "Target not met",
+                "accuracy_budget_exceeded": "Accuracy budget exceeded",
+                "slower_than_dense": "Slower than the dense model", "parity_failed": "Export failed the parity check"}
+METRIC_WORDS = {"cosine": "cosine similarity to the dense model's outputs", "perplexity": "perplexity",
+                "top1": "top-1 accuracy"}
+UNIT_WORDS = {"attention_heads": "heads", "ffn_neurons": "neurons"}
 
 
-def _budget(budget: dict | None) -> str:
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}g}" if abs(value) >= 1e4 or 0 < abs(value) < 1e-3 else \
+        f"{value:.{digits}f}".rstrip("0").rstrip(".") if digits else f"{value:.0f}"
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round tick values covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + 1.0
+    raw = (hi - lo) / count
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 2.5, 5, 10) if raw <= m * step)
+    first = math.floor(lo / step) * step
+    return [first + i * step for i in range(math.ceil((hi - first) / step) + 1)]
+
+
+def _label(text: str, limit: int) -> str:
+    """At most `limit` characters: the middle elided (layer names differ at both ends)."""
+    return text if len(text) <= limit else text[: limit // 2 - 1] + "…" + text[-(limit - limit // 2):]
+
+
+class _Plot:
+    """An x/y plot area with axes, ticks and axis titles; `x(v)`, `y(v)` map data to pixels."""
+
+    def __init__(self, name: str, title: str, x_range: tuple[float, float], y_range: tuple[float, float],
+                 x_title: str, y_title: str, x_ticks: list[float] | None = None, width: int = 500,
+                 height: int = 300) -> None:
+        self.name, self.width, self.height = name, width, height
+        self.left, self.right, self.top, self.bottom = 64, 16, 12, 46
+        self.xt, self.yt = x_ticks if x_ticks is not None else _ticks(*x_range), _ticks(*y_range)
+        self.x0, self.x1 = (x_range if x_ticks is not None else (self.xt[0], self.xt[-1]))
+        self.y0, self.y1 = self.yt[0], self.yt[-1]
+        self.parts = [f'<svg data-chart="{name}" role="img" aria-label="{_e(title)}" viewBox="0 0 {width} {height}" '
+                      f'width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" font-size="{FONT}">',
+                      f"<title>{_e(title)}</title>"]
+        for t in self.yt:
+            self.parts.append(f'<line x1="{self.left}" x2="{width - self.right}" y1="{self.y(t):.1f}" '
+                              f'y2="{self.y(t):.1f}" stroke="#e4e4e4"/>')
+            self.parts.append(f'<text x="{self.left - 6}" y="{self.y(t) + 4:.1f}" text-anchor="end">{_num(t)}</text>')
+        for t in self.xt:
+            self.parts.append(f'<text x="{self.x(t):.1f}" y="{height - self.bottom + 16}" '
+                              f'text-anchor="middle">{_num(t)}</text>')
+        self.parts.append(f'<rect x="{self.left}" y="{self.top}" width="{width - self.left - self.right}" '
+                          f'height="{height - self.top - self.bottom}" fill="none" stroke="#999"/>')
+        self.parts.append(f'<text x="{(self.left + width - self.right) / 2}" y="{height - 8}" '
+                          f'text-anchor="middle">{_e(x_title)}</text>')
+        self.parts.append(f'<text transform="translate(14 {(self.top + height - self.bottom) / 2}) rotate(-90)" '
+                          f'text-anchor="middle">{_e(y_title)}</text>')
+
+    def x(self, v: float) -> float:
+        return self.left + (v - self.x0) / (self.x1 - self.x0) * (self.width - self.left - self.right)
+
+    def y(self, v: float) -> float:
+        return self.height - self.bottom - (v - self.y0) / (self.y1 - self.y0) * (self.height - self.top - self.bottom)
+
+    def svg(self) -> str:
+        return "".join(self.parts) + "</svg>"
+
+
+def _legend(items: list[tuple[str, str, str]]) -> str:
+    """(colour, marker: line | dashed | dot | ring | bar, text) as an HTML legend under a chart."""
+    def mark(colour: str, kind: str) -> str:
+        body = {"line": f'<line x1="0" x2="18" y1="6" y2="6" stroke="{colour}" stroke-width="2"/>',
+                "dashed": f'<line x1="0" x2="18" y1="6" y2="6" stroke="{colour}" stroke-width="2" '
+                          'stroke-dasharray="4 3"/>',
+                "dot": f'<circle cx="9" cy="6" r="4" fill="{colour}"/>',
+                "ring": f'<circle cx="9" cy="6" r="4" fill="white" stroke="{colour}" stroke-width="2"/>',
+                "bar": f'<rect x="2" y="1" width="14" height="10" fill="{colour}"/>'}[kind]
+        return f'<svg width="18" height="12" xmlns="http://www.w3.org/2000/svg">{body}</svg>'
+
+    return '<p class="legend">' + "".join(f"<span>{mark(c, k)} {_e(t)}</span>" for c, k, t in items) + "</p>"
+
+
+def _span(values: list[float], pad: float = 0.08) -> tuple[float, float]:
+    lo, hi = min(values), max(values)
+    margin = (hi - lo) * pad or abs(hi) * pad or 1.0
+    return lo - margin, hi + margin
+
+
+def rounds_chart(report: dict) -> str:
+    """Modelled and measured speedup of every prune-measure round (and the target)."""
+    rounds = report.get("rounds") or []
+    target = report.get("target_speedup")
+    measured = [r.get("measured_speedup") for r in rounds]
+    modelled = [r.get("predicted_speedup") for r in rounds]
+    values = [v for v in measured + modelled + [target, 1.0] if v is not None]
+    plot = _Plot("rounds", "Speedup per round: modelled by the latency model and measured in ONNX Runtime",
+                 (-0.5, max(len(rounds) - 0.5, 0.5)), _span(values), "round", "speedup (x dense)",
+                 x_ticks=list(range(len(rounds))))
+    if target is not None:
+        plot.parts.append(f'<line x1="{plot.left}" x2="{plot.width - plot.right}" y1="{plot.y(target):.1f}" '
+                          f'y2="{plot.y(target):.1f}" stroke="{RED}" stroke-dasharray="6 4"/>')
+        plot.parts.append(f'<text x="{plot.left + 4}" y="{plot.y(target) - 5:.1f}" fill="{RED}">'
+                          f'target {_num(target, 3)}x</text>')
+    for series, colour, dashed, hollow in ((modelled, ORANGE, True, True), (measured, BLUE, False, False)):
+        points = [(i, plot.x(i), plot.y(v), v) for i, v in enumerate(series) if v is not None]
+        if len(points) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for _, x, y, _ in points)
+            dash = ' stroke-dasharray="6 4"' if dashed else ""
+            plot.parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
+        for i, x, y, v in points:
+            other = (measured if series is modelled else modelled)[i]
+            dy = -9 if other is None or v >= other else 17  # the higher value's label above, the other below
+            fill = "white" if hollow else colour
+            plot.parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="{fill}" stroke="{colour}" '
+                              f'stroke-width="2"><title>{_num(v, 3)}x</title></circle>')
+            plot.parts.append(f'<text x="{x:.1f}" y="{y + dy:.1f}" fill="{colour}" text-anchor="middle">'
+                              f"{_num(v, 3)}x</text>")
+    items = [(ORANGE, "ring", "modelled (latency model)"), (BLUE, "dot", "measured (ONNX Runtime)")]
+    if target is not None:
+        items.append((RED, "dashed", "target"))
+    return plot.svg() + _legend(items)
+
+
+def _chosen(report: dict) -> int | None:
+    """The round the job returned: the one whose measurements are the report's."""
+    for i, r in enumerate(report.get("rounds") or []):
+        if r.get("measured_speedup") == report.get("measured_speedup") and \
+                r.get("metric") == (report.get("metric") or {}).get("compressed"):
+            return i
+    return None
+
+
+def quality_chart(report: dict) -> str:
+    """The metric against measured speedup: the dense model at 1x and every round; the returned one
+    ringed; the accuracy budget's bound when there is one."""
+    metric = report.get("metric") or {}
+    rounds = [r for r in report.get("rounds") or [] if r.get("measured_speedup") is not None]
+    points = [(1.0, metric.get("baseline"), "dense")] + \
+        [(r["measured_speedup"], r.get("metric"), f"round {i}") for i, r in enumerate(rounds)]
+    points = [p for p in points if p[1] is not None]
+    budget = report.get("accuracy_budget") or {}
+    bound = budget.get("worst_allowed") if isinstance(budget.get("worst_allowed"), (int, float)) else None
+    ys = [p[1] for p in points] + ([bound] if bound is not None else [])
+    name = metric.get("name", "metric")
+    plot = _Plot("quality", f"{METRIC_WORDS.get(name, name)} against measured speedup",
+                 _span([p[0] for p in points] or [1.0], 0.15), _span(ys or [0.0, 1.0]),
+                 "measured speedup (x dense)", name)
+    if bound is not None:
+        plot.parts.append(f'<line x1="{plot.left}" x2="{plot.width - plot.right}" y1="{plot.y(bound):.1f}" '
+                          f'y2="{plot.y(bound):.1f}" stroke="{RED}" stroke-dasharray="6 4"/>')
+        plot.parts.append(f'<text x="{plot.width - plot.right - 4}" y="{plot.y(bound) - 5:.1f}" fill="{RED}" '
+                          f'text-anchor="end">accuracy budget {_num(bound)}</text>')
+    chosen = _chosen(report)
+    for index, (x, y, label) in enumerate(points):
+        colour = GREY if label == "dense" else BLUE
+        plot.parts.append(f'<circle cx="{plot.x(x):.1f}" cy="{plot.y(y):.1f}" r="5" fill="{colour}">'
+                          f"<title>{_e(label)}: {_num(x, 3)}x, {name} {_num(y)}</title></circle>")
+        if chosen is not None and index == chosen + 1:
+            plot.parts.append(f'<circle cx="{plot.x(x):.1f}" cy="{plot.y(y):.1f}" r="9" fill="none" '
+                              f'stroke="{GREEN}" stroke-width="2"/>')
+        plot.parts.append(f'<text x="{plot.x(x) + 9:.1f}" y="{plot.y(y) - 7:.1f}">{_e(label)}</text>')
+    items = [(GREY, "dot", "dense model"), (BLUE, "dot", "round"), (GREEN, "ring", "returned")]
+    if bound is not None:
+        items.append((RED, "dashed", "accuracy budget"))
+    return plot.svg() + _legend(items)
+
+
+def _hbars(name: str, title: str, rows: list[tuple[str, float, str]], colour: str, scale_max: float,
+           axis_title: str, bar_width: int = 360) -> str:
+    """Horizontal bars with their labels at full length (up to 70 characters, the middle elided beyond,
+    the full name as a tooltip) and the value written after each bar."""
+    limit = 70
+    label_w = int(min(limit, max((len(r[0]) for r in rows), default=4)) * CHAR_W) + 12
+    value_w = int(max((len(r[2]) for r in rows), default=4) * CHAR_W) + 16
+    row_h, top = 18, 6
+    width, height = label_w + bar_width + value_w, top + row_h * len(rows) + 36
+    parts = [f'<svg data-chart="{name}" role="img" aria-label="{_e(title)}" viewBox="0 0 {width} {height}" '
+             f'width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" font-size="{FONT}">',
+             f"<title>{_e(title)}</title>"]
+    scale_max = scale_max or 1.0
+    for i, (label, value, text) in enumerate(rows):
+        y = top + i * row_h
+        length = max(0.0, min(1.0, value / scale_max)) * bar_width
+        parts.append(f'<text x="{label_w - 8}" y="{y + 13}" text-anchor="end"><title>{_e(label)}</title>'
+                     f"{_e(_label(label, limit))}</text>")
+        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{bar_width}" height="{row_h - 4}" fill="#f0f0f0"/>')
+        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{length:.1f}" height="{row_h - 4}" fill="{colour}">'
+                     f"<title>{_e(label)}: {_e(text)}</title></rect>")
+        parts.append(f'<text x="{label_w + bar_width + 6}" y="{y + 13}">{_e(text)}</text>')
+    base = top + row_h * len(rows) + 4
+    for t in _ticks(0, scale_max, 4):
+        if t <= scale_max * 1.0001:
+            x = label_w + t / scale_max * bar_width
+            parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{base}" stroke="#ccc"/>')
+            parts.append(f'<text x="{x:.1f}" y="{base + 13}" text-anchor="middle">{_num(t)}</text>')
+    parts.append(f'<text x="{label_w + bar_width / 2}" y="{height - 4}" text-anchor="middle">{_e(axis_title)}</text>')
+    return "".join(parts) + "</svg>"
+
+
+def latency_chart(report: dict) -> str:
+    p90 = report.get("latency_p90_ms") or {}
+    rows = [("dense, median", report.get("baseline_latency_ms")), ("dense, p90", p90.get("baseline")),
+            ("compressed, median", report.get("compressed_latency_ms")), ("compressed, p90", p90.get("compressed"))]
+    rows = [(label, value) for label, value in rows if value is not None]
+    top = max((v for _, v in rows), default=1.0)
+    svg = _hbars("latency", "Latency in ONNX Runtime, median and p90 (ms)",
+                 [(label, value, f"{value:.2f} ms") for label, value in rows], BLUE, top * 1.05, "milliseconds")
+    return svg.replace(f'fill="{BLUE}"><title>dense', f'fill="{GREY}"><title>dense')
+
+
+def width_chart(report: dict) -> str:
+    layers = report.get("layers") or []
+    rows = [(r["name"], r["width_after"] / r["width_before"] if r["width_before"] else 0.0,
+             f"{r['width_after']}/{r['width_before']} {UNIT_WORDS.get(r.get('kind'), 'channels')}") for r in layers]
+    return _hbars("widths", "Kept width per layer (fraction of the dense width)", rows, BLUE, 1.0,
+                  "fraction kept")
+
+
+def error_chart(report: dict) -> str:
+    layers = report.get("layers") or []
+    rows = [(r["name"], float(r.get("relative_error") or 0.0), _num(r.get("relative_error"))) for r in layers]
+    top = max((v for _, v, _ in rows), default=0.0)
+    return _hbars("errors", "Relative output error per layer, ||X(W_dense - W)||^2 / ||X W_dense||^2", rows, ORANGE,
+                  top * 1.05 or 1.0, "relative error")
+
+
+def _given(report: dict, field: str) -> str | None:
+    """A reference as the user gave it (report["references"]), else as the job saw it."""
+    given = (report.get("references") or {}).get(field)
+    return given or report.get(field)
+
+
+def _shape_words(shape: dict | None) -> str:
+    if not shape:
+        return "-"
+    return " x ".join(f"{k} {v}" for k, v in shape.items())
+
+
+def _budget_words(report: dict) -> str:
+    budget = report.get("accuracy_budget")
     if budget is None:
-        return "none"
-    return f"{budget['rule']} ({budget['bound']}){', the default' if budget['default'] else ''}"
+        return "none (turned off)" if "accuracy_budget" in report else "-"
+    words = f"{budget.get('rule', '')}"
+    if budget.get("bound"):
+        words += f" ({budget['bound']})"
+    return words + (", the default rule" if budget.get("default") else "")
+
+
+def _mode_words(report: dict) -> str:
+    if report.get("target_speedup") is not None:
+        return f"a measured speedup of {_num(report['target_speedup'], 3)}x"
+    if report.get("uniform_ratio") is not None:
+        return f"{report['uniform_ratio']:.0%} of every layer's groups removed (uniform ratio)"
+    return "the widths of an earlier report"
+
+
+def summary_sentence(report: dict) -> str:
+    status = report.get("status", "")
+    metric = report.get("metric") or {}
+    name = metric.get("name", "metric")
+    text = (f"<strong>{_e(STATUS_WORDS.get(status, status))}.</strong> {_e(_given(report, 'model'))} was pruned "
+            f"with {_e(report.get('method', '?'))} asking for {_e(_mode_words(report))}")
+    if report.get("measured_speedup") is not None:
+        text += (f"; in ONNX Runtime it runs <strong>{report['measured_speedup']:.2f}x</strong> as fast as the dense "
+                 f"model ({report['baseline_latency_ms']:.2f} ms → {report['compressed_latency_ms']:.2f} ms, median)")
+    if metric.get("compressed") is not None:
+        text += (f", and its {_e(METRIC_WORDS.get(name, name))} went from {_num(metric['baseline'])} to "
+                 f"{_num(metric['compressed'])}")
+    return text + "."
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in rows if v not in (None, "")) + \
+        "</table>"
+
+
+def _inputs(report: dict) -> list[tuple[str, Any]]:
+    rows = []
+    for field, words in (("model", "model"), ("calibration", "calibration data"), ("eval", "evaluation data")):
+        given = _given(report, field)
+        if given:
+            seen = report.get(field)
+            rows.append((words, f"<code>{_e(given)}</code>" +
+                         (f" <span class=dim>(read from <code>{_e(seen)}</code>)</span>" if seen and seen != given
+                          else "")))
+    if report.get("samples"):
+        rows.append(("calibration used", f"{report['samples']} images, seed {report.get('seed', 0)}"))
+    elif report.get("sequences"):
+        rows.append(("calibration used", f"{report['sequences']} sequences of up to {report.get('sequence_length')} "
+                                         f"tokens, seed {report.get('seed', 0)}"))
+    return rows
+
+
+def _outputs(report: dict) -> list[tuple[str, Any]]:
+    artifacts = report.get("artifacts") or {}
+    rows = []
+    if artifacts.get("onnx"):
+        rows.append(("ONNX model", f"<code>{_e(artifacts['onnx'])}</code> (parity with PyTorch checked: peak error "
+                                   f"{_num((artifacts.get('parity') or {}).get('peak_error'), 2)})"))
+    model = artifacts.get("model")
+    if model == "model/":
+        rows.append(("pruned model", "<code>model/</code>, a Hugging Face directory that transformers loads by "
+                                     "itself, unless it holds <code>osscar_widths.json</code> (widths its config "
+                                     "cannot say): then <code>compressor.transformer.surgery.load_pruned</code>"))
+    elif model:
+        rows.append(("pruned model", f"<code>{_e(model)}</code> (a torch.export program)"))
+    if artifacts.get("decode_step"):
+        rows.append(("decode step", f"<code>{_e(artifacts['decode_step'].get('path', 'decode.onnx'))}</code>"))
+    rows.append(("report", "<code>report.json</code> (every number on this page) and this page"))
+    if report.get("params_before") and report.get("params_after") is not None:
+        before, after = report["params_before"], report["params_after"]
+        rows.append(("parameters", f"{before:,} → {after:,} ({1 - after / before:.1%} fewer)"))
+    return rows
+
+
+def _settings(report: dict) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [
+        ("asked for", _e(_mode_words(report))),
+        ("method", _e(report.get("method"))),
+        ("accuracy budget", _e(_budget_words(report))),
+        ("measured on", _e(f"ONNX Runtime {report.get('execution_provider', '?')} provider on "
+                           f"{report.get('device', '?')}, {report.get('threads', '?')} threads, "
+                           f"{report.get('precision', 'fp32')}")),
+        ("measured input", _e(_shape_words(report.get("shape")))),
+    ]
+    recon = report.get("block_reconstruction")
+    if recon:
+        rows.append(("block reconstruction", _e(f"{recon['steps']} steps per block; kept in {recon['blocks_kept']} of "
+                                                f"{recon['blocks']} blocks ({recon['seconds']:.0f} s)")))
+    if report.get("elapsed_s") is not None:
+        rows.append(("time", _e(f"{report['elapsed_s']:.0f} s")))
+    versions = report.get("versions") or {}
+    if versions:
+        rows.append(("versions", _e(", ".join(f"{k} {v}" for k, v in versions.items()))))
+    return rows
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
+h1{font-size:1.5em;word-break:break-all}h2{font-size:1.15em;margin-top:1.6em}
+td,th{padding:3px 10px;text-align:left;vertical-align:top}th{font-weight:600;color:#444}
+table{border-collapse:collapse}tr:nth-child(even){background:#f6f6f6}code{font-size:.95em}
+.dim{color:#777}.legend span{margin-right:1.4em;white-space:nowrap}.legend svg{vertical-align:middle}
+.charts{display:flex;flex-wrap:wrap;gap:1.5em}.charts figure{margin:0;max-width:520px}
+.legend{font-size:.9em}.layers figure{margin:0 0 1em}figcaption{font-weight:600;margin:.4em 0}
+.bad{color:#b3261e}.scroll{overflow-x:auto}"""
 
 
 def render(report: dict) -> str:
-    metric = report["metric"]
-    summary = [
-        ("status", report["status"]),
-        ("target speedup", report["target_speedup"]),
-        ("uniform ratio", report["uniform_ratio"]),
-        ("measured speedup", f"{report['measured_speedup']:.3f}x"),
-        ("latency (median)", f"{report['baseline_latency_ms']:.2f} ms -> {report['compressed_latency_ms']:.2f} ms"),
-        ("execution provider / device", f"{report['execution_provider']} / {report['device']}"),
-        ("shape", report["shape"]),
-        (metric["name"], f"{metric['baseline']:.4f} -> {metric['compressed']:.4f} "
-                         f"(relative drop {metric['relative_drop']:.2%})"),
-        ("parameters", f"{report['params_before']:,} -> {report['params_after']:,}"),
-        ("method", report["method"]),
-        ("accuracy budget", _budget(report.get("accuracy_budget"))),
-        ("elapsed", f"{report['elapsed_s']:.1f} s"),
-    ]
-    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in summary)
+    status = report.get("status", "")
+    warnings = report.get("warnings") or []
+    notice = ""
+    if status != "ok":
+        notice = f'<p class="bad">{_e(report.get("message", status))}</p>'
+    if warnings:
+        notice += "<ul>" + "".join(f'<li class="bad">{_e(w)}</li>' for w in warnings) + "</ul>"
     layers = "".join(
-        f"<tr><td>{html.escape(r['name'])}</td><td>{r['kind']}</td><td>{r['width_before']}</td>"
-        f"<td>{r['width_after']}</td><td>{r['relative_error']:.4g}</td><td>{r['objective']:.6g}</td></tr>"
-        for r in report["layers"])
-    def modelled(r: dict) -> str:
-        return "" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.3f}x"
-
-    rounds = "".join(
-        f"<tr><td>{i}</td><td>{r['measured_speedup']:.3f}x</td><td>{modelled(r)}</td><td>{r['metric']:.4f}</td></tr>"
-        for i, r in enumerate(report.get("rounds", [])))
-    bars = _bars([(r["name"], r["width_after"], r["width_before"]) for r in report["layers"]])
-    warn = ""
-    if report["status"] != "ok" or metric["relative_drop"] > 0.05:
-        warn = (f'<p style="color:#b00;font-weight:bold">{html.escape(report["status"])}: {metric["name"]} '
-                f'drops {metric["relative_drop"]:.1%} against the dense model</p>')
-        if report.get("message"):
-            warn += f'<p>{html.escape(report["message"])}</p>'
-
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>osscar report</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 8px;text-align:left}}
-table{{border-collapse:collapse}}tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
-<h1>Compression report: {html.escape(str(report['model']))}</h1>{warn}
-<table>{rows}</table>
-<h2>Rounds (prune, export, measure)</h2>
-<table><tr><th>round</th><th>measured</th><th>modelled</th><th>{metric['name']}</th></tr>{rounds}</table>
-<h2>Kept width per layer</h2>{bars}
-<h2>Layers</h2>
-<table><tr><th>layer</th><th>kind</th><th>before</th><th>after</th><th>relative error</th><th>objective</th></tr>
-{layers}</table></body></html>
+        f"<tr><td>{_e(r['name'])}</td><td>{_e(UNIT_WORDS.get(r.get('kind'), r.get('kind')))}</td>"
+        f"<td>{r['width_before']}</td><td>{r['width_after']}</td><td>{_num(r.get('relative_error'))}</td>"
+        f"<td>{_num(r.get('objective'), 6)}</td></tr>" for r in report.get("layers") or [])
+    figure = "<figure><figcaption>{}</figcaption>{}</figure>".format
+    charts = (figure("Rounds: modelled and measured speedup", rounds_chart(report)) +
+              figure("Quality against measured speedup", quality_chart(report)) +
+              figure("Latency (ONNX Runtime)", latency_chart(report)))
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
+<title>osscar report: {_e(_given(report, 'model'))}</title><style>{STYLE}</style></head><body>
+<h1>Compression report: {_e(_given(report, 'model'))}</h1>
+<p>{summary_sentence(report)}</p>{notice}
+<h2>What went in</h2>{_table(_inputs(report))}
+<h2>What came out</h2>{_table(_outputs(report))}
+<h2>Settings</h2>{_table(_settings(report))}
+<h2>Charts</h2><div class="charts">{charts}</div>
+<h2>Per layer</h2><div class="layers">
+{figure("Kept width", '<div class="scroll">' + width_chart(report) + "</div>")}
+{figure("Relative error", '<div class="scroll">' + error_chart(report) + "</div>")}</div>
+<h2>Layers</h2><div class="scroll">
+<table><tr><th>layer</th><th>unit</th><th>before</th><th>after</th><th>relative error</th><th>objective</th></tr>
+{layers}</table></div></body></html>
 """
 
 
 def write_html(report: dict, path: Path) -> None:
     write_text_atomically(path, render(report))
+
+
+def record_references(out: Path, report: dict, references: dict[str, str]) -> dict:
+    """Add the references as the user gave them (`embedded:...`, `blob:...`, a relative path: what the job
+    itself sees as resolved paths) to the report in `out`: report.json's `references` and report.html's
+    title and inputs. Returns the updated report. A no-op when the job wrote no report.html (parity_failed
+    keeps only report.json, which gets them too)."""
+    given = {k: str(v) for k, v in references.items() if v is not None}
+    report = {**report, "references": given}
+    if (out / "report.json").is_file():
+        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+    if (out / "report.html").is_file():
+        write_html(report, out / "report.html")
+    return report

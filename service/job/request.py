@@ -89,7 +89,8 @@ class CompressRequest:
     threads: int | None = option(help="ONNX Runtime intra-op threads (default: the cores available)")
     deployment_target: str | None = option(help="where the model will be served; a warning when measurement runs "
                                            "elsewhere", choices=PROVIDERS)
-    round_to: int = option(8, "target mode: kept widths are multiples of this (or the full width)")
+    round_to: int | None = option(help="kept widths are multiples of this (or the full width); target mode: 8 when "
+                                  "not given; uniform mode: widths are rounded only when given")
     min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups")
     max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
     accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
@@ -143,11 +144,13 @@ class CompressRequest:
         check(self.target_speedup is None or (math.isfinite(self.target_speedup) and 1 < self.target_speedup <= 20),
               "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
         for name, low, high in (("samples", 1, 1_000_000), ("batch_size", 1, 100_000), ("sequences", 1, 1_000_000),
-                                ("sequence_length", 2, 65536), ("round_to", 1, 4096), ("max_rounds", 1, 20),
+                                ("sequence_length", 2, 65536), ("max_rounds", 1, 20),
                                 ("opset", 14, 23), ("repeats", 3, 10_000),
                                 ("refine_steps", 0, 100_000)):
             value = getattr(self, name)
             check(low <= value <= high, name, f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
+        check(self.round_to is None or 1 <= self.round_to <= 4096, "round_to",
+              f"--round-to must be in [1, 4096] (got {self.round_to})")
         check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")
         for name, value in self._choices():
             allowed = _field(name).metadata["choices"]

@@ -61,3 +61,52 @@ def test_serve_has_a_flag_for_every_setting_but_the_secret_tokens():
     assert all(dests[name].help for name in ServerSettings.model_fields if name in dests)
     args = cli.build_parser().parse_args(["serve", "--max-queue", "3", "--log-format", "text", "--insecure"])
     assert (args.max_queue, args.log_format, args.insecure, args.port) == (3, "text", True, None)
+
+
+# ---- Ctrl-C on a local job ---------------------------------------------------------------------------
+
+
+def test_ctrl_c_on_a_local_job_exits_130_with_one_line_and_removes_its_output(tmp_path):
+    from tests.compressor.cnn.conv_models import write_conv_job
+
+    from .test_client import compress_args, interrupt_when
+
+    (tmp_path / "data").mkdir()
+    data = write_conv_job(tmp_path / "data")
+    fresh = tmp_path / "fresh"
+    code, _, after = interrupt_when(compress_args(data, fresh, 3000), "exporting and measuring")
+    assert code == 130
+    assert after == [f"osscar: interrupted; removed {fresh} (this run created it)"]  # no traceback
+    assert not fresh.exists()
+
+    kept = tmp_path / "kept"  # an existing directory: what was there stays, nothing of the run remains
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    (kept / "report.json").write_text("{}")  # an earlier run's
+    code, _, after = interrupt_when(compress_args(data, kept, 3000), "exporting and measuring")
+    assert code == 130 and len(after) == 1 and after[0].startswith("osscar: interrupted;")
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt", "report.json"]
+    assert (kept / "report.json").read_text() == "{}"
+
+
+def test_written_outputs_takes_back_new_and_changed_job_outputs_only(tmp_path):
+    import os
+
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("old")
+    for name, text in (("report.json", "old"), ("model.onnx", "old"), ("notes.txt", "mine")):
+        (out / name).write_text(text)
+    old = os.stat(out / "model.onnx").st_mtime_ns - 10**9
+    for path in (out / "model" / "config.json", out / "model.onnx", out / "report.json"):
+        os.utime(path, ns=(old, old))
+    written = cli.WrittenOutputs(out)
+    (out / "model.onnx").write_text("new, half-written")  # changed by the run
+    (out / "model" / "weights.safetensors").write_text("new")  # a new file inside an old directory
+    (out / "report.html").write_text("new")  # new
+    (out / ".osscar-work-x").mkdir()  # the job's scratch
+    (out / "other.txt").write_text("not a job output")  # someone else's
+    message = written.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "other.txt", "report.json"]
+    assert (out / "report.json").read_text() == "old"
+    assert message == f"removed what this run wrote in {out} (.osscar-work-x, model, model.onnx, report.html)"

@@ -24,7 +24,7 @@ def finished(tmp_path_factory):
     server = ServerProcess(root / "home", "--metrics-port", "0").start()
     request = pb.CompressRequest(model=str(root / "model.pt2"), calibration=str(root / "cal.npz"), uniform_ratio=0.5,
                                  request_id=str(uuid.uuid4()))
-    request.options.samples, request.options.repeats = 16, 3
+    request.options.samples, request.options.repeats = 16, 15
     op = server.wait_done(server.compression.Compress(request, timeout=30).name)
     with pytest.raises(grpc.RpcError):
         server.get(f"operations/{uuid.uuid4()}")
@@ -68,7 +68,7 @@ def test_logs_are_json_lines_carrying_the_operation_id(finished):
     workers = {r["pid"] for r in mine} - {server.process.pid}
     assert workers, "the worker's own records carry the operation id too"
     progress = [r["message"] for r in mine if r["logger"] == "service.core.worker"]
-    assert any(m.startswith("[4/4]") for m in progress) and "stage measure (round 0)" in progress
+    assert any(m.startswith("[5/5]") for m in progress) and "stage measure (round 0)" in progress
 
 
 def test_a_deleted_operation_leaves_the_gauges(finished):

@@ -134,7 +134,7 @@ def test_the_cli_client_compresses_over_mtls_with_a_token(secure_server, data, t
     server, pki = secure_server
     (tmp_path / "token").write_text(TOKEN + "\n")
     code = cli.main(["compress", str(data / "model.pt2"), "--uniform-ratio", "0.5", "--calibration",
-                     str(data / "cal.npz"), "--samples", "16", "--repeats", "3", "--server", server.address,
+                     str(data / "cal.npz"), "--samples", "16", "--repeats", "15", "--server", server.address,
                      "--tls-ca", str(pki["ca"]), "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"]),
                      "--token-file", str(tmp_path / "token"), "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err

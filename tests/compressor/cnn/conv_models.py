@@ -105,6 +105,97 @@ class FoldedPadNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+class OptionABlock(nn.Module):
+    """A CIFAR ResNet basic block (He et al. 2016, sec. 4.2) with the option-A shortcut: a stride-2
+    subsample plus zero channels before and after, when the block changes width."""
+
+    def __init__(self, inp: int, out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inp, out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out)
+        self.conv2 = nn.Conv2d(out, out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out)
+        self.pad = (out - inp) // 2 if stride != 1 or inp != out else None
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        shortcut = x if self.pad is None else F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, self.pad, self.pad))
+        return F.relu(y + shortcut)
+
+
+class OptionANet(nn.Module):
+    """Two stages (8 and 16 channels) of option-A basic blocks, global pooling and a Linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(OptionABlock(8, 8, 1), OptionABlock(8, 8, 1))
+        self.layer2 = nn.Sequential(OptionABlock(8, 16, 2), OptionABlock(16, 16, 1))
+        self.linear = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x)))))
+        return self.linear(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def relu6(x):
+    return torch.clamp(x, 0, 6)  # how exported MobileNetV2s often write ReLU6
+
+
+class MobileV2Block(nn.Module):
+    """A MobileNetV2 inverted residual with ReLU6 as clamp(0, 6); optionally a squeeze-excitation
+    (sigmoid gate, a product with an activation) and hardswish."""
+
+    def __init__(self, inp: int, out: int, stride: int, expand: int, excite: bool = False) -> None:
+        super().__init__()
+        hidden = inp * expand
+        self.expand = nn.Conv2d(inp, hidden, 1, bias=False) if expand != 1 else None
+        self.bn1 = nn.BatchNorm2d(hidden) if expand != 1 else None
+        self.dw = nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False)
+        self.bn2 = nn.BatchNorm2d(hidden)
+        self.excite = nn.Sequential(nn.Conv2d(hidden, max(2, hidden // 4), 1), nn.ReLU(),
+                                    nn.Conv2d(max(2, hidden // 4), hidden, 1)) if excite else None
+        self.project = nn.Conv2d(hidden, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.residual = stride == 1 and inp == out
+
+    def forward(self, x):
+        y = relu6(self.bn1(self.expand(x))) if self.expand is not None else x
+        y = self.bn2(self.dw(y))
+        if self.excite is not None:
+            y = F.hardswish(y)
+            y = y * torch.sigmoid(self.excite(y.mean((2, 3), keepdim=True)))
+        else:
+            y = relu6(y)
+        y = self.bn3(self.project(y))
+        return x + y if self.residual else y
+
+
+class MobileNetV2(nn.Module):
+    """A small MobileNetV2 (random init): stem, inverted residuals with and without expansion, stride 2
+    and residual blocks, a last 1x1 conv, dropout and a Linear; pointwise ops of every kind: clamp,
+    hardswish, sigmoid, products with a gate, scalar mul/add and a per-channel gain parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, 2, 1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.blocks = nn.Sequential(MobileV2Block(8, 8, 1, 1), MobileV2Block(8, 12, 2, 4),
+                                    MobileV2Block(12, 12, 1, 4, excite=True), MobileV2Block(12, 16, 1, 4),
+                                    MobileV2Block(16, 16, 1, 4))
+        self.last = nn.Conv2d(16, 32, 1, bias=False)
+        self.last_bn = nn.BatchNorm2d(32)
+        self.gain = nn.Parameter(torch.rand(32, 1, 1) + 0.5)
+        self.dropout = nn.Dropout(0.2)
+        self.fc = nn.Linear(32, 5)
+
+    def forward(self, x):
+        x = self.blocks(relu6(self.bn(self.stem(x))))
+        x = relu6(self.last_bn(self.last(x))) * self.gain * 0.5 + 0.1
+        return self.fc(self.dropout(x.mean((2, 3))))
+
+
 def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Non-trivial BatchNorm statistics, as in a trained model."""
     gen = torch.Generator().manual_seed(seed)
@@ -117,12 +208,18 @@ def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet}
-# unit consumers each model must expose
+MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet,
+          "option_a": OptionANet, "mobilenet_v2": MobileNetV2}
+# the channel groups each model must expose, in order: in-block units by their consumer, coupled groups
+# (residual streams) by their first producer
 EXPECTED_UNITS = {
-    "bottleneck": ["block1.conv2", "block1.conv3", "block2.conv2", "block2.conv3"],
-    "mobilenet": ["ir1.project", "ir2.project", "pw2"],
-    "folded_pad": ["conv2", "conv3"],
+    "bottleneck": ["coupled:stem", "block1.conv2", "block1.conv3", "block2.conv2", "block2.conv3"],
+    "mobilenet": ["coupled:stem", "ir1.project", "ir2.project", "pw2", "fc"],
+    "folded_pad": ["conv2", "conv3", "fc"],
+    "option_a": ["coupled:conv1", "layer1.0.conv2", "layer1.1.conv2", "layer2.0.conv2", "coupled:layer2.0.conv2",
+                 "layer2.1.conv2"],
+    "mobilenet_v2": ["coupled:stem", "blocks.1.project", "coupled:blocks.1.project", "coupled:blocks.2.expand",
+                     "blocks.2.excite.2", "blocks.3.project", "coupled:blocks.3.project", "blocks.4.project", "fc"],
 }
 
 

@@ -18,27 +18,36 @@ X = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 
 
 def zero_consumer_inputs(gm, unit, keep):
-    """The dense model with the consumer's dropped input channels zeroed (the reference)."""
+    """The model with every consumer's dropped input channels zeroed (the reference of a group that no
+    channel pad reads: then nothing else sees those channels)."""
     ref = copy.deepcopy(gm)
-    w = get_tensor(ref, unit.consumer.weight)
-    dropped = torch.ones(w.shape[1], dtype=torch.bool)
-    dropped[keep] = False
-    w.data[:, dropped] = 0
+    for consumer in unit.consumers:
+        w = get_tensor(ref, consumer.weight)
+        dropped = torch.ones(w.shape[1], dtype=torch.bool)
+        dropped[keep] = False
+        w.data[:, dropped] = 0
     return ref
 
 
 def removed_parameters(gm, unit, n_removed):
     """Parameters one removed channel of `unit` carries, from the shapes."""
-    per_channel = get_tensor(gm, unit.producer.weight)[0].numel()
-    per_channel += 1 if live_bias(unit.producer) else 0
+    per_channel = 0
+    for producer in unit.producers:
+        per_channel += get_tensor(gm, producer.weight)[0].numel() + (1 if live_bias(producer) else 0)
     for node in unit.chain:
         if node.target in BATCH_NORM_OPS:
             per_channel += sum(1 for a in node.args[1:3] if a is not None)
         elif (spec := conv_spec(node)) is not None:
             per_channel += get_tensor(gm, spec.weight)[0].numel() + (1 if live_bias(spec) else 0)
-    w = get_tensor(gm, unit.consumer.weight)
-    per_channel += w.shape[0] * w.shape[2] * w.shape[3]
-    return per_channel * n_removed
+    params = dict(gm.named_parameters())
+    per_channel += sum(1 for target, _ in unit.params if target in params)
+    both = 0  # a conv that reads and writes the group (a residual block without expansion) loses n x n twice
+    for consumer in unit.consumers:
+        w = get_tensor(gm, consumer.weight)
+        per_channel += w.shape[0] * (w.shape[2] * w.shape[3] if w.dim() == 4 else 1)
+        if consumer in unit.producers:
+            both += w.shape[2] * w.shape[3]
+    return per_channel * n_removed - both * n_removed**2
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_UNITS))
@@ -57,9 +66,10 @@ def test_pruning_equals_zeroed_channels_and_counts_parameters(name):
         reference = zero_consumer_inputs(gm, unit, keep)
         expected_params = count_parameters(gm) - removed_parameters(gm, unit, unit.channels - keep.numel())
         prune_unit(gm, unit, keep)
-        assert get_tensor(gm, unit.consumer.weight).shape[1] == keep.numel()
+        assert all(get_tensor(gm, c.weight).shape[1] == keep.numel() for c in unit.consumers)
         assert count_parameters(gm) == expected_params
-        torch.testing.assert_close(gm(X), reference(X), rtol=1e-5, atol=1e-5)
+        if not unit.pads_in:  # a pad's zero channels for the removed ones: test_option_a_shortcut_...
+            torch.testing.assert_close(gm(X), reference(X), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +114,63 @@ def test_check_keep_lists_every_bad_index():
     assert check_keep([5, 1], 8, "unit x").tolist() == [1, 5]
 
 
-def test_resnet20_units_are_the_inner_block_channels(shared_data):
+def test_resnet20_groups_are_the_inner_block_channels_and_the_three_residual_streams(shared_data):
     gm = torch.export.load(str(shared_data / "resnet-cifar10" / "resnet20.pt2")).module()
     analysis = analyse(gm)
-    assert [u.name for u in analysis.units] == [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)]
-    assert [u.channels for u in analysis.units] == [16] * 3 + [32] * 3 + [64] * 3
-    assert "residual" in analysis.refused["layer1.1.conv1"]
+    inner = [u for u in analysis.units if not u.coupled]
+    assert [u.name for u in inner] == [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)]
+    assert [u.channels for u in inner] == [16] * 3 + [32] * 3 + [64] * 3
+    streams = {u.name: u for u in analysis.units if u.coupled}
+    assert list(streams) == ["coupled:conv1", "coupled:layer2.0.conv2", "coupled:layer3.0.conv2"]
+    first, second, third = streams.values()
+    assert [p.name for p in first.producers] == ["conv1"] + [f"layer1.{b}.conv2" for b in range(3)]
+    assert [c.name for c in first.consumers] == [f"layer1.{b}.conv1" for b in range(3)] + ["layer2.0.conv1"]
+    assert [c.name for c in third.consumers] == ["layer3.1.conv1", "layer3.2.conv1", "linear"]  # the classifier
+    # the option-A shortcuts link the streams: stage 1 -> 2 -> 3
+    assert first.pads_in == second.pads_out and second.pads_in == third.pads_out and len(first.pads_in) == 1
+    assert (first.pads_in[0].before, first.pads_in[0].in_channels, first.pads_in[0].out_channels) == (8, 16, 32)
+    assert analysis.refused == {"conv1": "its input channels are the model's input"}
+
+
+def _network(gm, x):
+    with torch.no_grad():
+        return gm(x)
+
+
+def test_option_a_shortcut_maps_kept_channels_and_reads_zeros_for_removed_ones():
+    """Pruning the stage-1 stream (read by the stride-2 zero-padding shortcut) and then the stage-2 stream
+    (written by it): the shortcut becomes an index into its kept input channels plus a zero channel, and
+    the network equals the dense one with those shortcut channels zeroed and the consumers' inputs zeroed."""
+    from compressor.cnn.surgery import prune_group
+
+    gm = exported("option_a")
+    groups = {u.name: u for u in analyse(gm).units}
+    identity = copy.deepcopy(gm)
+    same = {u.name: u for u in analyse(identity).units}
+    prune_group(identity, same["coupled:conv1"], list(range(8)))  # every channel kept: the same network
+    torch.testing.assert_close(_network(identity, X), _network(gm, X), rtol=1e-6, atol=1e-6)
+    assert any(n.target is torch.ops.aten.index_select.default for n in identity.graph.nodes)
+
+    # reference: the dense network whose shortcut drops stage-1 channels {1, 4, 6} (they read zeros)
+    # and whose stage-2 consumers ignore the stage-2 channels pruned below
+    stage1_keep, stage2_keep = [0, 2, 3, 5, 7], [0, 1, 4, 5, 6, 9, 11, 12, 15]
+    reference = copy.deepcopy(gm)
+    mask = torch.ones(1, 8, 1, 1)
+    mask[:, [1, 4, 6]] = 0
+    pad = next(n for n in reference.graph.nodes if n.target is torch.ops.aten.pad.default)
+    reference.register_buffer("shortcut_mask", mask)
+    with reference.graph.inserting_before(pad):
+        mask_node = reference.graph.get_attr("shortcut_mask")
+        masked = reference.graph.call_function(torch.ops.aten.mul.Tensor, (pad.args[0], mask_node))
+    pad.update_arg(0, masked)
+    reference.recompile()
+    first = groups["coupled:conv1"]
+    reference = zero_consumer_inputs(reference, first, stage1_keep)
+    reference = zero_consumer_inputs(reference, groups["coupled:layer2.0.conv2"], stage2_keep)
+    prune_group(gm, first, stage1_keep)
+    prune_group(gm, groups["coupled:layer2.0.conv2"], stage2_keep)
+    torch.testing.assert_close(_network(gm, X), _network(reference, X), rtol=1e-5, atol=1e-5)
+    assert get_tensor(gm, "linear.weight").shape == (5, len(stage2_keep))
 
 
 @pytest.mark.parametrize("name,consumer", [
@@ -160,3 +221,39 @@ def test_a_bias_added_by_surgery_is_pruned_with_its_conv():
     add_output_shift(gm, first.consumer, torch.ones(8))  # b gets a new bias
     prune_unit(gm, second, [1, 3, 5, 7])  # b is the producer now
     assert gm(torch.randn(2, 3, 8, 8)).shape == (2, 4)
+
+
+def test_pointwise_ops_are_recognised_by_rule_and_unknown_ops_are_refused_by_name():
+    from compressor.cnn.models import export_module
+
+    class Ops(torch.nn.Module):
+        def __init__(self, tail):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.b = torch.nn.Conv2d(8, 4, 1)
+            self.scale = torch.nn.Parameter(torch.rand(8, 1, 1) + 0.5)
+            self.tail = tail
+
+        def forward(self, x):
+            y = self.a(x)
+            y = torch.nn.functional.hardtanh(y, -2, 2) * 0.5 + 1.0  # unary and scalar binary ops
+            y = torch.sigmoid(y) * self.scale - torch.nn.functional.hardsigmoid(y)  # per-channel parameter
+            y = torch.nn.functional.elu(torch.clamp(y, 0, 6)).pow(2)
+            return self.b(self.tail(y)).mean((2, 3))
+
+    x = torch.randn(2, 3, 8, 8)
+    ok = analyse(export_module(Ops(lambda y: torch.nn.functional.dropout(y, 0.1, training=False)), x))
+    assert [u.name for u in ok.units] == ["b"] and ok.units[0].params == (("scale", 0),)
+    gm = export_module(Ops(lambda y: y), x)
+    unit = analyse(gm).units[0]
+    reference = zero_consumer_inputs(gm, unit, [0, 2, 5])
+    prune_unit(gm, unit, [0, 2, 5])
+    torch.testing.assert_close(gm(x), reference(x), rtol=1e-5, atol=1e-5)
+
+    refused = analyse(export_module(Ops(lambda y: torch.cumsum(y, 1)), x)).refused["b"]
+    assert "cumsum" in refused and "is not channel-wise" in refused and "pointwise" in refused
+    refused = analyse(export_module(Ops(lambda y: torch.cat([y[:, :4], y[:, 4:]], 1)), x)).refused["b"]
+    assert "aten.cat.default" in refused or "slices channels" in refused
+    other = torch.rand(1, 1, 8, 8)
+    refused = analyse(export_module(Ops(lambda y: y * torch.cat([other] * 8, 1).flip(3)), x)).refused["b"]
+    assert "neither a scalar nor per-channel" in refused or "computed constant" in refused

