@@ -155,7 +155,7 @@ class Latency:
     compressed_ms: float
     baseline_p90_ms: float
     compressed_p90_ms: float
-    speedup: float  # ratio of the medians
+    speedup: float  # median of the paired ratios baseline / compressed
     provider: str
     threads: int
     device: str
@@ -194,8 +194,9 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
                     repeats: int = 20) -> Latency:
-    """Median and p90 latency of two models on one input, samples alternating in one subprocess. Each
-    sample is the mean of enough back-to-back runs to last MIN_SAMPLE_MS (one run for most models)."""
+    """Median and p90 latency of two models on one input, samples alternating in one subprocess, and the
+    speedup (median of the paired ratios). Each sample is the mean of enough back-to-back runs to last
+    MIN_SAMPLE_MS (one run for most models)."""
     if provider not in PROVIDERS:
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
@@ -205,5 +206,8 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))
 
-    b, c = statistics.median(base), statistics.median(comp)
-    return Latency(b, c, p90(base), p90(comp), b / c, provider, threads, device_name(provider), repeats, runs)
+    # the speedup is the median of each sample pair's ratio: a slow spell of the machine that spans a pair
+    # slows both of its models, so it cancels there, where it would shift one median more than the other
+    speedup = statistics.median(x / y for x, y in zip(base, comp, strict=True))
+    return Latency(statistics.median(base), statistics.median(comp), p90(base), p90(comp), speedup, provider,
+                   threads, device_name(provider), repeats, runs)
