@@ -252,6 +252,24 @@ def _pointwise(node: fx.Node) -> bool:
     return tagged or target in UNTAGGED_ELEMENTWISE_OPS
 
 
+ADD_OPS = (aten.add.Tensor, aten.add_.Tensor)
+
+
+def residual_add(consumer: fx.Node) -> fx.Node | None:
+    """The residual add that a conv's output joins through its own BatchNorm and unary channel-wise ops
+    (the second conv of a ResNet basic block: conv -> BN -> add), or None when it joins none."""
+    node = consumer
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target in ADD_OPS and all(isinstance(a, fx.Node) for a in user.args[:2]):
+            return user
+        unary = _pointwise(user) and len(user.all_input_nodes) == 1
+        if not (user.target in BATCH_NORM_OPS or user.target is operator.getitem or unary):
+            return None
+        node = user
+    return None
+
+
 def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
     """Every channel group of `gm` that can be pruned, and why the others cannot."""
     spaces = _Spaces()

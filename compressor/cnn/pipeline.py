@@ -61,7 +61,7 @@ from ..layerstats import (
 )
 from ..reports import LayerReport
 from ..solver import solve_layer
-from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse
+from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse, residual_add
 from .segments import GraphWalker
 from .surgery import add_output_shift, get_tensor, prune_group
 
@@ -197,6 +197,22 @@ def _outputs(tensor: Tensor | None, keep: Tensor | None) -> Tensor | None:
     return tensor if tensor is None or keep is None else tensor.index_select(0, keep.to(tensor.device))
 
 
+def _stream_energy(walk: GraphWalker, unit: ChannelGroup) -> float | None:
+    """1/2 ||residual stream||^2 (dense model, calibration images) at the add that an in-block group's
+    consumer writes into, or None (a coupled group, or a consumer that joins no residual add).
+
+    The group's loss is an error in its consumer's output, and that output is added to the stream: the
+    error is felt relative to the stream, as a transformer layer's is (the target mode's default
+    `normalise="stream"`); relative to the consumer's own output energy it would be overstated by the
+    stream-to-branch energy ratio, and the allocation would cut the residual streams first."""
+    if unit.coupled:
+        return None
+    add = residual_add(unit.consumer.node)
+    if add is None:
+        return None
+    return sum(0.5 * float(x.double().square().sum()) for (x,) in walk.peek([add]))
+
+
 def channel_cost(unit: ChannelGroup) -> float:
     """FLOPs (multiply-adds) one channel of a group costs per sample: its output channel in every
     producer, its filter in every depthwise conv, its input channel in every consumer (shapes from the
@@ -303,7 +319,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
         finished, g = problem.stats, problem.group_size
         if observe:
             observe(LayerObservation(unit.name, unit.kind, finished.H, finished.G, g, finished.energy,
-                                     channel_cost(unit)))
+                                     channel_cost(unit), _stream_energy(dense_walk, dense_unit)))
         sol = solve_layer(finished.H, finished.G, g, planned_prune(unit.name, unit.channels, ratio), method,
                           dense_weight=problem.W_hat)
         kept = kept_solution(sol, g, problem.scale, finished)

@@ -26,9 +26,11 @@ from .request import CompressRequest
 
 MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
 AIM = 1.10  # and the loop aims at <= 1.10 x target
+AIM_AT = 1.03  # each round asks for 1.03 x target: inside [MET, AIM], with room for noise on both sides
 # what a cached curve file was computed with: conv graphs' coupled channel groups (residual adds) are layers
-# since version 2 (3: option-A shortcuts count in their groups' losses), so older curves describe other layers
-LAYERS_VERSION = 3
+# since version 2 (3: option-A shortcuts count in their groups' losses; 4: in-block groups normalised by the
+# residual stream they join), so older curves describe other layers or losses
+LAYERS_VERSION = 4
 INITIAL_SHARE = 0.85  # modelled fraction of the latency in the prunable layers before the first measurement
 ROUND_TO = 8  # target mode's width multiple when --round-to is not given
 MAX_SHARE = 3.0  # bounds of the corrected latency share (fraction of latency per fraction of removed cost)
@@ -176,18 +178,27 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Callable[[str], N
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
                 baseline_metric: float, say: Callable[[str], None],
                 enter: Callable[[str, int], None] | None = None) -> list[Round]:
-    """Allocate -> prune -> measure; correct the latency model's prunable share and retry."""
+    """Allocate -> prune -> measure -> choose the next saving, until a round is within [MET, AIM] x target.
+
+    The next round's saving (fraction of the prunable cost removed) comes from the measurements: once
+    rounds lie on both sides of the aim, by interpolating between the closest two (latency depends on
+    the widths alone, so every measured round is a point of one monotone curve); before that, from the
+    latency model's prunable share, corrected by the latest measurement. The FLOP model alone misjudges
+    which layers are cheap to remove (a residual stream channel saves memory traffic that no FLOP count
+    sees), so a share correction alone can swing between over- and undershooting."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
     share = INITIAL_SHARE  # corrected after each measurement
     target = request.target_speedup
     assert target is not None
     rounds: list[Round] = []
+    measured: list[tuple[float, float]] = []  # (modelled saving, measured 1 - 1/speedup) of each round
     for index in range(request.max_rounds):
-        wanted = (1 - 1 / target) / share  # fraction of the prunable cost to remove
+        aim = 1 - 1 / (AIM_AT * target)  # the latency fraction to remove
+        wanted, predicted = next_saving(measured, aim, share)
         plan = allocate(curves, wanted * full)
         if any(r.plan == plan for r in rounds):
-            say(f"round {index}: the corrected latency model asks for widths already measured; stopping")
+            say(f"round {index}: the measurements ask for widths already measured; stopping")
             break
         saved = 1 - total_cost(curves, plan) / full
         if enter:
@@ -196,22 +207,50 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         if at_minimum_widths(curves, plan):
             say(f"WARNING: round {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
                 f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss")
-        result = run_round(plan, index, 1 / (1 - share * saved))
+        result = run_round(plan, index, 1 / (1 - predicted) if predicted < 1 else None)
         rounds.append(result)
         speedup = result.latency.speedup
+        if saved > 0 and speedup > 0:
+            measured.append((saved, 1 - 1 / speedup))
+            # the observed share of the latency that the removed cost accounted for: above 1 when narrower
+            # layers also run more efficiently (measured up to ~1.7 on CPU convs)
+            share = min(MAX_SHARE, max(0.05, (1 - 1 / speedup) / saved))
         blown = rule is not None and not rule.allows(baseline_metric, result.metric)
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
             say(f"round {index}: accuracy budget exceeded; backing off to {target:.3f}x")
         elif MET * request.target_speedup <= speedup <= AIM * request.target_speedup:
             break
-        if saved > 0 and speedup > 0:  # observed share of the latency that the removed cost accounted for
-            # above 1 when narrower layers also run more efficiently (measured up to ~1.7 on CPU convs)
-            share = min(MAX_SHARE, max(0.05, (1 - 1 / speedup) / saved))
         if saved >= 1 - 1e-9 or (speedup < MET * target and saved >= max_saving(curves) - 1e-9):
             say("the minimum widths allow no more pruning")
             break
     return rounds
+
+
+def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -> tuple[float, float]:
+    """(saving to ask for, the latency fraction expected to go) for a latency fraction `aim` to remove,
+    given the rounds measured so far as (saving, removed latency fraction) and the current share.
+
+    One measurement or none: the share model (a line through the origin). Two or more: a power law
+    y = a s^b through the two rounds that bracket the aim (closest on each side), else through the two
+    closest to it. It is exact for a line and for the concave and convex curves seen on CPUs, where a
+    line through the origin converges one halving at a time; a bracket whose points disagree (noise
+    measured the larger saving as the smaller speedup) is split half way."""
+    points = sorted((s, y) for s, y in measured if 0 < s <= 1 and 0 < y < 1)
+    if len(points) < 2:
+        return min(1.0, aim / share), aim
+    below = [m for m in points if m[1] < aim]
+    above = [m for m in points if m[1] >= aim]
+    if below and above:
+        first, second = max(below, key=lambda m: m[1]), min(above, key=lambda m: m[1])
+    else:
+        first, second = sorted(points, key=lambda m: abs(math.log(m[1] / aim)))[:2]
+    (s1, y1), (s2, y2) = first, second
+    slope = math.log(y2 / y1) / math.log(s2 / s1) if s1 != s2 and y1 != y2 else 0.0
+    if slope <= 0:  # inconsistent points
+        return ((s1 + s2) / 2, aim) if below and above else (min(1.0, aim / share), aim)
+    slope = min(4.0, max(0.25, slope))
+    return min(1.0, s1 * (aim / y1) ** (1 / slope)), aim
 
 
 def widths_of(path: Path) -> dict[str, int]:

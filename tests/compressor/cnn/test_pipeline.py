@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compressor.calibration import load_images
-from compressor.cnn.graph import analyse
+from compressor.cnn.graph import analyse, residual_add
 from compressor.cnn.pipeline import prune_conv_graph
 from compressor.layerstats import num_to_prune
 from compressor.modules import count_parameters
@@ -153,3 +153,19 @@ def test_a_coupled_group_is_one_support_for_the_summed_objective():
         if method == "mp+":
             norms = sum(W.reshape(channels, g, -1).square().sum((1, 2)) for _, _, W, g in own)
             assert sorted(sol.pruned) == sorted(torch.topk(norms, 2, largest=False).indices.tolist())
+
+
+def test_an_in_block_group_is_observed_with_the_residual_stream_it_joins():
+    gm = exported("option_a")
+    images = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    seen = []
+    prune_conv_graph(gm, images, 0.0, batch_size=16, observe=seen.append)
+    by_name = {o.name: o for o in seen}
+    # layerN.M.conv2 -> BN -> add: its error is felt against the stream there; a stream group has none
+    inner = [o for o in seen if o.kind == "conv_channels"]
+    assert inner and all(o.stream_energy is not None and o.stream_energy > 0 for o in inner)
+    assert all(o.stream_energy is None for o in seen if o.kind == "coupled_channels")
+    # the stream at the add carries the branch plus the shortcut: more energy than the branch alone here
+    assert by_name["layer1.1.conv2"].stream_energy > by_name["layer1.1.conv2"].energy
+    gm_add = next(u for u in analyse(gm).units if u.name == "layer1.1.conv2")
+    assert residual_add(gm_add.consumer.node).target == torch.ops.aten.add.Tensor

@@ -1,6 +1,7 @@
 """Target mode: the closed loop corrects its latency model; the report contract; the CLI's exit codes."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,15 @@ from exporters.runtime import Latency
 from service import cli
 from service.job import CompressRequest, compress
 from service.job.kinds import Metric
-from service.job.targeting import DEFAULT_BUDGETS, Round, accuracy_rule, at_minimum_widths, choose, target_loop
+from service.job.targeting import (
+    DEFAULT_BUDGETS,
+    Round,
+    accuracy_rule,
+    at_minimum_widths,
+    choose,
+    next_saving,
+    target_loop,
+)
 
 
 def curves():
@@ -47,6 +56,37 @@ def test_the_loop_corrects_its_latency_model_and_meets_the_target(share, target)
     chosen, status = choose(request, rounds, Metric("cosine", True), 1.0)
     assert status == "ok"
     assert 0.98 * target <= chosen.latency.speedup <= 1.10 * target
+
+
+@pytest.mark.parametrize("target", [1.25, 1.5, 2.0])
+def test_a_curved_latency_is_met_within_three_rounds(target):
+    # latency removed = 0.9 sqrt(saved cost): narrow layers save less per FLOP than the first cuts. A line
+    # through the origin (the share model alone) approaches it one halving at a time (4+ rounds, the
+    # last still outside the window); a power law through two measured rounds is exact for it
+    layer_curves = curves()
+    full = total_cost(layer_curves)
+
+    def run_round(plan, index, predicted=None):
+        saved = 1 - total_cost(layer_curves, plan) / full
+        compressed = 100.0 * (1 - 0.9 * math.sqrt(saved))
+        latency = Latency(100.0, compressed, 101.0, compressed + 1, 100.0 / compressed, "cpu", 2, "test", 5)
+        return Round(plan, None, [], None, None, latency, 1.0, predicted)
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target, no_accuracy_budget=True)
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None)
+    assert len(rounds) <= 3 and 0.98 * target <= rounds[-1].latency.speedup <= 1.10 * target
+
+
+@pytest.mark.parametrize("measured,aim,share,expected", [
+    ([], 0.3, 0.6, 0.5),  # nothing measured: the share model
+    ([(0.4, 0.2)], 0.3, 0.5, 0.6),  # one side only: the corrected share
+    ([(0.4, 0.2), (0.8, 0.4)], 0.3, 0.5, 0.6),  # both sides of a line: on it
+    ([(0.25, 0.25), (1.0, 0.5)], 0.4, 0.5, 0.64),  # y = 0.5 sqrt(s): a power law through them is exact
+    ([(0.16, 0.2), (0.36, 0.3)], 0.4, 0.5, 0.64),  # the same curve, extrapolated from one side
+    ([(0.8, 0.2), (0.4, 0.4)], 0.3, 0.5, 0.6),  # an inconsistent bracket (noise): half way
+])
+def test_next_saving(measured, aim, share, expected):
+    assert next_saving(measured, aim, share)[0] == pytest.approx(expected)
 
 
 def test_an_unreachable_target_returns_the_fastest_round_as_not_met():
