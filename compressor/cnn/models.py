@@ -161,7 +161,28 @@ def _load_torchvision(ref: str, image_size: int | None) -> LoadedModel:
     return LoadedModel(export_module(model, torch.zeros(2, 3, size, size)), (3, size, size), "torchvision")
 
 
+def _own_storage(module: torch.nn.Module) -> None:
+    """Every parameter and buffer of `module` as a contiguous tensor owning its storage (values unchanged).
+    Surgery leaves views (a consumer's columns of one solved matrix); torch.export.save stores such a
+    tensor as a slice of a storage it cannot find whole and warns ("No complete tensor found in the
+    group! Returning the first one")."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and not _owns_storage(param):
+                sub._parameters[name] = torch.nn.Parameter(param.detach().clone(memory_format=torch.contiguous_format),
+                                                           requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and not _owns_storage(buffer):
+                sub._buffers[name] = buffer.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def save_program(module: fx.GraphModule, path: str | Path, example: torch.Tensor) -> None:
     """Save a (pruned) graph module as a .pt2 program with a dynamic batch dimension."""
     example = example.detach().clone()  # a view would store its whole base tensor in the file
+    _own_storage(module)
     torch.export.save(_export(module, example), str(path))

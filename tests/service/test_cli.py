@@ -72,7 +72,7 @@ def test_ctrl_c_on_a_local_job_exits_130_with_one_line_and_removes_its_output(tm
     from .test_client import compress_args, interrupt_when
 
     (tmp_path / "data").mkdir()
-    data = write_conv_job(tmp_path / "data")
+    data = write_conv_job(tmp_path / "data", size=32)
     fresh = tmp_path / "fresh"
     code, _, after = interrupt_when(compress_args(data, fresh, 3000), "exporting and measuring")
     assert code == 130

@@ -24,7 +24,7 @@ from .server_process import ROOT, ServerProcess
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    return write_conv_job(tmp_path_factory.mktemp("client-data"))
+    return write_conv_job(tmp_path_factory.mktemp("client-data"), size=32)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ CIFAR = {"mean": [0.4914, 0.4822, 0.4465], "std": [0.247, 0.243, 0.261]}
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("grpc-data")
-    write_conv_job(root)
+    write_conv_job(root, size=32)
     (root / "weights.pth").write_bytes(b"not a model")
     (root / "no-config").mkdir()
     (root / "neox").mkdir()
@@ -126,7 +126,7 @@ def test_watch_streams_stages_and_layer_progress_as_they_happen(server, data):
     times = [e.time.ToNanoseconds() for e in events[1:-1]]
     assert times == sorted(times)
     final = events[-1].operation
-    assert not final.HasField("error") and unpack_response(final).report.status == "ok"
+    assert not final.HasField("error") and unpack_response(final).report.status == "ok", final.error.message
     # watching a finished operation: its final state, then the end of the stream
     again = list(server.compression.WatchCompression(pb.WatchCompressionRequest(name=op.name), timeout=30))
     assert len(again) == 1 and again[0].operation.done

@@ -46,7 +46,7 @@ def test_the_axis_name_warning_is_dropped_only_when_both_names_are_the_same():
 def job_stderr(tmp_path_factory) -> str:
     """stderr of a whole small job (statistics pass, one round, export, save) in a subprocess, as a user
     sees it (no warning filters of the test runner)."""
-    root = write_conv_job(tmp_path_factory.mktemp("quiet"))
+    root = write_conv_job(tmp_path_factory.mktemp("quiet"), size=32)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONWARNINGS", None)
     result = subprocess.run([sys.executable, "-m", "service.cli", "compress", str(root / "model.pt2"),

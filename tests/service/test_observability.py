@@ -20,7 +20,7 @@ from .server_process import ServerProcess
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("observed")
-    write_conv_job(root)
+    write_conv_job(root, size=32)
     server = ServerProcess(root / "home", "--metrics-port", "0").start()
     request = pb.CompressRequest(model=str(root / "model.pt2"), calibration=str(root / "cal.npz"), uniform_ratio=0.5,
                                  request_id=str(uuid.uuid4()))

@@ -33,7 +33,7 @@ TOKEN = "s3cret-token-for-tests"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("secure-data")
-    return write_conv_job(root)
+    return write_conv_job(root, size=32)
 
 
 # ---- settings and the bind rule ----------------------------------------------------------------------

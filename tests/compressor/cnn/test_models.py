@@ -1,5 +1,7 @@
 """The graph-model resolver: what is accepted, what is refused and how."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -70,3 +72,17 @@ def test_hf_image_model_directory_is_exported_and_prunable(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.module(x), model(pixel_values=x).logits, rtol=1e-5, atol=1e-5)
     assert len(analyse(loaded.module).units) >= 2  # the bottlenecks' inner convs
+
+
+def test_a_program_whose_weights_are_views_saves_without_a_warning(tmp_path):
+    gm = exported("bottleneck")
+    conv = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("conv2.weight"))
+    owner, attr = conv.target.rsplit(".", 1)
+    weight = getattr(gm.get_submodule(owner), attr)
+    wider = torch.cat([weight.detach(), weight.detach()], dim=1)  # a surgery-like view: half the columns
+    setattr(gm.get_submodule(owner), attr, torch.nn.Parameter(wider[:, : weight.shape[1]]))
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_program(gm, tmp_path / "m.pt2", x)
+    torch.testing.assert_close(load_model(str(tmp_path / "m.pt2")).module(x), gm(x))
