@@ -70,8 +70,8 @@ def _session(path: str, provider: str, threads: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # two sessions alternate in one process: an idle one's spinning workers would steal the cores of the one
-    # being timed (measured: the same pair of models 0.65x to 2.0x with spinning on)
+    # latency timing alternates two sessions in one process: an idle one's spinning workers would steal the
+    # cores of the one being timed (ResNet-20 dense/pruned pair: 1.72-2.60x with spinning, 1.95-2.30x without)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [PROVIDERS[provider]] + (["CPUExecutionProvider"] if provider != "cpu" else [])
     return ort.InferenceSession(path, options, providers=providers)
@@ -164,8 +164,8 @@ class Latency:
 
 
 # A timed sample lasts at least this long: a model that runs in a millisecond or two is timed as n
-# back-to-back runs (n from the warm-up), so one scheduler hiccup on a shared machine cannot swing a
-# sample by half (measured on the tests' 1.6 ms network: 3 single runs gave 0.9-1.5x for the same pair).
+# back-to-back runs (n from the warm-up), so one scheduler hiccup on a shared machine is a small part of
+# a sample rather than most of it.
 MIN_SAMPLE_MS = 20.0
 
 

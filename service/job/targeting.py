@@ -180,12 +180,10 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
                 enter: Callable[[str, int], None] | None = None) -> list[Round]:
     """Allocate -> prune -> measure -> choose the next saving, until a round is within [MET, AIM] x target.
 
-    The next round's saving (fraction of the prunable cost removed) comes from the measurements: once
-    rounds lie on both sides of the aim, by interpolating between the closest two (latency depends on
-    the widths alone, so every measured round is a point of one monotone curve); before that, from the
-    latency model's prunable share, corrected by the latest measurement. The FLOP model alone misjudges
-    which layers are cheap to remove (a residual stream channel saves memory traffic that no FLOP count
-    sees), so a share correction alone can swing between over- and undershooting."""
+    Each round aims at AIM_AT x target; its saving (fraction of the prunable cost removed) comes from
+    `next_saving`: the latency model's prunable share until two rounds are measured, then a curve
+    through the measured rounds (latency depends on the widths alone, so every measured round is a
+    point of one monotone curve of the saving)."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
     share = INITIAL_SHARE  # corrected after each measurement
@@ -194,8 +192,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     rounds: list[Round] = []
     measured: list[tuple[float, float]] = []  # (modelled saving, measured 1 - 1/speedup) of each round
     for index in range(request.max_rounds):
-        aim = 1 - 1 / (AIM_AT * target)  # the latency fraction to remove
-        wanted, predicted = next_saving(measured, aim, share)
+        wanted = next_saving(measured, 1 - 1 / (AIM_AT * target), share)
         plan = allocate(curves, wanted * full)
         if any(r.plan == plan for r in rounds):
             say(f"round {index}: the measurements ask for widths already measured; stopping")
@@ -207,7 +204,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         if at_minimum_widths(curves, plan):
             say(f"WARNING: round {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
                 f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss")
-        result = run_round(plan, index, 1 / (1 - predicted) if predicted < 1 else None)
+        result = run_round(plan, index, AIM_AT * target)
         rounds.append(result)
         speedup = result.latency.speedup
         if saved > 0 and speedup > 0:
@@ -227,18 +224,18 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     return rounds
 
 
-def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -> tuple[float, float]:
-    """(saving to ask for, the latency fraction expected to go) for a latency fraction `aim` to remove,
-    given the rounds measured so far as (saving, removed latency fraction) and the current share.
+def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -> float:
+    """The saving to ask for to remove a latency fraction `aim`, given the rounds measured so far as
+    (saving, removed latency fraction) and the current share.
 
     One measurement or none: the share model (a line through the origin). Two or more: a power law
     y = a s^b through the two rounds that bracket the aim (closest on each side), else through the two
     closest to it. It is exact for a line and for the concave and convex curves seen on CPUs, where a
     line through the origin converges one halving at a time; a bracket whose points disagree (noise
     measured the larger saving as the smaller speedup) is split half way."""
-    points = sorted((s, y) for s, y in measured if 0 < s <= 1 and 0 < y < 1)
+    points = [(s, y) for s, y in measured if 0 < s <= 1 and 0 < y < 1]
     if len(points) < 2:
-        return min(1.0, aim / share), aim
+        return min(1.0, aim / share)
     below = [m for m in points if m[1] < aim]
     above = [m for m in points if m[1] >= aim]
     if below and above:
@@ -248,9 +245,9 @@ def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -
     (s1, y1), (s2, y2) = first, second
     slope = math.log(y2 / y1) / math.log(s2 / s1) if s1 != s2 and y1 != y2 else 0.0
     if slope <= 0:  # inconsistent points
-        return ((s1 + s2) / 2, aim) if below and above else (min(1.0, aim / share), aim)
+        return (s1 + s2) / 2 if below and above else min(1.0, aim / share)
     slope = min(4.0, max(0.25, slope))
-    return min(1.0, s1 * (aim / y1) ** (1 / slope)), aim
+    return min(1.0, s1 * (aim / y1) ** (1 / slope))
 
 
 def widths_of(path: Path) -> dict[str, int]:

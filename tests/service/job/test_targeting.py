@@ -86,7 +86,7 @@ def test_a_curved_latency_is_met_within_three_rounds(target):
     ([(0.8, 0.2), (0.4, 0.4)], 0.3, 0.5, 0.6),  # an inconsistent bracket (noise): half way
 ])
 def test_next_saving(measured, aim, share, expected):
-    assert next_saving(measured, aim, share)[0] == pytest.approx(expected)
+    assert next_saving(measured, aim, share) == pytest.approx(expected)
 
 
 def test_an_unreachable_target_returns_the_fastest_round_as_not_met():
