@@ -353,3 +353,18 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
             progress(f"[{index + 1}/{len(units)}] {unit.name}{consumers}: {unit.channels} -> {len(keep)} channels, "
                      f"relative error {report.relative_error:.4f} ({report.seconds:.1f}s)")
     return pruned, reports
+
+
+def resize_conv_graph(gm: fx.GraphModule, plan: Widths) -> fx.GraphModule:
+    """A copy of `gm` with every prunable unit at its planned width, keeping each unit's first channels
+    and slicing the weights (no statistics, no solve): the structure, and so the latency, that pruning
+    to `plan` returns. Target mode measures these to search the widths before it pays for a solve."""
+    check_plan(plan)
+    resized = copy.deepcopy(gm).eval()
+    with torch.no_grad():
+        for unit in analyse(resized).units:
+            kept = unit.channels - planned_prune(unit.name, unit.channels, plan)
+            if kept < unit.channels:
+                prune_group(resized, unit, torch.arange(kept))
+    return resized
+

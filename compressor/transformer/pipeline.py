@@ -47,7 +47,16 @@ from ..reports import LayerReport, RefineReport
 from ..solver import solve_layer
 from .adapters import adapter_for, dims, layers, layers_path
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
-from .surgery import dense_weight, projection, prune_ffn, prune_heads, prune_query_heads
+from .surgery import (
+    dense_weight,
+    head_groups,
+    in_features,
+    projection,
+    prune_ffn,
+    prune_heads,
+    prune_query_heads,
+    query_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +326,37 @@ def prune_blocks(
         source.store(i)
         _release_memory()
     return reports
+
+
+def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads") -> nn.Module:
+    """A copy of `model` with every block at the plan's widths (the names `prune_blocks` reports), weights
+    sliced, nothing solved: the structure, and so the latency, that pruning to `plan` returns. Target mode
+    measures these to search the widths before it pays for a solve.
+
+    Single query heads (`gqa` query-heads) are kept spread over the KV heads (the first query head of each
+    KV head, then the second, ...): the most KV heads a solve can keep at that width, so the latency is
+    never flattered by KV heads that a solve's choice of heads would rarely empty."""
+    check_plan(plan)
+    if gqa not in GQA_UNITS:
+        raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
+    resized = copy.deepcopy(model).to("cpu").eval()
+    adapter, d = adapter_for(resized), dims(resized)
+    prefix = layers_path(resized)
+    single = gqa == "query-heads"
+    with torch.no_grad():
+        for i in range(d.layers):
+            heads = query_heads(resized, i) if single else head_groups(resized, i)
+            kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan)
+            if kept < heads:
+                # query head h reads KV head h // group: order by (rank within its KV group, KV head)
+                spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)
+                keep = torch.tensor(sorted(spread[:kept]))
+                (prune_query_heads if single else prune_heads)(resized, i, keep)
+            neurons = in_features(projection(layers(resized)[i], adapter.down))
+            kept = neurons - planned_prune(f"{prefix}.{i}.{adapter.down}", neurons, plan)
+            if kept < neurons:
+                prune_ffn(resized, i, torch.arange(kept))
+    return resized
 
 
 def _release_memory() -> None:

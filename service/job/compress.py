@@ -23,7 +23,7 @@ from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.reports import LayerReport
 from exporters.onnx import ParityError, stamp_metadata
-from exporters.runtime import RuntimeFailure, default_provider, measure_latency
+from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
 from .kinds import ConvJob, ModelJob, open_job
@@ -117,10 +117,27 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             rounds.append(Round(plan, module, layers, path, parity, latency, value, predicted))
             return rounds[-1]
 
+        probes = 0
+
+        def probe(plan: Widths, index: int) -> Latency:
+            nonlocal probes
+            probes += 1
+            path = work / f"probe{probes}" / "model.onnx"
+            path.parent.mkdir()
+            try:
+                job.export(job.resize(plan), path)
+                return measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                       repeats=request.repeats)
+            except EXPORT_FAILURES as err:
+                raise _ExportFailed("probe", index, err) from err
+            finally:
+                shutil.rmtree(path.parent, ignore_errors=True)
+
         if request.target_speedup is not None:
             enter("statistics", 0)
             curves = dense_curves(job, request, say, version())
-            target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter)  # fills `rounds`
+            target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter,
+                        probe=probe)  # fills `rounds`
         elif request.widths_from is not None:
             run_round(widths_of(request.widths_from), 0)
         else:

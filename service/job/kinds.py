@@ -28,14 +28,14 @@ from torch import nn
 from compressor.calibration import load_images, load_text
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
-from compressor.cnn.pipeline import prune_conv_graph
+from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
 from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.modules import count_parameters
 from compressor.reports import LayerReport
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
-from compressor.transformer.pipeline import prune_blocks, prune_transformer
+from compressor.transformer.pipeline import prune_blocks, prune_transformer, resize_transformer
 from compressor.transformer.refine import RefineConfig
 from compressor.transformer.surgery import load_pruned, widths
 from exporters.onnx import (
@@ -110,6 +110,11 @@ class ModelJob(Protocol):
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
         layer's statistics before its solve (the dense curves pass prunes nothing)."""
+        ...
+
+    def resize(self, plan: Widths) -> nn.Module:
+        """A copy of the dense model at the plan's widths, weights sliced and not solved: what a latency
+        probe exports and measures (the latency depends on the widths alone)."""
         ...
 
     def export(self, module: nn.Module, path: Path) -> Parity:
@@ -221,6 +226,9 @@ class ConvJob:
         return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observe)
 
+    def resize(self, plan: Widths) -> nn.Module:
+        return resize_conv_graph(self.dense, plan)
+
     export_decode_step = staticmethod(_no_decode_step)
 
     def export(self, module: nn.Module, path: Path) -> Parity:
@@ -285,6 +293,9 @@ class _TransformerJob:
                 shutil.rmtree(work, ignore_errors=True)
         pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
         return pruned.cpu().eval(), layers
+
+    def resize(self, plan: Widths) -> nn.Module:
+        return resize_transformer(self.dense, plan, gqa=self.request.gqa)
 
     def export(self, module: nn.Module, path: Path) -> Parity:
         names = self.loaded.input_names

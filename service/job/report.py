@@ -88,7 +88,10 @@ def _reconstruction(request: CompressRequest, layers: list[LayerReport]) -> dict
 
 
 def _rounds(rounds: list[Round]) -> list[dict]:
-    return [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup, "metric": r.metric}
+    return [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup, "metric": r.metric,
+             "latency_probes": [{"saving": p.saving, "measured_speedup": p.latency.speedup,
+                                 "baseline_ms": p.latency.baseline_ms, "compressed_ms": p.latency.compressed_ms}
+                                for p in r.probes]}
             for r in rounds]
 
 
@@ -115,7 +118,7 @@ def status_message(report: dict) -> str:
 
 
 STAGES = {"baseline": "the dense model's export", "round": "the export of round {round}",
-          "decode_step": "the decode step's export"}
+          "probe": "a latency probe's export before round {round}", "decode_step": "the decode step's export"}
 
 
 def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None,

@@ -119,7 +119,10 @@ def rounds_chart(report: dict) -> str:
     target = report.get("target_speedup")
     measured = [r.get("measured_speedup") for r in rounds]
     modelled = [r.get("predicted_speedup") for r in rounds]
-    values = [v for v in measured + modelled + [target, 1.0] if v is not None]
+    # each round's latency probes (structure only, before its solve), left of the round, in order
+    probes = [(i - 0.4 + 0.3 * (k + 1) / (len(r.get("latency_probes") or []) + 1), p["measured_speedup"])
+              for i, r in enumerate(rounds) for k, p in enumerate(r.get("latency_probes") or [])]
+    values = [v for v in measured + modelled + [v for _, v in probes] + [target, 1.0] if v is not None]
     plot = _Plot("rounds", "Speedup per round: modelled by the latency model and measured in ONNX Runtime",
                  (-0.5, max(len(rounds) - 0.5, 0.5)), _span(values), "round", "speedup (x dense)",
                  x_ticks=list(range(len(rounds))))
@@ -142,7 +145,12 @@ def rounds_chart(report: dict) -> str:
                               f'stroke-width="2"><title>{_num(v, 3)}x</title></circle>')
             plot.parts.append(f'<text x="{x:.1f}" y="{y + dy:.1f}" fill="{colour}" text-anchor="middle">'
                               f"{_num(v, 3)}x</text>")
+    for x, v in probes:
+        plot.parts.append(f'<circle cx="{plot.x(x):.1f}" cy="{plot.y(v):.1f}" r="3.5" fill="{GREY}">'
+                          f"<title>latency probe: {_num(v, 3)}x</title></circle>")
     items = [(ORANGE, "ring", "modelled (latency model)"), (BLUE, "dot", "measured (ONNX Runtime)")]
+    if probes:
+        items.append((GREY, "dot", "latency probes (widths only, before the solve)"))
     if target is not None:
         items.append((RED, "dashed", "target"))
     return plot.svg() + _legend(items)

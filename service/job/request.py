@@ -93,6 +93,9 @@ class CompressRequest:
                                   "not given; uniform mode: widths are rounded only when given")
     min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups")
     max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
+    latency_probes: int = option(4, "target mode: latency probes per round at most: the planned widths with "
+                                 "sliced, unsolved weights, exported and measured (never evaluated), to find "
+                                 "widths that meet the target before a round pays for its solve; 0: off")
     accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
                                            "default: perplexity at most 2x dense, cosine at least 0.9, top-1 at "
                                            "most 10 points below dense", metavar="D|none")
@@ -144,7 +147,7 @@ class CompressRequest:
         check(self.target_speedup is None or (math.isfinite(self.target_speedup) and 1 < self.target_speedup <= 20),
               "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
         for name, low, high in (("samples", 1, 1_000_000), ("batch_size", 1, 100_000), ("sequences", 1, 1_000_000),
-                                ("sequence_length", 2, 65536), ("max_rounds", 1, 20),
+                                ("sequence_length", 2, 65536), ("max_rounds", 1, 20), ("latency_probes", 0, 20),
                                 ("opset", 14, 23), ("repeats", 3, 10_000),
                                 ("refine_steps", 0, 100_000)):
             value = getattr(self, name)

@@ -8,7 +8,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torch import nn
@@ -48,9 +48,19 @@ class Round:
     latency: Latency  # dense and pruned, measured together
     metric: float  # the job's metric on the evaluation data
     predicted_speedup: float | None = None  # what the latency model expected (target mode)
+    probes: list[Probe] = field(default_factory=list)  # the latency probes that chose its widths
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A latency-only measurement of planned widths (weights sliced, not solved; never evaluated)."""
+
+    saving: float  # fraction of the prunable cost the widths remove
+    latency: Latency
 
 
 RunRound = Callable[[Widths, int, float | None], Round]
+ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 
 # The accuracy budget of a job without --accuracy-budget: one rule per metric, (kind, limit) as
 # AccuracyRule reads them. A broken model must never be reported "ok".
@@ -177,27 +187,45 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Callable[[str], N
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
                 baseline_metric: float, say: Callable[[str], None],
-                enter: Callable[[str, int], None] | None = None) -> list[Round]:
-    """Allocate -> prune -> measure -> choose the next saving, until a round is within [MET, AIM] x target.
+                enter: Callable[[str, int], None] | None = None, probe: ProbeWidths | None = None) -> list[Round]:
+    """Allocate -> (probe) -> prune -> measure -> choose the next saving, until a round is within
+    [MET, AIM] x target.
 
     Each round aims at AIM_AT x target; its saving (fraction of the prunable cost removed) comes from
-    `next_saving`: the latency model's prunable share until two rounds are measured, then a curve
-    through the measured rounds (latency depends on the widths alone, so every measured round is a
-    point of one monotone curve of the saving)."""
+    `next_saving`: the latency model's prunable share until two points are measured, then a curve
+    through the measured points (latency depends on the widths alone, so every measurement is a point
+    of one monotone curve of the saving). With `probe`, up to `request.latency_probes` latency-only
+    measurements of planned widths (cheap: no solve, no evaluation) search that curve before each
+    round, so the round's solve runs at widths already measured within the window."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
-    share = INITIAL_SHARE  # corrected after each measurement
     target = request.target_speedup
     assert target is not None
     rounds: list[Round] = []
-    measured: list[tuple[float, float]] = []  # (modelled saving, measured 1 - 1/speedup) of each round
+    measured: list[tuple[float, float]] = []  # (modelled saving, measured 1 - 1/speedup) of rounds and probes
+    share = INITIAL_SHARE  # corrected after each measurement
+
+    def record(saved: float, speedup: float) -> None:
+        nonlocal share
+        if saved > 0 and speedup > 0:
+            measured.append((saved, 1 - 1 / speedup))
+            # the observed share of the latency that the removed cost accounted for: above 1 when narrower
+            # layers also run more efficiently (measured up to ~1.7 on CPU convs)
+            share = min(MAX_SHARE, max(0.05, (1 - 1 / speedup) / saved))
+
+    def planned() -> tuple[Widths, float]:
+        plan = allocate(curves, next_saving(measured, 1 - 1 / (AIM_AT * target), share) * full)
+        return plan, 1 - total_cost(curves, plan) / full
+
     for index in range(request.max_rounds):
-        wanted = next_saving(measured, 1 - 1 / (AIM_AT * target), share)
-        plan = allocate(curves, wanted * full)
+        plan, saved = planned()
+        probes: list[tuple[Widths, Probe]] = []
+        if probe is not None and request.latency_probes:
+            plan, saved, probes = _search_widths(request, plan, saved, target, index, rounds, probe, planned,
+                                                 record, say, enter)
         if any(r.plan == plan for r in rounds):
             say(f"round {index}: the measurements ask for widths already measured; stopping")
             break
-        saved = 1 - total_cost(curves, plan) / full
         if enter:
             enter("allocate", index)
         say(f"round {index}: removing {saved:.1%} of the prunable cost (modelled prunable share {share:.2f})")
@@ -205,13 +233,10 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             say(f"WARNING: round {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
                 f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss")
         result = run_round(plan, index, AIM_AT * target)
+        result.probes = [p for _, p in probes]
         rounds.append(result)
         speedup = result.latency.speedup
-        if saved > 0 and speedup > 0:
-            measured.append((saved, 1 - 1 / speedup))
-            # the observed share of the latency that the removed cost accounted for: above 1 when narrower
-            # layers also run more efficiently (measured up to ~1.7 on CPU convs)
-            share = min(MAX_SHARE, max(0.05, (1 - 1 / speedup) / saved))
+        record(saved, speedup)
         blown = rule is not None and not rule.allows(baseline_metric, result.metric)
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
@@ -222,6 +247,47 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             say("the minimum widths allow no more pruning")
             break
     return rounds
+
+
+def _search_widths(request: CompressRequest, plan: Widths, saved: float, target: float, index: int,
+                   rounds: list[Round], probe: ProbeWidths, planned: Callable[[], tuple[Widths, float]],
+                   record: Callable[[float, float], None], say: Callable[[str], None],
+                   enter: Callable[[str, int], None] | None) -> tuple[Widths, float, list[tuple[Widths, Probe]]]:
+    """Probe planned widths until one measures within [MET, AIM] x target (or the probes run out, or the
+    curve asks for widths already measured); returns the widths for the round, their saving and the probes.
+
+    The round takes the probed widths closest to the aim within the window; when none is (a model
+    whose widths move in coarse steps can have no allocation inside it), the least pruning measured to
+    meet the target (a solve is too dear to spend on a guess); else the curve's latest proposal."""
+    probes: list[tuple[Widths, Probe]] = []
+    seen = [r.plan for r in rounds]
+    for _ in range(request.latency_probes):
+        if plan in seen:
+            break
+        if enter:
+            enter("allocate", index)
+        latency = probe(plan, index)
+        probes.append((plan, Probe(saved, latency)))
+        seen.append(plan)
+        record(saved, latency.speedup)
+        say(f"round {index}: latency probe {len(probes)}: removing {saved:.1%} of the prunable cost measures "
+            f"{latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> {latency.compressed_ms:.1f} ms)")
+        if MET * target <= latency.speedup <= AIM * target:
+            break
+        plan, saved = planned()
+
+    def distance(p: Probe) -> float:
+        return abs(math.log(p.latency.speedup / (AIM_AT * target)))
+
+    inside = [(w, p) for w, p in probes if MET * target <= p.latency.speedup <= AIM * target]
+    met = [(w, p) for w, p in probes if p.latency.speedup >= MET * target]
+    if inside:
+        plan, chosen = min(inside, key=lambda item: distance(item[1]))
+    elif met:
+        plan, chosen = min(met, key=lambda item: item[1].latency.speedup)
+    else:
+        return plan, saved, probes
+    return plan, chosen.saving, probes
 
 
 def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -> float:

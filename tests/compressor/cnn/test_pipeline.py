@@ -6,7 +6,7 @@ import torch
 
 from compressor.calibration import load_images
 from compressor.cnn.graph import analyse, residual_add
-from compressor.cnn.pipeline import prune_conv_graph
+from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
 from compressor.layerstats import num_to_prune
 from compressor.modules import count_parameters
 
@@ -169,3 +169,22 @@ def test_an_in_block_group_is_observed_with_the_residual_stream_it_joins():
     assert by_name["layer1.1.conv2"].stream_energy > by_name["layer1.1.conv2"].energy
     gm_add = next(u for u in analyse(gm).units if u.name == "layer1.1.conv2")
     assert residual_add(gm_add.consumer.node).target == torch.ops.aten.add.Tensor
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_UNITS))
+def test_a_resized_graph_has_the_pruned_graphs_structure(name):
+    """Latency probes measure resize_conv_graph: every weight and buffer shape must be what pruning to the
+    same widths returns (the latency depends on the shapes alone), and it must run."""
+    gm = exported(name)
+    images = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    pruned, reports = prune_conv_graph(gm, images, 0.5, method="mp+", batch_size=32)
+    plan = {r.name: r.width_after for r in reports}
+    resized = resize_conv_graph(gm, plan)
+
+    def shapes(module) -> dict:
+        return {k: tuple(v.shape) for k, v in module.state_dict().items() if "output_shift" not in k}
+
+    assert {k: v for k, v in shapes(pruned).items() if k in shapes(resized)} == shapes(resized)
+    assert count_parameters(resized) <= count_parameters(pruned)  # the solve may add intercepts only
+    assert resized(images[:2]).shape == gm(images[:2]).shape
+    assert count_parameters(exported(name)) == count_parameters(gm)  # the input graph is left as it was

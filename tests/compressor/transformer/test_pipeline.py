@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from compressor.transformer.adapters import adapter_for, layers
-from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer
-from compressor.transformer.surgery import head_groups, in_features, projection, query_heads
+from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
+from compressor.transformer.surgery import head_groups, in_features, kv_index, projection, query_heads
 
 from .transformer_models import MODELS, example_inputs, first_output
 
@@ -100,3 +100,35 @@ def test_an_unknown_gqa_unit_is_refused():
     model = MODELS["llama"]()
     with pytest.raises(InputError, match="gqa must be one of query-heads, kv-groups"):
         prune_transformer(model, batches(model), 0.5, gqa="heads")
+
+
+@pytest.mark.parametrize("name,unit", [(name, "query-heads") for name in sorted(MODELS)]
+                         + [("llama", "kv-groups")])
+def test_a_resized_model_has_the_pruned_models_widths(name, unit):
+    """Latency probes measure resize_transformer: the widths pruning to the same plan returns, a model
+    that runs, and the input left alone."""
+    model = MODELS[name]()
+    before = first_output(model)
+    pruned, reports = prune_transformer(model, batches(model), 0.5, gqa=unit)
+    resized = resize_transformer(model, {r.name: r.width_after for r in reports}, gqa=unit)
+    adapter = adapter_for(model)
+    for i in range(len(layers(model))):
+        assert query_heads(resized, i) == query_heads(pruned, i)
+        down = [in_features(projection(layers(m)[i], adapter.down)) for m in (resized, pruned)]
+        assert down[0] == down[1]
+    assert first_output(resized).shape == before.shape
+    torch.testing.assert_close(first_output(model), before)
+
+
+def test_resized_query_heads_keep_the_most_kv_heads():
+    """Probed widths keep query heads spread over the KV heads (the slowest case of a width), so a probe
+    never measures a KV head emptied that a solve would keep: 8 query heads over 2 KV heads, 2 kept,
+    read both KV heads."""
+    model = MODELS["llama"]()
+    prefix = "model.layers"
+    adapter = adapter_for(model)
+    plan = {f"{prefix}.{i}.{path}": width for i in range(2) for path, width in ((adapter.o, 2), (adapter.down, 8))}
+    resized = resize_transformer(model, plan)
+    for i in range(2):
+        assert query_heads(resized, i) == 2 and kv_index(resized, i).tolist() == [0, 1]
+        assert projection(layers(resized)[i], adapter.k).weight.shape[0] == 2 * 4  # two KV heads of head_dim 4

@@ -70,6 +70,16 @@ def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
     assert "25% of every layer" in uniform and "None" not in uniform
 
 
+def test_the_rounds_chart_shows_each_rounds_latency_probes():
+    probes = [{"saving": 0.3, "measured_speedup": 1.141, "baseline_ms": 40.0, "compressed_ms": 35.1},
+              {"saving": 0.5, "measured_speedup": 1.352, "baseline_ms": 40.0, "compressed_ms": 29.6}]
+    rounds = [{"measured_speedup": 1.35, "predicted_speedup": 1.29, "metric": 0.95, "latency_probes": probes}]
+    page = render(sample_report(rounds=rounds, measured_speedup=1.35))
+    assert page.count("<title>latency probe: ") == 2 and "latency probe: 1.141x" in page
+    assert "latency probes (widths only, before the solve)" in page
+    assert "latency probe" not in render(sample_report())  # rounds without probes: no probe marks, no legend
+
+
 def test_record_references_updates_report_json_and_html(tmp_path):
     report = sample_report(references=None)
     (tmp_path / "report.json").write_text(json.dumps(report))

@@ -77,6 +77,68 @@ def test_a_curved_latency_is_met_within_three_rounds(target):
     assert len(rounds) <= 3 and 0.98 * target <= rounds[-1].latency.speedup <= 1.10 * target
 
 
+def stepped_latency(steps):
+    """(run_round, probe) of a model whose speedup moves in coarse steps with the saving (as ResNet-20's
+    16-channel stages, which can only keep 16 or 8: ~1.14, 1.35, 1.63, 2.0x): `steps` is [(saving from
+    which, speedup)], sorted."""
+    layer_curves = curves()
+    full = total_cost(layer_curves)
+
+    def latency(plan) -> Latency:
+        saved = 1 - total_cost(layer_curves, plan) / full
+        speedup = max([1.0] + [s for start, s in steps if saved >= start])
+        return Latency(100.0, 100.0 / speedup, 101.0, 100.0 / speedup + 1, speedup, "cpu", 2, "test", 5)
+
+    probes: list = []
+
+    def probe(plan, index):
+        probes.append(plan)
+        return latency(plan)
+
+    def run_round(plan, index, predicted=None):
+        return Round(plan, None, [], None, None, latency(plan), 1.0, predicted)
+
+    return layer_curves, run_round, probe, probes
+
+
+RESNET_STEPS = [(0.05, 1.141), (0.3, 1.35), (0.55, 1.63), (0.8, 2.006)]
+
+
+@pytest.mark.parametrize("target", [1.25, 1.5, 2.0])
+def test_latency_probes_find_coarse_widths_before_the_solve(target):
+    """Without probes a coarse latency staircase costs rounds (each a solve and an evaluation); the probes
+    (structure only) find widths inside the window first, so one round meets the target."""
+    layer_curves, run_round, probe, probes = stepped_latency(RESNET_STEPS)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target, no_accuracy_budget=True)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, messages.append,
+                         probe=probe)
+    assert len(rounds) == 1 and 0.98 * target <= rounds[0].latency.speedup <= 1.10 * target
+    assert 1 <= len(probes) <= request.latency_probes and len(rounds[0].probes) == len(probes)
+    assert rounds[0].plan in probes  # the solve ran at widths a probe measured
+    assert sum("latency probe" in m for m in messages) == len(probes)
+    # probes off: the same loop, more rounds on this staircase
+    off = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=target, no_accuracy_budget=True,
+                          latency_probes=0)
+    probes.clear()
+    assert len(target_loop(off, layer_curves, run_round, Metric("cosine", True), 1.0, lambda m: None,
+                           probe=probe)) == 2 and not probes
+
+
+def test_probes_without_a_width_in_the_window_run_the_least_pruning_that_met_the_target():
+    """No allocation lands in [0.98, 1.10] x 1.25 (the staircase jumps from 1.141 to 1.63): the round
+    runs at the probed widths that measured 1.63, the least pruning known to meet the target, and the
+    loop stops instead of repeating widths already measured."""
+    layer_curves, run_round, probe, probes = stepped_latency([(0.05, 1.141), (0.4, 1.63)])
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.25, no_accuracy_budget=True)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, messages.append,
+                         probe=probe)
+    assert rounds[0].latency.speedup == pytest.approx(1.63) and rounds[0].plan in probes
+    assert len(rounds) <= 2 and len(probes) <= 2 * request.latency_probes
+    assert choose(request, rounds, Metric("cosine", True), 1.0)[1] == "ok"
+
+
 @pytest.mark.parametrize("measured,aim,share,expected", [
     ([], 0.3, 0.6, 0.5),  # nothing measured: the share model
     ([(0.4, 0.2)], 0.3, 0.5, 0.6),  # one side only: the corrected share
@@ -237,6 +299,9 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert all(layer["width_after"] % 8 == 0 or layer["width_after"] == layer["width_before"]
                or layer["width_before"] < 8 for layer in report["layers"])
     assert 1 <= len(report["rounds"]) <= 2
+    # the first round's widths were searched by latency probes (structure only), each one measured
+    probes = report["rounds"][0]["latency_probes"]
+    assert 1 <= len(probes) <= 4 and all(p["measured_speedup"] > 0 and 0 < p["saving"] < 1 for p in probes)
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file() and (out / "report.html").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no work files left behind
     import onnx
