@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--targets", default="1.25,1.5,2")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "osscar-speedup-bench")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("speedup_results.jsonl"))
+    parser.add_argument("--no-mp", action="store_true", help="osscar jobs only (rounds and probes: convergence)")
+    parser.add_argument("--latency-probes", type=int, help="passed to every osscar job (default: the job's)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     models = setups(args.work)
@@ -88,24 +90,29 @@ def main() -> None:
         for target in args.targets.split(","):
             base = models[model]
             osscar_dir = args.work / f"{model}-{target}-osscar"
-            report, seconds, _ = run([*base, "--target-speedup", target, "--out", str(osscar_dir)])
+            probes = [] if args.latency_probes is None else ["--latency-probes", str(args.latency_probes)]
+            report, seconds, _ = run([*base, "--target-speedup", target, *probes, "--out", str(osscar_dir)])
             rows = [("osscar", report, seconds)]
-            mp_report, mp_seconds, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method", "mp+",
-                                            "--out", str(args.work / f"{model}-{target}-mp+")])
-            rows.append(("mp+", mp_report, mp_seconds))
+            if not args.no_mp:
+                mp_report, mp_seconds, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method",
+                                                "mp+", "--out", str(args.work / f"{model}-{target}-mp+")])
+                rows.append(("mp+", mp_report, mp_seconds))
             for method, rep, secs in rows:
                 row = {"date": time.strftime("%Y-%m-%d"), "model": model, "target": float(target), "method": method,
                        "status": rep["status"], "measured_speedup": rep["measured_speedup"],
                        "baseline_ms": rep["baseline_latency_ms"], "compressed_ms": rep["compressed_latency_ms"],
                        "metric": rep["metric"]["name"], "baseline": rep["metric"]["baseline"],
                        "compressed": rep["metric"]["compressed"], "rounds": len(rep.get("rounds", [])),
+                       "round_speedups": [r["measured_speedup"] for r in rep.get("rounds", [])],
+                       "probe_speedups": [[p["measured_speedup"] for p in r.get("latency_probes", [])]
+                                          for r in rep.get("rounds", [])],
                        "params_after": rep["params_after"], "seconds": secs, "shape": rep["shape"],
                        "device": rep["device"], "threads": rep["threads"]}
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"| {model} | {target} | {method} | {rep['status']} | {rep['measured_speedup']:.3f} | "
                       f"{rep['metric']['name']} {rep['metric']['baseline']:.4f} -> {rep['metric']['compressed']:.4f}"
-                      f" | {len(rep.get('rounds', []))} | {secs:.0f} |", flush=True)
+                      f" | {len(rep.get('rounds', []))} | {row['probe_speedups']} | {secs:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

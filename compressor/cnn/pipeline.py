@@ -38,6 +38,7 @@ C (sum_i g_i) rows (ResNet-56's last stage: 64 x 82 = 5,248).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from ..errors import UnsupportedArchitecture
+from ..errors import InputError, UnsupportedArchitecture
 from ..layerstats import (
     FinishedStatistics,
     LayerObservation,
@@ -59,9 +60,11 @@ from ..layerstats import (
     kept_solution,
     planned_prune,
 )
+from ..refine import RefineConfig
 from ..reports import LayerReport
 from ..solver import solve_layer
 from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse, residual_add
+from .refine import reconstruct_graph
 from .segments import GraphWalker
 from .surgery import add_output_shift, get_tensor, prune_group
 
@@ -256,14 +259,28 @@ def prune_conv_graph(
     bias_correction: bool = True,
     progress: Callable[[str], None] | None = None,
     observe: Callable[[LayerObservation], None] | None = None,
+    refine: RefineConfig | None = None,
 ) -> tuple[fx.GraphModule, list[LayerReport]]:
     """Prune the channels of every prunable unit of `gm` (`ratio`: a uniform ratio, or the kept
     channels of each unit by name); returns (pruned copy, reports). `observe` sees each layer's
-    statistics before its solve (ratio 0 + observe = the dense statistics pass)."""
+    statistics before its solve (ratio 0 + observe = the dense statistics pass). With `refine`
+    (RefineConfig with steps > 0) the whole pruned graph is then fitted to the dense graph's outputs
+    (`compressor.cnn.refine`; not with method "mp"); its held-out errors are the last report's `refine`."""
     check_plan(ratio)
+    refine = refine or RefineConfig()
+    if refine.steps and method == "mp":
+        raise InputError("reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning uses no "
+                         "calibration data)")
     with torch.no_grad():
-        return _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
-                                 bias_correction, progress, observe)
+        pruned, reports = _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
+                                            bias_correction, progress, observe)
+    if refine.steps and any(r.width_after < r.width_before for r in reports):
+        fit = reconstruct_graph(pruned, copy.deepcopy(gm).eval(), images, refine, compute_device(device), batch_size)
+        reports[-1] = dataclasses.replace(reports[-1], refine=fit)
+        if progress:
+            progress(f"graph reconstruction: held-out relative error {fit.before:.4f} -> {fit.after:.4f} "
+                     f"({'kept' if fit.kept else 'discarded'}, {fit.steps} steps, {fit.seconds:.1f}s)")
+    return pruned, reports
 
 
 def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method: str,

@@ -12,7 +12,6 @@ when the held-out error improves, so it cannot make a block worse on data it did
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,27 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..refine import Reconstruction, RefineConfig
 from ..reports import RefineReport
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RefineConfig:
-    steps: int = 0  # Adam steps per block (0: off)
-    sequences: int = 4  # calibration sequences per step (fewer, cheaper steps fit better for the same time)
-    lr: float = 0.02  # Adam's first step size, relative to each tensor's RMS (Adam moves every weight by ~lr)
-    check_every: int = 10  # steps between held-out checks; a check that got worse backs off
-    backoff: float = 0.25  # the step size's factor after a worse check
-    held_out: float = 0.1  # fraction of the calibration sequences that judge the fit (never fitted)
-    norms: bool = False  # also fit the norms' weights (default: the norms stay as the dense model has them)
-    seed: int = 0  # the order of the fitting batches
-
-    def __post_init__(self) -> None:
-        assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
-        assert 0 < self.held_out < 1, f"held-out fraction must be in (0, 1) (got {self.held_out})"
-        assert self.lr > 0, f"learning rate must be > 0 (got {self.lr})"
-        assert self.check_every >= 1 and 0 < self.backoff < 1, (self.check_every, self.backoff)
+# the default steps per block of a job: SmolLM2-135M at 0.25 goes from perplexity 834 to 85 with 50
+# (dense 35.8), and 50 steps of a block cost about what its two solves do on the CPU (bench/RESULTS.md)
+DEFAULT_STEPS = 50
 
 
 @dataclass
@@ -112,7 +98,8 @@ def _squared_error(out: Tensor, batch: Sequences) -> tuple[Tensor, Tensor]:
 
 
 class BlockReconstruction:
-    """Adam on one block's linear weights (and biases; norms with `config.norms`), in place."""
+    """Adam on one block's linear weights (and biases; norms with `config.norms`), in place
+    (`compressor.refine.Reconstruction` on a block fed the pruned stream)."""
 
     def __init__(self, block: nn.Module, config: RefineConfig) -> None:
         self.block, self.config = block, config
@@ -120,72 +107,18 @@ class BlockReconstruction:
         norms = [m for m in block.modules() if "norm" in type(m).__name__.lower()] if config.norms else []
         self.parameters = [p for m in linear + norms for p in m.parameters(recurse=False)]
         assert self.parameters, f"{type(block).__name__}: no linear layers to fit"
+        self.reconstruction = Reconstruction(block, self.parameters, config)
 
     def error(self, batches: Sequence[Sequences], run: Run) -> float:
-        errors = energies = 0.0
-        with torch.no_grad():
-            for batch in batches:
-                error, energy = _squared_error(run(self.block, batch), batch)
-                errors, energies = errors + float(error), energies + float(energy)
-        return errors / energies if energies > 0 else 0.0
+        return self.reconstruction.error(batches, _loss(run))
 
     def fit(self, train: Sequence[Sequences], held_out: Sequence[Sequences], run: Run) -> RefineReport:
-        """Fit in place; the block ends with the weights of the lowest held-out error seen (checked every
-        `config.check_every` steps), or its own weights when no fit beat them."""
-        start = time.perf_counter()
-        before = self.error(held_out, run)
-        if not train or self.config.steps == 0:
-            return RefineReport(before, before, False, 0, time.perf_counter() - start)
-        best, best_weights = before, [p.detach().clone() for p in self.parameters]
-        trainable = {id(p): p.requires_grad for p in self.block.parameters()}
-        for p in self.block.parameters():
-            p.requires_grad_(False)
-        for p in self.parameters:
-            p.requires_grad_(True)
-        # relative step sizes: one lr suits weights of any scale (model to model, weights against norms)
-        scales = [float(p.detach().square().mean().sqrt().clamp_min(1e-3)) for p in self.parameters]
-        lr = self.config.lr
-        optimizer = self._adam(scales, lr)
-        generator = torch.Generator().manual_seed(self.config.seed)
+        """Fit in place on steps of `config.sequences` sequences; the block ends with the weights of the
+        lowest held-out error seen, or its own weights when no fit beat them."""
         k = self.config.sequences
-        train = [b.select(slice(i, i + k)) for b in train for i in range(0, b.x.shape[0], k)]
-        order: list[int] = []
-        try:
-            for step in range(1, self.config.steps + 1):
-                if not order:  # a new pass over the fitting batches, in a seeded order
-                    order = torch.randperm(len(train), generator=generator).tolist()
-                batch = train[order.pop()]
-                with torch.enable_grad():
-                    error, energy = _squared_error(run(self.block, batch), batch)
-                    loss = error / energy.clamp_min(1e-30)  # relative: batches weigh alike
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                optimizer.step()
-                if step % self.config.check_every and step != self.config.steps:
-                    continue
-                # the held-out judge doubles as the step-size control: a step size that suits one model
-                # diverges on another (SmolLM2's outlier features), so a check that got worse goes back
-                # to the best weights and goes on with smaller steps
-                current = self.error(held_out, run)
-                with torch.no_grad():
-                    if current < best:
-                        best = current
-                        for saved, p in zip(best_weights, self.parameters, strict=True):
-                            saved.copy_(p)
-                    else:
-                        for saved, p in zip(best_weights, self.parameters, strict=True):
-                            p.copy_(saved)
-                        lr *= self.config.backoff
-                        optimizer = self._adam(scales, lr)
-        finally:
-            for p in self.block.parameters():
-                p.requires_grad_(trainable[id(p)])
-                p.grad = None
-        with torch.no_grad():
-            for saved, p in zip(best_weights, self.parameters, strict=True):
-                p.copy_(saved)
-        return RefineReport(before, best, best < before, self.config.steps, time.perf_counter() - start)
+        steps = [b.select(slice(i, i + k)) for b in train for i in range(0, b.x.shape[0], k)]
+        return self.reconstruction.fit(steps, held_out, _loss(run))
 
-    def _adam(self, scales: Sequence[float], lr: float) -> torch.optim.Optimizer:
-        return torch.optim.Adam([{"params": [p], "lr": lr * scale} for p, scale in zip(self.parameters, scales,
-                                                                                        strict=True)])
+
+def _loss(run: Run) -> Callable[[nn.Module, Sequences], tuple[Tensor, Tensor]]:
+    return lambda block, batch: _squared_error(run(block, batch), batch)

@@ -29,14 +29,17 @@ from compressor.calibration import load_images, load_text
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
 from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
+from compressor.cnn.refine import DEFAULT_STEPS as GRAPH_STEPS
+from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.modules import count_parameters
+from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer, resize_transformer
-from compressor.transformer.refine import RefineConfig
+from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.surgery import load_pruned, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
@@ -222,9 +225,12 @@ class ConvJob:
             f"images, method {request.method}")
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
-        progress, observe = _statistics_pass(plan, observe, self.say)
+        progress, observed = _statistics_pass(plan, observe, self.say)
+        statistics = observed is not observe  # nothing is pruned: nothing to reconstruct either
+        refine = graph_config(0 if statistics else self.request.refine_steps_or(GRAPH_STEPS))
         return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
-                                batch_size=self.request.batch_size, progress=progress, observe=observe)
+                                batch_size=self.request.batch_size, progress=progress, observe=observed,
+                                refine=refine)
 
     def resize(self, plan: Widths) -> nn.Module:
         return resize_conv_graph(self.dense, plan)
@@ -281,7 +287,7 @@ class _TransformerJob:
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observed,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps)}
+                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:

@@ -54,7 +54,7 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         "params_after": count_parameters(chosen.module),
         "method": request.method,
         "accuracy_budget": rule.to_dict(baseline_metric) if rule else None,
-        "block_reconstruction": _reconstruction(request, chosen.layers),
+        "block_reconstruction": _reconstruction(chosen.layers),
         "layers": _layers(chosen.layers),
         "rounds": _rounds(rounds),
         "model": str(request.model),
@@ -78,12 +78,13 @@ def _layers(layers: list[LayerReport]) -> list[dict]:
             for r in layers]
 
 
-def _reconstruction(request: CompressRequest, layers: list[LayerReport]) -> dict | None:
-    """Block reconstruction in sum (each block's fit is in its last layer's `refine`)."""
+def _reconstruction(layers: list[LayerReport]) -> dict | None:
+    """Reconstruction in sum (each block's fit, or a conv graph's one fit, is in its last layer's `refine`);
+    None when none ran."""
     fits = [r.refine for r in layers if r.refine is not None]
-    if not request.refine_steps:
+    if not fits:
         return None
-    return {"steps": request.refine_steps, "blocks": len(fits), "blocks_kept": sum(f.kept for f in fits),
+    return {"steps": max(f.steps for f in fits), "blocks": len(fits), "blocks_kept": sum(f.kept for f in fits),
             "seconds": sum(f.seconds for f in fits)}
 
 

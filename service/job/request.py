@@ -111,8 +111,10 @@ class CompressRequest:
                                "layer")
     gqa: str = option("query-heads", "grouped-query attention: prune single query heads (a KV head goes when no "
                       "kept query head reads it) or whole KV groups", choices=GQA_UNITS)
-    refine_steps: int = option(0, "transformers: Adam steps per block fitting the pruned block's weights to the "
-                               "dense block's output (block reconstruction; 0: off; not with --method mp)")
+    refine_steps: int | None = option(help="reconstruction after the solves: Adam steps fitting the pruned weights "
+                                      "to the dense model's outputs (transformers: per block, to the dense block's "
+                                      "output; conv graphs: the whole graph, to the dense outputs); 0: off; default: "
+                                      "50 per block for transformers, 300 for conv graphs, none with --method mp")
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
                             "to the layer's own output", choices=("stream", "layer"), cli=False)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
@@ -124,6 +126,12 @@ class CompressRequest:
     def curves_cache(self) -> Path | None:
         """Where dense loss curves are cached (None: not cached)."""
         return None if self.no_curves_cache else (self.home or default_home()) / "curves"
+
+    def refine_steps_or(self, default: int) -> int:
+        """The reconstruction steps in force: the request's, else the model kind's `default`; none for mp."""
+        if self.method == "mp":
+            return 0
+        return default if self.refine_steps is None else self.refine_steps
 
     def violations(self) -> list[tuple[str, str]]:
         """Every problem with the request as (field, message); the messages name the CLI flags."""
@@ -148,8 +156,7 @@ class CompressRequest:
               "target_speedup", f"--target-speedup must be in (1, 20] (got {self.target_speedup})")
         for name, low, high in (("samples", 1, 1_000_000), ("batch_size", 1, 100_000), ("sequences", 1, 1_000_000),
                                 ("sequence_length", 2, 65536), ("max_rounds", 1, 20), ("latency_probes", 0, 20),
-                                ("opset", 14, 23), ("repeats", 3, 10_000),
-                                ("refine_steps", 0, 100_000)):
+                                ("opset", 14, 23), ("repeats", 3, 10_000)):
             value = getattr(self, name)
             check(low <= value <= high, name, f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
         check(self.round_to is None or 1 <= self.round_to <= 4096, "round_to",
@@ -164,6 +171,10 @@ class CompressRequest:
         tokens = self.shape.get("batch", 1) * self.shape.get("sequence", 1)
         check(bool(bad) or tokens <= MAX_MEASURED_ELEMENTS, "shape", f"--shape batch x sequence must be at most "
               f"{MAX_MEASURED_ELEMENTS} (got {tokens})")
+        check(self.refine_steps is None or 0 <= self.refine_steps <= 100_000, "refine_steps",
+              f"--refine-steps must be in [0, 100000] (got {self.refine_steps})")
+        check(not (self.method == "mp" and self.refine_steps), "refine_steps",
+              "--refine-steps does not apply to --method mp (magnitude pruning uses no calibration data)")
         check(self.threads is None or 1 <= self.threads <= 1024, "threads",
               f"--threads must be in [1, 1024] (got {self.threads})")
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")

@@ -1,0 +1,126 @@
+"""Reconstruction after pruning: Adam fits a pruned module's remaining weights so that it reproduces the
+dense model's outputs on calibration data, judged on held-out calibration data (a fit is kept only when
+the held-out error improves, so it cannot make the module worse on data it did not see).
+
+What a module is depends on the model kind: one transformer block fed the pruned stream
+(`compressor.transformer.refine`), or a whole pruned conv graph fed calibration images
+(`compressor.cnn.refine`). Both share this loop: `Reconstruction(module, parameters, config)
+.fit(train, held_out, loss)` -> a `RefineReport`, where `loss(module, batch)` returns the batch's
+(sum of squared errors, sum of squared targets).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .reports import RefineReport
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    steps: int = 0  # Adam steps (0: off)
+    sequences: int = 4  # calibration sequences (images for conv graphs) per step: fewer, cheaper steps fit
+    # better in the same time
+    lr: float = 0.02  # Adam's first step size, relative to each tensor's RMS (Adam moves every weight by ~lr)
+    check_every: int = 10  # steps between held-out checks; a check that got worse backs off
+    backoff: float = 0.25  # the step size's factor after a worse check
+    slack: float = 0.0  # a check within (1 + slack) x the best error is not "worse": the step size stays
+    # (minibatch noise is not divergence); the best weights are still the ones returned
+    held_out: float = 0.1  # fraction of the calibration sequences that judge the fit (never fitted)
+    norms: bool = False  # also fit the norms' weights (default: the norms stay as the dense model has them)
+    seed: int = 0  # the order of the fitting batches
+
+    def __post_init__(self) -> None:
+        assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
+        assert self.sequences >= 1, f"refine sequences per step must be >= 1 (got {self.sequences})"
+        assert 0 < self.held_out < 1, f"held-out fraction must be in (0, 1) (got {self.held_out})"
+        assert self.lr > 0, f"learning rate must be > 0 (got {self.lr})"
+        assert self.check_every >= 1 and 0 < self.backoff < 1 and self.slack >= 0, (self.check_every, self.backoff,
+                                                                                   self.slack)
+
+
+Loss = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]  # (module, batch) -> (squared errors, squared targets)
+
+
+class Reconstruction:
+    """Adam on `parameters` of `module`, in place, with a held-out judge."""
+
+    def __init__(self, module: nn.Module, parameters: Sequence[nn.Parameter], config: RefineConfig) -> None:
+        self.module, self.config = module, config
+        self.parameters = list(parameters)
+        assert self.parameters, f"{type(module).__name__}: no weights to fit"
+
+    def error(self, batches: Sequence[Any], loss: Loss) -> float:
+        """Relative squared error over `batches`: sum of squared errors / sum of squared targets."""
+        errors = energies = 0.0
+        with torch.no_grad():
+            for batch in batches:
+                error, energy = loss(self.module, batch)
+                errors, energies = errors + float(error), energies + float(energy)
+        return errors / energies if energies > 0 else 0.0
+
+    def fit(self, train: Sequence[Any], held_out: Sequence[Any], loss: Loss) -> RefineReport:
+        """Fit in place, one `train` batch per step in a seeded order; the module ends with the weights of
+        the lowest held-out error seen (checked every `config.check_every` steps), or its own weights when
+        no fit beat them."""
+        start = time.perf_counter()
+        before = self.error(held_out, loss)
+        if not train or self.config.steps == 0:
+            return RefineReport(before, before, False, 0, time.perf_counter() - start)
+        best, best_weights = before, [p.detach().clone() for p in self.parameters]
+        trainable = {id(p): p.requires_grad for p in self.module.parameters()}
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        for p in self.parameters:
+            p.requires_grad_(True)
+        # relative step sizes: one lr suits weights of any scale (model to model, weights against norms)
+        scales = [float(p.detach().square().mean().sqrt().clamp_min(1e-3)) for p in self.parameters]
+        lr = self.config.lr
+        optimizer = self._adam(scales, lr)
+        generator = torch.Generator().manual_seed(self.config.seed)
+        order: list[int] = []
+        try:
+            for step in range(1, self.config.steps + 1):
+                if not order:  # a new pass over the fitting batches, in a seeded order
+                    order = torch.randperm(len(train), generator=generator).tolist()
+                batch = train[order.pop()]
+                with torch.enable_grad():
+                    error, energy = loss(self.module, batch)
+                    relative = error / energy.clamp_min(1e-30)  # batches weigh alike
+                    optimizer.zero_grad(set_to_none=True)
+                    relative.backward()
+                optimizer.step()
+                if step % self.config.check_every and step != self.config.steps:
+                    continue
+                # the held-out judge doubles as the step-size control: a step size that suits one model
+                # diverges on another (SmolLM2's outlier features), so a check that got worse goes back
+                # to the best weights and goes on with smaller steps
+                current = self.error(held_out, loss)
+                with torch.no_grad():
+                    if current < best:
+                        best = current
+                        for saved, p in zip(best_weights, self.parameters, strict=True):
+                            saved.copy_(p)
+                    elif current > best * (1 + self.config.slack):
+                        for saved, p in zip(best_weights, self.parameters, strict=True):
+                            p.copy_(saved)
+                        lr *= self.config.backoff
+                        optimizer = self._adam(scales, lr)
+        finally:
+            for p in self.module.parameters():
+                p.requires_grad_(trainable[id(p)])
+                p.grad = None
+        with torch.no_grad():
+            for saved, p in zip(best_weights, self.parameters, strict=True):
+                p.copy_(saved)
+        return RefineReport(before, best, best < before, self.config.steps, time.perf_counter() - start)
+
+    def _adam(self, scales: Sequence[float], lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam([{"params": [p], "lr": lr * scale} for p, scale in zip(self.parameters, scales,
+                                                                                        strict=True)])

@@ -1,0 +1,98 @@
+"""Reconstruction of a pruned conv graph: what it fits, that it lowers the error to the dense outputs on
+held-out images (or is dropped), and its place in the pipeline."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from compressor.cnn.pipeline import prune_conv_graph
+from compressor.cnn.refine import fitted_parameters, graph_config, reconstruct_graph
+from compressor.errors import InputError
+from compressor.refine import RefineConfig
+
+from .conv_models import exported
+
+CPU = torch.device("cpu")
+
+
+def images(n: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def relative_error(pruned, dense, x) -> float:
+    with torch.no_grad():
+        out, target = pruned(x), dense(x)
+    return float((out - target).square().sum() / target.square().sum())
+
+
+def test_conv_and_linear_weights_are_fitted_and_batch_norm_only_on_request():
+    gm = exported("bottleneck")
+    names = {n for n, p in gm.named_parameters() for q in fitted_parameters(gm) if p is q}
+    assert names and all(n.endswith((".weight", ".bias")) for n in names)
+    assert any(n.startswith("fc.") for n in names)  # the classifier is fitted too
+    assert not any("bn" in n for n in names)
+    with_norms = {n for n, p in gm.named_parameters() for q in fitted_parameters(gm, norms=True) if p is q}
+    assert names < with_norms and any("bn" in n for n in with_norms - names)
+
+
+@pytest.mark.parametrize("method", ["osscar", "mp+"])
+def test_the_fit_lowers_the_error_to_the_dense_outputs_on_unseen_images(method):
+    """Option-A ResNet at 0.75: mp+'s error (~0.2) is what a fit must undo; osscar's is already ~1e-3
+    on this random-weight toy, and still comes down."""
+    gm = exported("option_a")
+    x, unseen = images(96, seed=0), images(64, seed=1)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method=method, batch_size=48)
+    before = relative_error(pruned, gm, unseen)
+    fit = reconstruct_graph(pruned, gm, x, dataclasses.replace(graph_config(60), sequences=16), CPU, batch_size=48)
+    assert fit.kept and fit.after < fit.before and fit.steps == 60
+    assert relative_error(pruned, gm, unseen) < before  # images neither fitted nor judged on
+
+
+def test_the_fit_lifts_resnet20s_top1(shared_data):
+    """The real thing: ResNet-20 (CIFAR-10) at half its in-block channels, 500 calibration images, top-1
+    on the first 1,017 test images (dense 91.6 %)."""
+    from compressor.calibration import load_images
+    from compressor.cnn.models import load_model
+
+    gm = load_model(shared_data / "resnet-cifar10" / "resnet20.pt2").module
+    kwargs = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+    x = load_images(shared_data / "cifar10" / "train_prefix_5085.npz", samples=500, seed=0, **kwargs)
+    test = shared_data / "cifar10" / "test_first1017.npz"
+    ex, labels = load_images(test, samples=10**9, **kwargs), np.load(test)["y"]
+
+    def top1(module) -> float:
+        with torch.no_grad():
+            return float((module(ex).argmax(1).numpy() == labels).mean())
+
+    pruned, _ = prune_conv_graph(gm, x, 0.5, batch_size=100)
+    before = top1(pruned)
+    fit = reconstruct_graph(pruned, gm, x, graph_config(100), CPU)
+    assert fit.kept and fit.after < 0.8 * fit.before
+    assert top1(pruned) > before + 0.02
+
+
+def test_a_fit_that_cannot_improve_is_dropped():
+    """A huge step size makes every check worse: the solve's weights come back unchanged."""
+    gm = exported("bottleneck")
+    x = images(64)
+    pruned, _ = prune_conv_graph(gm, x, 0.5, method="osscar", batch_size=64)
+    weights = {k: v.clone() for k, v in pruned.state_dict().items()}
+    fit = reconstruct_graph(pruned, gm, x, RefineConfig(steps=20, sequences=16, lr=50.0, backoff=0.99), CPU)
+    assert not fit.kept and fit.after == fit.before
+    assert all(torch.equal(v, pruned.state_dict()[k]) for k, v in weights.items())
+    assert not any(p.requires_grad for p in pruned.parameters())
+
+
+def test_the_pipeline_reports_the_fit_and_refuses_it_for_magnitude_pruning():
+    gm = exported("bottleneck")
+    x = images(64)
+    lines: list[str] = []
+    _, reports = prune_conv_graph(gm, x, 0.5, batch_size=64, refine=RefineConfig(steps=30, sequences=16),
+                                  progress=lines.append)
+    assert reports[-1].refine is not None and reports[-1].refine.steps == 30
+    assert all(r.refine is None for r in reports[:-1])
+    assert any(line.startswith("graph reconstruction: held-out relative error") for line in lines)
+    with pytest.raises(InputError, match="does not apply to method 'mp'"):
+        prune_conv_graph(gm, x, 0.5, method="mp", refine=RefineConfig(steps=5))
