@@ -190,7 +190,7 @@ def score_artifact(artifact: Path) -> dict:
     ids = wikitext_windows(tokenizer)
     report = json.loads((artifact / "report.json").read_text()) if (artifact / "report.json").is_file() else {}
     return {"artifact": str(artifact), "onnx_perplexity": onnx_perplexity(artifact / "model.onnx", ids),
-            "status": report.get("status"), "speedup": report.get("speedup")}
+            "status": report.get("status"), "measured_speedup": report.get("measured_speedup")}
 
 
 def _smollm2_kv_groups(ratio: float, method: str, **options) -> dict:

@@ -71,7 +71,8 @@ class Reconstruction:
         no fit beat them."""
         start = time.perf_counter()
         before = self.error(held_out, loss)
-        if not train or self.config.steps == 0:
+        if not train or self.config.steps == 0 or before == 0.0:  # nothing to fit, or nothing to fix (a block
+            # left whole on a stream still equal to the dense one)
             return RefineReport(before, before, False, 0, time.perf_counter() - start)
         best, best_weights = before, [p.detach().clone() for p in self.parameters]
         trainable = {id(p): p.requires_grad for p in self.module.parameters()}

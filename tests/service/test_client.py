@@ -44,8 +44,15 @@ def interrupt_when(args: list[str], ready: str, after: str | None = None) -> tup
     terminal does) once a stderr line contains `ready` (and then one contains `after`); returns the exit
     code, the stderr lines before the signal and those after it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, text=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # a suite started in the background by a non-interactive shell (`cmd &`) has SIGINT ignored, and an
+    # ignored signal stays ignored across exec: the CLI would never see the Ctrl-C. A handled one is reset
+    # to the default at exec, where Python installs its KeyboardInterrupt handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, text=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     before, waiting = [], [w for w in (ready, after) if w]
     try:
         for line in process.stderr:

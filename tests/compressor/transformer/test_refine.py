@@ -99,6 +99,16 @@ def test_a_fit_that_does_not_help_on_held_out_data_is_discarded():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
 
+def test_a_block_with_nothing_to_fix_is_not_fitted():
+    """A block left whole on a stream still equal to the dense one reproduces the dense output exactly:
+    no steps are spent on it."""
+    block, fit, judge, _ = _block_problem(steps=5)
+    with torch.no_grad():
+        block.mlp.down_proj.weight.mul_(2.0)  # undo the perturbation: the dense block again
+    result = BlockReconstruction(block, RefineConfig(steps=50)).fit(fit, judge, run)
+    assert result.before == 0.0 and result.steps == 0 and not result.kept
+
+
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_the_pipeline_reports_each_blocks_fit(name):
     model = MODELS[name]()

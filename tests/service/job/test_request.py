@@ -114,3 +114,18 @@ def test_every_violation_is_listed_and_is_an_input_error():
 def test_request_from_spec_refuses_unknown_fields():
     with pytest.raises(TypeError, match="no field 'nonsense'"):
         request_from_spec({"nonsense": 1})
+
+
+def test_reconstruction_steps_default_by_model_kind_and_never_for_magnitude_pruning():
+    base = {"model": "m", "calibration": Path("c"), "out_dir": Path("o"), "uniform_ratio": 0.5}
+    assert CompressRequest(**base).refine_steps_or(300) == 300  # unset: the kind's default
+    assert CompressRequest(**base, refine_steps=0).refine_steps_or(300) == 0
+    assert CompressRequest(**base, refine_steps=20).refine_steps_or(300) == 20
+    assert CompressRequest(**base, method="mp").refine_steps_or(300) == 0  # mp uses no calibration data
+    assert not CompressRequest(**base, method="mp").violations()
+    refused = dict(CompressRequest(**base, method="mp", refine_steps=10).violations())
+    assert "does not apply to --method mp" in refused["refine_steps"]
+    assert "--refine-steps must be in" in dict(CompressRequest(**base, refine_steps=-1).violations())["refine_steps"]
+    assert not CompressRequest(**base, latency_probes=0).violations()
+    probes = dict(CompressRequest(**base, latency_probes=21).violations())
+    assert "--latency-probes must be in" in probes["latency_probes"]
