@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .errors import InputError
 from .reports import RefineReport
 
 
@@ -43,6 +44,13 @@ class RefineConfig:
         assert self.lr > 0, f"learning rate must be > 0 (got {self.lr})"
         assert self.check_every >= 1 and 0 < self.backoff < 1 and self.slack >= 0, (self.check_every, self.backoff,
                                                                                    self.slack)
+
+
+def check_method(config: RefineConfig, method: str) -> None:
+    """Refuse reconstruction for magnitude pruning, which uses no calibration data (InputError)."""
+    if config.steps and method == "mp":
+        raise InputError("reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning uses no "
+                         "calibration data)")
 
 
 Loss = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]  # (module, batch) -> (squared errors, squared targets)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from ..errors import InputError, UnsupportedArchitecture
+from ..errors import UnsupportedArchitecture
 from ..layerstats import (
     FinishedStatistics,
     LayerObservation,
@@ -60,7 +60,7 @@ from ..layerstats import (
     kept_solution,
     planned_prune,
 )
-from ..refine import RefineConfig
+from ..refine import RefineConfig, check_method
 from ..reports import LayerReport
 from ..solver import solve_layer
 from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse, residual_add
@@ -268,9 +268,7 @@ def prune_conv_graph(
     (`compressor.cnn.refine`; not with method "mp"); its held-out errors are the last report's `refine`."""
     check_plan(ratio)
     refine = refine or RefineConfig()
-    if refine.steps and method == "mp":
-        raise InputError("reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning uses no "
-                         "calibration data)")
+    check_method(refine, method)
     with torch.no_grad():
         pruned, reports = _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
                                             bias_correction, progress, observe)

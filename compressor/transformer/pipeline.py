@@ -43,6 +43,7 @@ from ..layerstats import (
     planned_prune,
 )
 from ..modules import owner_of
+from ..refine import check_method
 from ..reports import LayerReport, RefineReport
 from ..solver import solve_layer
 from .adapters import adapter_for, dims, layers, layers_path
@@ -209,6 +210,11 @@ def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
 GQA_UNITS = ("query-heads", "kv-groups")
 
 
+def check_gqa(gqa: str) -> None:
+    if gqa not in GQA_UNITS:
+        raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
+
+
 def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads") -> float:
     """Multiply-adds one group costs per token: a head group's q/k/v/o rows and its attention over
     `sequence_length` keys, or one FFN neuron's rows. A single query head under GQA (`gqa` query-heads)
@@ -244,12 +250,9 @@ def prune_blocks(
     group at `cost_sequence_length`. With `refine` (RefineConfig with steps > 0), each pruned block is
     then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp")."""
     check_plan(ratio)
-    if gqa not in GQA_UNITS:
-        raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
+    check_gqa(gqa)
     refine = refine or RefineConfig()
-    if refine.steps and method == "mp":
-        raise InputError("block reconstruction (refine steps) does not apply to method 'mp' (magnitude pruning "
-                         "uses no calibration data)")
+    check_method(refine, method)
     if not batches:
         raise CalibrationError("no calibration batches")
     device = compute_device(device)
@@ -337,8 +340,7 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads")
     KV head, then the second, ...): the most KV heads a solve can keep at that width, so the latency is
     never flattered by KV heads that a solve's choice of heads would rarely empty."""
     check_plan(plan)
-    if gqa not in GQA_UNITS:
-        raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
+    check_gqa(gqa)
     resized = copy.deepcopy(model).to("cpu").eval()
     adapter, d = adapter_for(resized), dims(resized)
     prefix = layers_path(resized)

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torch import nn
+
 from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.reports import LayerReport
-from exporters.onnx import ParityError, stamp_metadata
+from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
@@ -96,6 +98,12 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         baseline_metric = job.score(reference, reference)
         feed = job.latency_feed()
 
+        def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
+            """Export (parity-checked) and time against the dense export: a round's or a probe's model."""
+            parity = job.export(module, path)
+            return parity, measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                           repeats=request.repeats)
+
         def run_round(plan: Widths, index: int, predicted: float | None = None) -> Round:
             enter("prune", index)
             module, layers = job.prune(plan)
@@ -106,9 +114,7 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             path.parent.mkdir()
             say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
             try:
-                parity = job.export(module, path)
-                latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
-                                          repeats=request.repeats)
+                parity, latency = export_and_time(module, path)
                 value = job.score(job.outputs(path), reference)
             except EXPORT_FAILURES as err:
                 raise _ExportFailed("round", index, err, layers) from err
@@ -125,9 +131,7 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             path = work / f"probe{probes}" / "model.onnx"
             path.parent.mkdir()
             try:
-                job.export(job.resize(plan), path)
-                return measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
-                                       repeats=request.repeats)
+                return export_and_time(job.resize(plan), path)[1]
             except EXPORT_FAILURES as err:
                 raise _ExportFailed("probe", index, err) from err
             finally:
