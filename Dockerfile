@@ -1,7 +1,13 @@
 # osscar-service for GPU nodes: the gRPC server (`osscar serve`) with the CUDA build of torch 2.13.0 and
 # ONNX Runtime's CUDA execution provider, used for measurement when a GPU is present (the server picks
-# cuda when ONNX Runtime offers it). The host needs the NVIDIA driver and container toolkit
-# (`docker run --gpus all ...`); CUDA and cuDNN libraries come from the wheels.
+# cuda when ONNX Runtime offers it and a session really runs on it). The host needs the NVIDIA driver and
+# container toolkit (`docker run --gpus all ...`); CUDA and cuDNN libraries come from the wheels.
+#
+# One CUDA for both: onnxruntime-gpu 1.31.1 from PyPI is built for CUDA 13 (its CUDA provider links
+# libcublas.so.13, libcublasLt.so.13, libcudart.so.13, libcurand.so.10 and cuDNN 9 for CUDA 13), so torch
+# is its CUDA 13 build (cu130), whose nvidia-* runtime wheels bring exactly those libraries. A cu128 torch
+# would bring CUDA 12.8 libraries: the provider would not load and ONNX Runtime would silently measure on
+# the CPU. The build fails when any library of the provider does not resolve.
 #
 #   docker build -t osscar .
 #   docker run --gpus all -p 50051:50051 -v osscar-data:/data \
@@ -23,8 +29,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/osscar
 
-# torch first, from the CUDA index, so that installing the package never resolves another torch
-RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# torch first, from the CUDA 13 index, so that installing the package never resolves another torch
+RUN pip install --index-url https://download.pytorch.org/whl/cu130 torch==2.13.0
 
 COPY pyproject.toml README.md ./
 COPY compressor ./compressor
@@ -37,6 +45,16 @@ COPY service ./service
 RUN pip install '.[gpu]' \
     && pip uninstall -y onnxruntime \
     && pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1
+
+# The CUDA libraries of the nvidia-* wheels on the loader's path, then every library of ONNX Runtime's CUDA
+# provider must resolve (ldd needs no GPU; the driver's libcuda comes from the host at run time).
+RUN site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    && find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u > /etc/ld.so.conf.d/osscar-cuda.conf \
+    && ldconfig \
+    && provider="$site/onnxruntime/capi/libonnxruntime_providers_cuda.so" \
+    && test -f "$provider" \
+    && missing="$(ldd "$provider" | grep 'not found' || true)" \
+    && if [ -n "$missing" ]; then echo "the CUDA provider's libraries do not resolve:"; echo "$missing"; exit 1; fi
 
 RUN useradd --create-home --uid 10001 osscar \
     && mkdir -p /data \

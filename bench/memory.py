@@ -7,7 +7,8 @@ Builds (once, cached in --workdir) a random-init decoder saved as safetensors sh
 in two fresh processes, one after the other: `streamed` (StreamedCheckpoint: blocks read one at a
 time from the shards and written back pruned) and `in-memory` (the whole model loaded, a pruned copy
 made, saved). Reports each process's peak RSS (ru_maxrss) and wall time. Calibration is random token
-ids (memory, not quality, is measured here).
+ids (memory, not quality, is measured here). `--methods osscar,mp+` runs each mode with each layer solver
+(block reconstruction off): the time osscar adds over mp+ on the same pipeline.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _calibration(vocab: int, sequences: int, length: int) -> list:
     return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(4)]
 
 
-def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, length: int) -> dict:
+def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, length: int,
+           method: str = "osscar") -> dict:
     sys.path.insert(0, str(ROOT))
     from compressor.transformer.models import load_transformer
     from compressor.transformer.offload import StreamedCheckpoint
@@ -64,14 +66,14 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
     if mode == "streamed":
         checkpoint = StreamedCheckpoint(source, out)
         batches = _calibration(checkpoint.model.config.vocab_size, sequences, length)
-        prune_blocks(checkpoint, batches, ratio)
+        prune_blocks(checkpoint, batches, ratio, method=method)
         checkpoint.finish()
     else:
         model = load_transformer(source).model
         batches = _calibration(model.config.vocab_size, sequences, length)
-        pruned, _ = prune_transformer(model, batches, ratio)
+        pruned, _ = prune_transformer(model, batches, ratio, method=method)
         save_pruned(pruned, out)
-    return {"mode": mode, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+    return {"mode": mode, "method": method, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
 
 
 def main() -> None:
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--modes", default="streamed,in-memory")
+    parser.add_argument("--methods", default="osscar", help="layer solvers, comma-separated (osscar, mp+)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/osscar-memory-bench"))
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("memory_results.json"))
     args = parser.parse_args()
@@ -97,21 +100,22 @@ def main() -> None:
             pool.submit(_build, str(source), args.hidden, args.layers, args.intermediate, args.vocab).result()
     size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
     rows = []
-    for mode in args.modes.split(","):
+    for mode, method in [(m, k) for m in args.modes.split(",") for k in args.methods.split(",")]:
         out = args.workdir / f"{shape}-pruned-{mode}"
         shutil.rmtree(out, ignore_errors=True)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:  # a fresh process: its own peak RSS
-            row = pool.submit(_prune, mode, str(source), str(out), args.ratio, args.sequences, args.length).result()
+            row = pool.submit(_prune, mode, str(source), str(out), args.ratio, args.sequences, args.length,
+                              method).result()
         row["pruned_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
         rows.append(row)
-        log.info("%s: peak RSS %.0f MB for a %.0f MB checkpoint (%.2fx), %.0f s", mode, row["peak_rss_mb"], size_mb,
-                 row["peak_rss_mb"] / size_mb, row["seconds"])
+        log.info("%s %s: peak RSS %.0f MB for a %.0f MB checkpoint (%.2fx), %.0f s", mode, method,
+                 row["peak_rss_mb"], size_mb, row["peak_rss_mb"] / size_mb, row["seconds"])
         shutil.rmtree(out, ignore_errors=True)
     result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "checkpoint_mb": size_mb,
               "shape": shape, "ratio": args.ratio, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     for row in rows:
-        print(f"| {shape} | {size_mb:.0f} | {row['mode']} | {row['peak_rss_mb']:.0f} | "
+        print(f"| {shape} | {size_mb:.0f} | {row['mode']} ({row['method']}) | {row['peak_rss_mb']:.0f} | "
               f"{row['peak_rss_mb'] / size_mb:.2f} | {row['seconds']:.0f} |")
 
 

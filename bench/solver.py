@@ -10,6 +10,9 @@ Parts:
           calibration images) and stories260K (TinyStories tokens), H and G from forward hooks
   speed   time of osscar / time of one float64 Cholesky solve of H^-1 G, same run, interleaved
   scratch gain over recomputing f from scratch for every candidate (sampled and extrapolated)
+  search  the "fast solver" issue's problem, which has much to swap: A = randn(rows, d1) (I + 0.05
+          randn(d1, d1)), H = A^T A, G = H W_hat; time against one Cholesky solve, the phases,
+          the objective against mp+, and ATen ops / host synchronisations per swap round
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compressor import solve_layer
+from compressor.solver.counting import OpCounter
+from compressor.solver.osscar import OsscarConfig, OsscarSolver
+from compressor.solver.problem import LayerProblem
 from compressor.solver.synthetic import correlated_problem
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -204,7 +210,7 @@ def part_speed(sizes: list[int], group_sizes: list[int], repeats: int) -> dict:
                          "cholesky_solve_s_median": statistics.median(t_base),
                          "osscar_s_median": statistics.median(t_os),
                          "ratio_of_medians": statistics.median(t_os) / statistics.median(t_base),
-                         "ratio_median": statistics.median(ratios),
+                         "ratio_median": statistics.median(ratios), "objective": sol.objective,
                          "stats": {k_: v for k_, v in sol.stats.items() if isinstance(v, (int, float, str))}})
             log.info("speed %s", rows[-1])
     return {"repeats": repeats, "rows": rows}
@@ -243,9 +249,70 @@ def part_scratch(d1: int, samples: int) -> dict:
             "from_scratch_extrapolated_s": evals, "gain": evals / t_os}
 
 
+# ---- (d) a search with much to swap --------------------------------------------------------------
+def issue_problem(d1: int, rows: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(H, G, W_hat) of the fast-solver issue: weakly correlated features, d2 = d1 / 4."""
+    gen = torch.Generator().manual_seed(seed)
+    eye = torch.eye(d1, dtype=torch.float64)
+    A = torch.randn(rows, d1, generator=gen, dtype=torch.float64) @ (
+        eye + 0.05 * torch.randn(d1, d1, generator=gen, dtype=torch.float64))
+    H = A.T @ A
+    W_hat = torch.randn(d1, d1 // 4, generator=gen, dtype=torch.float64)
+    return H, H @ W_hat, W_hat
+
+
+class CountedSolver(OsscarSolver):
+    """OsscarSolver whose swap rounds run under an OpCounter: (ops, syncs, exchanges) per round."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rounds: list[tuple[int, int, int]] = []
+
+    def swap_round(self, state, pairs):
+        with OpCounter() as c:
+            out = super().swap_round(state, pairs)
+        self.rounds.append((c.ops, c.syncs, out[1]))
+        return out
+
+    def double_swap_round(self, state):
+        with OpCounter() as c:
+            out = super().double_swap_round(state)
+        self.rounds.append((c.ops, c.syncs, out[1]))
+        return out
+
+
+def part_search(sizes: list[int], group_sizes: list[int], rows_4096: int) -> dict:
+    rows = []
+    for d1 in sizes:
+        H, G, W_hat = issue_problem(d1, rows_4096 if d1 == 4096 else int(1.5 * d1))
+        for g in group_sizes:
+            k = d1 // g // 2
+            cholesky_solve(H, G)  # warm-up
+            t_base = timed(lambda H=H, G=G: cholesky_solve(H, G))
+            start = time.perf_counter()
+            sol = solve_layer(H, G, g, k, dense_weight=W_hat)
+            t_os = time.perf_counter() - start
+            t_base = min(t_base, timed(lambda H=H, G=G: cholesky_solve(H, G)))
+            mp = solve_layer(H, G, g, k, "mp+", dense_weight=W_hat)
+            row = {"d1": d1, "group_size": g, "cholesky_solve_s": t_base, "osscar_s": t_os,
+                   "ratio": t_os / t_base, "osscar_f": sol.objective, "mp_plus_f": mp.objective,
+                   "stats": {k_: v for k_, v in sol.stats.items() if isinstance(v, (int, float, str))}}
+            if d1 == sizes[0]:
+                counted = CountedSolver(LayerProblem.validate(H, G, g, k, W_hat), OsscarConfig())
+                counted.search()
+                ops, syncs, swaps = zip(*counted.rounds, strict=True) if counted.rounds else ((0,), (0,), (0,))
+                row["per_round"] = {"rounds": len(counted.rounds), "ops_median": statistics.median(ops),
+                                    "ops_max": max(ops), "syncs_max": max(syncs),
+                                    "syncs_median": statistics.median(syncs),
+                                    "exchanges_median": statistics.median(swaps), "exchanges_max": max(swaps)}
+            log.info("search %s", row)
+            rows.append(row)
+    return {"rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="small,real,speed,scratch")
+    parser.add_argument("--parts", default="small,real,speed,scratch,search")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("solver_results.json"))
     args = parser.parse_args()
@@ -267,6 +334,9 @@ def main() -> None:
     if "scratch" in parts:
         result["scratch"] = part_scratch(1024 if args.quick else 4096, 2 if args.quick else 3)
         log.info("scratch %s", result["scratch"])
+    if "search" in parts:
+        result["search"] = part_search([1024] if args.quick else [4096, 8192], [1, 64],
+                                       rows_4096=6000)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "real"}, indent=1, default=str))
     if "real" in result and "layers" in result["real"]:

@@ -15,6 +15,8 @@ from compressor.errors import InputError
 
 from .terminal import ProgressLines, ignoring_interrupts
 
+log = logging.getLogger(__name__)
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import format_table, run_demo
@@ -140,6 +142,7 @@ def _compress(args: argparse.Namespace) -> int:
         from .client import remote_compress
 
         return remote_compress(args)
+    from .core.outcomes import JobError, out_of_memory
     from .files import default_home
     from .job import CompressRequest, compress
     from .job.report_html import record_references
@@ -155,14 +158,23 @@ def _compress(args: argparse.Namespace) -> int:
     options["model"] = str(options["model"])
     progress = _Progress(sys.stderr)
     written = WrittenOutputs(Path(args.out_dir))
+    current = {"stage": "loading"}
     try:
-        report = compress(CompressRequest(**options), progress=progress)
+        report = compress(CompressRequest(**options), progress=progress,
+                          stage=lambda name, _index: current.update(stage=name))
         report = record_references(Path(args.out_dir), report, given)  # report.html's title: as given
     except KeyboardInterrupt:
         with ignoring_interrupts():  # a second Ctrl-C must not stop the clean-up half-way
             progress.lines.end()
             print(f"osscar: interrupted; {written.undo()}", file=sys.stderr)
         return 130
+    except Exception as err:  # memory running out is the machine's, not a bug: one line, exit 2
+        if out_of_memory(err) is None:
+            raise
+        progress.lines.end()
+        message = JobError.from_exception(err, stage=current["stage"]).message
+        print(f"osscar: {message}; {written.undo()}", file=sys.stderr)
+        return 2
     if report["status"] == "parity_failed":
         print(f"osscar: {report['message']}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
         return 2
@@ -224,6 +236,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"osscar: serving on {settings.host}:{server.port} ({security}, {auth}; data in "
               f"{server.jobs.home}{metrics})", file=sys.stderr, flush=True)
 
+    from exporters.runtime import default_provider
+
+    # on a GPU node: a CUDA provider that is listed but does not load is logged loudly now, not found later
+    log.info("latency measurement on %s", default_provider())
     serve(settings, ready)
     return 0
 

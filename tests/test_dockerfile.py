@@ -52,6 +52,11 @@ def test_image_contract():
     text = DOCKERFILE.read_text()
     assert "torch==2.13.0" in text and "download.pytorch.org/whl/cu" in text  # the CUDA build, pinned
     assert "onnxruntime-gpu" in text and "'.[gpu]'" in text
+    # one CUDA: onnxruntime-gpu 1.31.1's provider is built for CUDA 13, so torch is the cu130 build, and the
+    # build fails when a library of the provider does not resolve
+    assert "download.pytorch.org/whl/cu130 torch==2.13.0" in text and "onnxruntime-gpu==1.31.1" in text
+    check = text[text.index("libonnxruntime_providers_cuda.so"):]
+    assert "ldd" in check and "not found" in check and "exit 1" in check
     assert re.search(r"^USER\s+[1-9]\d*$", text, flags=re.MULTILINE)  # non-root, numeric
     assert exec_form(instruction("ENTRYPOINT"))[:2] == ["osscar", "serve"]
 

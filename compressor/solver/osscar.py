@@ -5,12 +5,14 @@ rounds (p_i = 0) until no exchange lowers f. Where the paper ranks swap candidat
 impacts B_j (restore the pruned groups whose return lowers f most, prune the kept groups that cost
 least), each round here also evaluates the exact f of restoring i *and then* pruning j for the best
 restore candidates i against every kept j (a g x g correction per pair), so a round never accepts a
-move that raises f; several disjoint improving pairs go in one move when their joint exact change is
-still an improvement.
+move that raises f; disjoint pairs are accepted in turn, each only if its exact change after the ones
+accepted before it still lowers f, and go in one move. A round decides on the device and synchronises
+with the host twice (`swap_round`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .problem import DAMPING_LADDER, LayerProblem, factorize, group_rows
-from .sweep import NestedState, PivotError, SwapState
+from .sweep import NestedState, PivotError, SwapState, block_gram
 
 State = TypeVar("State", NestedState, SwapState)
 
@@ -39,9 +41,9 @@ class OsscarConfig:
     # Upper bound on the non-nested swap rounds (p = 0); rounds stop earlier at a local optimum.
     swap_rounds: int = 100
     # Restore candidates (highest restore gain) evaluated exactly against every kept group per round.
-    swap_candidates: int = 8
-    # Most disjoint improving pairs exchanged in one move.
-    swap_pairs: int = 8
+    swap_candidates: int = 16
+    # Most disjoint pairs tried (and exchanged) per round, each accepted in turn.
+    swap_pairs: int = 16
     # When no single exchange improves: try every 2-for-2 exchange among the this many highest-gain
     # pruned and lowest-cost kept groups (exhaustive on small layers; 0 disables).
     double_swap_candidates: int = 12
@@ -136,63 +138,102 @@ class OsscarSolver:
         self._count("greedy_steps", steps)
         return state
 
+    # Bounds on the rows of a round's restore candidates (c g: columns formed, pair deltas batched) and
+    # of the block on which it accepts its pairs in turn (2 pairs g); they matter for wide groups (heads,
+    # conv channels), where the number of groups is small anyway.
+    SWAP_CANDIDATE_ROWS = 512
+    SWAP_BLOCK_ROWS = 512
+
     def swaps(self, state: SwapState) -> SwapState:
         """Non-nested rounds (p_i = 0): exchange pruned and kept groups while f decreases."""
         rounds = accepted = 0
+        # Pairs tried per round: all that may be exchanged at first, then twice the number of
+        # individually improving pairs the last round found (late rounds find few).
+        slots = self._max_pairs(state)
         while rounds < self.config.swap_rounds:
-            move = self._best_exchange(state)
-            if move is None:
-                move = self._best_double_exchange(state)
-                if move is None:
+            state, n, improving = self.swap_round(state, slots)
+            if n == 0:
+                state, n = self.double_swap_round(state)
+                if n == 0:
                     break
                 self._count("double_swaps")
-            restore, prune = move
-            state = self._guarded(state, lambda s, r=restore, q=prune: s.swap(r, q))
+            slots = min(self._max_pairs(state), max(2, 2 * improving))
             rounds += 1
-            accepted += restore.numel()
+            accepted += n
         self._count("swap_rounds", rounds)
         self._count("swaps", accepted)
         return state
 
-    def _best_exchange(self, state: SwapState) -> tuple[Tensor, Tensor] | None:
-        """Disjoint (restore, prune) pairs whose joint exact change of f is an improvement."""
-        num_pruned = int((~state.kept).sum())
-        if num_pruned in (0, state.num_groups) or self.config.swap_candidates == 0:
-            return None
-        scores = state.scores()
-        gains = torch.where(state.kept, -torch.inf, scores)
-        cand = torch.topk(gains, min(self.config.swap_candidates, num_pruned)).indices
-        delta = self._pair_deltas(state, cand, scores[cand])  # (c, p)
-        threshold = self._threshold(state)
-        flat = delta.flatten()
-        n_improving = int((flat < threshold).sum())
-        if n_improving == 0:
-            return None
-        p = state.num_groups
-        pairs: list[tuple[int, int]] = []
-        used_in: set[int] = set()
-        used_out: set[int] = set()
-        for k in torch.topk(flat, n_improving, largest=False).indices.tolist():
-            i, j = int(cand[k // p]), k % p
-            if i not in used_in and j not in used_out:
-                pairs.append((i, j))
-                used_in.add(i)
-                used_out.add(j)
-                if len(pairs) == self.config.swap_pairs:
-                    break
-        device = state.kept.device
-        while pairs:
-            restore = torch.tensor([i for i, _ in pairs], device=device)
-            prune = torch.tensor([j for _, j in pairs], device=device)
-            if len(pairs) == 1:
-                return restore, prune
-            try:
-                if state.swap_delta(restore, prune) < threshold:
-                    return restore, prune
-            except PivotError:
-                pass
-            pairs = pairs[: len(pairs) // 2]
-        return None
+    def _candidates(self, state: SwapState) -> int:
+        per_rows = max(1, self.SWAP_CANDIDATE_ROWS // state.group_size)
+        return min(self.config.swap_candidates, state.num_pruned, per_rows)
+
+    def _max_pairs(self, state: SwapState) -> int:
+        per_block = max(1, self.SWAP_BLOCK_ROWS // (2 * state.group_size))
+        return max(0, min(self.config.swap_pairs, self._candidates(state),
+                          state.num_groups - state.num_pruned, per_block))
+
+    def swap_round(self, state: SwapState, pairs: int) -> tuple[SwapState, int, int]:
+        """One round of single exchanges, trying up to `pairs` pairs; returns the state, how many
+        pairs it exchanged and how many were improving on their own.
+
+        Everything is decided on the device; the round synchronises with the host twice: once to
+        learn which pairs were accepted (with the check that every score was finite), once for the
+        pivots of the applied update.
+          1. restore candidates: the `swap_candidates` pruned groups with the highest gain;
+          2. exact f change of every (candidate i, kept j) exchange, in one batch;
+          3. up to `swap_pairs` disjoint pairs, best first;
+          4. each pair accepted only if its exact change, given the pairs accepted before it in
+             this round, still lowers f (on the small block of the pairs' rows: no d1 work);
+          5. the accepted pairs applied as one restore and one prune of the full state.
+        """
+        g, p = state.group_size, state.num_groups
+        pairs = min(pairs, self._max_pairs(state))
+        if state.num_pruned in (0, p) or pairs == 0:
+            return state, 0, 0
+        c = self._candidates(state)
+        gram = block_gram(state.Z, g)  # (p, g, g): Z_j Z_j^T, shared by the scores and the pair deltas
+        scores = state.scores(check=False, gram=gram)
+        gain, cand = torch.topk(torch.where(state.kept, -torch.inf, scores), c)
+        cols_c = state.columns(group_rows(cand, g))  # d1 x (c g)
+        delta = self._pair_deltas(state, cand, gain, cols_c, gram)  # (c, p)
+        threshold = -self._tol * state.f_tensor.abs().clamp_min(1e-300)
+        slot_i, slot_j, slot_delta = _disjoint_pairs(delta, pairs)
+        d1 = cols_c.shape[0]
+        col_in = cols_c.view(d1, c, g).index_select(1, slot_i).reshape(d1, pairs * g)
+        col_out = state.columns(group_rows(slot_j, g))  # d1 x (pairs g)
+        improving = slot_delta < threshold
+        accepted = _accept_in_turn(state, cand[slot_i], slot_j, improving, col_in, col_out, threshold)
+        flags = torch.cat([accepted, improving, scores.isnan().any().view(1)]).tolist()  # sync 1
+        if flags[-1]:  # a pivot block drifted: the same support from scratch (one damping rung up), again
+            return self.swap_round(self._refactorise(state), pairs)
+        chosen = [t for t in range(pairs) if flags[t]]
+        n_improving = sum(flags[pairs:2 * pairs])
+        if not chosen:
+            return state, 0, n_improving
+        sel = torch.tensor(chosen, device=cand.device)
+        restore, prune = cand[slot_i[sel]], slot_j[sel]
+        rows_sel = group_rows(sel, g)
+        before = state.kept.clone()
+        info = state.exchange(restore, prune, col_in.index_select(1, rows_sel),
+                              col_out.index_select(1, rows_sel))
+        if int(info) != 0:  # sync 2
+            state = self._refactorise(state, torch.nonzero(~before).squeeze(1))
+            state = self._guarded(state, lambda s: s.swap(restore, prune))
+        return state, len(chosen), n_improving
+
+    def double_swap_round(self, state: SwapState) -> tuple[SwapState, int]:
+        """When no single exchange improves: the best 2-for-2 exchange among the top candidates,
+        evaluated exactly in one batch (exhaustive on small layers); two host synchronisations."""
+        move = self._best_double_exchange(state)
+        if move is None:
+            return state, 0
+        restore, prune = move
+        before = state.kept.clone()
+        if int(state.exchange(restore, prune)) != 0:
+            state = self._refactorise(state, torch.nonzero(~before).squeeze(1))
+            state = self._guarded(state, lambda s: s.swap(restore, prune))
+        return state, 2
 
     def _best_double_exchange(self, state: SwapState) -> tuple[Tensor, Tensor] | None:
         """The best 2-for-2 exchange among the top candidates, evaluated exactly in one batch."""
@@ -201,10 +242,10 @@ class OsscarSolver:
         # bound the batch of (4g x 4g) sub-blocks, C(c, 2)^2 of them, to ~2^22 entries
         while c > 2 and math.comb(c, 2) ** 2 * (4 * g) ** 2 > 1 << 22:
             c -= 1
-        num_pruned = int((~state.kept).sum())
+        num_pruned = state.num_pruned
         if c < 2 or num_pruned < 2 or state.num_groups - num_pruned < 2:
             return None
-        scores = state.scores()
+        scores = state.scores(check=False)
         cand_in = torch.topk(torch.where(state.kept, -torch.inf, scores), min(c, num_pruned)).indices
         cand_out = torch.topk(torch.where(state.kept, scores, torch.inf),
                               min(c, state.num_groups - num_pruned), largest=False).indices
@@ -213,10 +254,11 @@ class OsscarSolver:
         block = state.columns(rows)[rows].view(cand.numel(), g, cand.numel(), g)
         z = state.Z[rows]
         gram = (z @ z.T).view(cand.numel(), g, cand.numel(), g)
-        pairs_in = torch.combinations(torch.arange(cand_in.numel(), device=cand.device), 2)
-        pairs_out = torch.combinations(torch.arange(cand_out.numel(), device=cand.device), 2) + cand_in.numel()
-        combos = torch.cat([pairs_in.repeat_interleave(pairs_out.shape[0], 0),
-                            pairs_out.repeat(pairs_in.shape[0], 1)], 1)  # (b, 4) local group ids
+        n_in, n_out = cand_in.numel(), cand_out.numel()
+        combos = torch.tensor([(a, b, n_in + x, n_in + y)  # (b, 4) local group ids, built on the host:
+                               for a, b in itertools.combinations(range(n_in), 2)  # torch.combinations
+                               for x, y in itertools.combinations(range(n_out), 2)],  # would synchronise
+                              device=cand.device)
         b = combos.shape[0]
 
         def sub_blocks(M: Tensor) -> Tensor:  # (b, 4g, 4g) blocks of M at the combos' groups
@@ -224,44 +266,57 @@ class OsscarSolver:
             return sub.permute(0, 1, 3, 2, 4).reshape(b, 4 * g, 4 * g)
 
         delta = _batched_swap_delta(sub_blocks(block), sub_blocks(gram), 2 * g)
-        best = int(torch.argmin(delta))
-        if not float(delta[best]) < self._threshold(state):
+        best = torch.argmin(delta).view(1)  # indexing with a 0-d tensor would read it on the host
+        threshold = -self._tol * state.f_tensor.abs().clamp_min(1e-300)
+        improves, bad = torch.cat([delta.index_select(0, best) < threshold,
+                                   scores.isnan().any().view(1)]).tolist()  # sync 1
+        if bad:
+            raise PivotError("a group's pivot block is not positive definite")
+        if not improves:
             return None
-        return cand[combos[best, :2]], cand[combos[best, 2:]]
+        groups = cand[combos.index_select(0, best)[0]]
+        return groups[:2], groups[2:]
 
     @staticmethod
-    def _pair_deltas(state: SwapState, cand: Tensor, gain: Tensor) -> Tensor:
-        """delta[i, j] = f(S - {cand_i} + {j}) - f(S) for every kept j (inf elsewhere)."""
+    def _pair_deltas(state: SwapState, cand: Tensor, gain: Tensor, cols: Tensor | None = None,
+                     gram: Tensor | None = None) -> Tensor:
+        """delta[i, j] = f(S - {cand_i} + {j}) - f(S) for every kept j (inf elsewhere), in batches;
+        `cols` (A[:, rows of cand]) and `gram` (block_gram of Z) when the caller has them."""
         g, p = state.group_size, state.num_groups
         rows_c = group_rows(cand, g)
-        cols = state.columns(rows_c)  # d1 x (c g): A[:, cand]
+        if cols is None:
+            cols = state.columns(rows_c)  # d1 x (c g): A[:, cand]
         Z = state.Z
+        c = cand.numel()
+        if gram is None:
+            gram = block_gram(Z, g)  # (p, g, g): Z_j Z_j^T
         if g == 1:
-            a_ii = cols[cand, torch.arange(cand.numel(), device=cand.device)]  # Schur complements
+            a_ii = cols[cand, torch.arange(c, device=cand.device)]  # Schur complements
             r = cols / a_ii  # d1 x c
             a_jj = state.blocks.view(p, 1) - cols * r  # A_jj after restoring i (< 0 for kept j)
-            z2 = (torch.linalg.vector_norm(Z, dim=1).square().unsqueeze(1)
-                  - 2 * r * (Z @ Z[cand].T) + r.square() * torch.linalg.vector_norm(Z[cand], dim=1).square())
+            norms = gram.view(p)  # |Z_j|^2
+            z2 = norms.unsqueeze(1) - 2 * r * (Z @ Z[cand].T) + r.square() * norms[cand]
             delta = (0.5 * z2 / (-a_jj) - gain).T  # (c, p)
-        else:
-            Zg = Z.view(p, g, -1)
-            gram = Zg @ Zg.transpose(1, 2)  # (p, g, g): Z_j Z_j^T
-            rows = []
-            for k in range(cand.numel()):
-                ri = rows_c[k * g:(k + 1) * g]
-                col_i = cols[:, k * g:(k + 1) * g]  # d1 x g: A[:, i]
-                a_ji = col_i.view(p, g, g)
-                t = a_ji @ torch.cholesky_inverse(torch.linalg.cholesky(col_i[ri]))  # A_ji A_ii^-1
-                neg_a_jj = -(state.blocks - t @ a_ji.transpose(1, 2))  # -A_jj after restoring i
-                cross = (Z[ri] @ Z.T).view(g, p, g).permute(1, 0, 2)  # (p, g, g): Z_i Z_j^T
-                tc = t @ cross
-                gram_i = (Z[ri] @ Z[ri].T).expand(p, g, g)  # Z_i Z_i^T
-                # Z'_j Z'_j^T with Z'_j = Z_j - t Z_i
-                gram_j = gram - tc - tc.transpose(1, 2) + t @ gram_i @ t.transpose(1, 2)
-                chol, info = torch.linalg.cholesky_ex(neg_a_jj)
-                cost = 0.5 * torch.cholesky_solve(gram_j, chol).diagonal(dim1=1, dim2=2).sum(1)
-                rows.append(torch.where(info == 0, cost, torch.inf) - gain[k])
-            delta = torch.stack(rows)  # (c, p)
+            return torch.where(state.kept.unsqueeze(0), delta, torch.inf)
+        chunk = max(1, (1 << 24) // (p * g * g))  # candidates per batch: bounded (chunk, p, g, g)
+        parts = []
+        for k0 in range(0, c, chunk):
+            k1 = min(c, k0 + chunk)
+            n = k1 - k0
+            a_ji = cols[:, k0 * g:k1 * g].reshape(p, g, n, g).permute(2, 0, 1, 3)  # (n, p, g, g): A_ji
+            a_ii = a_ji[torch.arange(n, device=cand.device), cand[k0:k1]]  # (n, g, g)
+            t = a_ji @ torch.cholesky_inverse(torch.linalg.cholesky_ex(a_ii)[0]).unsqueeze(1)  # A_ji A_ii^-1
+            neg_a_jj = -(state.blocks - t @ a_ji.transpose(-1, -2))  # -A_jj after restoring i
+            z_i = Z[rows_c[k0 * g:k1 * g]].view(n, g, -1)  # (n, g, d2)
+            cross = (z_i.reshape(n * g, -1) @ Z.T).view(n, g, p, g).permute(0, 2, 1, 3)  # Z_i Z_j^T
+            tc = t @ cross
+            gram_i = (z_i @ z_i.transpose(1, 2)).unsqueeze(1)  # (n, 1, g, g): Z_i Z_i^T
+            # Z'_j Z'_j^T with Z'_j = Z_j - t Z_i
+            gram_j = gram - tc - tc.transpose(-1, -2) + t @ gram_i @ t.transpose(-1, -2)
+            chol, info = torch.linalg.cholesky_ex(neg_a_jj)
+            cost = 0.5 * torch.cholesky_solve(gram_j, chol).diagonal(dim1=-2, dim2=-1).sum(-1)
+            parts.append(torch.where(info == 0, cost, torch.inf) - gain[k0:k1].unsqueeze(1))
+        delta = torch.cat(parts)  # (c, p)
         return torch.where(state.kept.unsqueeze(0), delta, torch.inf)
 
     # ---- entry points ----------------------------------------------------------------------------
@@ -323,3 +378,48 @@ def _batched_swap_delta(A: Tensor, Q: Tensor, m_in: int) -> Tensor:
     L2, info2 = torch.linalg.cholesky_ex(neg_A_JJ)
     cost = 0.5 * torch.cholesky_solve(Q_JJ, L2).diagonal(dim1=1, dim2=2).sum(1)
     return torch.where((info1 == 0) & (info2 == 0), cost - gain, torch.inf)
+
+
+def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """n (row, column, value) picks of the smallest entries of delta (c, p), each row and column
+    used once, best first, decided on the device (no host synchronisation). Once no finite
+    entry is left the picks repeat arbitrary ones with value inf."""
+    D = delta.clone(memory_format=torch.contiguous_format)
+    flat, p = D.view(-1), D.shape[1]
+    picks = torch.empty(n, dtype=torch.long, device=D.device)
+    values = torch.empty(n, dtype=D.dtype, device=D.device)
+    for t in range(n):
+        k = torch.argmin(flat).view(1)
+        picks[t:t + 1] = k
+        values[t:t + 1] = flat[k]
+        D.index_fill_(0, k // p, torch.inf)
+        D.index_fill_(1, k % p, torch.inf)
+    return picks // p, picks % p, values
+
+
+def _accept_in_turn(state: SwapState, restore: Tensor, prune: Tensor, valid: Tensor,
+                    col_in: Tensor, col_out: Tensor, threshold: Tensor) -> Tensor:
+    """Which of the (restore[t], prune[t]) exchanges to make, in turn: pair t is accepted when it is
+    valid and f(accepted + t) - f(accepted) is below threshold, each joint change exact, on the block
+    of the pairs' rows (the rows of pairs not in the set masked out: identity pivots, no coupling,
+    zero Gram rows). Returns a bool tensor without synchronising."""
+    g, n_pairs = state.group_size, restore.numel()
+    rows = torch.cat([group_rows(restore, g), group_rows(prune, g)])
+    B = torch.cat([col_in, col_out], 1)[rows]  # (2 n_pairs g) square block of A: [restore rows, prune rows]
+    z = state.Z[rows]
+    Q = z @ z.T
+    pair = torch.arange(n_pairs, device=rows.device).repeat_interleave(g).repeat(2)  # (n,): pair of each row
+    sign = torch.cat([torch.ones(n_pairs * g), -torch.ones(n_pairs * g)]).to(B)  # pivots: restore +, prune -
+    chosen = torch.zeros_like(pair, dtype=torch.bool)  # rows of the accepted pairs
+    f_chosen = torch.zeros((), dtype=B.dtype, device=B.device)  # their joint change of f
+    accepted = []
+    for t in range(n_pairs):
+        trial = chosen | (pair == t)
+        both = trial.unsqueeze(1) & trial.unsqueeze(0)
+        A = torch.where(both, B, 0.0) + torch.diag((~trial).to(B.dtype) * sign)
+        f_trial = _batched_swap_delta(A.unsqueeze(0), torch.where(both, Q, 0.0).unsqueeze(0), n_pairs * g)[0]
+        ok = valid[t] & (f_trial - f_chosen < threshold)
+        chosen = torch.where(ok, trial, chosen)
+        f_chosen = torch.where(ok, f_trial, f_chosen)
+        accepted.append(ok)
+    return torch.stack(accepted)

@@ -18,13 +18,11 @@ a swap (case 3) is a restore followed by a prune (sweeps commute).
 
 Two phases, two representations, neither of which ever touches all of A:
   * `NestedState` (nested greedy, case 1 only): a left-looking pivoted Cholesky of H^-1.
-  * `SwapState` (swap rounds): A as its columns on demand, from H^-1, the greedy's factors and the
-    list of moves applied since; a round costs O(d1 R), not O(d1^2).
+  * `SwapState` (swap rounds): A as its columns on demand, from the greedy's factors (or A0 formed
+    once) and the stacked moves applied since; a column costs O(d1 R) or O(d1 N), never O(d1^2).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -206,141 +204,274 @@ class NestedState:
         return SwapState(self)
 
 
-@dataclass(frozen=True)
-class _Move:
-    """One sweep applied in the swap phase: A' = A - F col^T, then rows/cols P replaced."""
+class _Segment:
+    """Consecutive sweeps of the swap phase, stacked: their pivot rows, signs and block-diagonal
+    pivot inverses (one dense matrix, so that replaying them is a few matmuls, not a loop)."""
 
-    rows: Tensor  # P (m,)
-    F: Tensor  # d1 x m: col A_PP^-1
-    col: Tensor  # d1 x m: A[:, P] before the move
-    pivot_inv: Tensor  # m x m: A_PP^-1
-    sign: float  # +1 restore, -1 prune
+    def __init__(self, offset: int) -> None:
+        self.offset = offset  # first column of these sweeps in SwapState._C
+        self.rows: list[Tensor] = []
+        self.signs: list[Tensor] = []
+        self.pivots: list[Tensor] = []
+        self.size = 0
+        self._packed: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def add(self, rows: Tensor, pivot_inv: Tensor, sign: float) -> None:
+        self.rows.append(rows)
+        self.signs.append(torch.full((rows.numel(),), sign, dtype=pivot_inv.dtype, device=rows.device))
+        self.pivots.append(pivot_inv)
+        self.size += rows.numel()
+        self._packed = None
+
+    def packed(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows (n,), signs (n, 1), block-diagonal pivot inverses (n, n))."""
+        if self._packed is None:
+            self._packed = (torch.cat(self.rows), torch.cat(self.signs).unsqueeze(1),
+                            torch.block_diag(*self.pivots))
+        return self._packed
 
 
 class SwapState:
-    """The swept state during the swap rounds, with A held implicitly.
+    """The swept state during the swap rounds; A as its state at the end of the greedy (A0) plus the
+    moves made since.
 
     With the greedy's pruned rows S in pivot order, U_S = U[S] is lower triangular with
     H^-1[S, S] = U_S U_S^T and H^-1[K, S] = U_K U_S^T, so the swept matrix at the end of the greedy is
-        A_KK = -(H^-1[K, K] - U_K U_K^T),   A_KS = -U_K U_S^-1,   A_SS = (U_S U_S^T)^-1,
-    and every column of it costs O(d1 R). Moves (sweeps) are recorded and replayed on the columns a
-    later step asks for; the diagonal blocks, Z and f are kept up to date eagerly.
+        A_KK = -(H^-1[K, K] - U_K U_K^T),   A_KS = -U_K U_S^-1,   A_SS = (U_S U_S^T)^-1
+    (A0); its columns come from these factors, or from A0 formed once the search has asked for enough
+    of them (`materialise`). A sweep of rows P (sign s: +1 restore, -1 prune) with
+    c = A[:, P] and Pi = A_PP^-1 is the symmetric low-rank change
+
+        A' = A + [c, E_P] [[-Pi, s Pi], [s Pi, -Pi - 2 s I]] [c, E_P]^T      (E_P: unit columns at P)
+
+    so the moves since the greedy add up: their columns c are stacked in one d1 x N matrix and
+    their small cores in segments, and a column of the current A costs one matmul with the stack.
+    The diagonal blocks, Z and f are kept up to date eagerly. Nothing here synchronises with the
+    host except the checked public moves (`prune`, `restore`, `swap`): the swap rounds decide on
+    the device (see `OsscarSolver`).
     """
+
+    SEGMENT_ROWS = 256  # sweeps are grouped into block-diagonal segments of about this many rows
 
     def __init__(self, nested: NestedState) -> None:
         g = nested.group_size
         self.group_size = g
         self.kept = nested.kept.clone()  # current support, by group
-        self.f = nested.f
+        self.num_pruned = int((~self.kept).sum())  # swaps keep it constant
         self._Hinv = nested.Hinv
+        dtype, device = self._Hinv.dtype, self._Hinv.device
+        self.f_tensor = torch.tensor(nested.f, dtype=dtype, device=device)  # f, on the device
         d1 = self._Hinv.shape[0]
-        base_kept = nested.kept.repeat_interleave(g)
-        self._K = torch.nonzero(base_kept).squeeze(1)  # the greedy's kept rows
-        self._S = group_rows(torch.cat(nested.order), g) if nested.order else self._K[:0]
+        K = torch.nonzero(nested.kept.repeat_interleave(g)).squeeze(1)  # the greedy's kept rows
+        S = group_rows(torch.cat(nested.order), g) if nested.order else K[:0]  # in pivot order
         U = nested.U[:, : nested.n]
-        self._U_K = U.index_select(0, self._K)  # |K| x R (copies: the greedy's buffer may be reused)
-        self._U_S = U.index_select(0, self._S)  # R x R, lower triangular
-        # position of each row within K (natural order) or S (pivot order); -1 elsewhere
-        self._k_pos = torch.full((d1,), -1, dtype=torch.long, device=U.device)
-        self._k_pos[self._K] = torch.arange(self._K.numel(), device=U.device)
-        self._s_pos = torch.full((d1,), -1, dtype=torch.long, device=U.device)
-        self._s_pos[self._S] = torch.arange(self._S.numel(), device=U.device)
+        U_K, U_S = U.index_select(0, K), U.index_select(0, S)  # |K| x R, R x R lower triangular
         self.Z = nested.W  # taken over: NestedState.reset() allocates a new W
+        # A0 is held as the greedy's factors first (a column costs O(d1 R)); `materialise()` forms
+        # it explicitly when a search runs long enough to repay that (a column is then a gather).
+        self._K, self._S, self._U_K, self._U_S = K, S, U_K, U_S
+        self._s_pos = torch.full((d1,), -1, dtype=torch.long, device=device)
+        self._s_pos[S] = torch.arange(S.numel(), device=device)  # position in S, -1 for K
+        self._k_pos = torch.full((d1,), -1, dtype=torch.long, device=device)
+        self._k_pos[K] = torch.arange(K.numel(), device=device)  # position in K, -1 for S
+        self._A0: Tensor | None = None
+        self._factored_rows = 0  # cost of the columns formed from the factors so far (see _base_columns)
+        self._sigma: Tensor | None = None
         self.blocks = -nested.blocks  # kept groups: -H_cur^-1 blocks
-        if self._S.numel():
-            sigma = torch.cholesky_inverse(self._U_S)  # A_SS = (U_S U_S^T)^-1, R x R
-            self.Z[self._S] = sigma @ nested.W0.index_select(0, self._S)
-            r = self._S.numel() // g
-            sigma_blocks = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-            self.blocks[torch.cat(nested.order)] = sigma_blocks
-        self.moves: list[_Move] = []
+        if S.numel():
+            sigma = torch.cholesky_inverse(U_S)  # A_SS = (U_S U_S^T)^-1, R x R
+            self.Z[S] = sigma @ nested.W0.index_select(0, S)
+            r = S.numel() // g
+            self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+            self._sigma = sigma
+        self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
+        self._n = 0  # columns of _C in use
+        self._segments: list[_Segment] = []
 
     @property
     def num_groups(self) -> int:
         return self.kept.numel()
 
+    @property
+    def f(self) -> float:
+        return float(self.f_tensor)
+
     def columns(self, rows: Tensor) -> Tensor:
-        """A[:, rows] of the current state (d1 x m)."""
+        """A[:, rows] of the current state (d1 x m), without a host synchronisation."""
         out = self._base_columns(rows)
-        for mv in self.moves:
-            out.addmm_(mv.F, mv.col[rows].T, alpha=-1.0)
-            out[mv.rows] = mv.sign * mv.F[rows].T
-            # columns that were pivots of this move: A'[:, P] = sign F, A'[P, P] = -A_PP^-1
-            hit = torch.nonzero(torch.isin(rows, mv.rows)).squeeze(1)
-            if hit.numel():
-                where = torch.nonzero(mv.rows.unsqueeze(0) == rows[hit].unsqueeze(1))[:, 1]
-                out[:, hit] = mv.sign * mv.F[:, where]
-                out[mv.rows.unsqueeze(1), hit] = -mv.pivot_inv[:, where]
+        n = self._n
+        if not n:
+            return out
+        C = self._C[:, :n]
+        Cr = C.index_select(0, rows).T  # (N, m): c[rows] of every move
+        Yc = torch.empty_like(Cr)
+        YE = torch.empty_like(Cr)
+        for seg in self._segments:
+            P, s, Pi = seg.packed()
+            sl = slice(seg.offset, seg.offset + seg.size)
+            Er = (P.unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # E_P[rows]^T
+            cr = Cr[sl]
+            Yc[sl] = Pi @ (s * Er - cr)
+            YE[sl] = Pi @ (s * cr - Er) - 2 * s * Er
+        out.addmm_(C, Yc)
+        out.index_add_(0, torch.cat([seg.packed()[0] for seg in self._segments]), YE)
         return out
+
+    def materialise(self) -> None:
+        """Form A0 (the swept matrix at the end of the greedy) explicitly, in the row order
+        [K, S]: d1^2 floats, as H^-1, and |K|^2 R + |K| R^2 multiply-adds once; a column of it is
+        then a gather instead of O(d1 R) work. The factors are dropped."""
+        if self._A0 is not None:
+            return
+        K, S, U_K, U_S = self._K, self._S, self._U_K, self._U_S
+        d1, k = self._Hinv.shape[0], K.numel()
+        order = torch.cat([K, S])
+        self._pos = torch.empty_like(order)
+        self._pos[order] = torch.arange(d1, device=order.device)  # row r of A0 is row _pos[r]
+        A0 = torch.empty(d1, d1, dtype=self._Hinv.dtype, device=self._Hinv.device)
+        torch.mm(U_K, U_K.T, out=A0[:k, :k])
+        A0[:k, :k] -= self._Hinv.index_select(0, K).index_select(1, K)
+        if S.numel():
+            A0[k:, :k] = torch.linalg.solve_triangular(U_S.T, U_K.T, upper=True).neg_()  # -U_S^-T U_K^T
+            A0[:k, k:] = A0[k:, :k].T
+            A0[k:, k:] = self._sigma
+        self._A0 = A0
+        self._U_K = self._U_S = self._sigma = None
+
+    # Cost model of the two ways, in units of one column formed from the factors (both scale as d1^2 per
+    # column; measured on 2 CPU threads at d1 = 4096): a batch of m columns costs about m + 48 (reading
+    # the factors: 7.6 ms for a batch of 8, 0.09 s for 512), forming A0 about 0.75 d1 (0.35-0.67 s).
+    # A0 is formed once the batches so far have cost that much (a ski-rental rule: never more than
+    # twice the cost of the better choice in hindsight).
+    BATCH_COST_ROWS = 48
+    MATERIALISE_COST_PER_D1 = 0.75
 
     def _base_columns(self, rows: Tensor) -> Tensor:
         """Columns of the swept matrix at the end of the greedy (see the class docstring)."""
+        if self._A0 is None and self._factored_rows >= self.MATERIALISE_COST_PER_D1 * self._Hinv.shape[0]:
+            self.materialise()
+        if self._A0 is not None:  # symmetric: gather rows
+            return self._A0.index_select(0, self._pos[rows]).index_select(1, self._pos).T.contiguous()
         K, S = self._K, self._S
         m = rows.numel()
+        self._factored_rows += m + self.BATCH_COST_ROWS
+        dtype, device = self._Hinv.dtype, self._Hinv.device
+        hinv_r = self._Hinv.index_select(0, rows).index_select(1, K)  # H^-1[rows, K]
+        out = torch.empty(K.numel() + S.numel(), m, dtype=dtype, device=device)
+        if not S.numel():
+            out.index_copy_(0, K, -hinv_r.T)
+            return out
         pos = self._s_pos[rows]
-        was_kept = pos < 0
-        kept_cols = torch.nonzero(was_kept).squeeze(1)
-        pruned_cols = torch.nonzero(~was_kept).squeeze(1)
-        col_K = torch.empty(K.numel(), m, dtype=self._Hinv.dtype, device=self._Hinv.device)
-        col_S = torch.empty(S.numel(), m, dtype=self._Hinv.dtype, device=self._Hinv.device)
-        if kept_cols.numel():
-            r = rows[kept_cols]
-            u_r = self._U_K.index_select(0, self._k_pos[r])  # m_k x R
-            hinv_r = self._Hinv.index_select(0, r).index_select(1, K)  # H^-1[r, K]
-            col_K[:, kept_cols] = self._U_K @ u_r.T - hinv_r.T  # -(H^-1[K, r] - U_K U_r^T)
-            if S.numel():
-                col_S[:, kept_cols] = -torch.linalg.solve_triangular(self._U_S.T, u_r.T, upper=True)
-        if pruned_cols.numel():
-            e = torch.zeros(S.numel(), pruned_cols.numel(), dtype=col_S.dtype, device=col_S.device)
-            e[pos[pruned_cols], torch.arange(pruned_cols.numel(), device=e.device)] = 1.0
-            x = torch.linalg.solve_triangular(self._U_S, e, upper=False)  # U_S^-1 e
-            col_K[:, pruned_cols] = -(self._U_K @ x)
-            col_S[:, pruned_cols] = torch.linalg.solve_triangular(self._U_S.T, x, upper=True)
-        out = torch.empty(K.numel() + S.numel(), m, dtype=col_K.dtype, device=col_K.device)
-        out.index_copy_(0, K, col_K)
-        out.index_copy_(0, S, col_S)
+        was_kept = pos < 0  # (m,): kept at the end of the greedy
+        # Both cases through one R-vector v per column, without branching on the device values:
+        # kept r: v = -U_K[r]^T; pruned r: v = U_S^-1 e_r. Then A[S, r] = U_S^-T v and
+        # A[K, r] = -U_K v (- H^-1[K, r] if r was kept).
+        e = torch.zeros(S.numel(), m, dtype=dtype, device=device)
+        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
+        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
+        u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
+        v = torch.where(was_kept.unsqueeze(0), -u_r.T, x)
+        out.index_copy_(0, S, torch.linalg.solve_triangular(self._U_S.T, v, upper=True))
+        out.index_copy_(0, K, -(self._U_K @ v) - hinv_r.T * was_kept.to(dtype))
         return out
 
-    def scores(self) -> Tensor:
-        """B_j for every group in one pass: prune cost if kept, restore gain if pruned (>= 0)."""
+    def scores(self, check: bool = True, gram: Tensor | None = None) -> Tensor:
+        """B_j for every group in one pass: prune cost if kept, restore gain if pruned (>= 0).
+
+        nan marks a pivot block that is not positive definite; `check` raises PivotError on one
+        (a host synchronisation: the swap rounds check later, together with their other flags)."""
         sign = torch.where(self.kept, -1.0, 1.0).to(self.blocks.dtype).view(-1, 1, 1)
-        scores = block_scores(self.blocks * sign, block_gram(self.Z, self.group_size))
-        if bool(scores.isnan().any()):
+        gram = block_gram(self.Z, self.group_size) if gram is None else gram  # one pass over Z
+        scores = block_scores(self.blocks * sign, gram)
+        if check and bool(scores.isnan().any()):
             raise PivotError("a group's pivot block is not positive definite")
         return scores
 
-    def _sweep(self, groups: Tensor, restore: bool) -> None:
+    def sweep(self, groups: Tensor, restore: bool, col: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Restore (or prune) `groups`, given or computing col = A[:, rows]; no host
+        synchronisation. Returns the Cholesky info of the pivot block (0: positive definite; on
+        any other value the state is invalid and must be rebuilt) and A_PP^-1."""
         rows = group_rows(groups, self.group_size)
-        sign = 1.0 if restore else -1.0
-        col = self.columns(rows)  # d1 x m
-        pivot_inv = _pivot_inverse(col[rows], sign)
-        F = col @ pivot_inv
+        if col is None:
+            col = self.columns(rows)  # d1 x m
         z_rows = self.Z[rows]
+        info, pivot_inv, Ft = self._sweep_but_Z(groups, rows, restore, col, z_rows)
+        self.Z.addmm_(Ft, z_rows, alpha=-1.0)
+        return info, pivot_inv
+
+    def _sweep_but_Z(self, groups: Tensor, rows: Tensor, restore: bool, col: Tensor,
+                     z_rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A sweep's changes to everything but Z, given col = A[:, rows] and z_rows = Z[rows]; returns
+        (info, A_PP^-1, Ft) where the sweep changes Z to Z - Ft z_rows (rows P become s A_PP^-1 z_rows),
+        so that the caller can apply several sweeps to Z in one pass."""
+        sign = 1.0 if restore else -1.0
+        chol, info = torch.linalg.cholesky_ex(sign * col[rows])
+        pivot_inv = sign * torch.cholesky_inverse(chol)  # A_PP^-1
+        F = col @ pivot_inv
         pz = pivot_inv @ z_rows
-        self.Z.addmm_(F, z_rows, alpha=-1.0)
-        self.Z[rows] = sign * pz
-        self.f += float(-0.5 * (z_rows * pz).sum())
+        self.f_tensor = self.f_tensor - 0.5 * (z_rows * pz).sum()
         p, g, m = self.num_groups, self.group_size, rows.numel()
         self.blocks -= F.view(p, g, m) @ col.view(p, g, m).transpose(1, 2)
         pinv_g = pivot_inv.view(-1, g, groups.numel(), g).diagonal(dim1=0, dim2=2)
         self.blocks[groups] = -pinv_g.permute(2, 0, 1)
         self.kept[groups] = restore
-        self.moves.append(_Move(rows, F, col, pivot_inv, sign))
+        self._record(rows, col, pivot_inv, sign)
+        Ft = F.clone()
+        Ft[rows] = torch.eye(m, dtype=F.dtype, device=F.device) - sign * pivot_inv
+        return info, pivot_inv, Ft
+
+    def _record(self, rows: Tensor, col: Tensor, pivot_inv: Tensor, sign: float) -> None:
+        m, n = rows.numel(), self._n
+        if n + m > self._C.shape[1]:  # grow geometrically: appends stay amortised O(d1 m)
+            grown = torch.empty(self._C.shape[0], max(2 * self._C.shape[1], n + m, 64),
+                                dtype=self._C.dtype, device=self._C.device)
+            grown[:, :n] = self._C[:, :n]
+            self._C = grown
+        self._C[:, n:n + m] = col
+        self._n = n + m
+        if not self._segments or self._segments[-1].size + m > self.SEGMENT_ROWS:
+            self._segments.append(_Segment(n))
+        self._segments[-1].add(rows, pivot_inv, sign)
+
+    def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
+                 col_out: Tensor | None = None) -> Tensor:
+        """Case 3 without a host synchronisation: restore some groups, then prune others, given (or
+        computing) their current columns. Returns the worst pivot info (0: the state is valid)."""
+        rows_in = group_rows(restore, self.group_size)
+        rows_out = group_rows(prune, self.group_size)
+        if col_in is None or col_out is None:
+            cols = self.columns(torch.cat([rows_in, rows_out]))
+            col_in, col_out = cols[:, : rows_in.numel()], cols[:, rows_in.numel():]
+        # The restore, then the pruned groups' columns and Z rows after it (one sweep applied to
+        # them), then the prune; Z itself is updated once for both, in one pass over its d1 x d2.
+        z_in = self.Z[rows_in]
+        info_in, pivot_inv, Ft_in = self._sweep_but_Z(restore, rows_in, True, col_in, z_in)
+        y = pivot_inv @ col_out[rows_in]  # A_II^-1 A[I, J]
+        col_out = col_out - col_in @ y
+        col_out[rows_in] = y
+        z_out = self.Z[rows_out] - Ft_in[rows_out] @ z_in
+        info_out, _, Ft_out = self._sweep_but_Z(prune, rows_out, False, col_out, z_out)
+        self.Z.addmm_(torch.cat([Ft_in, Ft_out], 1), torch.cat([z_in, z_out]), alpha=-1.0)
+        return torch.maximum(info_in, info_out)
 
     def prune(self, groups: Tensor) -> None:
         """Case 1: remove `groups` (all kept) from the support."""
         assert bool(self.kept[groups].all()), "prune() takes kept groups only"
-        self._sweep(groups, restore=False)
+        self._checked(self.sweep(groups, restore=False)[0], groups)
 
     def restore(self, groups: Tensor) -> None:
         """Case 2: return `groups` (all pruned) to the support."""
         assert not bool(self.kept[groups].any()), "restore() takes pruned groups only"
-        self._sweep(groups, restore=True)
+        self._checked(self.sweep(groups, restore=True)[0], groups)
 
     def swap(self, restore: Tensor, prune: Tensor) -> None:
         """Case 3: restore some groups and prune others (through the intermediate support)."""
-        self.restore(restore)
-        self.prune(prune)
+        self._checked(self.exchange(restore, prune), torch.cat([restore, prune]))
+
+    @staticmethod
+    def _checked(info: Tensor, groups: Tensor) -> None:
+        if int(info) != 0:
+            raise PivotError(f"pivot block of {groups.numel()} groups is not positive definite")
 
     def swap_delta(self, restore: Tensor, prune: Tensor) -> float:
         """Exact change of f if `swap(restore, prune)` were applied, from the small sub-block only."""

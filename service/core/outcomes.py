@@ -10,6 +10,7 @@ kept (downloadable). `JobError`'s constructors look their row up, so a new statu
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,9 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome("unsupported_architecture", "worker", FAILED, "FAILED_PRECONDITION", "UNSUPPORTED_ARCHITECTURE", 2, False,
             "`compressor.errors.UnsupportedArchitecture`: the model loads but no pipeline prunes it"),
     Outcome("out_of_memory", "worker", FAILED, "RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", 2, False,
-            "`MemoryError` in the worker"),
+            "`MemoryError`, CUDA out of memory (PyTorch's, or ONNX Runtime's allocator): the stage and the "
+            "size it tried in the message and metadata; the worker process ends, so the device is free for "
+            "the next job"),
     Outcome("internal", "worker", FAILED, "INTERNAL", "INTERNAL", 2, False,
             "any other exception (a plain `ValueError` too): a generic message, the traceback in the server's log"),
     Outcome("time_budget_exceeded", "server", FAILED, "DEADLINE_EXCEEDED", "TIME_BUDGET_EXCEEDED", 2, False,
@@ -175,10 +178,20 @@ class JobError:
         return cls.of("parity_failed", f"{report['message']}; no model.onnx is kept", metadata)
 
     @classmethod
-    def from_exception(cls, err: BaseException) -> JobError:
-        """An exception the job raised. Only the compressor's input errors (and missing files) are the
-        caller's; anything else is a bug: INTERNAL with a generic message (the caller logs the traceback)."""
+    def from_exception(cls, err: BaseException, stage: str | None = None) -> JobError:
+        """An exception the job raised (in `stage`, when known). Only the compressor's input errors (and
+        missing files) are the caller's, and memory running out is the machine's; anything else is a bug:
+        INTERNAL with a generic message (the caller logs the traceback)."""
         from compressor.errors import InputError, UnsupportedArchitecture
+
+        oom = out_of_memory(err)
+        if oom is not None:
+            device, requested = oom
+            where = f" in stage {stage}" if stage else ""
+            tried = f" (it tried to allocate {requested})" if requested else ""
+            metadata = {"device": device, **({"stage": stage} if stage else {}),
+                        **({"requested": requested} if requested else {})}
+            return cls.of("out_of_memory", f"the job ran out of {device} memory{where}{tried}", metadata)
 
         if isinstance(err, UnsupportedArchitecture):  # an InputError too, but no retry with other input helps
             return cls.of("unsupported_architecture", _first_line(err))
@@ -186,8 +199,6 @@ class JobError:
             return cls.of("invalid_input", _first_line(err))
         if isinstance(err, FileNotFoundError):
             return cls.of("input_not_found", _first_line(err))
-        if isinstance(err, MemoryError):
-            return cls.of("out_of_memory", "the job ran out of memory")
         return cls.of("internal", INTERNAL_MESSAGE)
 
     # ---- storage -----------------------------------------------------------------------------------
@@ -202,6 +213,29 @@ class JobError:
     def from_dict(cls, data: Mapping[str, Any]) -> JobError:
         return cls(str(data["code"]), str(data.get("reason") or data["code"]), str(data["message"]),
                    {str(k): str(v) for k, v in (data.get("metadata") or {}).items()})
+
+
+_TORCH_REQUEST = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+_ORT_REQUEST = re.compile(r"(?:requested buffer of size|Failed to allocate memory.*?size) (\d+)")
+_ORT_OOM = ("out of memory", "failed to allocate memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
+
+
+def out_of_memory(err: BaseException) -> tuple[str, str | None] | None:
+    """("CUDA" or "host", the size it tried to allocate if the message says) when `err` is memory
+    running out: MemoryError, torch.cuda.OutOfMemoryError (by name: the server never imports torch),
+    or ONNX Runtime's CUDA allocator failing in its subprocess (exporters.runtime.RuntimeFailure)."""
+    names = {c.__name__ for c in type(err).__mro__}
+    text = str(err)
+    if "OutOfMemoryError" in names:
+        match = _TORCH_REQUEST.search(text)
+        return "CUDA", match.group(1) if match else None
+    if "RuntimeFailure" in names and any(key in text.lower() for key in _ORT_OOM):
+        match = _ORT_REQUEST.search(text)
+        device = "CUDA" if "cuda" in text.lower() else "host"
+        return device, (f"{int(match.group(1)) / 2**20:.1f} MiB" if match else None)
+    if isinstance(err, MemoryError):
+        return "host", None
+    return None
 
 
 def _first_line(err: BaseException) -> str:

@@ -53,11 +53,12 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
     configure(args.log_format)
     operation_id.set(args.operation)
+    current = {"stage": "loading", "round": 0}  # where the job is: progress events, and an error's stage
     try:
-        result = _compress(args, conn)
+        result = _compress(args, conn, current)
         conn.send(("done", result))
     except BaseException as err:  # mapped for the caller; the traceback stays in the server's log
-        error = JobError.from_exception(err)
+        error = JobError.from_exception(err, stage=current["stage"])
         if error.reason == "INTERNAL":
             log.error("job failed", exc_info=err)
         conn.send(("error", error))
@@ -68,7 +69,7 @@ def run(args: WorkerArgs, conn: Connection) -> None:
         conn.close()
 
 
-def _compress(args: WorkerArgs, conn: Connection) -> dict:
+def _compress(args: WorkerArgs, conn: Connection, current: dict[str, Any]) -> dict:
     from ..blobs import BlobStore, tree_sha256
     from ..job import compress
     from ..job.report_html import record_references
@@ -76,7 +77,6 @@ def _compress(args: WorkerArgs, conn: Connection) -> dict:
 
     out = Path(args.work_dir) / "out"
     request = request_from_spec(args.spec, out_dir=out, device=args.device, home=Path(args.home))
-    current = {"stage": "loading", "round": 0}
 
     def stage(name: str, index: int) -> None:
         current.update(stage=name, round=index)

@@ -42,6 +42,12 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         "compressed_latency_ms": lat.compressed_ms,
         "latency_p90_ms": {"baseline": lat.baseline_p90_ms, "compressed": lat.compressed_p90_ms},
         "latency_samples": {"repeats": lat.repeats, "runs_per_sample": lat.runs_per_sample},
+        # on CUDA the figures above keep inputs and outputs on the device (I/O binding); these include
+        # the host copies (null where the two are the same measurement: the CPU)
+        "latency_io_binding": lat.io_binding,
+        "host_copy_latency": None if lat.host_speedup is None else {
+            "baseline_ms": lat.host_baseline_ms, "compressed_ms": lat.host_compressed_ms,
+            "speedup": lat.host_speedup},
         "execution_provider": provider,
         "precision": request.precision,
         "threads": lat.threads,

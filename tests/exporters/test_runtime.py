@@ -26,3 +26,43 @@ def test_a_fast_model_is_timed_in_blocks_of_runs(tmp_path):
     assert latency.runs_per_sample > 10
     assert latency.baseline_ms < MIN_SAMPLE_MS / 10 and latency.compressed_ms < MIN_SAMPLE_MS / 10
     assert latency.repeats == 5 and latency.speedup > 0
+
+
+def test_io_binding_times_bound_runs_and_reports_the_host_copy_figures_beside_them(tmp_path):
+    _matmul_model(tmp_path / "a.onnx", 512)
+    _matmul_model(tmp_path / "c.onnx", 256)
+    feed = {"x": np.ones((64, 512), np.float32)}
+    bound = measure_latency(tmp_path / "a.onnx", tmp_path / "a.onnx", feed, threads=1, repeats=5, io_binding=True)
+    assert bound.io_binding and bound.baseline_ms > 0 and bound.host_baseline_ms > 0
+    assert 0.5 < bound.speedup < 2 and 0.5 < bound.host_speedup < 2  # one model against itself
+    plain = measure_latency(tmp_path / "a.onnx", tmp_path / "a.onnx", feed, threads=1, repeats=3)
+    assert not plain.io_binding and plain.host_speedup is None  # the CPU default: host memory anyway
+
+
+def test_a_provider_that_does_not_load_is_refused_not_replaced_by_the_cpu(tmp_path, monkeypatch):
+    import onnxruntime as ort
+    import pytest
+
+    from exporters import runtime
+
+    # a provider this build knows but cannot load (CUDA on a CPU build): ONNX Runtime would fall back
+    missing = next(p for p in ort.get_all_providers() if p not in ort.get_available_providers())
+    monkeypatch.setitem(runtime.PROVIDERS, "cuda", missing)
+    _matmul_model(tmp_path / "a.onnx", 8)
+    with pytest.raises(runtime.RuntimeFailure, match=f"{missing} did not load"):
+        runtime._session(str(tmp_path / "a.onnx"), "cuda", 1)
+
+
+def test_a_listed_cuda_provider_that_falls_back_is_logged_and_not_used(monkeypatch, caplog):
+    import onnxruntime as ort
+
+    from exporters import runtime
+
+    if runtime.provider_loads("cuda")[0]:  # a GPU node whose provider loads: the probe says so
+        assert runtime.default_provider() == "cuda"
+        return
+    runtime.provider_loads.cache_clear()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with caplog.at_level("ERROR"):
+        assert runtime.default_provider() == "cpu"
+    assert "falls back to ['CPUExecutionProvider']" in caplog.text and "refused" in caplog.text

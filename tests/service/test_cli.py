@@ -89,6 +89,26 @@ def test_ctrl_c_on_a_local_job_exits_130_with_one_line_and_removes_its_output(tm
     assert (kept / "report.json").read_text() == "{}"
 
 
+def test_cuda_out_of_memory_in_a_local_job_is_one_line_with_the_stage_and_exit_2(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from tests.compressor.cnn.conv_models import write_conv_job
+
+    from .test_client import compress_args
+
+    def compress(request, progress=None, stage=None):
+        stage("pruning", 0)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 ...")
+
+    monkeypatch.setattr("service.job.compress", compress)
+    data = write_conv_job(tmp_path, size=32)
+    out = tmp_path / "out"
+    assert cli.main(compress_args(data, out, 3)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["osscar: the job ran out of CUDA memory in stage pruning (it tried to allocate 512.00 MiB); "
+                     f"removed {out} (this run created it)"]
+
+
 def test_written_outputs_takes_back_new_and_changed_job_outputs_only(tmp_path):
     import os
 

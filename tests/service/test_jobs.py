@@ -214,7 +214,7 @@ def test_a_worker_raising_a_plain_value_error_fails_internal_and_an_input_error_
     jobs = service(tmp_path)
     codes = {}
     for i, err in enumerate((ValueError("secret path /srv/x"), CalibrationError("cal.npz: no images"))):
-        def failing(args, conn, err=err):
+        def failing(args, conn, current, err=err):
             raise err
 
         monkeypatch.setattr(worker, "_compress", failing)

@@ -46,7 +46,7 @@ def test_every_failure_has_a_code_and_a_reason_and_exits_2():
     (InputError("input"), "invalid_input", "input"),
     (UnsupportedArchitecture("m: gpt_neox"), "unsupported_architecture", "m: gpt_neox"),
     (FileNotFoundError("cal.npz"), "input_not_found", "cal.npz"),
-    (MemoryError(), "out_of_memory", "the job ran out of memory"),
+    (MemoryError(), "out_of_memory", "the job ran out of host memory"),
     (ValueError("secret /srv/customer"), "internal", INTERNAL_MESSAGE),
     (RuntimeError("secret /srv/customer"), "internal", INTERNAL_MESSAGE),
     (KeyboardInterrupt(), "internal", INTERNAL_MESSAGE),
@@ -137,3 +137,24 @@ def test_errors_round_trip_through_their_stored_form():
     info = error_details_pb2.ErrorInfo()
     status.details[0].Unpack(info)
     assert status.code == code_pb2.DEADLINE_EXCEEDED and dict(info.metadata) == {"time_budget_s": "4.5"}
+
+
+def test_device_memory_running_out_names_the_stage_and_the_size():
+    import torch
+
+    from exporters.runtime import RuntimeFailure
+
+    torch_oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
+    error = JobError.from_exception(torch_oom, stage="pruning")
+    assert (error.code, error.reason) == ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY")
+    assert error.message == "the job ran out of CUDA memory in stage pruning (it tried to allocate 2.00 GiB)"
+    assert error.metadata == {"device": "CUDA", "stage": "pruning", "requested": "2.00 GiB"}
+    ort_oom = RuntimeFailure("ONNX Runtime failed: RuntimeException: [ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : "
+                             "... CUDA failure 2: out of memory ... Failed to allocate memory for requested "
+                             "buffer of size 1073741824")
+    error = JobError.from_exception(ort_oom, stage="exporting and measuring")
+    assert error.reason == "OUT_OF_MEMORY" and error.metadata["requested"] == "1024.0 MiB"
+    assert "in stage exporting and measuring" in error.message
+    # another ONNX Runtime failure, or an unrelated RuntimeError saying "memory", stays a bug
+    assert JobError.from_exception(RuntimeFailure("ONNX Runtime failed: bad node")).reason == "INTERNAL"
+    assert JobError.from_exception(RuntimeError("out of memory")).reason == "INTERNAL"
