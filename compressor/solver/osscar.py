@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .problem import DAMPING_LADDER, LayerProblem, factorize, group_rows
-from .sweep import NestedState, PivotError, SwapState, block_gram
+from .sweep import NestedState, PivotError, SwapState, _pivot_inverse_ex, block_gram
 
 State = TypeVar("State", NestedState, SwapState)
 
@@ -83,10 +83,10 @@ class OsscarSolver:
         """Add to a counter of `stats` (search() and improve() both run swap rounds: they add up)."""
         self.stats[name] = int(self.stats.get(name, 0)) + n
 
-    def _threshold(self, state: SwapState) -> float:
+    def _threshold(self, state: SwapState) -> Tensor:
         """Changes of f below this (negative) value improve it beyond rounding: accepting changes
-        within rounding could cycle forever."""
-        return -self._tol * max(abs(state.f), 1e-300)
+        within rounding could cycle forever. On the device, like f."""
+        return -self._tol * state.f_tensor.abs().clamp_min(1e-300)
 
     # ---- factorisation ---------------------------------------------------------------------
     def start(self, floor: float = 0.0) -> NestedState:
@@ -197,7 +197,7 @@ class OsscarSolver:
         gain, cand = torch.topk(torch.where(state.kept, -torch.inf, scores), c)
         cols_c = state.columns(group_rows(cand, g))  # d1 x (c g)
         delta = self._pair_deltas(state, cand, gain, cols_c, gram)  # (c, p)
-        threshold = -self._tol * state.f_tensor.abs().clamp_min(1e-300)
+        threshold = self._threshold(state)
         slot_i, slot_j, slot_delta = _disjoint_pairs(delta, pairs)
         d1 = cols_c.shape[0]
         col_in = cols_c.view(d1, c, g).index_select(1, slot_i).reshape(d1, pairs * g)
@@ -212,14 +212,9 @@ class OsscarSolver:
         if not chosen:
             return state, 0, n_improving
         sel = torch.tensor(chosen, device=cand.device)
-        restore, prune = cand[slot_i[sel]], slot_j[sel]
         rows_sel = group_rows(sel, g)
-        before = state.kept.clone()
-        info = state.exchange(restore, prune, col_in.index_select(1, rows_sel),
-                              col_out.index_select(1, rows_sel))
-        if int(info) != 0:  # sync 2
-            state = self._refactorise(state, torch.nonzero(~before).squeeze(1))
-            state = self._guarded(state, lambda s: s.swap(restore, prune))
+        state = self._exchange(state, cand[slot_i[sel]], slot_j[sel], col_in.index_select(1, rows_sel),
+                               col_out.index_select(1, rows_sel))
         return state, len(chosen), n_improving
 
     def double_swap_round(self, state: SwapState) -> tuple[SwapState, int]:
@@ -228,12 +223,17 @@ class OsscarSolver:
         move = self._best_double_exchange(state)
         if move is None:
             return state, 0
-        restore, prune = move
+        return self._exchange(state, *move), 2
+
+    def _exchange(self, state: SwapState, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
+                  col_out: Tensor | None = None) -> SwapState:
+        """`state.exchange` and its one host synchronisation, the pivots' check; on a lost pivot, the
+        support before it refactorised and the exchange made again."""
         before = state.kept.clone()
-        if int(state.exchange(restore, prune)) != 0:
+        if int(state.exchange(restore, prune, col_in, col_out)) != 0:
             state = self._refactorise(state, torch.nonzero(~before).squeeze(1))
             state = self._guarded(state, lambda s: s.swap(restore, prune))
-        return state, 2
+        return state
 
     def _best_double_exchange(self, state: SwapState) -> tuple[Tensor, Tensor] | None:
         """The best 2-for-2 exchange among the top candidates, evaluated exactly in one batch."""
@@ -267,7 +267,7 @@ class OsscarSolver:
 
         delta = _batched_swap_delta(sub_blocks(block), sub_blocks(gram), 2 * g)
         best = torch.argmin(delta).view(1)  # indexing with a 0-d tensor would read it on the host
-        threshold = -self._tol * state.f_tensor.abs().clamp_min(1e-300)
+        threshold = self._threshold(state)
         improves, bad = torch.cat([delta.index_select(0, best) < threshold,
                                    scores.isnan().any().view(1)]).tolist()  # sync 1
         if bad:
@@ -305,7 +305,7 @@ class OsscarSolver:
             n = k1 - k0
             a_ji = cols[:, k0 * g:k1 * g].reshape(p, g, n, g).permute(2, 0, 1, 3)  # (n, p, g, g): A_ji
             a_ii = a_ji[torch.arange(n, device=cand.device), cand[k0:k1]]  # (n, g, g)
-            t = a_ji @ torch.cholesky_inverse(torch.linalg.cholesky_ex(a_ii)[0]).unsqueeze(1)  # A_ji A_ii^-1
+            t = a_ji @ _pivot_inverse_ex(a_ii, 1.0)[0].unsqueeze(1)  # A_ji A_ii^-1
             neg_a_jj = -(state.blocks - t @ a_ji.transpose(-1, -2))  # -A_jj after restoring i
             z_i = Z[rows_c[k0 * g:k1 * g]].view(n, g, -1)  # (n, g, d2)
             cross = (z_i.reshape(n * g, -1) @ Z.T).view(n, g, p, g).permute(0, 2, 1, 3)  # Z_i Z_j^T

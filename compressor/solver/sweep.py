@@ -56,12 +56,19 @@ def block_scores(blocks: Tensor, gram: Tensor) -> Tensor:
     return torch.where(info == 0, 0.5 * traces, torch.nan)
 
 
-def _pivot_inverse(pivot: Tensor, sign: float) -> Tensor:
-    """A_PP^-1 for a pivot block that is positive definite after multiplying by `sign`."""
+def _pivot_inverse_ex(pivot: Tensor, sign: float) -> tuple[Tensor, Tensor]:
+    """A_PP^-1 for a pivot block that is positive definite after multiplying by `sign`, and the
+    Cholesky info (0: it is; else the inverse is garbage), without a host synchronisation."""
     chol, info = torch.linalg.cholesky_ex(sign * pivot)
+    return sign * torch.cholesky_inverse(chol), info
+
+
+def _pivot_inverse(pivot: Tensor, sign: float) -> Tensor:
+    """A_PP^-1, checked: PivotError unless the block is positive definite after multiplying by `sign`."""
+    pivot_inv, info = _pivot_inverse_ex(pivot, sign)
     if int(info) != 0:
         raise PivotError(f"pivot block of {pivot.shape[0]} rows is not positive definite")
-    return sign * torch.cholesky_inverse(chol)
+    return pivot_inv
 
 
 def sweep_dense(A: Tensor, Z: Tensor, rows: Tensor, restore: bool) -> float:
@@ -205,29 +212,28 @@ class NestedState:
 
 
 class _Segment:
-    """Consecutive sweeps of the swap phase, stacked: their pivot rows, signs and block-diagonal
-    pivot inverses (one dense matrix, so that replaying them is a few matmuls, not a loop)."""
+    """Consecutive sweeps of the swap phase, stacked: their signs and block-diagonal pivot inverses
+    (one dense matrix, so that replaying them is a few matmuls, not a loop); their columns and pivot
+    rows are in SwapState._C and _P from `offset` on."""
 
     def __init__(self, offset: int) -> None:
-        self.offset = offset  # first column of these sweeps in SwapState._C
-        self.rows: list[Tensor] = []
+        self.offset = offset
         self.signs: list[Tensor] = []
         self.pivots: list[Tensor] = []
         self.size = 0
-        self._packed: tuple[Tensor, Tensor, Tensor] | None = None
+        self._packed: tuple[Tensor, Tensor] | None = None
 
-    def add(self, rows: Tensor, pivot_inv: Tensor, sign: float) -> None:
-        self.rows.append(rows)
-        self.signs.append(torch.full((rows.numel(),), sign, dtype=pivot_inv.dtype, device=rows.device))
+    def add(self, pivot_inv: Tensor, sign: float) -> None:
+        m = pivot_inv.shape[0]
+        self.signs.append(torch.full((m,), sign, dtype=pivot_inv.dtype, device=pivot_inv.device))
         self.pivots.append(pivot_inv)
-        self.size += rows.numel()
+        self.size += m
         self._packed = None
 
-    def packed(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(rows (n,), signs (n, 1), block-diagonal pivot inverses (n, n))."""
+    def packed(self) -> tuple[Tensor, Tensor]:
+        """(signs (n, 1), block-diagonal pivot inverses (n, n))."""
         if self._packed is None:
-            self._packed = (torch.cat(self.rows), torch.cat(self.signs).unsqueeze(1),
-                            torch.block_diag(*self.pivots))
+            self._packed = torch.cat(self.signs).unsqueeze(1), torch.block_diag(*self.pivots)
         return self._packed
 
 
@@ -285,7 +291,8 @@ class SwapState:
             self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
             self._sigma = sigma
         self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
-        self._n = 0  # columns of _C in use
+        self._P = torch.empty(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
+        self._n = 0  # columns of _C (entries of _P) in use
         self._segments: list[_Segment] = []
 
     @property
@@ -307,14 +314,14 @@ class SwapState:
         Yc = torch.empty_like(Cr)
         YE = torch.empty_like(Cr)
         for seg in self._segments:
-            P, s, Pi = seg.packed()
+            s, Pi = seg.packed()
             sl = slice(seg.offset, seg.offset + seg.size)
-            Er = (P.unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # E_P[rows]^T
+            Er = (self._P[sl].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # E_P[rows]^T
             cr = Cr[sl]
             Yc[sl] = Pi @ (s * Er - cr)
             YE[sl] = Pi @ (s * cr - Er) - 2 * s * Er
         out.addmm_(C, Yc)
-        out.index_add_(0, torch.cat([seg.packed()[0] for seg in self._segments]), YE)
+        out.index_add_(0, self._P[:n], YE)
         return out
 
     def materialise(self) -> None:
@@ -405,8 +412,7 @@ class SwapState:
         (info, A_PP^-1, Ft) where the sweep changes Z to Z - Ft z_rows (rows P become s A_PP^-1 z_rows),
         so that the caller can apply several sweeps to Z in one pass."""
         sign = 1.0 if restore else -1.0
-        chol, info = torch.linalg.cholesky_ex(sign * col[rows])
-        pivot_inv = sign * torch.cholesky_inverse(chol)  # A_PP^-1
+        pivot_inv, info = _pivot_inverse_ex(col[rows], sign)  # A_PP^-1
         F = col @ pivot_inv
         pz = pivot_inv @ z_rows
         self.f_tensor = self.f_tensor - 0.5 * (z_rows * pz).sum()
@@ -423,15 +429,17 @@ class SwapState:
     def _record(self, rows: Tensor, col: Tensor, pivot_inv: Tensor, sign: float) -> None:
         m, n = rows.numel(), self._n
         if n + m > self._C.shape[1]:  # grow geometrically: appends stay amortised O(d1 m)
-            grown = torch.empty(self._C.shape[0], max(2 * self._C.shape[1], n + m, 64),
-                                dtype=self._C.dtype, device=self._C.device)
+            capacity = max(2 * self._C.shape[1], n + m, 64)
+            grown = torch.empty(self._C.shape[0], capacity, dtype=self._C.dtype, device=self._C.device)
             grown[:, :n] = self._C[:, :n]
             self._C = grown
+            self._P = torch.cat([self._P[:n], self._P.new_empty(capacity - n)])
         self._C[:, n:n + m] = col
+        self._P[n:n + m] = rows
         self._n = n + m
         if not self._segments or self._segments[-1].size + m > self.SEGMENT_ROWS:
             self._segments.append(_Segment(n))
-        self._segments[-1].add(rows, pivot_inv, sign)
+        self._segments[-1].add(pivot_inv, sign)
 
     def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                  col_out: Tensor | None = None) -> Tensor:
