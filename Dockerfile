@@ -40,9 +40,10 @@ COPY exporters ./exporters
 COPY service ./service
 
 # the CPU onnxruntime (a base dependency) and onnxruntime-gpu install the same module: keep only the GPU one.
+# The ray extra: the same image is a Ray node (README "Jobs on a Ray cluster").
 # The package itself comes from the build context (its dependencies' bounds are in pyproject.toml).
 # hadolint ignore=DL3013
-RUN pip install '.[gpu]' \
+RUN pip install '.[gpu,ray]' \
     && pip uninstall -y onnxruntime \
     && pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -266,6 +266,30 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
     return (*times, runs)
 
 
+@contextlib.contextmanager
+def measurement_turn() -> Iterator[None]:
+    """Hold the machine's latency lock, when OSSCAR_LATENCY_LOCK names one, while timing: jobs that share a
+    machine's cores (two service slots, two Ray jobs on one node) take turns, so neither times the other's
+    load. An advisory flock: released when its process dies, however it dies."""
+    path = os.environ.get("OSSCAR_LATENCY_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        start = time.perf_counter()
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        waited = time.perf_counter() - start
+        if waited > 1.0:
+            log.info("waited %.1fs for another job's latency measurement to finish", waited)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
                     repeats: int = 20, io_binding: bool | None = None) -> Latency:
@@ -280,8 +304,9 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
     bind = provider == "cuda" if io_binding is None else io_binding
-    *times, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
-                         repeats, bind)
+    with measurement_turn():
+        *times, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
+                             repeats, bind)
 
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))

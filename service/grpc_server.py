@@ -173,7 +173,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in behaviour(request, context):
                     yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
+            except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the client left
                 raise
             except BaseException as err:
                 await _abort(context, method, err, self.metrics)
@@ -365,7 +365,9 @@ def service_config(settings: ServerSettings) -> ServiceConfig:
         retention_s=settings.retention_days * 86400, max_upload_bytes=settings.max_upload_mb << 20,
         policy=ReferencePolicy.of(settings.list_of("allowed_roots"), settings.list_of("allowed_schemes"),
                                   settings.list_of("trust_remote_code")),
-        log_format=settings.log_format)
+        log_format=settings.log_format, executor=settings.executor, ray_address=settings.ray_address,
+        shared_roots=tuple(str(Path(r).expanduser().resolve()) for r in settings.list_of("shared_roots")),
+        ray_cpus_per_job=settings.ray_cpus_per_job, ray_scratch=settings.ray_scratch)
 
 
 class Server:

@@ -56,6 +56,18 @@ class ServerSettings(BaseSettings):
                                                    "code (transformers trust_remote_code); empty: none")
     log_format: Literal["json", "text"] = Field("json", description="json: one object per line with the "
                                                                     "operation id; text: for people")
+    # --- where jobs run
+    executor: Literal["local", "ray"] = Field("local", description="local: a worker process per job on this "
+                                                                   "machine's devices; ray: a Ray actor per job on "
+                                                                   "a Ray cluster (pip install '.[ray]')")
+    ray_address: str = Field("", description="the Ray cluster (HOST:6379 from a cluster node, or ray://HOST:10001); "
+                                             "empty: a local one-node cluster")
+    shared_roots: str = Field("", description="Ray: comma-separated directories every node reads at the same path; "
+                                              "path references must lie under them (uploads travel to the worker)")
+    ray_cpus_per_job: int = Field(0, ge=0, description="Ray: CPUs each job asks for and is pinned to (0: a GPU "
+                                                       "node's CPUs per GPU, or a whole CPU-only node)")
+    ray_scratch: str = Field("", description="Ray: each node's scratch directory (curves cache, jobs' work); "
+                                             "empty: <tmp>/osscar-ray")
 
     @field_validator("allowed_schemes")
     @classmethod
@@ -71,6 +83,10 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.executor == "local" and (self.ray_address or self.shared_roots):
+            raise ValueError("ray_address and shared_roots are settings of --executor ray")
+        if self.executor == "ray" and self.devices:
+            raise ValueError("devices are local slots; on --executor ray, Ray places jobs (one GPU each)")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():

@@ -51,7 +51,7 @@ def test_hadolint_is_clean():
 def test_image_contract():
     text = DOCKERFILE.read_text()
     assert "torch==2.13.0" in text and "download.pytorch.org/whl/cu" in text  # the CUDA build, pinned
-    assert "onnxruntime-gpu" in text and "'.[gpu]'" in text
+    assert "onnxruntime-gpu" in text and "'.[gpu,ray]'" in text  # the same image serves and joins a Ray cluster
     # one CUDA: onnxruntime-gpu 1.31.1's provider is built for CUDA 13, so torch is the cu130 build, and the
     # build fails when a library of the provider does not resolve
     assert "download.pytorch.org/whl/cu130 torch==2.13.0" in text and "onnxruntime-gpu==1.31.1" in text

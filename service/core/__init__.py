@@ -3,7 +3,9 @@
 - `service`: the facade (life cycle, submit, get / list / cancel / delete / wait / watch, uploads,
   artifacts, retention);
 - `submission`: what a submission must pass before it is queued;
-- `supervisor`: the queue, device slots, one spawned worker process per job, and how each job ends;
+- `supervisor`: the queue, slots, and how each job ends;
+- `executor`: what runs a job (the interface; the local executor: one spawned worker process per job);
+- `ray_executor`: the Ray executor (an actor per job on a Ray cluster; `ray` is an optional extra);
 - `worker`: the job's process (runs `service.job.compress`, publishes the artifacts);
 - `outcomes`: job states, the table of every way a job ends and the typed `JobError`;
 - `feeds`: the in-memory event feeds behind watch and wait;

@@ -21,3 +21,8 @@ class ServiceConfig:
     retry_after_s: float = 30.0  # suggested to clients refused because the queue is full
     policy: ReferencePolicy = field(default_factory=ReferencePolicy)  # what references may name
     log_format: str = "json"  # of the workers' logs, as the server's
+    executor: str = "local"  # local: worker processes on this machine; ray: actors on a Ray cluster
+    ray_address: str = ""  # the cluster (ray.init's address: "HOST:6379", "ray://HOST:10001"; "": start a local one)
+    shared_roots: tuple[str, ...] = ()  # Ray: directories every node reads at the same path (path references)
+    ray_cpus_per_job: int = 0  # Ray: CPUs each job asks for and is pinned to; 0: from the cluster's shape
+    ray_scratch: str = ""  # Ray: each node's scratch home (curves cache, jobs' work); "": <tmp>/osscar-ray

@@ -79,7 +79,10 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome("interrupted", "server", FAILED, "ABORTED", "INTERRUPTED", 2, False,
             "the server stopped during each of `--max-attempts` runs"),
     Outcome("worker_crashed", "server", FAILED, "INTERNAL", "WORKER_CRASHED", 2, False,
-            "the worker process ended without a result (a signal, an exit)"),
+            "the worker process ended without a result (a signal, an exit; on Ray: its actor's process died)"),
+    Outcome("node_lost", "server", FAILED, "ABORTED", "NODE_LOST", 2, False,
+            "Ray executor: the job's node left the cluster during each of `--max-attempts` runs (a lost node "
+            "re-queues the job, as a server restart does)"),
 )
 _BY_NAME = {o.name: o for o in OUTCOMES}
 _BY_REASON = {o.reason: o for o in OUTCOMES if o.reason}
@@ -132,9 +135,16 @@ class JobError:
                       {"time_budget_s": f"{seconds:g}"})
 
     @classmethod
-    def worker_crashed(cls, exitcode: int | None) -> JobError:
-        how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
-        return cls.of("worker_crashed", f"the worker process ended without a result ({how})")
+    def worker_crashed(cls, exitcode: int | None, how: str = "") -> JobError:
+        """`how`: what the executor knows when there is no exit code (a Ray actor's death cause)."""
+        if exitcode is not None:
+            how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+        return cls.of("worker_crashed", f"the worker process ended without a result ({how or 'no exit code'})")
+
+    @classmethod
+    def node_lost(cls, attempts: int, detail: str = "") -> JobError:
+        return cls.of("node_lost", f"the job's node left the cluster during each of {attempts} attempts; not "
+                                   "retried again", {"detail": detail[:200]} if detail else {})
 
     @classmethod
     def from_report(cls, report: Mapping[str, Any]) -> JobError | None:

@@ -33,6 +33,7 @@ from ..errors import (
 from ..logs import operation_context
 from ..metrics import Metrics
 from .config import ServiceConfig
+from .executor import Executor, LocalExecutor
 from .feeds import Feeds
 from .outcomes import CANCELLED, QUEUED
 from .store import ArtifactRecord, JobRecord, JobStore
@@ -63,6 +64,7 @@ class JobService:
         self.feeds = Feeds()
         self.store: JobStore | None = None  # from `open`
         self.supervisor: Supervisor | None = None
+        self.executor: Executor | None = None  # from `open`
         self.draining = False
         self._background: list[asyncio.Task] = []
 
@@ -76,17 +78,25 @@ class JobService:
         removed = self.blobs.clean_tmp()
         if removed:
             log.info("removed %d partial files left by an interrupted write", removed)
-        slots = list(self.config.devices or detect_devices())
-        self.supervisor = Supervisor(self.config, self.store, self.blobs, self.feeds, self.metrics, slots)
+        self.executor = self._executor()
+        self.supervisor = Supervisor(self.config, self.store, self.blobs, self.feeds, self.metrics, self.executor)
         self.supervisor.recover()
         self.supervisor.observe()
+
+    def _executor(self) -> Executor:
+        if self.config.executor == "ray":
+            from .ray_executor import RayExecutor  # ray is an optional extra
+
+            return RayExecutor(self.config, self.blobs)
+        assert self.config.executor == "local", f"unknown executor {self.config.executor!r}"
+        return LocalExecutor(list(self.config.devices or detect_devices()), self.blobs)
 
     async def start(self) -> None:
         self.open()
         self._background = [asyncio.create_task(self.supervisor.schedule(), name="scheduler"),
                             asyncio.create_task(self._retention(), name="retention")]
-        log.info("job service: %s, devices %s, queue limit %d", self.home, ",".join(self.supervisor.slots),
-                 self.config.max_queue)
+        log.info("job service: %s, %s executor, slots %s, queue limit %d", self.home, self.executor.name,
+                 ",".join(s.name for s in self.executor.slots()), self.config.max_queue)
 
     @property
     def accepting(self) -> bool:
@@ -102,6 +112,7 @@ class JobService:
         for task in self._background:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.executor.close()
         self.store.close()
 
     # ---- operations ------------------------------------------------------------------------------
@@ -118,6 +129,9 @@ class JobService:
                                         f"a different request ({earlier.name}); use a new request_id")
                 return earlier
         accepted = validate(request, home=self.home, blobs=self.blobs, store=self.store, policy=self.config.policy)
+        refused = self.executor.refusals(accepted.resolved, accepted.references)
+        if refused:
+            raise InvalidArgument(refused)
         if self.store.count(QUEUED) >= self.config.max_queue:
             raise ResourceExhausted(f"the job queue is full ({self.config.max_queue} waiting); retry later",
                                     self.config.retry_after_s)

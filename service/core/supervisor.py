@@ -1,10 +1,11 @@
-"""Running jobs: the queue, one device slot per job, a spawned worker process each, and how each job ends.
+"""Running jobs: the queue, one slot per job on an executor (`service.core.executor`), and how each job ends.
 
 The scheduler starts the next queued job when a slot is free, persisting RUNNING and every progress event;
-the worker's result or error, a cancel, the job's time budget or a crashed worker end it (`conclude`,
-with the `JobError` of its row of `service.core.outcomes.OUTCOMES`). After a restart, jobs that were
-RUNNING are queued again (artifacts are content-addressed, so a re-run is safe) until `max_attempts`,
-then fail INTERRUPTED; a shutdown stops running jobs and leaves them QUEUED without counting an attempt.
+the worker's result or error, a cancel, the job's time budget, a crashed worker or a lost node end it
+(`conclude`, with the `JobError` of its row of `service.core.outcomes.OUTCOMES`). After a restart, jobs that
+were RUNNING are queued again (artifacts are content-addressed, so a re-run is safe) until `max_attempts`,
+then fail INTERRUPTED; a job whose node left the cluster is queued again the same way (then NODE_LOST); a
+shutdown stops running jobs and leaves them QUEUED without counting an attempt.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import time
@@ -25,28 +25,35 @@ from ..blobs import BlobStore
 from ..logs import operation_context
 from ..metrics import Metrics
 from .config import ServiceConfig
+from .executor import Attempt, Ended, Executor, Slot
 from .feeds import Feeds
 from .outcomes import FINISHED, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
 from .store import ArtifactRecord, JobRecord, JobStore
 from .worker import WorkerArgs
-from .worker import run as run_worker
 
 log = logging.getLogger(__name__)
+
+RESCHEDULE_S = 5.0  # the scheduler looks at the queue and the executor's slots at least this often
 
 
 @dataclass
 class _Running:
-    slot: str  # held from the moment the scheduler picks the job
-    process: Any = None  # the worker, once spawned
+    slot: Slot  # held from the moment the scheduler picks the job
+    attempt: Attempt | None = None  # the run, once the executor made it
     stop_reason: str | None = None  # cancel | shutdown | deadline
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        if self.attempt is not None:
+            self.attempt.stop()
 
 
 class Supervisor:
     def __init__(self, config: ServiceConfig, store: JobStore, blobs: BlobStore, feeds: Feeds,
-                 metrics: Metrics | None, slots: list[str]) -> None:
+                 metrics: Metrics | None, executor: Executor) -> None:
         self.config, self.store, self.blobs, self.feeds, self.metrics = config, store, blobs, feeds, metrics
         self.home = Path(config.home)
-        self.slots = slots
+        self.executor = executor
         self.queue: deque[str] = deque()
         self.running: dict[str, _Running] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -78,8 +85,7 @@ class Supervisor:
         gone; the job ends CANCELLED when its supervision notices), a queued one ends at once."""
         running = self.running.get(name)
         if running is not None:
-            running.stop_reason = "cancel"
-            _kill(running.process)
+            running.stop("cancel")
             return
         with contextlib.suppress(ValueError):
             self.queue.remove(name)
@@ -95,18 +101,20 @@ class Supervisor:
         for name, running in list(self.running.items()):
             with operation_context(name):
                 log.info("stopped by shutdown; it runs again at the next start")
-            running.stop_reason = "shutdown"
-            _kill(running.process)
+            running.stop("shutdown")
         if pending:
             await asyncio.wait(pending)
 
     async def schedule(self) -> None:
         """Forever: start queued jobs on free device slots."""
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):  # also look again now and then: a cluster may have grown
+                async with asyncio.timeout(RESCHEDULE_S):
+                    await self._wake.wait()
             self._wake.clear()
             while self.queue and not self.stopping:
-                free = [s for s in self.slots if s not in {r.slot for r in self.running.values()}]
+                taken = {r.slot.name for r in self.running.values()}
+                free = [s for s in self.executor.slots() if s.name not in taken]
                 if not free:
                     break
                 name = self.queue.popleft()
@@ -133,36 +141,35 @@ class Supervisor:
         name, attempt, slot = record.name, record.attempt + 1, running.slot
         if running.stop_reason is not None:  # cancelled or shut down between the scheduler's pick and now
             del self.running[name]
-            self.conclude(record, attempt, running.stop_reason, None, None)
+            self.conclude(record, attempt, running.stop_reason, Ended(), None)
             return
         op_id = name.split("/", 1)[1]
         work = self.home / "work" / op_id
         shutil.rmtree(work, ignore_errors=True)  # an interrupted attempt's scratch
         work_dir = work / f"attempt-{attempt}"
         work_dir.mkdir(parents=True)
-        progress = {"stage": "starting", "round": 0, "layer": 0, "layers": 0, "message": f"attempt {attempt} on {slot}"}
+        progress = {"stage": "starting", "round": 0, "layer": 0, "layers": 0,
+                    "message": f"attempt {attempt} on {slot.name}"}
         started = time.time()
         self.store.update(name, state=RUNNING, attempt=attempt, start_time=started, progress=progress)
         self.feeds.publish(name, RUNNING, progress)
         self.observe()
         stage, stage_start = progress["stage"], started
-        context = multiprocessing.get_context("spawn")
-        receiver, sender = context.Pipe(duplex=False)
         args = WorkerArgs(name, record.spec["resolved"], record.spec["references"], str(self.home), str(work_dir),
-                          slot, os.getpid(), self.config.log_format)
-        process = running.process = context.Process(target=run_worker, args=(args, sender),
-                                                    name=f"osscar-worker-{op_id[:8]}")
+                          slot.device, os.getpid(), self.config.log_format)
+        run = running.attempt = self.executor.attempt(args, slot)
         outcome: tuple[str, Any] | None = None
+        ended = Ended()
         try:
-            process.start()
-            sender.close()
-            log.info("attempt %d running on %s (worker pid %d)", attempt, slot, process.pid)
             async with asyncio.timeout(record.time_budget_s):
-                while True:
-                    try:
-                        kind, payload = await asyncio.to_thread(receiver.recv)
-                    except (EOFError, OSError):
-                        break
+                await run.start()
+                log.info("attempt %d running on %s (%s)", attempt, slot.name, run.where)
+                progress = {**progress, "message": f"attempt {attempt} on {slot.name}: {run.where}"}
+                self.store.update(name, progress=progress)
+                self.feeds.publish(name, RUNNING, progress)
+                if running.stop_reason is not None:  # stopped while it started
+                    run.stop()
+                async for kind, payload in run.messages():
                     if kind == "progress":
                         self.store.update(name, progress=payload)
                         self.feeds.publish(name, RUNNING, payload)
@@ -173,28 +180,39 @@ class Supervisor:
                     else:
                         outcome = (kind, payload)
         except TimeoutError:
-            running.stop_reason = running.stop_reason or "deadline"
+            running.stop(running.stop_reason or "deadline")
         except Exception:
             log.exception("supervising the worker failed")
         finally:
-            _kill(process)
-            await asyncio.to_thread(process.join)
-            receiver.close()
-            del self.running[name]
-            shutil.rmtree(work, ignore_errors=True)
-            self._wake.set()
-        self.conclude(record, attempt, running.stop_reason, process.exitcode, outcome)
+            try:
+                ended = await run.end()  # the worker is gone (killed if it was not) once this returns
+            finally:
+                del self.running[name]
+                shutil.rmtree(work, ignore_errors=True)
+                self._wake.set()
+        self.conclude(record, attempt, running.stop_reason, ended, outcome)
 
-    def conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, exitcode: int | None,
+    def conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, ended: Ended,
                  outcome: tuple[str, Any] | None) -> None:
-        """End a job whose worker is gone, from why it was stopped and what the worker sent last:
-        ("done", {"report", "artifacts"}) or ("error", JobError)."""
+        """End a job whose worker is gone, from why it was stopped, how the worker ended and what it sent
+        last: ("done", {"report", "artifacts"}) or ("error", JobError)."""
         name = record.name
         if stop_reason == "shutdown" and outcome is None:
             self.store.update(name, state=QUEUED, attempt=attempt - 1, progress={
                 "stage": "queued", "round": 0, "layer": 0, "layers": 0,
                 "message": "interrupted by a server shutdown; runs again at the next start"})
             self.observe()
+            return
+        if ended.node_lost and outcome is None and stop_reason is None:
+            if attempt < self.config.max_attempts:  # as after a server restart: the job runs again
+                self.store.update(name, state=QUEUED, progress={
+                    "stage": "queued", "round": 0, "layer": 0, "layers": 0,
+                    "message": f"re-queued: its node left the cluster during attempt {attempt}"})
+                log.warning("re-queued: the node of attempt %d left the cluster (%s)", attempt, ended.detail)
+                self.enqueue(name)
+                self.observe()
+                return
+            self.finish(name, JobError.node_lost(attempt, ended.detail))
             return
         report, artifacts = None, []
         if outcome is not None and outcome[0] == "done":
@@ -204,7 +222,7 @@ class Supervisor:
         elif stop_reason == "deadline":
             error = JobError.time_budget_exceeded(record.time_budget_s)
         elif outcome is None:
-            error = JobError.worker_crashed(exitcode)
+            error = JobError.worker_crashed(ended.exitcode, ended.detail)
             log.error("%s", error.message)
         elif outcome[0] == "error":
             error = outcome[1]
@@ -245,11 +263,6 @@ class Supervisor:
         for state in STATES:
             self.metrics.jobs.labels(state).set(counts.get(state, 0))
         self.metrics.queue_depth.set(len(self.queue))
-
-
-def _kill(process) -> None:
-    if process is not None and process.is_alive():
-        process.kill()
 
 
 def detect_devices() -> list[str]:

@@ -5,6 +5,11 @@ progress line up the pipe, publishes the artifacts into the content-addressed st
 (or the `JobError` its exception maps to, `JobError.from_exception`) last. It lowers its own priority
 (the server stays responsive) and dies with the server (PR_SET_PDEATHSIG on Linux, plus a watchdog on the
 parent's pid), so a killed server never leaves an orphan holding the device.
+
+`execute` is the job itself, whatever process runs it: the local worker above, or a Ray actor
+(`service.core.ray_executor`), which sends its messages and keeps its blobs elsewhere. Jobs sharing a
+machine take turns measuring latency: `execute` names a lock file (OSSCAR_LATENCY_LOCK) that
+`exporters.runtime.measure_latency` holds while it times.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -44,8 +50,18 @@ class WorkerArgs:
     log_format: str = "json"  # the server's: json or text
 
 
+Send = Callable[[tuple[str, Any]], None]
+
+
+def latency_lock_path(home: os.PathLike | str) -> str:
+    """The lock file that serialises latency measurement between the jobs sharing one machine's cores."""
+    return os.path.join(home, "latency.lock")
+
+
 def run(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point (spawned)."""
+    from ..blobs import BlobStore
+
     die_with_parent(args.parent_pid)
     with contextlib.suppress(OSError):
         os.nice(10)
@@ -53,24 +69,33 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
     configure(args.log_format)
     operation_id.set(args.operation)
-    current = {"stage": "loading", "round": 0}  # where the job is: progress events, and an error's stage
     try:
-        result = _compress(args, conn, current)
-        conn.send(("done", result))
-    except BaseException as err:  # mapped for the caller; the traceback stays in the server's log
-        error = JobError.from_exception(err, stage=current["stage"])
-        if error.reason == "INTERNAL":
-            log.error("job failed", exc_info=err)
-        conn.send(("error", error))
-        if not isinstance(err, Exception):
-            raise
+        execute(args, conn.send, BlobStore(Path(args.home) / "blobs"))
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
         conn.close()
 
 
-def _compress(args: WorkerArgs, conn: Connection, current: dict[str, Any]) -> dict:
-    from ..blobs import BlobStore, tree_sha256
+def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
+    """Run the job: progress, then ("done", {"report", "artifacts"}) or ("error", JobError) through `send`;
+    the artifacts go into `blobs` (a `service.blobs.BlobStore`). Exceptions are mapped, not raised (a
+    BaseException such as KeyboardInterrupt is sent, then raised again)."""
+    os.environ.setdefault("OSSCAR_LATENCY_LOCK", latency_lock_path(args.home))
+    current = {"stage": "loading", "round": 0}  # where the job is: progress events, and an error's stage
+    try:
+        result = _compress(args, send, current, blobs)
+        send(("done", result))
+    except BaseException as err:  # mapped for the caller; the traceback stays in the server's log
+        error = JobError.from_exception(err, stage=current["stage"])
+        if error.reason == "INTERNAL":
+            log.error("job failed", exc_info=err)
+        send(("error", error))
+        if not isinstance(err, Exception):
+            raise
+
+
+def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any) -> dict:
+    from ..blobs import tree_sha256
     from ..job import compress
     from ..job.report_html import record_references
     from ..job.request import request_from_spec
@@ -81,7 +106,7 @@ def _compress(args: WorkerArgs, conn: Connection, current: dict[str, Any]) -> di
     def stage(name: str, index: int) -> None:
         current.update(stage=name, round=index)
         log.info("stage %s (round %d)", name, index)
-        conn.send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
+        send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
 
     def progress(message: str) -> None:
         log.info("%s", message)  # the job's own log, with its operation id; the event goes to watchers
@@ -89,11 +114,10 @@ def _compress(args: WorkerArgs, conn: Connection, current: dict[str, Any]) -> di
         match = _LAYER.match(message)
         if match:
             event.update(layer=int(match.group(1)), layers=int(match.group(2)))
-        conn.send(("progress", event))
+        send(("progress", event))
 
     report = compress(request, progress=progress, stage=stage)
     report = record_references(out, report, args.references)  # report.html names them as the client gave them
-    blobs = BlobStore(Path(args.home) / "blobs")
     artifacts = []
     for path in sorted(out.iterdir()):
         if path.name.startswith("."):

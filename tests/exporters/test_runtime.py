@@ -66,3 +66,37 @@ def test_a_listed_cuda_provider_that_falls_back_is_logged_and_not_used(monkeypat
     with caplog.at_level("ERROR"):
         assert runtime.default_provider() == "cpu"
     assert "falls back to ['CPUExecutionProvider']" in caplog.text and "refused" in caplog.text
+
+
+def test_jobs_sharing_a_machine_take_turns_at_timing(tmp_path, monkeypatch):
+    """With OSSCAR_LATENCY_LOCK set, a measurement waits while another process holds the machine's lock."""
+    import fcntl
+    import threading
+    import time
+
+    from exporters.runtime import measurement_turn
+
+    lock = tmp_path / "locks" / "latency.lock"
+    monkeypatch.setenv("OSSCAR_LATENCY_LOCK", str(lock))
+    lock.parent.mkdir()
+    # another job's measurement (flock locks per open file, as another process's would)
+    holder = open(lock, "a")  # noqa: SIM115 (held while the thread below waits)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    entered = []
+
+    def measure() -> None:
+        with measurement_turn():
+            entered.append(time.monotonic())
+
+    thread = threading.Thread(target=measure)
+    thread.start()
+    time.sleep(0.5)
+    assert not entered  # still waiting for its turn
+    released = time.monotonic()
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    thread.join(10)
+    assert entered and entered[0] >= released
+    monkeypatch.delenv("OSSCAR_LATENCY_LOCK")
+    with measurement_turn():  # without the setting: no lock at all
+        pass

@@ -9,6 +9,7 @@ import pytest
 from google.rpc import code_pb2
 
 from service.core import JobError, JobService, ServiceConfig, SubmitRequest
+from service.core.executor import Ended
 from service.core.outcomes import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from service.core.store import ArtifactRecord, JobRecord, JobStore
 from service.core.submission import check_model
@@ -22,7 +23,7 @@ REPORT = {"status": "ok", "measured_speedup": 1.61, "target_speedup": 1.5, "laye
 
 
 def service(tmp_path, **config) -> JobService:
-    jobs = JobService(ServiceConfig(home=tmp_path / "home", devices=("cpu",), **config))
+    jobs = JobService(ServiceConfig(home=tmp_path / "home", **{"devices": ("cpu",), **config}))
     jobs.open()
     return jobs
 
@@ -113,7 +114,7 @@ def test_the_scheduler_gives_each_slot_one_job(tmp_path, monkeypatch):
     started = []
 
     async def fake_run(record, running):
-        started.append((record.name, running.slot))
+        started.append((record.name, running.slot.name))
         await asyncio.sleep(3600)
 
     async def main():
@@ -163,7 +164,7 @@ def test_a_report_ends_the_job_as_its_outcome_row_says(tmp_path, status, state, 
         report.update(message="parity_failed: the dense model's export (fp32) fails the parity check: ...",
                       parity={"stage": "baseline", "round": None, "precision": "fp32", "error": "ParityError",
                               "mismatches": [], "tolerance": {"peak": 1e-3, "aggregate": 1e-4}})
-    jobs.supervisor.conclude(record, 1, None, 0, ("done", {"report": report, "artifacts": [artifact]}))
+    jobs.supervisor.conclude(record, 1, None, Ended(0), ("done", {"report": report, "artifacts": [artifact]}))
     final = jobs.get(record.name)
     op = operation_of(final)
     assert final.state == state and op.error.code == code
@@ -183,7 +184,7 @@ def test_stops_and_crashes_end_the_job_with_their_errors(tmp_path):
              (None, 0, ("error", JobError.from_exception(MemoryError())), FAILED, "OUT_OF_MEMORY")]
     for i, (stop, exitcode, outcome, state, reason) in enumerate(cases):
         record = running_record(jobs, f"operations/{i}", time_budget_s=4.0)
-        jobs.supervisor.conclude(record, 1, stop, exitcode, outcome)
+        jobs.supervisor.conclude(record, 1, stop, Ended(exitcode), outcome)
         final = jobs.get(record.name)
         assert (final.state, final.error.reason) == (state, reason)
     assert jobs.get("operations/1").error.message == "the job exceeded its time budget of 4s"
@@ -193,7 +194,7 @@ def test_stops_and_crashes_end_the_job_with_their_errors(tmp_path):
 def test_a_shutdown_leaves_the_job_queued_without_counting_the_attempt(tmp_path):
     jobs = service(tmp_path)
     record = running_record(jobs)
-    jobs.supervisor.conclude(record, 1, "shutdown", -9, None)
+    jobs.supervisor.conclude(record, 1, "shutdown", Ended(-9), None)
     again = jobs.get(record.name)
     assert again.state == QUEUED and again.attempt == 0 and again.error is None
 
@@ -214,7 +215,7 @@ def test_a_worker_raising_a_plain_value_error_fails_internal_and_an_input_error_
     jobs = service(tmp_path)
     codes = {}
     for i, err in enumerate((ValueError("secret path /srv/x"), CalibrationError("cal.npz: no images"))):
-        def failing(args, conn, current, err=err):
+        def failing(args, send, current, blobs, err=err):
             raise err
 
         monkeypatch.setattr(worker, "_compress", failing)
@@ -225,9 +226,39 @@ def test_a_worker_raising_a_plain_value_error_fails_internal_and_an_input_error_
         kind, error = receiver.recv()
         assert kind == "error" and not work.exists()
         record = running_record(jobs, f"operations/{i}")
-        jobs.supervisor.conclude(record, 1, None, 0, (kind, error))
+        jobs.supervisor.conclude(record, 1, None, Ended(0), (kind, error))
         status = operation_of(jobs.get(record.name)).error
         codes[type(err).__name__] = (status.code, status.message)
     assert codes["ValueError"] == (code_pb2.INTERNAL, "the job failed with an internal error (logged on the server)")
     assert codes["CalibrationError"] == (code_pb2.INVALID_ARGUMENT, "cal.npz: no images")
     assert any(r.exc_info and "secret path" in str(r.exc_info[1]) for r in caplog.records)  # logged, not sent
+
+
+def test_a_lost_node_requeues_the_job_until_its_attempts_run_out(tmp_path):
+    jobs = service(tmp_path, max_attempts=2)
+    record = running_record(jobs)
+    jobs.supervisor.conclude(record, 1, None, Ended(None, node_lost=True, detail="node 3b5c left"), None)
+    again = jobs.get(record.name)
+    assert again.state == QUEUED and again.attempt == 1 and again.error is None
+    assert "left the cluster during attempt 1" in again.progress["message"]
+    assert list(jobs.supervisor.queue) == [record.name]
+    jobs.store.update(record.name, state=RUNNING, attempt=2)
+    jobs.supervisor.conclude(jobs.get(record.name), 2, None, Ended(None, node_lost=True, detail="node 9f1a left"),
+                             None)
+    final = jobs.get(record.name)
+    assert final.state == FAILED and (final.error.code, final.error.reason) == ("ABORTED", "NODE_LOST")
+    assert "each of 2 attempts" in final.error.message and final.error.metadata["detail"] == "node 9f1a left"
+    # a cancel while the node went away is still a cancel; a crash on a live node is a crash
+    for i, (stop, ended, reason) in enumerate((("cancel", Ended(None, node_lost=True), "CANCELLED"),
+                                               (None, Ended(None, detail="the actor died"), "WORKER_CRASHED"))):
+        record = running_record(jobs, f"operations/{i}")
+        jobs.supervisor.conclude(record, 1, stop, ended, None)
+        assert jobs.get(record.name).error.reason == reason
+    assert "the actor died" in jobs.get("operations/1").error.message
+
+
+def test_a_device_named_twice_is_two_slots(tmp_path):
+    jobs = service(tmp_path, devices=("cpu", "cpu", "cuda:1"))
+    slots = jobs.executor.slots()
+    assert [s.name for s in slots] == ["cpu", "cpu#2", "cuda:1"] and [s.device for s in slots] == ["cpu", "cpu",
+                                                                                                    "cuda:1"]

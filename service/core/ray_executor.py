@@ -1,0 +1,451 @@
+"""Jobs on a Ray cluster: one actor per job, placed by Ray, supervised by the server like a local worker.
+
+`osscar serve --executor ray --ray-address ADDR` connects the server (the Ray driver) to a cluster; the job
+store stays the server's, so a Ray restart loses no job (a job whose actor is gone ends or runs again as
+below). Ray is an optional extra (`pip install '.[ray]'`); nothing here imports it before this executor is
+chosen.
+
+- **Placement.** Each job is a `JobRunner` actor asking for one GPU (`num_gpus=1`) on a cluster with GPUs,
+  else only CPUs, and `cpus_per_job` CPUs (`--ray-cpus-per-job`; 0: a GPU node's CPUs per GPU, or a whole
+  CPU-only node). The server offers as many slots as the live nodes hold such bundles (asked again every
+  few seconds: the cluster may grow or shrink); beyond that jobs wait QUEUED in our store, not in Ray's.
+- **Inputs travel** (no shared filesystem is assumed): a model, calibration or eval file that does not lie
+  under `--shared-roots` is cut into 32 MiB chunks put in Ray's object store (`ray.put`); the actor writes
+  them into its scratch directory and checks every file's sha256 against the server's. Path references
+  outside `--shared-roots` are refused at submission (INVALID_ARGUMENT): no node is known to see them.
+- **Progress travels back by long poll**: the server calls the actor's `events(cursor)` in a loop; a call
+  returns the events after `cursor` as soon as there are any (or after a second). Ray's own RPC carries it,
+  so Ray's security (its auth token, its network) applies and we open no port; a dead actor ends the loop.
+- **Artifacts come back** the same way, pulled in 32 MiB chunks (`read`) into the server's
+  content-addressed store; a blob whose sha256 or size differs from what the worker announced is refused
+  (the job fails INTERNAL, nothing of it kept). Then the actor removes its scratch and is killed.
+- **How a job ends.** As with local workers: the job's own result or error; cancel = `ray.kill` of the
+  actor (Ray's cancellation for actors: `ray.cancel` cannot stop a running actor task) and CANCELLED; an
+  actor process that dies = WORKER_CRASHED. Only Ray knows one more: the job's node left the cluster. Such
+  a job is re-queued like a server restart re-queues it (attempts count; after `--max-attempts`,
+  FAILED `NODE_LOST`); artifacts are only recorded from a finished run, so none is duplicated.
+- **A node's scratch** (`--ray-scratch`, default `<tmp>/osscar-ray` on each node) is that node's home for
+  the jobs it runs: the dense-curves cache, each job's work directory (a crashed job's is removed by the
+  next job to start there), the per-core lock files and the latency lock.
+- **CPU cores.** Ray counts CPUs but does not pin them. Each actor claims as many cores as Ray granted it
+  (one flock per core under the node's scratch: two jobs never claim the same core, and a dead process
+  frees its claim) and pins itself and its threads to them; ONNX Runtime and torch use that many threads.
+  Jobs on one node also take turns measuring latency (the node's latency lock), so a timing never shares
+  the node with another job's timing, pinned or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..blobs import BlobStore
+from ..errors import FieldViolation
+from .config import ServiceConfig
+from .executor import Attempt, Ended, Executor, Message, Slot
+from .outcomes import INTERNAL_MESSAGE, JobError
+from .worker import WorkerArgs, execute, latency_lock_path
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 32 << 20  # inputs and artifacts travel in pieces of this size (bounded memory on both ends)
+POLL_S = 1.0  # the longest an events() call waits for news
+SLOTS_TTL_S = 5.0  # the cluster's shape is asked again after this
+INPUT_FIELDS = ("model", "calibration", "eval", "widths_from")
+
+
+def _is_path_reference(reference: str) -> bool:
+    return not reference.startswith(("blob:", "embedded:"))
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    relative: str  # the file's path inside the shipped input ("" when the input is this one file)
+    sha256: str
+    size: int
+    chunks: tuple[Any, ...]  # ray.ObjectRef of each piece, in order
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """An input that travels to the worker through the object store."""
+
+    field: str  # model | calibration | eval | widths_from
+    name: str  # the file's or directory's name, kept (suffixes matter to the loaders)
+    directory: bool
+    files: tuple[ShippedFile, ...]
+
+
+def ship(field: str, path: Path) -> Shipped:
+    """Put a file or a directory tree into Ray's object store, piece by piece."""
+    import ray
+
+    def put(file: Path, relative: str) -> ShippedFile:
+        digest, chunks, size = hashlib.sha256(), [], 0
+        with open(file, "rb") as handle:
+            while piece := handle.read(CHUNK_BYTES):
+                digest.update(piece)
+                chunks.append(ray.put(piece))
+                size += len(piece)
+        return ShippedFile(relative, digest.hexdigest(), size, tuple(chunks))
+
+    if path.is_dir():
+        files = tuple(put(f, f.relative_to(path).as_posix()) for f in sorted(path.rglob("*")) if f.is_file())
+        return Shipped(field, path.name, True, files)
+    return Shipped(field, path.name, False, (put(path, ""),))
+
+
+def receive(shipped: Shipped, into: Path) -> Path:
+    """Write a shipped input under `into`, every file's digest checked; returns its path."""
+    import ray
+
+    target = into / shipped.field / shipped.name
+    for item in shipped.files:
+        path = target / item.relative if shipped.directory else target
+        path.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with open(path, "wb") as handle:
+            for ref in item.chunks:
+                piece = ray.get(ref)
+                digest.update(piece)
+                handle.write(piece)
+        if digest.hexdigest() != item.sha256:
+            raise RuntimeError(f"input {shipped.field} ({item.relative or shipped.name}) arrived with sha256 "
+                               f"{digest.hexdigest()}, shipped as {item.sha256}")
+    if shipped.directory:
+        target.mkdir(parents=True, exist_ok=True)  # an empty directory still arrives
+    return target
+
+
+# ---- the worker side: one actor per job ---------------------------------------------------------------------
+
+
+def claim_cores(count: int, lock_dir: Path) -> tuple[list[int], list[Any]]:
+    """Claim `count` of this process's allowed cores for as long as the returned handles stay open (one
+    non-blocking flock per core, so jobs on a node never claim the same core); fewer when the node's jobs
+    asked Ray for more CPUs than the node has cores."""
+    import fcntl
+
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    cores, handles = [], []
+    for core in sorted(os.sched_getaffinity(0)):
+        if len(cores) == count:
+            break
+        handle = open(lock_dir / f"core-{core}.lock", "a")  # noqa: SIM115 (held open: the claim)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        cores.append(core)
+        handles.append(handle)
+    return cores, handles
+
+
+def pin(cores: list[int]) -> None:
+    """Every thread of this process (and what they start later) on `cores`."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(int(task.name), cores)
+
+
+class JobRunner:
+    """The actor that runs one job (`ray.remote` is applied by `RayExecutor`). Threaded: `run` works while
+    `events` and `read` answer the server."""
+
+    def __init__(self, scratch: str, cpus: int, log_format: str) -> None:
+        from ..logs import configure
+
+        configure(log_format)
+        self.home = Path(scratch or Path(tempfile.gettempdir()) / "osscar-ray")
+        self.work: Path | None = None
+        self.blobs: BlobStore | None = None
+        self._events: list[tuple[int, Message]] = []
+        self._seq = 0
+        self._finished = False
+        self._changed = threading.Condition()
+        self._sweep_work()
+        self.cores, self._claims = claim_cores(cpus, self.home / "cores")
+        if len(self.cores) == cpus:
+            pin(self.cores)
+        else:  # the node's jobs asked for more CPUs than it has cores: shared cores, turns at timing only
+            log.warning("could claim %d of the %d cores Ray granted; running unpinned", len(self.cores), cpus)
+            for handle in self._claims:
+                handle.close()
+            self.cores, self._claims = [], []
+
+    def _sweep_work(self) -> None:
+        """Remove work directories whose job's process is gone (a killed actor cannot clean up)."""
+        for owner in (self.home / "work").glob("*/owner"):
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(owner.read_text())
+                if not Path(f"/proc/{pid}").exists():
+                    shutil.rmtree(owner.parent, ignore_errors=True)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "cores": self.cores}
+
+    def run(self, args: WorkerArgs, shipped: list[Shipped]) -> None:
+        import ray
+
+        from ..logs import operation_id
+
+        operation_id.set(args.operation)
+        if self.cores:
+            pin(self.cores)  # threads started since __init__ (this one among them)
+            import torch
+
+            torch.set_num_threads(len(self.cores))
+        with contextlib.suppress(OSError):
+            os.nice(10)
+        job = self.home / "work" / args.operation.rsplit("/", 1)[-1]
+        shutil.rmtree(job, ignore_errors=True)
+        self.work = job / Path(args.work_dir).name
+        self.work.mkdir(parents=True)
+        (job / "owner").write_text(str(os.getpid()))
+        self.blobs = BlobStore(self.work / "blobs")
+        os.environ["OSSCAR_LATENCY_LOCK"] = latency_lock_path(self.home)
+        spec = dict(args.spec)
+        try:
+            for item in shipped:
+                spec[item.field] = str(receive(item, self.work / "inputs"))
+        except BaseException as err:
+            self._send(("error", JobError.from_exception(err, stage="loading")))
+            log.error("receiving the inputs failed", exc_info=err)
+            return
+        device = "cuda:0" if ray.get_gpu_ids() else "cpu"  # Ray set CUDA_VISIBLE_DEVICES to the granted GPU
+        local = replace(args, spec=spec, home=str(self.home), work_dir=str(self.work / "job"), device=device)
+        execute(local, self._send, self.blobs)
+
+    def _send(self, message: Message) -> None:
+        with self._changed:
+            self._seq += 1
+            self._events.append((self._seq, message))
+            self._finished = self._finished or message[0] != "progress"
+            self._changed.notify_all()
+
+    def events(self, cursor: int, wait_s: float) -> tuple[list[tuple[int, Message]], bool]:
+        """The events after `cursor` (waiting up to `wait_s` for one) and whether the job's result is among
+        those sent; events up to `cursor` were received and are forgotten."""
+        with self._changed:
+            self._events = [e for e in self._events if e[0] > cursor]
+            if not self._events and not self._finished:
+                self._changed.wait(wait_s)
+            return list(self._events), self._finished
+
+    def read(self, digest: str, offset: int, size: int) -> bytes:
+        with open(self.blobs.path(digest), "rb") as handle:
+            handle.seek(offset)
+            return handle.read(size)
+
+    def close(self) -> None:
+        if self.work is not None:
+            shutil.rmtree(self.work.parent, ignore_errors=True)
+
+
+# ---- the server side --------------------------------------------------------------------------------------
+
+
+class RayExecutor(Executor):
+    name = "ray"
+
+    def __init__(self, config: ServiceConfig, blobs: BlobStore) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("--executor ray needs Ray: pip install 'osscar-service[ray]'") from None
+        self.config, self.blobs = config, blobs
+        self.shared_roots = tuple(Path(r) for r in config.shared_roots)
+        if not ray.is_initialized():
+            ray.init(address=config.ray_address or None, namespace="osscar", log_to_driver=False,
+                     logging_level=logging.WARNING)
+        self.runner = ray.remote(JobRunner)
+        self._shape: tuple[float, list[Slot], dict[str, float]] | None = None
+        self.cpus_per_job = config.ray_cpus_per_job
+        log.info("Ray executor: cluster at %s, %s", config.ray_address or "(local)", ray.cluster_resources())
+
+    # -- capacity ------------------------------------------------------------------------------------
+
+    def slots(self) -> list[Slot]:
+        if self._shape is None or time.monotonic() - self._shape[0] > SLOTS_TTL_S:
+            self._shape = (time.monotonic(), *self._measure())
+        return list(self._shape[1])
+
+    def forget_shape(self) -> None:
+        """Ask the cluster again at the next look (a node left)."""
+        self._shape = None
+
+    def resources(self) -> dict[str, float]:
+        """What each job asks Ray for."""
+        self.slots()
+        return dict(self._shape[2])
+
+    def _measure(self) -> tuple[list[Slot], dict[str, float]]:
+        import ray
+
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        gpu_nodes = [r for r in nodes if r.get("GPU", 0) >= 1]
+        cpus = self.cpus_per_job
+        if not cpus:  # fixed at the first look: a job's request does not change while the server runs
+            shapes = [int(r.get("CPU", 0) // r["GPU"]) for r in gpu_nodes] if gpu_nodes else \
+                [int(r.get("CPU", 0)) for r in nodes if r.get("CPU", 0) >= 1]
+            cpus = self.cpus_per_job = max(1, min(shapes, default=1))
+        if gpu_nodes:
+            count = sum(min(int(r["GPU"]), int(r.get("CPU", 0) // cpus)) for r in gpu_nodes)
+            ask = {"num_gpus": 1, "num_cpus": cpus}
+        else:
+            count = sum(int(r.get("CPU", 0) // cpus) for r in nodes)
+            ask = {"num_gpus": 0, "num_cpus": cpus}
+        return [Slot(f"ray-{i}", "auto") for i in range(count)], ask
+
+    # -- submissions ---------------------------------------------------------------------------------
+
+    def refusals(self, spec: dict[str, Any], references: dict[str, str]) -> list[FieldViolation]:
+        refused = []
+        for field, reference in references.items():
+            if field in INPUT_FIELDS and _is_path_reference(reference) and not self._shared(Path(spec[field])):
+                roots = ", ".join(map(str, self.shared_roots)) or "none configured"
+                refused.append(FieldViolation(field, f"the Ray executor reads paths only under --shared-roots "
+                                                     f"({roots}); upload the file instead"))
+        return refused
+
+    def _shared(self, path: Path) -> bool:
+        real = path.resolve()
+        return any(real == root or root in real.parents for root in self.shared_roots)
+
+    def attempt(self, args: WorkerArgs, slot: Slot) -> Attempt:
+        return RayAttempt(self, args)
+
+    async def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+class RayAttempt(Attempt):
+    def __init__(self, executor: RayExecutor, args: WorkerArgs) -> None:
+        self.executor, self.args = executor, args
+        self.actor = None
+        self.shipped: list[Shipped] = []
+        self.node: dict[str, Any] = {}
+        self.death: BaseException | None = None  # why the actor is gone, when it died under us
+        self.stopped = False  # killed on purpose (cancel, time budget, shutdown)
+        self.finished = False  # its result (or error) was received
+        self.running = None  # the ObjectRef of its run()
+
+    async def start(self) -> None:
+        import ray
+
+        spec = self.args.spec
+        fields = [f for f in INPUT_FIELDS if spec.get(f) and not self.executor._shared(Path(spec[f]))]
+        self.shipped = [await asyncio.to_thread(ship, f, Path(spec[f])) for f in fields]
+        ask = self.executor.resources()
+        self.actor = self.executor.runner.options(
+            **ask, max_restarts=0, max_task_retries=0, max_concurrency=4,
+            name=f"osscar-{self.args.operation.rsplit('/', 1)[-1]}-{Path(self.args.work_dir).name}").remote(
+            self.executor.config.ray_scratch, ask["num_cpus"], self.args.log_format)
+        if self.stopped:
+            ray.kill(self.actor, no_restart=True)
+        try:
+            self.node = await self.actor.where.remote()  # placed and constructed
+            self.running = self.actor.run.remote(self.args, self.shipped)
+        except ray.exceptions.RayActorError as err:
+            self.death = err
+            self.where = "a Ray actor that died before it ran"
+            return
+        self.where = (f"Ray actor pid {self.node['pid']} on node {self.node['node_id'][:12]} ({self.node['ip']}), "
+                      f"cores {self.node['cores'] or 'unpinned'}, GPUs {self.node['gpus'] or 'none'}")
+
+    async def messages(self) -> AsyncIterator[Message]:
+        import ray
+
+        if self.death is not None or self.actor is None:
+            return
+        cursor = 0
+        while True:
+            try:
+                batch, finished = await self.actor.events.remote(cursor, POLL_S)
+                for seq, message in batch:
+                    cursor = seq
+                    if message[0] == "done":
+                        message = await self._bring_back(message)
+                    self.finished = self.finished or message[0] != "progress"
+                    yield message
+            except ray.exceptions.RayActorError as err:
+                self.death = err
+                return
+            if finished and not batch:
+                return
+
+    async def _bring_back(self, message: Message) -> Message:
+        """Pull the artifacts the worker announced into the server's blob store, digests checked."""
+        blobs = self.executor.blobs
+        for artifact in message[1]["artifacts"]:
+            digest, size = artifact["sha256"], artifact["size_bytes"]
+            if blobs.exists(digest):  # content-addressed: already here (e.g. an earlier identical job)
+                continue
+            writer = blobs.writer()
+            try:
+                while writer.size < size:
+                    piece = await self.actor.read.remote(digest, writer.size, CHUNK_BYTES)
+                    if not piece:
+                        break
+                    await asyncio.to_thread(writer.write, piece)
+                if writer.size != size or writer.hash.hexdigest() != digest:
+                    log.error("artifact %s arrived with sha256 %s and %d bytes; the worker announced %s and %d",
+                              artifact["name"], writer.hash.hexdigest(), writer.size, digest, size)
+                    writer.abort()
+                    return "error", JobError.of("internal", INTERNAL_MESSAGE)
+                await asyncio.to_thread(writer.commit)
+            except BaseException:
+                writer.abort()
+                raise
+        return message
+
+    def stop(self) -> None:
+        import ray
+
+        self.stopped = True
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+
+    async def end(self) -> Ended:
+        import ray
+
+        if self.finished and self.death is None and not self.stopped:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # its scratch: the node's disk
+                await asyncio.wait_for(self.actor.close.remote(), 30)
+        on_purpose = self.stopped
+        self.stop()
+        self.shipped, self.running = [], None  # the object store may drop the input pieces
+        if self.death is None:
+            return Ended(0 if self.finished else None, detail="" if self.finished else "stopped")
+        detail = str(self.death).strip().splitlines()[-1].strip()[:300] if str(self.death).strip() else ""
+        lost = not on_purpose and await asyncio.to_thread(self._node_lost, str(self.death))
+        if lost:
+            self.executor.forget_shape()  # the lost node's slots must not take the re-queued job
+        return Ended(None, node_lost=lost, detail=detail)
+
+    def _node_lost(self, text: str) -> bool:
+        import ray
+
+        if "node has died" in text or "node was terminated" in text:
+            return True
+        node = self.node.get("node_id")
+        return node is not None and not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
