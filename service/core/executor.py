@@ -14,16 +14,20 @@ writes them there itself; a remote executor brings them back first, digests chec
 lives in an executor: the supervisor persists every transition in the job store.
 
 `LocalExecutor`: a spawned worker process per job on this machine (`service.core.worker`), one slot per
-configured device (a device may be named twice: two CPU slots).
+configured device (a device may be named twice: two CPU slots). With several slots, each slot gets its
+own share of the machine's cores and its worker is pinned to them: two jobs that each ran torch and ONNX
+Runtime on every core oversubscribed the machine (two ResNet-20 jobs on 2 cores: 85 s each, against 25 s
+each pinned to one core; bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..blobs import BlobStore
@@ -36,10 +40,11 @@ Message = tuple[str, Any]  # ("progress", event) | ("done", {"report", "artifact
 
 @dataclass(frozen=True)
 class Slot:
-    """Room for one job: its name (for logs and progress) and the device the job is given."""
+    """Room for one job: its name (for logs and progress), the device the job is given, and its cores."""
 
     name: str  # "cpu", "cuda:1", "cpu#2" (a device named twice), "ray-0"
     device: str  # "cpu" or "cuda:N"; "auto": chosen where the job lands (Ray)
+    cores: tuple[int, ...] = ()  # the job is pinned to these; empty: not pinned (where it runs decides)
 
 
 @dataclass(frozen=True)
@@ -97,16 +102,32 @@ class LocalExecutor(Executor):
         assert devices, "at least one device"
         self.blobs = blobs
         seen: dict[str, int] = {}
+        shares = share_cores(sorted(os.sched_getaffinity(0)), len(devices)) if len(devices) > 1 else None
         self._slots = []
-        for device in devices:
+        for i, device in enumerate(devices):
             seen[device] = seen.get(device, 0) + 1
-            self._slots.append(Slot(device if seen[device] == 1 else f"{device}#{seen[device]}", device))
+            name = device if seen[device] == 1 else f"{device}#{seen[device]}"
+            self._slots.append(Slot(name, device, tuple(shares[i]) if shares else ()))
 
     def slots(self) -> list[Slot]:
         return list(self._slots)
 
     def attempt(self, args: WorkerArgs, slot: Slot) -> Attempt:
-        return _LocalAttempt(args)
+        return _LocalAttempt(replace(args, cores=slot.cores))
+
+
+def share_cores(cores: list[int], slots: int) -> list[list[int]] | None:
+    """`cores` cut into `slots` contiguous shares as equal as can be; None when there are fewer cores
+    than slots (then nobody is pinned: the shares would overlap)."""
+    if len(cores) < slots:
+        return None
+    size, extra = divmod(len(cores), slots)
+    shares, start = [], 0
+    for i in range(slots):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cores[start:end])
+        start = end
+    return shares
 
 
 class _LocalAttempt(Attempt):

@@ -55,7 +55,7 @@ from ..errors import FieldViolation
 from .config import ServiceConfig
 from .executor import Attempt, Ended, Executor, Message, Slot
 from .outcomes import INTERNAL_MESSAGE, JobError
-from .worker import WorkerArgs, execute, latency_lock_path
+from .worker import WorkerArgs, execute, latency_lock_path, pin
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +153,6 @@ def claim_cores(count: int, lock_dir: Path) -> tuple[list[int], list[Any]]:
     return cores, handles
 
 
-def pin(cores: list[int]) -> None:
-    """Every thread of this process (and what they start later) on `cores`."""
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            os.sched_setaffinity(int(task.name), cores)
-
-
 class JobRunner:
     """The actor that runs one job (`ray.remote` is applied by `RayExecutor`). Threaded: `run` works while
     `events` and `read` answer the server."""
@@ -208,9 +201,6 @@ class JobRunner:
         operation_id.set(args.operation)
         if self.cores:
             pin(self.cores)  # threads started since __init__ (this one among them)
-            import torch
-
-            torch.set_num_threads(len(self.cores))
         with contextlib.suppress(OSError):
             os.nice(10)
         job = self.home / "work" / args.operation.rsplit("/", 1)[-1]
@@ -347,27 +337,36 @@ class RayAttempt(Attempt):
         self.stopped = False  # killed on purpose (cancel, time budget, shutdown)
         self.finished = False  # its result (or error) was received
         self.running = None  # the ObjectRef of its run()
+        self.cluster_lost = False  # Ray itself failed under the job (its head restarted, the connection died)
 
     async def start(self) -> None:
+        import ray
+
+        try:
+            await self._start()
+        except ray.exceptions.RayActorError as err:
+            self.death = err
+            self.where = "a Ray actor that died before it ran"
+        except ray.exceptions.RayError as err:  # not the job's fault: it runs again, like after a lost node
+            self.death, self.cluster_lost = err, True
+            self.where = "nowhere: Ray failed"
+            log.error("Ray failed while starting the job: %s", err)
+
+    async def _start(self) -> None:
         import ray
 
         spec = self.args.spec
         fields = [f for f in INPUT_FIELDS if spec.get(f) and not self.executor._shared(Path(spec[f]))]
         self.shipped = [await asyncio.to_thread(ship, f, Path(spec[f])) for f in fields]
-        ask = self.executor.resources()
+        ask = await asyncio.to_thread(self.executor.resources)
         self.actor = self.executor.runner.options(
             **ask, max_restarts=0, max_task_retries=0, max_concurrency=4,
             name=f"osscar-{self.args.operation.rsplit('/', 1)[-1]}-{Path(self.args.work_dir).name}").remote(
             self.executor.config.ray_scratch, ask["num_cpus"], self.args.log_format)
         if self.stopped:
             ray.kill(self.actor, no_restart=True)
-        try:
-            self.node = await self.actor.where.remote()  # placed and constructed
-            self.running = self.actor.run.remote(self.args, self.shipped)
-        except ray.exceptions.RayActorError as err:
-            self.death = err
-            self.where = "a Ray actor that died before it ran"
-            return
+        self.node = await self.actor.where.remote()  # placed and constructed
+        self.running = self.actor.run.remote(self.args, self.shipped)
         self.where = (f"Ray actor pid {self.node['pid']} on node {self.node['node_id'][:12]} ({self.node['ip']}), "
                       f"cores {self.node['cores'] or 'unpinned'}, GPUs {self.node['gpus'] or 'none'}")
 
@@ -388,6 +387,10 @@ class RayAttempt(Attempt):
                     yield message
             except ray.exceptions.RayActorError as err:
                 self.death = err
+                return
+            except ray.exceptions.RayError as err:  # Ray itself: the job runs again, like after a lost node
+                self.death, self.cluster_lost = err, True
+                log.error("Ray failed under the job: %s", err)
                 return
             if finished and not batch:
                 return
@@ -437,7 +440,7 @@ class RayAttempt(Attempt):
         if self.death is None:
             return Ended(0 if self.finished else None, detail="" if self.finished else "stopped")
         detail = str(self.death).strip().splitlines()[-1].strip()[:300] if str(self.death).strip() else ""
-        lost = not on_purpose and await asyncio.to_thread(self._node_lost, str(self.death))
+        lost = not on_purpose and (self.cluster_lost or await asyncio.to_thread(self._node_lost, str(self.death)))
         if lost:
             self.executor.forget_shape()  # the lost node's slots must not take the re-queued job
         return Ended(None, node_lost=lost, detail=detail)

@@ -48,6 +48,7 @@ class WorkerArgs:
     device: str  # the device slot this job holds: "cpu" or "cuda:N"
     parent_pid: int
     log_format: str = "json"  # the server's: json or text
+    cores: tuple[int, ...] = ()  # CPU cores the job is pinned to (its slot's share); empty: not pinned
 
 
 Send = Callable[[tuple[str, Any]], None]
@@ -56,6 +57,18 @@ Send = Callable[[tuple[str, Any]], None]
 def latency_lock_path(home: os.PathLike | str) -> str:
     """The lock file that serialises latency measurement between the jobs sharing one machine's cores."""
     return os.path.join(home, "latency.lock")
+
+
+def pin(cores: list[int]) -> None:
+    """This process, every thread it has (and what they start later: torch's pool, ONNX Runtime's
+    subprocess) on `cores`, and torch's intra-op pool sized to them: jobs sharing a machine each keep to
+    their own cores instead of all of them oversubscribing all of them."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(int(task.name), cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
 
 
 def run(args: WorkerArgs, conn: Connection) -> None:
@@ -69,6 +82,8 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
     configure(args.log_format)
     operation_id.set(args.operation)
+    if args.cores:
+        pin(list(args.cores))
     try:
         execute(args, conn.send, BlobStore(Path(args.home) / "blobs"))
     finally:

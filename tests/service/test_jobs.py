@@ -3,6 +3,7 @@ each job ends (the supervisor's conclusions)."""
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -262,3 +263,55 @@ def test_a_device_named_twice_is_two_slots(tmp_path):
     slots = jobs.executor.slots()
     assert [s.name for s in slots] == ["cpu", "cpu#2", "cuda:1"] and [s.device for s in slots] == ["cpu", "cpu",
                                                                                                     "cuda:1"]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 3:  # each slot its own share of the cores: together all of them, none twice
+        assert sorted(c for s in slots for c in s.cores) == cores and all(s.cores for s in slots)
+    else:
+        assert all(not s.cores for s in slots)  # too few cores to share: nobody pinned
+    assert service(tmp_path / "one", devices=("cpu",)).executor.slots()[0].cores == ()  # alone: every core
+
+
+def test_cores_are_shared_in_contiguous_near_equal_parts():
+    from service.core.executor import share_cores
+
+    assert share_cores(list(range(8)), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert share_cores([0, 1], 2) == [[0], [1]]
+    assert share_cores([0], 2) is None
+
+
+def _pinned_report(core: int, out) -> None:
+    import threading
+
+    import torch
+
+    from service.core.worker import pin
+
+    seen = {}
+    started = threading.Event()
+    done = threading.Event()
+
+    def before() -> None:  # a thread that existed before the pin
+        started.set()
+        done.wait(10)
+        seen["thread"] = sorted(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=before)
+    thread.start()
+    started.wait(10)
+    pin([core])
+    done.set()
+    thread.join(10)
+    out.send({"main": sorted(os.sched_getaffinity(0)), "thread": seen["thread"], "torch": torch.get_num_threads()})
+
+
+def test_a_pinned_worker_keeps_every_thread_on_its_cores():
+    import multiprocessing
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_pinned_report, args=(core, sender))
+    process.start()
+    report = receiver.recv()
+    process.join(30)
+    assert report == {"main": [core], "thread": [core], "torch": 1}
