@@ -268,9 +268,9 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
 
 @contextlib.contextmanager
 def measurement_turn() -> Iterator[None]:
-    """Hold the machine's latency lock, when OSSCAR_LATENCY_LOCK names one, while timing: jobs that share a
-    machine's cores (two service slots, two Ray jobs on one node) take turns, so neither times the other's
-    load. An advisory flock: released when its process dies, however it dies."""
+    """Hold the machine's latency lock, when OSSCAR_LATENCY_LOCK names one, while timing on the CPU: jobs
+    that share a machine's cores (two service slots, two Ray jobs on one node) take turns, so neither times
+    the other's load. An advisory flock: released when its process dies, however it dies."""
     path = os.environ.get("OSSCAR_LATENCY_LOCK")
     if not path:
         yield
@@ -304,7 +304,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
     bind = provider == "cuda" if io_binding is None else io_binding
-    with measurement_turn():
+    with measurement_turn() if provider == "cpu" else contextlib.nullcontext():  # a GPU is its job's alone
         *times, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
                              repeats, bind)
 

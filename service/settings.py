@@ -7,6 +7,7 @@ both places (`OSSCAR_ALLOWED_ROOTS=/models,/data`).
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -85,6 +86,10 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
         if self.executor == "local" and (self.ray_address or self.shared_roots):
             raise ValueError("ray_address and shared_roots are settings of --executor ray")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if self.list_of("devices").count("cpu") > cores:
+            raise ValueError(f"devices: {self.list_of('devices').count('cpu')} cpu slots on {cores} cores; each CPU "
+                             "job needs a core of its own")
         if self.executor == "ray" and self.devices:
             raise ValueError("devices are local slots; on --executor ray, Ray places jobs (one GPU each)")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):

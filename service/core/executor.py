@@ -14,10 +14,10 @@ writes them there itself; a remote executor brings them back first, digests chec
 lives in an executor: the supervisor persists every transition in the job store.
 
 `LocalExecutor`: a spawned worker process per job on this machine (`service.core.worker`), one slot per
-configured device (a device may be named twice: two CPU slots). With several slots, each slot gets its
+configured device (a device may be named twice: two CPU slots). With several CPU slots, each gets its
 own share of the machine's cores and its worker is pinned to them: two jobs that each ran torch and ONNX
-Runtime on every core oversubscribed the machine (two ResNet-20 jobs on 2 cores: 85 s each, against 25 s
-each pinned to one core; bench/RESULTS.md).
+Runtime on every core oversubscribed the machine (two small ResNet-20 jobs on 2 cores: 85.5 s each,
+against 25.5 s each pinned to one core on Ray; bench/RESULTS.md). GPU slots are not pinned.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import asyncio
 import multiprocessing
 import os
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -76,6 +76,8 @@ class Attempt(ABC):
 
 class Executor(ABC):
     name: str
+    # whether the job store still uses a blob (JobService sets it): a half-imported result deletes only others
+    referenced: Callable[[str], bool] = staticmethod(lambda digest: True)
 
     @abstractmethod
     def slots(self) -> list[Slot]:
@@ -102,12 +104,17 @@ class LocalExecutor(Executor):
         assert devices, "at least one device"
         self.blobs = blobs
         seen: dict[str, int] = {}
-        shares = share_cores(sorted(os.sched_getaffinity(0)), len(devices)) if len(devices) > 1 else None
+        cpu_slots = sum(device == "cpu" for device in devices)
+        cores = sorted(os.sched_getaffinity(0))
+        if cpu_slots > len(cores):
+            raise ValueError(f"{cpu_slots} cpu slots on {len(cores)} cores: each CPU job needs a core of its own")
+        shares = iter(share_cores(cores, cpu_slots) if cpu_slots > 1 else [])
         self._slots = []
-        for i, device in enumerate(devices):
+        for device in devices:
             seen[device] = seen.get(device, 0) + 1
             name = device if seen[device] == 1 else f"{device}#{seen[device]}"
-            self._slots.append(Slot(name, device, tuple(shares[i]) if shares else ()))
+            # CPU jobs side by side each keep to their share; a lone CPU job and GPU jobs use every core
+            self._slots.append(Slot(name, device, tuple(next(shares)) if device == "cpu" and cpu_slots > 1 else ()))
 
     def slots(self) -> list[Slot]:
         return list(self._slots)

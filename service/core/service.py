@@ -79,6 +79,7 @@ class JobService:
         if removed:
             log.info("removed %d partial files left by an interrupted write", removed)
         self.executor = self._executor()
+        self.executor.referenced = self.store.referenced  # what a half-imported result may delete
         self.supervisor = Supervisor(self.config, self.store, self.blobs, self.feeds, self.metrics, self.executor)
         self.supervisor.recover()
         self.supervisor.observe()

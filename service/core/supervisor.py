@@ -41,6 +41,7 @@ class _Running:
     slot: Slot  # held from the moment the scheduler picks the job
     attempt: Attempt | None = None  # the run, once the executor made it
     stop_reason: str | None = None  # cancel | shutdown | deadline
+    outcome: tuple[str, Any] | None = None  # what the worker sent last: its result or error
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -85,7 +86,8 @@ class Supervisor:
         gone; the job ends CANCELLED when its supervision notices), a queued one ends at once."""
         running = self.running.get(name)
         if running is not None:
-            running.stop("cancel")
+            if running.outcome is None:  # once its result is in, the job ends with it
+                running.stop("cancel")
             return
         with contextlib.suppress(ValueError):
             self.queue.remove(name)
@@ -113,8 +115,14 @@ class Supervisor:
                     await self._wake.wait()
             self._wake.clear()
             while self.queue and not self.stopping:
+                try:
+                    slots = self.executor.slots()
+                except Exception:  # the executor cannot say now: look again at the next pass
+                    log.exception("the executor could not list its slots")
+                    break
                 taken = {r.slot.name for r in self.running.values()}
-                free = [s for s in self.executor.slots() if s.name not in taken]
+                # a shrunk cluster may have fewer slots than running jobs: never more jobs than slots
+                free = [s for s in slots if s.name not in taken][:max(0, len(slots) - len(self.running))]
                 if not free:
                     break
                 name = self.queue.popleft()
@@ -178,7 +186,7 @@ class Supervisor:
                             self.metrics.stage_seconds.labels(stage).observe(now - stage_start)
                             stage, stage_start = payload.get("stage"), now
                     else:
-                        outcome = (kind, payload)
+                        outcome = running.outcome = (kind, payload)
         except TimeoutError:
             running.stop(running.stop_reason or "deadline")
         except Exception:
@@ -186,6 +194,9 @@ class Supervisor:
         finally:
             try:
                 ended = await run.end()  # the worker is gone (killed if it was not) once this returns
+            except Exception as err:  # the job still ends: as a crash, with what went wrong
+                log.exception("ending the attempt failed")
+                ended = Ended(None, detail=f"the executor failed to end it: {type(err).__name__}")
             finally:
                 del self.running[name]
                 shutil.rmtree(work, ignore_errors=True)

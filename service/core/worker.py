@@ -82,8 +82,6 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
     configure(args.log_format)
     operation_id.set(args.operation)
-    if args.cores:
-        pin(list(args.cores))
     try:
         execute(args, conn.send, BlobStore(Path(args.home) / "blobs"))
     finally:
@@ -98,6 +96,8 @@ def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
     os.environ.setdefault("OSSCAR_LATENCY_LOCK", latency_lock_path(args.home))
     current = {"stage": "loading", "round": 0}  # where the job is: progress events, and an error's stage
     try:
+        if args.cores:
+            pin(list(args.cores))
         result = _compress(args, send, current, blobs)
         send(("done", result))
     except BaseException as err:  # mapped for the caller; the traceback stays in the server's log

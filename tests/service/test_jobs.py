@@ -264,11 +264,12 @@ def test_a_device_named_twice_is_two_slots(tmp_path):
     assert [s.name for s in slots] == ["cpu", "cpu#2", "cuda:1"] and [s.device for s in slots] == ["cpu", "cpu",
                                                                                                     "cuda:1"]
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 3:  # each slot its own share of the cores: together all of them, none twice
-        assert sorted(c for s in slots for c in s.cores) == cores and all(s.cores for s in slots)
-    else:
-        assert all(not s.cores for s in slots)  # too few cores to share: nobody pinned
+    # the two CPU slots share the cores between them, none twice; the GPU slot is not pinned
+    assert sorted(slots[0].cores + slots[1].cores) == cores and slots[0].cores and slots[1].cores
+    assert slots[2].cores == ()
     assert service(tmp_path / "one", devices=("cpu",)).executor.slots()[0].cores == ()  # alone: every core
+    with pytest.raises(ValueError, match="needs a core of its own"):
+        service(tmp_path / "many", devices=("cpu",) * (len(cores) + 1))
 
 
 def test_cores_are_shared_in_contiguous_near_equal_parts():
@@ -315,3 +316,49 @@ def test_a_pinned_worker_keeps_every_thread_on_its_cores():
     report = receiver.recv()
     process.join(30)
     assert report == {"main": [core], "thread": [core], "torch": 1}
+
+
+def test_a_shrunk_executor_starts_no_job_beyond_its_slots(tmp_path, monkeypatch):
+    """A cluster that lost a node lists fewer slots than there are running jobs: nothing more starts."""
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    store.insert(JobRecord(name="operations/q", body_sha256="x", request=b"", spec={}))
+    store.close()
+    jobs = service(tmp_path)
+    monkeypatch.setattr(jobs.executor, "slots", lambda: [Slot("ray-0", "auto")])
+    jobs.supervisor.running["operations/r"] = _Running(Slot("ray-1", "auto"))  # started when there were two
+    started = []
+
+    async def fake_run(record, running):
+        started.append(record.name)
+
+    async def main():
+        monkeypatch.setattr(jobs.supervisor, "_run", fake_run)
+        scheduler = asyncio.create_task(jobs.supervisor.schedule())
+        await asyncio.sleep(0.05)
+        scheduler.cancel()
+        return list(jobs.supervisor.queue)
+
+    assert asyncio.run(main()) == ["operations/q"] and started == []
+
+
+def test_a_cancel_after_the_result_arrived_leaves_the_job_its_result(tmp_path):
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    stopped = []
+
+    class Run:
+        def stop(self):
+            stopped.append(True)
+
+    running = jobs.supervisor.running["operations/r"] = _Running(Slot("cpu", "cpu"), attempt=Run())
+    running.outcome = ("done", {"report": REPORT, "artifacts": []})
+    jobs.supervisor.cancel("operations/r")
+    assert running.stop_reason is None and not stopped
+    running.outcome = None
+    jobs.supervisor.cancel("operations/r")
+    assert running.stop_reason == "cancel" and stopped == [True]

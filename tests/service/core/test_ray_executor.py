@@ -155,7 +155,8 @@ def test_uploads_travel_to_the_actor_and_artifacts_come_back_digest_checked(serv
     assert manifest["inputs"]["model"]["sha256"] == hashlib.sha256((data / "model.pt2").read_bytes()).hexdigest()
     session = ort.InferenceSession(str(out / "model.onnx"))
     assert session.run(None, {session.get_inputs()[0].name: np.zeros((2, 3, 32, 32), np.float32)})[0].shape == (2, 5)
-    assert not any((server.home.parent / "node-scratch" / "work").iterdir())  # the actor cleaned its scratch
+    (node,) = (server.home.parent / "node-scratch").iterdir()  # one node: its own scratch, by node id
+    assert (node / "cores").is_dir() and not any((node / "work").iterdir())  # the actor cleaned its work
 
 
 def test_a_path_outside_the_shared_roots_is_refused(server, data, tmp_path):
