@@ -252,3 +252,45 @@ def test_a_lost_node_requeues_the_job_then_fails_it_node_lost(tmp_path, data):
         if server is not None:
             server.stop()
         cluster.shutdown()
+
+
+def test_an_artifact_that_arrives_corrupted_is_refused_and_nothing_of_the_result_is_kept(tmp_path):
+    """The server-side transfer alone (no cluster): the second artifact's bytes differ from its announced digest."""
+    import asyncio
+
+    from service.blobs import BlobStore
+    from service.core.ray_executor import RayAttempt
+
+    blobs = BlobStore(tmp_path / "blobs")
+    good, bad = b"onnx bytes" * 1000, b"report"
+    announced = {hashlib.sha256(good).hexdigest(): good, hashlib.sha256(bad).hexdigest(): b"tampered"}
+
+    class Read:
+        def remote(self, digest, offset, size):
+            async def piece():
+                return announced[digest][offset:offset + size]
+            return piece()
+
+    class Actor:
+        read = Read()
+
+    class Executor:
+        def __init__(self):
+            self.blobs = blobs
+
+        def referenced(self, digest):
+            return False
+
+    attempt = RayAttempt.__new__(RayAttempt)
+    attempt.executor, attempt.actor, attempt.imported = Executor(), Actor(), []
+    artifacts = [{"name": name, "sha256": hashlib.sha256(content).hexdigest(), "size_bytes": len(content),
+                  "media_type": "application/octet-stream"} for name, content in (("model.onnx", good),
+                                                                                  ("report.json", bad))]
+    kind, error = asyncio.run(attempt._bring_back(("done", {"report": {}, "artifacts": artifacts})))
+    assert kind == "error" and error.reason == "INTERNAL"
+    assert not blobs.exists(artifacts[0]["sha256"]) and not blobs.exists(artifacts[1]["sha256"])
+    announced[artifacts[1]["sha256"]] = bad  # intact: both arrive, digests as announced
+    kind, result = asyncio.run(attempt._bring_back(("done", {"report": {}, "artifacts": artifacts})))
+    assert result["artifacts"] == artifacts
+    assert kind == "done" and all(blobs.exists(a["sha256"]) for a in artifacts)
+    assert blobs.path(artifacts[0]["sha256"]).read_bytes() == good
