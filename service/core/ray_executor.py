@@ -315,7 +315,7 @@ class RayExecutor(Executor):
             log.warning("could not read the Ray cluster's resources (keeping the last seen): %s", err)
             shape = None
         with self._lock:
-            if shape is not None:
+            if shape is not None and shape.seen > self._shape.seen:  # a look begun earlier may end later
                 self._shape = shape
             self._refreshing = False
 
@@ -325,6 +325,7 @@ class RayExecutor(Executor):
     def _measure(self) -> _Shape:
         import ray
 
+        seen = time.monotonic()  # when the look began: what it sees is at least this fresh
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         gpu_nodes = [r for r in nodes if r.get("GPU", 0) >= 1]
         cpus = self.cpus_per_job
@@ -340,7 +341,7 @@ class RayExecutor(Executor):
         else:
             count = sum(int(r.get("CPU", 0) // cpus) for r in nodes)
         ask = {"num_gpus": 1 if gpu_nodes else 0, "num_cpus": cpus}
-        return _Shape(tuple(Slot(f"ray-{i}", "auto") for i in range(count)), ask, time.monotonic())
+        return _Shape(tuple(Slot(f"ray-{i}", "auto") for i in range(count)), ask, seen)
 
     # -- submissions ---------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The Ray executor on a real local Ray cluster (`ray.cluster_utils.Cluster`: a head and worker nodes as
 separate raylets on this machine) behind a real `osscar serve --executor ray` subprocess: jobs through
-gRPC end to end, two at once on two slots, cancel, a killed actor process, a node that leaves."""
+gRPC end to end, two at once on two slots, cancel, a killed actor process (a node that leaves: test_ray_node_loss)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -22,27 +20,25 @@ from google.rpc import code_pb2
 
 from service.api import compression_pb2 as pb
 from service.client import RemoteCompressor
-from service.wire import error_details, unpack_metadata, unpack_response
+from service.wire import error_details, unpack_metadata
 from tests.compressor.cnn.conv_models import write_conv_job
-from tests.service.server_process import ServerProcess
+from tests.service.core.ray_helpers import (
+    paths,
+    request,
+    runner_pids,
+    start_cluster,
+    start_server,
+    succeeded,
+    wait_until,
+    watch,
+)
 
-ray_cluster_utils = pytest.importorskip("ray.cluster_utils", reason="ray is not installed (pip install '.[ray]')")
+pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return write_conv_job(tmp_path_factory.mktemp("ray-data"), size=32)
-
-
-def start_cluster(head_cpus: int) -> ray_cluster_utils.Cluster:
-    return ray_cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "include_dashboard": False, "object_store_memory": 200 << 20})
-
-
-def start_server(home: Path, cluster, data: Path, *extra: str) -> ServerProcess:
-    return ServerProcess(home, "--executor", "ray", "--ray-address", cluster.address, "--ray-cpus-per-job", "1",
-                         "--shared-roots", str(data), "--ray-scratch", str(home.parent / "node-scratch"),
-                         "--log-format", "text", *extra).start()
 
 
 @pytest.fixture(scope="module")
@@ -57,49 +53,6 @@ def server(tmp_path_factory, cluster, data):
     process = start_server(tmp_path_factory.mktemp("ray-server") / "home", cluster, data, "--max-queue", "4")
     yield process
     assert process.stop() == 0
-
-
-def request(model: str, calibration: str, repeats: int = 15) -> pb.CompressRequest:
-    message = pb.CompressRequest(model=model, calibration=calibration, uniform_ratio=0.5,
-                                 request_id=str(uuid.uuid4()))
-    message.options.samples = 16
-    message.options.repeats = repeats  # 15: a 1-2 ms model; 300: a job that runs for a while (~30 s)
-    return message
-
-
-def paths(data: Path, repeats: int = 15) -> pb.CompressRequest:
-    return request(str(data / "model.pt2"), str(data / "cal.npz"), repeats)
-
-
-def runner_pids() -> list[int]:
-    """Processes of live job actors on this machine (Ray names them `ray::JobRunner...`)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::JobRunner"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def watch(server: ServerProcess, name: str, into: list) -> None:
-    for event in server.compression.WatchCompression(pb.WatchCompressionRequest(name=name), timeout=300):
-        into.append(event)
-
-
-def wait_until(condition, timeout: float = 120.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout}s")
-
-
-def succeeded(op) -> bool:
-    return op.done and not op.HasField("error") and unpack_response(op).report.status == "ok"
 
 
 def test_the_ray_settings_come_from_the_environment_and_stay_coherent(monkeypatch):
@@ -211,47 +164,6 @@ def test_a_killed_ray_worker_process_fails_its_job_alone(server, data):
     assert "the worker process ended without a result" in final.error.message
     assert not unpack_metadata(final).artifacts
     assert succeeded(server.wait_done(server.compression.Compress(paths(data), timeout=30).name))
-
-
-def test_a_lost_node_requeues_the_job_then_fails_it_node_lost(tmp_path, data):
-    """The head has no CPUs, so jobs land on the worker nodes; removing a node is a node leaving the cluster."""
-    cluster = start_cluster(head_cpus=0)
-    server = None
-
-    def state(name: str) -> pb.CompressMetadata:
-        return unpack_metadata(server.get(name))
-
-    def lose(node, name: str) -> None:
-        server.wait_for_stage(name, ("baseline", "prune", "measure"))
-        cluster.remove_node(node)
-
-    try:
-        node = cluster.add_node(num_cpus=1)
-        server = start_server(tmp_path / "home", cluster, data, "--max-attempts", "2")
-        # a lost node re-queues the job (no slot is left, so it waits QUEUED); on a new node it runs to the end
-        first = server.compression.Compress(paths(data, repeats=100), timeout=30).name
-        lose(node, first)
-        wait_until(lambda: state(first).state == pb.QUEUED, 60, "the re-queue")
-        assert state(first).attempt == 1 and "left the cluster during attempt 1" in state(first).message
-        node = cluster.add_node(num_cpus=1)
-        done = server.wait_done(first, timeout=180)
-        assert succeeded(done) and unpack_metadata(done).attempt == 2
-        names = [a.name for a in unpack_metadata(done).artifacts]  # one set: nothing of attempt 1 was recorded
-        assert sorted(names) == ["manifest.json", "model.onnx", "model.pt2", "report.html", "report.json"]
-        # lost in each of its --max-attempts runs: NODE_LOST
-        second = server.compression.Compress(paths(data, repeats=300), timeout=30).name
-        lose(node, second)
-        wait_until(lambda: state(second).state == pb.QUEUED, 60, "the re-queue")
-        node = cluster.add_node(num_cpus=1)
-        wait_until(lambda: state(second).attempt == 2, 60, "the second attempt")
-        lose(node, second)
-        final = server.wait_done(second, timeout=60)
-        assert final.error.code == code_pb2.ABORTED and "each of 2 attempts" in final.error.message
-        assert unpack_metadata(final).state == pb.FAILED and not unpack_metadata(final).artifacts
-    finally:
-        if server is not None:
-            server.stop()
-        cluster.shutdown()
 
 
 def test_an_artifact_that_arrives_corrupted_is_refused_and_nothing_of_the_result_is_kept(tmp_path):

@@ -1,0 +1,69 @@
+"""What the Ray executor's tests share: a local Ray cluster (`ray.cluster_utils.Cluster`), an
+`osscar serve --executor ray` against it, requests, and waiting."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+from service.api import compression_pb2 as pb
+from service.wire import unpack_response
+from tests.service.server_process import ServerProcess
+
+
+def start_cluster(head_cpus: int):
+    """A local Ray cluster: a head with `head_cpus` CPUs (nodes are added by the caller)."""
+    from ray.cluster_utils import Cluster
+
+    return Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "include_dashboard": False, "object_store_memory": 200 << 20})
+
+
+def start_server(home: Path, cluster, data: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(home, "--executor", "ray", "--ray-address", cluster.address, "--ray-cpus-per-job", "1",
+                         "--shared-roots", str(data), "--ray-scratch", str(home.parent / "node-scratch"),
+                         "--log-format", "text", *extra).start()
+
+
+def request(model: str, calibration: str, repeats: int = 15) -> pb.CompressRequest:
+    message = pb.CompressRequest(model=model, calibration=calibration, uniform_ratio=0.5,
+                                 request_id=str(uuid.uuid4()))
+    message.options.samples = 16
+    message.options.repeats = repeats  # 15: a 1-2 ms model; 300: a job that runs for a while (~30 s)
+    return message
+
+
+def paths(data: Path, repeats: int = 15) -> pb.CompressRequest:
+    return request(str(data / "model.pt2"), str(data / "cal.npz"), repeats)
+
+
+def runner_pids() -> list[int]:
+    """Processes of live job actors on this machine (Ray names them `ray::JobRunner...`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::JobRunner"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def watch(server: ServerProcess, name: str, into: list) -> None:
+    for event in server.compression.WatchCompression(pb.WatchCompressionRequest(name=name), timeout=300):
+        into.append(event)
+
+
+def wait_until(condition, timeout: float = 120.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen within {timeout}s")
+
+
+def succeeded(op) -> bool:
+    return op.done and not op.HasField("error") and unpack_response(op).report.status == "ok"
