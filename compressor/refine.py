@@ -35,6 +35,8 @@ class RefineConfig:
     # (minibatch noise is not divergence); the best weights are still the ones returned
     held_out: float = 0.1  # fraction of the calibration sequences that judge the fit (never fitted)
     norms: bool = False  # also fit the norms' weights (default: the norms stay as the dense model has them)
+    augment: bool = False  # conv graphs: fit on flipped and shifted views of the images, their targets the
+    # dense graph's outputs on those views (more inputs to match the dense model on than images drawn)
     seed: int = 0  # the order of the fitting batches
 
     def __post_init__(self) -> None:

@@ -55,26 +55,48 @@ def _output(out: object) -> Tensor:
     return out
 
 
+def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
+    """Views of images (N, C, H, W): each flipped left-right with probability 1/2 and shifted by up to an
+    eighth of its size each way (zero padding: the mean of normalised images). Distillation needs no
+    label to survive them: the dense graph's output on the view is the target."""
+    n, _, h, w = x.shape
+    pad_h, pad_w = max(1, h // 8), max(1, w // 8)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
+    padded = nn.functional.pad(torch.where(flip, x.flip(-1), x), (pad_w, pad_w, pad_h, pad_h))
+    dy = torch.randint(0, 2 * pad_h + 1, (n,), generator=generator).tolist()
+    dx = torch.randint(0, 2 * pad_w + 1, (n,), generator=generator).tolist()
+    return torch.stack([padded[i, :, a:a + h, b:b + w] for i, (a, b) in enumerate(zip(dy, dx, strict=True))])
+
+
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
                       device: torch.device, batch_size: int = 100) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
-    step, `config.held_out` of them held out (seeded); returns the held-out errors before and after."""
+    step (with `config.augment`, flipped and shifted views of them, seeded), `config.held_out` of them
+    held out as they are (seeded); returns the held-out errors before and after."""
     pruned.to(device)
     dense.to(device)
-    with torch.no_grad():
-        targets = torch.cat([_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
     n = len(images)
     count = min(n - 1, max(1, round(config.held_out * n)))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))
     judge, fit = order[:count], order[count:]
+    with torch.no_grad():
+        targets = torch.cat([_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
     k = config.sequences
-    train = [(images[fit[i:i + k]], targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
+    # a fitting batch without targets: they are the dense outputs on that step's views
+    train = [(images[fit[i:i + k]], None if config.augment else targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
     held_out = [(images[judge[i:i + batch_size]], targets[judge[i:i + batch_size]])
                 for i in range(0, len(judge), batch_size)]
+    views = torch.Generator().manual_seed(config.seed + 1)
 
-    def loss(module: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        x, target = (t.to(device) for t in batch)
+    def loss(module: nn.Module, batch: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
+        x, target = batch
+        x = x.to(device)
+        if target is None:
+            x = flip_and_shift(x, views)
+            with torch.no_grad():
+                target = _output(dense(x))
         out = _output(module(x))
+        target = target.to(device)
         return (out - target).square().sum(), target.square().sum()
 
     return Reconstruction(pruned, fitted_parameters(pruned, config.norms), config).fit(train, held_out, loss)

@@ -330,14 +330,16 @@ class TextJob(_TransformerJob):
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.output_name == "logits"
-        text = {"tokenizer": self.loaded.tokenizer, "length": request.sequence_length, "batch_size": 16}
-        self.batches = self._typed(load_text(request.calibration, sequences=request.sequences, seed=request.seed,
-                                             **text))
-        if request.eval is not None:
+        self.draw = request.text_calibration(self.causal)
+        text = {"tokenizer": self.loaded.tokenizer, "length": self.draw.length, "batch_size": 16}
+        drawn = {**text, "min_length": self.draw.min_length}
+        self.batches = self._typed(load_text(request.calibration, sequences=self.draw.sequences, seed=request.seed,
+                                             **drawn))
+        if request.eval is not None:  # the user's texts as they are (up to the longest window), never cut shorter
             self.eval_batches = self._typed(load_text(request.eval, sequences=64, seed=request.seed, **text))
-        else:  # held-out windows of the calibration data (another seed)
+        else:  # held-out windows of the calibration data (another seed), drawn alike
             self.eval_batches = self._typed(load_text(request.calibration, sequences=64, seed=request.seed + 1,
-                                                      **text))
+                                                      **drawn))
         self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         limit = int(getattr(self.dense.config, "max_position_embeddings", 0) or 0)
@@ -348,8 +350,10 @@ class TextJob(_TransformerJob):
                                  f"max_position_embeddings ({limit})")
         self.shape = {**default, **request.shape}
         self.tokens = self.shape["sequence"]
-        say(f"{request.model}: {type(self.dense).__name__}, {request.sequences} calibration sequences of <= "
-            f"{request.sequence_length} tokens, method {request.method}")
+        lengths = (f"{self.draw.min_length}-{self.draw.length}" if self.draw.min_length < self.draw.length
+                   else f"<= {self.draw.length}")
+        say(f"{request.model}: {type(self.dense).__name__}, {self.draw.sequences} calibration sequences of "
+            f"{lengths} tokens, method {request.method}")
 
     def _typed(self, batches: list[dict]) -> list[dict]:
         if "token_type_ids" in self.loaded.input_names:
@@ -387,8 +391,8 @@ class TextJob(_TransformerJob):
                 if self.loaded.tokenizer is not None else None}
 
     def report_fields(self, module: nn.Module) -> dict:
-        return {**super().report_fields(module), "sequences": self.request.sequences,
-                "sequence_length": self.request.sequence_length}
+        return {**super().report_fields(module), "sequences": self.draw.sequences,
+                "sequence_length": self.draw.length, "min_sequence_length": self.draw.min_length}
 
 
 class ImageTransformerJob(_TransformerJob):

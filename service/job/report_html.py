@@ -321,8 +321,10 @@ def _inputs(report: dict) -> list[tuple[str, Any]]:
     if report.get("samples"):
         rows.append(("calibration used", f"{report['samples']} images, seed {report.get('seed', 0)}"))
     elif report.get("sequences"):
-        rows.append(("calibration used", f"{report['sequences']} sequences of up to {report.get('sequence_length')} "
-                                         f"tokens, seed {report.get('seed', 0)}"))
+        shortest, longest = report.get("min_sequence_length"), report.get("sequence_length")
+        lengths = f"{shortest}-{longest}" if shortest and shortest != longest else f"up to {longest}"
+        rows.append(("calibration used", f"{report['sequences']} sequences of {lengths} tokens, seed "
+                                         f"{report.get('seed', 0)}"))
     return rows
 
 

@@ -28,6 +28,25 @@ PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar")  # "exact" only solves singl
 MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
 SHAPE_KEYS = ("batch", "sequence")
 
+# Text calibration defaults by attention kind (CompressRequest.text_calibration). An encoder's token
+# attends to its whole window, so the number of windows, not of tokens, bounds how many contexts the
+# statistics see. all-MiniLM-L6-v2, embedding cosine after pruning (bench/RESULTS.md, 2026-11-25): at
+# 0.25, 0.883 from 128 windows of 128 tokens, 0.917 from 512 of 128 (4x the tokens), 0.922 from 512 of
+# 16-128; at 0.5, 0.794 from 512 windows of 16-128 and 0.811 from 1,024 (36 s of pruning against 22 s).
+# A decoder's causal window of n tokens already holds the contexts 1..n.
+ENCODER_SEQUENCES, ENCODER_MIN_LENGTH = 1024, 16
+DECODER_SEQUENCES = 128
+
+
+@dataclass(frozen=True)
+class TextCalibration:
+    """A text calibration draw: `sequences` windows of `min_length` to `length` tokens."""
+
+    sequences: int
+    min_length: int
+    length: int
+
+
 # Request fields that never travel on the wire, and why:
 LOCAL_ONLY = {
     "out_dir": "the server writes into a scratch directory and publishes artifacts",
@@ -76,8 +95,14 @@ class CompressRequest:
     std: tuple[float, ...] = option(IMAGENET_STD, "per-channel std for .npz images")
     device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
     batch_size: int = option(100, "calibration batch size (images)")
-    sequences: int = option(128, "text calibration: windows drawn (seeded)")
-    sequence_length: int = option(128, "text calibration: tokens per window")
+    sequences: int | None = option(help="text calibration: windows drawn (seeded); default: 1024 for encoders, "
+                                   "128 for decoders")
+    sequence_length: int = option(128, "text calibration: tokens per window (the longest window)")
+    min_sequence_length: int | None = option(help="text calibration: the shortest window; window lengths are drawn "
+                                             "log-uniformly from it to --sequence-length; default: 16 for encoders "
+                                             "(each window is one context of bidirectional attention), "
+                                             "--sequence-length for decoders (a causal window holds every shorter "
+                                             "context)")
     stream: bool = option(False, "transformers: read one block at a time from the safetensors shards and write it "
                           "back pruned (memory bounded by a block, for models larger than RAM)")
     activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
@@ -133,6 +158,15 @@ class CompressRequest:
             return 0
         return default if self.refine_steps is None else self.refine_steps
 
+    def text_calibration(self, causal: bool) -> TextCalibration:
+        """The text calibration draw in force for an encoder (`causal` False) or a decoder."""
+        if causal:
+            sequences, shortest = DECODER_SEQUENCES, self.sequence_length
+        else:
+            sequences, shortest = ENCODER_SEQUENCES, min(ENCODER_MIN_LENGTH, self.sequence_length)
+        return TextCalibration(self.sequences or sequences, self.min_sequence_length or shortest,
+                               self.sequence_length)
+
     def violations(self) -> list[tuple[str, str]]:
         """Every problem with the request as (field, message); the messages name the CLI flags."""
         errors: list[tuple[str, str]] = []
@@ -158,7 +192,11 @@ class CompressRequest:
                                 ("sequence_length", 2, 65536), ("max_rounds", 1, 20), ("latency_probes", 0, 20),
                                 ("opset", 14, 23), ("repeats", 3, 10_000)):
             value = getattr(self, name)
-            check(low <= value <= high, name, f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
+            check(value is None or low <= value <= high, name,
+                  f"--{name.replace('_', '-')} must be in [{low}, {high}] (got {value})")
+        check(self.min_sequence_length is None or 2 <= self.min_sequence_length <= self.sequence_length,
+              "min_sequence_length", f"--min-sequence-length must be in [2, --sequence-length "
+              f"{self.sequence_length}] (got {self.min_sequence_length})")
         check(self.round_to is None or 1 <= self.round_to <= 4096, "round_to",
               f"--round-to must be in [1, 4096] (got {self.round_to})")
         check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")

@@ -147,8 +147,8 @@ def _fingerprint(path: str | Path) -> list:
 
 def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> str:
     parts = {"model": _fingerprint(request.model), "calibration": _fingerprint(request.calibration),
-             "seed": request.seed, "samples": request.samples, "sequences": request.sequences,
-             "sequence_length": request.sequence_length, "mean": request.mean, "std": request.std,
+             "seed": request.seed, "samples": request.samples,
+             "text": asdict(request.text_calibration(job.causal)), "mean": request.mean, "std": request.std,
              "round_to": request.round_to or ROUND_TO, "min_width": request.min_width, "shape": job.shape,
              "normalise": request.normalise, "gqa": request.gqa, "version": version,
              "layers": LAYERS_VERSION}

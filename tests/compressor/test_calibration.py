@@ -72,3 +72,23 @@ def test_text_calibration_from_jsonl_and_txt(tmp_path):
     np.savez(tmp_path / "ids.npz", ids=np.arange(10), offsets=np.array([0, 4, 3, 10]))
     with pytest.raises(CalibrationError, match="'offsets' must rise"):
         load_text(tmp_path / "ids.npz")
+
+
+def test_text_windows_of_spread_lengths_are_seeded_log_uniform_and_batched_shortest_first(shared_data):
+    path = shared_data / "stories260K" / "tinystories-valid-tokens.npz"
+    batches = load_text(path, sequences=400, length=128, min_length=8, batch_size=16)
+    lengths = torch.cat([b["attention_mask"].sum(1) for b in batches])
+    assert len(lengths) == 400 and int(lengths.min()) >= 2 and int(lengths.max()) <= 128
+    assert torch.equal(lengths, lengths.sort().values)  # shortest first: a batch pads little
+    assert all(int(b["attention_mask"].sum(1).max()) == b["input_ids"].shape[1] for b in batches)
+    # log-uniform over [8, 128]: about half the windows are shorter than the geometric mean, 32 tokens (a
+    # uniform draw would put ~19 % there); stories shorter than the drawn length shorten a window further
+    assert 0.4 < float((lengths < 32).float().mean()) < 0.65
+    assert float((lengths >= 100).float().mean()) > 0.05
+    again = load_text(path, sequences=400, length=128, min_length=8, batch_size=16)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again, strict=True))
+    fixed = load_text(path, sequences=40, length=64)
+    assert all(torch.equal(a["input_ids"], b["input_ids"])  # min_length = length: the fixed-length draw
+               for a, b in zip(fixed, load_text(path, sequences=40, length=64, min_length=64), strict=True))
+    with pytest.raises(CalibrationError, match="min_length <= length"):
+        load_text(path, sequences=4, length=16, min_length=32)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compressor.cnn.pipeline import prune_conv_graph
-from compressor.cnn.refine import fitted_parameters, graph_config, reconstruct_graph
+from compressor.cnn.refine import fitted_parameters, flip_and_shift, graph_config, reconstruct_graph
 from compressor.errors import InputError
 from compressor.refine import RefineConfig
 
@@ -48,6 +48,35 @@ def test_the_fit_lowers_the_error_to_the_dense_outputs_on_unseen_images(method):
     fit = reconstruct_graph(pruned, gm, x, dataclasses.replace(graph_config(60), sequences=16), CPU, batch_size=48)
     assert fit.kept and fit.after < fit.before and fit.steps == 60
     assert relative_error(pruned, gm, unseen) < before  # images neither fitted nor judged on
+
+
+def test_views_are_seeded_flips_and_shifts_of_at_most_an_eighth():
+    x = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 1, 16, 16).repeat(20, 3, 1, 1) + 1  # no zeros
+    a = flip_and_shift(x, torch.Generator().manual_seed(0))
+    assert a.shape == x.shape and torch.equal(a, flip_and_shift(x, torch.Generator().manual_seed(0)))
+    flipped = shifted = 0
+    for view, image in zip(a, x, strict=True):
+        # find the view's offset: some (dy, dx) in [-2, 2]^2 and a flip reproduce its non-padded part
+        matches = [(f, dy, dx) for f in (False, True) for dy in range(-2, 3) for dx in range(-2, 3)
+                   if torch.equal(view[:, max(0, dy):16 + min(0, dy), max(0, dx):16 + min(0, dx)],
+                                  (image.flip(-1) if f else image)[:, max(0, -dy):16 - max(0, dy),
+                                                                   max(0, -dx):16 - max(0, dx)])]
+        assert matches, "a view is no flip and shift of its image"
+        f, dy, dx = matches[0]
+        flipped, shifted = flipped + f, shifted + ((dy, dx) != (0, 0))
+        assert int((view == 0).sum()) == 3 * (16 * abs(dy) + 16 * abs(dx) - abs(dy * dx))  # the zero border
+    assert 0 < flipped < len(x) and shifted > len(x) // 2
+
+
+def test_a_fit_on_views_lowers_the_error_on_unseen_images_and_keeps_the_held_out_judge():
+    gm = exported("option_a")
+    x, unseen = images(96, seed=0), images(64, seed=1)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    before = relative_error(pruned, gm, unseen)
+    config = dataclasses.replace(graph_config(60), sequences=16, augment=True)
+    fit = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    assert fit.kept and fit.after < fit.before and fit.steps == 60
+    assert relative_error(pruned, gm, unseen) < before
 
 
 def test_the_fit_lifts_resnet20s_top1(shared_data):

@@ -120,6 +120,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     report = json.loads((out / "report.json").read_text())
     # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
     assert (report["widths"]["heads"], report["widths"]["ffn"]) == ([4, 4], [10, 10])
+    assert report["min_sequence_length"] == report["sequence_length"] == 16  # a decoder: full causal windows
     assert [len(m) for m in report["widths"]["kv_index"]] == [4, 4]
     kv_heads = [len(set(m)) for m in report["widths"]["kv_index"]]
     q_and_o, k_and_v, ffn = 2 * 4 * 32, 2 * 4 * 32, 3 * 32  # per query head, KV head, FFN neuron (hidden 32)
@@ -134,6 +135,29 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": np.ones((2, 7), np.int64)})[0]
     with torch.no_grad():
         np.testing.assert_allclose(got, reloaded(input_ids=ids).logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_encoder_is_calibrated_on_many_windows_of_spread_lengths_and_a_decoder_on_full_windows(tmp_path, capsys):
+    """Without --sequences / --min-sequence-length, an encoder's calibration is 1,024 windows of 16 to
+    --sequence-length tokens (each window is one context of its bidirectional attention); the report
+    and the job's log say what was drawn. Explicit values win."""
+    from tests.compressor.transformer.transformer_models import tiny_bert
+
+    tiny_bert().save_pretrained(tmp_path / "bert")
+    lengths = np.random.default_rng(1).integers(20, 60, size=30)
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=int(lengths.sum())),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    common = ["compress", str(tmp_path / "bert"), "--uniform-ratio", "0.5", "--calibration", str(tmp_path / "ids.npz"),
+              "--sequence-length", "32", "--refine-steps", "0", "--latency-probes", "0"]
+    assert cli.main([*common, "--out", str(tmp_path / "default")]) == 0
+    assert "1024 calibration sequences of 16-32 tokens" in capsys.readouterr().err
+    report = json.loads((tmp_path / "default" / "report.json").read_text())
+    assert (report["sequences"], report["min_sequence_length"], report["sequence_length"]) == (1024, 16, 32)
+    given = ["--sequences", "40", "--min-sequence-length", "32"]
+    assert cli.main([*common, "--out", str(tmp_path / "given"), *given]) == 0
+    assert "40 calibration sequences of <= 32 tokens" in capsys.readouterr().err
+    report = json.loads((tmp_path / "given" / "report.json").read_text())
+    assert (report["sequences"], report["min_sequence_length"]) == (40, 32)
 
 
 def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):

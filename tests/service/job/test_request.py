@@ -129,3 +129,26 @@ def test_reconstruction_steps_default_by_model_kind_and_never_for_magnitude_prun
     assert not CompressRequest(**base, latency_probes=0).violations()
     probes = dict(CompressRequest(**base, latency_probes=21).violations())
     assert "--latency-probes must be in" in probes["latency_probes"]
+
+
+def test_text_calibration_defaults_by_attention_kind_and_explicit_values_win():
+    base = {"model": "m", "calibration": Path("c"), "out_dir": Path("o"), "uniform_ratio": 0.5}
+    request = CompressRequest(**base)
+    encoder, decoder = request.text_calibration(causal=False), request.text_calibration(causal=True)
+    assert (encoder.sequences, encoder.min_length, encoder.length) == (1024, 16, 128)  # many contexts
+    assert (decoder.sequences, decoder.min_length, decoder.length) == (128, 128, 128)  # full causal windows
+    short = CompressRequest(**base, sequence_length=8).text_calibration(causal=False)
+    assert (short.min_length, short.length) == (8, 8)  # never longer than the longest window
+    given = CompressRequest(**base, sequences=64, min_sequence_length=32, sequence_length=64)
+    assert given.text_calibration(causal=False) == given.text_calibration(causal=True)
+    assert (given.text_calibration(causal=True).sequences, given.text_calibration(causal=True).min_length) == (64, 32)
+    refused = dict(CompressRequest(**base, min_sequence_length=200).violations())
+    assert "--min-sequence-length must be in [2, --sequence-length 128] (got 200)" in refused["min_sequence_length"]
+    assert "--sequences must be in" in dict(CompressRequest(**base, sequences=0).violations())["sequences"]
+
+
+def test_min_sequence_length_travels_on_the_wire_and_unset_stays_the_kind_default():
+    spec = spec_from_proto(spec_to_proto({"min_sequence_length": 24, "sequences": 300}))
+    assert spec["min_sequence_length"] == 24 and spec["sequences"] == 300
+    assert "min_sequence_length" not in spec_from_proto(spec_to_proto({})) and "sequences" not in spec_from_proto(
+        spec_to_proto({}))
