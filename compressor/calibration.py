@@ -87,10 +87,8 @@ def load_text(
 
     With `min_length` < `length`, each window's length is drawn log-uniformly between the two (as many
     short windows as long ones per octave) and the windows are batched shortest first, so a batch pads
-    little. An encoder needs this: every token attends to its whole window, so a window is one context
-    and the statistics of 128 windows, however long, cover 128 contexts (bench/RESULTS.md: all-MiniLM-L6-v2
-    at 0.25 keeps 0.883 of its embedding cosine from 128 x 128 tokens and 0.922 from 512 windows of
-    16-128 tokens). A causal window already holds every shorter context, so decoders keep full windows.
+    little: an encoder's window is one context of its bidirectional attention, so it wants many windows
+    (why, measured: `service.job.request.ENCODER_SEQUENCES`).
 
     `.txt` (documents separated by blank lines or `<|endoftext|>`) and `.jsonl` (`{"text": ...}` per
     line) go through `tokenizer` (the model's); `.npz` with `ids` and `offsets` (document i is
