@@ -260,20 +260,24 @@ def prune_conv_graph(
     progress: Callable[[str], None] | None = None,
     observe: Callable[[LayerObservation], None] | None = None,
     refine: RefineConfig | None = None,
+    teacher: fx.GraphModule | None = None,
 ) -> tuple[fx.GraphModule, list[LayerReport]]:
     """Prune the channels of every prunable unit of `gm` (`ratio`: a uniform ratio, or the kept
     channels of each unit by name); returns (pruned copy, reports). `observe` sees each layer's
     statistics before its solve (ratio 0 + observe = the dense statistics pass). With `refine`
-    (RefineConfig with steps > 0) the whole pruned graph is then fitted to the dense graph's outputs
-    (`compressor.cnn.refine`; not with method "mp"); its held-out errors are the last report's `refine`."""
+    (RefineConfig with steps > 0) the whole pruned graph is then fitted to the outputs of `teacher`
+    (`compressor.cnn.refine`; not with method "mp"): by default `gm` itself, the original graph when `gm`
+    is one with residual blocks removed (`compressor.cnn.depth`); its held-out errors are the last
+    report's `refine`."""
     check_plan(ratio)
     refine = refine or RefineConfig()
     check_method(refine, method)
     with torch.no_grad():
         pruned, reports = _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
                                             bias_correction, progress, observe)
-    if refine.steps and any(r.width_after < r.width_before for r in reports):
-        fit = reconstruct_graph(pruned, copy.deepcopy(gm).eval(), images, refine, compute_device(device), batch_size)
+    if refine.steps and (teacher is not None or any(r.width_after < r.width_before for r in reports)):
+        target = copy.deepcopy(gm if teacher is None else teacher).eval()
+        fit = reconstruct_graph(pruned, target, images, refine, compute_device(device), batch_size)
         reports[-1] = dataclasses.replace(reports[-1], refine=fit)
         if progress:
             progress(f"graph reconstruction: held-out relative error {fit.before:.4f} -> {fit.after:.4f} "

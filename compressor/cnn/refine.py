@@ -54,7 +54,7 @@ def fitted_parameters(gm: fx.GraphModule, norms: bool = False) -> list[nn.Parame
     return list(chosen.values())
 
 
-def _output(out: object) -> Tensor:
+def graph_output(out: object) -> Tensor:
     """The graph's output tensor (the first one of a tuple or list)."""
     while isinstance(out, tuple | list):
         out = out[0]
@@ -87,7 +87,7 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     order = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))
     judge, fit = order[:count], order[count:]
     with torch.no_grad():
-        targets = torch.cat([_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
+        targets = torch.cat([graph_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
     k = config.sequences
     # a fitting batch without targets: they are the dense outputs on that step's views
     train = [(images[fit[i:i + k]], None if config.augment else targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
@@ -101,8 +101,8 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
         if target is None:
             x = flip_and_shift(x, views)
             with torch.no_grad():
-                target = _output(dense(x))
-        out = _output(module(x))
+                target = graph_output(dense(x))
+        out = graph_output(module(x))
         target = target.to(device)
         return (out - target).square().sum(), target.square().sum()
 

@@ -383,18 +383,25 @@ def _batched_swap_delta(A: Tensor, Q: Tensor, m_in: int) -> Tensor:
 def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """n (row, column, value) picks of the smallest entries of delta (c, p), each row and column
     used once, best first, decided on the device (no host synchronisation). Once no finite
-    entry is left the picks repeat arbitrary ones with value inf."""
-    D = delta.clone(memory_format=torch.contiguous_format)
-    flat, p = D.view(-1), D.shape[1]
-    picks = torch.empty(n, dtype=torch.long, device=D.device)
-    values = torch.empty(n, dtype=D.dtype, device=D.device)
-    for t in range(n):
-        k = torch.argmin(flat).view(1)
-        picks[t:t + 1] = k
-        values[t:t + 1] = flat[k]
-        D.index_fill_(0, k // p, torch.inf)
-        D.index_fill_(1, k % p, torch.inf)
-    return picks // p, picks % p, values
+    entry is left the picks repeat arbitrary ones with value inf.
+
+    The picks only ever come from each row's n smallest entries: before pick t at most t - 1 < n
+    columns are used, so a row's smallest remaining entry is among its n smallest. The loop runs on
+    that (c, n) shortlist instead of the (c, p) matrix (p is every group of the layer)."""
+    k = min(n, delta.shape[1])
+    short, cols = torch.topk(delta, k, dim=1, largest=False)  # (c, k) each row's k best, their columns
+    D = short.contiguous()
+    flat, flat_cols = D.view(-1), cols.view(-1)
+    rows, picked, values = [], [], []
+    for _ in range(n):
+        at = torch.argmin(flat).view(1)
+        col = flat_cols[at]
+        rows.append(at // k)
+        picked.append(col)
+        values.append(flat[at])
+        D.index_fill_(0, rows[-1], torch.inf)  # the row is used
+        D.masked_fill_(cols == col, torch.inf)  # and the column, wherever it is shortlisted
+    return torch.cat(rows), torch.cat(picked), torch.cat(values)
 
 
 def _accept_in_turn(state: SwapState, restore: Tensor, prune: Tensor, valid: Tensor,

@@ -26,13 +26,14 @@ import torch
 from torch import nn
 
 from compressor.calibration import load_images, load_text
+from compressor.cnn.depth import choose_blocks, remove_blocks
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
 from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
 from compressor.cnn.refine import DEFAULT_STEPS as GRAPH_STEPS
 from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
-from compressor.layerstats import LayerObservation, Widths
+from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
@@ -61,6 +62,7 @@ Say = Callable[[str], None]
 Observe = Callable[[LayerObservation], None]
 _LAYER_LINE = re.compile(r"^\[\d+/\d+\]")  # a pipeline's per-layer progress line (the worker's progress too)
 _UNITS = {"attention_heads": "heads", "ffn_neurons": "FFN neurons"}
+DEPTH_IMAGES = 256  # calibration images that judge which residual blocks to remove (a forward pass per candidate)
 
 
 def _statistics_pass(plan: Widths, observe: Observe | None, say: Say) -> tuple[Say, Observe | None]:
@@ -205,8 +207,16 @@ class ConvJob:
         if tuple(self.images.shape[1:]) != self.loaded.input_shape:
             raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
                                    f"expects {self.loaded.input_shape}")
-        self.analysis = analyse(self.loaded.module)
-        self.dense = self.loaded.module
+        self.dense = self.loaded.module  # the baseline, and what the reconstruction fits to
+        self.removed_blocks: list[str] = []
+        self.graph = self.dense  # what the channels are pruned of: the dense graph, or it without some blocks
+        if request.remove_blocks:
+            say(f"depth: choosing {request.remove_blocks} residual blocks to remove")
+            self.removed_blocks = choose_blocks(self.dense, self.images[:DEPTH_IMAGES], request.remove_blocks,
+                                                device=compute_device(request.device),
+                                                batch_size=request.batch_size, progress=say)
+            self.graph = remove_blocks(self.dense, self.removed_blocks)
+        self.analysis = analyse(self.graph)
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
         self.eval_y: np.ndarray | None = None
@@ -228,12 +238,12 @@ class ConvJob:
         progress, observed = _statistics_pass(plan, observe, self.say)
         statistics = observed is not observe  # nothing is pruned: nothing to reconstruct either
         refine = graph_config(0 if statistics else self.request.refine_steps_or(GRAPH_STEPS))
-        return prune_conv_graph(self.dense, self.images, plan, method=self.request.method, device=self.request.device,
+        return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observed,
-                                refine=refine)
+                                refine=refine, teacher=self.dense if self.removed_blocks else None)
 
     def resize(self, plan: Widths) -> nn.Module:
-        return resize_conv_graph(self.dense, plan)
+        return resize_conv_graph(self.graph, plan)
 
     export_decode_step = staticmethod(_no_decode_step)
 
@@ -263,7 +273,7 @@ class ConvJob:
         return _image_preprocessing(self.request, self.loaded.input_name, self.loaded.input_shape)
 
     def report_fields(self, module: nn.Module) -> dict:
-        return {"samples": len(self.images), "not_pruned": self.analysis.refused}
+        return {"samples": len(self.images), "not_pruned": self.analysis.refused, "removed_blocks": self.removed_blocks}
 
 
 class _TransformerJob:
@@ -272,6 +282,8 @@ class _TransformerJob:
     causal = False
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
+        if request.remove_blocks:
+            raise InputError("--remove-blocks is for conv graphs (residual blocks of a CNN), not transformers")
         self.request, self.say = request, say
         self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
         self.dense = self.loaded.model

@@ -325,6 +325,9 @@ def _inputs(report: dict) -> list[tuple[str, Any]]:
         lengths = f"{shortest}-{longest}" if shortest and shortest != longest else f"up to {longest}"
         rows.append(("calibration used", f"{report['sequences']} sequences of {lengths} tokens, seed "
                                          f"{report.get('seed', 0)}"))
+    if report.get("removed_blocks"):
+        names = ", ".join(f"<code>{_e(name)}</code>" for name in report["removed_blocks"])
+        rows.append(("residual blocks removed", f"{len(report['removed_blocks'])}: {names}"))
     return rows
 
 

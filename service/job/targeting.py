@@ -150,7 +150,8 @@ def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> s
              "seed": request.seed, "samples": request.samples,
              "text": asdict(request.text_calibration(job.causal)), "mean": request.mean, "std": request.std,
              "round_to": request.round_to or ROUND_TO, "min_width": request.min_width, "shape": job.shape,
-             "normalise": request.normalise, "gqa": request.gqa, "version": version,
+             "normalise": request.normalise, "gqa": request.gqa, "remove_blocks": request.remove_blocks,
+             "version": version,
              "layers": LAYERS_VERSION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

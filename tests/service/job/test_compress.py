@@ -72,6 +72,7 @@ def test_importable_function_matches_the_cli(model_and_data):
     (["--uniform-ratio", "1.2"], "--uniform-ratio must be in (0, 1)"),
     (["--uniform-ratio", "0.5", "--samples", "0"], "--samples must be in [1, 1000000]"),
     (["--uniform-ratio", "0.5", "--model-override"], None),
+    (["--uniform-ratio", "0.5", "--remove-blocks", "-1"], "--remove-blocks must be in [0, 10000]"),
 ])
 def test_bad_arguments_give_one_line_and_nonzero_exit(model_and_data, args, words, capsys):
     root = model_and_data
@@ -340,6 +341,29 @@ def test_a_model_measured_slower_than_dense_is_not_ok(model_and_data, tmp_path, 
     assert report["status"] == "slower_than_dense" and report["measured_speedup"] == pytest.approx(0.72)
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file()
     assert any("unrounded uniform widths (4, 6)" in w and "--round-to 8" in w for w in report["warnings"])
+
+
+def test_removed_blocks_leave_the_graph_before_its_channels_are_pruned(model_and_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main([*_conv_args(model_and_data, out), "--remove-blocks", "1", "--refine-steps", "10"]) == 0
+    err = capsys.readouterr().err
+    assert "depth: block 1/1: block" in err and "graph reconstruction" in err
+    report = json.loads((out / "report.json").read_text())
+    (removed,) = report["removed_blocks"]
+    assert removed in ("block1", "block2")
+    names = [layer["name"] for layer in report["layers"]]
+    assert names and not [n for n in names if n.startswith(removed + ".")]  # its convs are gone, not pruned
+    program = torch.export.load(str(out / "model.pt2")).module()
+    assert not [k for k in program.state_dict() if k.startswith(removed + ".")]
+    x = torch.randn(2, 3, 16, 16)
+    got = ort.InferenceSession(str(out / "model.onnx")).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(got, program(x).detach().numpy(), rtol=1e-4, atol=1e-4)
+    assert cli.main([*_conv_args(model_and_data, tmp_path / "more"), "--remove-blocks", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last == ("osscar: error: 3 residual blocks to remove, but this graph has 2 removable ones (identity "
+                    "shortcuts only): ['block1', 'block2']")
 
 
 def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, tmp_path):

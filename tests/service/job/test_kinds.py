@@ -1,12 +1,15 @@
-"""The model kinds' progress: the dense statistics pass says it takes statistics, a pruning pass is passed
-through as the pipeline says it."""
+"""The model kinds: progress (the dense statistics pass says it takes statistics, a pruning pass is passed
+through as the pipeline says it) and what each kind refuses."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from compressor.errors import InputError
 from compressor.layerstats import LayerObservation
-from service.job.kinds import _statistics_pass
+from service.job.kinds import TextJob, _statistics_pass
+from service.job.request import CompressRequest
 
 
 def _observation(name: str, kind: str, rows: int, group: int) -> LayerObservation:
@@ -37,3 +40,10 @@ def test_a_pruning_pass_reports_as_the_pipeline_says():
     for plan, observer in ((0.5, None), ({"a": 4}, None), (0.5, lambda obs: None), (0.0, None)):
         progress, observe = _statistics_pass(plan, observer, said.append)
         assert progress == said.append and observe is observer
+
+
+def test_removing_blocks_is_refused_for_a_transformer_before_it_is_loaded(tmp_path):
+    request = CompressRequest(model=str(tmp_path / "not-loaded"), uniform_ratio=0.5,
+                              calibration=tmp_path / "cal.txt", remove_blocks=2)
+    with pytest.raises(InputError, match="--remove-blocks is for conv graphs"):
+        TextJob(request, print)

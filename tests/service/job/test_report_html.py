@@ -70,6 +70,12 @@ def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
     assert "25% of every layer" in uniform and "None" not in uniform
 
 
+def test_the_page_names_the_residual_blocks_a_conv_job_removed():
+    page = render(sample_report(removed_blocks=["layer2.5", "layer1.5"], samples=2000))
+    assert "residual blocks removed" in page and "2: <code>layer2.5</code>, <code>layer1.5</code>" in page
+    assert "residual blocks removed" not in render(sample_report(removed_blocks=[]))
+
+
 def test_the_rounds_chart_shows_each_rounds_latency_probes():
     probes = [{"saving": 0.3, "measured_speedup": 1.141, "baseline_ms": 40.0, "compressed_ms": 35.1},
               {"saving": 0.5, "measured_speedup": 1.352, "baseline_ms": 40.0, "compressed_ms": 29.6}]

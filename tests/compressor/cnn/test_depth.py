@@ -1,0 +1,95 @@
+"""Depth pruning (compressor/cnn/depth.py): which residual blocks are removable, removal as a zeroed branch,
+the greedy choice, and a removed block's graph through channel pruning, reconstruction and ONNX."""
+
+import copy
+
+import pytest
+import torch
+
+from compressor.cnn.depth import choose_blocks, remove_blocks, residual_blocks
+from compressor.cnn.graph import analyse
+from compressor.cnn.models import export_module
+from compressor.cnn.pipeline import prune_conv_graph
+from compressor.errors import UnsupportedArchitecture
+from compressor.modules import count_parameters
+from compressor.refine import RefineConfig
+from exporters.onnx import check_parity, export_onnx
+
+from .conv_models import MODELS, exported, randomize_batch_norms
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name,blocks", [
+    ("bottleneck", ["block1", "block2"]),
+    ("option_a", ["layer1.0", "layer1.1", "layer2.1"]),  # layer2.0 subsamples and pads: never removable
+    ("mobilenet", ["ir1", "ir2"]),
+    ("folded_pad", []),
+])
+def test_removable_blocks_are_the_identity_shortcut_ones(name, blocks):
+    assert [b.name for b in residual_blocks(exported(name))] == blocks
+
+
+@pytest.mark.parametrize("name,block,module", [("option_a", "layer1.1", ("layer1", 1)),
+                                               ("bottleneck", "block1", ("block1", None))])
+def test_a_removed_block_is_its_shortcut_and_its_parameters_are_gone(name, block, module):
+    """Removing a block = its branch contributing zero: relu(0 + x) for these blocks."""
+    torch.manual_seed(0)
+    model = randomize_batch_norms(MODELS[name]()).eval()
+    gm = export_module(model, torch.randn(2, 3, 16, 16))
+    removed = remove_blocks(gm, [block])
+    reference = copy.deepcopy(model)
+    parent, index = module
+    stand_in = torch.nn.ReLU()
+    if index is None:
+        setattr(reference, parent, stand_in)
+    else:
+        getattr(reference, parent)[index] = stand_in
+    x = torch.randn(5, 3, 16, 16)
+    torch.testing.assert_close(removed(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert count_parameters(removed) == count_parameters(reference) < count_parameters(gm)
+    assert not [k for k in removed.state_dict() if k.startswith(block + ".")]
+    assert count_parameters(gm) == count_parameters(model)  # the original is untouched
+
+
+def test_unknown_blocks_and_too_many_are_refused_naming_the_known_ones():
+    gm = exported("option_a")
+    with pytest.raises(UnsupportedArchitecture, match=r"\['layer2.0'\].*layer1.0"):
+        remove_blocks(gm, ["layer2.0"])
+    with pytest.raises(UnsupportedArchitecture, match="4 residual blocks to remove, but this graph has 3"):
+        choose_blocks(gm, torch.randn(8, 3, 16, 16), 4, device=CPU)
+
+
+def test_the_block_that_changes_the_outputs_least_goes_first():
+    torch.manual_seed(0)
+    model = randomize_batch_norms(MODELS["option_a"]()).eval()
+    with torch.no_grad():  # layer1.0's branch nearly silent: removing it changes almost nothing
+        model.layer1[0].bn2.weight.mul_(1e-4)
+        model.layer1[0].bn2.bias.zero_()
+    gm = export_module(model, torch.randn(2, 3, 16, 16))
+    lines = []
+    chosen = choose_blocks(gm, torch.randn(32, 3, 16, 16), 2, device=CPU, progress=lines.append)
+    assert chosen[0] == "layer1.0" and len(set(chosen)) == 2
+    assert lines[0].startswith("depth: block 1/2: layer1.0 (output relative error")
+
+
+def test_a_shallower_graph_is_channel_pruned_fitted_to_the_dense_one_and_exports(tmp_path):
+    gm = exported("option_a")
+    shallow = remove_blocks(gm, ["layer1.1"])
+    assert "layer1.1.conv2" not in [u.name for u in analyse(shallow).units]
+    images = torch.randn(48, 3, 16, 16)
+
+    def error_to_dense(module) -> float:
+        with torch.no_grad():
+            dense_out = gm(images)
+            return float((module(images) - dense_out).square().sum() / dense_out.square().sum())
+
+    solved, _ = prune_conv_graph(shallow, images, 0.5, device=CPU, refine=RefineConfig(steps=0))
+    fitted, reports = prune_conv_graph(shallow, images, 0.5, device=CPU, refine=RefineConfig(steps=30, sequences=8),
+                                       teacher=gm)
+    fit = reports[-1].refine
+    assert fit is not None and fit.kept and fit.after < fit.before
+    assert error_to_dense(fitted) < error_to_dense(solved)  # the fit's target was the dense graph
+    path = tmp_path / "model.onnx"
+    export_onnx(fitted, images[:2], path)
+    assert check_parity(fitted, path, images[:4]).max_abs_error < 1e-4

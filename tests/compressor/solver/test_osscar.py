@@ -1,0 +1,38 @@
+"""Pieces of the swap rounds (compressor/solver/osscar.py) against plain references."""
+
+import pytest
+import torch
+
+from compressor.solver.osscar import _disjoint_pairs
+
+
+def greedy_matching(delta: torch.Tensor, n: int) -> list[tuple[int, int, float]]:
+    """The reference: n times the smallest entry of the whole matrix, its row and column then used."""
+    D = delta.clone()
+    picks = []
+    for _ in range(n):
+        k = int(torch.argmin(D))
+        i, j = divmod(k, D.shape[1])
+        picks.append((i, j, float(D[i, j])))
+        D[i, :] = torch.inf
+        D[:, j] = torch.inf
+    return picks
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("c,p,n", [(16, 300, 16), (8, 40, 8), (5, 5, 5), (12, 30, 4)])
+def test_disjoint_pairs_match_the_whole_matrix_greedy(seed, c, p, n):
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.randn(c, p, generator=gen, dtype=torch.float64)
+    # kept columns only (inf elsewhere), and rows that all want the same few columns: the shortlist
+    # must still find each row's best unused column
+    delta[:, torch.randperm(p, generator=gen)[: p // 3]] = torch.inf
+    delta[:, :3] -= 5.0
+    rows, cols, values = _disjoint_pairs(delta, n)
+    expected = greedy_matching(delta, n)
+    finite = [(i, j, v) for i, j, v in expected if v != torch.inf]
+    got = list(zip(rows.tolist(), cols.tolist(), values.tolist(), strict=True))
+    assert got[: len(finite)] == finite
+    assert all(v == torch.inf for _, _, v in got[len(finite):])
+    assert len({i for i, _, _ in got[: len(finite)]}) == len(finite)  # disjoint rows
+    assert len({j for _, j, _ in got[: len(finite)]}) == len(finite)  # disjoint columns
