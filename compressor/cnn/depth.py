@@ -34,6 +34,7 @@ from .refine import graph_output
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ResidualBlock:
     """A removable residual block of a graph (see the module docstring)."""
@@ -42,7 +43,6 @@ class ResidualBlock:
     add: str  # the residual add node's name
     shortcut: str  # the node name of x
     parameters: tuple[str, ...]  # attribute paths its ops alone read (removed with it)
-    convs: int
 
 
 def _branch(add: fx.Node, out: fx.Node, x: fx.Node) -> tuple[set[fx.Node], set[fx.Node]] | None:
@@ -90,14 +90,13 @@ def residual_blocks(gm: fx.GraphModule) -> list[ResidualBlock]:
                 continue
             ops, leaves = found
             convs = [op for op in ops if op.target in CONV_OPS]
-            if not convs:
+            if not convs:  # a branch of pointwise ops only: nothing worth removing
                 continue
             weights = sorted(str(op.args[1].target) for op in convs if isinstance(op.args[1], fx.Node))
             name = ".".join(_common_prefix([w.split(".")[:-1] for w in weights])) or node.name
             if name in {b.name for b in blocks}:  # blocks that share a module path: told apart by their add
                 name = f"{name}#{node.name}"
-            blocks.append(ResidualBlock(name, node.name, x.name, tuple(sorted(str(leaf.target) for leaf in leaves)),
-                                        len(convs)))
+            blocks.append(ResidualBlock(name, node.name, x.name, tuple(sorted(str(leaf.target) for leaf in leaves))))
             break
     return blocks
 
@@ -162,7 +161,7 @@ def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: tor
         parts = [graph_output(module(batch.to(device))).float().cpu() for batch in images.split(batch_size)]
         return torch.cat(parts)
 
-    reference = outputs(gm)
+    reference = outputs(copy.deepcopy(gm))  # a copy: `gm` (the caller's dense graph) stays where it is
     chosen: list[str] = []
     for step in range(count):
         errors = {b.name: _relative_error(outputs(remove_blocks(gm, [*chosen, b.name])), reference)
@@ -173,4 +172,3 @@ def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: tor
                 f"{errors[best]:.4f})")
         (progress or log.info)(line)
     return chosen
-
