@@ -48,7 +48,7 @@ class OsscarConfig:
     # pruned and lowest-cost kept groups (exhaustive on small layers; 0 disables).
     double_swap_candidates: int = 12
     # Precision of the search state. The returned weight is the tracked optimum when the search ran
-    # in float64 without damping, and a float64 refit on the caller's H otherwise.
+    # in float64 with at most TRACKED_DAMPING, and a float64 refit on the caller's H otherwise.
     dtype: torch.dtype = torch.float64
     # Also evaluate the magnitude (MP+) support and, if it is better, improve it with swap rounds,
     # so osscar is never worse than mp+ whenever dense_weight is given.
@@ -70,6 +70,12 @@ class OsscarConfig:
 
 class OsscarSolver:
     """One layer problem: `start()` (factorise) -> `greedy()` -> `swaps()`; see `search()`."""
+
+    # A singular H (fewer calibration rows than features: an FFN projection calibrated on 1,024 tokens) is
+    # searched as H + delta I, delta = damping * mean(diag H). Up to this rung the tracked optimum of that
+    # problem is returned as is: f on the caller's H is below f_delta by delta/2 |W|^2 only (~1e-10
+    # relative), which is also what a refit on the kept rows pays, since it damps the same way.
+    TRACKED_DAMPING = 1e-8
 
     def __init__(self, problem: LayerProblem, config: OsscarConfig) -> None:
         self.problem = problem
@@ -97,9 +103,25 @@ class OsscarSolver:
         return NestedState(H, pb.G.to(self.config.dtype), pb.group_size, pb.num_prune, factor=chol)
 
     @property
-    def exact(self) -> bool:
-        """Whether the tracked weight is the optimum of the caller's problem (no refit needed)."""
-        return self.config.dtype == torch.float64 and self.damping == 0.0
+    def tracked(self) -> bool:
+        """Whether the tracked weight is returned as it is (no refit): a float64 search of H + delta I with
+        damping <= TRACKED_DAMPING (delta = 0 for a positive definite H)."""
+        return self.config.dtype == torch.float64 and self.damping <= self.TRACKED_DAMPING
+
+    @property
+    def delta(self) -> float:
+        """The damping added to H's diagonal in the search's problem (0.0 without damping)."""
+        if not self.damping:
+            return 0.0
+        mean_diag = self.problem.mean_diag
+        return self.damping * (mean_diag if mean_diag > 0 else 1.0)  # as problem.damp
+
+    def caller_objective(self, state: SwapState) -> float:
+        """f of the state's tracked weight on the caller's H: the search's f_delta minus delta/2 |W|^2
+        (1/2 W^T (H + delta I) W - G^T W = f_delta), without a product with H."""
+        if not self.delta:
+            return state.f
+        return state.f - 0.5 * self.delta * float(state.weight().square().sum())
 
     def _refactorise(self, state: NestedState | SwapState, pruned: Tensor | None = None) -> NestedState | SwapState:
         """The same support (`pruned`, default the state's) from scratch, one damping rung up (drift or

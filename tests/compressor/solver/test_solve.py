@@ -8,6 +8,10 @@ import pytest
 import torch
 
 from compressor import METHODS, solve_layer
+from compressor.solver import solve as solve_module
+from compressor.solver.baselines import magnitude_support
+from compressor.solver.osscar import OsscarConfig, OsscarSolver
+from compressor.solver.problem import LayerProblem
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -122,6 +126,51 @@ def test_singular_H_is_damped_and_still_optimal_for_its_support():
     assert math.isfinite(sol.objective) and sol.objective <= mp.objective + 1e-8 * abs(mp.objective)
     assert sol.objective == pytest.approx(literal_objective(pb.H, pb.G, sol.weight), rel=1e-9)
     assert sol.stats["damping"] > 0
+
+
+def test_singular_H_returns_the_tracked_weight_without_a_refit(monkeypatch):
+    """A damped search of a singular H returns its tracked optimum of H + delta I: no refit on the kept
+    rows (the refit's Cholesky and solve cost about what MP+ costs in all), its objective evaluated on H."""
+    pb = correlated_problem(48, 6, 1, samples=24, seed=5)
+    tracked = solve_layer(pb.H, pb.G, 1, 12, dense_weight=pb.dense_weight, guard_mp=False)
+    assert tracked.stats["damping"] > 0 and tracked.stats["drift"] >= 0
+    assert tracked.objective == pytest.approx(literal_objective(pb.H, pb.G, tracked.weight), rel=1e-12)
+
+    def no_refit(*args):
+        raise AssertionError("refit called")
+
+    monkeypatch.setattr(LayerProblem, "refit", no_refit)
+    again = solve_layer(pb.H, pb.G, 1, 12, dense_weight=pb.dense_weight, guard_mp=False)
+    assert again.pruned == tracked.pruned and torch.equal(again.weight, tracked.weight)
+
+
+def test_drifted_tracked_values_fall_back_to_a_refit(monkeypatch):
+    pb = correlated_problem(48, 6, 1, samples=24, seed=5)
+    monkeypatch.setattr(solve_module, "MAX_DRIFT", -1.0)  # no drift is small enough
+    sol = solve_layer(pb.H, pb.G, 1, 12, dense_weight=pb.dense_weight, guard_mp=False)
+    problem = LayerProblem.validate(pb.H, pb.G, 1, 12, pb.dense_weight)
+    assert torch.equal(sol.weight, problem.refit(torch.tensor(sol.pruned)))
+
+
+def test_guard_improves_mp_plus_only_when_it_beats_the_search_by_more_than_the_drift():
+    """A crippled search that loses to MP+: with exact tracked values the guard switches to MP+'s
+    support; told that the values drift by more than the gap, it keeps the search's."""
+    for seed in range(40):
+        pb = correlated_problem(24, 6, 2, samples=60, seed=seed, shift=0.5)
+        problem = LayerProblem.validate(pb.H, pb.G, 2, 6, pb.dense_weight)
+        solver = OsscarSolver(problem, OsscarConfig(step_fraction=1.0, swap_rounds=0))
+        state = solver.search()
+        mp = solver.dense_objective(magnitude_support(problem))
+        if mp < state.f - 1e-6 * abs(state.f):  # MP+ clearly better
+            break
+    else:
+        pytest.fail("no problem where the crippled search loses to MP+")
+    stats = {}
+    assert solve_module._guard_mp(problem, solver, state, stats, 0.0).f < state.f
+    assert stats["source"].startswith("mp+")
+    gap = state.f - mp
+    stats = {}
+    assert solve_module._guard_mp(problem, solver, state, stats, 2 * gap) is state and not stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
