@@ -78,7 +78,8 @@ class LayerStatistics:
         self.G = torch.zeros(d1, d2, dtype=W_hat.dtype, device=W_hat.device)
         self.sum_x = torch.zeros(d1, dtype=W_hat.dtype, device=W_hat.device)
         self.sum_y = torch.zeros(d2, dtype=W_hat.dtype, device=W_hat.device)
-        self.energy = 0.0  # 1/2 ||X_hat W_hat||^2
+        # 1/2 ||X_hat W_hat||^2, kept on the device: reading it per batch would make the host wait for every batch
+        self.energy = torch.zeros((), dtype=W_hat.dtype, device=W_hat.device)
         self.rows = 0
 
     def add(self, X: Tensor, X_hat: Tensor) -> None:
@@ -86,7 +87,7 @@ class LayerStatistics:
         Y = X_hat @ self.W_hat  # the dense layer's pre-bias output
         self.H.addmm_(X.T, X)
         self.G.addmm_(X.T, Y)
-        self.energy += 0.5 * float(Y.square().sum())
+        self.energy += 0.5 * Y.square().sum()
         self.sum_x += X.sum(0)
         self.sum_y += Y.sum(0)
         self.rows += X.shape[0]
@@ -101,8 +102,8 @@ class LayerStatistics:
             H -= self.rows * torch.outer(mu, mu)
             H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
             G -= self.rows * torch.outer(mu, nu)
-            energy -= 0.5 * self.rows * float(nu.square().sum())
-        return FinishedStatistics(H, G, energy, mu, nu)
+            energy = energy - 0.5 * self.rows * nu.square().sum()
+        return FinishedStatistics(H, G, float(energy), mu, nu)  # the layer's one host synchronisation
 
 
 @dataclass(frozen=True)

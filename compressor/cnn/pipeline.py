@@ -213,7 +213,7 @@ def _stream_energy(walk: GraphWalker, unit: ChannelGroup) -> float | None:
     add = residual_add(unit.consumer.node)
     if add is None:
         return None
-    return sum(0.5 * float(x.double().square().sum()) for (x,) in walk.peek([add]))
+    return 0.5 * float(sum(x.double().square().sum() for (x,) in walk.peek([add])))  # one host read
 
 
 def channel_cost(unit: ChannelGroup) -> float:

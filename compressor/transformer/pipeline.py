@@ -96,6 +96,9 @@ class _Stream:
     args: tuple[Any, ...]  # what the model passes every block besides the hidden states (CPU)
     kwargs: dict[str, Any]
     mask: Tensor | None  # (batch, seq) bool: tokens that count (padding excluded)
+    # flat indices of the counted tokens, formed once on the CPU (None: all count): a boolean mask applied
+    # on the device would make the host wait for every batch of every layer's statistics
+    counted: Tensor | None = None
 
 
 class _Stop(Exception):
@@ -154,8 +157,10 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
                     raise RuntimeError("the model never called its first block")
                 hidden = captured["hidden"].detach().to("cpu", activation_dtype)
                 mask = batch.get("attention_mask")
+                mask = mask.bool().cpu() if mask is not None else None
+                counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
                 streams.append(_Stream(hidden, hidden, _to(captured["args"], "cpu"), _to(captured["kwargs"], "cpu"),
-                                       mask.bool().cpu() if mask is not None else None))
+                                       mask, counted))
     finally:
         handle.remove()
         if use_cache is not None:
@@ -199,11 +204,12 @@ def _inputs_of(module: nn.Module, stop: bool) -> tuple[dict[str, Tensor], Any]:
     return store, module.register_forward_pre_hook(hook)
 
 
-def _rows(x: Tensor, mask: Tensor | None) -> Tensor:
-    """(batch, seq, d) -> (tokens, d) float64 over the counted tokens."""
+def _rows(x: Tensor, stream: _Stream) -> Tensor:
+    """(batch, seq, d) -> (tokens, d) float64 over the stream's counted tokens, without a host
+    synchronisation (the index was formed on the CPU)."""
     rows = x.reshape(-1, x.shape[-1])
-    if mask is not None and mask.numel() == rows.shape[0]:
-        rows = rows[mask.reshape(-1).to(rows.device)]
+    if stream.counted is not None and stream.mask is not None and stream.mask.numel() == rows.shape[0]:
+        rows = rows.index_select(0, stream.counted.to(rows.device, non_blocking=True))
     return rows.double()
 
 
@@ -266,7 +272,7 @@ def prune_blocks(
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
         # the residual stream this block's projections add to, over the counted tokens
-        stream_energy = sum(0.5 * float(_rows(s.hidden, s.mask).square().sum()) for s in streams)
+        stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         for kind, path, norm in (("attention_heads", adapter.o, adapter.o_norm),
                                  ("ffn_neurons", adapter.down, adapter.down_norm)):
@@ -289,7 +295,7 @@ def prune_blocks(
                     for s in streams:
                         out = _run(dense, s.hidden, s, device)
                         _run(block, s.pruned, s, device)
-                        stats.add(_rows(x_store["x"], s.mask), _rows(x_hat_store["x"], s.mask))
+                        stats.add(_rows(x_store["x"], s), _rows(x_hat_store["x"], s))
                         if last:
                             s.hidden = out.to("cpu", activation_dtype)
             finally:

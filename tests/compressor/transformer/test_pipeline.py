@@ -3,8 +3,17 @@
 import pytest
 import torch
 
+from compressor.solver.counting import OpCounter
+from compressor.transformer import pipeline
 from compressor.transformer.adapters import adapter_for, layers
-from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
+from compressor.transformer.pipeline import (
+    InMemoryBlocks,
+    _run,
+    capture_block_inputs,
+    prune_blocks,
+    prune_transformer,
+    resize_transformer,
+)
 from compressor.transformer.surgery import head_groups, in_features, kv_index, projection, query_heads
 
 from .transformer_models import MODELS, example_inputs, first_output
@@ -132,3 +141,20 @@ def test_resized_query_heads_keep_the_most_kv_heads():
     for i in range(2):
         assert query_heads(resized, i) == 2 and kv_index(resized, i).tolist() == [0, 1]
         assert projection(layers(resized)[i], adapter.k).weight.shape[0] == 2 * 4  # two KV heads of head_dim 4
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_the_layer_loop_makes_no_host_synchronisation_per_batch(name, monkeypatch):
+    """Statistics of every projection accumulate on the device: the host reads them once per layer, not
+    once per calibration batch (padded batches included), so doubling the batches adds no synchronisation."""
+    counts = []
+    for n in (2, 4):
+        model = MODELS[name]()
+        data = batches(model, n)
+        streams = capture_block_inputs(model, data, torch.device("cpu"), torch.float32)
+        assert all(s.counted is not None for s in streams)  # example_inputs pads the first row
+        monkeypatch.setattr(pipeline, "capture_block_inputs", lambda *args, streams=streams: streams)
+        with OpCounter() as counter:
+            prune_blocks(InMemoryBlocks(model), data, 0.5, method="mp+")
+        counts.append(counter.syncs)
+    assert counts[0] == counts[1], counts
