@@ -73,8 +73,9 @@ class OsscarSolver:
 
     # A singular H (fewer calibration rows than features: an FFN projection calibrated on 1,024 tokens) is
     # searched as H + delta I, delta = damping * mean(diag H). Up to this rung the tracked optimum of that
-    # problem is returned as is: f on the caller's H is below f_delta by delta/2 |W|^2 only (~1e-10
-    # relative), which is also what a refit on the kept rows pays, since it damps the same way.
+    # problem is returned as is: it is worse than the caller's optimum on the same support by at most
+    # delta/2 |W|^2 (~1e-10 relative); a refit on the kept rows is that optimum when H_KK is positive
+    # definite, and damps by the same delta when H_KK is singular too (kept rows beyond the calibration rows).
     TRACKED_DAMPING = 1e-8
 
     def __init__(self, problem: LayerProblem, config: OsscarConfig) -> None:
@@ -132,6 +133,8 @@ class OsscarSolver:
         if not higher:
             raise ValueError("H is too ill-conditioned for the search even with the largest damping")
         fresh = self.start(floor=higher[0])
+        # what improve() and dense_objective() reuse must be of the same (damped) problem as the states
+        self._nested = fresh
         pruned = state.pruned() if pruned is None else pruned
         if pruned.numel():
             fresh.prune(pruned)
@@ -356,12 +359,12 @@ class OsscarSolver:
         lap("factorise_s")
         nested = self.greedy(nested)
         lap("greedy_s")
+        self._nested = nested  # H^-1 and W0 stay valid: improve() reuses them (a refactorisation replaces them)
         state = nested.to_swap()
         lap("swap_setup_s")
         state = self.swaps(state)
         lap("swap_s")
         self.stats["damping"] = self.damping
-        self._nested = nested  # H^-1 and W0 stay valid: improve() reuses them
         return state
 
     def improve(self, pruned: Tensor) -> SwapState:

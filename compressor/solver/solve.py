@@ -77,7 +77,7 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     # A singular H searched as H + delta I: the tracked f drifts from the caller's (~1e-6 relative on an
     # FFN projection calibrated on fewer tokens than it has features), so the weight's objective is
     # evaluated on H, and MP+ must beat the search by more than that drift to be improved.
-    tracked, drift, evaluated = solver.tracked, 0.0, None
+    tracked, drift, evaluated, damping = solver.tracked, 0.0, None, solver.damping
     if tracked and solver.delta:
         evaluated = state, pb.objective(state.weight())
         drift = abs(solver.caller_objective(state) - evaluated[1])
@@ -86,28 +86,33 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
         start = time.perf_counter()
         state = _guard_mp(pb, solver, state, stats, drift if tracked else None)
         stats["guard_s"] = time.perf_counter() - start
-    stats.update(solver.stats, drift=drift)
+        # improving MP+'s support may have refactorised one damping rung up: its state is then another problem's
+        tracked = tracked and solver.damping == damping
+    stats.update(solver.stats, drift=drift, damping=solver.damping)
     pruned = torch.sort(state.pruned()).values
     if not tracked:
         return MethodResult(pruned, pb.refit(pruned), stats)
     # The tracked W is the optimum of the search's problem (the caller's H, or H + delta I) and needs no
     # refit; without damping f(S) was tracked with it, and casting W to a lower precision changes f only
-    # at second order (the gradient vanishes on the support).
+    # at second order (the gradient vanishes on the support). With damping, f is evaluated on H (here,
+    # or by solve_layer for the weight it returns).
     weight = state.weight()
     if not solver.delta:
         return MethodResult(pruned, weight, stats, objective=state.f)
-    objective = evaluated[1] if evaluated and evaluated[0] is state else pb.objective(weight)
+    objective = evaluated[1] if evaluated and evaluated[0] is state else None
     return MethodResult(pruned, weight, stats, objective=objective)
 
 
 def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
               stats: dict[str, Any], drift: float | None) -> SwapState:
-    """Never worse than MP+ by construction: when the magnitude support is not clearly worse than
-    the search's, improve it with swap rounds (which only lower f) and keep the better state.
+    """Never worse than MP+ (beyond rounding, or the tracked values' drift): when the magnitude support is
+    not clearly worse than the search's, improve it with swap rounds (which only lower f) and keep the
+    better state.
 
     `drift`: how far the tracked values are from the caller's f (None: not trusted, compare refits;
-    0.0: exact). With a drift, MP+ is improved only when it is better by more than the drift: within
-    it, the tracked values cannot tell the two supports apart."""
+    0.0: exact). With a drift, MP+ is improved only when it is better by more than the drift, and the
+    improved support replaces the search's only when it is better by more than the drift: within it, the
+    tracked values cannot tell two supports apart."""
     mp = torch.sort(magnitude_support(pb)).values
     if torch.equal(mp, torch.sort(state.pruned()).values):
         return state
@@ -126,7 +131,7 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
              f_mp, f_search)
     improved = solver.improve(mp)
     f_improved = improved.f if drift is not None else pb.objective(pb.refit(improved.pruned()))
-    if f_improved < f_search:
+    if f_improved < f_search - (drift or 0.0):
         stats["source"] = "mp+ improved" if f_improved < f_mp else "mp+"
         return improved
     return state

@@ -133,7 +133,7 @@ def test_singular_H_returns_the_tracked_weight_without_a_refit(monkeypatch):
     rows (the refit's Cholesky and solve cost about what MP+ costs in all), its objective evaluated on H."""
     pb = correlated_problem(48, 6, 1, samples=24, seed=5)
     tracked = solve_layer(pb.H, pb.G, 1, 12, dense_weight=pb.dense_weight, guard_mp=False)
-    assert tracked.stats["damping"] > 0 and tracked.stats["drift"] >= 0
+    assert tracked.stats["damping"] > 0 and tracked.stats["drift"] <= solve_module.MAX_DRIFT * abs(tracked.objective)
     assert tracked.objective == pytest.approx(literal_objective(pb.H, pb.G, tracked.weight), rel=1e-12)
 
     def no_refit(*args):
@@ -149,6 +149,29 @@ def test_drifted_tracked_values_fall_back_to_a_refit(monkeypatch):
     monkeypatch.setattr(solve_module, "MAX_DRIFT", -1.0)  # no drift is small enough
     sol = solve_layer(pb.H, pb.G, 1, 12, dense_weight=pb.dense_weight, guard_mp=False)
     problem = LayerProblem.validate(pb.H, pb.G, 1, 12, pb.dense_weight)
+    assert torch.equal(sol.weight, problem.refit(torch.tensor(sol.pruned)))
+
+
+def test_a_damping_raised_while_improving_mp_plus_falls_back_to_a_refit(monkeypatch):
+    """If improving MP+'s support refactorises one damping rung up, the improved state is the optimum of
+    another (damped) problem: the weight returned is the refit on the caller's H, not that state's."""
+    improve = OsscarSolver.improve
+
+    def improve_damped(self, pruned):
+        state = improve(self, pruned)
+        self.damping = 1e-2  # as _refactorise would
+        return state
+
+    monkeypatch.setattr(OsscarSolver, "improve", improve_damped)
+    for seed in range(40):
+        pb = correlated_problem(24, 6, 2, samples=60, seed=seed, shift=0.5)
+        sol = solve_layer(pb.H, pb.G, 2, 6, dense_weight=pb.dense_weight, step_fraction=1.0, swap_rounds=0)
+        if sol.stats["source"].startswith("mp+"):
+            break
+    else:
+        pytest.fail("the guard never improved MP+'s support")
+    problem = LayerProblem.validate(pb.H, pb.G, 2, 6, pb.dense_weight)
+    assert sol.stats["damping"] == 1e-2
     assert torch.equal(sol.weight, problem.refit(torch.tensor(sol.pruned)))
 
 
