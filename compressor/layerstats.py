@@ -103,7 +103,8 @@ class LayerStatistics:
             H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
             G -= self.rows * torch.outer(mu, nu)
             energy = energy - 0.5 * self.rows * nu.square().sum()
-        return FinishedStatistics(H, G, float(energy), mu, nu)  # the layer's one host synchronisation
+        rank = max(self.rows - 1, 0) if center else self.rows  # centring removes one direction
+        return FinishedStatistics(H, G, float(energy), mu, nu, rank)  # the layer's one host synchronisation
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class FinishedStatistics:
     energy: float  # 1/2 ||X_hat W_hat||^2 (centred likewise): the loss normaliser
     mean_x: Tensor  # mu (d1): mean input row of the pruned model
     mean_y: Tensor  # nu (d2): mean row of the dense layer's pre-bias output X_hat W_hat
+    rank: int | None = None  # an upper bound on rank(H): the rows behind it (one fewer once centred)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def exact_support(problem: LayerProblem, chunk: int = 4096) -> Tensor:
     if n_keep == 0 or pb.num_prune == 0:
         return torch.arange(pb.num_prune, device=pb.device)
     # f(S) = -1/2 Tr(G_K^T H_KK^-1 G_K); damp once so every principal block factorises alike.
-    _, lam = factorize(pb.H, pb.mean_diag)
+    _, lam = factorize(pb.H, pb.mean_diag, singular=pb.singular(pb.d1))
     H = damp(pb.H, lam, pb.mean_diag)
     best_f, best = math.inf, None
     combos = itertools.combinations(range(p), n_keep)

@@ -100,7 +100,7 @@ class OsscarSolver:
         """NestedState of the dense support with the smallest damping >= floor that factorises."""
         pb = self.problem
         H = pb.H.to(self.config.dtype)
-        chol, self.damping = factorize(H, pb.mean_diag, floor=floor)
+        chol, self.damping = factorize(H, pb.mean_diag, floor=floor, singular=pb.singular(pb.d1))
         return NestedState(H, pb.G.to(self.config.dtype), pb.group_size, pb.num_prune, factor=chol)
 
     @property

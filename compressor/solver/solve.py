@@ -154,6 +154,7 @@ def solve_layer(
     method: str = "osscar",
     *,
     dense_weight: Tensor | None = None,
+    rank: int | None = None,
     **options: Any,
 ) -> LayerSolution:
     """Choose `num_prune` groups of rows to remove and the optimal remaining weight.
@@ -165,13 +166,15 @@ def solve_layer(
         num_prune: how many groups to remove, 0 <= num_prune <= d1 / group_size.
         method: one of "osscar", "mp", "mp+", "thinet", "exact".
         dense_weight: W_hat (d1 x d2); required by "mp" and "mp+".
+        rank: an upper bound on rank(H), e.g. the calibration rows behind it (one fewer once centred);
+            factorisations of more rows than that skip the undamped attempt (see `problem.factorize`).
         **options: method options (see `OsscarConfig` for "osscar").
 
     Results are on H's device; `weight` has G's dtype.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {sorted(METHODS)}")
-    pb = LayerProblem.validate(H, G, group_size, num_prune, dense_weight)
+    pb = LayerProblem.validate(H, G, group_size, num_prune, dense_weight, rank)
     if method in ("mp", "mp+") and pb.dense_weight is None:
         raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
     start = time.perf_counter()

@@ -308,7 +308,8 @@ def prune_blocks(
             if observe:
                 observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
                                          group_cost(model, kind, cost_sequence_length, gqa), stream_energy))
-            sol = solve_layer(finished.H, finished.G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat)
+            sol = solve_layer(finished.H, finished.G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat,
+                              rank=finished.rank)
             kept = kept_solution(sol, g, scale, finished)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one

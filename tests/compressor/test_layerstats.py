@@ -42,3 +42,11 @@ def test_centred_statistics_give_the_least_squares_fit_with_an_intercept():
     A = torch.cat([X[:, kept.keep], torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)
     coef = torch.linalg.lstsq(A, X_hat @ W_hat).solution
     assert torch.allclose(kept.weight, coef[:-1], atol=1e-8) and torch.allclose(kept.shift, coef[-1], atol=1e-8)
+
+
+def test_the_rank_bound_is_the_rows_one_fewer_once_centred():
+    stats, X, _, _ = _statistics(n=5, d1=8)  # fewer rows than features: H is singular
+    assert stats.finish(center=False).rank == 5 == int(torch.linalg.matrix_rank(X.T @ X))
+    stats, _, _, _ = _statistics(n=5, d1=8)
+    finished = stats.finish(center=True)
+    assert finished.rank == 4 == int(torch.linalg.matrix_rank(finished.H))

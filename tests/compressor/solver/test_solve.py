@@ -144,6 +144,29 @@ def test_singular_H_returns_the_tracked_weight_without_a_refit(monkeypatch):
     assert again.pruned == tracked.pruned and torch.equal(again.weight, tracked.weight)
 
 
+def test_a_rank_bound_skips_the_cholesky_that_would_fail(monkeypatch):
+    """rank(H) <= rank < d1: the undamped factorisations of H (and of the kept rows in a refit) are known to
+    fail, so they are not attempted; the damped ones, and so the results, are the same."""
+    pb = correlated_problem(48, 6, 1, samples=24, seed=5)
+    cholesky_ex = torch.linalg.cholesky_ex
+    calls = []
+
+    def counted(M, *args, **kwargs):
+        calls.append(M.shape[-1])
+        return cholesky_ex(M, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", counted)
+    for method in ("osscar", "mp+"):
+        calls.clear()
+        plain = solve_layer(pb.H, pb.G, 1, 12, method, dense_weight=pb.dense_weight)
+        without = list(calls)
+        calls.clear()
+        bounded = solve_layer(pb.H, pb.G, 1, 12, method, dense_weight=pb.dense_weight, rank=24)
+        assert bounded.pruned == plain.pruned and bounded.objective == plain.objective
+        big = 48 if method == "osscar" else 36  # the whole H, or the kept rows of the refit
+        assert without.count(big) == 2 and calls.count(big) == 1, (method, without, calls)
+
+
 def test_drifted_tracked_values_fall_back_to_a_refit(monkeypatch):
     pb = correlated_problem(48, 6, 1, samples=24, seed=5)
     monkeypatch.setattr(solve_module, "MAX_DRIFT", -1.0)  # no drift is small enough
@@ -267,6 +290,8 @@ BAD_INPUTS = {
     "num_prune too large": (lambda: _bad(num_prune=13), "outside"),
     "num_prune float": (lambda: _bad(num_prune=2.0), "num_prune"),
     "num_prune bool": (lambda: _bad(num_prune=True), "num_prune"),
+    "rank negative": (lambda: {**_bad(), "rank": -1}, "rank must be"),
+    "rank float": (lambda: {**_bad(), "rank": 3.0}, "rank must be"),
     "NaN in H": (lambda: _bad(H=_nan_H()), "NaN"),
     "Inf in G": (lambda: _bad(G=_inf_G()), "NaN or Inf"),
     "NaN in dense_weight": (
