@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .problem import DAMPING_LADDER, LayerProblem, factorize, group_rows
+from .problem import DAMPING_LADDER, LayerProblem, damping_delta, factorize, group_rows
 from .sweep import NestedState, PivotError, SwapState, _pivot_inverse_ex, block_gram
 
 State = TypeVar("State", NestedState, SwapState)
@@ -112,10 +112,7 @@ class OsscarSolver:
     @property
     def delta(self) -> float:
         """The damping added to H's diagonal in the search's problem (0.0 without damping)."""
-        if not self.damping:
-            return 0.0
-        mean_diag = self.problem.mean_diag
-        return self.damping * (mean_diag if mean_diag > 0 else 1.0)  # as problem.damp
+        return damping_delta(self.damping, self.problem.mean_diag) if self.damping else 0.0
 
     def caller_objective(self, state: SwapState) -> float:
         """f of the state's tracked weight on the caller's H: the search's f_delta minus delta/2 |W|^2

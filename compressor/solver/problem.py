@@ -168,13 +168,18 @@ def _all_finite(x: Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
+def damping_delta(lam: float, mean_diag: float) -> float:
+    """delta = lam * mean(diag H); a zero diagonal is damped by lam alone, so that an all-zero H still
+    factorises."""
+    return lam * (mean_diag if mean_diag > 0 else 1.0)
+
+
 def damp(M: Tensor, lam: float, mean_diag: float) -> Tensor:
-    """M + lam * mean(diag H) I (M itself for lam = 0); a zero diagonal is damped by lam alone, so
-    that an all-zero H still factorises."""
+    """M + delta I (`damping_delta`; M itself for lam = 0)."""
     if not lam:
         return M
     damped = M.clone()
-    damped.diagonal().add_(lam * (mean_diag if mean_diag > 0 else 1.0))
+    damped.diagonal().add_(damping_delta(lam, mean_diag))
     return damped
 
 

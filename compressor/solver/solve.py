@@ -77,11 +77,12 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     # A singular H searched as H + delta I: the tracked f drifts from the caller's (~1e-6 relative on an
     # FFN projection calibrated on fewer tokens than it has features), so the weight's objective is
     # evaluated on H, and MP+ must beat the search by more than that drift to be improved.
-    tracked, drift, evaluated, damping = solver.tracked, 0.0, None, solver.damping
+    searched, damping = state, solver.damping
+    tracked, drift, evaluated = solver.tracked, 0.0, None  # evaluated: f of the searched state on H
     if tracked and solver.delta:
-        evaluated = state, pb.objective(state.weight())
-        drift = abs(solver.caller_objective(state) - evaluated[1])
-        tracked = drift <= MAX_DRIFT * abs(evaluated[1])
+        evaluated = pb.objective(state.weight())
+        drift = abs(solver.caller_objective(state) - evaluated)
+        tracked = drift <= MAX_DRIFT * abs(evaluated)
     if config.guard_mp and pb.dense_weight is not None and pb.num_prune > 0:
         start = time.perf_counter()
         state = _guard_mp(pb, solver, state, stats, drift if tracked else None)
@@ -99,8 +100,7 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     weight = state.weight()
     if not solver.delta:
         return MethodResult(pruned, weight, stats, objective=state.f)
-    objective = evaluated[1] if evaluated and evaluated[0] is state else None
-    return MethodResult(pruned, weight, stats, objective=objective)
+    return MethodResult(pruned, weight, stats, objective=evaluated if state is searched else None)
 
 
 def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,

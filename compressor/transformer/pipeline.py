@@ -208,7 +208,7 @@ def _rows(x: Tensor, stream: _Stream) -> Tensor:
     """(batch, seq, d) -> (tokens, d) float64 over the stream's counted tokens, without a host
     synchronisation (the index was formed on the CPU)."""
     rows = x.reshape(-1, x.shape[-1])
-    if stream.counted is not None and stream.mask is not None and stream.mask.numel() == rows.shape[0]:
+    if stream.counted is not None and stream.mask.numel() == rows.shape[0]:
         rows = rows.index_select(0, stream.counted.to(rows.device, non_blocking=True))
     return rows.double()
 
