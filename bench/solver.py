@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compressor import solve_layer
 from compressor.solver.counting import OpCounter
+from compressor.solver.linalg import cholesky
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
 from compressor.solver.synthetic import correlated_problem
@@ -181,6 +182,12 @@ def cholesky_solve(H: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     return torch.cholesky_solve(G, torch.linalg.cholesky(H))
 
 
+def lapack_cholesky_solve(H: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """The same solve with the solver's own factorisation (LAPACK potrf + potrs on one copy, on the CPU):
+    the baseline without torch's copies, against which the solver's direct LAPACK calls gain nothing."""
+    return cholesky(H).solve(G)
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -199,17 +206,24 @@ def part_speed(sizes: list[int], group_sizes: list[int], repeats: int) -> dict:
             def base(pb=pb):
                 return cholesky_solve(pb.H, pb.G)
 
+            def lapack(pb=pb):
+                return lapack_cholesky_solve(pb.H, pb.G)
+
             base()  # warm-up: thread pools, allocator
+            lapack()
             sol = solve()
-            t_base, t_os = [], []
+            t_base, t_lapack, t_os = [], [], []
             for _ in range(repeats):  # interleaved, so both see the same machine load
                 t_base.append(timed(base))
+                t_lapack.append(timed(lapack))
                 t_os.append(timed(solve))
             ratios = [o / b for o, b in zip(t_os, t_base, strict=True)]
             rows.append({"d1": d1, "d2": d1 // 4, "group_size": g, "pruned_groups": k,
                          "cholesky_solve_s_median": statistics.median(t_base),
+                         "lapack_cholesky_solve_s_median": statistics.median(t_lapack),
                          "osscar_s_median": statistics.median(t_os),
                          "ratio_of_medians": statistics.median(t_os) / statistics.median(t_base),
+                         "ratio_to_lapack": statistics.median(t_os) / statistics.median(t_lapack),
                          "ratio_median": statistics.median(ratios), "objective": sol.objective,
                          "stats": {k_: v for k_, v in sol.stats.items() if isinstance(v, (int, float, str))}})
             log.info("speed %s", rows[-1])
@@ -293,9 +307,11 @@ def part_search(sizes: list[int], group_sizes: list[int], rows_4096: int) -> dic
             sol = solve_layer(H, G, g, k, dense_weight=W_hat)
             t_os = time.perf_counter() - start
             t_base = min(t_base, timed(lambda H=H, G=G: cholesky_solve(H, G)))
+            t_lapack = min(timed(lambda H=H, G=G: lapack_cholesky_solve(H, G)) for _ in range(2))
             mp = solve_layer(H, G, g, k, "mp+", dense_weight=W_hat)
-            row = {"d1": d1, "group_size": g, "cholesky_solve_s": t_base, "osscar_s": t_os,
-                   "ratio": t_os / t_base, "osscar_f": sol.objective, "mp_plus_f": mp.objective,
+            row = {"d1": d1, "group_size": g, "cholesky_solve_s": t_base, "lapack_cholesky_solve_s": t_lapack,
+                   "osscar_s": t_os, "ratio": t_os / t_base, "ratio_to_lapack": t_os / t_lapack,
+                   "osscar_f": sol.objective, "mp_plus_f": mp.objective,
                    "stats": {k_: v for k_, v in sol.stats.items() if isinstance(v, (int, float, str))}}
             if d1 == sizes[0]:
                 counted = CountedSolver(LayerProblem.validate(H, G, g, k, W_hat), OsscarConfig())

@@ -100,8 +100,8 @@ class OsscarSolver:
         """NestedState of the dense support with the smallest damping >= floor that factorises."""
         pb = self.problem
         H = pb.H.to(self.config.dtype)
-        chol, self.damping = factorize(H, pb.mean_diag, floor=floor, singular=pb.singular(pb.d1))
-        return NestedState(H, pb.G.to(self.config.dtype), pb.group_size, pb.num_prune, factor=chol)
+        factor, self.damping = factorize(H, pb.mean_diag, floor=floor, singular=pb.singular(pb.d1))
+        return NestedState(H, pb.G.to(self.config.dtype), pb.group_size, pb.num_prune, factor=factor)
 
     @property
     def tracked(self) -> bool:
@@ -373,15 +373,12 @@ class OsscarSolver:
             nested = self._guarded(nested, lambda s: s.prune(pruned))
         return self.swaps(nested.to_swap())
 
-    def dense_objective(self, pruned: Tensor, lower_bound: bool = False) -> float:
-        """f(pruned) (or a cheap lower bound on it) in the search's problem, from the
-        factorisation of search(), without a refit."""
+    def dense_objective(self, pruned: Tensor) -> float:
+        """f(pruned) in the search's problem, from the factorisation of search(), without a refit."""
         assert self._nested is not None, "dense_objective() needs search() first"
         nested = self._nested
         if not pruned.numel():
             return nested.f0
-        if lower_bound:
-            return nested.f0 + nested.dense_prune_delta_lower_bound(pruned)
         return nested.f0 + nested.dense_prune_delta(pruned)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .linalg import Cholesky, cholesky
+
 log = logging.getLogger(__name__)
 
 # Damping for factorisations of (sub-blocks of) H: delta = lambda * mean(diag H) with lambda taken from
@@ -140,8 +142,8 @@ class LayerProblem:
         W = torch.zeros_like(self.G)
         if K.numel():
             H_KK = self.H.index_select(0, K).index_select(1, K)
-            chol, _ = factorize(H_KK, self.mean_diag, what="H on the kept rows", singular=self.singular(K.numel()))
-            W[K] = torch.cholesky_solve(self.G.index_select(0, K), chol)
+            factor, _ = factorize(H_KK, self.mean_diag, what="H on the kept rows", singular=self.singular(K.numel()))
+            W[K] = factor.solve(self.G.index_select(0, K))
         return W
 
     def magnitude_order(self) -> Tensor:
@@ -184,7 +186,7 @@ def damp(M: Tensor, lam: float, mean_diag: float) -> Tensor:
 
 
 def factorize(M: Tensor, mean_diag: float, what: str = "H", floor: float = 0.0,
-              singular: bool = False) -> tuple[Tensor, float]:
+              singular: bool = False) -> tuple[Cholesky, float]:
     """Cholesky factor of M + delta I, with delta the first rung of DAMPING_LADDER (at least `floor`)
     that works.
 
@@ -197,11 +199,11 @@ def factorize(M: Tensor, mean_diag: float, what: str = "H", floor: float = 0.0,
     for lam in DAMPING_LADDER:
         if lam < floor or (singular and not lam):  # M known singular: rung 0 would fail (or pass by rounding)
             continue
-        chol, info = torch.linalg.cholesky_ex(damp(M, lam, mean_diag))
-        if int(info) == 0:
+        factor = cholesky(M, damping_delta(lam, mean_diag) if lam else 0.0)
+        if factor is not None:
             if lam:
                 log.debug("factorised %s with damping %.0e * mean(diag H)", what, lam)
-            return chol, lam
+            return factor, lam
     raise ValueError(f"{what} is not positive semi-definite (Cholesky fails even with damping)")
 
 

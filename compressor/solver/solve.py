@@ -119,9 +119,7 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
     if drift is not None:  # compare the tracked values of the search's problem directly
         f_search = state.f
         bar = f_search - drift if drift else f_search + 1e-9 * abs(f_search)  # keep the search above it
-        if solver.dense_objective(mp, lower_bound=True) > bar:
-            return state  # without factorising its support
-        f_mp = solver.dense_objective(mp)
+        f_mp = solver.dense_objective(mp)  # from H^-1[P, P]: a factorisation of the pruned rows only
     else:  # float32 search, damped beyond TRACKED_DAMPING or drifted: compare refit objectives on H
         f_search = pb.objective(pb.refit(state.pruned()))
         f_mp, bar = pb.objective(pb.refit(mp)), f_search

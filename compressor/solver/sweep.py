@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .linalg import Cholesky, cholesky
 from .problem import group_rows
 
 
@@ -103,17 +104,16 @@ class NestedState:
     """
 
     def __init__(self, H: Tensor, G: Tensor, group_size: int, capacity: int, *,
-                 factor: Tensor | None = None) -> None:
-        """`factor`: a Cholesky factor the caller already has (of H, possibly damped); H then only gives
-        the shape, dtype and device."""
+                 factor: Cholesky | None = None) -> None:
+        """`factor`: a Cholesky factor the caller already has (of H, possibly damped), consumed (its buffer
+        becomes H^-1); H then only gives the shape, dtype and device."""
         d1, g = H.shape[0], group_size
-        chol = factor
-        if chol is None:
-            chol, info = torch.linalg.cholesky_ex(H)
-            if int(info) != 0:
+        if factor is None:
+            factor = cholesky(H)
+            if factor is None:
                 raise PivotError("H is not positive definite")
         self.group_size = g
-        self.Hinv = torch.cholesky_inverse(chol)  # d1 x d1: H^-1, never modified
+        self.Hinv = factor.inverse(overwrite=True)  # d1 x d1: H^-1, never modified
         self.W0 = self.Hinv @ G  # d1 x d2: optimal W with nothing pruned
         self.f0 = float(-0.5 * (G * self.W0).sum())
         self.U = torch.empty(d1, capacity * g, dtype=H.dtype, device=H.device)  # downdate factors
@@ -159,23 +159,10 @@ class NestedState:
     def dense_prune_delta(self, groups: Tensor) -> float:
         """f(groups) - f({}) = 1/2 Tr(W0_P^T H^-1[P, P]^-1 W0_P), by one m x m factorisation."""
         M, X = self._dense_block(groups)
-        chol, info = torch.linalg.cholesky_ex(M)
-        if int(info) != 0:
+        factor = cholesky(M, overwrite=True)  # M is a gathered copy
+        if factor is None:
             raise PivotError(f"pivot block of {M.shape[0]} rows is not positive definite")
-        return float(0.5 * torch.linalg.solve_triangular(chol, X, upper=False).square().sum())
-
-    def dense_prune_delta_lower_bound(self, groups: Tensor) -> float:
-        """A lower bound on dense_prune_delta(groups) without a factorisation.
-
-        For M positive definite and any Y, Tr(X^T M^-1 X) >= 2 Tr(Y^T X) - Tr(Y^T M Y); with
-        Y = alpha D^-1 X (D = diag M) and the best alpha this is a^2 / b, a = Tr(X^T D^-1 X),
-        b = Tr(Y^T M Y) at alpha = 1: one GEMM instead of a Cholesky and a triangular solve.
-        """
-        M, X = self._dense_block(groups)
-        Y = X / M.diagonal().unsqueeze(1)
-        a = float((X * Y).sum())
-        b = float((Y * (M @ Y)).sum())
-        return 0.5 * a * a / b if b > 0 else 0.0
+        return float(0.5 * factor.half_solve(X).square().sum())
 
     def prune(self, groups: Tensor) -> None:
         """Case 1 for `groups` (all kept): downdate the inverse and the weight, update f."""
@@ -285,7 +272,7 @@ class SwapState:
         self._sigma: Tensor | None = None
         self.blocks = -nested.blocks  # kept groups: -H_cur^-1 blocks
         if S.numel():
-            sigma = torch.cholesky_inverse(U_S)  # A_SS = (U_S U_S^T)^-1, R x R
+            sigma = Cholesky(U_S, upper=False).inverse()  # A_SS = (U_S U_S^T)^-1, R x R
             self.Z[S] = sigma @ nested.W0.index_select(0, S)
             r = S.numel() // g
             self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
