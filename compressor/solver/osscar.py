@@ -165,6 +165,11 @@ class OsscarSolver:
     # conv channels), where the number of groups is small anyway.
     SWAP_CANDIDATE_ROWS = 512
     SWAP_BLOCK_ROWS = 512
+    # Up to this many rows on the pruning side of a round's pairs, their columns are formed before the
+    # pairs are accepted (a gather each once A0 is formed; fewer ops than the block alone plus the accepted
+    # columns later); beyond it, only A[out, out] first and the accepted pairs' columns after (wide groups:
+    # most pairs of a late round are not accepted, and a column costs O(d1 R) from the greedy's factors).
+    EAGER_OUT_ROWS = 64
 
     def swaps(self, state: SwapState) -> SwapState:
         """Non-nested rounds (p_i = 0): exchange pruned and kept groups while f decreases."""
@@ -223,9 +228,17 @@ class OsscarSolver:
         slot_i, slot_j, slot_delta = _disjoint_pairs(delta, pairs)
         d1 = cols_c.shape[0]
         col_in = cols_c.view(d1, c, g).index_select(1, slot_i).reshape(d1, pairs * g)
-        col_out = state.columns(group_rows(slot_j, g))  # d1 x (pairs g)
+        rows_out = group_rows(slot_j, g)
+        rows = torch.cat([group_rows(cand[slot_i], g), rows_out])
+        col_out = None
+        if pairs * g <= self.EAGER_OUT_ROWS:  # few: the columns of the groups to prune, then their block
+            col_out = state.columns(rows_out)  # d1 x (pairs g)
+            B = torch.cat([col_in, col_out], 1)[rows]
+        else:  # wide groups: A[out, out] alone; full columns only for the pairs accepted
+            left = col_in[rows]  # (2 pairs g) x (pairs g): A[in, in] over A[out, in]
+            B = torch.cat([left, torch.cat([left[pairs * g:].T, state.block(rows_out)])], 1)
         improving = slot_delta < threshold
-        accepted = _accept_in_turn(state, cand[slot_i], slot_j, improving, col_in, col_out, threshold)
+        accepted = _accept_in_turn(state, rows, B, improving, threshold)
         flags = torch.cat([accepted, improving, scores.isnan().any().view(1)]).tolist()  # sync 1
         if flags[-1]:  # a pivot block drifted: the same support from scratch (one damping rung up), again
             return self.swap_round(self._refactorise(state), pairs)
@@ -235,8 +248,8 @@ class OsscarSolver:
             return state, 0, n_improving
         sel = torch.tensor(chosen, device=cand.device)
         rows_sel = group_rows(sel, g)
-        state = self._exchange(state, cand[slot_i[sel]], slot_j[sel], col_in.index_select(1, rows_sel),
-                               col_out.index_select(1, rows_sel))
+        col_out = state.columns(rows_out[rows_sel]) if col_out is None else col_out.index_select(1, rows_sel)
+        state = self._exchange(state, cand[slot_i[sel]], slot_j[sel], col_in.index_select(1, rows_sel), col_out)
         return state, len(chosen), n_improving
 
     def double_swap_round(self, state: SwapState) -> tuple[SwapState, int]:
@@ -273,7 +286,7 @@ class OsscarSolver:
                               min(c, state.num_groups - num_pruned), largest=False).indices
         cand = torch.cat([cand_in, cand_out])
         rows = group_rows(cand, g)
-        block = state.columns(rows)[rows].view(cand.numel(), g, cand.numel(), g)
+        block = state.block(rows).view(cand.numel(), g, cand.numel(), g)
         z = state.Z[rows]
         gram = (z @ z.T).view(cand.numel(), g, cand.numel(), g)
         n_in, n_out = cand_in.numel(), cand_out.numel()
@@ -423,15 +436,12 @@ def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     return torch.cat(rows), torch.cat(picked), torch.cat(values)
 
 
-def _accept_in_turn(state: SwapState, restore: Tensor, prune: Tensor, valid: Tensor,
-                    col_in: Tensor, col_out: Tensor, threshold: Tensor) -> Tensor:
-    """Which of the (restore[t], prune[t]) exchanges to make, in turn: pair t is accepted when it is
-    valid and f(accepted + t) - f(accepted) is below threshold, each joint change exact, on the block
-    of the pairs' rows (the rows of pairs not in the set masked out: identity pivots, no coupling,
-    zero Gram rows). Returns a bool tensor without synchronising."""
-    g, n_pairs = state.group_size, restore.numel()
-    rows = torch.cat([group_rows(restore, g), group_rows(prune, g)])
-    B = torch.cat([col_in, col_out], 1)[rows]  # (2 n_pairs g) square block of A: [restore rows, prune rows]
+def _accept_in_turn(state: SwapState, rows: Tensor, B: Tensor, valid: Tensor, threshold: Tensor) -> Tensor:
+    """Which of the pairs' exchanges to make, in turn: pair t (restore rows t g.., prune rows (n + t) g..
+    of `rows`, n pairs) is accepted when it is valid and f(accepted + t) - f(accepted) is below threshold,
+    each joint change exact, on B = A[rows, rows] (the rows of pairs not in the set masked out: identity
+    pivots, no coupling, zero Gram rows). Returns a bool tensor without synchronising."""
+    g, n_pairs = state.group_size, valid.numel()
     z = state.Z[rows]
     Q = z @ z.T
     pair = torch.arange(n_pairs, device=rows.device).repeat_interleave(g).repeat(2)  # (n,): pair of each row

@@ -293,23 +293,40 @@ class SwapState:
     def columns(self, rows: Tensor) -> Tensor:
         """A[:, rows] of the current state (d1 x m), without a host synchronisation."""
         out = self._base_columns(rows)
+        moves = self._moves(rows)
+        if moves is not None:
+            _, _, Yc, YE = moves
+            out.addmm_(self._C[:, : self._n], Yc)
+            out.index_add_(0, self._P[: self._n], YE)
+        return out
+
+    def block(self, rows: Tensor) -> Tensor:
+        """A[rows, rows] of the current state (m x m), without a host synchronisation and without forming
+        the columns: from the greedy's factors O(R^2 m), a gather once A0 is formed, O(N m^2) for the moves."""
+        out = self._base_block(rows)
+        moves = self._moves(rows)
+        if moves is not None:
+            Cr, Er, Yc, YE = moves
+            out.addmm_(Cr.T, Yc).addmm_(Er.T, YE)
+        return out
+
+    def _moves(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """What the moves since the greedy add to A[:, rows] (None: no move yet), each (N, m): c[rows] and
+        E_P[rows] of every move, and Yc, YE with A[:, rows] = A0[:, rows] + C Yc + E_P YE."""
         n = self._n
         if not n:
-            return out
-        C = self._C[:, :n]
-        Cr = C.index_select(0, rows).T  # (N, m): c[rows] of every move
+            return None
+        Cr = self._C[:, :n].index_select(0, rows).T  # (N, m): c[rows] of every move
+        Er = (self._P[:n].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # (N, m): E_P[rows]^T
         Yc = torch.empty_like(Cr)
         YE = torch.empty_like(Cr)
         for seg in self._segments:
             s, Pi = seg.packed()
             sl = slice(seg.offset, seg.offset + seg.size)
-            Er = (self._P[sl].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # E_P[rows]^T
-            cr = Cr[sl]
-            Yc[sl] = Pi @ (s * Er - cr)
-            YE[sl] = Pi @ (s * cr - Er) - 2 * s * Er
-        out.addmm_(C, Yc)
-        out.index_add_(0, self._P[:n], YE)
-        return out
+            er, cr = Er[sl], Cr[sl]
+            Yc[sl] = Pi @ (s * er - cr)
+            YE[sl] = Pi @ (s * cr - er) - 2 * s * er
+        return Cr, Er, Yc, YE
 
     def materialise(self) -> None:
         """Form A0 (the swept matrix at the end of the greedy) explicitly, in the row order
@@ -368,6 +385,30 @@ class SwapState:
         out.index_copy_(0, S, torch.linalg.solve_triangular(self._U_S.T, v, upper=True))
         out.index_copy_(0, K, -(self._U_K @ v) - hinv_r.T * was_kept.to(dtype))
         return out
+
+    def _base_block(self, rows: Tensor) -> Tensor:
+        """A0[rows, rows]. With the R-vectors v_r of `_base_columns` (kept r: -U_K[r]^T, pruned r: U_S^-1 e_r)
+        every entry is v_r^T v_r' (minus H^-1[r, r'] when both were kept): U_K U_K^T, -U_K U_S^-1 and
+        (U_S U_S^T)^-1 are exactly those products."""
+        if self._A0 is None and self._factored_rows >= self.MATERIALISE_COST_PER_D1 * self._Hinv.shape[0]:
+            self.materialise()
+        if self._A0 is not None:
+            pos = self._pos[rows]
+            return self._A0[pos.unsqueeze(1), pos]
+        hinv = self._Hinv[rows.unsqueeze(1), rows]
+        S = self._S
+        if not S.numel():
+            return -hinv
+        m, dtype, device = rows.numel(), self._Hinv.dtype, self._Hinv.device
+        pos = self._s_pos[rows]
+        was_kept = pos < 0
+        e = torch.zeros(S.numel(), m, dtype=dtype, device=device)
+        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
+        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
+        u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
+        v = torch.where(was_kept.unsqueeze(0), -u_r.T, x)  # R x m
+        both = (was_kept.unsqueeze(1) & was_kept.unsqueeze(0)).to(dtype)
+        return v.T @ v - hinv * both
 
     def scores(self, check: bool = True, gram: Tensor | None = None) -> Tensor:
         """B_j for every group in one pass: prune cost if kept, restore gain if pruned (>= 0).
@@ -472,7 +513,7 @@ class SwapState:
         """Exact change of f if `swap(restore, prune)` were applied, from the small sub-block only."""
         rows_in = group_rows(restore, self.group_size)
         rows = torch.cat([rows_in, group_rows(prune, self.group_size)])
-        sub_A = self.columns(rows)[rows]
+        sub_A = self.block(rows)
         sub_Z = self.Z[rows]
         local = torch.arange(rows.numel(), device=rows.device)
         m = rows_in.numel()

@@ -25,7 +25,9 @@ def test_counter_sees_every_kind_of_synchronisation():
 
 
 @pytest.mark.parametrize("g", [1, 4])
-def test_swap_rounds_synchronise_at_most_twice(g):
+@pytest.mark.parametrize("eager_out_rows", [OsscarSolver.EAGER_OUT_ROWS, 0])  # both ways of forming the block
+def test_swap_rounds_synchronise_at_most_twice(g, eager_out_rows, monkeypatch):
+    monkeypatch.setattr(OsscarSolver, "EAGER_OUT_ROWS", eager_out_rows)
     pb = correlated_problem(96 * g, 24, g, samples=300 * g, seed=5, shift=0.3)
     problem = LayerProblem.validate(pb.H, pb.G, g, 48, pb.dense_weight)
     solver = OsscarSolver(problem, OsscarConfig(step_fraction=1.0))  # one greedy step: much to swap

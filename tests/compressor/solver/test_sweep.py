@@ -49,6 +49,8 @@ def assert_state_matches(state, H, G, g):
     p = H.shape[0] // g
     blocks = A.view(p, g, p, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     assert rel(state.blocks, blocks) < RTOL
+    rows = torch.randperm(H.shape[0], generator=torch.Generator().manual_seed(0))[:17]  # kept and pruned, unsorted
+    assert rel(state.block(rows), A[rows.unsqueeze(1), rows]) < RTOL
 
 
 def test_case1_prune_from_dense_matches_direct(problem):
@@ -67,6 +69,7 @@ def test_case1_prune_from_dense_matches_direct(problem):
 
 def test_cases_1_2_3_in_swap_state_match_direct(problem):
     H, G, g = problem
+    assert_state_matches(NestedState(H, G, g, capacity=16).to_swap(), H, G, g)  # nothing pruned yet
     nested = NestedState(H, G, g, capacity=16)
     nested.prune(torch.tensor([1, 4, 7]))
     nested.prune(torch.tensor([2, 11]))
