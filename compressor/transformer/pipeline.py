@@ -269,6 +269,7 @@ def prune_blocks(
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []
+    flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
         # the residual stream this block's projections add to, over the counted tokens
@@ -305,11 +306,22 @@ def prune_blocks(
             g = head_rows if kind == "attention_heads" else 1
             groups = finished.H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
+            num_prune = planned_prune(name, groups, ratio)
+            kept_rows = finished.H.shape[0] - num_prune * g
+            if not flat_warned and finished.rank is not None and finished.rank <= kept_rows:
+                flat_warned = True
+                flat = (f"{name}: rank(H) <= {finished.rank} (its calibration tokens) while it keeps {kept_rows} "
+                        "inputs: every support whose kept inputs span those tokens reproduces them equally well, "
+                        "so the solve cannot rank supports beyond its damping; calibrate on more tokens than a "
+                        "projection keeps inputs (further such layers are not reported)")
+                if progress:  # a job's WARNING lines also go to its report
+                    progress(f"WARNING: {flat}")
+                else:
+                    log.warning("%s", flat)
             if observe:
                 observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
                                          group_cost(model, kind, cost_sequence_length, gqa), stream_energy))
-            sol = solve_layer(finished.H, finished.G, g, planned_prune(name, groups, ratio), method, dense_weight=W_hat,
-                              rank=finished.rank)
+            sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=W_hat, rank=finished.rank)
             kept = kept_solution(sol, g, scale, finished)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one

@@ -67,7 +67,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     warnings: list[str] = []  # every WARNING line of the job, also in report.json's `warnings`
 
     def say(message: str) -> None:
-        if message.startswith("WARNING: "):
+        # once each: target mode prunes several rounds, and a pipeline's warning comes back with every round
+        if message.startswith("WARNING: ") and message.removeprefix("WARNING: ") not in warnings:
             warnings.append(message.removeprefix("WARNING: "))
         emit(message)
 

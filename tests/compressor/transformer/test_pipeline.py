@@ -64,6 +64,22 @@ def test_nothing_pruned_keeps_the_outputs():
     torch.testing.assert_close(first_output(pruned), first_output(model), rtol=1e-4, atol=1e-4)
 
 
+def test_fewer_calibration_tokens_than_kept_inputs_are_reported_once(caplog):
+    model = MODELS["llama"]()
+    few = [example_inputs(model, batch=1, length=12)]  # 6 counted tokens (half padded); o_proj keeps 16 of 32
+    with caplog.at_level("WARNING", logger=pipeline.__name__):
+        prune_transformer(model, few, 0.5)
+    flat = [r for r in caplog.records if "cannot rank supports" in r.getMessage()]
+    assert len(flat) == 1 and "rank(H) <= 6" in flat[0].getMessage() and "keeps 16 inputs" in flat[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=pipeline.__name__):
+        prune_transformer(model, batches(model), 0.5)  # 3 x 3 x 12 tokens, 16 kept at most
+    assert not [r for r in caplog.records if "cannot rank supports" in r.getMessage()]
+    lines = []  # a job's progress: the warning goes there (and on to its report) instead of the log
+    prune_transformer(model, few, 0.5, progress=lines.append)
+    assert [line for line in lines if "cannot rank supports" in line] == [f"WARNING: {flat[0].getMessage()}"]
+
+
 def test_float16_activations_prune_like_float32():
     model = MODELS["bert"]()
     full = prune_transformer(model, batches(model), 0.5)[1]

@@ -161,6 +161,21 @@ def test_an_encoder_is_calibrated_on_many_windows_of_spread_lengths_and_a_decode
     assert (report["sequences"], report["min_sequence_length"]) == (40, 32)
 
 
+def test_too_few_calibration_tokens_are_a_report_warning(tmp_path):
+    """8 tokens for attention outputs that keep 16 inputs: the objective cannot rank supports; the job says so
+    once in report.json (and goes on: the widths are what was asked)."""
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    np.savez(tmp_path / "ids.npz", ids=np.arange(3, 43), offsets=np.array([0, 40]))
+    out = tmp_path / "out"
+    assert cli.main(["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "ids.npz"), "--out", str(out), "--sequences", "1", "--sequence-length", "8"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    flat = [w for w in report["warnings"] if "cannot rank supports" in w]
+    assert len(flat) == 1 and "rank(H) <= 8" in flat[0] and "keeps 16 inputs" in flat[0], report["warnings"]
+
+
 def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
     from tests.compressor.transformer.transformer_models import tiny_llama
 
