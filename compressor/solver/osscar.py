@@ -412,6 +412,16 @@ def _batched_swap_delta(A: Tensor, Q: Tensor, m_in: int) -> Tensor:
     return torch.where((info1 == 0) & (info2 == 0), cost - gain, torch.inf)
 
 
+def _joint_sweep_delta(A: Tensor, Q: Tensor) -> Tensor:
+    """Exact f change of sweeping all rows of the block A (m, m) at once, Q = Z Z^T of those rows: restoring
+    the pruned ones and pruning the kept ones, in any order (sweeps commute), is one sweep of the whole set,
+    which changes f by -1/2 Tr(A^-1 Q). One LU solve instead of `_batched_swap_delta`'s two Choleskys and
+    their Schur complement: a third of the ops. inf where A is singular; the pivots' definiteness is
+    checked when the exchange is applied."""
+    X, info = torch.linalg.solve_ex(A, Q)
+    return torch.where(info == 0, -0.5 * X.diagonal().sum(), torch.inf)
+
+
 def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """n (row, column, value) picks of the smallest entries of delta (c, p), each row and column
     used once, best first, decided on the device (no host synchronisation). Once no finite
@@ -453,7 +463,7 @@ def _accept_in_turn(state: SwapState, rows: Tensor, B: Tensor, valid: Tensor, th
         trial = chosen | (pair == t)
         both = trial.unsqueeze(1) & trial.unsqueeze(0)
         A = torch.where(both, B, 0.0) + torch.diag((~trial).to(B.dtype) * sign)
-        f_trial = _batched_swap_delta(A.unsqueeze(0), torch.where(both, Q, 0.0).unsqueeze(0), n_pairs * g)[0]
+        f_trial = _joint_sweep_delta(A, torch.where(both, Q, 0.0))
         ok = valid[t] & (f_trial - f_chosen < threshold)
         chosen = torch.where(ok, trial, chosen)
         f_chosen = torch.where(ok, f_trial, f_chosen)

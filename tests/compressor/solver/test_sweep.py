@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta
+from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_delta
 from compressor.solver.problem import LayerProblem, group_rows
 from compressor.solver.sweep import NestedState, sweep_dense
 from compressor.solver.synthetic import correlated_problem
@@ -143,6 +143,9 @@ def test_batched_and_pairwise_deltas_match_the_dense_sweep(problem):
     local = torch.arange(rows.numel())
     dense = sweep_dense(A_copy, Z_copy, local[: 2 * g], True) + sweep_dense(A_copy, Z_copy, local[2 * g:], False)
     assert float(batched[0]) == pytest.approx(dense, rel=1e-8, abs=1e-10)
+    # the same exchange as one joint sweep of all its rows
+    joint = _joint_sweep_delta(sub_A, sub_Z @ sub_Z.T)
+    assert float(joint) == pytest.approx(dense, rel=1e-8, abs=1e-10)
 
 
 def test_group_rows_expands_groups_in_their_order():
