@@ -357,12 +357,29 @@ class SwapState:
     BATCH_COST_ROWS = 48
     MATERIALISE_COST_PER_D1 = 0.75
 
-    def _base_columns(self, rows: Tensor) -> Tensor:
-        """Columns of the swept matrix at the end of the greedy (see the class docstring)."""
+    def _materialise_if_repaid(self) -> Tensor | None:
+        """A0 once the columns formed from the factors have cost about as much as forming it (else None)."""
         if self._A0 is None and self._factored_rows >= self.MATERIALISE_COST_PER_D1 * self._Hinv.shape[0]:
             self.materialise()
-        if self._A0 is not None:  # symmetric: gather rows
-            return self._A0.index_select(0, self._pos[rows]).index_select(1, self._pos).T.contiguous()
+        return self._A0
+
+    def _vectors(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(v, was_kept): one R-vector per row, without branching on the device values: kept r (at the end
+        of the greedy): v = -U_K[r]^T; pruned r: v = U_S^-1 e_r. (R x m, m)"""
+        m, dtype, device = rows.numel(), self._Hinv.dtype, self._Hinv.device
+        pos = self._s_pos[rows]
+        was_kept = pos < 0
+        e = torch.zeros(self._S.numel(), m, dtype=dtype, device=device)
+        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
+        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
+        u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
+        return torch.where(was_kept.unsqueeze(0), -u_r.T, x), was_kept
+
+    def _base_columns(self, rows: Tensor) -> Tensor:
+        """Columns of the swept matrix at the end of the greedy (see the class docstring)."""
+        A0 = self._materialise_if_repaid()
+        if A0 is not None:  # symmetric: gather rows
+            return A0.index_select(0, self._pos[rows]).index_select(1, self._pos).T.contiguous()
         K, S = self._K, self._S
         m = rows.numel()
         self._factored_rows += m + self.BATCH_COST_ROWS
@@ -372,42 +389,24 @@ class SwapState:
         if not S.numel():
             out.index_copy_(0, K, -hinv_r.T)
             return out
-        pos = self._s_pos[rows]
-        was_kept = pos < 0  # (m,): kept at the end of the greedy
-        # Both cases through one R-vector v per column, without branching on the device values:
-        # kept r: v = -U_K[r]^T; pruned r: v = U_S^-1 e_r. Then A[S, r] = U_S^-T v and
-        # A[K, r] = -U_K v (- H^-1[K, r] if r was kept).
-        e = torch.zeros(S.numel(), m, dtype=dtype, device=device)
-        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
-        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
-        u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
-        v = torch.where(was_kept.unsqueeze(0), -u_r.T, x)
+        # A[S, r] = U_S^-T v and A[K, r] = -U_K v (- H^-1[K, r] if r was kept)
+        v, was_kept = self._vectors(rows)
         out.index_copy_(0, S, torch.linalg.solve_triangular(self._U_S.T, v, upper=True))
         out.index_copy_(0, K, -(self._U_K @ v) - hinv_r.T * was_kept.to(dtype))
         return out
 
     def _base_block(self, rows: Tensor) -> Tensor:
-        """A0[rows, rows]. With the R-vectors v_r of `_base_columns` (kept r: -U_K[r]^T, pruned r: U_S^-1 e_r)
-        every entry is v_r^T v_r' (minus H^-1[r, r'] when both were kept): U_K U_K^T, -U_K U_S^-1 and
-        (U_S U_S^T)^-1 are exactly those products."""
-        if self._A0 is None and self._factored_rows >= self.MATERIALISE_COST_PER_D1 * self._Hinv.shape[0]:
-            self.materialise()
-        if self._A0 is not None:
+        """A0[rows, rows]: with the R-vectors of `_vectors`, every entry is v_r^T v_r' (minus H^-1[r, r'] when
+        both were kept): U_K U_K^T, -U_K U_S^-1 and (U_S U_S^T)^-1 are exactly those products."""
+        A0 = self._materialise_if_repaid()
+        if A0 is not None:
             pos = self._pos[rows]
-            return self._A0[pos.unsqueeze(1), pos]
+            return A0[pos.unsqueeze(1), pos]
         hinv = self._Hinv[rows.unsqueeze(1), rows]
-        S = self._S
-        if not S.numel():
+        if not self._S.numel():
             return -hinv
-        m, dtype, device = rows.numel(), self._Hinv.dtype, self._Hinv.device
-        pos = self._s_pos[rows]
-        was_kept = pos < 0
-        e = torch.zeros(S.numel(), m, dtype=dtype, device=device)
-        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
-        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
-        u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
-        v = torch.where(was_kept.unsqueeze(0), -u_r.T, x)  # R x m
-        both = (was_kept.unsqueeze(1) & was_kept.unsqueeze(0)).to(dtype)
+        v, was_kept = self._vectors(rows)
+        both = (was_kept.unsqueeze(1) & was_kept.unsqueeze(0)).to(hinv.dtype)
         return v.T @ v - hinv * both
 
     def scores(self, check: bool = True, gram: Tensor | None = None) -> Tensor:
