@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .problem import DAMPING_LADDER, LayerProblem, damping_delta, factorize, group_rows
+from .problem import DAMPING_LADDER, LayerProblem, damping_delta, factorize, group_rows, host_index
 from .sweep import NestedState, PivotError, SwapState, _pivot_inverse_ex, block_gram
 
 State = TypeVar("State", NestedState, SwapState)
@@ -84,6 +84,8 @@ class OsscarSolver:
         self.stats: dict[str, float | int | str] = {}
         self.damping = 0.0  # lambda of the damping delta = lambda * mean(diag H) in use
         self._nested: NestedState | None = None  # kept by search(): H^-1 and W0 for improve()
+        # the last exchange, whose pivots' check waits for the next synchronisation (see `_exchange`)
+        self._pending: _Pending | None = None
         self._tol = 1e-10 if config.dtype == torch.float64 else 1e-5
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -187,6 +189,7 @@ class OsscarSolver:
             slots = min(self._max_pairs(state), max(2, 2 * improving))
             rounds += 1
             accepted += n
+        state = self.settle(state)
         self._count("swap_rounds", rounds)
         self._count("swaps", accepted)
         return state
@@ -205,14 +208,15 @@ class OsscarSolver:
         pairs it exchanged and how many were improving on their own.
 
         Everything is decided on the device; the round synchronises with the host twice: once to
-        learn which pairs were accepted (with the check that every score was finite), once for the
-        pivots of the applied update.
+        learn the restore candidates (with the checks that every score is finite and that the last
+        round's exchange kept its pivots positive definite), once to learn which pairs were accepted.
           1. restore candidates: the `swap_candidates` pruned groups with the highest gain;
           2. exact f change of every (candidate i, kept j) exchange, in one batch;
           3. up to `swap_pairs` disjoint pairs, best first;
           4. each pair accepted only if its exact change, given the pairs accepted before it in
              this round, still lowers f (on the small block of the pairs' rows: no d1 work);
-          5. the accepted pairs applied as one restore and one prune of the full state.
+          5. the accepted pairs applied as one restore and one prune of the full state, its pivots
+             checked at the next synchronisation (`settle`).
         """
         g, p = state.group_size, state.num_groups
         pairs = min(pairs, self._max_pairs(state))
@@ -222,7 +226,14 @@ class OsscarSolver:
         gram = block_gram(state.Z, g)  # (p, g, g): Z_j Z_j^T, shared by the scores and the pair deltas
         scores = state.scores(check=False, gram=gram)
         gain, cand = torch.topk(torch.where(state.kept, -torch.inf, scores), c)
-        cols_c = state.columns(group_rows(cand, g))  # d1 x (c g)
+        head = torch.cat([cand, scores.isnan().any().view(1), *self._pending_info()]).tolist()  # sync 1
+        if self._pending is not None and head[c + 1]:  # the last exchange lost a pivot: redone from its support
+            return self.swap_round(self._resolve(state, ok=False), pairs)
+        self._pending = None
+        if head[c]:  # a pivot block drifted: the same support from scratch (one damping rung up), again
+            return self.swap_round(self._refactorise(state), pairs)
+        # the candidates' rows on the host too: A0's columns of last round's candidates are reused
+        cols_c = state.columns(group_rows(cand, g), known=_host_rows(head[:c], g))  # d1 x (c g)
         delta = self._pair_deltas(state, cand, gain, cols_c, gram)  # (c, p)
         threshold = self._threshold(state)
         slot_i, slot_j, slot_delta = _disjoint_pairs(delta, pairs)
@@ -239,22 +250,26 @@ class OsscarSolver:
             B = torch.cat([left, torch.cat([left[pairs * g:].T, state.block(rows_out)])], 1)
         improving = slot_delta < threshold
         accepted = _accept_in_turn(state, rows, B, improving, threshold)
-        flags = torch.cat([accepted, improving, scores.isnan().any().view(1)]).tolist()  # sync 1
-        if flags[-1]:  # a pivot block drifted: the same support from scratch (one damping rung up), again
-            return self.swap_round(self._refactorise(state), pairs)
+        flags = torch.cat([accepted, improving, slot_j]).tolist()  # sync 2
         chosen = [t for t in range(pairs) if flags[t]]
         n_improving = sum(flags[pairs:2 * pairs])
         if not chosen:
             return state, 0, n_improving
-        sel = torch.tensor(chosen, device=cand.device)
+        sel = host_index(chosen, cand.device)
         rows_sel = group_rows(sel, g)
-        col_out = state.columns(rows_out[rows_sel]) if col_out is None else col_out.index_select(1, rows_sel)
+        if col_out is None:
+            known = _host_rows([flags[2 * pairs + t] for t in chosen], g)
+            col_out = state.columns(rows_out[rows_sel], known=known)
+        else:
+            col_out = col_out.index_select(1, rows_sel)
         state = self._exchange(state, cand[slot_i[sel]], slot_j[sel], col_in.index_select(1, rows_sel), col_out)
         return state, len(chosen), n_improving
 
     def double_swap_round(self, state: SwapState) -> tuple[SwapState, int]:
         """When no single exchange improves: the best 2-for-2 exchange among the top candidates,
-        evaluated exactly in one batch (exhaustive on small layers); two host synchronisations."""
+        evaluated exactly in one batch (exhaustive on small layers); at most two host synchronisations
+        (one to settle an exchange still unchecked, which a single round before it has always done)."""
+        state = self.settle(state)
         move = self._best_double_exchange(state)
         if move is None:
             return state, 0
@@ -262,13 +277,33 @@ class OsscarSolver:
 
     def _exchange(self, state: SwapState, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                   col_out: Tensor | None = None) -> SwapState:
-        """`state.exchange` and its one host synchronisation, the pivots' check; on a lost pivot, the
-        support before it refactorised and the exchange made again."""
+        """`state.exchange` without a host synchronisation: its pivots' check waits for the next one (the next
+        round's first, or `settle`), which redoes it from the support before it if a pivot was lost."""
+        assert self._pending is None, "the previous exchange is settled first"
         before = state.kept.clone()
-        if int(state.exchange(restore, prune, col_in, col_out)) != 0:
-            state = self._refactorise(state, torch.nonzero(~before).squeeze(1))
-            state = self._guarded(state, lambda s: s.swap(restore, prune))
+        info = state.exchange(restore, prune, col_in, col_out)
+        self._pending = _Pending(info, before, restore, prune)
         return state
+
+    def _pending_info(self) -> list[Tensor]:
+        """The unchecked exchange's pivot info as a flag to synchronise with (none without one)."""
+        return [] if self._pending is None else [(self._pending.info != 0).view(1)]
+
+    def settle(self, state: SwapState) -> SwapState:
+        """Check the last exchange's pivots (one host synchronisation, none without one) and redo it from the
+        support before it if a pivot was lost; the state to go on with."""
+        if self._pending is None:
+            return state
+        return self._resolve(state, ok=int(self._pending.info) == 0)
+
+    def _resolve(self, state: SwapState, ok: bool) -> SwapState:
+        """The pending exchange checked: kept if `ok`, else the support before it refactorised (one damping
+        rung up) and the exchange made again, checked."""
+        pending, self._pending = self._pending, None
+        if pending is None or ok:
+            return state
+        state = self._refactorise(state, torch.nonzero(~pending.before).squeeze(1))
+        return self._guarded(state, lambda s: s.swap(pending.restore, pending.prune))
 
     def _best_double_exchange(self, state: SwapState) -> tuple[Tensor, Tensor] | None:
         """The best 2-for-2 exchange among the top candidates, evaluated exactly in one batch."""
@@ -290,10 +325,10 @@ class OsscarSolver:
         z = state.Z[rows]
         gram = (z @ z.T).view(cand.numel(), g, cand.numel(), g)
         n_in, n_out = cand_in.numel(), cand_out.numel()
-        combos = torch.tensor([(a, b, n_in + x, n_in + y)  # (b, 4) local group ids, built on the host:
-                               for a, b in itertools.combinations(range(n_in), 2)  # torch.combinations
-                               for x, y in itertools.combinations(range(n_out), 2)],  # would synchronise
-                              device=cand.device)
+        combos = host_index([(a, b, n_in + x, n_in + y)  # (b, 4) local group ids, built on the host:
+                             for a, b in itertools.combinations(range(n_in), 2)  # torch.combinations
+                             for x, y in itertools.combinations(range(n_out), 2)],  # would synchronise
+                            cand.device)
         b = combos.shape[0]
 
         def sub_blocks(M: Tensor) -> Tensor:  # (b, 4g, 4g) blocks of M at the combos' groups
@@ -333,17 +368,23 @@ class OsscarSolver:
             z2 = norms.unsqueeze(1) - 2 * r * (Z @ Z[cand].T) + r.square() * norms[cand]
             delta = (0.5 * z2 / (-a_jj) - gain).T  # (c, p)
             return torch.where(state.kept.unsqueeze(0), delta, torch.inf)
-        chunk = max(1, (1 << 24) // (p * g * g))  # candidates per batch: bounded (chunk, p, g, g)
+        # only the kept groups j can be pruned: their indices without a synchronisation (the count is known)
+        kept = torch.argsort((~state.kept).to(torch.uint8), stable=True)[: p - state.num_pruned]  # (q,)
+        q = kept.numel()
+        cols_g = cols.view(p, g, c, g)
+        blocks, gram = state.blocks.index_select(0, kept), gram.index_select(0, kept)  # (q, g, g)
+        Z_kept = Z.view(p, g, -1).index_select(0, kept).view(q * g, -1)  # (q g, d2)
+        chunk = max(1, (1 << 24) // (q * g * g))  # candidates per batch: bounded (chunk, q, g, g)
         parts = []
         for k0 in range(0, c, chunk):
             k1 = min(c, k0 + chunk)
             n = k1 - k0
-            a_ji = cols[:, k0 * g:k1 * g].reshape(p, g, n, g).permute(2, 0, 1, 3)  # (n, p, g, g): A_ji
-            a_ii = a_ji[torch.arange(n, device=cand.device), cand[k0:k1]]  # (n, g, g)
+            a_ji = cols_g[:, :, k0:k1].index_select(0, kept).permute(2, 0, 1, 3)  # (n, q, g, g): A_ji
+            a_ii = cols_g[cand[k0:k1], :, torch.arange(k0, k1, device=cand.device)]  # (n, g, g)
             t = a_ji @ _pivot_inverse_ex(a_ii, 1.0)[0].unsqueeze(1)  # A_ji A_ii^-1
-            neg_a_jj = -(state.blocks - t @ a_ji.transpose(-1, -2))  # -A_jj after restoring i
+            neg_a_jj = -(blocks - t @ a_ji.transpose(-1, -2))  # -A_jj after restoring i
             z_i = Z[rows_c[k0 * g:k1 * g]].view(n, g, -1)  # (n, g, d2)
-            cross = (z_i.reshape(n * g, -1) @ Z.T).view(n, g, p, g).permute(0, 2, 1, 3)  # Z_i Z_j^T
+            cross = (z_i.reshape(n * g, -1) @ Z_kept.T).view(n, g, q, g).permute(0, 2, 1, 3)  # Z_i Z_j^T
             tc = t @ cross
             gram_i = (z_i @ z_i.transpose(1, 2)).unsqueeze(1)  # (n, 1, g, g): Z_i Z_i^T
             # Z'_j Z'_j^T with Z'_j = Z_j - t Z_i
@@ -351,8 +392,8 @@ class OsscarSolver:
             chol, info = torch.linalg.cholesky_ex(neg_a_jj)
             cost = 0.5 * torch.cholesky_solve(gram_j, chol).diagonal(dim1=-2, dim2=-1).sum(-1)
             parts.append(torch.where(info == 0, cost, torch.inf) - gain[k0:k1].unsqueeze(1))
-        delta = torch.cat(parts)  # (c, p)
-        return torch.where(state.kept.unsqueeze(0), delta, torch.inf)
+        delta = torch.full((c, p), torch.inf, dtype=Z.dtype, device=Z.device)
+        return delta.index_copy_(1, kept, torch.cat(parts))  # (c, p), inf for the pruned j
 
     # ---- entry points ----------------------------------------------------------------------------
     def search(self) -> SwapState:
@@ -393,6 +434,22 @@ class OsscarSolver:
         if not pruned.numel():
             return nested.f0
         return nested.f0 + nested.dense_prune_delta(pruned)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An exchange made but not yet checked: its worst pivot info (0: positive definite) and what redoing it
+    needs (the support before it, the groups restored and pruned)."""
+
+    info: Tensor
+    before: Tensor  # kept groups before the exchange (bool, p)
+    restore: Tensor
+    prune: Tensor
+
+
+def _host_rows(groups: list[int], group_size: int) -> list[int]:
+    """`group_rows` on the host."""
+    return [j * group_size + k for j in groups for k in range(group_size)]
 
 
 def _batched_swap_delta(A: Tensor, Q: Tensor, m_in: int) -> Tensor:

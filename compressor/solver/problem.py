@@ -162,6 +162,15 @@ def group_rows(groups: Tensor | Sequence[int], group_size: int) -> Tensor:
     return (groups.reshape(-1, 1) * group_size + offsets).reshape(-1)
 
 
+def host_index(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
+    """Indices known on the host as a long tensor on `device`, without making the host wait for the device:
+    on a GPU a copy from pageable memory waits for the stream, one from pinned memory is queued behind it."""
+    index = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def _all_finite(x: Tensor) -> bool:
     """No NaN or Inf, in one reduction pass (aminmax propagates both; isfinite allocates a mask)."""
     if x.numel() == 0:

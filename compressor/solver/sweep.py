@@ -24,11 +24,14 @@ Two phases, two representations, neither of which ever touches all of A:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from .linalg import Cholesky, cholesky
-from .problem import group_rows
+from .problem import group_rows, host_index
 
 
 class PivotError(RuntimeError):
@@ -240,8 +243,8 @@ class SwapState:
     so the moves since the greedy add up: their columns c are stacked in one d1 x N matrix and
     their small cores in segments, and a column of the current A costs one matmul with the stack.
     The diagonal blocks, Z and f are kept up to date eagerly. Nothing here synchronises with the
-    host except the checked public moves (`prune`, `restore`, `swap`): the swap rounds decide on
-    the device (see `OsscarSolver`).
+    host except the set-up and the checked public moves (`prune`, `restore`, `swap`): the swap rounds
+    decide on the device (see `OsscarSolver`), and tell `columns` the rows they learnt on the host.
     """
 
     SEGMENT_ROWS = 256  # sweeps are grouped into block-diagonal segments of about this many rows
@@ -277,6 +280,11 @@ class SwapState:
             r = S.numel() // g
             self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
             self._sigma = sigma
+        # A0 never changes, so its columns formed from the factors are kept for reuse (a round's restore
+        # candidates are mostly last round's): rows known on the host -> slot of a (capacity x d1) buffer
+        self._s_pos_host: list[int] = self._s_pos.tolist()  # one synchronisation, at the start of the phase
+        self._cache = torch.empty(0, d1, dtype=dtype, device=device)
+        self._cache_slot: OrderedDict[int, int] = OrderedDict()  # least recently used first
         self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
         self._P = torch.empty(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
         self._n = 0  # columns of _C (entries of _P) in use
@@ -290,9 +298,14 @@ class SwapState:
     def f(self) -> float:
         return float(self.f_tensor)
 
-    def columns(self, rows: Tensor) -> Tensor:
-        """A[:, rows] of the current state (d1 x m), without a host synchronisation."""
-        out = self._base_columns(rows)
+    def columns(self, rows: Tensor, known: Sequence[int] | None = None) -> Tensor:
+        """A[:, rows] of the current state (d1 x m), without a host synchronisation. `known`: the same rows as
+        host ints, when the caller has them: A0's columns are then reused from earlier calls and formed by
+        the cheaper formula of their kind (pruned or kept at the end of the greedy)."""
+        if known is not None and self._materialise_if_repaid() is None:
+            out = self._cached_base_columns(known)
+        else:
+            out = self._base_columns(rows)
         moves = self._moves(rows)
         if moves is not None:
             _, _, Yc, YE = moves
@@ -348,6 +361,7 @@ class SwapState:
             A0[k:, k:] = self._sigma
         self._A0 = A0
         self._U_K = self._U_S = self._sigma = None
+        self._cache, self._cache_slot = self._cache[:0], OrderedDict()  # a gather of A0 is cheaper
 
     # Cost model of the two ways, in units of one column formed from the factors (both scale as d1^2 per
     # column; measured on 2 CPU threads at d1 = 4096): a batch of m columns costs about m + 48 (reading
@@ -380,20 +394,72 @@ class SwapState:
         A0 = self._materialise_if_repaid()
         if A0 is not None:  # symmetric: gather rows
             return A0.index_select(0, self._pos[rows]).index_select(1, self._pos).T.contiguous()
+        return self._factored_columns(rows)
+
+    def _factored_columns(self, rows: Tensor, kind: str | None = None) -> Tensor:
+        """`_base_columns` from the greedy's factors. `kind`: "pruned" or "kept" when every row is known (on
+        the host) to have been so at the end of the greedy."""
         K, S = self._K, self._S
         m = rows.numel()
         self._factored_rows += m + self.BATCH_COST_ROWS
         dtype, device = self._Hinv.dtype, self._Hinv.device
-        hinv_r = self._Hinv.index_select(0, rows).index_select(1, K)  # H^-1[rows, K]
         out = torch.empty(K.numel() + S.numel(), m, dtype=dtype, device=device)
+        if kind == "pruned":  # A[S, r] = (U_S U_S^T)^-1 e_r is a column of sigma: one triangular solve less
+            v, _ = self._vectors(rows)
+            out.index_copy_(0, S, self._sigma.index_select(0, self._s_pos[rows]).T)
+            out.index_copy_(0, K, -(self._U_K @ v))
+            return out
+        hinv_r = self._Hinv.index_select(0, rows).index_select(1, K)  # H^-1[rows, K]
         if not S.numel():
             out.index_copy_(0, K, -hinv_r.T)
             return out
         # A[S, r] = U_S^-T v and A[K, r] = -U_K v (- H^-1[K, r] if r was kept)
-        v, was_kept = self._vectors(rows)
+        if kind == "kept":  # no solve for the R-vectors
+            v, was_kept = -self._U_K.index_select(0, self._k_pos[rows]).T, None
+        else:
+            v, was_kept = self._vectors(rows)
         out.index_copy_(0, S, torch.linalg.solve_triangular(self._U_S.T, v, upper=True))
-        out.index_copy_(0, K, -(self._U_K @ v) - hinv_r.T * was_kept.to(dtype))
+        out.index_copy_(0, K, -(self._U_K @ v) - (hinv_r.T if was_kept is None else hinv_r.T * was_kept.to(dtype)))
         return out
+
+    # Most of A0's columns kept for reuse (d1 floats each).
+    CACHE_ROWS = 1024
+
+    def _cached_base_columns(self, rows: Sequence[int]) -> Tensor:
+        """A0[:, rows] (d1 x m) for rows known on the host, A0 not formed: the ones formed before are gathered,
+        the others formed by kind and kept (the least recently used dropped beyond CACHE_ROWS)."""
+        device = self._Hinv.device
+        wanted = list(dict.fromkeys(rows))
+        if len(wanted) > self.CACHE_ROWS:  # more than it holds: formed, not kept
+            return self._factored_columns(host_index(rows, device))
+        missing = [r for r in wanted if r not in self._cache_slot]
+        for kind, batch in (("pruned", [r for r in missing if self._s_pos_host[r] >= 0]),
+                            ("kept", [r for r in missing if self._s_pos_host[r] < 0])):
+            if batch:
+                cols = self._factored_columns(host_index(batch, device), kind)  # d1 x n
+                free = self._free_slots(len(batch), keep=set(wanted))
+                self._cache[host_index(free, device)] = cols.T
+                self._cache_slot.update(zip(batch, free, strict=True))
+        for r in wanted:
+            self._cache_slot.move_to_end(r)
+        slots = host_index([self._cache_slot[r] for r in rows], device)
+        return self._cache.index_select(0, slots).T.contiguous()
+
+    def _free_slots(self, n: int, keep: set[int]) -> list[int]:
+        """n slots of the cache for new rows: unused ones first (growing the buffer up to CACHE_ROWS), then
+        those of the least recently used rows not in `keep`, whose entries are dropped."""
+        capacity = self._cache.shape[0]
+        if len(self._cache_slot) + n > capacity and capacity < self.CACHE_ROWS:
+            grown = self._cache.new_empty(min(self.CACHE_ROWS, max(2 * capacity, len(self._cache_slot) + n, 64)),
+                                          self._cache.shape[1])
+            grown[:capacity] = self._cache
+            self._cache, capacity = grown, grown.shape[0]
+        taken = set(self._cache_slot.values())
+        free = [slot for slot in range(capacity) if slot not in taken][:n]
+        for r in [r for r in self._cache_slot if r not in keep][: n - len(free)]:  # least recently used first
+            free.append(self._cache_slot.pop(r))
+        assert len(free) == n, "a call asks for at most CACHE_ROWS rows, so the cache can hold them"
+        return free
 
     def _base_block(self, rows: Tensor) -> Tensor:
         """A0[rows, rows]: with the R-vectors of `_vectors`, every entry is v_r^T v_r' (minus H^-1[r, r'] when

@@ -5,6 +5,7 @@ import torch
 
 from compressor.solver.osscar import OsscarConfig, OsscarSolver, _disjoint_pairs
 from compressor.solver.problem import LayerProblem
+from compressor.solver.sweep import SwapState
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -55,3 +56,54 @@ def test_forming_only_the_accepted_pairs_columns_changes_no_decision(g, monkeypa
     assert torch.equal(late.pruned(), eager.pruned())
     assert late.f == pytest.approx(eager.f, rel=1e-12)
     assert late.f == pytest.approx(problem.objective(problem.refit(late.pruned())), rel=1e-9)
+
+
+def flaky_exchange(monkeypatch, bad_call):
+    """SwapState.exchange whose `bad_call`-th call reports a lost pivot (after making the exchange)."""
+    exchange = SwapState.exchange
+    calls = []
+
+    def flaky(self, *args, **kwargs):
+        info = exchange(self, *args, **kwargs)
+        calls.append(1)
+        return torch.ones_like(info) if len(calls) == bad_call else info
+
+    monkeypatch.setattr(SwapState, "exchange", flaky)
+    return calls
+
+
+def test_an_exchange_that_lost_a_pivot_is_redone_from_the_support_before_it(monkeypatch):
+    """A round's exchange is checked at the next round's first synchronisation: a lost pivot there means the
+    support before it refactorised one damping rung up, the exchange made again, and the search goes on."""
+    pb = correlated_problem(96, 24, 1, samples=300, seed=5, shift=0.3)
+    problem = LayerProblem.validate(pb.H, pb.G, 1, 48, pb.dense_weight)
+    calls = flaky_exchange(monkeypatch, bad_call=2)
+    solver = OsscarSolver(problem, OsscarConfig(step_fraction=1.0))
+    state = solver.search()
+    assert len(calls) > 3 and solver.stats["swaps"] > 3  # the search went on after the redone exchange
+    assert solver.stats["refactorisations"] == 1 and solver.damping > 0
+    assert solver._pending is None
+    pruned = state.pruned()
+    assert pruned.numel() == 48
+    assert solver.caller_objective(state) == pytest.approx(problem.objective(problem.refit(pruned)), rel=1e-8)
+
+
+def test_the_last_exchange_is_settled_before_the_state_is_used(monkeypatch):
+    pb = correlated_problem(96, 24, 1, samples=300, seed=5, shift=0.3)
+    problem = LayerProblem.validate(pb.H, pb.G, 1, 48, pb.dense_weight)
+    solver = OsscarSolver(problem, OsscarConfig(step_fraction=1.0, swap_rounds=1))
+    state = solver.greedy(solver.start()).to_swap()
+    flaky_exchange(monkeypatch, bad_call=1)
+    state, n, _ = solver.swap_round(state, 8)
+    assert n > 0 and solver._pending is not None
+    before = state.kept.clone()
+    state = solver.settle(state)
+    assert solver._pending is None and solver.stats["refactorisations"] == 1
+    assert torch.equal(state.kept, before)  # the same exchange, made again on the refactorised support
+    # and swaps() settles on its own: its single round's exchange is redone the same way
+    solver = OsscarSolver(problem, OsscarConfig(step_fraction=1.0, swap_rounds=1))
+    flaky_exchange(monkeypatch, bad_call=1)
+    state = solver.search()
+    assert solver._pending is None and solver.stats["refactorisations"] == 1 and solver.stats["swaps"] > 0
+    assert solver.caller_objective(state) == pytest.approx(problem.objective(problem.refit(state.pruned())),
+                                                           rel=1e-8)

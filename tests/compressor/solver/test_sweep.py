@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_delta
-from compressor.solver.problem import LayerProblem, group_rows
-from compressor.solver.sweep import NestedState, sweep_dense
+from compressor.solver.problem import LayerProblem, group_rows, host_index
+from compressor.solver.sweep import NestedState, SwapState, sweep_dense
 from compressor.solver.synthetic import correlated_problem
 
 RTOL = 1e-8
@@ -129,6 +129,7 @@ def test_batched_and_pairwise_deltas_match_the_dense_sweep(problem):
     kept = torch.nonzero(state.kept).squeeze(1)
     scores = state.scores()
     pair = solver._pair_deltas(state, pruned, scores[pruned])
+    assert bool(torch.isinf(pair[:, pruned]).all())  # only kept groups can be pruned
     for a, i in enumerate(pruned.tolist()):
         for j in kept.tolist()[:5]:
             expected = state.swap_delta(torch.tensor([i]), torch.tensor([j]))
@@ -154,6 +155,14 @@ def test_group_rows_expands_groups_in_their_order():
     assert group_rows(torch.empty(0, dtype=torch.long), 4).numel() == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_host_index_gives_the_values_on_the_device(device):
+    index = host_index([[3, 1], [0, 2]], device)
+    assert index.dtype == torch.long and index.device.type == device
+    assert index.tolist() == [[3, 1], [0, 2]]
+
+
 def test_materialised_state_and_exchanges_match_direct(problem):
     """A0 formed explicitly gives the same columns as the greedy's factors, before and after moves."""
     H, G, g = problem
@@ -169,3 +178,48 @@ def test_materialised_state_and_exchanges_match_direct(problem):
     info = factored.exchange(torch.tensor([1, 7]), torch.tensor([0, 9]))  # no host synchronisation
     assert int(info) == 0
     assert_state_matches(factored, H, G, g)
+
+
+def test_columns_of_rows_known_on_the_host_match_the_direct_state(problem, monkeypatch):
+    """Rows known on the host: A0's columns reused across calls (a small cache here, so that rows are dropped
+    and formed again) and formed by kind; the same columns as the definitions, before and after moves."""
+    H, G, g = problem
+    monkeypatch.setattr(SwapState, "CACHE_ROWS", 4 * g)
+    monkeypatch.setattr(SwapState, "MATERIALISE_COST_PER_D1", 100.0)  # stay on the greedy's factors
+    nested = NestedState(H, G, g, capacity=16)
+    nested.prune(torch.tensor([1, 4, 7]))
+    nested.prune(torch.tensor([2, 11]))
+    state = nested.to_swap()
+
+    def check(groups):
+        A = direct_state(H, G, g, state.kept)[0]
+        rows = group_rows(torch.tensor(groups), g)
+        assert rel(state.columns(rows, known=rows.tolist()), A[:, rows]) < RTOL, groups
+
+    # pruned, then kept and mixed (unsorted, repeated), more than the cache holds, and a row dropped and back
+    for groups in ([1, 4], [4, 0, 1], [3, 11, 3, 5], [0, 1, 2, 3, 4, 5], [2, 1, 4]):
+        check(groups)
+    formed = state._factored_rows
+    check([4, 1])  # both kept from the call before: nothing formed
+    assert state._factored_rows == formed
+    assert state._cache.shape[0] <= 4 * g
+    state.swap(torch.tensor([4]), torch.tensor([9]))
+    for groups in ([4, 9], [1, 9, 0]):
+        check(groups)
+    state.materialise()
+    check([4, 9, 2])
+
+
+def test_pair_deltas_need_no_columns_beyond_the_kept_groups(problem):
+    """The batched pair deltas of wide groups restricted to the kept groups give every kept j's delta."""
+    H, G, g = problem
+    pb = LayerProblem.validate(H, G, g, 6)
+    solver = OsscarSolver(pb, OsscarConfig())
+    state = solver.greedy(solver.start()).to_swap()
+    state.swap(torch.nonzero(~state.kept).squeeze(1)[:1], torch.nonzero(state.kept).squeeze(1)[:1])
+    pruned = torch.nonzero(~state.kept).squeeze(1)
+    pair = solver._pair_deltas(state, pruned, state.scores()[pruned])
+    for a, i in enumerate(pruned.tolist()):
+        for j in torch.nonzero(state.kept).squeeze(1).tolist():
+            expected = state.swap_delta(torch.tensor([i]), torch.tensor([j]))
+            assert float(pair[a, j]) == pytest.approx(expected, rel=1e-8, abs=1e-10)
