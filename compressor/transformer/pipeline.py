@@ -105,14 +105,34 @@ class _Stop(Exception):
     """Raised by a hook once it has what it needs: the rest of the forward pass is not run."""
 
 
-def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
+def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> Any:
+    """Tensors of a nested tuple / list / dict on `device`. `non_blocking`: asynchronous where the memory allows
+    it (into pinned CPU memory from a GPU; from pinned CPU memory to a GPU), so the host does not wait for the
+    device: the values may be read on the host only after `_host_ready`."""
     if isinstance(obj, Tensor):
-        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
+        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None,
+                      non_blocking=non_blocking)
     if isinstance(obj, tuple | list):
-        return type(obj)(_to(o, device, dtype) for o in obj)
+        return type(obj)(_to(o, device, dtype, non_blocking) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device, dtype) for k, v in obj.items()}
+        return {k: _to(v, device, dtype, non_blocking) for k, v in obj.items()}
     return obj
+
+
+def _offload(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Block activations to the CPU in `dtype`. From a GPU: converted there, then one asynchronous copy into
+    pinned memory (a copy to pageable memory makes the host wait for every batch of every block); uploading
+    it again is ordered after it on the device, reading it on the host needs `_host_ready`."""
+    if x.device.type != "cuda":
+        return x.to("cpu", dtype)
+    return x.to(dtype).to("cpu", non_blocking=True)
+
+
+def _host_ready(device: torch.device) -> None:
+    """Wait for the device's queued work (the asynchronous copies of `_offload`) before the host reads the
+    streams: once per block, not per batch."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 @contextmanager
@@ -150,17 +170,19 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
         with torch.no_grad():
             for batch in batches:
                 try:
-                    model(**_to(batch, device))
+                    model(**_to(batch, device, non_blocking=True))
                 except _Stop:
                     pass
                 else:
                     raise RuntimeError("the model never called its first block")
-                hidden = captured["hidden"].detach().to("cpu", activation_dtype)
+                hidden = _offload(captured["hidden"].detach(), activation_dtype)
                 mask = batch.get("attention_mask")
                 mask = mask.bool().cpu() if mask is not None else None
                 counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
-                streams.append(_Stream(hidden, hidden, _to(captured["args"], "cpu"), _to(captured["kwargs"], "cpu"),
-                                       mask, counted))
+                if counted is not None and device.type == "cuda":
+                    counted = counted.pin_memory()  # uploaded per batch and layer: asynchronously
+                args, kwargs = (_to(captured[k], "cpu", non_blocking=True) for k in ("args", "kwargs"))
+                streams.append(_Stream(hidden, hidden, args, kwargs, mask, counted))
     finally:
         handle.remove()
         if use_cache is not None:
@@ -177,8 +199,10 @@ def _block_output(out: Any) -> Tensor:
 def _run(block: nn.Module, hidden: Tensor, stream: _Stream | Sequences, device: torch.device) -> Tensor | None:
     """block(hidden) on the device; None when a hook stopped it early."""
     try:
-        return _block_output(block(hidden.to(device, torch.float32), *_to(stream.args, device),
-                                     **_to(stream.kwargs, device)))
+        # uploaded as stored (asynchronously from pinned memory), converted on the device
+        x = hidden.to(device, non_blocking=True).to(torch.float32)
+        return _block_output(block(x, *_to(stream.args, device, non_blocking=True),
+                                   **_to(stream.kwargs, device, non_blocking=True)))
     except _Stop:
         return None
 
@@ -272,6 +296,7 @@ def prune_blocks(
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
+        _host_ready(device)  # the streams' asynchronous copies have landed
         # the residual stream this block's projections add to, over the counted tokens
         stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
@@ -298,7 +323,7 @@ def prune_blocks(
                         _run(block, s.pruned, s, device)
                         stats.add(_rows(x_store["x"], s), _rows(x_hat_store["x"], s))
                         if last:
-                            s.hidden = out.to("cpu", activation_dtype)
+                            s.hidden = _offload(out, activation_dtype)
             finally:
                 h1.remove()
                 h2.remove()
@@ -335,6 +360,7 @@ def prune_blocks(
                          f"{report.relative_error:.4f}")
             del finished
         if refine.steps:
+            _host_ready(device)
             fit = _refine(block, streams, refine, device)
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
             if progress:
@@ -343,7 +369,7 @@ def prune_blocks(
                          f"{fit.seconds:.1f}s)")
         with torch.no_grad():
             for s in streams:
-                s.pruned = _run(block, s.pruned, s, device).to("cpu", activation_dtype)
+                s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
         del dense, stats, W_hat, sol, kept, new_weight
         source.store(i)
         _release_memory()

@@ -1,5 +1,7 @@
 """Sequential, block-by-block head and FFN pruning of HF transformers."""
 
+import copy
+
 import pytest
 import torch
 
@@ -174,3 +176,20 @@ def test_the_layer_loop_makes_no_host_synchronisation_per_batch(name, monkeypatc
             prune_blocks(InMemoryBlocks(model), data, 0.5, method="mp+")
         counts.append(counter.syncs)
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_activations_move_through_pinned_memory_and_prune_like_on_the_cpu():
+    """Block activations go to the CPU in asynchronous copies into pinned memory (and back from it), and the
+    pruned model is the one the CPU gives."""
+    model = MODELS["llama"]()
+    data = batches(model)
+    streams = capture_block_inputs(model, data, torch.device("cuda"), torch.float32)
+    torch.cuda.synchronize()
+    assert all(s.hidden.device.type == "cpu" and s.hidden.is_pinned() for s in streams)
+    assert all(s.counted is None or s.counted.is_pinned() for s in streams)
+    cpu = prune_blocks(InMemoryBlocks(copy.deepcopy(model)), data, 0.5, method="mp+", device="cpu")
+    gpu = prune_blocks(InMemoryBlocks(copy.deepcopy(model)), data, 0.5, method="mp+", device="cuda")
+    assert [r.kept for r in gpu] == [r.kept for r in cpu]
+    for a, b in zip(gpu, cpu, strict=True):
+        assert a.relative_error == pytest.approx(b.relative_error, rel=1e-3, abs=1e-6)
