@@ -295,22 +295,29 @@ class CountedSolver(OsscarSolver):
         return out
 
 
-def part_search(sizes: list[int], group_sizes: list[int], rows_4096: int) -> dict:
+def part_search(sizes: list[int], group_sizes: list[int], rows_4096: int, repeats: int) -> dict:
     rows = []
     for d1 in sizes:
         H, G, W_hat = issue_problem(d1, rows_4096 if d1 == 4096 else int(1.5 * d1))
         for g in group_sizes:
             k = d1 // g // 2
             cholesky_solve(H, G)  # warm-up
-            t_base = timed(lambda H=H, G=G: cholesky_solve(H, G))
-            start = time.perf_counter()
-            sol = solve_layer(H, G, g, k, dense_weight=W_hat)
-            t_os = time.perf_counter() - start
-            t_base = min(t_base, timed(lambda H=H, G=G: cholesky_solve(H, G)))
-            t_lapack = min(timed(lambda H=H, G=G: lapack_cholesky_solve(H, G)) for _ in range(2))
+            t_base, t_lapack, t_os, sols = [], [], [], []
+            for _ in range(repeats):  # interleaved, so both see the same machine load (a shared, noisy VM)
+                t_base.append(timed(lambda H=H, G=G: cholesky_solve(H, G)))
+                t_lapack.append(timed(lambda H=H, G=G: lapack_cholesky_solve(H, G)))
+                start = time.perf_counter()
+                sols.append(solve_layer(H, G, g, k, dense_weight=W_hat))
+                t_os.append(time.perf_counter() - start)
+            sol = sols[0]
+            assert all(s.pruned == sol.pruned and s.objective == sol.objective for s in sols), "not deterministic"
             mp = solve_layer(H, G, g, k, "mp+", dense_weight=W_hat)
-            row = {"d1": d1, "group_size": g, "cholesky_solve_s": t_base, "lapack_cholesky_solve_s": t_lapack,
-                   "osscar_s": t_os, "ratio": t_os / t_base, "ratio_to_lapack": t_os / t_lapack,
+            t_b, t_l, t_o = (statistics.median(t) for t in (t_base, t_lapack, t_os))
+            phases = {name: statistics.median(float(s.stats.get(name, 0.0)) for s in sols)
+                      for name in ("factorise_s", "greedy_s", "swap_setup_s", "swap_s", "guard_s")}
+            row = {"d1": d1, "group_size": g, "repeats": repeats, "cholesky_solve_s": t_b,
+                   "lapack_cholesky_solve_s": t_l, "osscar_s": t_o, "ratio": t_o / t_b, "ratio_to_lapack": t_o / t_l,
+                   "osscar_s_all": t_os, "phases_median_s": phases,
                    "osscar_f": sol.objective, "mp_plus_f": mp.objective,
                    "stats": {k_: v for k_, v in sol.stats.items() if isinstance(v, (int, float, str))}}
             if d1 == sizes[0]:
@@ -352,7 +359,7 @@ def main() -> None:
         log.info("scratch %s", result["scratch"])
     if "search" in parts:
         result["search"] = part_search([1024] if args.quick else [4096, 8192], [1, 64],
-                                       rows_4096=6000)
+                                       rows_4096=6000, repeats=1 if args.quick else 3)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "real"}, indent=1, default=str))
     if "real" in result and "layers" in result["real"]:
