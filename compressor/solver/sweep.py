@@ -281,9 +281,9 @@ class SwapState:
             self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
             self._sigma = sigma
         # A0 never changes, so its columns formed from the factors are kept for reuse (a round's restore
-        # candidates are mostly last round's): rows known on the host -> slot of a (capacity x d1) buffer
+        # candidates are mostly last round's): rows known on the host -> column slot of a (d1 x capacity) buffer
         self._s_pos_host: list[int] = self._s_pos.tolist()  # one synchronisation, at the start of the phase
-        self._cache = torch.empty(0, d1, dtype=dtype, device=device)
+        self._cache = torch.empty(d1, 0, dtype=dtype, device=device)
         self._cache_slot: OrderedDict[int, int] = OrderedDict()  # least recently used first
         self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
         self._P = torch.empty(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
@@ -361,7 +361,7 @@ class SwapState:
             A0[k:, k:] = self._sigma
         self._A0 = A0
         self._U_K = self._U_S = self._sigma = None
-        self._cache, self._cache_slot = self._cache[:0], OrderedDict()  # a gather of A0 is cheaper
+        self._cache, self._cache_slot = self._cache[:, :0], OrderedDict()  # a gather of A0 is cheaper
 
     # Cost model of the two ways, in units of one column formed from the factors (both scale as d1^2 per
     # column; measured on 2 CPU threads at d1 = 4096): a batch of m columns costs about m + 48 (reading
@@ -438,22 +438,22 @@ class SwapState:
             if batch:
                 cols = self._factored_columns(host_index(batch, device), kind)  # d1 x n
                 free = self._free_slots(len(batch), keep=set(wanted))
-                self._cache[host_index(free, device)] = cols.T
+                self._cache[:, host_index(free, device)] = cols
                 self._cache_slot.update(zip(batch, free, strict=True))
         for r in wanted:
             self._cache_slot.move_to_end(r)
         slots = host_index([self._cache_slot[r] for r in rows], device)
-        return self._cache.index_select(0, slots).T.contiguous()
+        return self._cache.index_select(1, slots)  # d1 x m as it is: one copy, no transposition
 
     def _free_slots(self, n: int, keep: set[int]) -> list[int]:
         """n slots of the cache for new rows: unused ones first (growing the buffer up to CACHE_ROWS), then
         those of the least recently used rows not in `keep`, whose entries are dropped."""
-        capacity = self._cache.shape[0]
+        capacity = self._cache.shape[1]
         if len(self._cache_slot) + n > capacity and capacity < self.CACHE_ROWS:
-            grown = self._cache.new_empty(min(self.CACHE_ROWS, max(2 * capacity, len(self._cache_slot) + n, 64)),
-                                          self._cache.shape[1])
-            grown[:capacity] = self._cache
-            self._cache, capacity = grown, grown.shape[0]
+            grown = self._cache.new_empty(self._cache.shape[0],
+                                          min(self.CACHE_ROWS, max(2 * capacity, len(self._cache_slot) + n, 64)))
+            grown[:, :capacity] = self._cache
+            self._cache, capacity = grown, grown.shape[1]
         taken = set(self._cache_slot.values())
         free = [slot for slot in range(capacity) if slot not in taken][:n]
         for r in [r for r in self._cache_slot if r not in keep][: n - len(free)]:  # least recently used first

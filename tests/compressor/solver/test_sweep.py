@@ -202,7 +202,7 @@ def test_columns_of_rows_known_on_the_host_match_the_direct_state(problem, monke
     formed = state._factored_rows
     check([4, 1])  # both kept from the call before: nothing formed
     assert state._factored_rows == formed
-    assert state._cache.shape[0] <= 4 * g
+    assert state._cache.shape[1] <= 4 * g
     state.swap(torch.tensor([4]), torch.tensor([9]))
     for groups in ([4, 9], [1, 9, 0]):
         check(groups)
