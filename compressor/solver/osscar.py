@@ -229,7 +229,7 @@ class OsscarSolver:
         head = torch.cat([cand, scores.isnan().any().view(1), *self._pending_info()]).tolist()  # sync 1
         if self._pending is not None and head[c + 1]:  # the last exchange lost a pivot: redone from its support
             return self.swap_round(self._resolve(state, ok=False), pairs)
-        self._pending = None
+        state = self._resolve(state, ok=True)
         if head[c]:  # a pivot block drifted: the same support from scratch (one damping rung up), again
             return self.swap_round(self._refactorise(state), pairs)
         # the candidates' rows on the host too: A0's columns of last round's candidates are reused

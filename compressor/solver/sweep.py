@@ -380,14 +380,19 @@ class SwapState:
     def _vectors(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(v, was_kept): one R-vector per row, without branching on the device values: kept r (at the end
         of the greedy): v = -U_K[r]^T; pruned r: v = U_S^-1 e_r. (R x m, m)"""
-        m, dtype, device = rows.numel(), self._Hinv.dtype, self._Hinv.device
         pos = self._s_pos[rows]
         was_kept = pos < 0
-        e = torch.zeros(self._S.numel(), m, dtype=dtype, device=device)
-        e[pos.clamp_min(0), torch.arange(m, device=device)] = (~was_kept).to(dtype)
-        x = torch.linalg.solve_triangular(self._U_S, e, upper=False)
+        x = self._pruned_vectors(pos, ~was_kept)
         u_r = self._U_K.index_select(0, self._k_pos[rows].clamp_min(0))  # m x R
         return torch.where(was_kept.unsqueeze(0), -u_r.T, x), was_kept
+
+    def _pruned_vectors(self, pos: Tensor, pruned: Tensor | None = None) -> Tensor:
+        """U_S^-1 e_r for the rows at positions `pos` in S (R x m): the R-vectors of rows the greedy pruned;
+        zero columns where `pruned` is False (their positions are then ignored)."""
+        m = pos.numel()
+        e = torch.zeros(self._S.numel(), m, dtype=self._Hinv.dtype, device=self._Hinv.device)
+        e[pos.clamp_min(0), torch.arange(m, device=e.device)] = 1.0 if pruned is None else pruned.to(e.dtype)
+        return torch.linalg.solve_triangular(self._U_S, e, upper=False)
 
     def _base_columns(self, rows: Tensor) -> Tensor:
         """Columns of the swept matrix at the end of the greedy (see the class docstring)."""
@@ -405,9 +410,9 @@ class SwapState:
         dtype, device = self._Hinv.dtype, self._Hinv.device
         out = torch.empty(K.numel() + S.numel(), m, dtype=dtype, device=device)
         if kind == "pruned":  # A[S, r] = (U_S U_S^T)^-1 e_r is a column of sigma: one triangular solve less
-            v, _ = self._vectors(rows)
-            out.index_copy_(0, S, self._sigma.index_select(0, self._s_pos[rows]).T)
-            out.index_copy_(0, K, -(self._U_K @ v))
+            pos = self._s_pos[rows]
+            out.index_copy_(0, S, self._sigma.index_select(0, pos).T)
+            out.index_copy_(0, K, -(self._U_K @ self._pruned_vectors(pos)))
             return out
         hinv_r = self._Hinv.index_select(0, rows).index_select(1, K)  # H^-1[rows, K]
         if not S.numel():
@@ -415,11 +420,12 @@ class SwapState:
             return out
         # A[S, r] = U_S^-T v and A[K, r] = -U_K v (- H^-1[K, r] if r was kept)
         if kind == "kept":  # no solve for the R-vectors
-            v, was_kept = -self._U_K.index_select(0, self._k_pos[rows]).T, None
+            v, hinv_kept = -self._U_K.index_select(0, self._k_pos[rows]).T, hinv_r.T
         else:
             v, was_kept = self._vectors(rows)
+            hinv_kept = hinv_r.T * was_kept.to(dtype)
         out.index_copy_(0, S, torch.linalg.solve_triangular(self._U_S.T, v, upper=True))
-        out.index_copy_(0, K, -(self._U_K @ v) - (hinv_r.T if was_kept is None else hinv_r.T * was_kept.to(dtype)))
+        out.index_copy_(0, K, -(self._U_K @ v) - hinv_kept)
         return out
 
     # Most of A0's columns kept for reuse (d1 floats each).
