@@ -472,14 +472,14 @@ def _batched_swap_delta(A: Tensor, Q: Tensor, m_in: int) -> Tensor:
     return torch.where((info1 == 0) & (info2 == 0), cost - gain, torch.inf)
 
 
-def _joint_sweep_delta(A: Tensor, Q: Tensor) -> Tensor:
-    """Exact f change of sweeping all rows of the block A (m, m) at once, Q = Z Z^T of those rows: restoring
-    the pruned ones and pruning the kept ones, in any order (sweeps commute), is one sweep of the whole set,
-    which changes f by -1/2 Tr(A^-1 Q). One LU solve instead of `_batched_swap_delta`'s two Choleskys and
-    their Schur complement: a third of the ops. inf where A is singular; the pivots' definiteness is
-    checked when the exchange is applied."""
+def _joint_sweep_trace(A: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+    """(Tr(A^-1 Q), LU info) for a block A (m, m) of the swept state and Q = Z Z^T of its rows: restoring the
+    pruned ones and pruning the kept ones, in any order (sweeps commute), is one sweep of the whole set, which
+    changes f by -1/2 Tr(A^-1 Q). One LU solve instead of `_batched_swap_delta`'s two Choleskys and their
+    Schur complement: a third of the ops. The trace is meaningless where info != 0 (A singular); the pivots'
+    definiteness is checked when the exchange is applied."""
     X, info = torch.linalg.solve_ex(A, Q)
-    return torch.where(info == 0, -0.5 * X.diagonal().sum(), torch.inf)
+    return torch.trace(X), info
 
 
 def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -496,11 +496,11 @@ def _disjoint_pairs(delta: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     flat, flat_cols = D.view(-1), cols.view(-1)
     rows, picked, values = [], [], []
     for _ in range(n):
-        at = torch.argmin(flat).view(1)
+        value, at = torch.min(flat, 0, keepdim=True)  # the first smallest, as argmin: one op for both
         col = flat_cols[at]
         rows.append(at // k)
         picked.append(col)
-        values.append(flat[at])
+        values.append(value)
         D.index_fill_(0, rows[-1], torch.inf)  # the row is used
         D.masked_fill_(cols == col, torch.inf)  # and the column, wherever it is shortlisted
     return torch.cat(rows), torch.cat(picked), torch.cat(values)
@@ -514,18 +514,25 @@ def _accept_in_turn(state: SwapState, rows: Tensor, B: Tensor, valid: Tensor, th
     g, n_pairs = state.group_size, valid.numel()
     z = state.Z[rows]
     Q = z @ z.T
-    pair = torch.arange(n_pairs, device=rows.device).repeat_interleave(g).repeat(2)  # (n,): pair of each row
+    pair = torch.arange(n_pairs, device=rows.device).repeat_interleave(g).repeat(2)  # (m,): pair of each row
+    members = pair == torch.arange(n_pairs, device=rows.device).unsqueeze(1)  # (n, m): rows of each pair
     sign = torch.cat([torch.ones(n_pairs * g), -torch.ones(n_pairs * g)]).to(B)  # pivots: restore +, prune -
+    # a trial's block: B on the trial's rows, the sign of the pivot on the other rows' diagonal, 0 elsewhere
+    # (a gather, so B's entries stay exact whatever their scale)
+    D = torch.diag(sign)
+    zeros = torch.zeros_like(Q)
+    # f changes by -1/2 trace (`_joint_sweep_trace`): a pair improves the accepted set's f beyond the threshold
+    # when its trial's trace exceeds theirs by more than -2 threshold (an invalid pair never: margin inf)
+    margins = torch.where(valid, -2 * threshold, torch.inf)
     chosen = torch.zeros_like(pair, dtype=torch.bool)  # rows of the accepted pairs
-    f_chosen = torch.zeros((), dtype=B.dtype, device=B.device)  # their joint change of f
+    trace_chosen = torch.zeros((), dtype=B.dtype, device=B.device)  # -2 x their joint change of f
     accepted = []
-    for t in range(n_pairs):
-        trial = chosen | (pair == t)
-        both = trial.unsqueeze(1) & trial.unsqueeze(0)
-        A = torch.where(both, B, 0.0) + torch.diag((~trial).to(B.dtype) * sign)
-        f_trial = _joint_sweep_delta(A, torch.where(both, Q, 0.0))
-        ok = valid[t] & (f_trial - f_chosen < threshold)
+    for member, margin in zip(members.unbind(0), margins.unbind(0), strict=True):
+        trial = chosen | member
+        both = trial.unsqueeze(1) & trial
+        trace, info = _joint_sweep_trace(torch.where(both, B, D), torch.where(both, Q, zeros))
+        ok = (info == 0) & (trace - trace_chosen > margin)
         chosen = torch.where(ok, trial, chosen)
-        f_chosen = torch.where(ok, f_trial, f_chosen)
+        trace_chosen = torch.where(ok, trace, trace_chosen)
         accepted.append(ok)
     return torch.stack(accepted)

@@ -158,6 +158,8 @@ def group_rows(groups: Tensor | Sequence[int], group_size: int) -> Tensor:
     """Row indices of `groups` (contiguous blocks of `group_size` rows), group by group in the given
     order, on the groups' device."""
     groups = torch.as_tensor(groups, dtype=torch.long)
+    if group_size == 1:  # the groups are the rows (a view; the swap rounds call this a dozen times a round)
+        return groups.reshape(-1)
     offsets = torch.arange(group_size, device=groups.device)
     return (groups.reshape(-1, 1) * group_size + offsets).reshape(-1)
 

@@ -201,32 +201,6 @@ class NestedState:
         return SwapState(self)
 
 
-class _Segment:
-    """Consecutive sweeps of the swap phase, stacked: their signs and block-diagonal pivot inverses
-    (one dense matrix, so that replaying them is a few matmuls, not a loop); their columns and pivot
-    rows are in SwapState._C and _P from `offset` on."""
-
-    def __init__(self, offset: int) -> None:
-        self.offset = offset
-        self.signs: list[Tensor] = []
-        self.pivots: list[Tensor] = []
-        self.size = 0
-        self._packed: tuple[Tensor, Tensor] | None = None
-
-    def add(self, pivot_inv: Tensor, sign: float) -> None:
-        m = pivot_inv.shape[0]
-        self.signs.append(torch.full((m,), sign, dtype=pivot_inv.dtype, device=pivot_inv.device))
-        self.pivots.append(pivot_inv)
-        self.size += m
-        self._packed = None
-
-    def packed(self) -> tuple[Tensor, Tensor]:
-        """(signs (n, 1), block-diagonal pivot inverses (n, n))."""
-        if self._packed is None:
-            self._packed = torch.cat(self.signs).unsqueeze(1), torch.block_diag(*self.pivots)
-        return self._packed
-
-
 class SwapState:
     """The swept state during the swap rounds; A as its state at the end of the greedy (A0) plus the
     moves made since.
@@ -241,13 +215,18 @@ class SwapState:
         A' = A + [c, E_P] [[-Pi, s Pi], [s Pi, -Pi - 2 s I]] [c, E_P]^T      (E_P: unit columns at P)
 
     so the moves since the greedy add up: their columns c are stacked in one d1 x N matrix and
-    their small cores in segments, and a column of the current A costs one matmul with the stack.
+    their pivot inverses in block-diagonal segments, and a column of the current A costs one matmul with the
+    stack.
     The diagonal blocks, Z and f are kept up to date eagerly. Nothing here synchronises with the
     host except the set-up and the checked public moves (`prune`, `restore`, `swap`): the swap rounds
     decide on the device (see `OsscarSolver`), and tell `columns` the rows they learnt on the host.
     """
 
-    SEGMENT_ROWS = 256  # sweeps are grouped into block-diagonal segments of about this many rows
+    # The stack's slots are cut into segments of SEGMENT_ROWS (doubled when one sweep is wider), each holding
+    # whole sweeps and their pivot inverses as one dense block-diagonal core: the moves' cores are then one
+    # batched matmul, whatever their number. A sweep that does not fit in what is left of a segment starts the
+    # next one; the slots it skips stay zero (column, pivot row 0, sign, core), so they add nothing.
+    SEGMENT_ROWS = 256
 
     def __init__(self, nested: NestedState) -> None:
         g = nested.group_size
@@ -285,10 +264,12 @@ class SwapState:
         self._s_pos_host: list[int] = self._s_pos.tolist()  # one synchronisation, at the start of the phase
         self._cache = torch.empty(d1, 0, dtype=dtype, device=device)
         self._cache_slot: OrderedDict[int, int] = OrderedDict()  # least recently used first
-        self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
-        self._P = torch.empty(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
-        self._n = 0  # columns of _C (entries of _P) in use
-        self._segments: list[_Segment] = []
+        self._C = torch.zeros(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
+        self._P = torch.zeros(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
+        self._sign = torch.zeros(0, dtype=dtype, device=device)  # their sweeps' signs (+1 restore, -1 prune)
+        self._seg = self.SEGMENT_ROWS  # slots of a segment
+        self._Pi = torch.zeros(0, self._seg, self._seg, dtype=dtype, device=device)  # (segments, seg, seg) cores
+        self._n = 0  # slots of _C, _P and _sign in use (gaps included)
 
     @property
     def num_groups(self) -> int:
@@ -309,8 +290,9 @@ class SwapState:
         moves = self._moves(rows)
         if moves is not None:
             _, _, Yc, YE = moves
-            out.addmm_(self._C[:, : self._n], Yc)
-            out.index_add_(0, self._P[: self._n], YE)
+            n = self._n  # the last segment's free slots add nothing: not multiplied (d1 work per slot)
+            out.addmm_(self._C[:, :n], Yc[:n])
+            out.index_add_(0, self._P[:n], YE[:n])
         return out
 
     def block(self, rows: Tensor) -> Tensor:
@@ -324,22 +306,21 @@ class SwapState:
         return out
 
     def _moves(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """What the moves since the greedy add to A[:, rows] (None: no move yet), each (N, m): c[rows] and
-        E_P[rows] of every move, and Yc, YE with A[:, rows] = A0[:, rows] + C Yc + E_P YE."""
-        n = self._n
-        if not n:
+        """What the moves since the greedy add to A[:, rows] (None: no move yet), each (N, m) over the segments'
+        N slots: c[rows] and E_P[rows] of every move, and Yc, YE with A[:, rows] = A0[:, rows] + C Yc + E_P YE
+        (zero in the slots no move holds)."""
+        if not self._n:
             return None
-        Cr = self._C[:, :n].index_select(0, rows).T  # (N, m): c[rows] of every move
-        Er = (self._P[:n].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # (N, m): E_P[rows]^T
-        Yc = torch.empty_like(Cr)
-        YE = torch.empty_like(Cr)
-        for seg in self._segments:
-            s, Pi = seg.packed()
-            sl = slice(seg.offset, seg.offset + seg.size)
-            er, cr = Er[sl], Cr[sl]
-            Yc[sl] = Pi @ (s * er - cr)
-            YE[sl] = Pi @ (s * cr - er) - 2 * s * er
-        return Cr, Er, Yc, YE
+        seg, m = self._seg, rows.numel()
+        k = -(-self._n // seg)  # segments in use
+        N = k * seg
+        Cr = self._C[:, :N].index_select(0, rows).T  # (N, m): c[rows] of every move
+        Er = (self._P[:N].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # (N, m): E_P[rows]^T
+        s = self._sign[:N].unsqueeze(1)
+        sEr = s * Er
+        # Yc = Pi (s er - cr), YE = Pi (s cr - er) - 2 s er, every segment's core in one batched matmul
+        Y = torch.bmm(self._Pi[:k], torch.cat([sEr - Cr, s * Cr - Er], 1).view(k, seg, 2 * m)).view(N, 2 * m)
+        return Cr, Er, Y[:, :m], Y[:, m:] - 2 * sEr
 
     def materialise(self) -> None:
         """Form A0 (the swept matrix at the end of the greedy) explicitly, in the row order
@@ -526,19 +507,40 @@ class SwapState:
         return info, pivot_inv, Ft
 
     def _record(self, rows: Tensor, col: Tensor, pivot_inv: Tensor, sign: float) -> None:
-        m, n = rows.numel(), self._n
-        if n + m > self._C.shape[1]:  # grow geometrically: appends stay amortised O(d1 m)
-            capacity = max(2 * self._C.shape[1], n + m, 64)
-            grown = torch.empty(self._C.shape[0], capacity, dtype=self._C.dtype, device=self._C.device)
-            grown[:, :n] = self._C[:, :n]
+        m = rows.numel()
+        while m > self._seg:  # a wider sweep: segments merged in pairs (their cores stay block-diagonal)
+            self._widen()
+        seg, n = self._seg, self._n
+        if n % seg + m > seg:  # not within this segment: the next one
+            n = -(-n // seg) * seg
+        if n + m > self._C.shape[1]:  # grow geometrically, by whole segments: appends stay amortised O(d1 m)
+            capacity = -(-max(2 * self._C.shape[1], n + m, 64) // seg) * seg
+            grown = self._C.new_zeros(self._C.shape[0], capacity)
+            grown[:, : self._n] = self._C[:, : self._n]
             self._C = grown
-            self._P = torch.cat([self._P[:n], self._P.new_empty(capacity - n)])
+            self._P = torch.cat([self._P, self._P.new_zeros(capacity - self._P.numel())])
+            self._sign = torch.cat([self._sign, self._sign.new_zeros(capacity - self._sign.numel())])
+            self._Pi = torch.cat([self._Pi, self._Pi.new_zeros(capacity // seg - self._Pi.shape[0], seg, seg)])
         self._C[:, n:n + m] = col
         self._P[n:n + m] = rows
+        self._sign[n:n + m] = sign
+        at = n % seg
+        self._Pi[n // seg, at:at + m, at:at + m] = pivot_inv
         self._n = n + m
-        if not self._segments or self._segments[-1].size + m > self.SEGMENT_ROWS:
-            self._segments.append(_Segment(n))
-        self._segments[-1].add(pivot_inv, sign)
+
+    def _widen(self) -> None:
+        """Segments twice as wide, each made of two (their slots do not move)."""
+        k, seg = self._Pi.shape[0], self._seg
+        Pi = self._Pi.new_zeros(-(-k // 2), 2 * seg, 2 * seg)
+        Pi[: k // 2 + k % 2, :seg, :seg] = self._Pi[0::2]
+        Pi[: k // 2, seg:, seg:] = self._Pi[1::2]
+        self._Pi, self._seg = Pi, 2 * seg
+        capacity = Pi.shape[0] * 2 * seg  # whole segments: the stack's buffers padded with zero slots
+        pad = capacity - self._C.shape[1]
+        if pad:
+            self._C = torch.cat([self._C, self._C.new_zeros(self._C.shape[0], pad)], 1)
+            self._P = torch.cat([self._P, self._P.new_zeros(pad)])
+            self._sign = torch.cat([self._sign, self._sign.new_zeros(pad)])
 
     def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                  col_out: Tensor | None = None) -> Tensor:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from compressor.solver.osscar import OsscarConfig, OsscarSolver, _disjoint_pairs
-from compressor.solver.problem import LayerProblem
-from compressor.solver.sweep import SwapState
+from compressor.solver.osscar import OsscarConfig, OsscarSolver, _accept_in_turn, _disjoint_pairs
+from compressor.solver.problem import LayerProblem, group_rows
+from compressor.solver.sweep import NestedState, SwapState, sweep_dense
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -39,6 +39,53 @@ def test_disjoint_pairs_match_the_whole_matrix_greedy(seed, c, p, n):
     assert all(v == torch.inf for _, _, v in got[len(finite):])
     assert len({i for i, _, _ in got[: len(finite)]}) == len(finite)  # disjoint rows
     assert len({j for _, j, _ in got[: len(finite)]}) == len(finite)  # disjoint columns
+
+
+def joint_change(state: SwapState, restore: list[int], prune: list[int]) -> float:
+    """The reference: f change of restoring then pruning the groups, swept one by one on an explicit block."""
+    g = state.group_size
+    rows = group_rows(torch.tensor(restore + prune, dtype=torch.long), g)
+    A, Z = state.block(rows), state.Z[rows].clone()
+    local = torch.arange(rows.numel())
+    m = len(restore) * g
+    return sweep_dense(A, Z, local[:m], True) + sweep_dense(A, Z, local[m:], False)
+
+
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_pairs_accepted_in_turn_match_the_exact_joint_changes(g, seed):
+    """Pair t is accepted exactly when f(accepted + t) - f(accepted) is below the threshold, the changes
+    computed by plain sweeps; an invalid pair never is."""
+    pb = correlated_problem(40 * g, 6, g, samples=120 * g, seed=seed, shift=0.3)
+    nested = NestedState(pb.H.clone(), pb.G.clone(), g, 20)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(40, generator=gen)
+    nested.prune(order[:20])  # a random support: many exchanges improve it, and they interact
+    state = nested.to_swap()
+    n = 8
+    # good pairs (highest restore gain with lowest prune cost) alternating with bad ones (the reverse)
+    scores = state.scores()
+    by_gain = torch.argsort(torch.where(state.kept, -torch.inf, scores), descending=True)[:20].tolist()
+    by_cost = torch.argsort(torch.where(state.kept, scores, torch.inf))[:20].tolist()
+    restore = [by_gain[t // 2] if t % 2 == 0 else by_gain[-1 - t // 2] for t in range(n)]
+    prune = [by_cost[t // 2] if t % 2 == 0 else by_cost[-1 - t // 2] for t in range(n)]
+    rows = group_rows(torch.tensor(restore + prune), g)
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[2] = False
+    threshold = torch.tensor(-1e-9 * abs(state.f), dtype=torch.float64)
+    got = _accept_in_turn(state, rows, state.block(rows), valid, threshold).tolist()
+    accepted, expected = [], []
+    for t in range(n):
+        before = joint_change(state, [restore[i] for i in accepted], [prune[i] for i in accepted]) if accepted else 0.0
+        trial = [*accepted, t]
+        after = joint_change(state, [restore[i] for i in trial], [prune[i] for i in trial])
+        ok = bool(valid[t]) and after - before < float(threshold)
+        expected.append(ok)
+        if ok:
+            accepted.append(t)
+    assert got == expected
+    assert not got[2]
+    assert any(got) and not all(ok for ok, v in zip(got, valid.tolist(), strict=True) if v)  # both outcomes
 
 
 @pytest.mark.parametrize("g", [1, 4])

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_delta
+from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_trace
 from compressor.solver.problem import LayerProblem, group_rows, host_index
 from compressor.solver.sweep import NestedState, SwapState, sweep_dense
 from compressor.solver.synthetic import correlated_problem
@@ -85,6 +85,25 @@ def test_cases_1_2_3_in_swap_state_match_direct(problem):
     assert_state_matches(state, H, G, g)
 
 
+def test_moves_across_segment_gaps_and_wider_sweeps_match_direct(problem, monkeypatch):
+    """Segments of two groups: a sweep that does not fit in what is left of one starts the next (a gap of zero
+    slots), and a sweep wider than a segment widens them all; every column, Z and f stay those of the support."""
+    H, G, g = problem
+    monkeypatch.setattr(SwapState, "SEGMENT_ROWS", 2 * g)
+    nested = NestedState(H, G, g, capacity=16)
+    nested.prune(torch.tensor([1, 4, 7, 2, 11]))
+    state = nested.to_swap()
+    for restore, prune in (([4], [3]), ([1], [5, 6]), ([7, 2], [9])):  # the second prune skips to a new segment
+        state.swap(torch.tensor(restore), torch.tensor(prune))
+        assert_state_matches(state, H, G, g)
+    state.restore(torch.tensor([3, 5, 6]))  # 3 groups: segments of 4
+    assert_state_matches(state, H, G, g)
+    state.prune(torch.tensor([0, 8, 10, 12, 13]))  # 5 groups: segments of 8
+    assert_state_matches(state, H, G, g)
+    assert state._seg == 8 * g
+    assert sorted(state.pruned().tolist()) == [0, 8, 9, 10, 11, 12, 13]
+
+
 def test_scores_are_the_exact_single_group_changes(problem):
     """Lemma A.1: B_j = f(S + j) - f(S) for kept j, f(S) - f(S - j) for pruned j."""
     H, G, g = problem
@@ -145,8 +164,9 @@ def test_batched_and_pairwise_deltas_match_the_dense_sweep(problem):
     dense = sweep_dense(A_copy, Z_copy, local[: 2 * g], True) + sweep_dense(A_copy, Z_copy, local[2 * g:], False)
     assert float(batched[0]) == pytest.approx(dense, rel=1e-8, abs=1e-10)
     # the same exchange as one joint sweep of all its rows
-    joint = _joint_sweep_delta(sub_A, sub_Z @ sub_Z.T)
-    assert float(joint) == pytest.approx(dense, rel=1e-8, abs=1e-10)
+    trace, info = _joint_sweep_trace(sub_A, sub_Z @ sub_Z.T)
+    assert int(info) == 0
+    assert -0.5 * float(trace) == pytest.approx(dense, rel=1e-8, abs=1e-10)
 
 
 def test_group_rows_expands_groups_in_their_order():
