@@ -264,7 +264,7 @@ class SwapState:
         self._s_pos_host: list[int] = self._s_pos.tolist()  # one synchronisation, at the start of the phase
         self._cache = torch.empty(d1, 0, dtype=dtype, device=device)
         self._cache_slot: OrderedDict[int, int] = OrderedDict()  # least recently used first
-        self._C = torch.zeros(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
+        self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
         self._P = torch.zeros(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
         self._sign = torch.zeros(0, dtype=dtype, device=device)  # their sweeps' signs (+1 restore, -1 prune)
         self._seg = self.SEGMENT_ROWS  # slots of a segment
@@ -515,12 +515,15 @@ class SwapState:
             n = -(-n // seg) * seg
         if n + m > self._C.shape[1]:  # grow geometrically, by whole segments: appends stay amortised O(d1 m)
             capacity = -(-max(2 * self._C.shape[1], n + m, 64) // seg) * seg
-            grown = self._C.new_zeros(self._C.shape[0], capacity)
-            grown[:, : self._n] = self._C[:, : self._n]
+            used = -(-self._n // seg) * seg  # the segments in use, their free slots included
+            grown = self._C.new_empty(self._C.shape[0], capacity)  # left untouched (not resident) until used
+            grown[:, :used] = self._C[:, :used]
             self._C = grown
             self._P = torch.cat([self._P, self._P.new_zeros(capacity - self._P.numel())])
             self._sign = torch.cat([self._sign, self._sign.new_zeros(capacity - self._sign.numel())])
             self._Pi = torch.cat([self._Pi, self._Pi.new_zeros(capacity // seg - self._Pi.shape[0], seg, seg)])
+        if n % seg == 0:  # a segment's first sweep: its free slots are multiplied too, so they must be zero
+            self._C[:, n:n + seg].zero_()
         self._C[:, n:n + m] = col
         self._P[n:n + m] = rows
         self._sign[n:n + m] = sign
@@ -541,6 +544,8 @@ class SwapState:
             self._C = torch.cat([self._C, self._C.new_zeros(self._C.shape[0], pad)], 1)
             self._P = torch.cat([self._P, self._P.new_zeros(pad)])
             self._sign = torch.cat([self._sign, self._sign.new_zeros(pad)])
+        # the last segment in use may now take in slots no segment used before: zero them
+        self._C[:, -(-self._n // seg) * seg: -(-self._n // (2 * seg)) * 2 * seg].zero_()
 
     def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                  col_out: Tensor | None = None) -> Tensor:

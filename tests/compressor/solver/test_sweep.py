@@ -87,9 +87,12 @@ def test_cases_1_2_3_in_swap_state_match_direct(problem):
 
 def test_moves_across_segment_gaps_and_wider_sweeps_match_direct(problem, monkeypatch):
     """Segments of two groups: a sweep that does not fit in what is left of one starts the next (a gap of zero
-    slots), and a sweep wider than a segment widens them all; every column, Z and f stay those of the support."""
+    slots), and a sweep wider than a segment widens them all; every column, Z and f stay those of the support,
+    whatever the stack's unused memory holds."""
     H, G, g = problem
     monkeypatch.setattr(SwapState, "SEGMENT_ROWS", 2 * g)
+    new_empty = torch.Tensor.new_empty  # memory never written must not be read: NaN in every new buffer
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(torch.nan))
     nested = NestedState(H, G, g, capacity=16)
     nested.prune(torch.tensor([1, 4, 7, 2, 11]))
     state = nested.to_swap()
