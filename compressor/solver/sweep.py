@@ -34,6 +34,11 @@ from .linalg import Cholesky, cholesky
 from .problem import group_rows, host_index
 
 
+def _round_up(n: int, step: int) -> int:
+    """n rounded up to a multiple of step."""
+    return -(-n // step) * step
+
+
 class PivotError(RuntimeError):
     """A pivot block lost positive definiteness: the state drifted (or H is too ill-conditioned)."""
 
@@ -312,8 +317,8 @@ class SwapState:
         if not self._n:
             return None
         seg, m = self._seg, rows.numel()
-        k = -(-self._n // seg)  # segments in use
-        N = k * seg
+        N = _round_up(self._n, seg)  # the slots of the segments in use
+        k = N // seg
         Cr = self._C[:, :N].index_select(0, rows).T  # (N, m): c[rows] of every move
         Er = (self._P[:N].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # (N, m): E_P[rows]^T
         s = self._sign[:N].unsqueeze(1)
@@ -512,10 +517,10 @@ class SwapState:
             self._widen()
         seg, n = self._seg, self._n
         if n % seg + m > seg:  # not within this segment: the next one
-            n = -(-n // seg) * seg
+            n = _round_up(n, seg)
         if n + m > self._C.shape[1]:  # grow geometrically, by whole segments: appends stay amortised O(d1 m)
-            capacity = -(-max(2 * self._C.shape[1], n + m, 64) // seg) * seg
-            used = -(-self._n // seg) * seg  # the segments in use, their free slots included
+            capacity = _round_up(max(2 * self._C.shape[1], n + m, 64), seg)
+            used = _round_up(self._n, seg)  # the segments in use, their free slots included
             grown = self._C.new_empty(self._C.shape[0], capacity)  # left untouched (not resident) until used
             grown[:, :used] = self._C[:, :used]
             self._C = grown
@@ -534,18 +539,19 @@ class SwapState:
     def _widen(self) -> None:
         """Segments twice as wide, each made of two (their slots do not move)."""
         k, seg = self._Pi.shape[0], self._seg
-        Pi = self._Pi.new_zeros(-(-k // 2), 2 * seg, 2 * seg)
+        Pi = self._Pi.new_zeros(_round_up(k, 2) // 2, 2 * seg, 2 * seg)
         Pi[: k // 2 + k % 2, :seg, :seg] = self._Pi[0::2]
         Pi[: k // 2, seg:, seg:] = self._Pi[1::2]
         self._Pi, self._seg = Pi, 2 * seg
-        capacity = Pi.shape[0] * 2 * seg  # whole segments: the stack's buffers padded with zero slots
+        capacity = Pi.shape[0] * 2 * seg  # whole segments: the stack's buffers padded
         pad = capacity - self._C.shape[1]
         if pad:
-            self._C = torch.cat([self._C, self._C.new_zeros(self._C.shape[0], pad)], 1)
+            self._C = torch.cat([self._C, self._C.new_empty(self._C.shape[0], pad)], 1)
             self._P = torch.cat([self._P, self._P.new_zeros(pad)])
             self._sign = torch.cat([self._sign, self._sign.new_zeros(pad)])
-        # the last segment in use may now take in slots no segment used before: zero them
-        self._C[:, -(-self._n // seg) * seg: -(-self._n // (2 * seg)) * 2 * seg].zero_()
+        # the last segment in use may now take in slots no segment used before: zero them (as `_record` does
+        # for a segment's first sweep)
+        self._C[:, _round_up(self._n, seg):_round_up(self._n, 2 * seg)].zero_()
 
     def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                  col_out: Tensor | None = None) -> Tensor:
