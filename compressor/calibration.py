@@ -1,10 +1,13 @@
-"""Calibration data: images for CNNs (`load_images`), token batches for transformers (`load_text`)."""
+"""Calibration data: images for CNNs (`load_images`), token batches for transformers (`load_text`), and
+evaluation inputs held out of them (`split_images`, `split_text`): a job never scores what it was fitted to."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +37,104 @@ def load_images(
     ../shared/data expect ImageNet statistics). `.npy` float32 NCHW: used as-is. `samples` images are
     drawn without replacement with `seed` (all of them if there are fewer).
     """
-    path = Path(path)
     if samples < 1:
         raise CalibrationError(f"samples must be >= 1 (got {samples})")
+    raw = _image_array(Path(path), mean, std)
+    return _image_tensor(raw[_draw(len(raw), samples, seed)], mean, std)
+
+
+MIN_HELD_OUT_IMAGES = 64  # fewer held-out images than this cannot tell a broken model from a sound one
+HELD_OUT_SHARE = 0.2  # of a file with no images to spare, the share held out for evaluation
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """How the evaluation inputs were set apart from the calibration inputs: what a job reports, and
+    the proof that it scored unseen inputs."""
+
+    source: str  # "held out of the calibration file" | "the --eval file"
+    calibration: int  # calibration inputs (images, windows)
+    evaluation: int  # evaluation inputs scored
+    overlap_dropped: int = 0  # evaluation inputs identical to a calibration input, dropped before scoring
+    taken_from_calibration: int = 0  # inputs the calibration gave up to hold them out (no spare ones)
+    tokens: int | None = None  # text: the distinct tokens the evaluation windows are drawn from
+
+    @property
+    def enough(self) -> bool:
+        """Whether the evaluation is large enough to tell a broken model from a sound one."""
+        return (self.evaluation >= MIN_HELD_OUT_IMAGES if self.tokens is None
+                else self.evaluation > 0 and self.tokens >= MIN_HELD_OUT_TOKENS)
+
+    def check(self, path: str | Path) -> None:
+        """Refuse evaluation data too small for the accuracy check (CalibrationError: what to give instead)."""
+        if self.enough:
+            return
+        if self.tokens is None:
+            have, unit, need = self.evaluation, "images", MIN_HELD_OUT_IMAGES
+        else:
+            have, unit, need = self.tokens, "tokens", MIN_HELD_OUT_TOKENS
+        given = "--eval" in self.source
+        raise CalibrationError(
+            f"{path}: {have} evaluation {unit} unseen by the calibration ({self.source}); the accuracy check needs at "
+            f"least {need}" + ("" if given else f": give a calibration file of at least {2 * need} {unit} (half of a "
+                                               f"small one is held out), or separate evaluation data (--eval)"))
+
+
+def split_images(
+    path: str | Path,
+    *,
+    samples: int,
+    held_out: int,
+    seed: int = 0,
+    mean: tuple[float, ...] = IMAGENET_MEAN,
+    std: tuple[float, ...] = IMAGENET_STD,
+) -> tuple[torch.Tensor, torch.Tensor, HeldOut]:
+    """Calibration images and up to `held_out` evaluation images of one file, never the same image twice.
+
+    The calibration draw is `load_images`'s (`samples` with `seed`); the evaluation images are drawn
+    (seed + 1) from the images it left. When it left fewer than MIN_HELD_OUT_IMAGES, the calibration gives
+    up HELD_OUT_SHARE of the file (at least that minimum, at most half the file) so that the job never
+    scores the images it was fitted to; whether what is held out is enough is the caller's to check
+    (`HeldOut.check`)."""
+    if samples < 1 or held_out < 1:
+        raise CalibrationError(f"samples and held-out images must be >= 1 (got {samples}, {held_out})")
+    path = Path(path)
+    raw = _image_array(path, mean, std)
+    n = len(raw)
+    calibration = _draw(n, samples, seed)
+    spare = np.setdiff1d(np.arange(n), calibration)
+    taken = 0
+    if len(spare) < MIN_HELD_OUT_IMAGES:  # the calibration gives up images (never more than half the file)
+        want = min(held_out, max(MIN_HELD_OUT_IMAGES, math.ceil(HELD_OUT_SHARE * n)), n // 2)
+        spare = np.sort(np.random.default_rng(seed + 1).permutation(n)[:want])
+        kept = np.setdiff1d(calibration, spare)
+        taken = len(calibration) - len(kept)
+        calibration = kept
+    evaluation = spare[_draw(len(spare), held_out, seed + 1)]
+    info = HeldOut("held out of the calibration file", len(calibration), len(evaluation),
+                   taken_from_calibration=taken)
+    return _image_tensor(raw[calibration], mean, std), _image_tensor(raw[evaluation], mean, std), info
+
+
+def drop_seen(inputs: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Which of `inputs` (a bool mask over its first dimension) are not identical to any of `seen`."""
+    known = {_digest(x) for x in seen}
+    return torch.tensor([_digest(x) not in known for x in inputs], dtype=torch.bool)
+
+
+def _digest(x: torch.Tensor) -> bytes:
+    return hashlib.blake2b(x.contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+def _draw(n: int, samples: int, seed: int) -> np.ndarray:
+    """Sorted indices of `samples` of n items drawn without replacement with `seed` (all when fewer)."""
+    if samples >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).permutation(n)[:samples])
+
+
+def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """The file's images as stored (checked): uint8 NHWC from `.npz`, float32 NCHW from `.npy`."""
     if not path.is_file():
         raise CalibrationError(f"no such calibration file: {path}")
     if path.suffix == ".npz":
@@ -50,27 +148,25 @@ def load_images(
             raise CalibrationError(f"{path}: {x.shape[3]} channels but mean/std have {len(mean)}/{len(std)} values")
         if any(s <= 0 for s in std):
             raise CalibrationError(f"std must be positive (got {std})")
-        images = _subset(x, samples, seed)
-        t = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
-        m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        return ((t - m) / s).contiguous()
+        return x
     if path.suffix == ".npy":
         x = np.load(path, allow_pickle=False)
         if x.dtype != np.float32 or x.ndim != 4:
             raise CalibrationError(f"{path}: expected float32 NCHW, got {x.dtype} with shape {x.shape}")
         if not np.isfinite(x).all():
             raise CalibrationError(f"{path}: contains NaN or Inf")
-        return torch.from_numpy(np.ascontiguousarray(_subset(x, samples, seed)))
+        return x
     raise CalibrationError(f"{path}: unsupported calibration format {path.suffix!r}; expected .npz (x: uint8 "
                            "NHWC) or .npy (float32 NCHW)")
 
 
-def _subset(x: np.ndarray, samples: int, seed: int) -> np.ndarray:
-    if samples >= len(x):
-        return x
-    order = np.random.default_rng(seed).permutation(len(x))[:samples]
-    return x[np.sort(order)]
+def _image_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    if images.dtype != np.uint8:  # .npy: float32 NCHW, as it is
+        return torch.from_numpy(np.ascontiguousarray(images))
+    t = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return ((t - m) / s).contiguous()
 
 
 def load_text(
@@ -96,18 +192,109 @@ def load_text(
     as-is. Each sequence is a window of one document, starting at a seeded random position; batches
     carry `input_ids` and `attention_mask` (padding masked out).
     """
+    shortest = _check_windows(sequences, length, min_length)
+    documents = _documents(Path(path), tokenizer)
+    return _batches(_windows(documents, sequences, length, shortest, seed), batch_size, shortest < length)
+
+
+MIN_HELD_OUT_TOKENS = 512  # fewer held-out tokens than this cannot tell a broken model from a sound one
+HELD_OUT_TOKEN_SHARE = 0.1  # of a calibration text, the share (its end) held out for evaluation
+
+
+def split_text(
+    path: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    sequences: int = 128,
+    length: int = 128,
+    seed: int = 0,
+    batch_size: int = 16,
+    min_length: int | None = None,
+    eval_sequences: int = 64,
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], HeldOut]:
+    """Calibration batches and evaluation batches of one text that share no token: the text's last
+    HELD_OUT_TOKEN_SHARE of tokens (at least MIN_HELD_OUT_TOKENS; a document that straddles the cut is
+    split there) is held out, the calibration windows are drawn from the rest and the evaluation windows
+    (`eval_sequences`, drawn alike with seed + 1) from the held-out part; an evaluation window identical
+    to a calibration window (a text that repeats itself) is dropped. The held-out part is at most half the
+    text; whether it is enough is the caller's to check (`HeldOut.check`)."""
+    shortest = _check_windows(sequences, length, min_length)
     path = Path(path)
+    documents = _documents(path, tokenizer)
+    total = sum(len(d) for d in documents)
+    held = min(max(MIN_HELD_OUT_TOKENS, math.ceil(HELD_OUT_TOKEN_SHARE * total)), total // 2)
+    first, second = _cut(documents, total - held)
+    calibration = _windows(first, sequences, length, shortest, seed)
+    evaluation = _windows(second, eval_sequences, length, shortest, seed + 1)
+    kept, dropped = unseen_windows(evaluation, calibration)
+    info = HeldOut("held out of the calibration text (its end)", len(calibration), len(kept), overlap_dropped=dropped,
+                   tokens=sum(len(d) for d in second) if kept else 0)
+    return (_batches(calibration, batch_size, shortest < length), _batches(kept, batch_size, shortest < length),
+            info)
+
+
+def count_tokens(path: str | Path, tokenizer: Tokenizer | None = None) -> int:
+    """The tokens of a text file's documents (as `load_text` reads them)."""
+    return sum(len(d) for d in _documents(Path(path), tokenizer))
+
+
+def unseen_windows(windows: list[torch.Tensor], seen: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """`windows` without those identical to one of `seen`, and how many were dropped."""
+    known = {_digest(w) for w in seen}
+    kept = [w for w in windows if _digest(w) not in known]
+    return kept, len(windows) - len(kept)
+
+
+def unseen_batches(batches: list[dict[str, torch.Tensor]], seen: list[dict[str, torch.Tensor]], *,
+                   batch_size: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """`batches` (as `load_text` gives them) rebatched without the windows identical to a window of `seen`,
+    and how many were dropped."""
+    kept, dropped = unseen_windows(_windows_of(batches), _windows_of(seen))
+    return _batches(kept, batch_size, by_length=False), dropped
+
+
+def _windows_of(batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The token windows of `_batches`' batches (padding removed)."""
+    return [ids[mask.bool()] for b in batches for ids, mask in zip(b["input_ids"], b["attention_mask"], strict=True)]
+
+
+def _check_windows(sequences: int, length: int, min_length: int | None) -> int:
     if sequences < 1 or length < 2:
         raise CalibrationError(f"need sequences >= 1 and length >= 2 (got {sequences}, {length})")
     shortest = length if min_length is None else min_length
     if not 2 <= shortest <= length:
         raise CalibrationError(f"need 2 <= min_length <= length (got {min_length}, {length})")
+    return shortest
+
+
+def _documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
     if not path.is_file():
         raise CalibrationError(f"no such calibration file: {path}")
-    documents = _token_documents(path, tokenizer)
-    documents = [d for d in documents if len(d) >= 2]
+    documents = [d for d in _token_documents(path, tokenizer) if len(d) >= 2]
     if not documents:
         raise CalibrationError(f"{path}: no document with at least 2 tokens")
+    return documents
+
+
+def _cut(documents: list[np.ndarray], at: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The documents before token `at` of their concatenation and those after it (the one that straddles
+    it split in two); parts shorter than 2 tokens are dropped."""
+    before, after, start = [], [], 0
+    for doc in documents:
+        end = start + len(doc)
+        if end <= at:
+            before.append(doc)
+        elif start >= at:
+            after.append(doc)
+        else:
+            before.append(doc[: at - start])
+            after.append(doc[at - start:])
+        start = end
+    return [d for d in before if len(d) >= 2], [d for d in after if len(d) >= 2]
+
+
+def _windows(documents: list[np.ndarray], sequences: int, length: int, shortest: int, seed: int) -> list[torch.Tensor]:
+    """`sequences` windows of documents, each at a seeded random start (and length, see `load_text`)."""
     rng = np.random.default_rng(seed)
     picks = []
     for doc_index in rng.integers(0, len(documents), size=sequences):
@@ -117,8 +304,13 @@ def load_text(
             size = round(math.exp(rng.uniform(math.log(shortest), math.log(length))))
         start = int(rng.integers(0, max(1, len(doc) - size + 1)))
         picks.append(torch.as_tensor(np.asarray(doc[start:start + size], dtype=np.int64)))
-    if shortest < length:
-        picks.sort(key=len)  # stable: seeded order within a length
+    return picks
+
+
+def _batches(picks: list[torch.Tensor], batch_size: int, by_length: bool) -> list[dict[str, torch.Tensor]]:
+    """Padded batches (`input_ids`, `attention_mask`) of the windows; `by_length`: shortest first."""
+    if by_length:
+        picks = sorted(picks, key=len)  # stable: seeded order within a length
     batches = []
     for b in range(0, len(picks), batch_size):
         chunk = picks[b:b + batch_size]

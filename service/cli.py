@@ -175,7 +175,7 @@ def _compress(args: argparse.Namespace) -> int:
         message = JobError.from_exception(err, stage=current["stage"]).message
         print(f"osscar: {message}; {written.undo()}", file=sys.stderr)
         return 2
-    if report["status"] == "parity_failed":
+    if report["status"] in ("parity_failed", "evaluation_failed"):
         print(f"osscar: {report['message']}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
         return 2
     if report["status"] != "ok":

@@ -195,6 +195,14 @@ def _toward_dense(stats: FinishedStatistics, W_hat: Tensor) -> None:
     stats.G.add_(W_hat, alpha=lam)
 
 
+def _warn(progress: Callable[[str], None] | None, message: str) -> None:
+    """A warning through the job's progress (its WARNING lines go to the report), else the log."""
+    if progress:
+        progress(f"WARNING: {message}")
+    else:
+        log.warning("%s", message)
+
+
 def _outputs(tensor: Tensor | None, keep: Tensor | None) -> Tensor | None:
     """Rows (output channels) `keep` of a dense weight or scale (all when None)."""
     return tensor if tensor is None or keep is None else tensor.index_select(0, keep.to(tensor.device))
@@ -330,17 +338,22 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
             for c, W, st, x, x_hat in zip(readers, dense_weights, stats, xs, dense_xs, strict=True):
                 st.add(_rows(c, W, x), _rows(c, W, x_hat))
         finished_parts = [st.finish(center=bias_correction) for st in stats]
+        num_prune = planned_prune(unit.name, unit.channels, ratio)
         for c, part, W in zip(readers, finished_parts, mats, strict=True):
             if isinstance(c, LinearSpec):
                 _toward_dense(part, W)
+                if num_prune and part.rank is not None and part.rank <= unit.channels - num_prune:
+                    _warn(progress, f"{unit.name}: {c.weight} sees one row per calibration image (rank(H) <= "
+                                    f"{part.rank}) while it keeps {unit.channels - num_prune} inputs: its refit can "
+                                    "reproduce the dense outputs on the calibration images exactly and generalise "
+                                    "poorly to others; calibrate on more images than it keeps inputs (--samples)")
         problem = combine([(part, W, s) for part, W, s in zip(finished_parts, mats, scales, strict=True)],
                           unit.channels)
         finished, g = problem.stats, problem.group_size
         if observe:
             observe(LayerObservation(unit.name, unit.kind, finished.H, finished.G, g, finished.energy,
                                      channel_cost(unit), _stream_energy(dense_walk, dense_unit)))
-        sol = solve_layer(finished.H, finished.G, g, planned_prune(unit.name, unit.channels, ratio), method,
-                          dense_weight=problem.W_hat)
+        sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=problem.W_hat)
         kept = kept_solution(sol, g, problem.scale, finished)
         keep = kept.keep
         new_weights, shifts = [], []

@@ -59,6 +59,10 @@ OUTCOMES: tuple[Outcome, ...] = (
             "an export (the dense baseline, a round, the decode step) does not match PyTorch within the parity "
             "tolerance or does not run in ONNX Runtime; only report.json is kept (no model.onnx), where and by how "
             "much in the message"),
+    Outcome("evaluation_failed", "report", FAILED, "FAILED_PRECONDITION", "EVALUATION_FAILED", 2, True,
+            "the accuracy check cannot vouch for the result (fewer unseen inputs than it needs, dense outputs that "
+            "are not finite, a pruned model scored identical to the dense one, or a returned file other than the "
+            "one scored); only report.json is kept (no model.onnx), why in the message"),
     Outcome("invalid_input", "worker", FAILED, "INVALID_ARGUMENT", "INVALID_INPUT", 2, False,
             "`compressor.errors.InputError`: calibration data, a model reference or surgery indices that cannot "
             "be used"),
@@ -158,6 +162,11 @@ class JobError:
             return None
         if status == "parity_failed":
             return cls._parity_failed(report)
+        if status == "evaluation_failed":
+            failure = report["evaluation_failure"]
+            metadata = {"stage": failure["stage"], **({"round": failure["round"]} if failure["round"] is not None
+                                                      else {})}
+            return cls.of(status, f"{report['message']}; no model.onnx is kept", metadata)
         metric = report["metric"]
         metadata = {"measured_speedup": f"{report['measured_speedup']:.4f}",
                     "target_speedup": str(report["target_speedup"]), "metric": metric["name"],

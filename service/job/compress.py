@@ -18,7 +18,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from torch import nn
 
 from compressor.errors import InputError
@@ -29,7 +31,7 @@ from exporters.runtime import Latency, RuntimeFailure, default_provider, measure
 
 from ..files import file_sha256, write_text_atomically
 from .kinds import ConvJob, ModelJob, open_job
-from .report import build_report, parity_failed_report, version
+from .report import build_report, evaluation_failed_report, parity_failed_report, version
 from .report_html import write_html
 from .request import CompressRequest
 from .targeting import MET, ROUND_TO, Round, choose, dense_curves, target_loop, widths_of
@@ -49,6 +51,35 @@ class _ExportFailed(Exception):
     def __init__(self, stage: str, index: int | None, error: Exception, layers: list[LayerReport] | None = None):
         super().__init__(str(error))
         self.stage, self.index, self.error, self.layers = stage, index, error, layers or []
+
+
+class _EvaluationFailed(Exception):
+    """The job cannot vouch for its accuracy check (it would score something other than the returned
+    model on unseen inputs): the job ends evaluation_failed, never with a made-up metric."""
+
+    def __init__(self, stage: str, index: int | None, detail: str, layers: list[LayerReport] | None = None):
+        super().__init__(detail)
+        self.stage, self.index, self.detail, self.layers = stage, index, detail, layers or []
+
+
+def _identical(outputs: Any, reference: Any) -> bool:
+    """Whether two models' evaluation outputs are the same to the bit (arrays, or lists and tuples of them)."""
+    if isinstance(outputs, list | tuple) and isinstance(reference, list | tuple):
+        return len(outputs) == len(reference) and all(_identical(a, b) for a, b in zip(outputs, reference, strict=True))
+    return np.array_equal(np.asarray(outputs), np.asarray(reference))
+
+
+def _finite(outputs: Any) -> bool:
+    if isinstance(outputs, list | tuple):
+        return all(_finite(o) for o in outputs)
+    return bool(np.isfinite(np.asarray(outputs, dtype=np.float64)).all())
+
+
+def _check_held_out(job: ModelJob) -> None:
+    """The evaluation data must be unseen by the calibration and large enough to tell a broken model (the
+    model kinds refuse smaller data as the caller's; this is the job's own last word before it scores)."""
+    if not job.held_out.enough:
+        raise _EvaluationFailed("baseline", None, f"too few held-out inputs to score ({job.held_out})")
 
 
 def compress(request: CompressRequest, progress: Callable[[str], None] | None = None,
@@ -89,6 +120,14 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
     baseline_metric: float | None = None
     try:
         enter("baseline", 0)
+        held = job.held_out
+        say(f"accuracy check: {held.evaluation} unseen {'images' if held.tokens is None else 'windows'} "
+            f"({held.source}{f', {held.tokens} tokens' if held.tokens is not None else ''}), "
+            f"{held.calibration} for calibration"
+            + (f"; the calibration gave up {held.taken_from_calibration} of its images to hold them out"
+               if held.taken_from_calibration else "")
+            + (f"; {held.overlap_dropped} identical to calibration inputs dropped" if held.overlap_dropped else ""))
+        _check_held_out(job)
         say("exporting the dense model for the baseline")
         dense_onnx = work / "dense.onnx"
         try:
@@ -96,7 +135,13 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             reference = job.outputs(dense_onnx)
         except EXPORT_FAILURES as err:
             raise _ExportFailed("baseline", None, err) from err
+        if not _finite(reference):
+            raise _EvaluationFailed("baseline", None, "the dense model's outputs on the held-out inputs are not "
+                                    "finite: no metric can be measured against them")
         baseline_metric = job.score(reference, reference)
+        baseline_secondary = job.secondary(reference, reference)
+        for warning in job.baseline_warnings(reference):
+            say(f"WARNING: {warning}")
         feed = job.latency_feed()
 
         def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
@@ -116,12 +161,23 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
             say(f"round {index}: exporting and measuring in ONNX Runtime ({provider})")
             try:
                 parity, latency = export_and_time(module, path)
-                value = job.score(job.outputs(path), reference)
+                scored = file_sha256(path)  # what _save checks it returns
+                outputs = job.outputs(path)
             except EXPORT_FAILURES as err:
                 raise _ExportFailed("round", index, err, layers) from err
+            narrowed = [r.name for r in layers if r.width_after < r.width_before]
+            if narrowed and _identical(outputs, reference):
+                raise _EvaluationFailed("round", index, f"round {index}'s export gave outputs identical to the dense "
+                                        f"model's on every held-out input although {len(narrowed)} layers were "
+                                        f"narrowed ({narrowed[0]}, ...): the check would compare a model with "
+                                        "itself", layers)
+            value = job.score(outputs, reference)
+            secondary = job.secondary(outputs, reference)
+            also = "".join(f", {name} {baseline_secondary[name]:.4f} -> {v:.4f}" for name, v in secondary.items())
             say(f"round {index}: measured speedup {latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> "
-                f"{latency.compressed_ms:.1f} ms), {job.metric.name} {baseline_metric:.4f} -> {value:.4f}")
-            rounds.append(Round(plan, module, layers, path, parity, latency, value, predicted))
+                f"{latency.compressed_ms:.1f} ms), {job.metric.name} {baseline_metric:.4f} -> {value:.4f}{also}")
+            rounds.append(Round(plan, module, layers, path, parity, latency, value, predicted, secondary=secondary,
+                                scored_sha256=scored))
             return rounds[-1]
 
         probes = 0
@@ -160,7 +216,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         enter("save", len(rounds) - 1)
         say("saving the pruned model and model.onnx")
         artifact = _save(request, job, chosen, out)
-        report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start)
+        report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
+                              baseline_secondary)
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
                 os.replace(path, out / path.name)
@@ -176,6 +233,14 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
         for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
+            (out / name).unlink(missing_ok=True)
+        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+        say(f"{report['message']}; wrote {out / 'report.json'} (no model.onnx)")
+        return report
+    except _EvaluationFailed as failure:
+        report = evaluation_failed_report(request, job, failure.stage, failure.index, failure.detail, failure.layers,
+                                          rounds, baseline_metric, provider, start)
+        for name in EXPORT_FILES:  # as for parity_failed: nothing an unchecked model left may seem vouched for
             (out / name).unlink(missing_ok=True)
         write_text_atomically(out / "report.json", json.dumps(report, indent=2))
         say(f"{report['message']}; wrote {out / 'report.json'} (no model.onnx)")
@@ -229,6 +294,9 @@ def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> 
     artifact name."""
     artifact = job.save(chosen.module, out)
     os.replace(chosen.onnx, out / "model.onnx")
+    if file_sha256(out / "model.onnx") != chosen.scored_sha256:
+        raise _EvaluationFailed("save", None, "the model.onnx about to be returned is not the file the accuracy "
+                                "check scored", chosen.layers)
     for data in chosen.onnx.parent.glob("*.data"):  # external weights of a model over 2 GB
         os.replace(data, out / data.name)
     stamp_metadata(out / "model.onnx", {

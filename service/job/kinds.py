@@ -25,7 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from compressor.calibration import load_images, load_text
+from compressor.calibration import (
+    HeldOut,
+    count_tokens,
+    drop_seen,
+    load_images,
+    load_text,
+    split_images,
+    split_text,
+    unseen_batches,
+)
 from compressor.cnn.depth import choose_blocks, remove_blocks
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
@@ -92,7 +101,7 @@ def _statistics_pass(plan: Widths, observe: Observe | None, say: Say) -> tuple[S
 
 @dataclass(frozen=True)
 class Metric:
-    name: str  # top1 | perplexity | cosine
+    name: str  # top1 (labels) | agreement (top-1 agreement with the dense model) | perplexity | cosine
     higher_is_better: bool
 
     def relative_drop(self, baseline: float, value: float) -> float:
@@ -111,6 +120,7 @@ class ModelJob(Protocol):
     metric: Metric
     shape: dict[str, int]  # the measured input shape
     params_before: int
+    held_out: HeldOut  # how the evaluation inputs were set apart from the calibration inputs
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
@@ -138,6 +148,14 @@ class ModelJob(Protocol):
 
     def score(self, outputs: Any, reference: Any) -> float:
         """The metric of one model's evaluation outputs (`reference`: the dense model's)."""
+        ...
+
+    def secondary(self, outputs: Any, reference: Any) -> dict[str, float]:
+        """Other metrics reported beside the job's metric (never budgeted), by name."""
+        ...
+
+    def baseline_warnings(self, reference: Any) -> list[str]:
+        """What makes the metric weak on these evaluation inputs, judged from the dense model's outputs."""
         ...
 
     def save(self, module: nn.Module, out: Path) -> str:
@@ -180,6 +198,22 @@ def cosine(outputs: Sequence[np.ndarray] | np.ndarray, reference: Sequence[np.nd
     return float(cos.mean())
 
 
+def agreement(outputs: np.ndarray, reference: np.ndarray) -> float:
+    """Top-1 agreement: the share of samples whose highest output is the dense model's."""
+    return float((np.asarray(outputs).argmax(1) == np.asarray(reference).argmax(1)).mean())
+
+
+def _no_secondary(outputs: Any, reference: Any) -> dict[str, float]:
+    return {}
+
+
+def _no_warnings(reference: Any) -> list[str]:
+    return []
+
+
+ONE_CLASS_SHARE = 0.9  # a dense model predicting one class this often makes top-1 agreement say little
+
+
 def _no_decode_step(module: nn.Module, path: Path) -> Parity:
     raise InputError("--decode-step is for causal language models")
 
@@ -196,17 +230,57 @@ def _repeat_to(x: torch.Tensor, batch: int) -> np.ndarray:
     return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch].numpy()
 
 
+def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None, HeldOut]:
+    """(calibration images, evaluation images, their labels or None, how they were set apart).
+
+    Without --eval the evaluation images are held out of the calibration file (`split_images`); with it,
+    they are the --eval file's (labels `y` for top-1 when `labels`), less any image identical to a
+    calibration image. Either way at least MIN_HELD_OUT_IMAGES unseen images, or the job is refused."""
+    norm = {"mean": request.mean, "std": request.std}
+    if request.eval is None:
+        images, eval_x, info = split_images(request.calibration, samples=request.samples, held_out=held_out,
+                                            seed=request.seed, **norm)
+        return images, eval_x, None, info
+    images = load_images(request.calibration, samples=request.samples, seed=request.seed, **norm)
+    eval_x = load_images(request.eval, samples=10**9, **norm)
+    eval_y = None
+    if labels:
+        with np.load(request.eval, allow_pickle=False) as data:
+            if "y" not in data:
+                raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
+            eval_y = np.asarray(data["y"])
+        if len(eval_y) != len(eval_x):
+            raise CalibrationError(f"{request.eval}: {len(eval_x)} images but {len(eval_y)} labels")
+    unseen = drop_seen(eval_x, images)
+    eval_x, eval_y = eval_x[unseen], (eval_y[unseen.numpy()] if eval_y is not None else None)
+    if eval_y is None and len(eval_x) > held_out:  # labels make every image count; without, a seeded draw
+        eval_x = eval_x[np.sort(np.random.default_rng(request.seed + 1).permutation(len(eval_x))[:held_out])]
+    info = HeldOut("the --eval file", len(images), len(eval_x), overlap_dropped=int((~unseen).sum()))
+    return images, eval_x, eval_y, info
+
+
+def _classifier(model: nn.Module, example: torch.Tensor) -> bool:
+    """Whether the model's (first) output is one score per class: (batch, classes >= 2)."""
+    with torch.no_grad():
+        out = model(example)
+    out = out[0] if isinstance(out, tuple | list) else out
+    return isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] >= 2
+
+
 class ConvJob:
     causal = False
+    EVAL_IMAGES = 256  # held-out images scored (at most)
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         self.request, self.say = request, say
         self.loaded = load_model(request.model, trust_remote_code=request.trust_remote_code)
-        self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
-                                  mean=request.mean, std=request.std)
+        self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_IMAGES,
+                                                                                    labels=True)
         if tuple(self.images.shape[1:]) != self.loaded.input_shape:
             raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
                                    f"expects {self.loaded.input_shape}")
+        self.held_out.check(request.eval or request.calibration)
         self.dense = self.loaded.module  # the baseline, and what the reconstruction fits to
         self.removed_blocks: list[str] = []
         self.graph = self.dense  # what the channels are pruned of: the dense graph, or it without some blocks
@@ -219,17 +293,11 @@ class ConvJob:
         self.analysis = analyse(self.graph)
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
-        self.eval_y: np.ndarray | None = None
-        if request.eval is not None:
-            self.eval_x = load_images(request.eval, samples=10**9, mean=request.mean, std=request.std)
-            with np.load(request.eval, allow_pickle=False) as data:
-                if "y" not in data:
-                    raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
-                self.eval_y = data["y"]
+        if self.eval_y is not None:
             self.metric = Metric("top1", True)
-        else:  # no labels: agreement with the dense model on held-out calibration-like images
-            self.eval_x = load_images(request.calibration, samples=256, seed=request.seed + 1,
-                                      mean=request.mean, std=request.std)
+        elif _classifier(self.dense, self.images[:2]):  # no labels: "accuracy kept" is agreement with dense
+            self.metric = Metric("agreement", True)
+        else:  # not a classifier's scores: how close the outputs stay
             self.metric = Metric("cosine", True)
         say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
             f"images, method {request.method}")
@@ -263,7 +331,26 @@ class ConvJob:
     def score(self, outputs: np.ndarray, reference: np.ndarray) -> float:
         if self.metric.name == "top1":
             return float((outputs.argmax(1) == self.eval_y).mean())
+        if self.metric.name == "agreement":
+            return agreement(outputs, reference)
         return cosine(outputs, reference)
+
+    def baseline_warnings(self, reference: np.ndarray) -> list[str]:
+        if self.metric.name != "agreement":
+            return []
+        counts = np.bincount(np.asarray(reference).argmax(1))
+        share = counts.max() / counts.sum()
+        if share < ONE_CLASS_SHARE:
+            return []
+        return [f"the dense model predicts class {counts.argmax()} for {share:.0%} of the {counts.sum()} held-out "
+                "images: top-1 agreement with it says little about them (any model predicting that class agrees); "
+                "calibrate on images of the model's domain, or give labelled evaluation images (--eval)"]
+
+    def secondary(self, outputs: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+        if self.metric.name == "cosine":
+            return {}
+        extra = {"cosine": cosine(outputs, reference)}
+        return {"agreement": agreement(outputs, reference), **extra} if self.metric.name == "top1" else extra
 
     def save(self, module: nn.Module, out: Path) -> str:
         save_program(module, out / "model.pt2", self.images[:2].clone())
@@ -339,19 +426,27 @@ class _TransformerJob:
 
 
 class TextJob(_TransformerJob):
+    EVAL_SEQUENCES = 64  # evaluation windows (at most)
+
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.output_name == "logits"
         self.draw = request.text_calibration(self.causal)
         text = {"tokenizer": self.loaded.tokenizer, "length": self.draw.length, "batch_size": 16}
         drawn = {**text, "min_length": self.draw.min_length}
-        self.batches = self._typed(load_text(request.calibration, sequences=self.draw.sequences, seed=request.seed,
-                                             **drawn))
-        if request.eval is not None:  # the user's texts as they are (up to the longest window), never cut shorter
-            self.eval_batches = self._typed(load_text(request.eval, sequences=64, seed=request.seed, **text))
-        else:  # held-out windows of the calibration data (another seed), drawn alike
-            self.eval_batches = self._typed(load_text(request.calibration, sequences=64, seed=request.seed + 1,
-                                                      **drawn))
+        if request.eval is None:  # the text's end held out, unseen by the calibration (split_text)
+            calibration, held, self.held_out = split_text(request.calibration, sequences=self.draw.sequences,
+                                                          seed=request.seed, eval_sequences=self.EVAL_SEQUENCES,
+                                                          **drawn)
+        else:  # the user's texts as they are (up to the longest window), never cut shorter
+            calibration = load_text(request.calibration, sequences=self.draw.sequences, seed=request.seed, **drawn)
+            held, dropped = unseen_batches(load_text(request.eval, sequences=self.EVAL_SEQUENCES, seed=request.seed,
+                                                     **text), calibration, batch_size=text["batch_size"])
+            tokens = count_tokens(request.eval, self.loaded.tokenizer) if held else 0
+            self.held_out = HeldOut("the --eval file", self.draw.sequences, sum(len(b["input_ids"]) for b in held),
+                                    overlap_dropped=dropped, tokens=tokens)
+        self.held_out.check(request.eval or request.calibration)
+        self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
         self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         limit = int(getattr(self.dense.config, "max_position_embeddings", 0) or 0)
@@ -392,6 +487,9 @@ class TextJob(_TransformerJob):
         batches = [{k: v.numpy() for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
         return run_outputs(path, batches, reduce="nll" if self.causal else "mean_pool")
 
+    secondary = staticmethod(_no_secondary)
+    baseline_warnings = staticmethod(_no_warnings)
+
     def score(self, outputs: list, reference: list) -> float:
         if self.metric.name == "perplexity":
             nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
@@ -418,16 +516,13 @@ class ImageTransformerJob(_TransformerJob):
         config = self.dense.config
         size, channels = int(config.image_size), int(config.num_channels)
         self.input_shape = (channels, size, size)
-        self.images = load_images(request.calibration, samples=request.samples, seed=request.seed,
-                                  mean=request.mean, std=request.std)
+        self.images, self.eval_x, _, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES, labels=False)
         if tuple(self.images.shape[1:]) != self.input_shape:
             raise CalibrationError(f"calibration images have shape {tuple(self.images.shape[1:])}, the model "
                                    f"expects {self.input_shape}")
+        self.held_out.check(request.eval or request.calibration)
         batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
-        source = request.eval if request.eval is not None else request.calibration
-        self.eval_x = load_images(source, samples=self.EVAL_SAMPLES, seed=request.seed + 1, mean=request.mean,
-                                  std=request.std)
         self.metric = Metric("cosine", True)
         self.shape = {"batch": request.shape.get("batch", 8)}
         patch = int(config.patch_size)
@@ -443,6 +538,9 @@ class ImageTransformerJob(_TransformerJob):
 
     def score(self, outputs: list, reference: list) -> float:
         return cosine(outputs, reference)
+
+    secondary = staticmethod(_no_secondary)
+    baseline_warnings = staticmethod(_no_warnings)
 
     def preprocessing(self) -> dict:
         return _image_preprocessing(self.request, "pixel_values", self.input_shape)

@@ -30,7 +30,8 @@ def version() -> str:
 
 
 def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds: list[Round], status: str,
-                 baseline_metric: float, provider: str, artifact: str, start: float) -> dict:
+                 baseline_metric: float, provider: str, artifact: str, start: float,
+                 baseline_secondary: dict[str, float] | None = None) -> dict:
     lat = chosen.latency
     rule = accuracy_rule(request, job.metric)
     report = {
@@ -55,7 +56,10 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         "deployment_target": request.deployment_target,
         "shape": job.shape,
         "metric": {"name": job.metric.name, "baseline": baseline_metric, "compressed": chosen.metric,
-                   "relative_drop": job.metric.relative_drop(baseline_metric, chosen.metric)},
+                   "relative_drop": job.metric.relative_drop(baseline_metric, chosen.metric),
+                   "secondary": {name: {"baseline": (baseline_secondary or {}).get(name), "compressed": value}
+                                 for name, value in chosen.secondary.items()}},
+        "evaluation": _evaluation(job),
         "params_before": job.params_before,
         "params_after": count_parameters(chosen.module),
         "method": request.method,
@@ -94,8 +98,14 @@ def _reconstruction(layers: list[LayerReport]) -> dict | None:
             "seconds": sum(f.seconds for f in fits)}
 
 
+def _evaluation(job: ModelJob) -> dict:
+    """What the accuracy check scored: unseen inputs, how many, where from."""
+    return {**dataclasses.asdict(job.held_out), "unit": "images" if job.held_out.tokens is None else "windows"}
+
+
 def _rounds(rounds: list[Round]) -> list[dict]:
     return [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup, "metric": r.metric,
+             "secondary": r.secondary,
              "latency_probes": [{"saving": p.saving, "measured_speedup": p.latency.speedup,
                                  "baseline_ms": p.latency.baseline_ms, "compressed_ms": p.latency.compressed_ms}
                                 for p in r.probes]}
@@ -138,12 +148,35 @@ def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, in
     detail = " ".join(str(error).split())[:600]  # one line: ONNX Runtime's messages span several
     how = "does not run in ONNX Runtime" if not isinstance(error, ParityError) else "fails the parity check"
     mismatches = [dataclasses.asdict(m) for m in error.mismatches] if isinstance(error, ParityError) else []
-    report = {
+    return {
         "status": "parity_failed",
         "message": f"parity_failed: {where} ({request.precision}) {how}: {detail}",
         "parity": {"stage": stage, "round": index, "precision": request.precision,
                    "tolerance": dataclasses.asdict(tolerance(request)), "error": type(error).__name__,
                    "detail": detail, "mismatches": mismatches},
+        **_failed_fields(request, job, layers, rounds, baseline_metric, provider, start),
+    }
+
+
+def evaluation_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None, detail: str,
+                             layers: list[LayerReport], rounds: list[Round], baseline_metric: float | None,
+                             provider: str, start: float) -> dict:
+    """report.json of a job whose accuracy check could not be trusted (too few unseen inputs, dense outputs
+    that are not finite, a pruned model scored identical to the dense one, a returned file other than the
+    scored one): what went wrong and the rounds measured before; no artifact but the report."""
+    return {
+        "status": "evaluation_failed",
+        "message": f"evaluation_failed: the accuracy check cannot vouch for the result: {detail}",
+        "evaluation_failure": {"stage": stage, "round": index, "detail": detail},
+        "evaluation": _evaluation(job),
+        **_failed_fields(request, job, layers, rounds, baseline_metric, provider, start),
+    }
+
+
+def _failed_fields(request: CompressRequest, job: ModelJob, layers: list[LayerReport], rounds: list[Round],
+                   baseline_metric: float | None, provider: str, start: float) -> dict:
+    """What every report of a job that returns no model carries."""
+    return {
         "target_speedup": request.target_speedup,
         "uniform_ratio": request.uniform_ratio,
         "execution_provider": provider,
@@ -160,4 +193,3 @@ def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, in
         "versions": _versions(),
         "elapsed_s": time.perf_counter() - start,
     }
-    return report

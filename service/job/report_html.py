@@ -24,9 +24,10 @@ FONT = 12
 CHAR_W = 6.8  # average width of a character at FONT px (labels are sized by it, never cut off)
 STATUS_WORDS = {"ok": "Target met", "target_not_met": "Target not met",
                 "accuracy_budget_exceeded": "Accuracy budget exceeded",
-                "slower_than_dense": "Slower than the dense model", "parity_failed": "Export failed the parity check"}
+                "slower_than_dense": "Slower than the dense model", "parity_failed": "Export failed the parity check",
+                "evaluation_failed": "The accuracy check could not be trusted"}
 METRIC_WORDS = {"cosine": "cosine similarity to the dense model's outputs", "perplexity": "perplexity",
-                "top1": "top-1 accuracy"}
+                "top1": "top-1 accuracy", "agreement": "top-1 agreement with the dense model"}
 UNIT_WORDS = {"attention_heads": "heads", "ffn_neurons": "neurons"}
 
 
@@ -301,6 +302,13 @@ def summary_sentence(report: dict) -> str:
     if metric.get("compressed") is not None:
         text += (f", and its {_e(METRIC_WORDS.get(name, name))} went from {_num(metric['baseline'])} to "
                  f"{_num(metric['compressed'])}")
+        also = [f"{_e(METRIC_WORDS.get(other, other))} {_num(values['compressed'])}"
+                for other, values in (metric.get("secondary") or {}).items()]
+        if also:
+            text += f" ({', '.join(also)})"
+        held = report.get("evaluation") or {}
+        if held.get("evaluation"):
+            text += f" on {held['evaluation']} unseen {_e(held.get('unit', 'inputs'))}"
     return text + "."
 
 

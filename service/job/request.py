@@ -64,9 +64,12 @@ REFERENCES = {"model": "model", "calibration": "calibration data", "eval": "eval
 
 
 def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,
-           choices: tuple[str, ...] | None = None, metavar: str | None = None, cli: bool = True) -> Any:
-    """A request field with its documentation (`help`, shown by `osscar compress -h`)."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli}
+           choices: tuple[str, ...] | None = None, metavar: str | None = None, cli: bool = True,
+           statistics: bool = False) -> Any:
+    """A request field with its documentation (`help`, shown by `osscar compress -h`). `statistics`: the
+    field changes the dense statistics, or the loss curves made of them (it keys their cache,
+    `statistics_fields`)."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli, "statistics": statistics}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -75,10 +78,10 @@ def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], 
 @dataclass(frozen=True)
 class CompressRequest:
     model: str = option(help="a .pt2 torch.export program, a Hugging Face model directory or cached hub id, or "
-                        "torchvision:<name>")
+                        "torchvision:<name>", statistics=True)
     calibration: Path = option(help="images: .npz with x uint8 NHWC, or .npy float32 NCHW used as-is; text "
                                "(transformers): .txt/.jsonl through the model's tokenizer, or token ids as .npz "
-                               "(ids, offsets) / .npy")
+                               "(ids, offsets) / .npy", statistics=True)
     out_dir: Path = option(help="output directory", metavar="OUT")
     target_speedup: float | None = option(help="measured speedup to reach in ONNX Runtime (e.g. 1.5)")
     uniform_ratio: float | None = option(help="fraction of each prunable layer's groups removed (rounded, >= 1 "
@@ -86,44 +89,48 @@ class CompressRequest:
     widths_from: Path | None = option(help="the per-layer widths of an earlier report.json (e.g. to compare "
                                       "methods at equal widths)")
     eval: Path | None = option(help="evaluation data: images .npz with labels y (top-1), token ids / text "
-                               "(perplexity for LMs); default: held-out calibration-like data (cosine to the "
-                               "dense outputs, perplexity)")
+                               "(perplexity for LMs); default: inputs held out of the calibration data, never "
+                               "calibrated on (top-1 agreement with the dense model for classifiers, cosine to "
+                               "the dense outputs, perplexity); without it the calibration keeps what is not "
+                               "held out, so it changes the statistics", statistics=True)
     method: str = option("osscar", "layer solver", choices=PRUNING_METHODS)
-    samples: int = option(500, "calibration images drawn (seeded)")
-    seed: int = option(0, "seed of the calibration draw")
-    mean: tuple[float, ...] = option(IMAGENET_MEAN, "per-channel mean for .npz images, after scaling to [0, 1]")
-    std: tuple[float, ...] = option(IMAGENET_STD, "per-channel std for .npz images")
+    samples: int = option(500, "calibration images drawn (seeded)", statistics=True)
+    seed: int = option(0, "seed of the calibration draw", statistics=True)
+    mean: tuple[float, ...] = option(IMAGENET_MEAN, "per-channel mean for .npz images, after scaling to [0, 1]",
+                                     statistics=True)
+    std: tuple[float, ...] = option(IMAGENET_STD, "per-channel std for .npz images", statistics=True)
     device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
     batch_size: int = option(100, "calibration batch size (images)")
     sequences: int | None = option(help="text calibration: windows drawn (seeded); default: 1024 for encoders, "
-                                   "128 for decoders")
-    sequence_length: int = option(128, "text calibration: tokens per window (the longest window)")
+                                   "128 for decoders", statistics=True)
+    sequence_length: int = option(128, "text calibration: tokens per window (the longest window)", statistics=True)
     min_sequence_length: int | None = option(help="text calibration: the shortest window; window lengths are drawn "
                                              "log-uniformly from it to --sequence-length; default: 16 for encoders "
                                              "(each window is one context of bidirectional attention), "
                                              "--sequence-length for decoders (a causal window holds every shorter "
-                                             "context)")
+                                             "context)", statistics=True)
     stream: bool = option(False, "transformers: read one block at a time from the safetensors shards and write it "
                           "back pruned (memory bounded by a block, for models larger than RAM)")
     activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
-                                   "CPU between blocks", choices=("float32", "float16"))
+                                   "CPU between blocks", choices=("float32", "float16"), statistics=True)
     shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; "
-                                   "encoders batch=8,sequence=128; decoders batch=1,sequence=512)", factory=dict)
+                                   "encoders batch=8,sequence=128; decoders batch=1,sequence=512)", factory=dict,
+                                   statistics=True)
     execution_provider: str | None = option(help="ONNX Runtime provider for measurement (default: cuda when "
                                             "available)", choices=PROVIDERS)
     threads: int | None = option(help="ONNX Runtime intra-op threads (default: the cores available)")
     deployment_target: str | None = option(help="where the model will be served; a warning when measurement runs "
                                            "elsewhere", choices=PROVIDERS)
     round_to: int | None = option(help="kept widths are multiples of this (or the full width); target mode: 8 when "
-                                  "not given; uniform mode: widths are rounded only when given")
-    min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups")
+                                  "not given; uniform mode: widths are rounded only when given", statistics=True)
+    min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups", statistics=True)
     max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
     latency_probes: int = option(4, "target mode: latency probes per round at most: the planned widths with "
                                  "sliced, unsolved weights, exported and measured (never evaluated), to find "
                                  "widths that meet the target before a round pays for its solve; 0: off")
     accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
                                            "default: perplexity at most 2x dense, cosine at least 0.9, top-1 at "
-                                           "most 10 points below dense", metavar="D|none")
+                                           "most 10 points below dense, top-1 agreement at least 0.9", metavar="D|none")
     no_accuracy_budget: bool = option(False, "no accuracy budget, not even the default one (--accuracy-budget none)",
                                       cli=False)
     back_off: bool = option(False, "return the largest measured speedup within the accuracy budget (the default "
@@ -135,7 +142,7 @@ class CompressRequest:
     decode_step: bool = option(False, "causal LMs: also export decode.onnx, one token with past key/values per "
                                "layer")
     gqa: str = option("query-heads", "grouped-query attention: prune single query heads (a KV head goes when no "
-                      "kept query head reads it) or whole KV groups", choices=GQA_UNITS)
+                      "kept query head reads it) or whole KV groups", choices=GQA_UNITS, statistics=True)
     refine_steps: int | None = option(help="reconstruction after the solves: Adam steps fitting the pruned weights "
                                       "to the dense model's outputs (transformers: per block, to the dense block's "
                                       "output; conv graphs: the whole graph, to the dense outputs); 0: off; default: "
@@ -144,9 +151,9 @@ class CompressRequest:
                                 "the channels are pruned, chosen one at a time by the least change of the "
                                 "outputs on calibration images; the reconstruction then fits the shallower "
                                 "graph to the dense one (measured with --refine-steps 3000 and 5,085 "
-                                "calibration images); 0: off")
+                                "calibration images); 0: off", statistics=True)
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
-                            "to the layer's own output", choices=("stream", "layer"), cli=False)
+                            "to the layer's own output", choices=("stream", "layer"), cli=False, statistics=True)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
                                    "$OSSCAR_HOME/curves")
     home: Path | None = option(help="where caches live (default $OSSCAR_HOME, else ~/.osscar)", cli=False)
@@ -247,6 +254,11 @@ class CompressRequest:
 
 def _field(name: str) -> dataclasses.Field:
     return {f.name: f for f in dataclasses.fields(CompressRequest)}[name]
+
+
+def statistics_fields() -> tuple[str, ...]:
+    """The fields declared with `statistics=True`: what the dense loss curves depend on."""
+    return tuple(f.name for f in dataclasses.fields(CompressRequest) if f.metadata.get("statistics"))
 
 
 def field_types() -> dict[str, Any]:

@@ -22,15 +22,16 @@ from exporters.runtime import Latency
 
 from ..files import file_sha256, write_text_atomically
 from .kinds import Metric, ModelJob
-from .request import CompressRequest
+from .request import REFERENCES, CompressRequest, statistics_fields
 
 MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
 AIM = 1.10  # and the loop aims at <= 1.10 x target
 AIM_AT = 1.03  # each round asks for 1.03 x target: inside [MET, AIM], with room for noise on both sides
 # what a cached curve file was computed with: conv graphs' coupled channel groups (residual adds) are layers
 # since version 2 (3: option-A shortcuts count in their groups' losses; 4: in-block groups normalised by the
-# residual stream they join), so older curves describe other layers or losses
-LAYERS_VERSION = 4
+# residual stream they join; 5: calibration draws leave the accuracy check's held-out inputs out), so older
+# curves describe other layers, losses or calibration data
+LAYERS_VERSION = 5
 INITIAL_SHARE = 0.85  # modelled fraction of the latency in the prunable layers before the first measurement
 ROUND_TO = 8  # target mode's width multiple when --round-to is not given
 MAX_SHARE = 3.0  # bounds of the corrected latency share (fraction of latency per fraction of removed cost)
@@ -49,6 +50,8 @@ class Round:
     metric: float  # the job's metric on the evaluation data
     predicted_speedup: float | None = None  # what the latency model expected (target mode)
     probes: list[Probe] = field(default_factory=list)  # the latency probes that chose its widths
+    secondary: dict[str, float] = field(default_factory=dict)  # other metrics beside `metric` (not budgeted)
+    scored_sha256: str = ""  # digest of the ONNX file whose outputs `metric` scored
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ DEFAULT_BUDGETS: dict[str, tuple[str, float]] = {
     "cosine": ("at_least", 0.9),
     # 10 top-1 points (absolute) is the usual ceiling of "lossy but usable" in structured-pruning papers
     "top1": ("points", 0.10),
+    # a classifier without labels: at least 90 % of its top-1 predictions those of the dense model, the same
+    # ceiling (every changed prediction costs at most one correct one: top-1 drops by at most 10 points)
+    "agreement": ("at_least", 0.90),
 }
 
 
@@ -146,13 +152,15 @@ def _fingerprint(path: str | Path) -> list:
 
 
 def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> str:
-    parts = {"model": _fingerprint(request.model), "calibration": _fingerprint(request.calibration),
-             "seed": request.seed, "samples": request.samples,
-             "text": asdict(request.text_calibration(job.causal)), "mean": request.mean, "std": request.std,
-             "round_to": request.round_to or ROUND_TO, "min_width": request.min_width, "shape": job.shape,
-             "normalise": request.normalise, "gqa": request.gqa, "remove_blocks": request.remove_blocks,
-             "version": version,
-             "layers": LAYERS_VERSION}
+    """The cache key of the dense loss curves: every request field declared to change them
+    (`statistics=True` in `request.py`; references by their content's fingerprint), the values the job
+    derives from them, and the code's versions."""
+    parts: dict[str, object] = {}
+    for name in statistics_fields():
+        value = getattr(request, name)
+        parts[name] = _fingerprint(value) if name in REFERENCES and value is not None else value
+    parts.update(text=asdict(request.text_calibration(job.causal)), round_to=request.round_to or ROUND_TO,
+                 measured_shape=job.shape, version=version, layers=LAYERS_VERSION)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

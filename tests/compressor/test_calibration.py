@@ -92,3 +92,54 @@ def test_text_windows_of_spread_lengths_are_seeded_log_uniform_and_batched_short
                for a, b in zip(fixed, load_text(path, sequences=40, length=64, min_length=64), strict=True))
     with pytest.raises(CalibrationError, match="min_length <= length"):
         load_text(path, sequences=4, length=16, min_length=32)
+
+
+def test_held_out_images_are_never_calibration_images(tmp_path):
+    """Spare images are held out as they are; a file with none to spare gives up 20 % (at least 64, at
+    most half) of its calibration images, and what is held out is checked for size."""
+    from compressor.calibration import split_images
+
+    x = np.random.default_rng(0).integers(0, 256, size=(300, 4, 4, 3), dtype=np.uint8)
+    np.savez(tmp_path / "c.npz", x=x)
+    calibration, held, info = split_images(tmp_path / "c.npz", samples=100, held_out=256)
+    assert torch.equal(calibration, load_images(tmp_path / "c.npz", samples=100))  # the calibration draw as ever
+    assert (info.calibration, info.evaluation, info.taken_from_calibration) == (100, 200, 0)
+    seen = {c.numpy().tobytes() for c in calibration}
+    assert len(held) == 200 and not any(h.numpy().tobytes() in seen for h in held)
+    calibration, held, info = split_images(tmp_path / "c.npz", samples=500, held_out=256)
+    assert (info.calibration, info.evaluation, info.taken_from_calibration) == (236, 64, 64)
+    seen = {c.numpy().tobytes() for c in calibration}
+    assert not any(h.numpy().tobytes() in seen for h in held)
+    info.check(tmp_path / "c.npz")  # enough: no error
+    np.savez(tmp_path / "small.npz", x=x[:100])
+    _, held, info = split_images(tmp_path / "small.npz", samples=500, held_out=256)
+    assert (info.calibration, info.evaluation) == (50, 50) and not info.enough
+    with pytest.raises(CalibrationError, match=r"50 evaluation images unseen by the calibration .* at least 64"):
+        info.check(tmp_path / "small.npz")
+
+
+def test_held_out_text_is_the_texts_end_and_never_a_calibration_window(tmp_path):
+    """The last 10 % of the tokens (at least 512; a straddling document split) is where the evaluation
+    windows come from; a window that repeats a calibration window is dropped."""
+    from compressor.calibration import split_text
+
+    ids = np.arange(6000) % 997 + 3  # no window repeats another
+    np.savez(tmp_path / "ids.npz", ids=ids, offsets=np.array([0, 2500, 5700, 6000]))
+    calibration, held, info = split_text(tmp_path / "ids.npz", sequences=40, length=64, eval_sequences=20)
+    assert (info.calibration, info.evaluation, info.tokens, info.overlap_dropped) == (40, 20, 600, 0)
+    cal_positions = {int(t) for b in calibration for t in b["input_ids"][b["attention_mask"].bool()]}
+    held_positions = {int(t) for b in held for t in b["input_ids"][b["attention_mask"].bool()]}
+    # token t sits at position t - 3 (mod 997): the held-out windows lie in the last 600 positions
+    assert all(t - 3 in range(5400 % 997, 997) or t - 3 < 6000 % 997 for t in held_positions)
+    assert len(held_positions & cal_positions) < len(held_positions)  # ids repeat every 997, windows do not
+    again = split_text(tmp_path / "ids.npz", sequences=40, length=64, eval_sequences=20)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(held, again[1], strict=True))
+    repeated = np.tile(np.arange(3, 35), 100)  # one 32-token sentence a hundred times
+    np.savez(tmp_path / "rep.npz", ids=repeated, offsets=np.array([0, len(repeated)]))
+    _, held, info = split_text(tmp_path / "rep.npz", sequences=40, length=32, eval_sequences=20)
+    assert info.overlap_dropped > 0 and info.evaluation == 20 - info.overlap_dropped
+    np.savez(tmp_path / "short.npz", ids=ids[:600], offsets=np.array([0, 600]))
+    _, _, info = split_text(tmp_path / "short.npz", sequences=4, length=16)
+    assert info.tokens == 300 and not info.enough
+    with pytest.raises(CalibrationError, match=r"300 evaluation tokens .* at least 512"):
+        info.check(tmp_path / "short.npz")

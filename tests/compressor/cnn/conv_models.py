@@ -247,11 +247,111 @@ def prefix_module(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule:
 
 
 def write_conv_job(root: Path, size: int = 16) -> Path:
-    """`model.pt2` (the bottleneck network on size x size images) and `cal.npz` (40 seeded uint8 NHWC
+    """`model.pt2` (the bottleneck network on size x size images) and `cal.npz` (160 seeded uint8 NHWC
     images) in `root`: the smallest complete compression job. The service tests that need an `ok` use
     size 32: at 16 the network runs in ~1.3 ms and its pruned export measures only ~1.2x, close enough
     to the slower-than-dense line (0.98x) for a busy machine to cross it; at 32 it is ~1.47x."""
     save_program(exported("bottleneck", size), root / "model.pt2", torch.randn(2, 3, size, size))
-    x = np.random.default_rng(0).integers(0, 256, size=(40, size, size, 3), dtype=np.uint8)
+    x = np.random.default_rng(0).integers(0, 256, size=(160, size, size, 3), dtype=np.uint8)
     np.savez(root / "cal.npz", x=x)
+    return root
+
+
+class TfliteInvertedResidual(nn.Module):
+    """A MobileNetV2 inverted residual as converted from TFLite: BatchNorm folded into conv biases, ReLU6
+    written as clamp(0, 6)."""
+
+    def __init__(self, inp: int, out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = inp * expand
+        self.expand = nn.Conv2d(inp, hidden, 1) if expand != 1 else None
+        self.dw = nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden)
+        self.project = nn.Conv2d(hidden, out, 1)
+        self.residual = stride == 1 and inp == out
+
+    def forward(self, x):
+        y = relu6(self.expand(x)) if self.expand is not None else x
+        y = self.project(relu6(self.dw(y)))
+        return x + y if self.residual else y
+
+
+class TfliteMobileNetV2(nn.Module):
+    """ImageNet MobileNetV2 (Sandler et al. 2018, table 2) as a TFLite conversion gives it: no BatchNorm,
+    clamp for ReLU6, 1,001 classes (background first). `width` scales every inner width (the last conv's
+    1,280 channels stay, as in the paper for width <= 1), `depth` repeats of each stage at most."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                (6, 320, 1, 1))  # (expansion, channels, repeats, first stride)
+
+    def __init__(self, width: float = 1.0, depth: int = 4, classes: int = 1001, last: int = 1280) -> None:
+        super().__init__()
+
+        def scaled(c: int) -> int:
+            return max(8, int(c * width + 4) // 8 * 8)
+
+        inp = scaled(32)
+        self.stem = nn.Conv2d(3, inp, 3, 2, 1)
+        blocks = []
+        for expand, channels, repeats, stride in self.SETTINGS:
+            for i in range(min(repeats, depth)):
+                blocks.append(TfliteInvertedResidual(inp, scaled(channels), stride if i == 0 else 1, expand))
+                inp = scaled(channels)
+        self.blocks = nn.Sequential(*blocks)
+        self.last = nn.Conv2d(inp, last, 1)
+        self.classifier = nn.Linear(last, classes)
+
+    def forward(self, x):
+        x = relu6(self.last(self.blocks(relu6(self.stem(x)))))
+        return self.classifier(x.mean((2, 3)))
+
+
+def scale_to_unit_variance(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """Rescale each conv's and Linear's weights (in forward order) so that its output has unit variance on
+    `x`: a deep random network without BatchNorm then neither vanishes nor saturates its clamps, as a
+    trained one does not (layer-sequential unit-variance initialisation, Mishkin & Matas 2016)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+    with torch.no_grad():
+        for layer in layers:
+            seen: list[torch.Tensor] = []
+            hook = layer.register_forward_hook(lambda _m, _i, out, seen=seen: seen.append(out))
+            model(x)
+            hook.remove()
+            std = float(seen[0].std())
+            layer.weight.div_(max(std, 1e-6))
+            if layer.bias is not None:
+                layer.bias.div_(max(std, 1e-6))
+    return model
+
+
+def spread_predictions(model: nn.Module, classifier: nn.Linear, x: torch.Tensor, scale: float = 3.0) -> nn.Module:
+    """Re-scale and re-centre `classifier` so that its logits on `x` have mean 0 and std `scale` per class.
+
+    A random network's pooled features are dominated by their mean (ReLU outputs, averaged over space), so
+    it predicts one or two classes for every input; a trained classifier's predictions spread over its
+    classes, which is what top-1 agreement with it measures."""
+    seen: list[torch.Tensor] = []
+    hook = classifier.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(x)
+        hook.remove()
+        features = seen[0].reshape(len(x), -1)
+        logits = features @ classifier.weight.T  # (samples, classes)
+        gain = scale / logits.std(0).clamp_min(1e-6)
+        classifier.weight.mul_(gain[:, None])
+        classifier.bias.copy_(-(logits * gain).mean(0))
+    return model
+
+
+def write_classifier_job(root: Path, size: int = 16, images: int = 160) -> Path:
+    """`classifier.pt2` (the bottleneck network, its predictions spread over its 5 classes) and `images.npz`
+    (`images` seeded uint8 NHWC images) in `root`."""
+    x = np.random.default_rng(0).integers(0, 256, size=(images, size, size, 3), dtype=np.uint8)
+    np.savez(root / "images.npz", x=x)
+    torch.manual_seed(0)
+    model = randomize_batch_norms(BottleneckNet()).eval()
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    normalised = (torch.from_numpy(x).permute(0, 3, 1, 2).float() / 255 - mean) / std
+    spread_predictions(model, model.fc, normalised)
+    save_program(export_module(model, normalised[:2]), root / "classifier.pt2", normalised[:2])
     return root

@@ -3,6 +3,7 @@ through as the pipeline says it) and what each kind refuses."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,21 @@ def test_removing_blocks_is_refused_for_a_transformer_before_it_is_loaded(tmp_pa
                               calibration=tmp_path / "cal.txt", remove_blocks=2)
     with pytest.raises(InputError, match="--remove-blocks is for conv graphs"):
         TextJob(request, print)
+
+
+def test_agreement_with_a_dense_model_that_predicts_one_class_is_flagged():
+    """Top-1 agreement says little when the dense model predicts one class for nearly every held-out image
+    (any model predicting that class agrees): the job warns; spread predictions raise nothing."""
+    from types import SimpleNamespace
+
+    from service.job.kinds import ConvJob, Metric, agreement
+
+    job = SimpleNamespace(metric=Metric("agreement", True))
+    one_class = np.tile([0.1, 3.0, 0.2], (100, 1))
+    one_class[:5, 0] = 5.0
+    (warning,) = ConvJob.baseline_warnings(job, one_class)
+    assert "predicts class 1 for 95% of the 100 held-out images" in warning
+    spread = np.eye(3)[np.arange(99) % 3]
+    assert ConvJob.baseline_warnings(job, spread) == []
+    assert agreement(spread[::-1], spread) == pytest.approx(33 / 99)
+    assert ConvJob.baseline_warnings(SimpleNamespace(metric=Metric("cosine", True)), one_class) == []

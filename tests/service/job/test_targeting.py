@@ -219,6 +219,7 @@ def _request(**fields) -> CompressRequest:
     (Metric("perplexity", False), 51.68, [51.68, 60.0, 103.36], [103.37, 1800.37, float("nan"), float("inf")]),
     (Metric("cosine", True), 1.0, [1.0, 0.95, 0.9], [0.8999, 0.5, float("nan")]),
     (Metric("top1", True), 0.92, [0.92, 0.85, 0.82], [0.8199, 0.5, float("nan")]),
+    (Metric("agreement", True), 1.0, [1.0, 0.95, 0.9], [0.8999, 0.32, float("nan")]),
 ])
 def test_the_default_budget_is_one_rule_per_metric(metric, baseline, allowed, refused):
     rule = accuracy_rule(_request(), metric)
@@ -283,9 +284,9 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
-    x = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
-    np.savez(tmp_path / "cal.npz", x=x)
-    np.savez(tmp_path / "eval.npz", x=x[:20], y=np.arange(20) % 10)
+    x = np.random.default_rng(0).integers(0, 256, size=(120, 16, 16, 3), dtype=np.uint8)
+    np.savez(tmp_path / "cal.npz", x=x[:40])
+    np.savez(tmp_path / "eval.npz", x=x[40:], y=np.arange(80) % 5)
     out = tmp_path / "out"
     code = cli.main(["compress", str(tmp_path / "model.pt2"), "--target-speedup", "1.3", "--calibration",
                      str(tmp_path / "cal.npz"), "--eval", str(tmp_path / "eval.npz"), "--out", str(out),
@@ -330,7 +331,7 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
     from tests.compressor.transformer.transformer_models import tiny_llama
 
     tiny_llama().save_pretrained(tmp_path / "llama")
-    lengths = [30, 25, 40, 33]
+    lengths = [300, 250, 400, 330]  # the text's end (512 tokens) is held out
     np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=sum(lengths)),
              offsets=np.concatenate([[0], np.cumsum(lengths)]))
     out = tmp_path / "out"
@@ -355,7 +356,7 @@ def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(
     from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
-    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(160, 16, 16, 3), dtype=np.uint8))
     base = [str(tmp_path / "model.pt2"), "--calibration", str(tmp_path / "cal.npz"), "--repeats", "3",
             "--shape", "batch=4"]
     codes = [cli.main(["compress", *base, "--uniform-ratio", "0.5", "--out", str(tmp_path / "a")]),
@@ -376,7 +377,7 @@ def test_a_second_target_reuses_the_cached_dense_curves(tmp_path, osscar_home):
     from tests.compressor.cnn.conv_models import exported
 
     save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
-    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, size=(160, 16, 16, 3), dtype=np.uint8))
     messages: list[list[str]] = []
     for target, out in ((1.2, "a"), (1.4, "b")):
         messages.append([])
@@ -399,13 +400,14 @@ def test_fp16_exports_keep_float32_inputs_and_outputs(tmp_path, kind):
         from tests.compressor.cnn.conv_models import exported
 
         save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
-        np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (24, 16, 16, 3), dtype=np.uint8))
+        np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (160, 16, 16, 3), dtype=np.uint8))
         args = [str(tmp_path / "model.pt2"), "--calibration", str(tmp_path / "cal.npz"), "--shape", "batch=4"]
     else:
         from tests.compressor.transformer.transformer_models import tiny_llama
 
         tiny_llama().save_pretrained(tmp_path / "llama")
-        np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=120), offsets=[0, 60, 120])
+        np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200),
+                 offsets=[0, 600, 1200])
         args = [str(tmp_path / "llama"), "--calibration", str(tmp_path / "ids.npz"), "--sequences", "8",
                 "--sequence-length", "16"]
     out = tmp_path / "out"
@@ -418,3 +420,27 @@ def test_fp16_exports_keep_float32_inputs_and_outputs(tmp_path, kind):
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_outputs()[0].type == "tensor(float)"  # a drop-in for the float32 export
     assert all(i.type in ("tensor(float)", "tensor(int64)") for i in session.get_inputs())
+
+
+def test_every_field_that_changes_the_statistics_changes_the_curves_key(tmp_path):
+    """The curves cache is keyed by the fields declared `statistics=True` in request.py: curves taken from
+    float16 activations are not reused for float32 (the stale-cache bug of a hand-written key), nor curves
+    calibrated on what an --eval file leaves in; a field that does not change the statistics shares them."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from service.job.request import statistics_fields
+    from service.job.targeting import curves_cache_key
+
+    (tmp_path / "eval.npz").write_bytes(b"e")
+    job = SimpleNamespace(causal=False, shape={"batch": 8})
+    base = _request()
+    key = curves_cache_key(job, base, "1")
+    changed = {"activation_dtype": "float16", "eval": tmp_path / "eval.npz", "samples": 100, "seed": 1,
+               "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "sequences": 64, "sequence_length": 64,
+               "min_sequence_length": 32, "shape": {"batch": 2}, "round_to": 16, "min_width": 0.2,
+               "gqa": "kv-groups", "remove_blocks": 2, "normalise": "layer", "model": "m2", "calibration": "c2"}
+    assert set(statistics_fields()) == set(changed)
+    for name, value in changed.items():
+        assert curves_cache_key(job, dataclasses.replace(base, **{name: value}), "1") != key, name
+    assert curves_cache_key(job, _request(repeats=5, threads=1, max_rounds=2), "1") == key
