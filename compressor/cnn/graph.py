@@ -43,7 +43,7 @@ from ..modules import get_attr
 
 aten = torch.ops.aten
 
-CONV_OPS = (aten.conv2d.default, aten.convolution.default)
+CONV_OPS = (aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)  # .padding: 'same'/'valid'
 BATCH_NORM_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default)
 LINEAR_OPS = (aten.linear.default,)
 # element-wise ops that torch does not tag pointwise: value-preserving ones (dropout is the identity in
@@ -177,10 +177,26 @@ def conv_spec(node: fx.Node) -> ConvSpec | None:
         stride, padding, dilation, groups = (node.kwargs.get(k, args[i]) for k, i in
                                              (("stride", 3), ("padding", 4), ("dilation", 5), ("groups", 6)))
     weight = _attr(args[1])
-    if weight is None or isinstance(padding, str):
+    if weight is None:
         return None
+    if isinstance(padding, str):
+        padding = _named_padding(padding, args[1], _pair(dilation, 1))
+        if padding is None:
+            return None
     return ConvSpec(node, weight, _pair(stride, 1), _pair(padding, 0), _pair(dilation, 1),
                     int(groups or 1))
+
+
+def _named_padding(name: str, weight: fx.Node, dilation: tuple[int, int]) -> tuple[int, int] | None:
+    """The numbers of conv2d's padding="valid" / "same" (stride 1, as torch requires for "same"), or None
+    where they are not one symmetric pad per side (an even kernel's "same")."""
+    if name == "valid":
+        return (0, 0)
+    shape = _shape(weight)
+    if name != "same" or shape is None or len(shape) != 4:
+        return None
+    total = [d * (k - 1) for d, k in zip(dilation, shape[2:], strict=True)]
+    return (total[0] // 2, total[1] // 2) if all(t % 2 == 0 for t in total) else None
 
 
 def _is_depthwise(spec: ConvSpec, gm: fx.GraphModule) -> bool:

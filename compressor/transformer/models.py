@@ -100,15 +100,6 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
 
 # ---- standard outputs: a pruned model whose config says its widths ------------------------------------
 
-# the config key of the FFN width per family (GPT-2's n_inner is None until set: 4 x n_embd)
-FFN_KEYS = {"bert": "intermediate_size", "roberta": "intermediate_size", "xlm-roberta": "intermediate_size",
-            "vit": "intermediate_size", "opt": "ffn_dim", "gpt2": "n_inner", "llama": "intermediate_size",
-            "mistral": "intermediate_size", "qwen2": "intermediate_size"}
-# families whose config carries head_dim: the head count can change without changing the head size (the
-# others derive it as hidden / heads, so only their FFN width can be said)
-HEAD_DIM_FAMILIES = ("llama", "mistral", "qwen2")
-
-
 def standard_config(config: dict, manifest: dict) -> dict | None:
     """config.json (a dict) that describes the widths of a width manifest (`osscar_widths.json`), so that
     transformers builds the pruned model from it alone, or None when it cannot: layers of different
@@ -116,10 +107,10 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     heads through a map that repeat_kv does not express (uneven query heads per KV head), or a config
     that transformers' own validation refuses (Llama: hidden_size must stay a multiple of the heads)."""
     model_type = config.get("model_type")
-    ffn_key = FFN_KEYS.get(model_type)
-    if ffn_key is None or model_type not in ADAPTERS:
+    if model_type not in ADAPTERS:
         return None
     adapter = ADAPTERS[model_type]
+    ffn_key = adapter.ffn_key
     import transformers
 
     # config.json keeps a family's own names (GPT-2: n_head for num_attention_heads)
@@ -139,7 +130,7 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     out = dict(config)
     out[ffn_key] = int(ffn[0])
     if (kept, kv_heads) != (heads_before, kv_before):
-        if model_type not in HEAD_DIM_FAMILIES:
+        if not adapter.config_head_dim:
             return None
         out["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads_before)
         out[adapter.heads_key] = kept

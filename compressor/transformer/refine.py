@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..refine import Reconstruction, RefineConfig
 from ..reports import RefineReport
+from .surgery import is_projection
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class BlockReconstruction:
 
     def __init__(self, block: nn.Module, config: RefineConfig) -> None:
         self.block, self.config = block, config
-        linear = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        linear = [m for m in block.modules() if is_projection(m)]  # GPT-2's Conv1D too
         norms = [m for m in block.modules() if "norm" in type(m).__name__.lower()] if config.norms else []
         self.parameters = [p for m in linear + norms for p in m.parameters(recurse=False)]
         assert self.parameters, f"{type(block).__name__}: no linear layers to fit"

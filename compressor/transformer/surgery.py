@@ -34,9 +34,14 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
+def is_projection(module: nn.Module) -> bool:
+    """An nn.Linear, or transformers' Conv1D (GPT-2: a Linear with its weight stored transposed)."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
 def projection(layer: nn.Module, path: str) -> nn.Module:
     module = layer.get_submodule(path)
-    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+    if not is_projection(module):
         raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear or Conv1D")
     return module
 

@@ -11,6 +11,7 @@ transformer parts never meet anywhere else.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -46,6 +47,7 @@ from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
+from compressor.transformer.adapters import check_config
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer, resize_transformer
@@ -172,7 +174,17 @@ class ModelJob(Protocol):
 
 
 def open_job(request: CompressRequest, say: Say) -> ModelJob:
-    """The job for the request's model kind (see the module docstring)."""
+    """The job for the request's model kind (see the module docstring). A Hugging Face directory of an
+    architecture nothing here prunes is refused before anything loads, with its reason
+    (`check_config`, the rule the server's submission applies too)."""
+    directory = Path(str(request.model)).expanduser()
+    if (directory / "config.json").is_file():
+        try:
+            config_json = json.loads((directory / "config.json").read_text())
+        except ValueError as err:
+            raise InputError(f"{request.model}: config.json is not valid JSON") from err
+        if isinstance(config_json, dict):
+            check_config(config_json, str(request.model))
     config = transformer_config(request.model)
     if config is not None:
         if "num_channels" in config:

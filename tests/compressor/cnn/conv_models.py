@@ -139,6 +139,22 @@ class OptionANet(nn.Module):
         return self.linear(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+class NamedPaddingNet(nn.Module):
+    """Convs with padding="same" (odd kernels, dilated too) and "valid", as EfficientNet-style exports write
+    them (aten.conv2d.padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 12, 3, padding="same")
+        self.conv2 = nn.Conv2d(12, 10, 3, padding="valid", dilation=2)
+        self.conv3 = nn.Conv2d(10, 8, 5, padding="same")
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.fc(F.silu(self.conv3(x)).mean((2, 3)))
+
+
 def relu6(x):
     return torch.clamp(x, 0, 6)  # how exported MobileNetV2s often write ReLU6
 
@@ -209,7 +225,7 @@ def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet,
-          "option_a": OptionANet, "mobilenet_v2": MobileNetV2}
+          "option_a": OptionANet, "mobilenet_v2": MobileNetV2, "named_padding": NamedPaddingNet}
 # the channel groups each model must expose, in order: in-block units by their consumer, coupled groups
 # (residual streams) by their first producer
 EXPECTED_UNITS = {
@@ -218,6 +234,7 @@ EXPECTED_UNITS = {
     "folded_pad": ["conv2", "conv3", "fc"],
     "option_a": ["coupled:conv1", "layer1.0.conv2", "layer1.1.conv2", "layer2.0.conv2", "coupled:layer2.0.conv2",
                  "layer2.1.conv2"],
+    "named_padding": ["conv2", "conv3", "fc"],
     "mobilenet_v2": ["coupled:stem", "blocks.1.project", "coupled:blocks.1.project", "coupled:blocks.2.expand",
                      "blocks.2.excite.2", "blocks.3.project", "coupled:blocks.3.project", "blocks.4.project", "fc"],
 }

@@ -104,7 +104,8 @@ def test_uniform_heads_and_ffn_of_a_head_dim_family_load_with_transformers_alone
 
 @pytest.mark.parametrize("name", ["bert", "vit", "opt", "gpt2"])
 def test_a_uniform_ffn_of_any_family_loads_with_transformers_alone(name, tmp_path):
-    from compressor.transformer.models import FFN_KEYS, save_standard
+    from compressor.transformer.adapters import ADAPTERS
+    from compressor.transformer.models import save_standard
     from compressor.transformer.surgery import MANIFEST, prune_ffn
 
     model = MODELS[name]()
@@ -114,7 +115,7 @@ def test_a_uniform_ffn_of_any_family_loads_with_transformers_alone(name, tmp_pat
     expected = first_output(model, inputs)
     assert save_standard(model, tmp_path / name)
     assert not (tmp_path / name / MANIFEST).exists()
-    assert json.loads((tmp_path / name / "config.json").read_text())[FFN_KEYS[name]] == 16
+    assert json.loads((tmp_path / name / "config.json").read_text())[ADAPTERS[name].ffn_key] == 16
     loaded = _auto_load(tmp_path / name, causal=name in ("opt", "gpt2"))
     torch.testing.assert_close(first_output(loaded, inputs), expected)
 

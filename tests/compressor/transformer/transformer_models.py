@@ -49,8 +49,29 @@ def tiny_qwen2():
         intermediate_size=20, max_position_embeddings=32))
 
 
+def tiny_distilbert():
+    """Post-norm like BERT, its own module and config names (n_heads, dim, hidden_dim)."""
+    return _seeded(transformers.DistilBertModel, transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=24, max_position_embeddings=32))
+
+
+def tiny_qwen3():
+    """Grouped-query attention with per-head q/k norms (q_norm, k_norm over head_dim)."""
+    return _seeded(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=20, max_position_embeddings=32))
+
+
+def tiny_gemma2():
+    """Head size not hidden / heads, norms after each sub-layer, soft-capping, a sliding-window layer,
+    gated GELU."""
+    return _seeded(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=20, max_position_embeddings=32, sliding_window=4))
+
+
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "opt": tiny_opt, "gpt2": tiny_gpt2, "llama": tiny_llama,
-          "qwen2": tiny_qwen2}
+          "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3, "gemma2": tiny_gemma2}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

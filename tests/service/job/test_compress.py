@@ -566,3 +566,42 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
     assert [layer["width_after"] for layer in report["layers"]] == [8, 8, 8, 4, 4]
     assert rounded_widths([("a", 67 * 2), ("b", 16), ("c", 5), ("d", 3)], 0.5, 8) == {"a": 64, "b": 8, "c": 3, "d": 1}
     assert rounded_widths([("a", 64)], 0.95, 8) == {"a": 8}  # at least one multiple
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "mixtral"}, "'mixtral' is not supported: Mixture-of-Experts experts are not a prunable unit yet"),
+    ({"model_type": "gemma3_text"}, "sliding-window layers do not export to ONNX correctly beyond their window"),
+    ({"model_type": "phi3"}, "fused qkv_proj and gate_up_proj"),
+    ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
+    ({"model_type": "swin", "num_channels": 3, "num_heads": [3, 6]}, "'swin' is a vision transformer that is not "
+                                                                     "supported"),
+])
+def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, config, words, capsys):
+    """The CLI applies the server's architecture rule (check_config) before loading anything: the line names
+    the family and why, never the conv path's "not an image model"."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "ids.npz").write_bytes(b"")  # never read: the refusal comes first
+    assert cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert words in err and "not an image model" not in err
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "gemma2", "distilbert"])
+def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
+    """GPT-2 (Conv1D projections: block reconstruction fits them too), Qwen3, Gemma 2 and DistilBERT, tiny
+    random-init, through the CLI with the default reconstruction: pruned, exported, parity-checked."""
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    MODELS[family]().save_pretrained(tmp_path / family)
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / family), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16", "--repeats", "3",
+                     "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    assert report["params_after"] < report["params_before"] and report["block_reconstruction"]["blocks"] == 2
+    assert report["artifacts"]["parity"]["peak_error"] < 2e-3
