@@ -354,6 +354,8 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
             observe(LayerObservation(unit.name, unit.kind, finished.H, finished.G, g, finished.energy,
                                      channel_cost(unit), _stream_energy(dense_walk, dense_unit)))
         sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=problem.W_hat)
+        if sol.stats.get("fallback"):
+            _warn(progress, f"{unit.name}: the search fell back to {sol.stats['fallback']}")
         kept = kept_solution(sol, g, problem.scale, finished)
         keep = kept.keep
         new_weights, shifts = [], []

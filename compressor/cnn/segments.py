@@ -63,10 +63,10 @@ class GraphWalker:
         new_values: dict[fx.Node, list[Tensor]] = {n: [] for n in outputs}
         with torch.no_grad():
             for b in range(len(next(iter(self.values.values())))):
-                args = [self.values[n][b].to(self.device) for n in inputs]
+                args = [_moved(self.values[n][b], self.device) for n in inputs]
                 results = segment(*args)
                 for node, value in zip(outputs, results, strict=True):
-                    new_values[node].append(value.cpu())
+                    new_values[node].append(_moved(value, torch.device("cpu")))
         keep = self._live_after(target)
         self.values = {n: v for n, v in {**self.values, **new_values}.items() if n in keep or n is cut}
         self.position, self.at = target, cut
@@ -83,7 +83,7 @@ class GraphWalker:
         segment = self._segment(inputs, missing) if missing else None
         with torch.no_grad():
             for b in range(len(next(iter(self.values.values())))):
-                known = {n: self.values[n][b].to(self.device) for n in inputs}
+                known = {n: _moved(self.values[n][b], self.device) for n in inputs}
                 if segment is not None:
                     known.update(zip(missing, segment(*(known[n] for n in inputs)), strict=True))
                 yield [known[n] for n in nodes]
@@ -125,3 +125,8 @@ class GraphWalker:
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[n] for n in outputs))
         return fx.GraphModule(attrs, graph)
+
+
+def _moved(value: object, device: torch.device) -> object:
+    """A live value on `device`: tensors move; scalars a graph computes (a shape's size) stay as they are."""
+    return value.to(device) if isinstance(value, Tensor) else value

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .problem import DAMPING_LADDER, LayerProblem, damping_delta, factorize, group_rows, host_index
+from .problem import DAMPING_LADDER, IllConditioned, LayerProblem, damping_delta, factorize, group_rows, host_index
 from .sweep import NestedState, PivotError, SwapState, _pivot_inverse_ex, block_gram
 
 State = TypeVar("State", NestedState, SwapState)
@@ -130,7 +130,7 @@ class OsscarSolver:
         self._count("refactorisations")
         higher = [lam for lam in DAMPING_LADDER if lam > self.damping]
         if not higher:
-            raise ValueError("H is too ill-conditioned for the search even with the largest damping")
+            raise IllConditioned("H is too ill-conditioned for the search even with the largest damping")
         fresh = self.start(floor=higher[0])
         # what improve() and dense_objective() reuse must be of the same (damped) problem as the states
         self._nested = fresh

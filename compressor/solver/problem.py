@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 DAMPING_LADDER = (0.0, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2)
 
 
+class IllConditioned(ValueError):
+    """H is too ill-conditioned for a method's search even with the largest damping of DAMPING_LADDER."""
+
+
 @dataclass(frozen=True)
 class LayerProblem:
     """Validated inputs of `solve_layer`, on the caller's device, in float64 for exact evaluation."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .baselines import exact_support, magnitude_support, thinet_support
 from .osscar import OsscarConfig, OsscarSolver
-from .problem import LayerProblem, LayerSolution, group_rows
+from .problem import IllConditioned, LayerProblem, LayerSolution, group_rows
 from .sweep import SwapState
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,17 @@ def solve_layer(
     if method in ("mp", "mp+") and pb.dense_weight is None:
         raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
     start = time.perf_counter()
-    result = METHODS[method](pb, dict(options))
+    try:
+        result = METHODS[method](pb, dict(options))
+    except IllConditioned as err:
+        if method != "osscar" or pb.dense_weight is None:
+            raise
+        # the search's exchanges lose positive definiteness even at the largest damping (an H whose scales
+        # span more than float64 resolves): the layer gets MP+'s support and refit, which the search would
+        # otherwise have had to beat, and says so
+        log.warning("osscar: %s; this layer falls back to mp+", err)
+        result = METHODS["mp+"](pb, {})
+        result.stats["fallback"] = f"mp+ ({err})"
     pruned = torch.sort(result.pruned).values
     weight = result.weight.to(pb.out_dtype)
     weight[group_rows(pruned, pb.group_size)] = 0

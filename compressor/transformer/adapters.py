@@ -9,7 +9,7 @@ every HF model has and that say nothing about the pruned widths (`use_cache`, `a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -50,11 +50,15 @@ class FamilyAdapter:
     # the config carries head_dim: the head count can change without changing the head size (otherwise
     # the head size is hidden / heads, and only an FFN-only pruning can be said in the config)
     config_head_dim: bool = False
+    # position ids start after the padding index (RoBERTa: pad_token_id + 1), so max_position_embeddings
+    # holds that many positions fewer than a sequence may use
+    positions_after_padding: bool = False
 
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
                           v="attention.self.value", o="attention.output.dense", up=("intermediate.dense",),
                           down="output.dense", o_norm="attention.output.LayerNorm", down_norm="output.LayerNorm")
+ROBERTA_LIKE = replace(BERT_LIKE, positions_after_padding=True)
 VIT_LIKE = FamilyAdapter(layers="layers", q="attention.q_proj", k="attention.k_proj", v="attention.v_proj",
                          o="attention.o_proj", up=("mlp.fc1",), down="mlp.fc2")
 # pre-norm OPT (do_layer_norm_before, every size but 350m); its reshapes use self.num_heads
@@ -79,8 +83,8 @@ DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="a
 # sub-layer, soft-capping and sliding windows, none of which reads the pruned widths
 ADAPTERS: dict[str, FamilyAdapter] = {
     "bert": BERT_LIKE,
-    "roberta": BERT_LIKE,
-    "xlm-roberta": BERT_LIKE,
+    "roberta": ROBERTA_LIKE,
+    "xlm-roberta": ROBERTA_LIKE,
     "distilbert": DISTILBERT,
     "vit": VIT_LIKE,
     "opt": OPT_LIKE,
@@ -172,6 +176,17 @@ def dims(model: nn.Module) -> TransformerDims:
     if adapter.fused_qkv and kv_heads != heads:
         raise UnsupportedArchitecture("fused q/k/v projections with grouped-query attention are not supported")
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def max_sequence(model: nn.Module) -> int | None:
+    """The longest sequence the model's position embeddings take (None: no limit in its config)."""
+    config = model.config
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if not limit:
+        return None
+    if adapter_for(model).positions_after_padding:
+        limit -= int(getattr(config, "pad_token_id", 0) or 0) + 1
+    return limit
 
 
 def check_config(config: dict, reference: str) -> None:

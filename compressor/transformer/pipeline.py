@@ -347,6 +347,8 @@ def prune_blocks(
                 observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
                                          group_cost(model, kind, cost_sequence_length, gqa), stream_energy))
             sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=W_hat, rank=finished.rank)
+            if sol.stats.get("fallback") and progress:  # a job's WARNING lines also go to its report
+                progress(f"WARNING: {name}: the search fell back to {sol.stats['fallback']}")
             kept = kept_solution(sol, g, scale, finished)
             new_weight = kept.weight.T.float()  # (out, kept)
             if center:  # the intercept: the refit output's mean matches the dense one

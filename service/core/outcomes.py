@@ -51,7 +51,8 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome("accuracy_budget_exceeded", "report", FAILED, "FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED", 2, True,
             "no round kept the metric within the accuracy budget: `accuracy_budget` (max relative drop) or, unset, "
             "the default rule (perplexity at most 2x dense, cosine at least 0.9, top-1 at most 10 points below "
-            "dense); the best round is delivered, the numbers and the rule in the message"),
+            "dense, top-1 agreement with dense at least 0.9); the best round is delivered, the numbers and the rule "
+            "in the message"),
     Outcome("slower_than_dense", "report", FAILED, "FAILED_PRECONDITION", "SLOWER_THAN_DENSE", 2, True,
             "the returned model measured below 0.98x the dense model's speed (e.g. a uniform ratio with unrounded "
             "widths: `--round-to 8` rounds them); the artifact is delivered, the numbers in the metadata"),

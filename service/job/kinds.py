@@ -47,7 +47,7 @@ from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
-from compressor.transformer.adapters import check_config
+from compressor.transformer.adapters import check_config, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer, resize_transformer
@@ -461,12 +461,13 @@ class TextJob(_TransformerJob):
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
         self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
-        limit = int(getattr(self.dense.config, "max_position_embeddings", 0) or 0)
+        limit = max_sequence(self.dense)
         if limit:
             default["sequence"] = min(default["sequence"], limit)
             if request.shape.get("sequence", 0) > limit:
-                raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the model's "
-                                 f"max_position_embeddings ({limit})")
+                raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the {limit} positions the "
+                                 f"model's position embeddings take (max_position_embeddings "
+                                 f"{self.dense.config.max_position_embeddings})")
         self.shape = {**default, **request.shape}
         self.tokens = self.shape["sequence"]
         lengths = (f"{self.draw.min_length}-{self.draw.length}" if self.draw.min_length < self.draw.length

@@ -96,6 +96,25 @@ def test_guard_keeps_mp_plus_when_a_crippled_search_loses_to_it():
     assert "mp+" in sources and "osscar" in sources
 
 
+def test_a_search_that_loses_definiteness_at_every_damping_falls_back_to_mp_plus(monkeypatch):
+    """Where the search's exchanges lose positive definiteness even at the largest damping, the layer gets
+    MP+'s support and refit (what the search had to beat anyway) and the stats say so; without a dense
+    weight there is no MP+ and the error stands."""
+    from compressor.solver.problem import IllConditioned
+
+    def hopeless(self, *args, **kwargs):
+        raise IllConditioned("H is too ill-conditioned for the search even with the largest damping")
+
+    monkeypatch.setattr(OsscarSolver, "search", hopeless)
+    pb = correlated_problem(24, 6, 2, samples=60, seed=0, shift=0.5)
+    sol = solve_layer(pb.H, pb.G, 2, 6, dense_weight=pb.dense_weight)
+    mp = solve_layer(pb.H, pb.G, 2, 6, "mp+", dense_weight=pb.dense_weight)
+    assert sol.pruned == mp.pruned and sol.objective == pytest.approx(mp.objective)
+    assert sol.method == "osscar" and sol.stats["fallback"].startswith("mp+ (H is too ill-conditioned")
+    with pytest.raises(IllConditioned):
+        solve_layer(pb.H, pb.G, 2, 6)
+
+
 def test_osscar_matches_exact_on_small_problems_most_of_the_time():
     gaps = []
     for seed in range(12):

@@ -180,3 +180,19 @@ def test_a_config_transformers_would_refuse_keeps_the_manifest(name, standard, t
     assert (tmp_path / name / MANIFEST).exists() is not standard
     loaded = _auto_load(tmp_path / name, causal=True) if standard else load_pruned(tmp_path / name)
     torch.testing.assert_close(first_output(loaded, inputs), first_output(model, inputs))
+
+
+def test_the_longest_sequence_leaves_roberta_its_positions_after_padding():
+    """RoBERTa's position ids start at pad_token_id + 1, so 34 position embeddings take 32 tokens (a measured
+    shape of 34 would index past them in ONNX Runtime); BERT's take all of theirs."""
+    import transformers
+
+    from compressor.transformer.adapters import max_sequence
+
+    common = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
+                  max_position_embeddings=34)
+    roberta = transformers.RobertaModel(transformers.RobertaConfig(pad_token_id=1, **common))
+    assert max_sequence(roberta) == 32
+    ids = torch.randint(3, 50, (1, 32))
+    assert roberta(input_ids=ids).last_hidden_state.shape == (1, 32, 32)  # the limit itself runs
+    assert max_sequence(transformers.BertModel(transformers.BertConfig(**common))) == 34

@@ -1,0 +1,164 @@
+"""Every family users bring, as a tiny random-init Hugging Face directory, through `osscar compress` at a
+uniform ratio and at a measured-speedup target: ok / refused (with the line a user reads), the parity
+error of the returned export, the measured speedup and the seconds.
+
+Random weights: quality is not measured here (budgets are off), structure, export and latency are. Speeds
+of models this small are noise (slower_than_dense is common); what matters is that each family either
+compresses end to end or is refused in one line.
+
+    .venv/bin/python bench/zoo.py [--families llama,qwen3] [--modes uniform,target]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = dict(vocab_size=50, max_position_embeddings=64)
+
+
+def _lm(cls: str, config: str, **fields) -> Callable[[], object]:
+    def build():
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        return getattr(transformers, cls)(getattr(transformers, config)(**fields)).eval()
+
+    return build
+
+
+GQA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+           **TEXT)
+ENCODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96, **TEXT)
+IMAGE = dict(num_channels=3, image_size=32)
+# (family, model builder, input kind)
+FAMILIES: list[tuple[str, Callable[[], object], str]] = [
+    ("llama", _lm("LlamaForCausalLM", "LlamaConfig", head_dim=8, **GQA), "text"),
+    ("mistral", _lm("MistralForCausalLM", "MistralConfig", head_dim=8, **GQA), "text"),
+    ("qwen2", _lm("Qwen2ForCausalLM", "Qwen2Config", **GQA), "text"),
+    ("qwen3", _lm("Qwen3ForCausalLM", "Qwen3Config", head_dim=8, **GQA), "text"),
+    ("gemma", _lm("GemmaForCausalLM", "GemmaConfig", head_dim=8, **GQA), "text"),
+    ("gemma2", _lm("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, sliding_window=16, **GQA), "text"),
+    ("gemma3_text", _lm("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=16, **GQA), "text"),
+    ("phi3", _lm("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2, **GQA), "text"),
+    ("gpt_neox", _lm("GPTNeoXForCausalLM", "GPTNeoXConfig", **ENCODER), "text"),
+    ("opt", _lm("OPTForCausalLM", "OPTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                ffn_dim=96, word_embed_proj_dim=64, **TEXT), "text"),
+    ("gpt2", _lm("GPT2LMHeadModel", "GPT2Config", n_embd=64, n_layer=2, n_head=8, n_inner=96, n_positions=64,
+                 vocab_size=50), "text"),
+    ("mixtral", _lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **GQA),
+     "text"),
+    ("bert", _lm("BertModel", "BertConfig", **ENCODER), "text"),
+    ("roberta", _lm("RobertaModel", "RobertaConfig", pad_token_id=1, **ENCODER), "text"),
+    ("distilbert", _lm("DistilBertModel", "DistilBertConfig", dim=64, n_layers=2, n_heads=8, hidden_dim=96, **TEXT),
+     "text"),
+    ("deberta-v2", _lm("DebertaV2Model", "DebertaV2Config", **ENCODER), "text"),
+    ("modernbert", _lm("ModernBertModel", "ModernBertConfig", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       cls_token_id=1, sep_token_id=2, **ENCODER), "text"),
+    ("mpnet", _lm("MPNetModel", "MPNetConfig", **ENCODER), "text"),
+    ("vit", _lm("ViTModel", "ViTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                intermediate_size=96, patch_size=8, add_pooling_layer=False, **IMAGE), "image"),
+    ("deit", _lm("DeiTModel", "DeiTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 intermediate_size=96, patch_size=8, add_pooling_layer=False, **IMAGE), "image"),
+    ("swin", _lm("SwinModel", "SwinConfig", embed_dim=16, depths=[1, 1], num_heads=[2, 4], patch_size=4, window_size=4,
+                 **IMAGE), "image"),
+    ("resnet", _lm("ResNetForImageClassification", "ResNetConfig", embedding_size=16, hidden_sizes=[16, 32],
+                   depths=[1, 1], num_labels=10, num_channels=3), "image224"),
+    ("mobilenet_v2", _lm("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
+                         num_labels=10, **IMAGE), "image"),
+    ("efficientnet", _lm("EfficientNetForImageClassification", "EfficientNetConfig", width_coefficient=0.25,
+                         depth_coefficient=0.25, hidden_dim=320, num_labels=10, **IMAGE), "image"),
+    ("convnext", _lm("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[16, 32], depths=[1, 1],
+                     num_stages=2, num_labels=10, num_channels=3), "image224"),
+]
+MODES = {"uniform": ["--uniform-ratio", "0.25"], "target": ["--target-speedup", "1.3", "--max-rounds", "2"]}
+
+
+def _data(root: Path) -> dict[str, Path]:
+    rng = np.random.default_rng(0)
+    np.savez(root / "ids.npz", ids=rng.integers(3, 50, size=4000), offsets=[0, 2000, 4000])
+    np.savez(root / "images.npz", x=rng.integers(0, 256, size=(200, 32, 32, 3), dtype=np.uint8))
+    # configs without image_size (ResNet, ConvNeXt) are loaded at 224 x 224
+    np.savez(root / "images224.npz", x=rng.integers(0, 256, size=(160, 224, 224, 3), dtype=np.uint8))
+    return {"text": root / "ids.npz", "image": root / "images.npz", "image224": root / "images224.npz"}
+
+
+def run(family: str, build: Callable[[], object], kind: str, mode: str, root: Path, data: dict[str, Path]) -> dict:
+    from service import cli
+
+    directory = root / family
+    if not directory.exists():
+        try:
+            build().save_pretrained(directory)
+        except Exception as exc:  # a config this table gets wrong for the installed transformers
+            return {"family": family, "mode": mode, "result": f"not built: {type(exc).__name__}: {str(exc)[:100]}",
+                    "seconds": 0.0}
+    out = root / f"{family}-{mode}"
+    args = ["compress", str(directory), *MODES[mode], "--calibration", str(data[kind]), "--out", str(out),
+            "--repeats", "5", "--accuracy-budget", "none", "--samples", "64", "--refine-steps", "0"]
+    if kind == "image224":
+        args += ["--shape", "batch=8"]
+    if kind == "text":
+        args += ["--sequences", "32", "--sequence-length", "32"]
+    err = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = cli.main(args)
+    except Exception as exc:  # a traceback is a result here: the table says which family still raises
+        return {"family": family, "mode": mode, "result": f"traceback: {type(exc).__name__}: {str(exc)[:120]}",
+                "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    last = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
+    report_path = out / "report.json"
+    if not report_path.is_file():
+        return {"family": family, "mode": mode, "result": f"refused (exit {code}): {last[:200]}", "seconds": seconds}
+    report = json.loads(report_path.read_text())
+    parity = report.get("artifacts", {}).get("parity", {})
+    return {"family": family, "mode": mode, "result": report["status"], "speedup": report.get("measured_speedup"),
+            "parity_peak": parity.get("peak_error"),
+            "params": [report.get("params_before"), report.get("params_after")], "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default="", help="comma-separated (default: all)")
+    parser.add_argument("--modes", default="uniform,target")
+    args = parser.parse_args()
+    chosen = set(filter(None, args.families.split(",")))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = _data(root)
+        for family, build, kind in FAMILIES:
+            if chosen and family not in chosen:
+                continue
+            for mode in args.modes.split(","):
+                row = run(family, build, kind, mode, root, data)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("\n| family | mode | result | measured speedup | parity peak | seconds |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        speed = f"{r['speedup']:.3f}x" if r.get("speedup") else "-"
+        peak = f"{r['parity_peak']:.1e}" if r.get("parity_peak") is not None else "-"
+        print(f"| {r['family']} | {r['mode']} | {r['result']} | {speed} | {peak} | {r['seconds']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
