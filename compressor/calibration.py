@@ -40,7 +40,7 @@ def load_images(
     if samples < 1:
         raise CalibrationError(f"samples must be >= 1 (got {samples})")
     raw = _image_array(Path(path), mean, std)
-    return _image_tensor(raw[_draw(len(raw), samples, seed)], mean, std)
+    return _image_tensor(raw[draw(len(raw), samples, seed)], mean, std)
 
 
 MIN_HELD_OUT_IMAGES = 64  # fewer held-out images than this cannot tell a broken model from a sound one
@@ -101,16 +101,16 @@ def split_images(
     path = Path(path)
     raw = _image_array(path, mean, std)
     n = len(raw)
-    calibration = _draw(n, samples, seed)
+    calibration = draw(n, samples, seed)
     spare = np.setdiff1d(np.arange(n), calibration)
     taken = 0
     if len(spare) < MIN_HELD_OUT_IMAGES:  # the calibration gives up images (never more than half the file)
         want = min(held_out, max(MIN_HELD_OUT_IMAGES, math.ceil(HELD_OUT_SHARE * n)), n // 2)
-        spare = np.sort(np.random.default_rng(seed + 1).permutation(n)[:want])
+        spare = draw(n, want, seed + 1)
         kept = np.setdiff1d(calibration, spare)
         taken = len(calibration) - len(kept)
         calibration = kept
-    evaluation = spare[_draw(len(spare), held_out, seed + 1)]
+    evaluation = spare[draw(len(spare), held_out, seed + 1)]
     info = HeldOut("held out of the calibration file", len(calibration), len(evaluation),
                    taken_from_calibration=taken)
     return _image_tensor(raw[calibration], mean, std), _image_tensor(raw[evaluation], mean, std), info
@@ -126,7 +126,7 @@ def _digest(x: torch.Tensor) -> bytes:
     return hashlib.blake2b(x.contiguous().numpy().tobytes(), digest_size=16).digest()
 
 
-def _draw(n: int, samples: int, seed: int) -> np.ndarray:
+def draw(n: int, samples: int, seed: int) -> np.ndarray:
     """Sorted indices of `samples` of n items drawn without replacement with `seed` (all when fewer)."""
     if samples >= n:
         return np.arange(n)

@@ -29,6 +29,7 @@ from torch import nn
 from compressor.calibration import (
     HeldOut,
     count_tokens,
+    draw,
     drop_seen,
     load_images,
     load_text,
@@ -267,7 +268,7 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
     unseen = drop_seen(eval_x, images)
     eval_x, eval_y = eval_x[unseen], (eval_y[unseen.numpy()] if eval_y is not None else None)
     if eval_y is None and len(eval_x) > held_out:  # labels make every image count; without, a seeded draw
-        eval_x = eval_x[np.sort(np.random.default_rng(request.seed + 1).permutation(len(eval_x))[:held_out])]
+        eval_x = eval_x[draw(len(eval_x), held_out, request.seed + 1)]
     info = HeldOut("the --eval file", len(images), len(eval_x), overlap_dropped=int((~unseen).sum()))
     return images, eval_x, eval_y, info
 
