@@ -4,8 +4,13 @@
     python bench/speedup.py --models resnet20 --targets 1.5
 
 For each model and target: `osscar compress --target-speedup X` with osscar (the closed loop), then
-the same per-layer widths with mp+ (`--widths-from` the osscar report), so the two methods are
-compared at the same measured speedup. ONNX Runtime CPU execution provider. Models: ResNet-20/56
+the same structure (removed blocks or layers and per-layer widths) with mp+ (`--widths-from` the osscar
+report), so the methods are compared at the same measured speedup. Language models (`--baselines`, on
+by default for them) also get the retraining-free LLM baselines through the same structure, FLAP's
+fluctuation score with its bias compensation and Wanda-sp (no reconstruction: their papers fit
+nothing), and a depth-only baseline in the manner of ShortGPT / SLEB: whole layers removed, least
+removal loss first (the order the osscar job's depth plan measured), until the measured speedup
+reaches the osscar job's. ONNX Runtime CPU execution provider. Models: ResNet-20/56
 (CIFAR-10, batch 64, top-1 on test_first1017), all-MiniLM-L6-v2 (batch 8 x seq 128, embedding cosine
 to the dense model on WikiText-2 sentences), and an OPT-style decoder with random weights (batch 1 x
 seq 512; speed only). Results are appended to --out (JSON lines) as they come.
@@ -75,6 +80,42 @@ def run(args: list[str]) -> tuple[dict, float, int]:
     return json.loads((out / "report.json").read_text()), time.perf_counter() - start, proc.returncode
 
 
+LANGUAGE_MODELS = ("minilm", "opt-random", "smollm2")
+
+
+def _split_layer_name(name: str) -> tuple[str, int, str]:
+    """"model.layers.7.self_attn.o_proj" -> ("model.layers", 7, "self_attn.o_proj")."""
+    parts = name.split(".")
+    at = next(i for i, part in enumerate(parts) if part.isdigit())
+    return ".".join(parts[:at]), int(parts[at]), ".".join(parts[at + 1:])
+
+
+def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float] | None:
+    """ShortGPT / SLEB's baseline: whole layers only, the least removal loss first, one more at a time
+    until the measured speedup reaches the osscar job's (each a job whose report names the layers removed
+    and every width dense); None when the osscar job weighed no layers."""
+    options = (osscar.get("depth") or {}).get("options") or []
+    order = [o["last"] for o in options if o.get("last")]
+    # every layer's dense widths, the ones the osscar job removed too: its kept layers' names and widths
+    # with each layer's index (the families here have equal widths in every layer)
+    layers = json.loads((Path(base[0]) / "config.json").read_text())["num_hidden_layers"]
+    templates = {}
+    for r in osscar["layers"]:
+        prefix, _, rest = _split_layer_name(r["name"])
+        templates[(prefix, rest)] = r["width_before"]
+    full = [{"name": f"{prefix}.{i}.{rest}", "width_after": width} for (prefix, rest), width in templates.items()
+            for i in range(layers)]
+    result = None
+    for count in range(1, len(order) + 1):
+        spec = work / f"{count}" / "structure.json"
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text(json.dumps({"layers": full, "removed_layers": order[:count]}))
+        result = run([*base, "--widths-from", str(spec), "--method", "mp", "--out", str(spec.parent / "out")])[:2]
+        if result[0]["measured_speedup"] >= 0.98 * osscar["measured_speedup"]:
+            break
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet20,minilm,opt-random,resnet56")
@@ -97,6 +138,14 @@ def main() -> None:
                 mp_report, mp_seconds, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method",
                                                 "mp+", "--out", str(args.work / f"{model}-{target}-mp+")])
                 rows.append(("mp+", mp_report, mp_seconds))
+            if not args.no_mp and model in LANGUAGE_MODELS:
+                for method in ("flap", "wanda-sp"):
+                    rep, secs, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method", method,
+                                        "--out", str(args.work / f"{model}-{target}-{method}")])
+                    rows.append((method, rep, secs))
+                depth = depth_only(base, report, args.work / f"{model}-{target}-depth")
+                if depth is not None:
+                    rows.append(("depth-only", *depth))
             for method, rep, secs in rows:
                 row = {"date": time.strftime("%Y-%m-%d"), "model": model, "target": float(target), "method": method,
                        "status": rep["status"], "measured_speedup": rep["measured_speedup"],

@@ -11,6 +11,7 @@ predicted saving is reached or every layer is at its narrowest allowed width.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,3 +109,45 @@ def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
 def total_cost(curves: Sequence[LayerCurve], widths: dict[str, int] | None = None) -> float:
     """The prunable cost of the layers at `widths` (dense widths when None)."""
     return sum(c.cost * (widths[c.name] if widths else c.groups) for c in curves)
+
+
+def curve_loss(curves: Sequence[LayerCurve], widths: dict[str, int]) -> float:
+    """The summed normalised loss of the layers at `widths` (a layer not named stays dense)."""
+    return sum(c.loss[c.widths.index(widths[c.name])] for c in curves if c.name in widths)
+
+
+@dataclass(frozen=True)
+class DepthOption:
+    """One mix of depth and width for a speedup: some whole blocks removed (measured), the rest from widths
+    (modelled), with the loss of each part in the curves' currency (errors relative to the residual stream)."""
+
+    blocks: tuple[str, ...]  # the residual blocks removed
+    depth_loss: float  # their summed removal losses
+    depth_speedup: float  # measured: the dense graph without them, against the dense graph
+    width_saving: float  # fraction of the remaining prunable cost the widths must still remove
+    width_loss: float  # the allocation's loss for that saving (inf: the minimum widths cannot reach it)
+
+    @property
+    def loss(self) -> float:
+        return self.depth_loss + self.width_loss
+
+
+def depth_option(blocks: Sequence[str], depth_loss: float, depth_speedup: float, curves: Sequence[LayerCurve],
+                 target: float, share: float) -> DepthOption:
+    """What reaching `target` costs with `blocks` removed (measured at `depth_speedup`) and the layers left
+    (`curves`, the removed blocks' layers already left out) narrowed by `allocate` for the rest.
+
+    The rest: the speedup still missing, target / depth_speedup, as a fraction of the remaining latency,
+    over `share` (the latency model's fraction of latency per fraction of prunable cost removed)."""
+    if depth_speedup <= 0 or share <= 0:
+        raise ValueError(f"need a positive depth speedup and share (got {depth_speedup}, {share})")
+    rest = target / depth_speedup
+    if rest <= 1:
+        return DepthOption(tuple(blocks), depth_loss, depth_speedup, 0.0, 0.0)
+    saving = (1 - 1 / rest) / share
+    full = total_cost(curves)
+    floor = 1 - total_cost(curves, {c.name: c.widths[-1] for c in curves}) / full if full > 0 else 0.0
+    if saving > floor:
+        return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, math.inf)
+    widths = allocate(curves, saving * full)
+    return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, curve_loss(curves, widths))

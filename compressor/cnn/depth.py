@@ -16,13 +16,18 @@ Which blocks: greedily, the block whose removal (with those already chosen) chan
 on calibration images least (relative squared error against the dense outputs), one at a time. Every
 later stage (the channel solves, the whole-graph reconstruction) sees the shallower graph; the
 reconstruction fits it to the *dense* graph's outputs (`pipeline.prune_conv_graph(teacher=...)`).
+
+How many: `--remove-blocks K`, or in target mode each prefix of the greedy order weighed against the
+widths it spares (`service.job.targeting.plan_depth`), with each block's removal loss in the width
+curves' currency (`removal_losses`).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -145,15 +150,12 @@ def _relative_error(outputs: Tensor, reference: Tensor) -> float:
     return float((outputs - reference).square().sum() / reference.square().sum().clamp_min(1e-30))
 
 
-def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: torch.device,
-                  batch_size: int = 100, progress: Callable[[str], None] | None = None) -> list[str]:
-    """`count` blocks to remove, greedily: each time the one whose removal (with the ones chosen before it)
-    leaves the graph's outputs on `images` closest to the dense outputs (relative squared error)."""
+def greedy_blocks(gm: fx.GraphModule, images: Tensor, *, device: torch.device, batch_size: int = 100
+                  ) -> Iterator[tuple[str, float]]:
+    """Blocks in the order the greedy removes them, lazily, with the output relative error (against the
+    dense outputs on `images`) once each is removed together with the ones before it: each time the block
+    whose removal leaves the outputs closest to the dense ones. A caller stops when it has enough."""
     blocks = residual_blocks(gm)
-    if count > len(blocks):
-        raise UnsupportedArchitecture(f"{count} residual blocks to remove, but this graph has {len(blocks)} removable "
-                                      "ones (identity shortcuts only): "
-                                      f"{[b.name for b in blocks] or 'none'}")
 
     @torch.no_grad()
     def outputs(module: fx.GraphModule) -> Tensor:
@@ -163,12 +165,61 @@ def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: tor
 
     reference = outputs(copy.deepcopy(gm))  # a copy: `gm` (the caller's dense graph) stays where it is
     chosen: list[str] = []
-    for step in range(count):
+    while len(chosen) < len(blocks):
         errors = {b.name: _relative_error(outputs(remove_blocks(gm, [*chosen, b.name])), reference)
                   for b in blocks if b.name not in chosen}
         best = min(errors, key=errors.__getitem__)
         chosen.append(best)
-        line = (f"depth: block {step + 1}/{count}: {best} (output relative error with it removed "
-                f"{errors[best]:.4f})")
-        (progress or log.info)(line)
+        yield best, errors[best]
+
+
+def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: torch.device,
+                  batch_size: int = 100, progress: Callable[[str], None] | None = None) -> list[str]:
+    """`count` blocks to remove, greedily (`greedy_blocks`)."""
+    blocks = residual_blocks(gm)
+    if count > len(blocks):
+        raise UnsupportedArchitecture(f"{count} residual blocks to remove, but this graph has {len(blocks)} removable "
+                                      "ones (identity shortcuts only): "
+                                      f"{[b.name for b in blocks] or 'none'}")
+    chosen = []
+    for step, (best, error) in enumerate(itertools.islice(greedy_blocks(gm, images, device=device,
+                                                                        batch_size=batch_size), count)):
+        chosen.append(best)
+        (progress or log.info)(f"depth: block {step + 1}/{count}: {best} (output relative error with it removed "
+                               f"{error:.4f})")
     return chosen
+
+
+class _BranchEnergies(fx.Interpreter):
+    """Runs a graph and sums, at each residual block's add, ||branch||^2 and ||x + branch||^2."""
+
+    def __init__(self, gm: fx.GraphModule, blocks: list[ResidualBlock]) -> None:
+        super().__init__(gm)
+        self.shortcut = {b.add: b.shortcut for b in blocks}
+        self.branch = dict.fromkeys(self.shortcut, 0.0)
+        self.stream = dict.fromkeys(self.shortcut, 0.0)
+
+    def run_node(self, node: fx.Node) -> object:
+        out = super().run_node(node)
+        if node.name in self.shortcut:
+            branch = next(self.env[a] for a in node.args[:2]
+                          if isinstance(a, fx.Node) and a.name != self.shortcut[node.name])
+            self.branch[node.name] += float(branch.double().square().sum())
+            self.stream[node.name] += float(out.double().square().sum())
+        return out
+
+
+@torch.no_grad()
+def removal_losses(gm: fx.GraphModule, images: Tensor, *, device: torch.device, batch_size: int = 100
+                   ) -> dict[str, float]:
+    """Each removable block's removal loss in the currency of the width curves: ||branch(x)||^2 /
+    ||x + branch(x)||^2 on `images` (dense graph).
+
+    Removing a block adds -branch(x) to the residual stream it writes, and a width loss is an error in a
+    consumer's output relative to the stream it joins (`pipeline._stream_energy`); removing a block is
+    its last conv pruned to no channel at all. So the two compare, and one allocation can weigh them."""
+    blocks = residual_blocks(gm)
+    runner = _BranchEnergies(copy.deepcopy(gm).to(device), blocks)
+    for batch in images.split(batch_size):
+        runner.run(batch.to(device))
+    return {b.name: runner.branch[b.add] / max(runner.stream[b.add], 1e-30) for b in blocks}

@@ -269,6 +269,7 @@ def prune_conv_graph(
     observe: Callable[[LayerObservation], None] | None = None,
     refine: RefineConfig | None = None,
     teacher: fx.GraphModule | None = None,
+    solve_images: int | None = None,
 ) -> tuple[fx.GraphModule, list[LayerReport]]:
     """Prune the channels of every prunable unit of `gm` (`ratio`: a uniform ratio, or the kept
     channels of each unit by name); returns (pruned copy, reports). `observe` sees each layer's
@@ -276,13 +277,14 @@ def prune_conv_graph(
     (RefineConfig with steps > 0) the whole pruned graph is then fitted to the outputs of `teacher`
     (`compressor.cnn.refine`; not with method "mp"): by default `gm` itself, the original graph when `gm`
     is one with residual blocks removed (`compressor.cnn.depth`); its held-out errors are the last
-    report's `refine`."""
+    report's `refine`. `solve_images`: the solves' statistics from the first that many images only (the
+    fit uses them all: it wants images more than the solves' H matrices do)."""
     check_plan(ratio)
     refine = refine or RefineConfig()
     check_method(refine, method)
     with torch.no_grad():
-        pruned, reports = _prune_conv_graph(gm, images, ratio, method, device, batch_size, weight_by_next_bn,
-                                            bias_correction, progress, observe)
+        pruned, reports = _prune_conv_graph(gm, images[:solve_images], ratio, method, device, batch_size,
+                                            weight_by_next_bn, bias_correction, progress, observe)
     if refine.steps and (teacher is not None or any(r.width_after < r.width_before for r in reports)):
         target = copy.deepcopy(gm if teacher is None else teacher).eval()
         fit = reconstruct_graph(pruned, target, images, refine, compute_device(device), batch_size)

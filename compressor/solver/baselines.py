@@ -1,4 +1,5 @@
-"""Baseline supports: magnitude (MP / MP+), ThiNet's greedy output-error removal, exact enumeration."""
+"""Baseline supports: magnitude (MP / MP+), ThiNet's greedy output-error removal, exact enumeration, and
+the retraining-free structured scores of the LLM pruning literature (Wanda-sp, FLAP's fluctuation)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,32 @@ EXACT_MAX_GROUPS = 20
 def magnitude_support(problem: LayerProblem) -> Tensor:
     """MP: the num_prune groups of W_hat with the smallest Frobenius norm."""
     return problem.magnitude_order()[: problem.num_prune]
+
+
+def _by_score(problem: LayerProblem, per_row: Tensor) -> Tensor:
+    """The num_prune groups with the smallest summed row scores."""
+    scores = per_row.view(problem.num_groups, problem.group_size).sum(1)
+    return torch.argsort(scores, stable=True)[: problem.num_prune]
+
+
+def wanda_sp_support(problem: LayerProblem) -> Tensor:
+    """Wanda-sp (the structured Wanda of An et al. 2024, "Fluctuation-based adaptive structured pruning",
+    sec. 5): input row j scores ||X_j|| * sum_i |W_ji| (H = X^T X: ||X_j|| = sqrt(H_jj)); a group, the sum
+    of its rows'. Retraining-free: the kept weights stay as they are."""
+    if problem.dense_weight is None:
+        raise ValueError("wanda-sp needs dense_weight (the layer's dense weight W_hat)")
+    norms = problem.H.diagonal().clamp_min(0).sqrt()
+    return _by_score(problem, norms * problem.dense_weight.abs().sum(1))
+
+
+def flap_support(problem: LayerProblem) -> Tensor:
+    """FLAP's fluctuation metric (An et al. 2024, eq. 5): input row j scores the sample variance of X_j
+    times ||W_j||^2, the output change its removal leaves once its mean is compensated in the bias. H's
+    diagonal is N Var(X_j) when the statistics are centred (layers with a bias, where the pipeline also
+    folds the removed rows' mean into it: FLAP's bias compensation), else the second moment."""
+    if problem.dense_weight is None:
+        raise ValueError("flap needs dense_weight (the layer's dense weight W_hat)")
+    return _by_score(problem, problem.H.diagonal().clamp_min(0) * problem.dense_weight.square().sum(1))
 
 
 def thinet_support(problem: LayerProblem) -> Tensor:

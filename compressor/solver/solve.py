@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .baselines import exact_support, magnitude_support, thinet_support
+from .baselines import exact_support, flap_support, magnitude_support, thinet_support, wanda_sp_support
 from .osscar import OsscarConfig, OsscarSolver
 from .problem import IllConditioned, LayerProblem, LayerSolution, group_rows
 from .sweep import SwapState
@@ -40,12 +40,17 @@ def _no_options(method: str, options: dict[str, Any]) -> None:
         raise ValueError(f"method {method!r} takes no options (got {sorted(options)})")
 
 
-def _mp(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
-    _no_options("mp", options)
-    pruned = magnitude_support(pb)
-    W = pb.dense_weight.clone()
-    W[group_rows(pruned, pb.group_size)] = 0
-    return MethodResult(pruned, W)
+def _kept_as_is(name: str, support: Callable[[LayerProblem], Tensor]) -> Method:
+    """A method that picks a support and keeps the dense weight's other rows unchanged (no refit)."""
+
+    def method(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
+        _no_options(name, options)
+        pruned = support(pb)
+        W = pb.dense_weight.clone()
+        W[group_rows(pruned, pb.group_size)] = 0
+        return MethodResult(pruned, W)
+
+    return method
 
 
 def _refit_method(name: str, support: Callable[[LayerProblem], Tensor]) -> Method:
@@ -136,12 +141,20 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
 
 
 METHODS: dict[str, Method] = {
-    "mp": _mp,
+    "mp": _kept_as_is("mp", magnitude_support),
     "mp+": _refit_method("mp+", magnitude_support),
+    # retraining-free LLM baselines (benchmarks compare against them): scores, no refit
+    "wanda-sp": _kept_as_is("wanda-sp", wanda_sp_support),
+    "flap": _kept_as_is("flap", flap_support),
     "thinet": _refit_method("thinet", thinet_support),
     "exact": _refit_method("exact", exact_support),
     "osscar": _osscar,
 }
+
+
+DENSE_WEIGHT_METHODS = ("mp", "mp+", "wanda-sp", "flap")  # what they score or keep is the dense weight
+# methods that keep the dense weight's rows as they are: no calibration-fitted weights, so no reconstruction
+NO_REFIT_METHODS = ("mp", "wanda-sp", "flap")
 
 
 def solve_layer(
@@ -162,7 +175,7 @@ def solve_layer(
         G: d1 x d2, X^T X_hat W_hat.
         group_size: rows per group (1: neurons, kH*kW: conv channels, head_dim: heads).
         num_prune: how many groups to remove, 0 <= num_prune <= d1 / group_size.
-        method: one of "osscar", "mp", "mp+", "thinet", "exact".
+        method: one of "osscar", "mp", "mp+", "thinet", "exact", "wanda-sp", "flap".
         dense_weight: W_hat (d1 x d2); required by "mp" and "mp+".
         rank: an upper bound on rank(H), e.g. the calibration rows behind it (one fewer once centred);
             factorisations of more rows than that skip the undamped attempt (see `problem.factorize`).
@@ -173,7 +186,7 @@ def solve_layer(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {sorted(METHODS)}")
     pb = LayerProblem.validate(H, G, group_size, num_prune, dense_weight, rank)
-    if method in ("mp", "mp+") and pb.dense_weight is None:
+    if method in DENSE_WEIGHT_METHODS and pb.dense_weight is None:
         raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
     start = time.perf_counter()
     try:

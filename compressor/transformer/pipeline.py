@@ -24,7 +24,7 @@ import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,6 +46,7 @@ from ..modules import owner_of
 from ..refine import check_method
 from ..reports import LayerReport, RefineReport
 from ..solver import solve_layer
+from ..solver.solve import NO_REFIT_METHODS
 from .adapters import adapter_for, dims, layers, layers_path
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .surgery import (
@@ -57,6 +58,7 @@ from .surgery import (
     prune_heads,
     prune_query_heads,
     query_heads,
+    remove_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -272,14 +274,20 @@ def prune_blocks(
     cost_sequence_length: int = 128,
     gqa: str = "query-heads",
     refine: RefineConfig | None = None,
+    skip: Collection[int] = (),
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
     single query head (`gqa="query-heads"`, the paper's groups) or a whole KV group ("kv-groups").
     `observe` sees each projection's statistics before its solve, with the latency-model cost of one
     group at `cost_sequence_length`. With `refine` (RefineConfig with steps > 0), each pruned block is
-    then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp")."""
+    then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp").
+    `skip`: blocks removed whole (in-memory sources only): the dense stream runs through them, the pruned
+    stream does not, so the blocks after one are solved and fitted against the dense model's stream (what
+    the removed block wrote included); they leave the model at the end (`surgery.remove_layers`)."""
     check_plan(ratio)
+    if skip and not isinstance(source, InMemoryBlocks):
+        raise ValueError("whole layers are removed from in-memory models only")
     check_gqa(gqa)
     refine = refine or RefineConfig()
     check_method(refine, method)
@@ -297,6 +305,14 @@ def prune_blocks(
     for i in range(d.layers):
         block = source.load(i).eval().to(device)
         _host_ready(device)  # the streams' asynchronous copies have landed
+        if i in skip:  # removed whole: the dense stream goes through it, the pruned one past it
+            with torch.no_grad():
+                for s in streams:
+                    s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
+            if progress:
+                progress(f"[{i + 1}/{d.layers}] {prefix}.{i}: removed whole")
+            source.store(i)
+            continue
         # the residual stream this block's projections add to, over the counted tokens
         stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
@@ -304,10 +320,11 @@ def prune_blocks(
                                  ("ffn_neurons", adapter.down, adapter.down_norm)):
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
-            center = bias_correction and method != "mp" and proj.bias is not None
+            # the intercept folded into the bias: FLAP's bias compensation too; mp and Wanda-sp have none
+            center = bias_correction and method not in ("mp", "wanda-sp") and proj.bias is not None
             W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
             scale = None
-            if weight_by_norm and norm is not None and method != "mp":
+            if weight_by_norm and norm is not None and method not in NO_REFIT_METHODS:  # scores see raw weights
                 # post-norm: gamma_c scales output column c before anything reads it, so the error in
                 # column c is weighted by gamma_c^2 (undone after the solve)
                 scale = dense.get_submodule(norm).weight.detach().abs().double()
@@ -375,10 +392,13 @@ def prune_blocks(
         del dense, stats, W_hat, sol, kept, new_weight
         source.store(i)
         _release_memory()
+    if skip:
+        remove_layers(model, sorted(skip))
     return reports
 
 
-def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads") -> nn.Module:
+def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = ()
+                       ) -> nn.Module:
     """A copy of `model` with every block at the plan's widths (the names `prune_blocks` reports), weights
     sliced, nothing solved: the structure, and so the latency, that pruning to `plan` returns. Target mode
     measures these to search the widths before it pays for a solve.
@@ -394,6 +414,8 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads")
     single = gqa == "query-heads"
     with torch.no_grad():
         for i in range(d.layers):
+            if i in skip:  # removed below: the plan need not name its widths
+                continue
             heads = query_heads(resized, i) if single else head_groups(resized, i)
             kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan)
             if kept < heads:
@@ -405,7 +427,36 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads")
             kept = neurons - planned_prune(f"{prefix}.{i}.{adapter.down}", neurons, plan)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
+    if skip:
+        remove_layers(resized, sorted(skip))
     return resized
+
+
+@torch.no_grad()
+def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: str | torch.device | None = None,
+                   activation_dtype: torch.dtype = torch.float32) -> list[float]:
+    """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||block(h)||^2
+    over the counted tokens of the calibration batches (dense model, one pass).
+
+    Removing a block takes its whole update out of the residual stream it writes, and a width loss is an
+    error in a projection's output relative to that stream (`stream_energy`); so one allocation can weigh
+    the two. It is also ShortGPT's and SLEB's question (which layer changes the stream least), asked in
+    the units the widths are priced in."""
+    device = compute_device(device)
+    model = model.eval()
+    streams = capture_block_inputs(model, batches, device, activation_dtype)
+    losses = []
+    for block in layers(model):
+        moved = block.to(device)
+        update = stream = 0.0
+        for s in streams:
+            out = _run(moved, s.hidden, s, device)
+            update += float(_rows(out.cpu() - s.hidden.float(), s).square().sum())
+            stream += float(_rows(out.cpu(), s).square().sum())
+            s.hidden = _offload(out, activation_dtype)
+        block.to("cpu")
+        losses.append(update / max(stream, 1e-30))
+    return losses
 
 
 def _release_memory() -> None:

@@ -8,6 +8,8 @@ when no kept query head reads it, and the attention reads KV heads through an in
 Without GQA both are the same. FFN neurons: up (and gate) output rows, down input rows.
 Projections are nn.Linear (weight out x in) or transformers' Conv1D (weight in x out); the helpers
 below are the only code that knows the difference.
+Whole layers (`remove_layers`): the block leaves the ModuleList and the config counts one layer fewer
+(its per-layer lists too), so a saved model is a standard, shallower checkpoint of its family.
 Layers end up with different widths; `widths()` records them and `load_pruned()` rebuilds the model
 from its config, applies the widths and loads the weights, so save -> reload gives the same outputs.
 """
@@ -21,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import ModelReferenceError
+from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
-from .adapters import adapter_for, dims, layers
+from .adapters import adapter_for, dims, layers, layers_path
 from .attention import use_gathered_attention
 
 MANIFEST = "osscar_widths.json"
@@ -190,6 +192,38 @@ def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Ten
     for attr in adapter.width_attrs:
         _set_attr(layer, attr, q_rows.numel())
     use_gathered_attention(model)
+
+
+# config lists with one entry per layer (which attention each layer runs): they shrink with the layers
+PER_LAYER_CONFIG = ("layer_types",)
+
+
+def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
+    """Remove whole blocks, in place: each becomes the identity of the residual stream (its attention and
+    FFN updates gone). The blocks left are renumbered (their `layer_idx`, which a KV cache is indexed by)
+    and the config says the new depth, so export, the decode step's cache and a saved checkpoint all see
+    an ordinary shallower model. Indices out of range or repeated are refused, listing every bad one."""
+    blocks = layers(model)
+    n = len(blocks)
+    bad = sorted({i for i in indices if not 0 <= i < n} | {i for i in indices if list(indices).count(i) > 1})
+    if bad:
+        raise ValueError(f"layer indices {bad} are out of range [0, {n}) or repeated")
+    if len(set(indices)) >= n:
+        raise UnsupportedArchitecture(f"removing all {n} layers leaves no model")
+    gone = set(indices)
+    kept = [block for i, block in enumerate(blocks) if i not in gone]
+    config = model.config
+    for key in PER_LAYER_CONFIG:
+        values = getattr(config, key, None)
+        if isinstance(values, list | tuple) and len(values) == n:
+            setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
+    for new, block in enumerate(kept):
+        for module in block.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new
+    owner, name = owner_of(model, layers_path(model))
+    setattr(owner, name, nn.ModuleList(kept))
+    config.num_hidden_layers = len(kept)
 
 
 def _set_attr(layer: nn.Module, path: str, value: int) -> None:

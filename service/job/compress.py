@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from compressor.allocation import DepthOption, LayerCurve
 from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.reports import LayerReport
@@ -34,7 +35,20 @@ from .kinds import ConvJob, ModelJob, open_job
 from .report import build_report, evaluation_failed_report, parity_failed_report, version
 from .report_html import write_html
 from .request import CompressRequest
-from .targeting import MET, ROUND_TO, Round, choose, dense_curves, target_loop, widths_of
+from .targeting import (
+    MET,
+    ROUND_TO,
+    DepthPlan,
+    Round,
+    accuracy_rule,
+    choose,
+    dense_curves,
+    in_blocks,
+    plan_depth,
+    removed_of,
+    target_loop,
+    widths_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,24 +196,39 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
 
         probes = 0
 
-        def probe(plan: Widths, index: int) -> Latency:
+        def probe_model(module: nn.Module, index: int) -> Latency:
             nonlocal probes
             probes += 1
             path = work / f"probe{probes}" / "model.onnx"
             path.parent.mkdir()
             try:
-                return export_and_time(job.resize(plan), path)[1]
+                return export_and_time(module, path)[1]
             except EXPORT_FAILURES as err:
                 raise _ExportFailed("probe", index, err) from err
             finally:
                 shutil.rmtree(path.parent, ignore_errors=True)
 
+        def probe(plan: Widths, index: int) -> Latency:
+            return probe_model(job.resize(plan), index)
+
         if request.target_speedup is not None:
             enter("statistics", 0)
             curves = dense_curves(job, request, say, version())
-            target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter,
-                        probe=probe)  # fills `rounds`
+            if getattr(job, "plans_depth", False) and request.remove_blocks is None:
+                enter("allocate", 0)
+                plan = plan_depth(job, curves, request, lambda module: probe_model(module, 0), say)
+                _depth_and_width(request, job, plan, curves, rounds, baseline_metric, say, enter, run_round, probe)
+            else:
+                target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter,
+                            probe=probe)  # fills `rounds`
         elif request.widths_from is not None:
+            removed = removed_of(request.widths_from)
+            if removed and not request.remove_blocks:  # the same structure: its blocks or layers go too
+                if not hasattr(job, "remove"):
+                    raise InputError(f"--widths-from {request.widths_from}: it removed {removed}, and this model "
+                                     "kind removes no whole blocks")
+                say(f"--widths-from: removing {len(removed)} whole blocks as that report's model did")
+                job.remove(removed)
             run_round(widths_of(request.widths_from), 0)
         else:
             _uniform_round(request, job, run_round, say)
@@ -251,6 +280,49 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         f"{report['metric']['baseline']:.4f} -> {report['metric']['compressed']:.4f}, params "
         f"{report['params_before']} -> {report['params_after']}; wrote {out} in {report['elapsed_s']:.1f}s")
     return report
+
+
+def _depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[LayerCurve],
+                     rounds: list[Round], baseline_metric: float, say: Callable[[str], None], enter: Stage,
+                     run_round: Callable[..., Round], probe: Callable[[Widths, int], Latency]) -> None:
+    """Target mode over depth and width (a conv graph without --remove-blocks): the width loop on the graph
+    without the plan's blocks; when every round of it lands below the accuracy budget, the next option by
+    planned loss (another mix of depth and width, not only another amount) gets the rounds left, so the
+    planned losses' ranking is corrected by a measurement before the job gives up. Rounds are numbered
+    across the options (`rounds` is the job's list, which `run_round` fills)."""
+    rule = accuracy_rule(request, job.metric)
+    tried: list[DepthOption] = []
+    for option in plan.ranked():
+        left = request.max_rounds - len(rounds)
+        if left <= 0:
+            break
+        if tried:
+            say(f"depth: every round with {len(tried[-1].blocks)} blocks removed was below the accuracy budget; "
+                f"re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
+        tried.append(option)
+        job.depth = plan.to_dict(tried)
+        target_loop(dataclasses.replace(request, max_rounds=left), _remove(job, option, curves, request, say),
+                    run_round, job.metric, baseline_metric, say, enter, probe=probe, base_speedup=option.depth_speedup,
+                    first_round=len(rounds))
+        if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
+            return
+
+
+def _remove(job: Any, option: DepthOption, curves: list[LayerCurve], request: CompressRequest,
+            say: Callable[[str], None]) -> list[LayerCurve]:
+    """The job without the option's blocks; returns the curves of the layers left. The dense curves of
+    those layers serve (their statistics were taken on the dense stream, which the pruned model is solved
+    and fitted against), unless a conv graph's analysis finds a unit without one: then the statistics pass
+    runs again on the shallower graph."""
+    job.remove(option.blocks)
+    kept = [c for c in curves if not in_blocks(c.name, option.blocks)]
+    analysis = getattr(job, "analysis", None)
+    if analysis is None:
+        return kept
+    units = {u.name for u in analysis.units}
+    if units <= {c.name for c in kept}:
+        return [c for c in kept if c.name in units]
+    return dense_curves(job, request, say, version())
 
 
 def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) -> dict[str, int]:

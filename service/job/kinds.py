@@ -11,20 +11,21 @@ transformer parts never meet anywhere else.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
 import shutil
 import tempfile
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 
 from compressor.calibration import (
     HeldOut,
@@ -37,7 +38,8 @@ from compressor.calibration import (
     split_text,
     unseen_batches,
 )
-from compressor.cnn.depth import choose_blocks, remove_blocks
+from compressor.cnn.depth import choose_blocks, greedy_blocks, remove_blocks, residual_blocks
+from compressor.cnn.depth import removal_losses as block_removal_losses
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
 from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
@@ -48,12 +50,12 @@ from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
-from compressor.transformer.adapters import check_config, max_sequence
+from compressor.transformer.adapters import check_config, layers_path, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import StreamedCheckpoint
-from compressor.transformer.pipeline import prune_blocks, prune_transformer, resize_transformer
+from compressor.transformer.pipeline import prune_blocks, prune_transformer, removal_losses, resize_transformer
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
-from compressor.transformer.surgery import load_pruned, widths
+from compressor.transformer.surgery import load_pruned, remove_layers, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
     Float16,
@@ -75,6 +77,14 @@ Observe = Callable[[LayerObservation], None]
 _LAYER_LINE = re.compile(r"^\[\d+/\d+\]")  # a pipeline's per-layer progress line (the worker's progress too)
 _UNITS = {"attention_heads": "heads", "ffn_neurons": "FFN neurons"}
 DEPTH_IMAGES = 256  # calibration images that judge which residual blocks to remove (a forward pass per candidate)
+# reconstruction steps of a conv graph without some of its blocks, fitted to the dense graph: ResNet-56 at 2x
+# with 6 blocks removed measured 73.6 % top-1 fitted for 300 steps to its own outputs, 82.0 % for 3,000 to the
+# dense ones (bench/RESULTS.md, 2026-11-25)
+DEPTH_STEPS = 3000
+# calibration images behind the layer statistics (the curves' pass and every round's solves; a random prefix of
+# the draw), while the graph reconstruction fits on all of them: on 2 CPU cores ResNet-56's curves pass took ~8
+# minutes and a round's solves ~10 on all 5,085 images, each image a 32 x 32 map of rows in H
+STATISTICS_IMAGES = 1024
 
 
 def _statistics_pass(plan: Widths, observe: Observe | None, say: Say) -> tuple[Say, Observe | None]:
@@ -283,6 +293,7 @@ def _classifier(model: nn.Module, example: torch.Tensor) -> bool:
 
 class ConvJob:
     causal = False
+    plans_depth = True  # target mode weighs removing whole residual blocks (`targeting.plan_depth`)
     EVAL_IMAGES = 256  # held-out images scored (at most)
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
@@ -296,6 +307,7 @@ class ConvJob:
         self.held_out.check(request.eval or request.calibration)
         self.dense = self.loaded.module  # the baseline, and what the reconstruction fits to
         self.removed_blocks: list[str] = []
+        self.depth: dict | None = None  # target mode's depth plan (report.json `depth`), when it made one
         self.graph = self.dense  # what the channels are pruned of: the dense graph, or it without some blocks
         if request.remove_blocks:
             say(f"depth: choosing {request.remove_blocks} residual blocks to remove")
@@ -318,10 +330,38 @@ class ConvJob:
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         progress, observed = _statistics_pass(plan, observe, self.say)
         statistics = observed is not observe  # nothing is pruned: nothing to reconstruct either
-        refine = graph_config(0 if statistics else self.request.refine_steps_or(GRAPH_STEPS))
+        refine = graph_config(0 if statistics else self.refine_steps)
+        # the statistics (curves and solves) from the first STATISTICS_IMAGES of the draw, the fit from all
         return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observed,
-                                refine=refine, teacher=self.dense if self.removed_blocks else None)
+                                refine=refine, teacher=self.dense if self.removed_blocks else None,
+                                solve_images=STATISTICS_IMAGES)
+
+    @property
+    def refine_steps(self) -> int:
+        """The reconstruction steps in force: the request's, else more for a graph without some blocks."""
+        return self.request.refine_steps_or(DEPTH_STEPS if self.removed_blocks else GRAPH_STEPS)
+
+    def depth_order(self) -> Iterator[tuple[str, float]]:
+        """The residual blocks in the order depth removes them (`greedy_blocks`), lazily."""
+        return greedy_blocks(self.dense, self.images[:DEPTH_IMAGES], device=compute_device(self.request.device),
+                             batch_size=self.request.batch_size)
+
+    def removal_losses(self) -> dict[str, float]:
+        """Each removable block's loss if removed, in the width curves' currency (`removal_losses`)."""
+        return block_removal_losses(self.dense, self.images[:DEPTH_IMAGES],
+                                    device=compute_device(self.request.device),
+                              batch_size=self.request.batch_size)
+
+    def without(self, blocks: Sequence[str]) -> fx.GraphModule:
+        """The dense graph without `blocks`."""
+        return remove_blocks(self.dense, list(blocks))
+
+    def remove(self, blocks: Sequence[str]) -> None:
+        """From now on the channels are pruned of the dense graph without `blocks`."""
+        self.removed_blocks = list(blocks)
+        self.graph = remove_blocks(self.dense, self.removed_blocks) if blocks else self.dense
+        self.analysis = analyse(self.graph)
 
     def resize(self, plan: Widths) -> nn.Module:
         return resize_conv_graph(self.graph, plan)
@@ -373,7 +413,12 @@ class ConvJob:
         return _image_preprocessing(self.request, self.loaded.input_name, self.loaded.input_shape)
 
     def report_fields(self, module: nn.Module) -> dict:
-        return {"samples": len(self.images), "not_pruned": self.analysis.refused, "removed_blocks": self.removed_blocks}
+        # the blocks the returned graph lacks, not the job's last plan: after a re-plan they can differ
+        params = set(module.state_dict())
+        removed = [b.name for b in residual_blocks(self.dense) if not params.intersection(b.parameters)]
+        steps = self.request.refine_steps_or(DEPTH_STEPS if removed else GRAPH_STEPS)
+        return {"samples": len(self.images), "not_pruned": self.analysis.refused, "removed_blocks": removed,
+                "refine_steps": steps, **({"depth": self.depth} if self.depth is not None else {})}
 
 
 class _TransformerJob:
@@ -383,7 +428,9 @@ class _TransformerJob:
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         if request.remove_blocks:
-            raise InputError("--remove-blocks is for conv graphs (residual blocks of a CNN), not transformers")
+            raise InputError("--remove-blocks is for conv graphs (residual blocks of a CNN), not transformers: their "
+                             "whole layers are weighed in target mode (report.json `depth`); --remove-blocks 0 "
+                             "turns that off")
         self.request, self.say = request, say
         self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
         self.dense = self.loaded.model
@@ -391,6 +438,48 @@ class _TransformerJob:
         self.batches: list[dict[str, torch.Tensor]] = []
         self.shape: dict[str, int] = {}
         self.tokens = 0  # tokens per sample at the measured shape (the latency model's sequence length)
+        # whole layers: target mode weighs removing them (`targeting.plan_depth`), in memory only
+        self.plans_depth = not request.stream
+        self.prefix = layers_path(self.dense)
+        self.removed_blocks: list[str] = []  # layers removed whole ("model.layers.7"), in the dense numbering
+        self.depth: dict | None = None  # target mode's depth plan (report.json `depth`)
+        self._removal_losses: dict[str, float] | None = None
+
+    def removal_losses(self) -> dict[str, float]:
+        """Each layer's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by name."""
+        if self._removal_losses is None:
+            losses = removal_losses(self.dense, self.batches, device=self.request.device,
+                                    activation_dtype=getattr(torch, self.request.activation_dtype))
+            self._removal_losses = {f"{self.prefix}.{i}": loss for i, loss in enumerate(losses)}
+        return self._removal_losses
+
+    def depth_order(self) -> Iterator[tuple[str, float]]:
+        """Layers by removal loss, least first (ShortGPT's order, in the curves' units)."""
+        return iter(sorted(self.removal_losses().items(), key=lambda item: item[1]))
+
+    def _indices(self, blocks: Sequence[str]) -> list[int]:
+        """Layer indices of names like "model.layers.7"; names of no layer of this model are refused, all listed."""
+        known = {name: i for i, name in enumerate(self.layer_names())}
+        unknown = [name for name in blocks if name not in known]
+        if unknown:
+            raise InputError(f"no layer named {unknown} in this model (its layers: {self.prefix}.0 ... "
+                             f"{self.prefix}.{len(known) - 1})")
+        return sorted(known[name] for name in blocks)
+
+    def layer_names(self) -> list[str]:
+        """Every layer's name, in order."""
+        return [f"{self.prefix}.{i}" for i in range(self.dense.config.num_hidden_layers)]
+
+    def without(self, blocks: Sequence[str]) -> nn.Module:
+        """The dense model without the named layers."""
+        shallow = copy.deepcopy(self.dense).cpu().eval()
+        remove_layers(shallow, self._indices(blocks))
+        return shallow
+
+    def remove(self, blocks: Sequence[str]) -> None:
+        """From now on the named layers are removed whole when the model is pruned."""
+        self._indices(blocks)  # names checked now, not mid-job
+        self.removed_blocks = list(blocks)
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
@@ -400,6 +489,8 @@ class _TransformerJob:
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
                    "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
+        if self.removed_blocks and not statistics:
+            options["skip"] = self._indices(self.removed_blocks)
         if request.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
@@ -410,10 +501,11 @@ class _TransformerJob:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
+        pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         return pruned.cpu().eval(), layers
 
     def resize(self, plan: Widths) -> nn.Module:
-        return resize_transformer(self.dense, plan, gqa=self.request.gqa)
+        return resize_transformer(self.dense, plan, gqa=self.request.gqa, skip=self._indices(self.removed_blocks))
 
     def export(self, module: nn.Module, path: Path) -> Parity:
         names = self.loaded.input_names
@@ -434,8 +526,10 @@ class _TransformerJob:
         return "model/"
 
     def report_fields(self, module: nn.Module) -> dict:
+        depth = {"depth": self.depth} if self.depth is not None else {}
         return {"widths": widths(module), "onnx_inputs": list(self.loaded.input_names),
-                "onnx_output": self.loaded.output_name}
+                "onnx_output": self.loaded.output_name,
+                "removed_layers": list(getattr(module, "osscar_removed_layers", [])), **depth}
 
 
 class TextJob(_TransformerJob):

@@ -375,12 +375,43 @@ def _settings(report: dict) -> list[tuple[str, Any]]:
     if recon:
         rows.append(("block reconstruction", _e(f"{recon['steps']} steps per block; kept in {recon['blocks_kept']} of "
                                                 f"{recon['blocks']} blocks ({recon['seconds']:.0f} s)")))
+    if report.get("samples") is not None:
+        rows.append(("calibration", _e(f"{report['samples']} images" + (f", {report['refine_steps']} reconstruction "
+                                                                          "steps" if report.get("refine_steps") is not
+                                                                          None else ""))))
     if report.get("elapsed_s") is not None:
         rows.append(("time", _e(f"{report['elapsed_s']:.0f} s")))
     versions = report.get("versions") or {}
     if versions:
         rows.append(("versions", _e(", ".join(f"{k} {v}" for k, v in versions.items()))))
     return rows
+
+
+def depth_section(report: dict) -> str:
+    """Which whole blocks went and why: the options the depth plan weighed (target mode), else the blocks
+    --remove-blocks named; empty when the model kind has no depth to plan."""
+    removed = report.get("removed_blocks", report.get("removed_layers"))  # conv graphs' blocks, transformers' layers
+    depth = report.get("depth")
+    if removed is None and depth is None:
+        return ""
+    if depth is None:
+        why = "chosen by --remove-blocks" if removed else "none removed (--remove-blocks 0 or not target mode)"
+        return f"<h2>Depth</h2><p>Blocks removed: {_e(', '.join(removed) or 'none')} ({_e(why)}).</p>"
+    rows = "".join(
+        f"<tr><td>{o['blocks']}</td><td>{_e(o['last'] or '')}</td>"
+        f"<td>{_num(o['depth_speedup'], 3)}x</td><td>{o['width_saving']:.1%}</td><td>{_num(o['depth_loss'])}</td>"
+        f"<td>{_num(o['width_loss'])}</td><td>{_num(o['loss'])}{' <strong>(chosen)</strong>' if o['chosen'] else ''}"
+        "</td></tr>"
+        for o in depth["options"])
+    tried = depth.get("tried") or []
+    replanned = (f" The rounds tried {', then '.join(map(str, tried))} blocks removed: the rounds of a plan that all "
+                 "fell below the accuracy budget made the next plan by planned loss run." if len(tried) > 1 else "")
+    gone = ", ".join(removed or []) or "none"
+    return (f"<h2>Depth</h2><p>Blocks removed: {_e(gone)}. How: {_e(depth['rule'])}"
+            f" (planned for {depth['aim']:.3f}x).{_e(replanned)}</p><div class='scroll'><table><tr>"
+            "<th>blocks removed</th><th>last block</th><th>measured speedup without them</th>"
+            "<th>widths still remove</th>"
+            f"<th>depth loss</th><th>width loss</th><th>planned loss</th></tr>{rows}</table></div>")
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
@@ -417,6 +448,7 @@ def render(report: dict) -> str:
 <h2>What went in</h2>{_table(_inputs(report))}
 <h2>What came out</h2>{_table(_outputs(report))}
 <h2>Settings</h2>{_table(_settings(report))}
+{depth_section(report)}
 <h2>Charts</h2><div class="charts">{charts}</div>
 <h2>Per layer</h2><div class="layers">
 {figure("Kept width", '<div class="scroll">' + width_chart(report) + "</div>")}

@@ -19,12 +19,14 @@ from typing import Any
 from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
 from compressor.errors import InputError
 from compressor.solver import METHODS
+from compressor.solver.solve import NO_REFIT_METHODS
 from compressor.transformer.pipeline import GQA_UNITS
 from exporters.runtime import PROVIDERS
 
 from ..files import default_home
 
-PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar")  # "exact" only solves single small layers
+# "exact" only solves single small layers; wanda-sp and flap are the retraining-free LLM baselines
+PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar", "wanda-sp", "flap")
 MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
 SHAPE_KEYS = ("batch", "sequence")
 
@@ -94,7 +96,9 @@ class CompressRequest:
                                "the dense outputs, perplexity); without it the calibration keeps what is not "
                                "held out, so it changes the statistics", statistics=True)
     method: str = option("osscar", "layer solver", choices=PRUNING_METHODS)
-    samples: int = option(500, "calibration images drawn (seeded)", statistics=True)
+    samples: int | None = option(help="calibration images drawn (seeded); default: every image the file gives "
+                                 "(less the held-out ones) up to 256 MiB of float32 images, and at least 500",
+                                 statistics=True)
     seed: int = option(0, "seed of the calibration draw", statistics=True)
     mean: tuple[float, ...] = option(IMAGENET_MEAN, "per-channel mean for .npz images, after scaling to [0, 1]",
                                      statistics=True)
@@ -146,12 +150,15 @@ class CompressRequest:
     refine_steps: int | None = option(help="reconstruction after the solves: Adam steps fitting the pruned weights "
                                       "to the dense model's outputs (transformers: per block, to the dense block's "
                                       "output; conv graphs: the whole graph, to the dense outputs); 0: off; default: "
-                                      "50 per block for transformers, 300 for conv graphs, none with --method mp")
-    remove_blocks: int = option(0, "conv graphs: residual blocks with an identity shortcut removed whole before "
-                                "the channels are pruned, chosen one at a time by the least change of the "
-                                "outputs on calibration images; the reconstruction then fits the shallower "
-                                "graph to the dense one (measured with --refine-steps 3000 and 5,085 "
-                                "calibration images); 0: off", statistics=True)
+                                      "50 per block for transformers, 300 for conv graphs (3,000 when whole blocks "
+                                      "are removed), none with --method mp")
+    remove_blocks: int | None = option(help="conv graphs: residual blocks with an identity shortcut removed whole "
+                                       "before the channels are pruned, chosen one at a time by the least change "
+                                       "of the outputs on calibration images; the reconstruction then fits the "
+                                       "shallower graph to the dense one; 0: none; default: target mode chooses how "
+                                       "many by weighing each block's measured latency and loss against the widths "
+                                       "(report.json `depth`; transformers: whole layers), other modes remove none",
+                                       statistics=True)
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
                             "to the layer's own output", choices=("stream", "layer"), cli=False, statistics=True)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
@@ -165,10 +172,13 @@ class CompressRequest:
         return None if self.no_curves_cache else (self.home or default_home()) / "curves"
 
     def refine_steps_or(self, default: int) -> int:
-        """The reconstruction steps in force: the request's, else the model kind's `default`; none for mp."""
+        """The reconstruction steps in force: the request's, else the model kind's `default`; none for mp,
+        and by default none for the methods that keep the dense weights (their papers fit nothing)."""
         if self.method == "mp":
             return 0
-        return default if self.refine_steps is None else self.refine_steps
+        if self.refine_steps is None:
+            return 0 if self.method in NO_REFIT_METHODS else default
+        return self.refine_steps
 
     def text_calibration(self, causal: bool) -> TextCalibration:
         """The text calibration draw in force for an encoder (`causal` False) or a decoder."""

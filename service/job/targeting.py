@@ -5,15 +5,25 @@ that corrects its latency model, the accuracy budget, and the choice of the roun
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from torch import nn
 
-from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
+from compressor.allocation import (
+    DepthOption,
+    LayerCurve,
+    allocate,
+    allowed_widths,
+    depth_option,
+    loss_path,
+    total_cost,
+)
 from compressor.errors import InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.reports import LayerReport
@@ -29,12 +39,18 @@ AIM = 1.10  # and the loop aims at <= 1.10 x target
 AIM_AT = 1.03  # each round asks for 1.03 x target: inside [MET, AIM], with room for noise on both sides
 # what a cached curve file was computed with: conv graphs' coupled channel groups (residual adds) are layers
 # since version 2 (3: option-A shortcuts count in their groups' losses; 4: in-block groups normalised by the
-# residual stream they join; 5: calibration draws leave the accuracy check's held-out inputs out), so older
-# curves describe other layers, losses or calibration data
-LAYERS_VERSION = 5
+# residual stream they join; 5: calibration draws leave the accuracy check's held-out inputs out; 6: conv
+# graphs' curves from the first STATISTICS_IMAGES of the draw), so older curves describe other layers, losses
+# or calibration data
+LAYERS_VERSION = 6
 INITIAL_SHARE = 0.85  # modelled fraction of the latency in the prunable layers before the first measurement
 ROUND_TO = 8  # target mode's width multiple when --round-to is not given
 MAX_SHARE = 3.0  # bounds of the corrected latency share (fraction of latency per fraction of removed cost)
+# depth planning: at most this share of a graph's removable blocks is weighed (it bounds the search: each
+# block weighed costs a forward pass per remaining block and a latency probe), and the search stops once
+# this many blocks in a row did not lower the planned loss
+MAX_DEPTH_SHARE = 0.5
+DEPTH_PATIENCE = 2
 
 
 @dataclass
@@ -63,6 +79,15 @@ class Probe:
 
 
 RunRound = Callable[[Widths, int, float | None], Round]
+ProbeGraph = Callable[[nn.Module], Latency]  # a model's latency against the dense one (export, no evaluation)
+
+
+class DepthJob(Protocol):
+    """What depth planning needs of a model job (conv graphs: `kinds.ConvJob`)."""
+
+    def depth_order(self) -> Iterator[tuple[str, float]]: ...
+    def removal_losses(self) -> dict[str, float]: ...
+    def without(self, blocks: Sequence[str]) -> nn.Module: ...
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 
 # The accuracy budget of a job without --accuracy-budget: one rule per metric, (kind, limit) as
@@ -160,7 +185,8 @@ def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> s
         value = getattr(request, name)
         parts[name] = _fingerprint(value) if name in REFERENCES and value is not None else value
     parts.update(text=asdict(request.text_calibration(job.causal)), round_to=request.round_to or ROUND_TO,
-                 measured_shape=job.shape, version=version, layers=LAYERS_VERSION)
+                 measured_shape=job.shape, version=version, layers=LAYERS_VERSION,
+                 removed_blocks=getattr(job, "removed_blocks", []))
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -194,9 +220,83 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Callable[[str], N
     return curves
 
 
+@dataclass(frozen=True)
+class DepthPlan:
+    """How many whole blocks a target-mode job removes, and the options it weighed (report.json `depth`)."""
+
+    chosen: DepthOption
+    options: list[DepthOption]
+    aim: float  # the speedup the options were planned for
+    share: float  # the latency model's share that turned the missing speedup into a width saving
+
+    def to_dict(self, tried: Sequence[DepthOption] = ()) -> dict:
+        """The plan as report.json's `depth`; `tried`: the options whose rounds ran, in order (re-plans)."""
+        rule = ("each prefix of the greedy block order (the block whose removal changes the outputs least, one at "
+                "a time) removed and its speedup measured, the widths planned for the rest of the aim from the "
+                "dense loss curves; the option with the least loss (removal losses plus width losses, both relative "
+                "to the residual stream) is taken")
+        return {"rule": rule, "aim": self.aim, "share": self.share, "planned": list(self.chosen.blocks),
+                "options": [{"blocks": len(o.blocks), "last": o.blocks[-1] if o.blocks else None,
+                             "depth_speedup": o.depth_speedup, "depth_loss": o.depth_loss,
+                             "width_saving": o.width_saving,
+                             "width_loss": o.width_loss if math.isfinite(o.width_loss) else None,
+                             "loss": o.loss if math.isfinite(o.loss) else None,
+                             "chosen": o is self.chosen} for o in self.options],
+                "tried": [len(o.blocks) for o in tried or [self.chosen]]}
+
+    def ranked(self) -> list[DepthOption]:
+        """The options by planned loss, the chosen one first: the order re-planning tries them in."""
+        finite = [o for o in self.options if math.isfinite(o.loss)]
+        return sorted(finite, key=lambda o: (o is not self.chosen, o.loss)) or [self.chosen]
+
+
+def in_blocks(layer: str, blocks: Sequence[str]) -> bool:
+    """Whether a layer's curve (its unit's name) belongs to one of the removed blocks (module paths)."""
+    name = layer.removeprefix("coupled:")
+    return any(name.startswith(f"{block}.") for block in blocks)
+
+
+def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest, probe: ProbeGraph,
+               say: Callable[[str], None]) -> DepthPlan:
+    """How many residual blocks to remove before the widths: one allocation over depth and width.
+
+    Every option is a prefix of the greedy block order: its speedup is measured (the dense graph without the
+    blocks, exported and timed), the widths for the speedup still missing are allocated on the remaining
+    layers' dense curves with the latency model's initial share, and the option's loss is the blocks' removal
+    losses plus that allocation's loss: both errors relative to the residual stream, the currency in which
+    `allocate` already trades one layer's width against another's. The least loss wins; removing none is an
+    option like the others."""
+    assert request.target_speedup is not None
+    aim = AIM_AT * request.target_speedup
+    losses = job.removal_losses()
+    options = [depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)]
+    best, worse = options[0], 0
+    say(f"depth: {len(losses)} removable residual blocks; no block removed: widths remove "
+        f"{options[0].width_saving:.1%} of the prunable cost, planned loss {options[0].loss:.4f}")
+    chosen: list[str] = []
+    for block, _ in itertools.islice(job.depth_order(), int(MAX_DEPTH_SHARE * len(losses))):
+        chosen.append(block)
+        latency = probe(job.without(chosen))
+        kept = [c for c in curves if not in_blocks(c.name, chosen)]
+        option = depth_option(chosen, sum(losses[b] for b in chosen), latency.speedup, kept, aim, INITIAL_SHARE)
+        options.append(option)
+        say(f"depth: {len(chosen)} blocks removed (last {block}): measured {latency.speedup:.3f}x; widths then "
+            f"remove {option.width_saving:.1%} of the remaining prunable cost; planned loss {option.depth_loss:.4f} "
+            f"depth + {option.width_loss:.4f} width = {option.loss:.4f}")
+        if option.loss < best.loss:
+            best, worse = option, 0
+        else:
+            worse += 1
+        if option.width_saving == 0 or worse >= DEPTH_PATIENCE:
+            break
+    say(f"depth: removing {len(best.blocks)} blocks ({', '.join(best.blocks) or 'none'}): the least planned loss")
+    return DepthPlan(best, options, aim, INITIAL_SHARE)
+
+
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
                 baseline_metric: float, say: Callable[[str], None],
-                enter: Callable[[str, int], None] | None = None, probe: ProbeWidths | None = None) -> list[Round]:
+                enter: Callable[[str, int], None] | None = None, probe: ProbeWidths | None = None,
+                base_speedup: float = 1.0, first_round: int = 0) -> list[Round]:
     """Allocate -> (probe) -> prune -> measure -> choose the next saving, until a round is within
     [MET, AIM] x target.
 
@@ -205,7 +305,10 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     through the measured points (latency depends on the widths alone, so every measurement is a point
     of one monotone curve of the saving). With `probe`, up to `request.latency_probes` latency-only
     measurements of planned widths (cheap: no solve, no evaluation) search that curve before each
-    round, so the round's solve runs at widths already measured within the window."""
+    round, so the round's solve runs at widths already measured within the window. `base_speedup`: what
+    the graph measured before any width was narrowed (its removed blocks); the latency model describes
+    the widths' part of the speedup, the measured speedup over it. `first_round`: the number of the
+    loop's first round (a job that re-plans runs the loop again after rounds of its own)."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
     target = request.target_speedup
@@ -214,8 +317,9 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     measured: list[tuple[float, float]] = []  # (modelled saving, measured 1 - 1/speedup) of rounds and probes
     share = INITIAL_SHARE  # corrected after each measurement
 
-    def record(saved: float, speedup: float) -> None:
+    def record(saved: float, measured_speedup: float) -> None:
         nonlocal share
+        speedup = measured_speedup / base_speedup  # the widths' part
         if saved > 0 and speedup > 0:
             measured.append((saved, 1 - 1 / speedup))
             # the observed share of the latency that the removed cost accounted for: above 1 when narrower
@@ -223,10 +327,11 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             share = min(MAX_SHARE, max(0.05, (1 - 1 / speedup) / saved))
 
     def planned() -> tuple[Widths, float]:
-        plan = allocate(curves, next_saving(measured, 1 - 1 / (AIM_AT * target), share) * full)
+        aim = max(1e-6, 1 - base_speedup / (AIM_AT * target))  # the latency fraction the widths must remove
+        plan = allocate(curves, next_saving(measured, aim, share) * full)
         return plan, 1 - total_cost(curves, plan) / full
 
-    for index in range(request.max_rounds):
+    for index in range(first_round, first_round + request.max_rounds):
         plan, saved = planned()
         probes: list[tuple[Widths, Probe]] = []
         if probe is not None and request.latency_probes:
@@ -332,6 +437,19 @@ def widths_of(path: Path) -> dict[str, int]:
         return {layer["name"]: int(layer["width_after"]) for layer in layers}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise InputError(f"--widths-from {path}: expected a report.json with layers[].name and width_after") from err
+
+
+def removed_of(path: Path) -> list[str]:
+    """The whole blocks (conv graphs) or layers (transformers) a report.json's model went without: the
+    depth half of its structure, which --widths-from reproduces with the widths."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"--widths-from {path}: not a readable report.json") from err
+    removed = report.get("removed_blocks") or report.get("removed_layers") or []
+    if not isinstance(removed, list) or not all(isinstance(name, str) for name in removed):
+        raise InputError(f"--widths-from {path}: removed_blocks / removed_layers must be a list of names")
+    return removed
 
 
 def max_saving(curves: list[LayerCurve]) -> float:

@@ -1,11 +1,20 @@
 """Loss-versus-width curves from the nested greedy path, and width allocation under a cost budget."""
 
 import itertools
+import math
 
 import pytest
 
 from compressor import solve_layer
-from compressor.allocation import LayerCurve, allocate, allowed_widths, loss_path, total_cost
+from compressor.allocation import (
+    LayerCurve,
+    allocate,
+    allowed_widths,
+    curve_loss,
+    depth_option,
+    loss_path,
+    total_cost,
+)
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -44,3 +53,33 @@ def test_allocate_prunes_where_loss_per_saved_cost_is_smallest():
     assert total_cost(curves) - total_cost(curves, plan) >= 8.0
     everything = allocate(curves, 1e9)  # out of reach: every layer at its minimum
     assert everything == {"cheap": 2, "dear": 2, "costly": 1}
+
+
+def _curves() -> list[LayerCurve]:
+    return [LayerCurve("a", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.4], cost=1.0),
+            LayerCurve("b", "conv_channels", [8, 4, 2], [0.0, 0.2, 0.3], cost=1.0)]
+
+
+def test_a_depth_option_adds_the_widths_loss_for_the_speedup_still_missing():
+    curves = _curves()  # 16 cost units; the minimum widths remove 75 %
+    none = depth_option((), 0.0, 1.0, curves, target=2.0, share=1.0)
+    assert none.width_saving == pytest.approx(0.5)  # 1 - 1/2 of the latency, at share 1
+    assert none.width_loss == pytest.approx(0.3) and none.loss == pytest.approx(0.3)  # both layers 8 -> 4
+    some = depth_option(("blk",), 0.05, 1.6, curves, target=2.0, share=1.0)
+    assert some.width_saving == pytest.approx(1 - 1.6 / 2.0)
+    assert some.width_loss == pytest.approx(0.1)  # one step suffices: the cheaper layer
+    assert some.loss == pytest.approx(0.15) and some.loss < none.loss
+    enough = depth_option(("blk", "blk2"), 0.5, 2.1, curves, target=2.0, share=1.0)
+    assert enough.width_saving == 0.0 and enough.width_loss == 0.0 and enough.loss == 0.5
+
+
+def test_a_depth_option_the_minimum_widths_cannot_reach_is_infinitely_lossy():
+    option = depth_option((), 0.0, 1.0, _curves(), target=5.0, share=1.0)  # needs 80 % > 75 %
+    assert math.isinf(option.loss)
+    with pytest.raises(ValueError):
+        depth_option((), 0.0, 0.0, _curves(), target=2.0, share=1.0)
+
+
+def test_curve_loss_sums_the_named_layers_at_their_widths():
+    assert curve_loss(_curves(), {"a": 2, "b": 4}) == pytest.approx(0.6)
+    assert curve_loss(_curves(), {"a": 4}) == pytest.approx(0.1)  # b stays dense

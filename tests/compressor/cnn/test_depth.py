@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from compressor.cnn.depth import choose_blocks, remove_blocks, residual_blocks
+from compressor.cnn.depth import choose_blocks, greedy_blocks, removal_losses, remove_blocks, residual_blocks
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import export_module
 from compressor.cnn.pipeline import prune_conv_graph
@@ -71,6 +71,34 @@ def test_the_block_that_changes_the_outputs_least_goes_first():
     chosen = choose_blocks(gm, torch.randn(32, 3, 16, 16), 2, device=CPU, progress=lines.append)
     assert chosen[0] == "layer1.0" and len(set(chosen)) == 2
     assert lines[0].startswith("depth: block 1/2: layer1.0 (output relative error")
+
+
+def test_removal_losses_are_branch_energy_relative_to_the_stream_it_writes():
+    torch.manual_seed(0)
+    model = randomize_batch_norms(MODELS["option_a"]()).eval()
+    with torch.no_grad():  # layer1.0's branch silent: removing it costs nothing
+        model.layer1[0].bn2.weight.zero_()
+        model.layer1[0].bn2.bias.zero_()
+    gm = export_module(model, torch.randn(2, 3, 16, 16))
+    images = torch.randn(16, 3, 16, 16)
+    losses = removal_losses(gm, images, device=CPU, batch_size=5)
+    assert sorted(losses) == ["layer1.0", "layer1.1", "layer2.1"]
+    assert losses["layer1.0"] == pytest.approx(0.0, abs=1e-12)
+    with torch.no_grad():  # layer1.1 by hand: ||bn2(conv2(relu(bn1(conv1(x)))))||^2 / ||that + x||^2
+        block = model.layer1[1]
+        x = model.layer1[0](torch.relu(model.bn1(model.conv1(images))))
+        branch = block.bn2(block.conv2(torch.relu(block.bn1(block.conv1(x)))))
+        expected = float(branch.double().square().sum() / (branch + x).double().square().sum())
+    assert losses["layer1.1"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_greedy_order_is_the_choice_one_block_at_a_time():
+    gm = exported("option_a")
+    images = torch.randn(16, 3, 16, 16)
+    order = list(greedy_blocks(gm, images, device=CPU))
+    assert [name for name, _ in order][:2] == choose_blocks(gm, images, 2, device=CPU)
+    assert sorted(name for name, _ in order) == ["layer1.0", "layer1.1", "layer2.1"]
+    assert all(error >= 0 for _, error in order)
 
 
 def test_a_shallower_graph_is_channel_pruned_fitted_to_the_dense_one_and_exports(tmp_path):

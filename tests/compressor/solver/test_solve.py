@@ -13,6 +13,7 @@ from compressor.solver import solve as solve_module
 from compressor.solver.baselines import magnitude_support
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
+from compressor.solver.solve import NO_REFIT_METHODS
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -57,7 +58,7 @@ def test_contract_of_every_method(method, g):
     assert torch.count_nonzero(sol.weight[rows]) == 0  # pruned rows exactly zero
     # the reported objective is the objective of the returned weight, with the caller's H
     assert sol.objective == pytest.approx(literal_objective(pb.H, pb.G, sol.weight), rel=1e-9)
-    if method == "mp":
+    if method in NO_REFIT_METHODS:  # the dense weight's kept rows as they are
         expected = pb.dense_weight.clone()
         expected[rows] = 0
         assert torch.equal(sol.weight, expected)
@@ -349,3 +350,18 @@ def test_indefinite_H_is_refused():
     H[0, 1] = H[1, 0] = 5.0  # symmetric, positive diagonal, but indefinite
     with pytest.raises(ValueError, match="positive semi-definite"):
         solve_layer(H, torch.ones(4, 2, dtype=torch.float64), 1, 2)
+
+
+def test_wanda_sp_and_flap_score_rows_by_input_size_and_weight():
+    """Wanda-sp scores a row ||X_j|| sum_i |W_ji|, FLAP H_jj ||W_j||^2: on rows of equal inputs, one weight
+    concentrated (4, 0) and one spread (2.5, 2.5), Wanda-sp drops the first (4 < 5) and FLAP the second
+    (12.5 < 16); a third row with large inputs and weights stays under both."""
+    H = torch.diag(torch.tensor([1.0, 1.0, 9.0], dtype=torch.float64))
+    W = torch.tensor([[4.0, 0.0], [2.5, 2.5], [3.0, 3.0]], dtype=torch.float64)
+    G = H @ W
+    assert solve_layer(H, G, 1, 1, "wanda-sp", dense_weight=W).pruned == [0]
+    assert solve_layer(H, G, 1, 1, "flap", dense_weight=W).pruned == [1]
+    for method in ("wanda-sp", "flap"):
+        assert solve_layer(H, G, 1, 2, method, dense_weight=W).pruned == [0, 1]
+        with pytest.raises(ValueError, match="dense_weight"):
+            solve_layer(H, G, 1, 1, method)

@@ -193,3 +193,40 @@ def test_on_a_gpu_activations_move_through_pinned_memory_and_prune_like_on_the_c
     assert [r.kept for r in gpu] == [r.kept for r in cpu]
     for a, b in zip(gpu, cpu, strict=True):
         assert a.relative_error == pytest.approx(b.relative_error, rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_a_skipped_layer_leaves_the_pruned_model_and_the_rest_are_solved_against_the_dense_stream(name):
+    model = MODELS[name]()
+    data = batches(model, 2)
+    pruned, reports = prune_transformer(model, data, 0.25, skip=[0], refine=pipeline.RefineConfig(steps=0))
+    prefix = pipeline.layers_path(model)
+    assert len(layers(pruned)) == pruned.config.num_hidden_layers == 1 and len(layers(model)) == 2
+    assert reports and all(r.name.startswith(f"{prefix}.1.") for r in reports)  # the dense numbering
+    resized = resize_transformer(model, {r.name: r.width_after for r in reports}, skip=[0])
+    assert len(layers(resized)) == 1
+    assert first_output(resized).shape == first_output(pruned).shape == first_output(model).shape
+    with pytest.raises(ValueError, match="in-memory models only"):
+        prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, skip=[0])
+
+
+def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_writes():
+    model = MODELS["llama"]()
+    adapter = adapter_for(model)
+    with torch.no_grad():  # layer 1 writes nothing to the stream
+        projection(layers(model)[1], adapter.o).weight.zero_()
+        projection(layers(model)[1], adapter.down).weight.zero_()
+    data = batches(model, 2)
+    losses = pipeline.removal_losses(model, data)
+    assert len(losses) == 2 and losses[1] == pytest.approx(0.0, abs=1e-12) and 0 < losses[0] < 10
+    with torch.no_grad():  # layer 0 by hand, over the tokens that count (the attention mask's)
+        hidden = model(**data[0], output_hidden_states=True).hidden_states
+    mask = data[0]["attention_mask"].bool()
+    update = (hidden[1] - hidden[0])[mask].double().square().sum()
+    stream = hidden[1][mask].double().square().sum()
+    with torch.no_grad():
+        hidden = model(**data[1], output_hidden_states=True).hidden_states
+    mask = data[1]["attention_mask"].bool()
+    update += (hidden[1] - hidden[0])[mask].double().square().sum()
+    stream += hidden[1][mask].double().square().sum()
+    assert losses[0] == pytest.approx(float(update / stream), rel=1e-4)

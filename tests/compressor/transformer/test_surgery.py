@@ -18,6 +18,7 @@ from compressor.transformer.surgery import (
     prune_heads,
     prune_query_heads,
     query_heads,
+    remove_layers,
     save_pruned,
     widths,
 )
@@ -182,3 +183,45 @@ def test_a_bad_kv_map_in_a_manifest_is_refused(tmp_path):
     (tmp_path / "m" / "osscar_widths.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelReferenceError, match="kv_index"):
         load_pruned(tmp_path / "m")
+
+
+def _identity_at(model, index):
+    """The dense model with block `index` passing its input through (its updates to the stream gone)."""
+    ref = copy.deepcopy(model)
+
+    def hook(_module, args, kwargs, output):
+        hidden = args[0] if args else next(v for k, v in kwargs.items() if k in ("hidden_states", "x"))
+        return hidden if isinstance(output, torch.Tensor) else (hidden, *output[1:])
+
+    layers(ref)[index].register_forward_hook(hook, with_kwargs=True)
+    return ref
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_removed_layer_is_the_identity_and_the_model_saves_as_a_shallower_one(name, tmp_path):
+    model = MODELS[name]()
+    n = dims(model).layers
+    reference = _identity_at(model, 0)
+    before = count_parameters(model)
+    types = getattr(model.config, "layer_types", None)
+    remove_layers(model, [0])
+    assert len(layers(model)) == dims(model).layers == n - 1 == model.config.num_hidden_layers
+    if isinstance(types, list):
+        assert model.config.layer_types == types[1:]
+    # the block left is renumbered: a KV cache indexes its layers by layer_idx
+    assert all(m.layer_idx == 0 for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int))
+    assert count_parameters(model) < before
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+    save_pruned(model, tmp_path / "m")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model))
+
+
+def test_bad_layer_removals_are_refused_listing_every_bad_index():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"\[-1, 1, 5\]"):
+        remove_layers(model, [-1, 5, 1, 1])
+    from compressor.errors import UnsupportedArchitecture
+
+    with pytest.raises(UnsupportedArchitecture, match="removing all 2 layers"):
+        remove_layers(model, [0, 1])
+    assert dims(model).layers == 2  # nothing was removed

@@ -18,6 +18,7 @@ from service.job.targeting import (
     at_minimum_widths,
     choose,
     next_saving,
+    plan_depth,
     target_loop,
 )
 
@@ -305,6 +306,13 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert 1 <= len(probes) <= 4 and all(p["measured_speedup"] > 0 and 0 < p["saving"] < 1 for p in probes)
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file() and (out / "report.html").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no work files left behind
+    # depth was planned: removing none, or block1 / block2 (one of the two weighed), each option measured
+    depth = report["depth"]
+    assert [o["blocks"] for o in depth["options"]] == [0, 1] and depth["options"][1]["depth_speedup"] > 0
+    assert [o["chosen"] for o in depth["options"]].count(True) == 1 and depth["tried"][0] == len(depth["planned"])
+    assert report["removed_blocks"] in ([], ["block1"], ["block2"])
+    assert report["refine_steps"] == (3000 if report["removed_blocks"] else 300)
+    assert "<h2>Depth</h2>" in (out / "report.html").read_text()
     import onnx
 
     meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx")).metadata_props}
@@ -347,6 +355,12 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
         if layer["kind"] == "ffn_neurons":
             assert layer["width_after"] in (20, 16)  # the full width or multiples of 8 above 10
     assert report["widths"]["heads"] == [r["width_after"] for r in report["layers"] if r["kind"] == "attention_heads"]
+    # whole layers were weighed (one of the two at most), and the saved model is as deep as the report says
+    assert [o["blocks"] for o in report["depth"]["options"]] == [0, 1]
+    assert report["removed_layers"] in ([], ["model.layers.0"], ["model.layers.1"])
+    kept = 2 - len(report["removed_layers"])
+    assert len(report["widths"]["heads"]) == kept
+    assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == kept
 
 
 def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(tmp_path):
@@ -444,3 +458,56 @@ def test_every_field_that_changes_the_statistics_changes_the_curves_key(tmp_path
     for name, value in changed.items():
         assert curves_cache_key(job, dataclasses.replace(base, **{name: value}), "1") != key, name
     assert curves_cache_key(job, _request(repeats=5, threads=1, max_rounds=2), "1") == key
+
+
+class FakeDepthJob:
+    """Blocks b0..b5 removed in that order; each removal saves 5 % of the latency and costs `loss` each;
+    layer<i> belongs to block b<i> (its curve leaves with it)."""
+
+    def __init__(self, loss: float) -> None:
+        self.loss, self.asked = loss, []
+
+    def depth_order(self):
+        for i in range(6):
+            self.asked.append(f"b{i}")
+            yield f"b{i}", 0.0
+
+    def removal_losses(self):
+        return {f"b{i}": self.loss for i in range(6)}
+
+    def without(self, blocks):
+        return list(blocks)
+
+
+def fake_depth_curves():
+    return [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.2 * (i + 1), 2.0], cost=1.0)
+            for i in range(6)]
+
+
+def depth_probe(blocks):
+    speedup = 1 / (1 - 0.05 * len(blocks))
+    return Latency(100.0, 100 / speedup, 101.0, 101 / speedup, speedup, "cpu", 2, "test", 5)
+
+
+@pytest.mark.parametrize("loss,removed", [(10.0, 0), (0.01, 3)])
+def test_depth_is_chosen_by_the_least_planned_loss_of_depth_and_width(loss, removed):
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.3)
+    job = FakeDepthJob(loss)
+    lines = []
+    plan = plan_depth(job, fake_depth_curves(), request, depth_probe, lines.append)
+    assert len(plan.chosen.blocks) == removed
+    assert plan.chosen.loss == min(o.loss for o in plan.options)
+    assert len(job.asked) <= 3  # at most half the blocks weighed
+    if removed == 0:  # two options in a row no better than none: the search stops
+        assert len(plan.options) == 3
+    report = plan.to_dict()
+    assert report["planned"] == list(plan.chosen.blocks)
+    assert [o["chosen"] for o in report["options"]].count(True) == 1
+    assert lines[-1].startswith(f"depth: removing {removed} blocks")
+
+
+def test_depth_search_stops_once_blocks_alone_reach_the_aim():
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.05)
+    plan = plan_depth(FakeDepthJob(0.0), fake_depth_curves(), request, depth_probe, lambda m: None)
+    assert [o.width_saving for o in plan.options][-1] == 0.0
+    assert len(plan.chosen.blocks) == 2  # 1/0.9 = 1.11x >= 1.03 x 1.05; one block (1.053x) falls short
