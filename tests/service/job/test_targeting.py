@@ -291,7 +291,8 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     out = tmp_path / "out"
     code = cli.main(["compress", str(tmp_path / "model.pt2"), "--target-speedup", "1.3", "--calibration",
                      str(tmp_path / "cal.npz"), "--eval", str(tmp_path / "eval.npz"), "--out", str(out),
-                     "--samples", "40", "--repeats", "5", "--shape", "batch=16", "--max-rounds", "2"])
+                     "--samples", "40", "--repeats", "5", "--shape", "batch=16", "--max-rounds", "2",
+                     "--refine-steps", "20"])  # a short fit: the default 3,000 steps of a shallower graph are slow
     report = json.loads((out / "report.json").read_text())
     assert set(report) >= REPORT_KEYS
     assert report["uniform_ratio"] is None and report["target_speedup"] == 1.3
@@ -311,7 +312,7 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert [o["blocks"] for o in depth["options"]] == [0, 1] and depth["options"][1]["depth_speedup"] > 0
     assert [o["chosen"] for o in depth["options"]].count(True) == 1 and depth["tried"][0] == len(depth["planned"])
     assert report["removed_blocks"] in ([], ["block1"], ["block2"])
-    assert report["refine_steps"] == (3000 if report["removed_blocks"] else 300)
+    assert report["refine_steps"] == 20
     assert "<h2>Depth</h2>" in (out / "report.html").read_text()
     import onnx
 
