@@ -111,6 +111,12 @@ def total_cost(curves: Sequence[LayerCurve], widths: dict[str, int] | None = Non
     return sum(c.cost * (widths[c.name] if widths else c.groups) for c in curves)
 
 
+def max_saving(curves: Sequence[LayerCurve]) -> float:
+    """The fraction of the prunable cost removed with every layer at its minimum width (0 without cost)."""
+    full = total_cost(curves)
+    return 1 - total_cost(curves, {c.name: c.widths[-1] for c in curves}) / full if full > 0 else 0.0
+
+
 def curve_loss(curves: Sequence[LayerCurve], widths: dict[str, int]) -> float:
     """The summed normalised loss of the layers at `widths` (a layer not named stays dense)."""
     return sum(c.loss[c.widths.index(widths[c.name])] for c in curves if c.name in widths)
@@ -145,9 +151,7 @@ def depth_option(blocks: Sequence[str], depth_loss: float, depth_speedup: float,
     if rest <= 1:
         return DepthOption(tuple(blocks), depth_loss, depth_speedup, 0.0, 0.0)
     saving = (1 - 1 / rest) / share
-    full = total_cost(curves)
-    floor = 1 - total_cost(curves, {c.name: c.widths[-1] for c in curves}) / full if full > 0 else 0.0
-    if saving > floor:
+    if saving > max_saving(curves):
         return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, math.inf)
-    widths = allocate(curves, saving * full)
+    widths = allocate(curves, saving * total_cost(curves))
     return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, curve_loss(curves, widths))

@@ -450,9 +450,9 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
         moved = block.to(device)
         update = stream = 0.0
         for s in streams:
-            out = _run(moved, s.hidden, s, device)
-            update += float(_rows(out.cpu() - s.hidden.float(), s).square().sum())
-            stream += float(_rows(out.cpu(), s).square().sum())
+            out = _run(moved, s.hidden, s, device).cpu()
+            update += float(_rows(out - s.hidden.float(), s).square().sum())
+            stream += float(_rows(out, s).square().sum())
             s.hidden = _offload(out, activation_dtype)
         block.to("cpu")
         losses.append(update / max(stream, 1e-30))

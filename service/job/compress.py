@@ -294,8 +294,7 @@ def _depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves
     plan's blocks or layers; when every round of it lands below the accuracy budget, the next option by
     planned loss (another mix of depth and width, not only another amount; at most MAX_REPLANS of them)
     gets the rounds left, so the planned losses' ranking is corrected by a measurement before the job
-    gives up. Rounds are numbered
-    across the options (`rounds` is the job's list, which `run_round` fills)."""
+    gives up. Rounds are numbered across the options (`rounds` is the job's list, which `run_round` fills)."""
     rule = accuracy_rule(request, job.metric)
     tried: list[DepthOption] = []
     for option in plan.ranked()[: 1 + MAX_REPLANS]:

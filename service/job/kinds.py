@@ -306,16 +306,13 @@ class ConvJob:
                                    f"expects {self.loaded.input_shape}")
         self.held_out.check(request.eval or request.calibration)
         self.dense = self.loaded.module  # the baseline, and what the reconstruction fits to
-        self.removed_blocks: list[str] = []
         self.depth: dict | None = None  # target mode's depth plan (report.json `depth`), when it made one
-        self.graph = self.dense  # what the channels are pruned of: the dense graph, or it without some blocks
+        chosen: list[str] = []
         if request.remove_blocks:
             say(f"depth: choosing {request.remove_blocks} residual blocks to remove")
-            self.removed_blocks = choose_blocks(self.dense, self.images[:DEPTH_IMAGES], request.remove_blocks,
-                                                device=compute_device(request.device),
-                                                batch_size=request.batch_size, progress=say)
-            self.graph = remove_blocks(self.dense, self.removed_blocks)
-        self.analysis = analyse(self.graph)
+            chosen = choose_blocks(self.dense, self.images[:DEPTH_IMAGES], request.remove_blocks,
+                                   device=compute_device(request.device), batch_size=request.batch_size, progress=say)
+        self.remove(chosen)  # the graph the channels are pruned of: the dense one, or it without some blocks
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
         if self.eval_y is not None:
@@ -340,7 +337,10 @@ class ConvJob:
     @property
     def refine_steps(self) -> int:
         """The reconstruction steps in force: the request's, else more for a graph without some blocks."""
-        return self.request.refine_steps_or(DEPTH_STEPS if self.removed_blocks else GRAPH_STEPS)
+        return self._refine_steps(bool(self.removed_blocks))
+
+    def _refine_steps(self, shallower: bool) -> int:
+        return self.request.refine_steps_or(DEPTH_STEPS if shallower else GRAPH_STEPS)
 
     def depth_order(self) -> Iterator[tuple[str, float]]:
         """The residual blocks in the order depth removes them (`greedy_blocks`), lazily."""
@@ -349,9 +349,8 @@ class ConvJob:
 
     def removal_losses(self) -> dict[str, float]:
         """Each removable block's loss if removed, in the width curves' currency (`removal_losses`)."""
-        return block_removal_losses(self.dense, self.images[:DEPTH_IMAGES],
-                                    device=compute_device(self.request.device),
-                              batch_size=self.request.batch_size)
+        return block_removal_losses(self.dense, self.images[:DEPTH_IMAGES], device=compute_device(self.request.device),
+                                    batch_size=self.request.batch_size)
 
     def without(self, blocks: Sequence[str]) -> fx.GraphModule:
         """The dense graph without `blocks`."""
@@ -416,9 +415,9 @@ class ConvJob:
         # the blocks the returned graph lacks, not the job's last plan: after a re-plan they can differ
         params = set(module.state_dict())
         removed = [b.name for b in residual_blocks(self.dense) if not params.intersection(b.parameters)]
-        steps = self.request.refine_steps_or(DEPTH_STEPS if removed else GRAPH_STEPS)
         return {"samples": len(self.images), "not_pruned": self.analysis.refused, "removed_blocks": removed,
-                "refine_steps": steps, **({"depth": self.depth} if self.depth is not None else {})}
+                "refine_steps": self._refine_steps(bool(removed)),
+                **({"depth": self.depth} if self.depth is not None else {})}
 
 
 class _TransformerJob:

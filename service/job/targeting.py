@@ -22,6 +22,7 @@ from compressor.allocation import (
     allowed_widths,
     depth_option,
     loss_path,
+    max_saving,
     total_cost,
 )
 from compressor.errors import InputError
@@ -450,11 +451,6 @@ def removed_of(path: Path) -> list[str]:
     if not isinstance(removed, list) or not all(isinstance(name, str) for name in removed):
         raise InputError(f"--widths-from {path}: removed_blocks / removed_layers must be a list of names")
     return removed
-
-
-def max_saving(curves: list[LayerCurve]) -> float:
-    """The fraction of the prunable cost removed with every layer at its minimum width."""
-    return 1 - total_cost(curves, {c.name: c.widths[-1] for c in curves}) / total_cost(curves)
 
 
 def choose(request: CompressRequest, rounds: list[Round], metric: Metric, baseline: float) -> tuple[Round, str]:
