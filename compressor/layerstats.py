@@ -2,20 +2,26 @@
 the solution into kept groups, a weight and an intercept.
 
 Life cycle (as sparsegpt's): `LayerStatistics(W_hat)` -> `add(X, X_hat)` per calibration batch ->
-`finish(center)` -> solve -> `kept_solution(...)`.
+`finish(center)` -> `prune_layer` (observe -> solve -> keep -> the pipeline's surgery -> report).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .errors import InputError
-from .solver import LayerSolution
+from .progress import SOLVE, Progress, ProgressFn, emit, warning
+from .reports import LayerReport
+from .solver import LayerSolution, solve_layer
 from .solver.problem import group_rows
+
+log = logging.getLogger(__name__)
 
 
 def compute_device(device: str | torch.device | None) -> torch.device:
@@ -139,3 +145,27 @@ def kept_solution(sol: LayerSolution, group_size: int, scale: Tensor | None,
     if scale is not None:
         W, shift = W / scale.to(W), shift / scale.to(shift)
     return KeptSolution(keep, W, shift)
+
+
+def prune_layer(name: str, kind: str, stats: FinishedStatistics, group_size: int, num_prune: int, method: str, *,
+                dense_weight: Tensor, scale: Tensor | None, apply: Callable[[KeptSolution], None],
+                position: tuple[int, int], start: float, observe: Callable[[LayerObservation], None] | None,
+                costs: Callable[[], tuple[float, float | None]], progress: ProgressFn | None,
+                rank: int | None = None, numbers: Mapping[str, float] | None = None) -> LayerReport:
+    """One layer's step, the same in every pipeline: `observe` its statistics (with `costs()`: one group's
+    FLOPs and the residual stream's energy, computed only when observed), solve, keep, `apply` the kept
+    solution (the pipeline's surgery), then report it (a SOLVE record at `position`: (index from 1, total))."""
+    groups = stats.H.shape[0] // group_size
+    if observe is not None:
+        cost, stream_energy = costs()
+        observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy))
+    sol = solve_layer(stats.H, stats.G, group_size, num_prune, method, dense_weight=dense_weight, rank=rank)
+    if sol.stats.get("fallback"):
+        emit(progress, warning(f"{name}: the search fell back to {sol.stats['fallback']}"), log)
+    kept = kept_solution(sol, group_size, scale, stats)
+    apply(kept)
+    report = LayerReport.measure(name, kind, groups, len(kept.keep), sol.objective, stats.energy, start, kept=kept.keep)
+    emit(progress, Progress(SOLVE, name, *position, kind=kind, numbers={
+        "width_before": groups, "width_after": len(kept.keep), "relative_error": report.relative_error,
+        "seconds": time.perf_counter() - start, **(numbers or {})}), log)
+    return report

@@ -18,6 +18,12 @@ class RefineReport:
     seconds: float
 
 
+def fit_numbers(fit: RefineReport) -> dict[str, float]:
+    """A reconstruction's figures as a RECONSTRUCTION progress record carries them."""
+    return {"before": fit.before, "after": fit.after, "kept": float(fit.kept), "steps": fit.steps,
+            "seconds": fit.seconds}
+
+
 @dataclass(frozen=True)
 class LayerReport:
     name: str  # the pruned layer (conv consumer, o_proj, down_proj, ...)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from compressor.errors import InputError
+from compressor.progress import Progress
 
+from .job.progress import TRANSIENT, render
 from .terminal import ProgressLines, ignoring_interrupts
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,8 @@ class _Progress:
     def __init__(self, stream) -> None:
         self.lines = ProgressLines(stream)
 
-    def __call__(self, message: str) -> None:
-        self.lines(message, transient=message.startswith("[") or "relative error" in message)
+    def __call__(self, record: Progress) -> None:
+        self.lines(render(record), transient=record.stage in TRANSIENT)
 
 
 NONE = "none"
@@ -175,11 +177,11 @@ def _compress(args: argparse.Namespace) -> int:
         message = JobError.from_exception(err, stage=current["stage"]).message
         print(f"osscar: {message}; {written.undo()}", file=sys.stderr)
         return 2
-    if report["status"] in ("parity_failed", "evaluation_failed"):
-        print(f"osscar: {report['message']}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
+    if report.status in ("parity_failed", "evaluation_failed"):
+        print(f"osscar: {report.message}; no model.onnx kept, the report is in {args.out_dir}", file=sys.stderr)
         return 2
-    if report["status"] != "ok":
-        print(f"osscar: {report['message']}; the best artifact and report are in {args.out_dir}", file=sys.stderr)
+    if report.status != "ok":
+        print(f"osscar: {report.message}; the best artifact and report are in {args.out_dir}", file=sys.stderr)
         return 2
     return 0
 

@@ -15,6 +15,7 @@ from google.protobuf.json_format import ParseDict
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from .api import compression_pb2 as pb
+from .job.report import Report
 
 if TYPE_CHECKING:  # annotations only: clients import this module without the service core
     from .core.outcomes import JobError
@@ -115,24 +116,28 @@ def status_of_error(error: JobError) -> status_pb2.Status:
     return status
 
 
-def report_to_proto(report: dict) -> pb.CompressReport:
-    metric = report.get("metric") or {}
+def report_to_proto(report: Report) -> pb.CompressReport:
+    """The gRPC report of a finished job (its status a success or a report's failure with a returned model);
+    `full` carries report.json whole."""
+    metric, measured = report.metric, report.measured
+    assert measured is not None, "only a job that returned a model has a CompressReport"
     out = pb.CompressReport(
-        status=report["status"], measured_speedup=report["measured_speedup"],
-        baseline_latency_ms=report["baseline_latency_ms"], compressed_latency_ms=report["compressed_latency_ms"],
-        execution_provider=report["execution_provider"], device=str(report.get("device") or ""),
-        metric=pb.Metric(name=metric.get("name", ""), baseline=metric.get("baseline", 0.0),
-                         compressed=metric.get("compressed", 0.0), relative_drop=metric.get("relative_drop", 0.0)),
-        params_before=report["params_before"], params_after=report["params_after"], method=report["method"],
-        elapsed_s=report["elapsed_s"],
-        layers=[pb.LayerResult(name=layer["name"], kind=layer["kind"], width_before=layer["width_before"],
-                               width_after=layer["width_after"], objective=layer["objective"],
-                               relative_error=layer["relative_error"]) for layer in report["layers"]])
-    for key in ("target_speedup", "uniform_ratio"):
-        if report.get(key) is not None:
-            setattr(out, key, report[key])
+        status=report.status, measured_speedup=measured.measured_speedup,
+        baseline_latency_ms=measured.baseline_latency_ms, compressed_latency_ms=measured.compressed_latency_ms,
+        execution_provider=report.execution_provider, device=measured.device,
+        metric=pb.Metric(name=metric.name, baseline=metric.baseline or 0.0, compressed=metric.compressed or 0.0,
+                         relative_drop=metric.relative_drop or 0.0),
+        params_before=report.params_before, params_after=measured.params_after, method=report.method,
+        elapsed_s=report.elapsed_s,
+        layers=[pb.LayerResult(name=layer.name, kind=layer.kind, width_before=layer.width_before,
+                               width_after=layer.width_after, objective=layer.objective,
+                               relative_error=layer.relative_error) for layer in report.layers])
+    if report.target_speedup is not None:
+        out.target_speedup = report.target_speedup
+    if report.uniform_ratio is not None:
+        out.uniform_ratio = report.uniform_ratio
     full = struct_pb2.Struct()
-    ParseDict(_json_safe(report), full)
+    ParseDict(_json_safe(report.to_json()), full)
     out.full.CopyFrom(full)
     return out
 
@@ -174,7 +179,7 @@ def operation_of(record: JobRecord) -> operations_pb2.Operation:
     if record.error:
         op.error.CopyFrom(status_of_error(record.error))
     elif record.done and record.report is not None:
-        op.response.Pack(pb.CompressResponse(report=report_to_proto(record.report),
+        op.response.Pack(pb.CompressResponse(report=report_to_proto(Report.from_json(record.report)),
                                              artifacts=[artifact_to_proto(a) for a in record.artifacts]))
     return op
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx
 
 from ..errors import UnsupportedArchitecture
+from ..progress import DEPTH, Progress, ProgressFn, emit
 from .graph import ADD_OPS, CONV_OPS
 from .refine import graph_output
 
@@ -174,7 +175,7 @@ def greedy_blocks(gm: fx.GraphModule, images: Tensor, *, device: torch.device, b
 
 
 def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: torch.device,
-                  batch_size: int = 100, progress: Callable[[str], None] | None = None) -> list[str]:
+                  batch_size: int = 100, progress: ProgressFn | None = None) -> list[str]:
     """`count` blocks to remove, greedily (`greedy_blocks`)."""
     blocks = residual_blocks(gm)
     if count > len(blocks):
@@ -185,8 +186,11 @@ def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: tor
     for step, (best, error) in enumerate(itertools.islice(greedy_blocks(gm, images, device=device,
                                                                         batch_size=batch_size), count)):
         chosen.append(best)
-        (progress or log.info)(f"depth: block {step + 1}/{count}: {best} (output relative error with it removed "
-                               f"{error:.4f})")
+        record = Progress(DEPTH, best, numbers={"step": step + 1, "steps": count, "error": error})
+        if progress is None:
+            log.info("depth: block %d/%d: %s (output relative error with it removed %.4f)", step + 1, count, best,
+                     error)
+        emit(progress, record, log)
     return chosen
 
 

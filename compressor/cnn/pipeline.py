@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -52,17 +53,18 @@ from torch import Tensor, fx
 from ..errors import UnsupportedArchitecture
 from ..layerstats import (
     FinishedStatistics,
+    KeptSolution,
     LayerObservation,
     LayerStatistics,
     Widths,
     check_plan,
     compute_device,
-    kept_solution,
     planned_prune,
+    prune_layer,
 )
+from ..progress import RECONSTRUCTION, Progress, ProgressFn, emit, warning
 from ..refine import RefineConfig, check_method
-from ..reports import LayerReport
-from ..solver import solve_layer
+from ..reports import LayerReport, fit_numbers
 from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, Consumer, ConvSpec, LinearSpec, analyse, residual_add
 from .refine import reconstruct_graph
 from .segments import GraphWalker
@@ -195,12 +197,9 @@ def _toward_dense(stats: FinishedStatistics, W_hat: Tensor) -> None:
     stats.G.add_(W_hat, alpha=lam)
 
 
-def _warn(progress: Callable[[str], None] | None, message: str) -> None:
-    """A warning through the job's progress (its WARNING lines go to the report), else the log."""
-    if progress:
-        progress(f"WARNING: {message}")
-    else:
-        log.warning("%s", message)
+def _warn(progress: ProgressFn | None, message: str) -> None:
+    """A warning through the job's progress (a job lists its warnings in the report), else the log."""
+    emit(progress, warning(message), log)
 
 
 def _outputs(tensor: Tensor | None, keep: Tensor | None) -> Tensor | None:
@@ -265,7 +264,7 @@ def prune_conv_graph(
     batch_size: int = 100,
     weight_by_next_bn: bool = True,
     bias_correction: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
     observe: Callable[[LayerObservation], None] | None = None,
     refine: RefineConfig | None = None,
     teacher: fx.GraphModule | None = None,
@@ -289,15 +288,13 @@ def prune_conv_graph(
         target = copy.deepcopy(gm if teacher is None else teacher).eval()
         fit = reconstruct_graph(pruned, target, images, refine, compute_device(device), batch_size)
         reports[-1] = dataclasses.replace(reports[-1], refine=fit)
-        if progress:
-            progress(f"graph reconstruction: held-out relative error {fit.before:.4f} -> {fit.after:.4f} "
-                     f"({'kept' if fit.kept else 'discarded'}, {fit.steps} steps, {fit.seconds:.1f}s)")
+        emit(progress, Progress(RECONSTRUCTION, "graph", numbers=fit_numbers(fit)), log)
     return pruned, reports
 
 
 def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method: str,
                       device: str | torch.device | None, batch_size: int, weight_by_next_bn: bool,
-                      bias_correction: bool, progress: Callable[[str], None] | None,
+                      bias_correction: bool, progress: ProgressFn | None,
                       observe: Callable[[LayerObservation], None] | None,
                       ) -> tuple[fx.GraphModule, list[LayerReport]]:
     device = compute_device(device)
@@ -351,44 +348,48 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
                                     "poorly to others; calibrate on more images than it keeps inputs (--samples)")
         problem = combine([(part, W, s) for part, W, s in zip(finished_parts, mats, scales, strict=True)],
                           unit.channels)
-        finished, g = problem.stats, problem.group_size
-        if observe:
-            observe(LayerObservation(unit.name, unit.kind, finished.H, finished.G, g, finished.energy,
-                                     channel_cost(unit), _stream_energy(dense_walk, dense_unit)))
-        sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=problem.W_hat)
-        if sol.stats.get("fallback"):
-            _warn(progress, f"{unit.name}: the search fell back to {sol.stats['fallback']}")
-        kept = kept_solution(sol, g, problem.scale, finished)
-        keep = kept.keep
-        new_weights, shifts = [], []
-        for i, old in enumerate(dense_weights):
-            rows = problem.rows(i, len(keep)).to(kept.weight.device)
-            W = kept.weight.index_select(0, rows)[:, problem.columns[i]]  # (kept g_i, C_out)
-            new_weights.append(W.T.reshape(old.shape[0], len(keep), *old.shape[2:]).to(dtype=old.dtype))
-            shifts.append(kept.shift[problem.columns[i]] if bias_correction else None)  # the intercept
-        # a shortcut's "refit" is not applied (it stays a selection of the kept channels)
-        new_weights, shifts = new_weights[: len(unit.consumers)], shifts[: len(unit.consumers)]
-        kept_rows = torch.tensor(keep)
-        writes = {p.weight for p in unit.producers}
-        for i, consumer in enumerate(unit.consumers):
-            if consumer.weight in writes:  # it reads and writes the group: its removed outputs go too
-                new_weights[i] = new_weights[i].index_select(0, kept_rows.to(new_weights[i].device))
-                shifts[i] = shifts[i].index_select(0, kept_rows.to(shifts[i].device)) if shifts[i] is not None else None
-        prune_group(pruned, unit, keep, new_weights)
-        for producer in unit.producers:
-            kept_outputs[producer.weight] = torch.tensor(keep)
-        for consumer, shift in zip(unit.consumers, shifts, strict=True):
-            if shift is not None:
-                add_output_shift(pruned, consumer, shift.cpu())
-        pruned_walk.select_channels(unit.tensors, torch.tensor(keep))  # live values of the kept channels
-        report = LayerReport.measure(unit.name, unit.kind, unit.channels, len(keep), sol.objective,
-                                     finished.energy, start, kept=keep)
-        reports.append(report)
-        if progress:
-            consumers = f" ({len(unit.consumers)} consumers)" if unit.coupled else ""
-            progress(f"[{index + 1}/{len(units)}] {unit.name}{consumers}: {unit.channels} -> {len(keep)} channels, "
-                     f"relative error {report.relative_error:.4f} ({report.seconds:.1f}s)")
+        apply = functools.partial(_surgery, pruned, pruned_walk, unit, problem, dense_weights, bias_correction,
+                                  kept_outputs)
+        reports.append(prune_layer(
+            unit.name, unit.kind, problem.stats, problem.group_size, num_prune, method, dense_weight=problem.W_hat,
+            scale=problem.scale, apply=apply, position=(index + 1, len(units)), start=start, observe=observe,
+            costs=functools.partial(_costs, dense_walk, unit, dense_unit),
+            progress=progress, numbers={"consumers": len(unit.consumers)} if unit.coupled else None))
     return pruned, reports
+
+
+def _surgery(pruned: fx.GraphModule, walk: GraphWalker, unit: ChannelGroup, problem: GroupProblem,
+             dense_weights: list[Tensor], bias_correction: bool, kept_outputs: dict[str, Tensor],
+             kept: KeptSolution) -> None:
+    """A group's kept channels and their refit weights (and intercepts) into every consumer; the walk's
+    live values keep those channels."""
+    keep = kept.keep
+    new_weights, shifts = [], []
+    for i, old in enumerate(dense_weights):
+        rows = problem.rows(i, len(keep)).to(kept.weight.device)
+        W = kept.weight.index_select(0, rows)[:, problem.columns[i]]  # (kept g_i, C_out)
+        new_weights.append(W.T.reshape(old.shape[0], len(keep), *old.shape[2:]).to(dtype=old.dtype))
+        shifts.append(kept.shift[problem.columns[i]] if bias_correction else None)  # the intercept
+    # a shortcut's "refit" is not applied (it stays a selection of the kept channels)
+    new_weights, shifts = new_weights[: len(unit.consumers)], shifts[: len(unit.consumers)]
+    kept_rows = torch.tensor(keep)
+    writes = {p.weight for p in unit.producers}
+    for i, consumer in enumerate(unit.consumers):
+        if consumer.weight in writes:  # it reads and writes the group: its removed outputs go too
+            new_weights[i] = new_weights[i].index_select(0, kept_rows.to(new_weights[i].device))
+            shifts[i] = shifts[i].index_select(0, kept_rows.to(shifts[i].device)) if shifts[i] is not None else None
+    prune_group(pruned, unit, keep, new_weights)
+    for producer in unit.producers:
+        kept_outputs[producer.weight] = torch.tensor(keep)
+    for consumer, shift in zip(unit.consumers, shifts, strict=True):
+        if shift is not None:
+            add_output_shift(pruned, consumer, shift.cpu())
+    walk.select_channels(unit.tensors, torch.tensor(keep))  # live values of the kept channels
+
+
+def _costs(dense_walk: GraphWalker, unit: ChannelGroup, dense_unit: ChannelGroup) -> tuple[float, float | None]:
+    """What a group's observation adds to its statistics: one channel's FLOPs, the stream's energy."""
+    return channel_cost(unit), _stream_energy(dense_walk, dense_unit)
 
 
 def resize_conv_graph(gm: fx.GraphModule, plan: Widths) -> fx.GraphModule:

@@ -2,8 +2,9 @@
 
 `problem` (the layer problem, factorisation and damping, group -> row indices), `linalg` (Cholesky factor,
 solve and inverse: LAPACK directly on the CPU, torch elsewhere), `sweep` (the swept-matrix state and its
-rank-g updates), `osscar` (Algorithm 1: nested greedy then swap rounds), `baselines` (mp, mp+, thinet,
-exact supports), `solve` (`solve_layer`, the method registry), `synthetic` (correlated test problems).
+rank-g updates), `bookkeeping` (the swap phase's stack of moves and cache of columns), `osscar` (Algorithm 1:
+nested greedy then swap rounds), `baselines` (mp, mp+, thinet, exact supports), `solve` (`solve_layer`, the
+method registry), `synthetic` (correlated test problems).
 Imports nothing else of `compressor`.
 """
 

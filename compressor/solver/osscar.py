@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .problem import DAMPING_LADDER, IllConditioned, LayerProblem, damping_delta, factorize, group_rows, host_index
-from .sweep import NestedState, PivotError, SwapState, _pivot_inverse_ex, block_gram
+from .sweep import NestedState, PivotError, SwapState, block_gram, pivot_inverse_ex
 
 State = TypeVar("State", NestedState, SwapState)
 
@@ -384,7 +384,7 @@ class OsscarSolver:
             n = k1 - k0
             a_ji = cols_g[:, :, k0:k1].index_select(0, kept).permute(2, 0, 1, 3)  # (n, q, g, g): A_ji
             a_ii = cols_g[cand[k0:k1], :, torch.arange(k0, k1, device=cand.device)]  # (n, g, g)
-            t = a_ji @ _pivot_inverse_ex(a_ii, 1.0)[0].unsqueeze(1)  # A_ji A_ii^-1
+            t = a_ji @ pivot_inverse_ex(a_ii, 1.0)[0].unsqueeze(1)  # A_ji A_ii^-1
             neg_a_jj = -(blocks - t @ a_ji.transpose(-1, -2))  # -A_jj after restoring i
             z_i = Z[rows_c[k0 * g:k1 * g]].view(n, g, -1)  # (n, g, d2)
             cross = (z_i.reshape(n * g, -1) @ Z_kept.T).view(n, g, q, g).permute(0, 2, 1, 3)  # Z_i Z_j^T

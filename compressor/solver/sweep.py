@@ -20,23 +20,20 @@ Two phases, two representations, neither of which ever touches all of A:
   * `NestedState` (nested greedy, case 1 only): a left-looking pivoted Cholesky of H^-1.
   * `SwapState` (swap rounds): A as its columns on demand, from the greedy's factors (or A0 formed
     once) and the stacked moves applied since; a column costs O(d1 R) or O(d1 N), never O(d1^2).
+    The stack of moves and the cache of A0's columns are memory management, in `bookkeeping`; every
+    change of A, Z and f (a sweep, an exchange) is here.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from .bookkeeping import ColumnCache, MoveStack
 from .linalg import Cholesky, cholesky
 from .problem import group_rows, host_index
-
-
-def _round_up(n: int, step: int) -> int:
-    """n rounded up to a multiple of step."""
-    return -(-n // step) * step
 
 
 class PivotError(RuntimeError):
@@ -65,7 +62,7 @@ def block_scores(blocks: Tensor, gram: Tensor) -> Tensor:
     return torch.where(info == 0, 0.5 * traces, torch.nan)
 
 
-def _pivot_inverse_ex(pivot: Tensor, sign: float) -> tuple[Tensor, Tensor]:
+def pivot_inverse_ex(pivot: Tensor, sign: float) -> tuple[Tensor, Tensor]:
     """A_PP^-1 for a pivot block that is positive definite after multiplying by `sign`, and the
     Cholesky info (0: it is; else the inverse is garbage), without a host synchronisation."""
     chol, info = torch.linalg.cholesky_ex(sign * pivot)
@@ -74,7 +71,7 @@ def _pivot_inverse_ex(pivot: Tensor, sign: float) -> tuple[Tensor, Tensor]:
 
 def _pivot_inverse(pivot: Tensor, sign: float) -> Tensor:
     """A_PP^-1, checked: PivotError unless the block is positive definite after multiplying by `sign`."""
-    pivot_inv, info = _pivot_inverse_ex(pivot, sign)
+    pivot_inv, info = pivot_inverse_ex(pivot, sign)
     if int(info) != 0:
         raise PivotError(f"pivot block of {pivot.shape[0]} rows is not positive definite")
     return pivot_inv
@@ -214,24 +211,13 @@ class SwapState:
     H^-1[S, S] = U_S U_S^T and H^-1[K, S] = U_K U_S^T, so the swept matrix at the end of the greedy is
         A_KK = -(H^-1[K, K] - U_K U_K^T),   A_KS = -U_K U_S^-1,   A_SS = (U_S U_S^T)^-1
     (A0); its columns come from these factors, or from A0 formed once the search has asked for enough
-    of them (`materialise`). A sweep of rows P (sign s: +1 restore, -1 prune) with
-    c = A[:, P] and Pi = A_PP^-1 is the symmetric low-rank change
-
-        A' = A + [c, E_P] [[-Pi, s Pi], [s Pi, -Pi - 2 s I]] [c, E_P]^T      (E_P: unit columns at P)
-
-    so the moves since the greedy add up: their columns c are stacked in one d1 x N matrix and
-    their pivot inverses in block-diagonal segments, and a column of the current A costs one matmul with the
-    stack.
+    of them (`materialise`). Every sweep since is a symmetric low-rank change of A, recorded in
+    `moves` (a `MoveStack`), so a column of the current A costs one matmul with the stack; A0's
+    columns formed from the factors are kept in `cache` (a `ColumnCache`) for reuse.
     The diagonal blocks, Z and f are kept up to date eagerly. Nothing here synchronises with the
     host except the set-up and the checked public moves (`prune`, `restore`, `swap`): the swap rounds
     decide on the device (see `OsscarSolver`), and tell `columns` the rows they learnt on the host.
     """
-
-    # The stack's slots are cut into segments of SEGMENT_ROWS (doubled when one sweep is wider), each holding
-    # whole sweeps and their pivot inverses as one dense block-diagonal core: the moves' cores are then one
-    # batched matmul, whatever their number. A sweep that does not fit in what is left of a segment starts the
-    # next one; the slots it skips stay zero (column, pivot row 0, sign, core), so they add nothing.
-    SEGMENT_ROWS = 256
 
     def __init__(self, nested: NestedState) -> None:
         g = nested.group_size
@@ -264,17 +250,10 @@ class SwapState:
             r = S.numel() // g
             self.blocks[torch.cat(nested.order)] = sigma.view(r, g, r, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
             self._sigma = sigma
-        # A0 never changes, so its columns formed from the factors are kept for reuse (a round's restore
-        # candidates are mostly last round's): rows known on the host -> column slot of a (d1 x capacity) buffer
+        # rows known on the host pick their columns' formula by kind (see `_cached_base_columns`)
         self._s_pos_host: list[int] = self._s_pos.tolist()  # one synchronisation, at the start of the phase
-        self._cache = torch.empty(d1, 0, dtype=dtype, device=device)
-        self._cache_slot: OrderedDict[int, int] = OrderedDict()  # least recently used first
-        self._C = torch.empty(d1, 0, dtype=dtype, device=device)  # columns c of every move, stacked
-        self._P = torch.zeros(0, dtype=torch.long, device=device)  # their pivot rows, stacked alike
-        self._sign = torch.zeros(0, dtype=dtype, device=device)  # their sweeps' signs (+1 restore, -1 prune)
-        self._seg = self.SEGMENT_ROWS  # slots of a segment
-        self._Pi = torch.zeros(0, self._seg, self._seg, dtype=dtype, device=device)  # (segments, seg, seg) cores
-        self._n = 0  # slots of _C, _P and _sign in use (gaps included)
+        self.cache = ColumnCache(d1, dtype, device)  # A0's columns formed from the factors, for reuse
+        self.moves = MoveStack(d1, dtype, device)  # the sweeps since the greedy
 
     @property
     def num_groups(self) -> int:
@@ -292,40 +271,12 @@ class SwapState:
             out = self._cached_base_columns(known)
         else:
             out = self._base_columns(rows)
-        moves = self._moves(rows)
-        if moves is not None:
-            _, _, Yc, YE = moves
-            n = self._n  # the last segment's free slots add nothing: not multiplied (d1 work per slot)
-            out.addmm_(self._C[:, :n], Yc[:n])
-            out.index_add_(0, self._P[:n], YE[:n])
-        return out
+        return self.moves.add_to_columns(out, rows)
 
     def block(self, rows: Tensor) -> Tensor:
         """A[rows, rows] of the current state (m x m), without a host synchronisation and without forming
         the columns: from the greedy's factors O(R^2 m), a gather once A0 is formed, O(N m^2) for the moves."""
-        out = self._base_block(rows)
-        moves = self._moves(rows)
-        if moves is not None:
-            Cr, Er, Yc, YE = moves
-            out.addmm_(Cr.T, Yc).addmm_(Er.T, YE)
-        return out
-
-    def _moves(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """What the moves since the greedy add to A[:, rows] (None: no move yet), each (N, m) over the segments'
-        N slots: c[rows] and E_P[rows] of every move, and Yc, YE with A[:, rows] = A0[:, rows] + C Yc + E_P YE
-        (zero in the slots no move holds)."""
-        if not self._n:
-            return None
-        seg, m = self._seg, rows.numel()
-        N = _round_up(self._n, seg)  # the slots of the segments in use
-        k = N // seg
-        Cr = self._C[:, :N].index_select(0, rows).T  # (N, m): c[rows] of every move
-        Er = (self._P[:N].unsqueeze(1) == rows.unsqueeze(0)).to(Cr.dtype)  # (N, m): E_P[rows]^T
-        s = self._sign[:N].unsqueeze(1)
-        sEr = s * Er
-        # Yc = Pi (s er - cr), YE = Pi (s cr - er) - 2 s er, every segment's core in one batched matmul
-        Y = torch.bmm(self._Pi[:k], torch.cat([sEr - Cr, s * Cr - Er], 1).view(k, seg, 2 * m)).view(N, 2 * m)
-        return Cr, Er, Y[:, :m], Y[:, m:] - 2 * sEr
+        return self.moves.add_to_block(self._base_block(rows), rows)
 
     def materialise(self) -> None:
         """Form A0 (the swept matrix at the end of the greedy) explicitly, in the row order
@@ -347,7 +298,7 @@ class SwapState:
             A0[k:, k:] = self._sigma
         self._A0 = A0
         self._U_K = self._U_S = self._sigma = None
-        self._cache, self._cache_slot = self._cache[:, :0], OrderedDict()  # a gather of A0 is cheaper
+        self.cache.clear()  # a gather of A0 is cheaper
 
     # Cost model of the two ways, in units of one column formed from the factors (both scale as d1^2 per
     # column; measured on 2 CPU threads at d1 = 4096): a batch of m columns costs about m + 48 (reading
@@ -414,44 +365,19 @@ class SwapState:
         out.index_copy_(0, K, -(self._U_K @ v) - hinv_kept)
         return out
 
-    # Most of A0's columns kept for reuse (d1 floats each).
-    CACHE_ROWS = 1024
-
     def _cached_base_columns(self, rows: Sequence[int]) -> Tensor:
         """A0[:, rows] (d1 x m) for rows known on the host, A0 not formed: the ones formed before are gathered,
-        the others formed by kind and kept (the least recently used dropped beyond CACHE_ROWS)."""
+        the others formed by kind and kept (the least recently used dropped beyond `ColumnCache.MAX_ROWS`)."""
         device = self._Hinv.device
         wanted = list(dict.fromkeys(rows))
-        if len(wanted) > self.CACHE_ROWS:  # more than it holds: formed, not kept
+        if len(wanted) > self.cache.MAX_ROWS:  # more than it holds: formed, not kept
             return self._factored_columns(host_index(rows, device))
-        missing = [r for r in wanted if r not in self._cache_slot]
+        missing = self.cache.missing(wanted)
         for kind, batch in (("pruned", [r for r in missing if self._s_pos_host[r] >= 0]),
                             ("kept", [r for r in missing if self._s_pos_host[r] < 0])):
             if batch:
-                cols = self._factored_columns(host_index(batch, device), kind)  # d1 x n
-                free = self._free_slots(len(batch), keep=set(wanted))
-                self._cache[:, host_index(free, device)] = cols
-                self._cache_slot.update(zip(batch, free, strict=True))
-        for r in wanted:
-            self._cache_slot.move_to_end(r)
-        slots = host_index([self._cache_slot[r] for r in rows], device)
-        return self._cache.index_select(1, slots)  # d1 x m as it is: one copy, no transposition
-
-    def _free_slots(self, n: int, keep: set[int]) -> list[int]:
-        """n slots of the cache for new rows: unused ones first (growing the buffer up to CACHE_ROWS), then
-        those of the least recently used rows not in `keep`, whose entries are dropped."""
-        capacity = self._cache.shape[1]
-        if len(self._cache_slot) + n > capacity and capacity < self.CACHE_ROWS:
-            grown = self._cache.new_empty(self._cache.shape[0],
-                                          min(self.CACHE_ROWS, max(2 * capacity, len(self._cache_slot) + n, 64)))
-            grown[:, :capacity] = self._cache
-            self._cache, capacity = grown, grown.shape[1]
-        taken = set(self._cache_slot.values())
-        free = [slot for slot in range(capacity) if slot not in taken][:n]
-        for r in [r for r in self._cache_slot if r not in keep][: n - len(free)]:  # least recently used first
-            free.append(self._cache_slot.pop(r))
-        assert len(free) == n, "a call asks for at most CACHE_ROWS rows, so the cache can hold them"
-        return free
+                self.cache.put(batch, self._factored_columns(host_index(batch, device), kind), keep=set(wanted))
+        return self.cache.get(rows)
 
     def _base_block(self, rows: Tensor) -> Tensor:
         """A0[rows, rows]: with the R-vectors of `_vectors`, every entry is v_r^T v_r' (minus H^-1[r, r'] when
@@ -497,7 +423,7 @@ class SwapState:
         (info, A_PP^-1, Ft) where the sweep changes Z to Z - Ft z_rows (rows P become s A_PP^-1 z_rows),
         so that the caller can apply several sweeps to Z in one pass."""
         sign = 1.0 if restore else -1.0
-        pivot_inv, info = _pivot_inverse_ex(col[rows], sign)  # A_PP^-1
+        pivot_inv, info = pivot_inverse_ex(col[rows], sign)  # A_PP^-1
         F = col @ pivot_inv
         pz = pivot_inv @ z_rows
         self.f_tensor = self.f_tensor - 0.5 * (z_rows * pz).sum()
@@ -506,52 +432,10 @@ class SwapState:
         pinv_g = pivot_inv.view(-1, g, groups.numel(), g).diagonal(dim1=0, dim2=2)
         self.blocks[groups] = -pinv_g.permute(2, 0, 1)
         self.kept[groups] = restore
-        self._record(rows, col, pivot_inv, sign)
+        self.moves.push(rows, col, pivot_inv, sign)
         Ft = F.clone()
         Ft[rows] = torch.eye(m, dtype=F.dtype, device=F.device) - sign * pivot_inv
         return info, pivot_inv, Ft
-
-    def _record(self, rows: Tensor, col: Tensor, pivot_inv: Tensor, sign: float) -> None:
-        m = rows.numel()
-        while m > self._seg:  # a wider sweep: segments merged in pairs (their cores stay block-diagonal)
-            self._widen()
-        seg, n = self._seg, self._n
-        if n % seg + m > seg:  # not within this segment: the next one
-            n = _round_up(n, seg)
-        if n + m > self._C.shape[1]:  # grow geometrically, by whole segments: appends stay amortised O(d1 m)
-            capacity = _round_up(max(2 * self._C.shape[1], n + m, 64), seg)
-            used = _round_up(self._n, seg)  # the segments in use, their free slots included
-            grown = self._C.new_empty(self._C.shape[0], capacity)  # left untouched (not resident) until used
-            grown[:, :used] = self._C[:, :used]
-            self._C = grown
-            self._P = torch.cat([self._P, self._P.new_zeros(capacity - self._P.numel())])
-            self._sign = torch.cat([self._sign, self._sign.new_zeros(capacity - self._sign.numel())])
-            self._Pi = torch.cat([self._Pi, self._Pi.new_zeros(capacity // seg - self._Pi.shape[0], seg, seg)])
-        if n % seg == 0:  # a segment's first sweep: its free slots are multiplied too, so they must be zero
-            self._C[:, n:n + seg].zero_()
-        self._C[:, n:n + m] = col
-        self._P[n:n + m] = rows
-        self._sign[n:n + m] = sign
-        at = n % seg
-        self._Pi[n // seg, at:at + m, at:at + m] = pivot_inv
-        self._n = n + m
-
-    def _widen(self) -> None:
-        """Segments twice as wide, each made of two (their slots do not move)."""
-        k, seg = self._Pi.shape[0], self._seg
-        Pi = self._Pi.new_zeros(_round_up(k, 2) // 2, 2 * seg, 2 * seg)
-        Pi[: k // 2 + k % 2, :seg, :seg] = self._Pi[0::2]
-        Pi[: k // 2, seg:, seg:] = self._Pi[1::2]
-        self._Pi, self._seg = Pi, 2 * seg
-        capacity = Pi.shape[0] * 2 * seg  # whole segments: the stack's buffers padded
-        pad = capacity - self._C.shape[1]
-        if pad:
-            self._C = torch.cat([self._C, self._C.new_empty(self._C.shape[0], pad)], 1)
-            self._P = torch.cat([self._P, self._P.new_zeros(pad)])
-            self._sign = torch.cat([self._sign, self._sign.new_zeros(pad)])
-        # the last segment in use may now take in slots no segment used before: zero them (as `_record` does
-        # for a segment's first sweep)
-        self._C[:, _round_up(self._n, seg):_round_up(self._n, 2 * seg)].zero_()
 
     def exchange(self, restore: Tensor, prune: Tensor, col_in: Tensor | None = None,
                  col_out: Tensor | None = None) -> Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
+import functools
 import gc
 import logging
 import sys
@@ -34,18 +35,19 @@ from torch import Tensor, nn
 
 from ..errors import CalibrationError, InputError
 from ..layerstats import (
+    KeptSolution,
     LayerObservation,
     LayerStatistics,
     Widths,
     check_plan,
     compute_device,
-    kept_solution,
     planned_prune,
+    prune_layer,
 )
 from ..modules import owner_of
+from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warning
 from ..refine import check_method
-from ..reports import LayerReport, RefineReport
-from ..solver import solve_layer
+from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import NO_REFIT_METHODS
 from .adapters import adapter_for, dims, layers, layers_path
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
@@ -269,7 +271,7 @@ def prune_blocks(
     bias_correction: bool = True,
     weight_by_norm: bool = True,
     activation_dtype: torch.dtype = torch.float32,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
     observe: Callable[[LayerObservation], None] | None = None,
     cost_sequence_length: int = 128,
     gqa: str = "query-heads",
@@ -309,8 +311,7 @@ def prune_blocks(
             with torch.no_grad():
                 for s in streams:
                     s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
-            if progress:
-                progress(f"[{i + 1}/{d.layers}] {prefix}.{i}: removed whole")
+            emit(progress, Progress(REMOVED, f"{prefix}.{i}", i + 1, d.layers), log)
             source.store(i)
             continue
         # the residual stream this block's projections add to, over the counted tokens
@@ -356,45 +357,42 @@ def prune_blocks(
                         "inputs: every support whose kept inputs span those tokens reproduces them equally well, "
                         "so the solve cannot rank supports beyond its damping; calibrate on more tokens than a "
                         "projection keeps inputs (further such layers are not reported)")
-                if progress:  # a job's WARNING lines also go to its report
-                    progress(f"WARNING: {flat}")
-                else:
-                    log.warning("%s", flat)
-            if observe:
-                observe(LayerObservation(name, kind, finished.H, finished.G, g, finished.energy,
-                                         group_cost(model, kind, cost_sequence_length, gqa), stream_energy))
-            sol = solve_layer(finished.H, finished.G, g, num_prune, method, dense_weight=W_hat, rank=finished.rank)
-            if sol.stats.get("fallback") and progress:  # a job's WARNING lines also go to its report
-                progress(f"WARNING: {name}: the search fell back to {sol.stats['fallback']}")
-            kept = kept_solution(sol, g, scale, finished)
-            new_weight = kept.weight.T.float()  # (out, kept)
-            if center:  # the intercept: the refit output's mean matches the dense one
-                proj.bias.data += kept.shift.to(proj.bias)
-            (prune_heads_by if kind == "attention_heads" else prune_ffn)(model, i, kept.keep, new_weight)
-            report = LayerReport.measure(name, kind, groups, len(kept.keep),
-                                         sol.objective, finished.energy, start, kept=kept.keep)
+                emit(progress, warning(flat), log)  # a job's warnings also go to its report
+            report = prune_layer(
+                name, kind, finished, g, num_prune, method, dense_weight=W_hat, scale=scale,
+                apply=functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by),
+                position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
+                costs=functools.partial(_costs, model, kind, cost_sequence_length, gqa, stream_energy))
             reports.append(report)
-            if progress:
-                progress(f"[{i + 1}/{d.layers}] {report.name}: {groups} -> {len(kept.keep)} {kind}, relative error "
-                         f"{report.relative_error:.4f}")
             del finished
         if refine.steps:
             _host_ready(device)
             fit = _refine(block, streams, refine, device)
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
-            if progress:
-                progress(f"[{i + 1}/{d.layers}] block reconstruction: held-out relative error {fit.before:.4f} -> "
-                         f"{fit.after:.4f} ({'kept' if fit.kept else 'discarded'}, {fit.steps} steps, "
-                         f"{fit.seconds:.1f}s)")
+            emit(progress, Progress(RECONSTRUCTION, f"{prefix}.{i}", i + 1, d.layers, numbers=fit_numbers(fit)), log)
         with torch.no_grad():
             for s in streams:
                 s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
-        del dense, stats, W_hat, sol, kept, new_weight
+        del dense, stats, W_hat
         source.store(i)
         _release_memory()
     if skip:
         remove_layers(model, sorted(skip))
     return reports
+
+
+def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: bool,
+             prune_heads_by: Callable[..., None], kept: KeptSolution) -> None:
+    """A projection's kept heads or neurons and its refit weight into block `index`; the intercept into its bias."""
+    new_weight = kept.weight.T.float()  # (out, kept)
+    if center:  # the intercept: the refit output's mean matches the dense one
+        proj.bias.data += kept.shift.to(proj.bias)
+    (prune_heads_by if kind == "attention_heads" else prune_ffn)(model, index, kept.keep, new_weight)
+
+
+def _costs(model: nn.Module, kind: str, sequence_length: int, gqa: str, stream_energy: float) -> tuple[float, float]:
+    """What a projection's observation adds to its statistics: one group's FLOPs, the stream's energy."""
+    return group_cost(model, kind, sequence_length, gqa), stream_energy
 
 
 def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = ()

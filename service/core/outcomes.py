@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..job.budgets import default_budgets_text
+from ..job.report import Report
+
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
@@ -50,9 +53,8 @@ OUTCOMES: tuple[Outcome, ...] = (
             "speedup; the fastest such round is delivered, never one below the floor, the numbers in the metadata"),
     Outcome("accuracy_budget_exceeded", "report", FAILED, "FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED", 2, True,
             "no round kept the metric within the accuracy budget: `accuracy_budget` (max relative drop) or, unset, "
-            "the default rule (perplexity at most 2x dense, cosine at least 0.9, top-1 at most 10 points below "
-            "dense, top-1 agreement with dense at least 0.9); the best round is delivered, the numbers and the rule "
-            "in the message"),
+            f"the default rule ({default_budgets_text()}; `DEFAULT_BUDGETS` in `service/job/budgets.py`); the best "
+            "round is delivered, the numbers and the rule in the message"),
     Outcome("slower_than_dense", "report", FAILED, "FAILED_PRECONDITION", "SLOWER_THAN_DENSE", 2, True,
             "the returned model measured below 0.98x the dense model's speed (e.g. a uniform ratio with unrounded "
             "widths: `--round-to 8` rounds them); the artifact is delivered, the numbers in the metadata"),
@@ -152,9 +154,9 @@ class JobError:
                                    "retried again", {"detail": detail[:200]} if detail else {})
 
     @classmethod
-    def from_report(cls, report: Mapping[str, Any]) -> JobError | None:
+    def from_report(cls, report: Report) -> JobError | None:
         """None when the report's status is a success, else its row's error with the measured numbers."""
-        status = report["status"]
+        status = report.status
         row = _BY_NAME.get(status)
         if row is None or row.source != "report":
             log.error("the job reported status %r, which is not in the outcome table", status)
@@ -164,38 +166,36 @@ class JobError:
         if status == "parity_failed":
             return cls._parity_failed(report)
         if status == "evaluation_failed":
-            failure = report["evaluation_failure"]
-            metadata = {"stage": failure["stage"], **({"round": failure["round"]} if failure["round"] is not None
-                                                      else {})}
-            return cls.of(status, f"{report['message']}; no model.onnx is kept", metadata)
-        metric = report["metric"]
-        metadata = {"measured_speedup": f"{report['measured_speedup']:.4f}",
-                    "target_speedup": str(report["target_speedup"]), "metric": metric["name"],
-                    "metric_baseline": f"{metric['baseline']:.6g}", "metric_compressed": f"{metric['compressed']:.6g}",
-                    "relative_drop": f"{metric['relative_drop']:.6g}"}
-        budget = report.get("accuracy_budget")
+            failure = report.evaluation_failure
+            assert failure is not None, "an evaluation_failed report says where"
+            metadata = {"stage": failure.stage, **({"round": failure.round} if failure.round is not None else {})}
+            return cls.of(status, f"{report.message}; no model.onnx is kept", metadata)
+        metric, measured = report.metric, report.measured
+        assert measured is not None, f"a {status} report returns a measured model"
+        metadata = {"measured_speedup": f"{measured.measured_speedup:.4f}",
+                    "target_speedup": str(report.target_speedup), "metric": metric.name,
+                    "metric_baseline": f"{metric.baseline:.6g}", "metric_compressed": f"{metric.compressed:.6g}",
+                    "relative_drop": f"{metric.relative_drop:.6g}"}
+        budget = measured.accuracy_budget
         if budget:
-            metadata.update(accuracy_rule=budget["rule"], accuracy_bound=budget["bound"],
-                            default_budget=str(budget["default"]).lower())
-        # the job's own one-line summary (with the budget's rule); reports of earlier releases have none
-        message = report.get("message") or (
-            f"{status}: measured speedup {report['measured_speedup']:.3f}x (target {report['target_speedup']}), "
-            f"{metric['name']} {metric['baseline']:.4f} -> {metric['compressed']:.4f}")
-        return cls.of(status, f"{message}; the best artifact can be downloaded", metadata)
+            metadata.update(accuracy_rule=budget.rule, accuracy_bound=budget.bound,
+                            default_budget=str(budget.default).lower())
+        return cls.of(status, f"{report.message}; the best artifact can be downloaded", metadata)
 
     @classmethod
-    def _parity_failed(cls, report: Mapping[str, Any]) -> JobError:
-        parity = report["parity"]
-        metadata = {"stage": parity["stage"], "precision": parity["precision"], "error": parity["error"]}
-        if parity.get("round") is not None:
-            metadata["round"] = parity["round"]
-        worst = max(parity.get("mismatches") or [{}], key=lambda m: m.get("peak_error") or 0.0)
+    def _parity_failed(cls, report: Report) -> JobError:
+        parity = report.parity
+        assert parity is not None, "a parity_failed report says where"
+        metadata = {"stage": parity.stage, "precision": parity.precision, "error": parity.error}
+        if parity.round is not None:
+            metadata["round"] = parity.round
+        worst = max(parity.mismatches or [{}], key=lambda m: m.get("peak_error") or 0.0)
         for key in ("output", "peak_error", "aggregate_error", "max_abs_error"):
             if worst.get(key) is not None:
                 metadata[key] = worst[key] if isinstance(worst[key], str) else f"{worst[key]:.4g}"
-        for key, value in (parity.get("tolerance") or {}).items():
+        for key, value in parity.tolerance.items():
             metadata[f"tolerance_{key}"] = f"{value:g}"
-        return cls.of("parity_failed", f"{report['message']}; no model.onnx is kept", metadata)
+        return cls.of("parity_failed", f"{report.message}; no model.onnx is kept", metadata)
 
     @classmethod
     def from_exception(cls, err: BaseException, stage: str | None = None) -> JobError:

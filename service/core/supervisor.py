@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ..blobs import BlobStore
+from ..job.report import Report
 from ..logs import operation_context
 from ..metrics import Metrics
 from .config import ServiceConfig
 from .executor import Attempt, Ended, Executor, Slot
 from .feeds import Feeds
-from .outcomes import FINISHED, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
+from .outcomes import FINISHED, INTERNAL_MESSAGE, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
 from .store import ArtifactRecord, JobRecord, JobStore
 from .worker import WorkerArgs
 
@@ -238,7 +239,11 @@ class Supervisor:
         elif outcome[0] == "error":
             error = outcome[1]
         else:
-            error = JobError.from_report(report)
+            try:
+                error = JobError.from_report(Report.from_json(report))
+            except ValueError:  # a worker of another release, or a bug: the job cannot vouch for its result
+                log.exception("the job's report does not read as a report")
+                error = JobError.of("internal", INTERNAL_MESSAGE)
         kept = error.outcome.artifacts if error else True
         if kept and artifacts:
             self.store.set_artifacts(name, artifacts)

@@ -18,24 +18,25 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exporters.runtime import die_with_parent
 
 from .outcomes import JobError
 
+if TYPE_CHECKING:
+    from compressor.progress import Progress
+
 log = logging.getLogger(__name__)
 
 MEDIA_TYPES = {".onnx": "application/onnx", ".data": "application/octet-stream", ".json": "application/json",
                ".html": "text/html", ".pt2": "application/zip", ".tar": "application/x-tar"}
-_LAYER = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
 def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any) -> dict:
     from ..blobs import tree_sha256
     from ..job import compress
+    from ..job.progress import render
     from ..job.report_html import record_references
     from ..job.request import request_from_spec
 
@@ -123,12 +125,12 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
         log.info("stage %s (round %d)", name, index)
         send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
 
-    def progress(message: str) -> None:
+    def progress(record: Progress) -> None:
+        message = render(record)
         log.info("%s", message)  # the job's own log, with its operation id; the event goes to watchers
         event = {**current, "message": message}
-        match = _LAYER.match(message)
-        if match:
-            event.update(layer=int(match.group(1)), layers=int(match.group(2)))
+        if record.total:  # a pipeline's per-layer step: where it is
+            event.update(layer=record.index, layers=record.total)
         send(("progress", event))
 
     report = compress(request, progress=progress, stage=stage)
@@ -151,11 +153,11 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
         "references": args.references,
         "inputs": {field: {"reference": args.references.get(field), "sha256": tree_sha256(Path(args.spec[field]))}
                    for field in ("model", "calibration", "eval", "widths_from") if args.spec.get(field)},
-        "layers": [{k: layer[k] for k in ("name", "kind", "width_before", "width_after", "kept")}
-                   for layer in report["layers"]],
+        "layers": [{"name": layer.name, "kind": layer.kind, "width_before": layer.width_before,
+                    "width_after": layer.width_after, "kept": layer.kept} for layer in report.layers],
         "artifacts": {a["name"]: a["sha256"] for a in artifacts},
-        "versions": report["versions"],
-        "status": report["status"],
+        "versions": report.versions,
+        "status": report.status,
         "created": time.time(),
     }
     path = Path(args.work_dir) / "manifest.json"
@@ -163,4 +165,4 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
     digest, size = blobs.put_file(path)
     artifacts.append({"name": "manifest.json", "sha256": digest, "size_bytes": size,
                       "media_type": MEDIA_TYPES[".json"]})
-    return {"report": report, "artifacts": artifacts}
+    return {"report": report.to_json(), "artifacts": artifacts}

@@ -26,21 +26,24 @@ from torch import nn
 from compressor.allocation import DepthOption, LayerCurve
 from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
+from compressor.progress import WARNING, Progress, ProgressFn, note, warning
 from compressor.reports import LayerReport
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
-from .kinds import ConvJob, ModelJob, open_job
-from .report import build_report, evaluation_failed_report, parity_failed_report, version
+from .budgets import accuracy_rule
+from .kinds import ConvJob, ModelJob, Say, open_job
+from .progress import render
+from .report import Report
 from .report_html import write_html
+from .reporting import build_report, evaluation_failed_report, parity_failed_report, version
 from .request import CompressRequest
 from .targeting import (
     MET,
     ROUND_TO,
     DepthPlan,
     Round,
-    accuracy_rule,
     choose,
     dense_curves,
     in_blocks,
@@ -96,26 +99,29 @@ def _check_held_out(job: ModelJob) -> None:
         raise _EvaluationFailed("baseline", None, f"too few held-out inputs to score ({job.held_out})")
 
 
-def compress(request: CompressRequest, progress: Callable[[str], None] | None = None,
-             stage: Stage | None = None) -> dict:
+def compress(request: CompressRequest, progress: ProgressFn | None = None,
+             stage: Stage | None = None) -> Report:
     """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
     Returns the report; its `status` says whether the target and the accuracy budget were met, or
     `parity_failed`: an export (the dense baseline's, a round's or the decode step's) did not match
     PyTorch or did not run in ONNX Runtime; then report.json, saying where and by how much, is all it writes.
 
-    `progress` receives every progress line; `stage(name, round)` each stage as it begins: loading,
-    baseline, statistics, allocate, prune, measure, save (round: the prune-measure round, else 0)."""
+    `progress` receives every progress record (`compressor.progress.Progress`: the pipelines', and the
+    job's own lines as NOTE and WARNING records; `service.job.progress.render` words them); `stage(name,
+    round)` each stage as it begins: loading, baseline, statistics, allocate, prune, measure, save (round:
+    the prune-measure round, else 0)."""
     request.validate()
     if request.out_dir is None:
         raise InputError("an output directory is required (--out)")
-    emit = progress or (lambda message: log.info("%s", message))
-    warnings: list[str] = []  # every WARNING line of the job, also in report.json's `warnings`
+    emit = progress or (lambda record: log.info("%s", render(record)))
+    warnings: list[str] = []  # every warning of the job, also in report.json's `warnings`
 
-    def say(message: str) -> None:
+    def say(line: str | Progress) -> None:
+        record = line if isinstance(line, Progress) else note(line)
         # once each: target mode prunes several rounds, and a pipeline's warning comes back with every round
-        if message.startswith("WARNING: ") and message.removeprefix("WARNING: ") not in warnings:
-            warnings.append(message.removeprefix("WARNING: "))
-        emit(message)
+        if record.stage == WARNING and record.message not in warnings:
+            warnings.append(record.message)
+        emit(record)
 
     enter = stage or (lambda name, index: None)
     start = time.perf_counter()
@@ -125,8 +131,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         raise InputError("--decode-step is for causal language models")
     provider = request.execution_provider or default_provider()
     if request.deployment_target and request.deployment_target != provider:
-        say(f"WARNING: measuring on {provider}, but the declared deployment target is {request.deployment_target}; "
-            "the speedup may not transfer")
+        say(warning(f"measuring on {provider}, but the declared deployment target is {request.deployment_target}; "
+            "the speedup may not transfer"))
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
@@ -154,8 +160,8 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
                                     "finite: no metric can be measured against them")
         baseline_metric = job.score(reference, reference)
         baseline_secondary = job.secondary(reference, reference)
-        for warning in job.baseline_warnings(reference):
-            say(f"WARNING: {warning}")
+        for text in job.baseline_warnings(reference):
+            say(warning(text))
         feed = job.latency_feed()
 
         def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
@@ -250,35 +256,35 @@ def compress(request: CompressRequest, progress: Callable[[str], None] | None = 
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
                 os.replace(path, out / path.name)
-            report["artifacts"]["decode_step"] = {"path": "decode.onnx",
-                                                  "parity_max_abs_error": decode_parity.max_abs_error,
-                                                  "parity": dataclasses.asdict(decode_parity)}
+            report.artifacts.decode_step = {"path": "decode.onnx", "parity_max_abs_error": decode_parity.max_abs_error,
+                                            "parity": dataclasses.asdict(decode_parity)}
         if status == "slower_than_dense":
-            say(f"WARNING: the pruned model measured slower than dense ({chosen.latency.speedup:.3f}x < {MET}x)")
-        report["warnings"] = warnings
-        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+            say(warning(f"the pruned model measured slower than dense ({chosen.latency.speedup:.3f}x < {MET}x)"))
+        assert report.measured is not None
+        report.measured.warnings = warnings
+        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
         for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
             (out / name).unlink(missing_ok=True)
-        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
-        say(f"{report['message']}; wrote {out / 'report.json'} (no model.onnx)")
+        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
+        say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
     except _EvaluationFailed as failure:
         report = evaluation_failed_report(request, job, failure.stage, failure.index, failure.detail, failure.layers,
                                           rounds, baseline_metric, provider, start)
         for name in EXPORT_FILES:  # as for parity_failed: nothing an unchecked model left may seem vouched for
             (out / name).unlink(missing_ok=True)
-        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
-        say(f"{report['message']}; wrote {out / 'report.json'} (no model.onnx)")
+        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
+        say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    say(f"{status}: measured speedup {report['measured_speedup']:.3f}x, {job.metric.name} "
-        f"{report['metric']['baseline']:.4f} -> {report['metric']['compressed']:.4f}, params "
-        f"{report['params_before']} -> {report['params_after']}; wrote {out} in {report['elapsed_s']:.1f}s")
+    say(f"{status}: measured speedup {report.measured.measured_speedup:.3f}x, {job.metric.name} "
+        f"{report.metric.baseline:.4f} -> {report.metric.compressed:.4f}, params "
+        f"{report.params_before} -> {report.measured.params_after}; wrote {out} in {report.elapsed_s:.1f}s")
     return report
 
 
@@ -288,7 +294,7 @@ MAX_REPLANS = 1
 
 
 def _depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[LayerCurve],
-                     rounds: list[Round], baseline_metric: float, say: Callable[[str], None], enter: Stage,
+                     rounds: list[Round], baseline_metric: float, say: Say, enter: Stage,
                      run_round: Callable[..., Round], probe: Callable[[Widths, int], Latency]) -> None:
     """Target mode over depth and width (without --remove-blocks): the width loop on the model without the
     plan's blocks or layers; when every round of it lands below the accuracy budget, the next option by
@@ -314,7 +320,7 @@ def _depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves
 
 
 def _remove(job: Any, option: DepthOption, curves: list[LayerCurve], request: CompressRequest,
-            say: Callable[[str], None]) -> list[LayerCurve]:
+            say: Say) -> list[LayerCurve]:
     """The job without the option's blocks; returns the curves of the layers left. The dense curves of
     those layers serve (their statistics were taken on the dense stream, which the pruned model is solved
     and fitted against), unless a conv graph's analysis finds a unit without one: then the statistics pass
@@ -343,7 +349,7 @@ def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) ->
 
 
 def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[..., Round],
-                   say: Callable[[str], None]) -> None:
+                   say: Say) -> None:
     """The paper's protocol: --uniform-ratio of every layer, one round; with --round-to the widths are
     rounded to its multiples (conv graphs), and without it a warning when the unrounded widths measure slower."""
     ratio = request.uniform_ratio
@@ -356,14 +362,14 @@ def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[
         run_round(plan, 0)
         return
     if request.round_to is not None:
-        say(f"WARNING: --round-to {request.round_to} is applied in uniform mode to conv graphs only; this model's "
-            "widths are not rounded")
+        say(warning(f"--round-to {request.round_to} is applied in uniform mode to conv graphs only; this model's "
+            "widths are not rounded"))
     result = run_round(ratio, 0)
     odd = sorted({r.width_after for r in result.layers if r.width_after % ROUND_TO and r.width_after != r.width_before})
     if odd and result.latency.speedup < 1.0:
-        say(f"WARNING: the unrounded uniform widths ({', '.join(map(str, odd[:6]))}{' ...' if len(odd) > 6 else ''}) "
+        say(warning(f"the unrounded uniform widths ({', '.join(map(str, odd[:6]))}{' ...' if len(odd) > 6 else ''}) "
             f"measured slower than dense ({result.latency.speedup:.3f}x); --round-to {ROUND_TO} rounds them to "
-            "hardware-friendly multiples")
+            "hardware-friendly multiples"))
 
 
 def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:

@@ -12,14 +12,12 @@ transformer parts never meet anywhere else.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
-import re
 import shutil
 import tempfile
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +46,7 @@ from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
+from compressor.progress import SOLVE, STATISTICS, Progress
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
 from compressor.transformer.adapters import check_config, layers_path, max_sequence
@@ -70,12 +69,12 @@ from exporters.onnx import (
 )
 from exporters.runtime import run_outputs
 
+from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
+from .report import KindFields
 from .request import CompressRequest
 
-Say = Callable[[str], None]
+Say = Callable[[str | Progress], None]  # a line of text, or a pipeline's record
 Observe = Callable[[LayerObservation], None]
-_LAYER_LINE = re.compile(r"^\[\d+/\d+\]")  # a pipeline's per-layer progress line (the worker's progress too)
-_UNITS = {"attention_heads": "heads", "ffn_neurons": "FFN neurons"}
 DEPTH_IMAGES = 256  # calibration images that judge which residual blocks to remove (a forward pass per candidate)
 # reconstruction steps of a conv graph without some of its blocks, fitted to the dense graph: ResNet-56 at 2x
 # with 6 blocks removed measured 73.6 % top-1 fitted for 300 steps to its own outputs, 82.0 % for 3,000 to the
@@ -87,42 +86,22 @@ DEPTH_STEPS = 3000
 STATISTICS_IMAGES = 1024
 
 
-def _statistics_pass(plan: Widths, observe: Observe | None, say: Say) -> tuple[Say, Observe | None]:
-    """(progress, observe) for a pipeline run. The dense statistics pass (ratio 0 with an observer) prunes
-    nothing, but the pipelines report each layer as a solve ("16 -> 16 channels, relative error
-    0.0000"); there each layer's line says what the pass did: it took the layer's statistics. Every
-    per-layer line follows its layer's observation, so they pair in order."""
-    if observe is None or not isinstance(plan, (int, float)) or plan != 0:
-        return say, observe
-    seen: deque[LayerObservation] = deque()
-
-    def observed(obs: LayerObservation) -> None:
-        seen.append(obs)
-        observe(obs)
-
-    def progress(message: str) -> None:
-        match = _LAYER_LINE.match(message)
-        if match and seen:
-            obs = seen.popleft()
-            groups = obs.H.shape[0] // obs.group_size
-            say(f"{match.group(0)} {obs.name}: statistics of {groups} {_UNITS.get(obs.kind, 'channels')}")
-        else:
-            say(message)
-
-    return progress, observed
+def _statistics_pass(plan: Widths, observe: Observe | None) -> bool:
+    """Whether a pipeline run is the dense statistics pass: ratio 0 with an observer prunes nothing."""
+    return observe is not None and isinstance(plan, (int, float)) and plan == 0
 
 
-@dataclass(frozen=True)
-class Metric:
-    name: str  # top1 (labels) | agreement (top-1 agreement with the dense model) | perplexity | cosine
-    higher_is_better: bool
+def _relay(statistics: bool, say: Say) -> Say:
+    """The pipeline's progress for the job: in the statistics pass each layer's SOLVE record (a "solve"
+    that keeps every group) says what the pass did, taking the layer's statistics."""
+    if not statistics:
+        return say
 
-    def relative_drop(self, baseline: float, value: float) -> float:
-        """Relative degradation from `baseline` (>= 0 is worse)."""
-        if baseline == 0:
-            return 0.0
-        change = (baseline - value) if self.higher_is_better else (value - baseline)
-        return change / abs(baseline)
+    def progress(record: str | Progress) -> None:
+        say(dataclasses.replace(record, stage=STATISTICS) if isinstance(record, Progress) and record.stage == SOLVE
+            else record)
+
+    return progress
 
 
 class ModelJob(Protocol):
@@ -179,7 +158,7 @@ class ModelJob(Protocol):
         """What a server of the ONNX file must do to inputs (stamped into its metadata)."""
         ...
 
-    def report_fields(self, module: nn.Module) -> dict:
+    def report_fields(self, module: nn.Module) -> KindFields:
         """Kind-specific entries of report.json."""
         ...
 
@@ -316,21 +295,21 @@ class ConvJob:
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
         if self.eval_y is not None:
-            self.metric = Metric("top1", True)
+            self.metric = TOP1
         elif _classifier(self.dense, self.images[:2]):  # no labels: "accuracy kept" is agreement with dense
-            self.metric = Metric("agreement", True)
+            self.metric = AGREEMENT
         else:  # not a classifier's scores: how close the outputs stay
-            self.metric = Metric("cosine", True)
+            self.metric = COSINE
         say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
             f"images, method {request.method}")
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
-        progress, observed = _statistics_pass(plan, observe, self.say)
-        statistics = observed is not observe  # nothing is pruned: nothing to reconstruct either
+        statistics = _statistics_pass(plan, observe)  # nothing is pruned: nothing to reconstruct either
+        progress = _relay(statistics, self.say)
         refine = graph_config(0 if statistics else self.refine_steps)
         # the statistics (curves and solves) from the first STATISTICS_IMAGES of the draw, the fit from all
         return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
-                                batch_size=self.request.batch_size, progress=progress, observe=observed,
+                                batch_size=self.request.batch_size, progress=progress, observe=observe,
                                 refine=refine, teacher=self.dense if self.removed_blocks else None,
                                 solve_images=STATISTICS_IMAGES)
 
@@ -381,14 +360,14 @@ class ConvJob:
         return np.concatenate(run_outputs(path, batches, reduce="raw"))
 
     def score(self, outputs: np.ndarray, reference: np.ndarray) -> float:
-        if self.metric.name == "top1":
+        if self.metric == TOP1:
             return float((outputs.argmax(1) == self.eval_y).mean())
-        if self.metric.name == "agreement":
+        if self.metric == AGREEMENT:
             return agreement(outputs, reference)
         return cosine(outputs, reference)
 
     def baseline_warnings(self, reference: np.ndarray) -> list[str]:
-        if self.metric.name != "agreement":
+        if self.metric != AGREEMENT:
             return []
         counts = np.bincount(np.asarray(reference).argmax(1))
         share = counts.max() / counts.sum()
@@ -399,10 +378,10 @@ class ConvJob:
                 "calibrate on images of the model's domain, or give labelled evaluation images (--eval)"]
 
     def secondary(self, outputs: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-        if self.metric.name == "cosine":
+        if self.metric == COSINE:
             return {}
-        extra = {"cosine": cosine(outputs, reference)}
-        return {"agreement": agreement(outputs, reference), **extra} if self.metric.name == "top1" else extra
+        extra = {COSINE.name: cosine(outputs, reference)}
+        return {AGREEMENT.name: agreement(outputs, reference), **extra} if self.metric == TOP1 else extra
 
     def save(self, module: nn.Module, out: Path) -> str:
         save_program(module, out / "model.pt2", self.images[:2].clone())
@@ -411,13 +390,12 @@ class ConvJob:
     def preprocessing(self) -> dict:
         return _image_preprocessing(self.request, self.loaded.input_name, self.loaded.input_shape)
 
-    def report_fields(self, module: nn.Module) -> dict:
+    def report_fields(self, module: nn.Module) -> KindFields:
         # the blocks the returned graph lacks, not the job's last plan: after a re-plan they can differ
         params = set(module.state_dict())
         removed = [b.name for b in residual_blocks(self.dense) if not params.intersection(b.parameters)]
-        return {"samples": len(self.images), "not_pruned": self.analysis.refused, "removed_blocks": removed,
-                "refine_steps": self._refine_steps(bool(removed)),
-                **({"depth": self.depth} if self.depth is not None else {})}
+        return KindFields(samples=len(self.images), not_pruned=dict(self.analysis.refused), removed_blocks=removed,
+                          refine_steps=self._refine_steps(bool(removed)), depth=self.depth)
 
 
 class _TransformerJob:
@@ -482,9 +460,9 @@ class _TransformerJob:
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
-        progress, observed = _statistics_pass(plan, observe, self.say)
-        statistics = observed is not observe  # nothing is pruned: no block to reconstruct either
-        options = {"method": request.method, "device": request.device, "progress": progress, "observe": observed,
+        statistics = _statistics_pass(plan, observe)  # nothing is pruned: no block to reconstruct either
+        progress = _relay(statistics, self.say)
+        options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
                    "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
@@ -524,11 +502,10 @@ class _TransformerJob:
             self.loaded.tokenizer.save_pretrained(out / "model")
         return "model/"
 
-    def report_fields(self, module: nn.Module) -> dict:
-        depth = {"depth": self.depth} if self.depth is not None else {}
-        return {"widths": widths(module), "onnx_inputs": list(self.loaded.input_names),
-                "onnx_output": self.loaded.output_name,
-                "removed_layers": list(getattr(module, "osscar_removed_layers", [])), **depth}
+    def report_fields(self, module: nn.Module) -> KindFields:
+        return KindFields(widths=widths(module), onnx_inputs=list(self.loaded.input_names),
+                          onnx_output=self.loaded.output_name,
+                          removed_layers=list(getattr(module, "osscar_removed_layers", [])), depth=self.depth)
 
 
 class TextJob(_TransformerJob):
@@ -553,7 +530,7 @@ class TextJob(_TransformerJob):
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
-        self.metric = Metric("perplexity", False) if self.causal else Metric("cosine", True)
+        self.metric = PERPLEXITY if self.causal else COSINE
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         limit = max_sequence(self.dense)
         if limit:
@@ -598,7 +575,7 @@ class TextJob(_TransformerJob):
     baseline_warnings = staticmethod(_no_warnings)
 
     def score(self, outputs: list, reference: list) -> float:
-        if self.metric.name == "perplexity":
+        if self.metric == PERPLEXITY:
             nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
             return float(math.exp(nll / max(count, 1)))
         return cosine(outputs, reference)
@@ -607,9 +584,9 @@ class TextJob(_TransformerJob):
         return {"inputs": list(self.loaded.input_names), "tokenizer": "the model's (saved in model/)"
                 if self.loaded.tokenizer is not None else None}
 
-    def report_fields(self, module: nn.Module) -> dict:
-        return {**super().report_fields(module), "sequences": self.draw.sequences,
-                "sequence_length": self.draw.length, "min_sequence_length": self.draw.min_length}
+    def report_fields(self, module: nn.Module) -> KindFields:
+        return dataclasses.replace(super().report_fields(module), sequences=self.draw.sequences,
+                                   sequence_length=self.draw.length, min_sequence_length=self.draw.min_length)
 
 
 class ImageTransformerJob(_TransformerJob):
@@ -630,7 +607,7 @@ class ImageTransformerJob(_TransformerJob):
         self.held_out.check(request.eval or request.calibration)
         batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
-        self.metric = Metric("cosine", True)
+        self.metric = COSINE
         self.shape = {"batch": request.shape.get("batch", 8)}
         patch = int(config.patch_size)
         self.tokens = (size // patch) ** 2 + 1  # patches and the [CLS] token
@@ -652,5 +629,5 @@ class ImageTransformerJob(_TransformerJob):
     def preprocessing(self) -> dict:
         return _image_preprocessing(self.request, "pixel_values", self.input_shape)
 
-    def report_fields(self, module: nn.Module) -> dict:
-        return {**super().report_fields(module), "samples": len(self.images)}
+    def report_fields(self, module: nn.Module) -> KindFields:
+        return dataclasses.replace(super().report_fields(module), samples=len(self.images))

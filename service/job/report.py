@@ -1,195 +1,270 @@
-"""report.json: what a job measured, as one dict (the contract `osscar compress`, the service and
-report.html read)."""
+"""report.json as one typed record: what a job measured, the contract `osscar compress`, the service,
+the gRPC `CompressReport` (`service.wire`) and report.html read.
+
+Schema (`SCHEMA_VERSION`, written as `schema_version`): `Report`'s fields, in JSON as named here. Nested
+records are JSON objects; a field marked `optional` is left out of the JSON when it is None (a failed
+job's report has no measurements, a model kind adds only its own fields); a `flatten` field's record
+writes its fields at the top level (report.json has always been flat). A new field is one field here: the
+JSON, its reading back (`Report.from_json`) and every reader follow from it.
+
+It imports nothing heavy itself: the server reads reports out of its store with it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
-from compressor.modules import count_parameters
-from compressor.reports import LayerReport
-from exporters.onnx import ParityError
-
-from .kinds import ModelJob, tolerance
-from .request import CompressRequest
-from .targeting import Round, accuracy_rule
+SCHEMA_VERSION = 1  # bump when a field changes meaning or goes; adding an optional field does not
 
 
-def version() -> str:
-    """This package's installed version ("unknown" from a source tree that was never installed)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("osscar-service")
-    except PackageNotFoundError:
-        return "unknown"
+OPTIONAL = types.MappingProxyType({"optional": True})  # a field left out of the JSON when it is None
 
 
-def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds: list[Round], status: str,
-                 baseline_metric: float, provider: str, artifact: str, start: float,
-                 baseline_secondary: dict[str, float] | None = None) -> dict:
-    lat = chosen.latency
-    rule = accuracy_rule(request, job.metric)
-    report = {
-        "status": status,
-        "target_speedup": request.target_speedup,
-        "uniform_ratio": request.uniform_ratio,
-        "measured_speedup": lat.speedup,
-        "baseline_latency_ms": lat.baseline_ms,
-        "compressed_latency_ms": lat.compressed_ms,
-        "latency_p90_ms": {"baseline": lat.baseline_p90_ms, "compressed": lat.compressed_p90_ms},
-        "latency_samples": {"repeats": lat.repeats, "runs_per_sample": lat.runs_per_sample},
-        # on CUDA the figures above keep inputs and outputs on the device (I/O binding); these include
-        # the host copies (null where the two are the same measurement: the CPU)
-        "latency_io_binding": lat.io_binding,
-        "host_copy_latency": None if lat.host_speedup is None else {
-            "baseline_ms": lat.host_baseline_ms, "compressed_ms": lat.host_compressed_ms,
-            "speedup": lat.host_speedup},
-        "execution_provider": provider,
-        "precision": request.precision,
-        "threads": lat.threads,
-        "device": lat.device,
-        "deployment_target": request.deployment_target,
-        "shape": job.shape,
-        "metric": {"name": job.metric.name, "baseline": baseline_metric, "compressed": chosen.metric,
-                   "relative_drop": job.metric.relative_drop(baseline_metric, chosen.metric),
-                   "secondary": {name: {"baseline": (baseline_secondary or {}).get(name), "compressed": value}
-                                 for name, value in chosen.secondary.items()}},
-        "evaluation": _evaluation(job),
-        "params_before": job.params_before,
-        "params_after": count_parameters(chosen.module),
-        "method": request.method,
-        "accuracy_budget": rule.to_dict(baseline_metric) if rule else None,
-        "block_reconstruction": _reconstruction(chosen.layers),
-        "layers": _layers(chosen.layers),
-        "rounds": _rounds(rounds),
-        "model": str(request.model),
-        "calibration": str(request.calibration),
-        "eval": str(request.eval) if request.eval else None,
-        "seed": request.seed,
-        "artifacts": {"onnx": "model.onnx", "model": artifact, "parity_max_abs_error": chosen.parity.max_abs_error,
-                      "parity": dataclasses.asdict(chosen.parity)},
-        **job.report_fields(chosen.module),
-        "versions": _versions(),
-        "elapsed_s": time.perf_counter() - start,
-    }
-    report["message"] = status_message(report)
-    return report
+def _flat(present: str | None = None) -> Mapping[str, Any]:
+    """A nested record whose fields are written at the top level; `present`: the key whose presence in the
+    JSON says the record is there (else it always is)."""
+    return types.MappingProxyType({"flatten": True, "present": present})
 
 
-def _layers(layers: list[LayerReport]) -> list[dict]:
-    return [{"name": r.name, "kind": r.kind, "width_before": r.width_before, "width_after": r.width_after,
-             "objective": r.objective, "relative_error": r.relative_error, "seconds": r.seconds,
-             "kept": list(r.kept), **({"refine": dataclasses.asdict(r.refine)} if r.refine else {})}
-            for r in layers]
+@dataclass
+class MetricResult:
+    name: str  # top1 | agreement | cosine | perplexity (`service.job.budgets.METRICS`)
+    baseline: float | None  # the dense model's (None when the job failed before measuring it)
+    compressed: float | None = field(default=None, metadata=OPTIONAL)  # the returned model's
+    # (baseline - compressed) / |baseline|, signed so that > 0 is worse
+    relative_drop: float | None = field(default=None, metadata=OPTIONAL)
+    # other metrics reported beside it, never budgeted: name -> {"baseline", "compressed"}
+    secondary: dict[str, dict[str, float | None]] | None = field(default=None, metadata=OPTIONAL)
 
 
-def _reconstruction(layers: list[LayerReport]) -> dict | None:
-    """Reconstruction in sum (each block's fit, or a conv graph's one fit, is in its last layer's `refine`);
-    None when none ran."""
-    fits = [r.refine for r in layers if r.refine is not None]
-    if not fits:
+@dataclass
+class BudgetResult:
+    """The accuracy rule in force (`budgets.AccuracyRule.to_dict`)."""
+
+    rule: str  # in words: "perplexity at most 2x dense"
+    kind: str  # relative | times | at_least | points
+    limit: float
+    default: bool  # the metric's default rule, not the request's
+    worst_allowed: float
+    bound: str  # "perplexity <= 103.3600"
+
+
+@dataclass
+class LayerResult:
+    name: str
+    kind: str  # conv_channels | attention_heads | ffn_neurons
+    width_before: int  # groups: channels, heads (or KV groups) or neurons
+    width_after: int
+    objective: float
+    relative_error: float
+    seconds: float
+    kept: list[int]  # the kept groups, in the dense numbering
+    # on a block's last layer: its reconstruction (RefineReport)
+    refine: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass
+class ProbeResult:
+    saving: float  # the share of the prunable cost the probe's widths remove
+    measured_speedup: float
+    baseline_ms: float
+    compressed_ms: float
+
+
+@dataclass
+class RoundResult:
+    measured_speedup: float
+    predicted_speedup: float | None  # the latency model's (None: not target mode)
+    metric: float
+    secondary: dict[str, float]
+    latency_probes: list[ProbeResult]
+
+
+@dataclass
+class Artifacts:
+    onnx: str | None = field(default=None, metadata=OPTIONAL)  # model.onnx
+    model: str | None = field(default=None, metadata=OPTIONAL)  # the pruned model: model.pt2 or model/
+    parity_max_abs_error: float | None = field(default=None, metadata=OPTIONAL)
+    # exporters.onnx.Parity of model.onnx against PyTorch
+    parity: dict[str, float] | None = field(default=None, metadata=OPTIONAL)
+    decode_step: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # decode.onnx and its parity
+
+
+@dataclass
+class Measured:
+    """What the returned model measured: in every report but a failed job's."""
+
+    measured_speedup: float  # median of paired dense/compressed latency ratios
+    baseline_latency_ms: float
+    compressed_latency_ms: float
+    latency_p90_ms: dict[str, float]  # baseline, compressed
+    latency_samples: dict[str, int]  # repeats, runs_per_sample
+    # on CUDA the figures above keep inputs and outputs on the device (I/O binding); host_copy_latency
+    # includes the host copies (None where the two are the same measurement: the CPU)
+    latency_io_binding: bool
+    host_copy_latency: dict[str, float] | None
+    threads: int
+    device: str
+    deployment_target: str | None
+    shape: dict[str, int]  # the measured input shape
+    params_after: int
+    accuracy_budget: BudgetResult | None  # None: --accuracy-budget none
+    block_reconstruction: dict[str, Any] | None  # the fits in sum (steps, blocks, blocks_kept, seconds)
+    eval: str | None  # the --eval reference as the job saw it
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KindFields:
+    """What a model kind adds (`ModelJob.report_fields`); each left out when None."""
+
+    samples: int | None = field(default=None, metadata=OPTIONAL)  # calibration images
+    not_pruned: dict[str, str] | None = field(default=None, metadata=OPTIONAL)  # conv layers left dense, and why
+    # residual blocks the returned graph lacks
+    removed_blocks: list[str] | None = field(default=None, metadata=OPTIONAL)
+    refine_steps: int | None = field(default=None, metadata=OPTIONAL)  # a conv graph's reconstruction steps
+    # target mode's depth plan (targeting.DepthPlan.to_dict)
+    depth: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    widths: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a transformer's kept widths
+    onnx_inputs: list[str] | None = field(default=None, metadata=OPTIONAL)
+    onnx_output: str | None = field(default=None, metadata=OPTIONAL)
+    removed_layers: list[str] | None = field(default=None, metadata=OPTIONAL)  # transformer layers removed whole
+    sequences: int | None = field(default=None, metadata=OPTIONAL)  # text calibration windows
+    sequence_length: int | None = field(default=None, metadata=OPTIONAL)
+    min_sequence_length: int | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass
+class ParityFailure:
+    stage: str  # baseline | round | probe | decode_step
+    round: int | None
+    precision: str
+    tolerance: dict[str, float]
+    error: str  # ParityError | RuntimeFailure
+    detail: str
+    mismatches: list[dict[str, Any]]
+
+
+@dataclass
+class EvaluationFailure:
+    stage: str
+    round: int | None
+    detail: str
+
+
+@dataclass
+class Report:
+    status: str  # a row of service.core.outcomes.OUTCOMES from the report
+    message: str  # the outcome in one line, with the numbers
+    target_speedup: float | None
+    uniform_ratio: float | None
+    execution_provider: str
+    precision: str
+    metric: MetricResult
+    params_before: int
+    method: str
+    layers: list[LayerResult]  # the returned (or last) round's
+    rounds: list[RoundResult]
+    model: str  # the references as the job saw them (resolved paths)
+    calibration: str
+    seed: int
+    artifacts: Artifacts
+    versions: dict[str, str]
+    elapsed_s: float
+    # calibration.HeldOut and its unit: what the check scored
+    evaluation: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    measured: Measured | None = field(default=None, metadata=_flat("measured_speedup"))
+    kind: KindFields = field(default_factory=KindFields, metadata=_flat())
+    parity: ParityFailure | None = field(default=None, metadata=OPTIONAL)  # status parity_failed
+    evaluation_failure: EvaluationFailure | None = field(default=None, metadata=OPTIONAL)  # status evaluation_failed
+    references: dict[str, str] | None = field(default=None, metadata=OPTIONAL)  # the references as the user gave them
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return _dump(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Report:
+        """A report read back (keys it does not know are ignored: a newer release's additions)."""
+        try:
+            return _load(cls, data)
+        except (TypeError, KeyError, AttributeError) as err:
+            raise ValueError(f"not a report.json of schema {SCHEMA_VERSION}: {err}") from err
+
+    def chosen_round(self) -> int | None:
+        """The round the job returned: the one whose measurements are the report's."""
+        if self.measured is None:
+            return None
+        for i, r in enumerate(self.rounds):
+            if r.measured_speedup == self.measured.measured_speedup and r.metric == self.metric.compressed:
+                return i
         return None
-    return {"steps": max(f.steps for f in fits), "blocks": len(fits), "blocks_kept": sum(f.kept for f in fits),
-            "seconds": sum(f.seconds for f in fits)}
 
 
-def _evaluation(job: ModelJob) -> dict:
-    """What the accuracy check scored: unseen inputs, how many, where from."""
-    return {**dataclasses.asdict(job.held_out), "unit": "images" if job.held_out.tokens is None else "windows"}
-
-
-def _rounds(rounds: list[Round]) -> list[dict]:
-    return [{"measured_speedup": r.latency.speedup, "predicted_speedup": r.predicted_speedup, "metric": r.metric,
-             "secondary": r.secondary,
-             "latency_probes": [{"saving": p.saving, "measured_speedup": p.latency.speedup,
-                                 "baseline_ms": p.latency.baseline_ms, "compressed_ms": p.latency.compressed_ms}
-                                for p in r.probes]}
-            for r in rounds]
-
-
-def _versions() -> dict:
-    import onnxruntime
-    import transformers
-
-    return {"osscar": version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
-
-
-def status_message(report: dict) -> str:
+def status_message(report: Report) -> str:
     """One line: how the job ended, with the measured numbers (and the rule of an exceeded budget)."""
-    status, metric = report["status"], report["metric"]
-    mode = f"target {report['target_speedup']}x" if report["target_speedup"] is not None else \
-        f"uniform ratio {report['uniform_ratio']}" if report["uniform_ratio"] is not None else "widths from a report"
-    line = (f"{status}: measured speedup {report['measured_speedup']:.3f}x ({mode}), {metric['name']} "
-            f"{metric['baseline']:.4f} -> {metric['compressed']:.4f}")
-    budget = report.get("accuracy_budget")
-    if status == "accuracy_budget_exceeded" and budget:
-        line += (f", beyond the {'default ' if budget['default'] else ''}accuracy budget: {budget['rule']} "
-                 f"({budget['bound']})")
+    assert report.measured is not None, "a failed job's message is its failure's"
+    metric, measured = report.metric, report.measured
+    mode = f"target {report.target_speedup}x" if report.target_speedup is not None else \
+        f"uniform ratio {report.uniform_ratio}" if report.uniform_ratio is not None else "widths from a report"
+    line = (f"{report.status}: measured speedup {measured.measured_speedup:.3f}x ({mode}), {metric.name} "
+            f"{metric.baseline:.4f} -> {metric.compressed:.4f}")
+    budget = measured.accuracy_budget
+    if report.status == "accuracy_budget_exceeded" and budget:
+        line += f", beyond the {'default ' if budget.default else ''}accuracy budget: {budget.rule} ({budget.bound})"
     return line
 
 
-STAGES = {"baseline": "the dense model's export", "round": "the export of round {round}",
-          "probe": "a latency probe's export before round {round}", "decode_step": "the decode step's export"}
+def _dump(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if f.metadata.get("flatten"):
+                if item is not None:
+                    out.update(_dump(item))
+            elif item is not None or not f.metadata.get("optional"):
+                out[f.name] = _dump(item)
+        return out
+    if isinstance(value, list | tuple):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
 
 
-def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None,
-                         error: Exception, layers: list[LayerReport], rounds: list[Round],
-                         baseline_metric: float | None, provider: str, start: float) -> dict:
-    """report.json of a job ended by an export that does not match PyTorch (ParityError) or does not run
-    in ONNX Runtime (RuntimeFailure): where it failed, the numbers, the rounds measured before; no
-    artifact but the report."""
-    where = STAGES[stage].format(round=index)
-    detail = " ".join(str(error).split())[:600]  # one line: ONNX Runtime's messages span several
-    how = "does not run in ONNX Runtime" if not isinstance(error, ParityError) else "fails the parity check"
-    mismatches = [dataclasses.asdict(m) for m in error.mismatches] if isinstance(error, ParityError) else []
-    return {
-        "status": "parity_failed",
-        "message": f"parity_failed: {where} ({request.precision}) {how}: {detail}",
-        "parity": {"stage": stage, "round": index, "precision": request.precision,
-                   "tolerance": dataclasses.asdict(tolerance(request)), "error": type(error).__name__,
-                   "detail": detail, "mismatches": mismatches},
-        **_failed_fields(request, job, layers, rounds, baseline_metric, provider, start),
-    }
+def _load(cls: type, data: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("flatten"):
+            present = f.metadata.get("present")
+            if present is None or present in data:
+                values[f.name] = _load(_record(hints[f.name]), data)
+        elif f.name in data:
+            values[f.name] = _value(hints[f.name], data[f.name])
+    return cls(**values)
 
 
-def evaluation_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None, detail: str,
-                             layers: list[LayerReport], rounds: list[Round], baseline_metric: float | None,
-                             provider: str, start: float) -> dict:
-    """report.json of a job whose accuracy check could not be trusted (too few unseen inputs, dense outputs
-    that are not finite, a pruned model scored identical to the dense one, a returned file other than the
-    scored one): what went wrong and the rounds measured before; no artifact but the report."""
-    return {
-        "status": "evaluation_failed",
-        "message": f"evaluation_failed: the accuracy check cannot vouch for the result: {detail}",
-        "evaluation_failure": {"stage": stage, "round": index, "detail": detail},
-        "evaluation": _evaluation(job),
-        **_failed_fields(request, job, layers, rounds, baseline_metric, provider, start),
-    }
+def _record(hint: Any) -> type:
+    """The record type in `X` or `X | None`."""
+    return next(a for a in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(a))
 
 
-def _failed_fields(request: CompressRequest, job: ModelJob, layers: list[LayerReport], rounds: list[Round],
-                   baseline_metric: float | None, provider: str, start: float) -> dict:
-    """What every report of a job that returns no model carries."""
-    return {
-        "target_speedup": request.target_speedup,
-        "uniform_ratio": request.uniform_ratio,
-        "execution_provider": provider,
-        "precision": request.precision,
-        "metric": {"name": job.metric.name, "baseline": baseline_metric},
-        "params_before": job.params_before,
-        "method": request.method,
-        "layers": _layers(layers),
-        "rounds": _rounds(rounds),
-        "model": str(request.model),
-        "calibration": str(request.calibration),
-        "seed": request.seed,
-        "artifacts": {},
-        "versions": _versions(),
-        "elapsed_s": time.perf_counter() - start,
-    }
+def _value(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], value) if len(inner) == 1 else value
+    if origin is list and args and dataclasses.is_dataclass(args[0]):
+        return [_load(args[0], v) for v in value]
+    if dataclasses.is_dataclass(hint):
+        return _load(hint, value)
+    return value

@@ -10,6 +10,7 @@ then the per-layer table. Every chart is an <svg data-chart="NAME"> (CHARTS list
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..files import write_text_atomically
+from .budgets import METRIC_WORDS
+from .report import Report
 
 CHARTS = ("rounds", "quality", "latency", "widths", "errors")
 BLUE, ORANGE, GREY, RED, GREEN = "#3b6ea8", "#d9822b", "#8a8a8a", "#b3261e", "#2e7d32"
@@ -26,8 +29,6 @@ STATUS_WORDS = {"ok": "Target met", "target_not_met": "Target not met",
                 "accuracy_budget_exceeded": "Accuracy budget exceeded",
                 "slower_than_dense": "Slower than the dense model", "parity_failed": "Export failed the parity check",
                 "evaluation_failed": "The accuracy check could not be trusted"}
-METRIC_WORDS = {"cosine": "cosine similarity to the dense model's outputs", "perplexity": "perplexity",
-                "top1": "top-1 accuracy", "agreement": "top-1 agreement with the dense model"}
 UNIT_WORDS = {"attention_heads": "heads", "ffn_neurons": "neurons"}
 
 
@@ -114,15 +115,15 @@ def _span(values: list[float], pad: float = 0.08) -> tuple[float, float]:
     return lo - margin, hi + margin
 
 
-def rounds_chart(report: dict) -> str:
+def rounds_chart(report: Report) -> str:
     """Modelled and measured speedup of every prune-measure round (and the target)."""
-    rounds = report.get("rounds") or []
-    target = report.get("target_speedup")
-    measured = [r.get("measured_speedup") for r in rounds]
-    modelled = [r.get("predicted_speedup") for r in rounds]
+    rounds = report.rounds
+    target = report.target_speedup
+    measured: list[float | None] = [r.measured_speedup for r in rounds]
+    modelled = [r.predicted_speedup for r in rounds]
     # each round's latency probes (structure only, before its solve), left of the round, in order
-    probes = [(i - 0.4 + 0.3 * (k + 1) / (len(r.get("latency_probes") or []) + 1), p["measured_speedup"])
-              for i, r in enumerate(rounds) for k, p in enumerate(r.get("latency_probes") or [])]
+    probes = [(i - 0.4 + 0.3 * (k + 1) / (len(r.latency_probes) + 1), p.measured_speedup)
+              for i, r in enumerate(rounds) for k, p in enumerate(r.latency_probes)]
     values = [v for v in measured + modelled + [v for _, v in probes] + [target, 1.0] if v is not None]
     plot = _Plot("rounds", "Speedup per round: modelled by the latency model and measured in ONNX Runtime",
                  (-0.5, max(len(rounds) - 0.5, 0.5)), _span(values), "round", "speedup (x dense)",
@@ -157,27 +158,17 @@ def rounds_chart(report: dict) -> str:
     return plot.svg() + _legend(items)
 
 
-def _chosen(report: dict) -> int | None:
-    """The round the job returned: the one whose measurements are the report's."""
-    for i, r in enumerate(report.get("rounds") or []):
-        if r.get("measured_speedup") == report.get("measured_speedup") and \
-                r.get("metric") == (report.get("metric") or {}).get("compressed"):
-            return i
-    return None
-
-
-def quality_chart(report: dict) -> str:
+def quality_chart(report: Report) -> str:
     """The metric against measured speedup: the dense model at 1x and every round; the returned one
     ringed; the accuracy budget's bound when there is one."""
-    metric = report.get("metric") or {}
-    rounds = [r for r in report.get("rounds") or [] if r.get("measured_speedup") is not None]
-    points = [(1.0, metric.get("baseline"), "dense")] + \
-        [(r["measured_speedup"], r.get("metric"), f"round {i}") for i, r in enumerate(rounds)]
+    metric = report.metric
+    points = [(1.0, metric.baseline, "dense")] + \
+        [(r.measured_speedup, r.metric, f"round {i}") for i, r in enumerate(report.rounds)]
     points = [p for p in points if p[1] is not None]
-    budget = report.get("accuracy_budget") or {}
-    bound = budget.get("worst_allowed") if isinstance(budget.get("worst_allowed"), (int, float)) else None
+    budget = report.measured.accuracy_budget if report.measured else None
+    bound = budget.worst_allowed if budget else None
     ys = [p[1] for p in points] + ([bound] if bound is not None else [])
-    name = metric.get("name", "metric")
+    name = metric.name
     plot = _Plot("quality", f"{METRIC_WORDS.get(name, name)} against measured speedup",
                  _span([p[0] for p in points] or [1.0], 0.15), _span(ys or [0.0, 1.0]),
                  "measured speedup (x dense)", name)
@@ -186,7 +177,7 @@ def quality_chart(report: dict) -> str:
                           f'y2="{plot.y(bound):.1f}" stroke="{RED}" stroke-dasharray="6 4"/>')
         plot.parts.append(f'<text x="{plot.width - plot.right - 4}" y="{plot.y(bound) - 5:.1f}" fill="{RED}" '
                           f'text-anchor="end">accuracy budget {_num(bound)}</text>')
-    chosen = _chosen(report)
+    chosen = report.chosen_round()
     for index, (x, y, label) in enumerate(points):
         colour = GREY if label == "dense" else BLUE
         plot.parts.append(f'<circle cx="{plot.x(x):.1f}" cy="{plot.y(y):.1f}" r="5" fill="{colour}">'
@@ -233,10 +224,11 @@ def _hbars(name: str, title: str, rows: list[tuple[str, float, str]], colour: st
     return "".join(parts) + "</svg>"
 
 
-def latency_chart(report: dict) -> str:
-    p90 = report.get("latency_p90_ms") or {}
-    rows = [("dense, median", report.get("baseline_latency_ms")), ("dense, p90", p90.get("baseline")),
-            ("compressed, median", report.get("compressed_latency_ms")), ("compressed, p90", p90.get("compressed"))]
+def latency_chart(report: Report) -> str:
+    m = report.measured
+    rows = [] if m is None else [
+        ("dense, median", m.baseline_latency_ms), ("dense, p90", m.latency_p90_ms.get("baseline")),
+        ("compressed, median", m.compressed_latency_ms), ("compressed, p90", m.latency_p90_ms.get("compressed"))]
     rows = [(label, value) for label, value in rows if value is not None]
     top = max((v for _, v in rows), default=1.0)
     svg = _hbars("latency", "Latency in ONNX Runtime, median and p90 (ms)",
@@ -244,26 +236,29 @@ def latency_chart(report: dict) -> str:
     return svg.replace(f'fill="{BLUE}"><title>dense', f'fill="{GREY}"><title>dense')
 
 
-def width_chart(report: dict) -> str:
-    layers = report.get("layers") or []
-    rows = [(r["name"], r["width_after"] / r["width_before"] if r["width_before"] else 0.0,
-             f"{r['width_after']}/{r['width_before']} {UNIT_WORDS.get(r.get('kind'), 'channels')}") for r in layers]
+def width_chart(report: Report) -> str:
+    rows = [(r.name, r.width_after / r.width_before if r.width_before else 0.0,
+             f"{r.width_after}/{r.width_before} {UNIT_WORDS.get(r.kind, 'channels')}") for r in report.layers]
     return _hbars("widths", "Kept width per layer (fraction of the dense width)", rows, BLUE, 1.0,
                   "fraction kept")
 
 
-def error_chart(report: dict) -> str:
-    layers = report.get("layers") or []
-    rows = [(r["name"], float(r.get("relative_error") or 0.0), _num(r.get("relative_error"))) for r in layers]
+def error_chart(report: Report) -> str:
+    rows = [(r.name, float(r.relative_error), _num(r.relative_error)) for r in report.layers]
     top = max((v for _, v, _ in rows), default=0.0)
     return _hbars("errors", "Relative output error per layer, ||X(W_dense - W)||^2 / ||X W_dense||^2", rows, ORANGE,
                   top * 1.05 or 1.0, "relative error")
 
 
-def _given(report: dict, field: str) -> str | None:
-    """A reference as the user gave it (report["references"]), else as the job saw it."""
-    given = (report.get("references") or {}).get(field)
-    return given or report.get(field)
+def _seen(report: Report, field: str) -> str | None:
+    """A reference as the job saw it (a resolved path)."""
+    return report.measured.eval if field == "eval" and report.measured else getattr(report, field, None)
+
+
+def _given(report: Report, field: str) -> str | None:
+    """A reference as the user gave it (report.references), else as the job saw it."""
+    given = (report.references or {}).get(field)
+    return given or _seen(report, field)
 
 
 def _shape_words(shape: dict | None) -> str:
@@ -272,41 +267,39 @@ def _shape_words(shape: dict | None) -> str:
     return " x ".join(f"{k} {v}" for k, v in shape.items())
 
 
-def _budget_words(report: dict) -> str:
-    budget = report.get("accuracy_budget")
+def _budget_words(report: Report) -> str:
+    if report.measured is None:
+        return "-"
+    budget = report.measured.accuracy_budget
     if budget is None:
-        return "none (turned off)" if "accuracy_budget" in report else "-"
-    words = f"{budget.get('rule', '')}"
-    if budget.get("bound"):
-        words += f" ({budget['bound']})"
-    return words + (", the default rule" if budget.get("default") else "")
+        return "none (turned off)"
+    return f"{budget.rule} ({budget.bound})" + (", the default rule" if budget.default else "")
 
 
-def _mode_words(report: dict) -> str:
-    if report.get("target_speedup") is not None:
-        return f"a measured speedup of {_num(report['target_speedup'], 3)}x"
-    if report.get("uniform_ratio") is not None:
-        return f"{report['uniform_ratio']:.0%} of every layer's groups removed (uniform ratio)"
+def _mode_words(report: Report) -> str:
+    if report.target_speedup is not None:
+        return f"a measured speedup of {_num(report.target_speedup, 3)}x"
+    if report.uniform_ratio is not None:
+        return f"{report.uniform_ratio:.0%} of every layer's groups removed (uniform ratio)"
     return "the widths of an earlier report"
 
 
-def summary_sentence(report: dict) -> str:
-    status = report.get("status", "")
-    metric = report.get("metric") or {}
-    name = metric.get("name", "metric")
+def summary_sentence(report: Report) -> str:
+    status, metric, m = report.status, report.metric, report.measured
+    name = metric.name
     text = (f"<strong>{_e(STATUS_WORDS.get(status, status))}.</strong> {_e(_given(report, 'model'))} was pruned "
-            f"with {_e(report.get('method', '?'))} asking for {_e(_mode_words(report))}")
-    if report.get("measured_speedup") is not None:
-        text += (f"; in ONNX Runtime it runs <strong>{report['measured_speedup']:.2f}x</strong> as fast as the dense "
-                 f"model ({report['baseline_latency_ms']:.2f} ms → {report['compressed_latency_ms']:.2f} ms, median)")
-    if metric.get("compressed") is not None:
-        text += (f", and its {_e(METRIC_WORDS.get(name, name))} went from {_num(metric['baseline'])} to "
-                 f"{_num(metric['compressed'])}")
+            f"with {_e(report.method)} asking for {_e(_mode_words(report))}")
+    if m is not None:
+        text += (f"; in ONNX Runtime it runs <strong>{m.measured_speedup:.2f}x</strong> as fast as the dense "
+                 f"model ({m.baseline_latency_ms:.2f} ms → {m.compressed_latency_ms:.2f} ms, median)")
+    if metric.compressed is not None:
+        text += (f", and its {_e(METRIC_WORDS.get(name, name))} went from {_num(metric.baseline)} to "
+                 f"{_num(metric.compressed)}")
         also = [f"{_e(METRIC_WORDS.get(other, other))} {_num(values['compressed'])}"
-                for other, values in (metric.get("secondary") or {}).items()]
+                for other, values in (metric.secondary or {}).items()]
         if also:
             text += f" ({', '.join(also)})"
-        held = report.get("evaluation") or {}
+        held = report.evaluation or {}
         if held.get("evaluation"):
             text += f" on {held['evaluation']} unseen {_e(held.get('unit', 'inputs'))}"
     return text + "."
@@ -317,81 +310,80 @@ def _table(rows: list[tuple[str, Any]]) -> str:
         "</table>"
 
 
-def _inputs(report: dict) -> list[tuple[str, Any]]:
+def _inputs(report: Report) -> list[tuple[str, Any]]:
     rows = []
+    kind = report.kind
     for field, words in (("model", "model"), ("calibration", "calibration data"), ("eval", "evaluation data")):
         given = _given(report, field)
         if given:
-            seen = report.get(field)
+            seen = _seen(report, field)
             rows.append((words, f"<code>{_e(given)}</code>" +
                          (f" <span class=dim>(read from <code>{_e(seen)}</code>)</span>" if seen and seen != given
                           else "")))
-    if report.get("samples"):
-        rows.append(("calibration used", f"{report['samples']} images, seed {report.get('seed', 0)}"))
-    elif report.get("sequences"):
-        shortest, longest = report.get("min_sequence_length"), report.get("sequence_length")
+    if kind.samples:
+        rows.append(("calibration used", f"{kind.samples} images, seed {report.seed}"))
+    elif kind.sequences:
+        shortest, longest = kind.min_sequence_length, kind.sequence_length
         lengths = f"{shortest}-{longest}" if shortest and shortest != longest else f"up to {longest}"
-        rows.append(("calibration used", f"{report['sequences']} sequences of {lengths} tokens, seed "
-                                         f"{report.get('seed', 0)}"))
-    if report.get("removed_blocks"):
-        names = ", ".join(f"<code>{_e(name)}</code>" for name in report["removed_blocks"])
-        rows.append(("residual blocks removed", f"{len(report['removed_blocks'])}: {names}"))
+        rows.append(("calibration used", f"{kind.sequences} sequences of {lengths} tokens, seed {report.seed}"))
+    if kind.removed_blocks:
+        names = ", ".join(f"<code>{_e(name)}</code>" for name in kind.removed_blocks)
+        rows.append(("residual blocks removed", f"{len(kind.removed_blocks)}: {names}"))
     return rows
 
 
-def _outputs(report: dict) -> list[tuple[str, Any]]:
-    artifacts = report.get("artifacts") or {}
+def _outputs(report: Report) -> list[tuple[str, Any]]:
+    artifacts = report.artifacts
     rows = []
-    if artifacts.get("onnx"):
-        rows.append(("ONNX model", f"<code>{_e(artifacts['onnx'])}</code> (parity with PyTorch checked: peak error "
-                                   f"{_num((artifacts.get('parity') or {}).get('peak_error'), 2)})"))
-    model = artifacts.get("model")
+    if artifacts.onnx:
+        rows.append(("ONNX model", f"<code>{_e(artifacts.onnx)}</code> (parity with PyTorch checked: peak error "
+                                   f"{_num((artifacts.parity or {}).get('peak_error'), 2)})"))
+    model = artifacts.model
     if model == "model/":
         rows.append(("pruned model", "<code>model/</code>, a Hugging Face directory that transformers loads by "
                                      "itself, unless it holds <code>osscar_widths.json</code> (widths its config "
                                      "cannot say): then <code>compressor.transformer.surgery.load_pruned</code>"))
     elif model:
         rows.append(("pruned model", f"<code>{_e(model)}</code> (a torch.export program)"))
-    if artifacts.get("decode_step"):
-        rows.append(("decode step", f"<code>{_e(artifacts['decode_step'].get('path', 'decode.onnx'))}</code>"))
+    if artifacts.decode_step:
+        rows.append(("decode step", f"<code>{_e(artifacts.decode_step.get('path', 'decode.onnx'))}</code>"))
     rows.append(("report", "<code>report.json</code> (every number on this page) and this page"))
-    if report.get("params_before") and report.get("params_after") is not None:
-        before, after = report["params_before"], report["params_after"]
+    if report.params_before and report.measured is not None:
+        before, after = report.params_before, report.measured.params_after
         rows.append(("parameters", f"{before:,} → {after:,} ({1 - after / before:.1%} fewer)"))
     return rows
 
 
-def _settings(report: dict) -> list[tuple[str, Any]]:
+def _settings(report: Report) -> list[tuple[str, Any]]:
+    m, kind = report.measured, report.kind
     rows: list[tuple[str, Any]] = [
         ("asked for", _e(_mode_words(report))),
-        ("method", _e(report.get("method"))),
+        ("method", _e(report.method)),
         ("accuracy budget", _e(_budget_words(report))),
-        ("measured on", _e(f"ONNX Runtime {report.get('execution_provider', '?')} provider on "
-                           f"{report.get('device', '?')}, {report.get('threads', '?')} threads, "
-                           f"{report.get('precision', 'fp32')}")),
-        ("measured input", _e(_shape_words(report.get("shape")))),
+        ("measured on", _e(f"ONNX Runtime {report.execution_provider} provider on "
+                           f"{m.device if m else '?'}, {m.threads if m else '?'} threads, {report.precision}")),
+        ("measured input", _e(_shape_words(m.shape if m else None))),
     ]
-    recon = report.get("block_reconstruction")
+    recon = m.block_reconstruction if m else None
     if recon:
         rows.append(("block reconstruction", _e(f"{recon['steps']} steps per block; kept in {recon['blocks_kept']} of "
                                                 f"{recon['blocks']} blocks ({recon['seconds']:.0f} s)")))
-    if report.get("samples") is not None:
-        rows.append(("calibration", _e(f"{report['samples']} images" + (f", {report['refine_steps']} reconstruction "
-                                                                          "steps" if report.get("refine_steps") is not
-                                                                          None else ""))))
-    if report.get("elapsed_s") is not None:
-        rows.append(("time", _e(f"{report['elapsed_s']:.0f} s")))
-    versions = report.get("versions") or {}
-    if versions:
-        rows.append(("versions", _e(", ".join(f"{k} {v}" for k, v in versions.items()))))
+    if kind.samples is not None:
+        steps = f", {kind.refine_steps} reconstruction steps" if kind.refine_steps is not None else ""
+        rows.append(("calibration", _e(f"{kind.samples} images{steps}")))
+    rows.append(("time", _e(f"{report.elapsed_s:.0f} s")))
+    if report.versions:
+        rows.append(("versions", _e(", ".join(f"{k} {v}" for k, v in report.versions.items()))))
     return rows
 
 
-def depth_section(report: dict) -> str:
+def depth_section(report: Report) -> str:
     """Which whole blocks went and why: the options the depth plan weighed (target mode), else the blocks
     --remove-blocks named; empty when the model kind has no depth to plan."""
-    removed = report.get("removed_blocks", report.get("removed_layers"))  # conv graphs' blocks, transformers' layers
-    depth = report.get("depth")
+    kind = report.kind
+    # conv graphs' blocks, transformers' layers
+    removed = kind.removed_blocks if kind.removed_blocks is not None else kind.removed_layers
+    depth = kind.depth
     if removed is None and depth is None:
         return ""
     if depth is None:
@@ -424,18 +416,18 @@ table{border-collapse:collapse}tr:nth-child(even){background:#f6f6f6}code{font-s
 .bad{color:#b3261e}.scroll{overflow-x:auto}"""
 
 
-def render(report: dict) -> str:
-    status = report.get("status", "")
-    warnings = report.get("warnings") or []
+def render(report: Report) -> str:
+    status = report.status
+    warnings = report.measured.warnings if report.measured else []
     notice = ""
     if status != "ok":
-        notice = f'<p class="bad">{_e(report.get("message", status))}</p>'
+        notice = f'<p class="bad">{_e(report.message)}</p>'
     if warnings:
         notice += "<ul>" + "".join(f'<li class="bad">{_e(w)}</li>' for w in warnings) + "</ul>"
     layers = "".join(
-        f"<tr><td>{_e(r['name'])}</td><td>{_e(UNIT_WORDS.get(r.get('kind'), r.get('kind')))}</td>"
-        f"<td>{r['width_before']}</td><td>{r['width_after']}</td><td>{_num(r.get('relative_error'))}</td>"
-        f"<td>{_num(r.get('objective'), 6)}</td></tr>" for r in report.get("layers") or [])
+        f"<tr><td>{_e(r.name)}</td><td>{_e(UNIT_WORDS.get(r.kind, r.kind))}</td>"
+        f"<td>{r.width_before}</td><td>{r.width_after}</td><td>{_num(r.relative_error)}</td>"
+        f"<td>{_num(r.objective, 6)}</td></tr>" for r in report.layers)
     figure = "<figure><figcaption>{}</figcaption>{}</figure>".format
     charts = (figure("Rounds: modelled and measured speedup", rounds_chart(report)) +
               figure("Quality against measured speedup", quality_chart(report)) +
@@ -459,19 +451,19 @@ def render(report: dict) -> str:
 """
 
 
-def write_html(report: dict, path: Path) -> None:
+def write_html(report: Report, path: Path) -> None:
     write_text_atomically(path, render(report))
 
 
-def record_references(out: Path, report: dict, references: dict[str, str]) -> dict:
+def record_references(out: Path, report: Report, references: dict[str, str]) -> Report:
     """Add the references as the user gave them (`embedded:...`, `blob:...`, a relative path: what the job
     itself sees as resolved paths) to the report in `out`: report.json's `references` and report.html's
     title and inputs. Returns the updated report. A no-op when the job wrote no report.html (parity_failed
     keeps only report.json, which gets them too)."""
     given = {k: str(v) for k, v in references.items() if v is not None}
-    report = {**report, "references": given}
+    report = dataclasses.replace(report, references=given)
     if (out / "report.json").is_file():
-        write_text_atomically(out / "report.json", json.dumps(report, indent=2))
+        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
     if (out / "report.html").is_file():
         write_html(report, out / "report.html")
     return report

@@ -24,6 +24,7 @@ from compressor.transformer.pipeline import GQA_UNITS
 from exporters.runtime import PROVIDERS
 
 from ..files import default_home
+from .budgets import default_budgets_text
 
 # "exact" only solves single small layers; wanda-sp and flap are the retraining-free LLM baselines
 PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar", "wanda-sp", "flap")
@@ -133,8 +134,7 @@ class CompressRequest:
                                  "sliced, unsolved weights, exported and measured (never evaluated), to find "
                                  "widths that meet the target before a round pays for its solve; 0: off")
     accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
-                                           "default: perplexity at most 2x dense, cosine at least 0.9, top-1 at "
-                                           "most 10 points below dense, top-1 agreement at least 0.9", metavar="D|none")
+                                           f"default: {default_budgets_text()}", metavar="D|none")
     no_accuracy_budget: bool = option(False, "no accuracy budget, not even the default one (--accuracy-budget none)",
                                       cli=False)
     back_off: bool = option(False, "return the largest measured speedup within the accuracy budget (the default "

@@ -27,12 +27,14 @@ from compressor.allocation import (
 )
 from compressor.errors import InputError
 from compressor.layerstats import LayerObservation, Widths
+from compressor.progress import warning
 from compressor.reports import LayerReport
 from exporters.onnx import Parity
 from exporters.runtime import Latency
 
 from ..files import file_sha256, write_text_atomically
-from .kinds import Metric, ModelJob
+from .budgets import Metric, accuracy_rule
+from .kinds import ModelJob, Say
 from .request import REFERENCES, CompressRequest, statistics_fields
 
 MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
@@ -91,80 +93,6 @@ class DepthJob(Protocol):
     def without(self, blocks: Sequence[str]) -> nn.Module: ...
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 
-# The accuracy budget of a job without --accuracy-budget: one rule per metric, (kind, limit) as
-# AccuracyRule reads them. A broken model must never be reported "ok".
-DEFAULT_BUDGETS: dict[str, tuple[str, float]] = {
-    # at twice the dense perplexity a language model's generations visibly degrade (repetition, lost
-    # coherence): the point where one-shot pruning results are read as broken in the field
-    "perplexity": ("times", 2.0),
-    # outputs below cosine 0.9 to the dense ones reorder nearest-neighbour (retrieval) rankings
-    "cosine": ("at_least", 0.9),
-    # 10 top-1 points (absolute) is the usual ceiling of "lossy but usable" in structured-pruning papers
-    "top1": ("points", 0.10),
-    # a classifier without labels: at least 90 % of its top-1 predictions those of the dense model, the same
-    # ceiling (every changed prediction costs at most one correct one: top-1 drops by at most 10 points)
-    "agreement": ("at_least", 0.90),
-}
-
-
-@dataclass(frozen=True)
-class AccuracyRule:
-    """The worst metric a pruned model may reach, given the dense model's.
-
-    kind: "relative" (an explicit --accuracy-budget: at most `limit` relative drop), "times" (a
-    lower-is-better metric at most `limit` x dense), "at_least" (an absolute floor) or "points" (at most
-    `limit` below dense, absolute)."""
-
-    metric: Metric
-    kind: str
-    limit: float
-    default: bool  # the metric's DEFAULT_BUDGETS rule, not the request's
-
-    def worst(self, baseline: float) -> float:
-        """The worst value of the metric still within the budget."""
-        better = 1.0 if self.metric.higher_is_better else -1.0
-        if self.kind == "relative":
-            return baseline - better * self.limit * abs(baseline)
-        if self.kind == "times":
-            return baseline * self.limit
-        if self.kind == "at_least":
-            return self.limit
-        if self.kind == "points":
-            return baseline - better * self.limit
-        raise ValueError(f"unknown accuracy rule {self.kind!r}")
-
-    def allows(self, baseline: float, value: float) -> bool:
-        """Whether `value` is within the budget (NaN never is)."""
-        worst = self.worst(baseline)
-        slack = 1e-9 * max(1.0, abs(worst))  # a value on the bound is within it (0.92 - 0.1 rounds above 0.82)
-        return value >= worst - slack if self.metric.higher_is_better else value <= worst + slack
-
-    def describe(self) -> str:
-        """The rule in words, e.g. "perplexity at most 2x dense"."""
-        name = self.metric.name
-        return {"relative": f"{name} at most {self.limit:g} relative drop from dense",
-                "times": f"{name} at most {self.limit:g}x dense",
-                "at_least": f"{name} at least {self.limit:g}",
-                "points": f"{name} at most {self.limit:g} below dense"}[self.kind]
-
-    def to_dict(self, baseline: float) -> dict:
-        worst = self.worst(baseline)
-        return {"rule": self.describe(), "kind": self.kind, "limit": self.limit, "default": self.default,
-                "worst_allowed": worst,
-                "bound": f"{self.metric.name} {'>=' if self.metric.higher_is_better else '<='} {worst:.4f}"}
-
-
-def accuracy_rule(request: CompressRequest, metric: Metric) -> AccuracyRule | None:
-    """The budget in force: the request's relative drop, else the metric's default rule; None with
-    `--accuracy-budget none` (no_accuracy_budget)."""
-    if request.no_accuracy_budget:
-        return None
-    if request.accuracy_budget is not None:
-        return AccuracyRule(metric, "relative", request.accuracy_budget, default=False)
-    kind, limit = DEFAULT_BUDGETS[metric.name]
-    return AccuracyRule(metric, kind, limit, default=True)
-
-
 def _fingerprint(path: str | Path) -> list:
     """What identifies a model or data reference without reading gigabytes: each file's name, size and
     modification time (a content digest for files under 64 MB)."""
@@ -191,7 +119,7 @@ def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> s
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def dense_curves(job: ModelJob, request: CompressRequest, say: Callable[[str], None], version: str) -> list[LayerCurve]:
+def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str) -> list[LayerCurve]:
     """Loss-versus-width curves of every layer from the dense model's statistics (one pass), cached by
     model, calibration and settings, so a sweep of targets costs one calibration pass."""
     cache_dir = request.curves_cache
@@ -258,7 +186,7 @@ def in_blocks(layer: str, blocks: Sequence[str]) -> bool:
 
 
 def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest, probe: ProbeGraph,
-               say: Callable[[str], None]) -> DepthPlan:
+               say: Say) -> DepthPlan:
     """How many residual blocks to remove before the widths: one allocation over depth and width.
 
     Every option is a prefix of the greedy block order: its speedup is measured (the dense graph without the
@@ -295,7 +223,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
 
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
-                baseline_metric: float, say: Callable[[str], None],
+                baseline_metric: float, say: Say,
                 enter: Callable[[str, int], None] | None = None, probe: ProbeWidths | None = None,
                 base_speedup: float = 1.0, first_round: int = 0) -> list[Round]:
     """Allocate -> (probe) -> prune -> measure -> choose the next saving, until a round is within
@@ -345,8 +273,8 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             enter("allocate", index)
         say(f"round {index}: removing {saved:.1%} of the prunable cost (modelled prunable share {share:.2f})")
         if at_minimum_widths(curves, plan):
-            say(f"WARNING: round {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
-                f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss")
+            say(warning(f"round {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
+                        f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss"))
         result = run_round(plan, index, AIM_AT * target)
         result.probes = [p for _, p in probes]
         rounds.append(result)
@@ -366,7 +294,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
 
 def _search_widths(request: CompressRequest, plan: Widths, saved: float, target: float, index: int,
                    rounds: list[Round], probe: ProbeWidths, planned: Callable[[], tuple[Widths, float]],
-                   record: Callable[[float, float], None], say: Callable[[str], None],
+                   record: Callable[[float, float], None], say: Say,
                    enter: Callable[[str, int], None] | None) -> tuple[Widths, float, list[tuple[Widths, Probe]]]:
     """Probe planned widths until one measures within [MET, AIM] x target (or the probes run out, or the
     curve asks for widths already measured); returns the widths for the round, their saving and the probes.

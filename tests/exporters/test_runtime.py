@@ -97,6 +97,15 @@ def test_jobs_sharing_a_machine_take_turns_at_timing(tmp_path, monkeypatch):
     holder.close()
     thread.join(10)
     assert entered and entered[0] >= released
-    monkeypatch.delenv("OSSCAR_LATENCY_LOCK")
-    with measurement_turn():  # without the setting: no lock at all
-        pass
+    # the turn is over: the lock is free again (taken here without waiting)
+    holder = open(lock, "a")  # noqa: SIM115 (held while the thread below measures)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        # without the setting: no lock at all, so the held lock does not delay a measurement
+        monkeypatch.delenv("OSSCAR_LATENCY_LOCK")
+        thread = threading.Thread(target=measure)
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive() and len(entered) == 2
+    finally:
+        holder.close()

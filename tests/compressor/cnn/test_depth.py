@@ -12,6 +12,7 @@ from compressor.cnn.models import export_module
 from compressor.cnn.pipeline import prune_conv_graph
 from compressor.errors import UnsupportedArchitecture
 from compressor.modules import count_parameters
+from compressor.progress import DEPTH
 from compressor.refine import RefineConfig
 from exporters.onnx import check_parity, export_onnx
 
@@ -67,10 +68,11 @@ def test_the_block_that_changes_the_outputs_least_goes_first():
         model.layer1[0].bn2.weight.mul_(1e-4)
         model.layer1[0].bn2.bias.zero_()
     gm = export_module(model, torch.randn(2, 3, 16, 16))
-    lines = []
-    chosen = choose_blocks(gm, torch.randn(32, 3, 16, 16), 2, device=CPU, progress=lines.append)
+    records = []
+    chosen = choose_blocks(gm, torch.randn(32, 3, 16, 16), 2, device=CPU, progress=records.append)
     assert chosen[0] == "layer1.0" and len(set(chosen)) == 2
-    assert lines[0].startswith("depth: block 1/2: layer1.0 (output relative error")
+    assert [(r.stage, r.unit, r.numbers["step"], r.numbers["steps"]) for r in records] == \
+        [(DEPTH, chosen[0], 1, 2), (DEPTH, chosen[1], 2, 2)]
 
 
 def test_removal_losses_are_branch_energy_relative_to_the_stream_it_writes():

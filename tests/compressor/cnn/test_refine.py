@@ -10,6 +10,7 @@ import torch
 from compressor.cnn.pipeline import prune_conv_graph
 from compressor.cnn.refine import fitted_parameters, flip_and_shift, graph_config, reconstruct_graph
 from compressor.errors import InputError
+from compressor.progress import RECONSTRUCTION, Progress
 from compressor.refine import RefineConfig
 
 from .conv_models import exported
@@ -117,11 +118,12 @@ def test_a_fit_that_cannot_improve_is_dropped():
 def test_the_pipeline_reports_the_fit_and_refuses_it_for_magnitude_pruning():
     gm = exported("bottleneck")
     x = images(64)
-    lines: list[str] = []
+    records: list[Progress] = []
     _, reports = prune_conv_graph(gm, x, 0.5, batch_size=64, refine=RefineConfig(steps=30, sequences=16),
-                                  progress=lines.append)
+                                  progress=records.append)
     assert reports[-1].refine is not None and reports[-1].refine.steps == 30
     assert all(r.refine is None for r in reports[:-1])
-    assert any(line.startswith("graph reconstruction: held-out relative error") for line in lines)
+    fits = [r for r in records if r.stage == RECONSTRUCTION]
+    assert [(r.unit, r.numbers["steps"]) for r in fits] == [("graph", 30)]
     with pytest.raises(InputError, match="does not apply to method 'mp'"):
         prune_conv_graph(gm, x, 0.5, method="mp", refine=RefineConfig(steps=5))

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from compressor.solver.bookkeeping import ColumnCache, MoveStack
 from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_trace
 from compressor.solver.problem import LayerProblem, group_rows, host_index
 from compressor.solver.sweep import NestedState, SwapState, sweep_dense
@@ -90,7 +91,7 @@ def test_moves_across_segment_gaps_and_wider_sweeps_match_direct(problem, monkey
     slots), and a sweep wider than a segment widens them all; every column, Z and f stay those of the support,
     whatever the stack's unused memory holds."""
     H, G, g = problem
-    monkeypatch.setattr(SwapState, "SEGMENT_ROWS", 2 * g)
+    monkeypatch.setattr(MoveStack, "SEGMENT_ROWS", 2 * g)
     new_empty = torch.Tensor.new_empty  # memory never written must not be read: NaN in every new buffer
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(torch.nan))
     nested = NestedState(H, G, g, capacity=16)
@@ -103,7 +104,7 @@ def test_moves_across_segment_gaps_and_wider_sweeps_match_direct(problem, monkey
     assert_state_matches(state, H, G, g)
     state.prune(torch.tensor([0, 8, 10, 12, 13]))  # 5 groups: segments of 8
     assert_state_matches(state, H, G, g)
-    assert state._seg == 8 * g
+    assert state.moves.seg == 8 * g
     assert sorted(state.pruned().tolist()) == [0, 8, 9, 10, 11, 12, 13]
 
 
@@ -207,7 +208,7 @@ def test_columns_of_rows_known_on_the_host_match_the_direct_state(problem, monke
     """Rows known on the host: A0's columns reused across calls (a small cache here, so that rows are dropped
     and formed again) and formed by kind; the same columns as the definitions, before and after moves."""
     H, G, g = problem
-    monkeypatch.setattr(SwapState, "CACHE_ROWS", 4 * g)
+    monkeypatch.setattr(ColumnCache, "MAX_ROWS", 4 * g)
     monkeypatch.setattr(SwapState, "MATERIALISE_COST_PER_D1", 100.0)  # stay on the greedy's factors
     nested = NestedState(H, G, g, capacity=16)
     nested.prune(torch.tensor([1, 4, 7]))
@@ -225,7 +226,7 @@ def test_columns_of_rows_known_on_the_host_match_the_direct_state(problem, monke
     formed = state._factored_rows
     check([4, 1])  # both kept from the call before: nothing formed
     assert state._factored_rows == formed
-    assert state._cache.shape[1] <= 4 * g
+    assert state.cache.capacity <= 4 * g
     state.swap(torch.tensor([4]), torch.tensor([9]))
     for groups in ([4, 9], [1, 9, 0]):
         check(groups)

@@ -1,5 +1,6 @@
 """Streaming a checkpoint block by block: same result as in memory, one block materialised at a time."""
 
+import copy
 import json
 
 import pytest
@@ -53,7 +54,11 @@ def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
     assert materialised == [[True, False], [False, True]]
     with safe_open(str(out / "model-block-00001.safetensors"), "pt") as f:
         assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())  # noqa: SIM118
-    assert load_pruned(out) is not None
+    # the stored model is what pruning in memory gives (float32, from the same float16 weights; stored in float16)
+    expected, _ = prune_transformer(copy.deepcopy(model).float(), data(model), 0.25)
+    reloaded = load_pruned(out)
+    assert widths(reloaded) == widths(expected) != widths(model)
+    torch.testing.assert_close(first_output(reloaded.float()), first_output(expected), rtol=1e-2, atol=1e-2)
 
 
 def test_missing_weights_and_non_safetensors_are_refused(tmp_path):

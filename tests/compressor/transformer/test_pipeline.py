@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from compressor.progress import SOLVE, WARNING
 from compressor.solver.counting import OpCounter
 from compressor.transformer import pipeline
 from compressor.transformer.adapters import adapter_for, layers
@@ -77,9 +78,13 @@ def test_fewer_calibration_tokens_than_kept_inputs_are_reported_once(caplog):
     with caplog.at_level("WARNING", logger=pipeline.__name__):
         prune_transformer(model, batches(model), 0.5)  # 3 x 3 x 12 tokens, 16 kept at most
     assert not [r for r in caplog.records if "cannot rank supports" in r.getMessage()]
-    lines = []  # a job's progress: the warning goes there (and on to its report) instead of the log
-    prune_transformer(model, few, 0.5, progress=lines.append)
-    assert [line for line in lines if "cannot rank supports" in line] == [f"WARNING: {flat[0].getMessage()}"]
+    records = []  # a job's progress: the warning goes there (and on to its report) instead of the log
+    prune_transformer(model, few, 0.5, progress=records.append)
+    assert [r.message for r in records if r.stage == WARNING and "cannot rank supports" in r.message] == \
+        [flat[0].getMessage()]
+    solves = [r for r in records if r.stage == SOLVE]  # every projection's solve, where it is among the blocks
+    assert [(r.index, r.total, r.kind) for r in solves[:2]] == [(1, 2, "attention_heads"), (1, 2, "ffn_neurons")]
+    assert solves[0].numbers["width_after"] < solves[0].numbers["width_before"]
 
 
 def test_float16_activations_prune_like_float32():

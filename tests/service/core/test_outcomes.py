@@ -1,5 +1,7 @@
 """The outcome table (code and README agree) and the typed error of a finished job."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -7,9 +9,12 @@ from google.rpc import code_pb2, error_details_pb2
 
 from compressor.errors import CalibrationError, InputError, ModelReferenceError, SurgeryError, UnsupportedArchitecture
 from service.core.outcomes import COLUMNS, INTERNAL_MESSAGE, OUTCOMES, JobError, outcome
+from service.job.report import Artifacts, BudgetResult, MetricResult, ParityFailure, Report, status_message
 from service.wire import DOMAIN, status_of_error
+from tests.service.job.reports import measured
+from tests.service.job.reports import report as sample_report
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def readme_table() -> list[tuple[str, ...]]:
@@ -68,47 +73,50 @@ def test_a_plain_value_error_is_internal_and_an_input_error_invalid_argument_on_
 
 
 def test_report_statuses_look_up_their_rows():
-    report = {"status": "ok", "measured_speedup": 1.5, "target_speedup": 1.5,
-              "metric": {"name": "top1", "baseline": 0.9, "compressed": 0.85, "relative_drop": 0.0556}}
-    assert JobError.from_report(report) is None
-    missed = JobError.from_report({**report, "status": "accuracy_budget_exceeded"})
+    ok = sample_report(metric=MetricResult("top1", 0.9, 0.85, 0.0556, {}), measured=measured(accuracy_budget=None))
+    assert JobError.from_report(ok) is None
+    missed = JobError.from_report(dataclasses.replace(
+        ok, status="accuracy_budget_exceeded", message="accuracy_budget_exceeded: measured speedup 1.500x (target "
+                                                       "1.5x), top1 0.9000 -> 0.8500"))
     assert (missed.code, missed.reason) == ("FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED")
-    assert missed.message.startswith("accuracy_budget_exceeded: measured speedup 1.500x (target 1.5), top1 0.9000")
+    assert missed.message.startswith("accuracy_budget_exceeded: measured speedup 1.500x (target 1.5x), top1 0.9000")
     assert missed.metadata == {"measured_speedup": "1.5000", "target_speedup": "1.5", "metric": "top1",
                                "metric_baseline": "0.9", "metric_compressed": "0.85", "relative_drop": "0.0556"}
-    assert JobError.from_report({**report, "status": "invalid_input"}).reason == "INTERNAL"  # not a report status
+    assert JobError.from_report(dataclasses.replace(ok, status="invalid_input")).reason == "INTERNAL"  # not a report's
 
 
 def test_an_exceeded_budget_says_its_rule_and_numbers():
-    report = {"status": "accuracy_budget_exceeded", "measured_speedup": 1.2, "target_speedup": None,
-              "message": "accuracy_budget_exceeded: measured speedup 1.200x (uniform ratio 0.5), perplexity 51.6800 "
-                         "-> 1800.3700, beyond the default accuracy budget: perplexity at most 2x dense "
-                         "(perplexity <= 103.3600)",
-              "metric": {"name": "perplexity", "baseline": 51.68, "compressed": 1800.37, "relative_drop": 33.84},
-              "accuracy_budget": {"rule": "perplexity at most 2x dense", "bound": "perplexity <= 103.3600",
-                                  "default": True}}
+    report = sample_report(
+        status="accuracy_budget_exceeded", target_speedup=None, uniform_ratio=0.5,
+        message="accuracy_budget_exceeded: measured speedup 1.200x (uniform ratio 0.5), perplexity 51.6800 -> "
+                "1800.3700, beyond the default accuracy budget: perplexity at most 2x dense (perplexity <= 103.3600)",
+        metric=MetricResult("perplexity", 51.68, 1800.37, 33.84, {}),
+        measured=measured(measured_speedup=1.2, accuracy_budget=BudgetResult(
+            "perplexity at most 2x dense", "times", 2.0, True, 103.36, "perplexity <= 103.3600")))
+    assert status_message(report) == report.message  # the job's own line, with the rule
     error = JobError.from_report(report)
     assert (error.code, error.reason) == ("FAILED_PRECONDITION", "ACCURACY_BUDGET_EXCEEDED")
-    assert error.message == report["message"] + "; the best artifact can be downloaded"
+    assert error.message == report.message + "; the best artifact can be downloaded"
     assert error.metadata["accuracy_rule"] == "perplexity at most 2x dense"
     assert error.metadata["default_budget"] == "true"
     assert error.metadata["metric_compressed"] == "1800.37"
 
 
-PARITY_REPORT = {
-    "status": "parity_failed", "target_speedup": 1.5, "layers": [],
-    "message": "parity_failed: the export of round 1 (fp32) fails the parity check: ONNX export does not match "
-               "PyTorch: logits: peak error 0.031 of scale (limit 0.001), aggregate 0.0042 (limit 0.0001), max abs "
-               "error 0.75",
-    "parity": {"stage": "round", "round": 1, "precision": "fp32", "tolerance": {"peak": 1e-3, "aggregate": 1e-4},
-               "error": "ParityError", "detail": "...",
-               "mismatches": [{"output": "logits", "problem": "...", "peak_error": 0.031, "aggregate_error": 0.0042,
-                               "max_abs_error": 0.75}]},
-}
+PARITY_REPORT = sample_report(
+    status="parity_failed", layers=[], rounds=[], measured=None, artifacts=Artifacts(),
+    message="parity_failed: the export of round 1 (fp32) fails the parity check: ONNX export does not match "
+            "PyTorch: logits: peak error 0.031 of scale (limit 0.001), aggregate 0.0042 (limit 0.0001), max abs "
+            "error 0.75",
+    metric=MetricResult("cosine", 1.0),
+    parity=ParityFailure("round", 1, "fp32", {"peak": 1e-3, "aggregate": 1e-4}, "ParityError", "...",
+                         [{"output": "logits", "problem": "...", "peak_error": 0.031, "aggregate_error": 0.0042,
+                           "max_abs_error": 0.75}]))
 
 
 def test_a_parity_failure_is_failed_precondition_with_its_numbers():
-    error = JobError.from_report(PARITY_REPORT)
+    stored = Report.from_json(json.loads(json.dumps(PARITY_REPORT.to_json())))  # as the server reads it back
+    assert stored == PARITY_REPORT and "measured_speedup" not in PARITY_REPORT.to_json()
+    error = JobError.from_report(stored)
     assert (error.code, error.reason, error.state) == ("FAILED_PRECONDITION", "PARITY_FAILED", "FAILED")
     assert error.message.startswith("parity_failed: the export of round 1 (fp32)")
     assert error.message.endswith("no model.onnx is kept")
@@ -120,8 +128,8 @@ def test_a_parity_failure_is_failed_precondition_with_its_numbers():
     info = error_details_pb2.ErrorInfo()
     assert status.details[0].Unpack(info)
     assert status.code == code_pb2.FAILED_PRECONDITION and (info.reason, info.domain) == ("PARITY_FAILED", DOMAIN)
-    runtime = {**PARITY_REPORT, "parity": {**PARITY_REPORT["parity"], "stage": "baseline", "round": None,
-                                           "error": "RuntimeFailure", "mismatches": []}}
+    runtime = dataclasses.replace(PARITY_REPORT, parity=dataclasses.replace(
+        PARITY_REPORT.parity, stage="baseline", round=None, error="RuntimeFailure", mismatches=[]))
     assert JobError.from_report(runtime).metadata["error"] == "RuntimeFailure"
 
 

@@ -1,0 +1,38 @@
+"""The job service without a transport: retention and cancelling a queued job."""
+
+import asyncio
+import time
+
+from google.rpc import code_pb2
+
+from service.core import JobError
+from service.core.outcomes import CANCELLED, RUNNING, SUCCEEDED
+from service.core.store import ArtifactRecord, JobRecord
+from service.wire import operation_of
+from tests.service.core.service_helpers import service
+
+
+def test_retention_forgets_old_finished_jobs_and_their_blobs(tmp_path):
+    jobs = service(tmp_path, retention_s=3600)
+    writer = jobs.blobs.writer()
+    writer.write(b"an artifact")
+    digest, size = writer.commit()
+    now = time.time()
+    for name, state, end in (("operations/old", SUCCEEDED, now - 7200), ("operations/new", SUCCEEDED, now - 60),
+                             ("operations/running", RUNNING, None)):
+        jobs.store.insert(JobRecord(name=name, body_sha256="x", request=b"", spec={}, state=state, end_time=end,
+                                    create_time=now - 9000))
+    jobs.store.set_artifacts("operations/old", [ArtifactRecord("model.onnx", digest, size, "application/onnx")])
+    assert jobs.sweep(now) == 1
+    assert jobs.store.get("operations/old") is None and not jobs.blobs.exists(digest)
+    assert jobs.store.get("operations/new") and jobs.store.get("operations/running")
+
+
+def test_a_queued_job_cancels_at_once_with_the_cancelled_error(tmp_path):
+    jobs = service(tmp_path)
+    jobs.store.insert(JobRecord(name="operations/q", body_sha256="x", request=b"", spec={}))
+    jobs.supervisor.enqueue("operations/q")
+    record = asyncio.run(jobs.cancel("operations/q"))
+    assert record.state == CANCELLED and record.error == JobError.cancelled() and record.attempt == 0
+    assert list(jobs.supervisor.queue) == []
+    assert operation_of(record).error.code == code_pb2.CANCELLED

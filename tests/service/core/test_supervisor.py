@@ -1,0 +1,188 @@
+"""The supervisor's conclusions without a transport: recovery after a restart, scheduling, cancelling,
+and how each job ends."""
+
+import asyncio
+
+import pytest
+from google.rpc import code_pb2
+
+from service.core import JobError, JobService
+from service.core.executor import Ended
+from service.core.outcomes import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from service.core.store import JobRecord, JobStore
+from service.job.report import MetricResult, ParityFailure
+from service.wire import operation_of
+from tests.service.core.service_helpers import running_record, service
+from tests.service.job.reports import measured
+from tests.service.job.reports import report as sample_report
+
+REPORT = sample_report(measured=measured(measured_speedup=1.61), metric=MetricResult("top1", 0.9, 0.88, 0.022, {}),
+                       layers=[]).to_json()
+
+
+def test_a_restart_requeues_running_jobs_until_their_attempts_run_out(tmp_path):
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    for name, attempt in (("operations/a", 1), ("operations/b", 2)):
+        store.insert(JobRecord(name=name, body_sha256="x", request=b"", spec={}, state=RUNNING, attempt=attempt))
+    store.close()
+    jobs = service(tmp_path, max_attempts=2)  # opening recovers
+    again, exhausted = jobs.store.get("operations/a"), jobs.store.get("operations/b")
+    assert again.state == QUEUED and "re-queued" in again.progress["message"]
+    assert list(jobs.supervisor.queue) == [again.name]
+    assert exhausted.state == FAILED and exhausted.error == JobError.interrupted(2)
+    assert exhausted.error.code == "ABORTED" and exhausted.error.reason == "INTERRUPTED"
+
+
+def test_the_scheduler_gives_each_slot_one_job(tmp_path, monkeypatch):
+    """Jobs picked in one pass of the scheduler each take a slot before any of them starts."""
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    for i in range(3):
+        store.insert(JobRecord(name=f"operations/{i}", body_sha256="x", request=b"", spec={}, create_time=float(i)))
+    store.close()
+    jobs = service(tmp_path)
+    started = []
+
+    async def fake_run(record, running):
+        started.append((record.name, running.slot.name))
+        await asyncio.sleep(3600)
+
+    async def main():
+        monkeypatch.setattr(jobs.supervisor, "_run", fake_run)
+        scheduler = asyncio.create_task(jobs.supervisor.schedule())
+        await asyncio.sleep(0.05)
+        scheduler.cancel()
+        for task in [scheduler, *jobs.supervisor.tasks]:
+            task.cancel()
+        return list(jobs.supervisor.running), list(jobs.supervisor.queue)
+
+    running, queued = asyncio.run(main())
+    assert running == ["operations/0"] and started == [("operations/0", "cpu")]
+    assert queued == ["operations/1", "operations/2"]
+
+
+def _artifact(jobs: JobService, content: bytes) -> dict:
+    writer = jobs.blobs.writer()
+    writer.write(content)
+    digest, size = writer.commit()
+    return {"name": "model.onnx", "sha256": digest, "size_bytes": size, "media_type": "application/onnx"}
+
+
+@pytest.mark.parametrize("status, state, code, kept", [
+    ("ok", SUCCEEDED, code_pb2.OK, True),
+    ("target_not_met", FAILED, code_pb2.FAILED_PRECONDITION, True),
+    ("accuracy_budget_exceeded", FAILED, code_pb2.FAILED_PRECONDITION, True),
+    ("parity_failed", FAILED, code_pb2.FAILED_PRECONDITION, True),
+    ("a_status_nobody_added", FAILED, code_pb2.INTERNAL, False),
+])
+def test_a_report_ends_the_job_as_its_outcome_row_says(tmp_path, status, state, code, kept):
+    jobs = service(tmp_path)
+    record = running_record(jobs)
+    artifact = _artifact(jobs, b"onnx bytes")
+    report = {**REPORT, "status": status}
+    if status == "parity_failed":  # what such a report adds: where the export failed, by how much
+        report = sample_report(status="parity_failed", measured=None, message="parity_failed: the dense model's "
+                               "export (fp32) fails the parity check: ...",
+                               parity=ParityFailure("baseline", None, "fp32", {"peak": 1e-3, "aggregate": 1e-4},
+                                                    "ParityError", "...", [])).to_json()
+    jobs.supervisor.conclude(record, 1, None, Ended(0), ("done", {"report": report, "artifacts": [artifact]}))
+    final = jobs.get(record.name)
+    op = operation_of(final)
+    assert final.state == state and op.error.code == code
+    assert bool(final.artifacts) == kept and jobs.blobs.exists(artifact["sha256"]) == kept
+    if status == "target_not_met":
+        assert final.error.reason == "TARGET_NOT_MET" and final.error.metadata["measured_speedup"] == "1.6100"
+        assert final.report["status"] == status  # the best round's report stays with the operation
+    if status == "parity_failed":
+        assert final.error.reason == "PARITY_FAILED" and final.error.metadata["stage"] == "baseline"
+
+
+def test_stops_and_crashes_end_the_job_with_their_errors(tmp_path):
+    jobs = service(tmp_path)
+    cases = [("cancel", -9, None, CANCELLED, "CANCELLED"),
+             ("deadline", -9, None, FAILED, "TIME_BUDGET_EXCEEDED"),
+             (None, -11, None, FAILED, "WORKER_CRASHED"),
+             (None, 0, ("error", JobError.from_exception(MemoryError())), FAILED, "OUT_OF_MEMORY")]
+    for i, (stop, exitcode, outcome, state, reason) in enumerate(cases):
+        record = running_record(jobs, f"operations/{i}", time_budget_s=4.0)
+        jobs.supervisor.conclude(record, 1, stop, Ended(exitcode), outcome)
+        final = jobs.get(record.name)
+        assert (final.state, final.error.reason) == (state, reason)
+    assert jobs.get("operations/1").error.message == "the job exceeded its time budget of 4s"
+    assert "signal 11" in jobs.get("operations/2").error.message
+
+
+def test_a_shutdown_leaves_the_job_queued_without_counting_the_attempt(tmp_path):
+    jobs = service(tmp_path)
+    record = running_record(jobs)
+    jobs.supervisor.conclude(record, 1, "shutdown", Ended(-9), None)
+    again = jobs.get(record.name)
+    assert again.state == QUEUED and again.attempt == 0 and again.error is None
+
+
+def test_a_lost_node_requeues_the_job_until_its_attempts_run_out(tmp_path):
+    jobs = service(tmp_path, max_attempts=2)
+    record = running_record(jobs)
+    jobs.supervisor.conclude(record, 1, None, Ended(None, node_lost=True, detail="node 3b5c left"), None)
+    again = jobs.get(record.name)
+    assert again.state == QUEUED and again.attempt == 1 and again.error is None
+    assert "left the cluster during attempt 1" in again.progress["message"]
+    assert list(jobs.supervisor.queue) == [record.name]
+    jobs.store.update(record.name, state=RUNNING, attempt=2)
+    jobs.supervisor.conclude(jobs.get(record.name), 2, None, Ended(None, node_lost=True, detail="node 9f1a left"),
+                             None)
+    final = jobs.get(record.name)
+    assert final.state == FAILED and (final.error.code, final.error.reason) == ("ABORTED", "NODE_LOST")
+    assert "each of 2 attempts" in final.error.message and final.error.metadata["detail"] == "node 9f1a left"
+    # a cancel while the node went away is still a cancel; a crash on a live node is a crash
+    for i, (stop, ended, reason) in enumerate((("cancel", Ended(None, node_lost=True), "CANCELLED"),
+                                               (None, Ended(None, detail="the actor died"), "WORKER_CRASHED"))):
+        record = running_record(jobs, f"operations/{i}")
+        jobs.supervisor.conclude(record, 1, stop, ended, None)
+        assert jobs.get(record.name).error.reason == reason
+    assert "the actor died" in jobs.get("operations/1").error.message
+
+
+def test_a_shrunk_executor_starts_no_job_beyond_its_slots(tmp_path, monkeypatch):
+    """A cluster that lost a node lists fewer slots than there are running jobs: nothing more starts."""
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    store.insert(JobRecord(name="operations/q", body_sha256="x", request=b"", spec={}))
+    store.close()
+    jobs = service(tmp_path)
+    monkeypatch.setattr(jobs.executor, "slots", lambda: [Slot("ray-0", "auto")])
+    jobs.supervisor.running["operations/r"] = _Running(Slot("ray-1", "auto"))  # started when there were two
+    started = []
+
+    async def fake_run(record, running):
+        started.append(record.name)
+
+    async def main():
+        monkeypatch.setattr(jobs.supervisor, "_run", fake_run)
+        scheduler = asyncio.create_task(jobs.supervisor.schedule())
+        await asyncio.sleep(0.05)
+        scheduler.cancel()
+        return list(jobs.supervisor.queue)
+
+    assert asyncio.run(main()) == ["operations/q"] and started == []
+
+
+def test_a_cancel_after_the_result_arrived_leaves_the_job_its_result(tmp_path):
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    stopped = []
+
+    class Run:
+        def stop(self):
+            stopped.append(True)
+
+    running = jobs.supervisor.running["operations/r"] = _Running(Slot("cpu", "cpu"), attempt=Run())
+    running.outcome = ("done", {"report": REPORT, "artifacts": []})
+    jobs.supervisor.cancel("operations/r")
+    assert running.stop_reason is None and not stopped
+    running.outcome = None
+    jobs.supervisor.cancel("operations/r")
+    assert running.stop_reason == "cancel" and stopped == [True]

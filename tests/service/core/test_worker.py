@@ -1,0 +1,82 @@
+"""The worker process: its error path and its pinning to cores."""
+
+import os
+
+from google.rpc import code_pb2
+
+from service.core.executor import Ended
+from service.wire import operation_of
+from tests.service.core.service_helpers import running_record, service
+
+
+def test_a_worker_raising_a_plain_value_error_fails_internal_and_an_input_error_invalid_argument(
+        tmp_path, monkeypatch, caplog):
+    """The worker's own error path, in process: only the compressor's input errors are the caller's."""
+    import multiprocessing
+    import os
+
+    from compressor.errors import CalibrationError
+    from service import logs
+    from service.core import worker
+
+    monkeypatch.setattr(worker, "die_with_parent", lambda pid: None)
+    monkeypatch.setattr(os, "nice", lambda n: 0)
+    monkeypatch.setattr(logs, "configure", lambda log_format: None)
+    jobs = service(tmp_path)
+    codes = {}
+    for i, err in enumerate((ValueError("secret path /srv/x"), CalibrationError("cal.npz: no images"))):
+        def failing(args, send, current, blobs, err=err):
+            raise err
+
+        monkeypatch.setattr(worker, "_compress", failing)
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        work = tmp_path / f"work-{i}"
+        work.mkdir()
+        worker.run(worker.WorkerArgs(f"operations/{i}", {}, {}, str(jobs.home), str(work), "cpu", 1), sender)
+        kind, error = receiver.recv()
+        assert kind == "error" and not work.exists()
+        record = running_record(jobs, f"operations/{i}")
+        jobs.supervisor.conclude(record, 1, None, Ended(0), (kind, error))
+        status = operation_of(jobs.get(record.name)).error
+        codes[type(err).__name__] = (status.code, status.message)
+    assert codes["ValueError"] == (code_pb2.INTERNAL, "the job failed with an internal error (logged on the server)")
+    assert codes["CalibrationError"] == (code_pb2.INVALID_ARGUMENT, "cal.npz: no images")
+    assert any(r.exc_info and "secret path" in str(r.exc_info[1]) for r in caplog.records)  # logged, not sent
+
+
+def _pinned_report(core: int, out) -> None:
+    import threading
+
+    import torch
+
+    from service.core.worker import pin
+
+    seen = {}
+    started = threading.Event()
+    done = threading.Event()
+
+    def before() -> None:  # a thread that existed before the pin
+        started.set()
+        done.wait(10)
+        seen["thread"] = sorted(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=before)
+    thread.start()
+    started.wait(10)
+    pin([core])
+    done.set()
+    thread.join(10)
+    out.send({"main": sorted(os.sched_getaffinity(0)), "thread": seen["thread"], "torch": torch.get_num_threads()})
+
+
+def test_a_pinned_worker_keeps_every_thread_on_its_cores():
+    import multiprocessing
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_pinned_report, args=(core, sender))
+    process.start()
+    report = receiver.recv()
+    process.join(30)
+    assert report == {"main": [core], "thread": [core], "torch": 1}
