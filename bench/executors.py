@@ -30,8 +30,8 @@ from pathlib import Path
 
 from service_common import DATA, git_state, leftover_processes, record, resnet_request
 
-from service.client import RemoteCompressor
-from service.wire import STATE_NAMES, unpack_metadata
+from service.api.wire import STATE_NAMES, unpack_metadata
+from service.client.transport import RemoteCompressor
 from tests.service.server_process import ServerProcess
 
 

@@ -68,8 +68,8 @@ from service_common import (
 )
 
 from service.api import compression_pb2 as pb
+from service.api.wire import STATE_NAMES, unpack_metadata
 from service.core.outcomes import OUTCOMES
-from service.wire import STATE_NAMES, unpack_metadata
 from tests.service.server_process import ServerProcess, wait_gone
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -76,7 +76,7 @@ from service_common import (
 )
 
 from service.api import compression_pb2 as pb
-from service.wire import STATE_NAMES, unpack_metadata
+from service.api.wire import STATE_NAMES, unpack_metadata
 from tests.service.server_process import ServerProcess
 
 BAD_CODES = ("INTERNAL", "UNKNOWN")  # the targets: never

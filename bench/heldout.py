@@ -69,8 +69,9 @@ def main() -> None:
         example = normalised(calibration[:2])
         save_program(export_module(model.eval(), example), root / "model.pt2", example)
         norm = ",".join([str(NORM)] * 3)
-        subprocess.run([sys.executable, "-m", "service.cli", "compress", str(root / "model.pt2"), "--uniform-ratio",
-                        str(args.ratio), "--round-to", "8", "--calibration", str(root / "cal.npz"), "--mean", norm,
+        subprocess.run([sys.executable, "-m", "service.client.cli", "compress", str(root / "model.pt2"),
+                        "--uniform-ratio", str(args.ratio), "--round-to", "8", "--calibration", str(root / "cal.npz"),
+                        "--mean", norm,
                         "--std", norm, "--refine-steps", "0", "--out", str(root / "out")], cwd=ROOT, check=False)
         report = json.loads((root / "out" / "report.json").read_text())
         dense = torch.export.load(str(root / "model.pt2")).module()

@@ -51,7 +51,7 @@ from service_common import (
 
 from service.api import compression_pb2 as pb
 from service.api import compression_pb2_grpc as pb_grpc
-from service.wire import STATE_NAMES, unpack_metadata
+from service.api.wire import STATE_NAMES, unpack_metadata
 from tests.service.server_process import ServerProcess
 
 TARGET_P99_MS = 20.0

@@ -74,7 +74,7 @@ def main() -> None:
     import transformers
 
     from compressor.calibration import load_text
-    from service.demo import default_model_path
+    from service.embedded import default_model_path
 
     path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)

@@ -72,8 +72,8 @@ def setups(work: Path) -> dict[str, list[str]]:
 
 def run(args: list[str]) -> tuple[dict, float, int]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "service.cli", "compress", *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run([sys.executable, "-m", "service.client.cli", "compress", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = Path(args[args.index("--out") + 1])
     if not (out / "report.json").is_file():
         raise RuntimeError(f"compress failed ({proc.returncode}): {proc.stderr[-2000:]}")

@@ -99,7 +99,7 @@ def _data(root: Path) -> dict[str, Path]:
 
 
 def run(family: str, build: Callable[[], object], kind: str, mode: str, root: Path, data: dict[str, Path]) -> dict:
-    from service import cli
+    from service.client import cli
 
     directory = root / family
     if not directory.exists():

@@ -1,8 +1,8 @@
 """Domain errors of the service, independent of the transport: the refusals of a call.
 
-Raised by the service core (`service.core`) and by reference resolution and policy (`service.references`,
-`service.policy`). The gRPC layer maps each class to a status code with AIP-193 details in one interceptor
-(`service.grpc_server.ErrorInterceptor`); anything else that escapes a handler becomes INTERNAL, logged
+Raised by the service core (`service.core`) and by reference resolution and policy (`service.core.references`,
+`service.core.policy`). The gRPC layer maps each class to a status code with AIP-193 details in one interceptor
+(`service.server.interceptors.ErrorInterceptor`); anything else that escapes a handler becomes INTERNAL, logged
 with its traceback and never shown to the caller. How a job that ran ends is not one of these but a
 `service.core.JobError` (see `service.core.outcomes`).
 """

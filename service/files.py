@@ -1,9 +1,12 @@
-"""Files: where our data lives, content digests, and writes that no reader ever sees half done."""
+"""Files: where our data lives, content digests, writes that no reader ever sees half done, and the tar
+archives a pruned model directory travels in (both sides: the client uploads and unpacks them, the server
+stores them)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -32,3 +35,43 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class ArchiveError(ValueError):
+    """A tar upload that is not a plain directory of regular files."""
+
+
+def write_tar(directory: Path, out: Path) -> None:
+    directory = Path(directory)
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(directory.rglob("*")):
+            if not (path.is_file() or path.is_dir()) or path.is_symlink():
+                continue
+            info = tar.gettarinfo(str(path), arcname=path.relative_to(directory).as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            if path.is_file():
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+
+
+def extract_tar(archive: Path, target: Path) -> None:
+    """Regular files and directories only, every member inside `target`; anything else is refused with
+    the list of offending members."""
+    target.mkdir(parents=True)
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = tar.getmembers()
+            bad = [m.name for m in members
+                   if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts]
+            if bad:
+                raise ArchiveError(f"the archive may hold only regular files and directories inside it; refused "
+                                   f"members: {', '.join(bad[:10])}")
+            tar.extractall(target, filter="data")
+    except tarfile.TarError as err:
+        raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
+    except OSError as err:  # members that contradict each other (a file `a`, then `a/b`)
+        raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err

@@ -13,6 +13,11 @@ FORBIDDEN = {
     "exporters": {"service"},
     "compressor.cnn": {"compressor.transformer"},
     "compressor.transformer": {"compressor.cnn"},
+    # the service's sides: the job knows nothing of who runs it; the core nothing of its transport or client
+    "service.job": {"service.core", "service.server", "service.client", "service.api"},
+    "service.core": {"service.server", "service.client"},
+    "service.server": {"service.client"},
+    "service.api": {"service.server", "service.client"},
 }
 
 
@@ -62,3 +67,13 @@ def test_the_checker_sees_relative_imports(tmp_path):
     """The rule must not be vacuous: a relative import across the parts is caught."""
     names = imported_modules(ROOT / "compressor" / "cnn" / "pipeline.py")
     assert "compressor.progress" in names and "compressor.layerstats" in names
+
+
+def test_the_client_side_reaches_the_server_only_through_the_api():
+    """Besides the command line (which also starts a server and runs local jobs), the client's modules import
+    nothing of the server side: they speak to it through `service.api`."""
+    client = {str(p.relative_to(ROOT)) for p in (ROOT / "service" / "client").glob("*.py")}
+    assert "service/client/cli.py" in client
+    found = {f: bad for f, bad in offenders("service.client", {"service.server", "service.core"}).items()
+             if f != "service/client/cli.py"}
+    assert found == {}

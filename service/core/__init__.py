@@ -10,9 +10,12 @@
 - `outcomes`: job states, the table of every way a job ends and the typed `JobError`;
 - `feeds`: the in-memory event feeds behind watch and wait;
 - `store`: the durable SQLite job store (and the list filter and page tokens);
-- `config`: `ServiceConfig`.
+- `config`: `ServiceConfig`;
+- `blobs`, `references`, `policy`: the content-addressed store, what a request's references resolve to,
+  and which of them a server allows;
+- `metrics`: the Prometheus metrics.
 
-Refusals are the domain errors of `service.errors`; the gRPC layer (`service.grpc_server`) maps them.
+Refusals are the domain errors of `service.errors`; the gRPC layer (`service.server`) maps them.
 """
 
 from .config import ServiceConfig

@@ -1,11 +1,11 @@
-"""The service core's settings (the transport builds them from `service.settings.ServerSettings`)."""
+"""The service core's settings (the transport builds them from `service.server.settings.ServerSettings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import ReferencePolicy
+from .policy import ReferencePolicy
 
 
 @dataclass

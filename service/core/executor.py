@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..blobs import BlobStore
 from ..errors import FieldViolation
+from .blobs import BlobStore
 from .worker import WorkerArgs
 from .worker import run as run_worker
 

@@ -57,8 +57,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..blobs import BlobStore
 from ..errors import FieldViolation
+from .blobs import BlobStore
 from .config import ServiceConfig
 from .executor import Attempt, Ended, Executor, Message, Slot
 from .outcomes import INTERNAL_MESSAGE, JobError

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..blobs import ArchiveError, BlobStore, valid_digest, valid_filename
 from ..errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -30,11 +29,13 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
+from ..files import ArchiveError
 from ..logs import operation_context
-from ..metrics import Metrics
+from .blobs import BlobStore, valid_digest, valid_filename
 from .config import ServiceConfig
 from .executor import Executor, LocalExecutor
 from .feeds import Feeds
+from .metrics import Metrics
 from .outcomes import CANCELLED, QUEUED
 from .store import ArtifactRecord, JobRecord, JobStore
 from .submission import SubmitRequest, check_request_id, validate

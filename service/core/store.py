@@ -1,7 +1,7 @@
 """The durable job store: one SQLite file (embedded, no server), versioned schema, every change committed.
 
 Operations are rows; their artifacts are rows pointing into the content-addressed blob store
-(`service.blobs`). The schema version lives in SQLite's `user_version`; `MIGRATIONS[i]` takes a database
+(`service.core.blobs`). The schema version lives in SQLite's `user_version`; `MIGRATIONS[i]` takes a database
 from version i to i + 1 inside one transaction, so a crash mid-migration leaves the old version intact.
 A database written by a newer release (a higher version than this code knows) is refused rather than
 guessed at. Journal: WAL with synchronous=FULL, so a committed state change survives a power cut.

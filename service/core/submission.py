@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..blobs import BlobStore
 from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
-from ..policy import ReferencePolicy
-from ..references import resolve
+from .blobs import BlobStore
+from .policy import ReferencePolicy
+from .references import resolve
 from .store import LABEL_KEY, JobStore
 
 REQUIRED = ("model", "calibration")

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..blobs import BlobStore
 from ..job.report import Report
 from ..logs import operation_context
-from ..metrics import Metrics
+from .blobs import BlobStore
 from .config import ServiceConfig
 from .executor import Attempt, Ended, Executor, Slot
 from .feeds import Feeds
+from .metrics import Metrics
 from .outcomes import FINISHED, INTERNAL_MESSAGE, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
 from .store import ArtifactRecord, JobRecord, JobStore
 from .worker import WorkerArgs

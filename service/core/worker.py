@@ -74,7 +74,7 @@ def pin(cores: list[int]) -> None:
 
 def run(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point (spawned)."""
-    from ..blobs import BlobStore
+    from .blobs import BlobStore
 
     die_with_parent(args.parent_pid)
     with contextlib.suppress(OSError):
@@ -92,7 +92,7 @@ def run(args: WorkerArgs, conn: Connection) -> None:
 
 def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
     """Run the job: progress, then ("done", {"report", "artifacts"}) or ("error", JobError) through `send`;
-    the artifacts go into `blobs` (a `service.blobs.BlobStore`). Exceptions are mapped, not raised (a
+    the artifacts go into `blobs` (a `service.core.blobs.BlobStore`). Exceptions are mapped, not raised (a
     BaseException such as KeyboardInterrupt is sent, then raised again)."""
     os.environ.setdefault("OSSCAR_LATENCY_LOCK", latency_lock_path(args.home))
     current = {"stage": "loading", "round": 0}  # where the job is: progress events, and an error's stage
@@ -111,11 +111,11 @@ def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
 
 
 def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any) -> dict:
-    from ..blobs import tree_sha256
     from ..job import compress
     from ..job.progress import render
     from ..job.report_html import record_references
     from ..job.request import request_from_spec
+    from .blobs import tree_sha256
 
     out = Path(args.work_dir) / "out"
     request = request_from_spec(args.spec, out_dir=out, device=args.device, home=Path(args.home))

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from compressor.allocation import DepthOption, LayerCurve
 from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.progress import WARNING, Progress, ProgressFn, note, warning
@@ -32,7 +31,6 @@ from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, write_text_atomically
-from .budgets import accuracy_rule
 from .kinds import ConvJob, ModelJob, Say, open_job
 from .progress import render
 from .report import Report
@@ -42,20 +40,17 @@ from .request import CompressRequest
 from .targeting import (
     MET,
     ROUND_TO,
-    DepthPlan,
+    Measure,
     Round,
+    Stage,
     choose,
-    dense_curves,
-    in_blocks,
-    plan_depth,
     removed_of,
-    target_loop,
+    run_target,
     widths_of,
 )
 
 log = logging.getLogger(__name__)
 
-Stage = Callable[[str, int], None]
 # what an export that does not match PyTorch, or that ONNX Runtime cannot run, raises
 EXPORT_FAILURES = (ParityError, RuntimeFailure)
 # what a job writes into --out beside report.json; none of it may outlive a parity_failed job there
@@ -217,16 +212,9 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         def probe(plan: Widths, index: int) -> Latency:
             return probe_model(job.resize(plan), index)
 
-        if request.target_speedup is not None:
-            enter("statistics", 0)
-            curves = dense_curves(job, request, say, version())
-            if getattr(job, "plans_depth", False) and request.remove_blocks is None:
-                enter("allocate", 0)
-                plan = plan_depth(job, curves, request, lambda module: probe_model(module, 0), say)
-                _depth_and_width(request, job, plan, curves, rounds, baseline_metric, say, enter, run_round, probe)
-            else:
-                target_loop(request, curves, run_round, job.metric, baseline_metric, say, enter,
-                            probe=probe)  # fills `rounds`
+        if request.target_speedup is not None:  # fills `rounds`
+            run_target(request, job, Measure(run_round, probe, probe_model), rounds, baseline_metric, say, enter,
+                       version())
         elif request.widths_from is not None:
             removed = removed_of(request.widths_from)
             if removed and not request.remove_blocks:  # the same structure: its blocks or layers go too
@@ -286,54 +274,6 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         f"{report.metric.baseline:.4f} -> {report.metric.compressed:.4f}, params "
         f"{report.params_before} -> {report.measured.params_after}; wrote {out} in {report.elapsed_s:.1f}s")
     return report
-
-
-# depth options a job tries after the planned one when every round misses the budget: each costs a round's
-# solves and fit (ResNet-56 at 2x on 2 CPU cores: ~17 minutes with 3,000 steps)
-MAX_REPLANS = 1
-
-
-def _depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[LayerCurve],
-                     rounds: list[Round], baseline_metric: float, say: Say, enter: Stage,
-                     run_round: Callable[..., Round], probe: Callable[[Widths, int], Latency]) -> None:
-    """Target mode over depth and width (without --remove-blocks): the width loop on the model without the
-    plan's blocks or layers; when every round of it lands below the accuracy budget, the next option by
-    planned loss (another mix of depth and width, not only another amount; at most MAX_REPLANS of them)
-    gets the rounds left, so the planned losses' ranking is corrected by a measurement before the job
-    gives up. Rounds are numbered across the options (`rounds` is the job's list, which `run_round` fills)."""
-    rule = accuracy_rule(request, job.metric)
-    tried: list[DepthOption] = []
-    for option in plan.ranked()[: 1 + MAX_REPLANS]:
-        left = request.max_rounds - len(rounds)
-        if left <= 0:
-            break
-        if tried:
-            say(f"depth: every round with {len(tried[-1].blocks)} blocks removed was below the accuracy budget; "
-                f"re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
-        tried.append(option)
-        job.depth = plan.to_dict(tried)
-        target_loop(dataclasses.replace(request, max_rounds=left), _remove(job, option, curves, request, say),
-                    run_round, job.metric, baseline_metric, say, enter, probe=probe, base_speedup=option.depth_speedup,
-                    first_round=len(rounds))
-        if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
-            return
-
-
-def _remove(job: Any, option: DepthOption, curves: list[LayerCurve], request: CompressRequest,
-            say: Say) -> list[LayerCurve]:
-    """The job without the option's blocks; returns the curves of the layers left. The dense curves of
-    those layers serve (their statistics were taken on the dense stream, which the pruned model is solved
-    and fitted against), unless a conv graph's analysis finds a unit without one: then the statistics pass
-    runs again on the shallower graph."""
-    job.remove(option.blocks)
-    kept = [c for c in curves if not in_blocks(c.name, option.blocks)]
-    analysis = getattr(job, "analysis", None)
-    if analysis is None:
-        return kept
-    units = {u.name for u in analysis.units}
-    if units <= {c.name for c in kept}:
-        return [c for c in kept if c.name in units]
-    return dense_curves(job, request, say, version())
 
 
 def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """report.json as one typed record: what a job measured, the contract `osscar compress`, the service,
-the gRPC `CompressReport` (`service.wire`) and report.html read.
+the gRPC `CompressReport` (`service.api.wire`) and report.html read.
 
 Schema (`SCHEMA_VERSION`, written as `schema_version`): `Report`'s fields, in JSON as named here. Nested
 records are JSON objects; a field marked `optional` is left out of the JSON when it is None (a failed

@@ -1,7 +1,7 @@
 """The compression request: one dataclass is the schema of every compress option.
 
 Each field carries its help text (and CLI details) in its metadata, so the `osscar compress` flags
-(`service.cli`), the protobuf conversion (`service.wire`) and the server's validation all come from here:
+(`service.client.cli`), the protobuf conversion (`service.api.wire`) and the server's validation all come from here:
 a new option is a field here plus its proto field. Fields that deliberately do not travel on the wire are
 listed in `LOCAL_ONLY`; a test keeps the proto and this class in step.
 """

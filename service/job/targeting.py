@@ -9,9 +9,9 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -357,6 +357,83 @@ def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -
         return (s1 + s2) / 2 if below and above else min(1.0, aim / share)
     slope = min(4.0, max(0.25, slope))
     return min(1.0, s1 * (aim / y1) ** (1 / slope))
+
+
+Stage = Callable[[str, int], None]  # (stage, round) as each stage begins
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What target mode asks of the job that runs it: a round (prune, export, time, score) and latency probes
+    (export and time only) of planned widths or of a whole model."""
+
+    run_round: RunRound
+    probe: ProbeWidths
+    probe_model: Callable[[nn.Module, int], Latency]  # (model, round) -> its latency against the dense one
+
+
+def run_target(request: CompressRequest, job: ModelJob, measure: Measure, rounds: list[Round],
+               baseline_metric: float, say: Say, enter: Stage, version: str) -> None:
+    """Target mode, start to end (`rounds`, the job's list, is filled by `measure.run_round`): the dense
+    curves, then depth and width planned together where the model kind removes whole blocks (and
+    --remove-blocks did not choose them), else the width loop alone."""
+    assert request.target_speedup is not None
+    enter("statistics", 0)
+    curves = dense_curves(job, request, say, version)
+    if getattr(job, "plans_depth", False) and request.remove_blocks is None:
+        enter("allocate", 0)
+        plan = plan_depth(job, curves, request, lambda module: measure.probe_model(module, 0), say)
+        depth_and_width(request, job, plan, curves, rounds, baseline_metric, say, enter, measure, version)
+    else:
+        target_loop(request, curves, measure.run_round, job.metric, baseline_metric, say, enter, probe=measure.probe)
+
+
+# depth options a job tries after the planned one when every round misses the budget: each costs a round's
+# solves and fit (ResNet-56 at 2x on 2 CPU cores: ~17 minutes with 3,000 steps)
+MAX_REPLANS = 1
+
+
+def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[LayerCurve],
+                    rounds: list[Round], baseline_metric: float, say: Say, enter: Stage, measure: Measure,
+                    version: str) -> None:
+    """Target mode over depth and width (without --remove-blocks): the width loop on the model without the
+    plan's blocks or layers; when every round of it lands below the accuracy budget, the next option by
+    planned loss (another mix of depth and width, not only another amount; at most MAX_REPLANS of them)
+    gets the rounds left, so the planned losses' ranking is corrected by a measurement before the job
+    gives up. Rounds are numbered across the options (`rounds` is the job's list, which `run_round` fills)."""
+    rule = accuracy_rule(request, job.metric)
+    tried: list[DepthOption] = []
+    for option in plan.ranked()[: 1 + MAX_REPLANS]:
+        left = request.max_rounds - len(rounds)
+        if left <= 0:
+            break
+        if tried:
+            say(f"depth: every round with {len(tried[-1].blocks)} blocks removed was below the accuracy budget; "
+                f"re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
+        tried.append(option)
+        job.depth = plan.to_dict(tried)
+        target_loop(replace(request, max_rounds=left), _without(job, option, curves, request, say, version),
+                    measure.run_round, job.metric, baseline_metric, say, enter, probe=measure.probe,
+                    base_speedup=option.depth_speedup, first_round=len(rounds))
+        if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
+            return
+
+
+def _without(job: Any, option: DepthOption, curves: list[LayerCurve], request: CompressRequest, say: Say,
+             version: str) -> list[LayerCurve]:
+    """The job without the option's blocks; returns the curves of the layers left. The dense curves of
+    those layers serve (their statistics were taken on the dense stream, which the pruned model is solved
+    and fitted against), unless a conv graph's analysis finds a unit without one: then the statistics pass
+    runs again on the shallower graph."""
+    job.remove(option.blocks)
+    kept = [c for c in curves if not in_blocks(c.name, option.blocks)]
+    analysis = getattr(job, "analysis", None)
+    if analysis is None:
+        return kept
+    units = {u.name for u in analysis.units}
+    if units <= {c.name for c in kept}:
+        return [c for c in kept if c.name in units]
+    return dense_curves(job, request, say, version)
 
 
 def widths_of(path: Path) -> dict[str, int]:

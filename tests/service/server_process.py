@@ -35,7 +35,7 @@ class ServerProcess:
                **self.env}
         with open(self.log, "a") as log:  # the child keeps its own copy of the descriptor
             mark = self.log.stat().st_size
-            self.process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0",
+            self.process = subprocess.Popen([sys.executable, "-m", "service.client.cli", "serve", "--port", "0",
                                              *self.extra], cwd=ROOT, env=env, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -49,7 +49,7 @@ def job_stderr(tmp_path_factory) -> str:
     root = write_conv_job(tmp_path_factory.mktemp("quiet"), size=32)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONWARNINGS", None)
-    result = subprocess.run([sys.executable, "-m", "service.cli", "compress", str(root / "model.pt2"),
+    result = subprocess.run([sys.executable, "-m", "service.client.cli", "compress", str(root / "model.pt2"),
                              "--target-speedup", "1.2", "--max-rounds", "1", "--calibration", str(root / "cal.npz"),
                              "--samples", "16", "--repeats", "15", "--accuracy-budget", "none",
                              "--out", str(root / "out")], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from service.api import compression_pb2 as pb
-from service.wire import unpack_response
+from service.api.wire import unpack_response
 from tests.service.server_process import ServerProcess
 
 

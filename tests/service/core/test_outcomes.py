@@ -8,9 +8,9 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2
 
 from compressor.errors import CalibrationError, InputError, ModelReferenceError, SurgeryError, UnsupportedArchitecture
+from service.api.wire import DOMAIN, status_of_error
 from service.core.outcomes import COLUMNS, INTERNAL_MESSAGE, OUTCOMES, JobError, outcome
 from service.job.report import Artifacts, BudgetResult, MetricResult, ParityFailure, Report, status_message
-from service.wire import DOMAIN, status_of_error
 from tests.service.job.reports import measured
 from tests.service.job.reports import report as sample_report
 

@@ -19,8 +19,8 @@ from google.longrunning import operations_pb2
 from google.rpc import code_pb2
 
 from service.api import compression_pb2 as pb
-from service.client import RemoteCompressor
-from service.wire import error_details, unpack_metadata
+from service.api.wire import error_details, unpack_metadata
+from service.client.transport import RemoteCompressor
 from tests.compressor.cnn.conv_models import write_conv_job
 from tests.service.core.ray_helpers import (
     paths,
@@ -56,8 +56,8 @@ def server(tmp_path_factory, cluster, data):
 
 
 def test_the_ray_settings_come_from_the_environment_and_stay_coherent(monkeypatch):
-    from service.grpc_server import service_config
-    from service.settings import ServerSettings
+    from service.server.app import service_config
+    from service.server.settings import ServerSettings
 
     monkeypatch.setenv("OSSCAR_EXECUTOR", "ray")
     monkeypatch.setenv("OSSCAR_RAY_ADDRESS", "head:6379")
@@ -170,7 +170,7 @@ def test_an_artifact_that_arrives_corrupted_is_refused_and_nothing_of_the_result
     """The server-side transfer alone (no cluster): the second artifact's bytes differ from its announced digest."""
     import asyncio
 
-    from service.blobs import BlobStore
+    from service.core.blobs import BlobStore
     from service.core.ray_executor import RayAttempt
 
     blobs = BlobStore(tmp_path / "blobs")

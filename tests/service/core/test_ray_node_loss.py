@@ -10,7 +10,7 @@ import pytest
 from google.rpc import code_pb2
 
 from service.api import compression_pb2 as pb
-from service.wire import unpack_metadata
+from service.api.wire import unpack_metadata
 from tests.compressor.cnn.conv_models import write_conv_job
 from tests.service.core.ray_helpers import paths, start_cluster, start_server, succeeded, wait_until
 

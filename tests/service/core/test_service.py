@@ -5,10 +5,10 @@ import time
 
 from google.rpc import code_pb2
 
+from service.api.wire import operation_of
 from service.core import JobError
 from service.core.outcomes import CANCELLED, RUNNING, SUCCEEDED
 from service.core.store import ArtifactRecord, JobRecord
-from service.wire import operation_of
 from tests.service.core.service_helpers import service
 
 

@@ -6,12 +6,12 @@ import asyncio
 import pytest
 from google.rpc import code_pb2
 
+from service.api.wire import operation_of
 from service.core import JobError, JobService
 from service.core.executor import Ended
 from service.core.outcomes import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from service.core.store import JobRecord, JobStore
 from service.job.report import MetricResult, ParityFailure
-from service.wire import operation_of
 from tests.service.core.service_helpers import running_record, service
 from tests.service.job.reports import measured
 from tests.service.job.reports import report as sample_report

@@ -4,8 +4,8 @@ import os
 
 from google.rpc import code_pb2
 
+from service.api.wire import operation_of
 from service.core.executor import Ended
-from service.wire import operation_of
 from tests.service.core.service_helpers import running_record, service
 
 

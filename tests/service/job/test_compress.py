@@ -1,14 +1,13 @@
 """`osscar compress` and `service.job.compress` end to end."""
 
 import json
-import math
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
-from service import cli
+from service.client import cli
 from service.job import CompressRequest, compress
 from service.job.report import Report
 from tests.compressor.cnn.conv_models import write_classifier_job, write_conv_job
@@ -369,9 +368,9 @@ def test_a_damaged_model_ends_accuracy_budget_exceeded_through_the_service(class
     from google.rpc import code_pb2
 
     from service import logs
+    from service.api.wire import operation_of
     from service.core import JobService, ServiceConfig, worker
     from service.core.executor import Ended
-    from service.wire import operation_of
     from tests.service.core.service_helpers import running_record
 
     _damaging(monkeypatch)
@@ -614,52 +613,3 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
     assert report["params_after"] < report["params_before"] and report["block_reconstruction"]["blocks"] == 2
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3
-
-
-def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned():
-    """Every round with no block removed lands below the default top-1 budget: the next option by planned
-    loss (one block removed) gets the rounds left, and its round is the one within the budget."""
-    import importlib
-    from types import SimpleNamespace
-
-    from compressor.allocation import DepthOption, LayerCurve
-    from exporters.runtime import Latency
-    from service.job.kinds import Metric
-    from service.job.targeting import DepthPlan, Round, choose
-
-    job_module = importlib.import_module("service.job.compress")
-    curves = [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.5], cost=1.0) for i in range(3)]
-
-    class Job:
-        metric = Metric("top1", True)
-        depth = None
-
-        def __init__(self):
-            self.removed, self.analysis = [], None
-
-        def remove(self, blocks):
-            self.removed.append(tuple(blocks))
-            self.analysis = SimpleNamespace(units=[SimpleNamespace(name=c.name) for c in curves
-                                                   if not any(c.name.startswith(f"{b}.") for b in blocks)])
-
-    job, rounds, lines = Job(), [], []
-
-    def run_round(plan, index, predicted=None):
-        assert index == len(rounds)  # numbered across the options
-        latency = Latency(100.0, 100 / 1.5, 101.0, 101 / 1.5, 1.5, "cpu", 2, "test", 5)  # inside the window
-        top1 = 0.85 if job.removed[-1] else 0.5  # budget: at most 10 points below 0.92
-        rounds.append(Round(plan, None, [], None, None, latency, top1, predicted))
-        return rounds[-1]
-
-    none = DepthOption((), 0.0, 1.0, 0.3, 0.2)
-    one = DepthOption(("b0",), 0.1, 1.2, 0.2, 0.2)
-    never = DepthOption(("b0", "b1"), 0.3, 1.3, 0.9, math.inf)
-    plan = DepthPlan(none, [none, one, never], aim=1.5, share=0.85)
-    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0)
-    job_module._depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
-                                run_round, lambda p, i: None)
-    assert job.removed == [(), ("b0",)] and len(rounds) == 2
-    assert job.depth["tried"] == [0, 1] and job.depth["planned"] == []
-    assert any("re-planning with 1 blocks removed" in line for line in lines)
-    chosen, status = choose(request, rounds, Job.metric, 0.92)
-    assert chosen is rounds[1] and status == "ok"

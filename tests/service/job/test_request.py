@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from compressor.errors import InputError
-from service import cli
 from service.api import compression_pb2 as pb
+from service.api.wire import SUBMISSION_FIELDS, api_field, spec_from_proto, spec_to_proto, wire_option_names
+from service.client import cli
 from service.job.request import LOCAL_ONLY, MODES, REFERENCES, CompressRequest, request_from_spec
-from service.wire import SUBMISSION_FIELDS, api_field, spec_from_proto, spec_to_proto, wire_option_names
 
 FIELDS = {f.name: f for f in dataclasses.fields(CompressRequest)}
 

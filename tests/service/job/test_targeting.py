@@ -318,3 +318,48 @@ def test_depth_search_stops_once_blocks_alone_reach_the_aim():
     plan = plan_depth(FakeDepthJob(0.0), fake_depth_curves(), request, depth_probe, lambda m: None)
     assert [o.width_saving for o in plan.options][-1] == 0.0
     assert len(plan.chosen.blocks) == 2  # 1/0.9 = 1.11x >= 1.03 x 1.05; one block (1.053x) falls short
+
+
+def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned():
+    """Every round with no block removed lands below the default top-1 budget: the next option by planned
+    loss (one block removed) gets the rounds left, and its round is the one within the budget."""
+    from types import SimpleNamespace
+
+    from compressor.allocation import DepthOption
+    from service.job.targeting import DepthPlan, Measure, Round, depth_and_width
+
+    curves = [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.5], cost=1.0) for i in range(3)]
+
+    class Job:
+        metric = Metric("top1", True)
+        depth = None
+
+        def __init__(self):
+            self.removed, self.analysis = [], None
+
+        def remove(self, blocks):
+            self.removed.append(tuple(blocks))
+            self.analysis = SimpleNamespace(units=[SimpleNamespace(name=c.name) for c in curves
+                                                   if not any(c.name.startswith(f"{b}.") for b in blocks)])
+
+    job, rounds, lines = Job(), [], []
+
+    def run_round(plan, index, predicted=None):
+        assert index == len(rounds)  # numbered across the options
+        latency = Latency(100.0, 100 / 1.5, 101.0, 101 / 1.5, 1.5, "cpu", 2, "test", 5)  # inside the window
+        top1 = 0.85 if job.removed[-1] else 0.5  # budget: at most 10 points below 0.92
+        rounds.append(Round(plan, None, [], None, None, latency, top1, predicted))
+        return rounds[-1]
+
+    none = DepthOption((), 0.0, 1.0, 0.3, 0.2)
+    one = DepthOption(("b0",), 0.1, 1.2, 0.2, 0.2)
+    never = DepthOption(("b0", "b1"), 0.3, 1.3, 0.9, math.inf)
+    plan = DepthPlan(none, [none, one, never], aim=1.5, share=0.85)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0)
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
+                    Measure(run_round, lambda p, i: None, lambda m, i: None), "test")
+    assert job.removed == [(), ("b0",)] and len(rounds) == 2
+    assert job.depth["tried"] == [0, 1] and job.depth["planned"] == []
+    assert any("re-planning with 1 blocks removed" in line for line in lines)
+    chosen, status = choose(request, rounds, Job.metric, 0.92)
+    assert chosen is rounds[1] and status == "ok"

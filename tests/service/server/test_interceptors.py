@@ -1,4 +1,4 @@
-"""The generated API modules and the error interceptor, in process."""
+"""The error interceptor in process (and the generated API modules it speaks)."""
 
 import asyncio
 import subprocess
@@ -10,10 +10,10 @@ import pytest
 from google.rpc import error_details_pb2
 
 from service import errors
-from service.grpc_server import ErrorInterceptor, status_of
-from service.wire import api_description, error_details
+from service.api.wire import api_description, error_details
+from service.server.interceptors import ErrorInterceptor, status_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_generated_modules_match_the_proto():

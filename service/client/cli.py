@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
+import shutil
 import sys
 import types
 import typing
@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from compressor.errors import InputError
-from compressor.progress import Progress
 
-from .job.progress import TRANSIENT, render
-from .terminal import ProgressLines, ignoring_interrupts
+from .options import add_connection_flags, add_request_flags, compress_options, label_flag
+from .terminal import JobProgress, ignoring_interrupts
 
 log = logging.getLogger(__name__)
 
@@ -31,68 +30,11 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-
-
-def _shape(text: str) -> dict[str, int]:
-    try:
-        pairs = [item.split("=", 1) for item in text.split(",") if item]
-        return {k.strip(): int(v) for k, v in pairs}
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected name=N pairs such as batch=8,sequence=128, got {text!r}") from err
-
-
-class _Progress:
-    """Stage lines as they come; per-layer lines are transient (redrawn in place on a terminal)."""
-
-    def __init__(self, stream) -> None:
-        self.lines = ProgressLines(stream)
-
-    def __call__(self, record: Progress) -> None:
-        self.lines(render(record), transient=record.stage in TRANSIENT)
-
-
-NONE = "none"
-# flags that also take the literal `none`, and the request field it sets (a float cannot say "off")
-NONE_FLAGS = {"accuracy_budget": "no_accuracy_budget"}
-
-
-def _number_or_none(text: str) -> float | str:
-    if text.strip().lower() == NONE:
-        return NONE
-    try:
-        return float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from err
-
-
-def _label(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def compress_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The request fields the command line set (absent flags: the request's defaults apply)."""
-    from .job.request import CompressRequest
-
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompressRequest)
-               if f.metadata["cli"] and getattr(args, f.name, None) is not None}
-    for name, switch in NONE_FLAGS.items():
-        if options.get(name) == NONE:
-            del options[name]
-            options[switch] = True
-    return options
-
-
 # what a local job writes into --out (service.job.compress and the model kinds' `save`), and its scratch
 JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "model.pt2", "model",
                "report.json", "report.html")
+
+
 SCRATCH_PREFIX = ".osscar-work-"
 
 
@@ -120,7 +62,6 @@ class WrittenOutputs:
 
     def undo(self) -> str:
         """Remove them; returns what was done, in words."""
-        import shutil
 
         if self.created:
             shutil.rmtree(self.out, ignore_errors=True)
@@ -141,14 +82,14 @@ class WrittenOutputs:
 
 def _compress(args: argparse.Namespace) -> int:
     if args.server:
-        from .client import remote_compress
+        from .remote import remote_compress
 
         return remote_compress(args)
-    from .core.outcomes import JobError, out_of_memory
-    from .files import default_home
-    from .job import CompressRequest, compress
-    from .job.report_html import record_references
-    from .references import embedded
+    from ..core.outcomes import JobError, out_of_memory
+    from ..embedded import embedded
+    from ..files import default_home
+    from ..job import CompressRequest, compress
+    from ..job.report_html import record_references
 
     options = compress_options(args)
     given = {name: str(options[name]) for name in ("model", "calibration", "eval", "widths_from")
@@ -158,7 +99,7 @@ def _compress(args: argparse.Namespace) -> int:
         if value is not None and str(value).startswith("embedded:"):
             options[name] = embedded(str(value), default_home())
     options["model"] = str(options["model"])
-    progress = _Progress(sys.stderr)
+    progress = JobProgress(sys.stderr)
     written = WrittenOutputs(Path(args.out_dir))
     current = {"stage": "loading"}
     try:
@@ -190,6 +131,7 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+
     if args.tls_ca:
         channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(args.tls_ca.read_bytes()))
     else:
@@ -208,15 +150,17 @@ def _health(args: argparse.Namespace) -> int:
 
 # flags whose name is not the field's; fields that never come from the command line (secrets)
 SERVE_FLAG_NAMES = {"grace_s": "--grace"}
+
+
 SERVE_NOT_FLAGS = ("tokens",)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import pydantic
 
-    from .grpc_server import Server, serve
-    from .logs import configure
-    from .settings import ServerSettings
+    from ..logs import configure
+    from ..server.app import Server, serve
+    from ..server.settings import ServerSettings
 
     given = {name: getattr(args, name) for name in ServerSettings.model_fields
              if getattr(args, name, None) is not None and getattr(args, name, None) is not False}
@@ -246,54 +190,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flag_type(kind: Any) -> Any:
-    """The argparse `type` of a field type."""
-    origin = typing.get_origin(kind) or kind
-    if origin is tuple:
-        return _floats
-    if origin is dict:
-        return _shape
-    return kind
-
-
-def _default_text(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(f"{v:g}" for v in value)
-    return str(value)
-
-
-def add_request_flags(parser: argparse.ArgumentParser) -> None:
-    """`osscar compress`'s flags, one per CompressRequest field (service.job.request holds the help and
-    defaults; argparse defaults stay None so that an absent flag means the request's default)."""
-    from .job.request import MODES, CompressRequest, field_types
-
-    types = field_types()
-    mode = parser.add_mutually_exclusive_group(required=True)
-    for f in dataclasses.fields(CompressRequest):
-        meta = f.metadata
-        if not meta["cli"]:
-            continue
-        help_text = meta["help"]
-        if f.default not in (None, False, dataclasses.MISSING):
-            help_text += f" (default {_default_text(f.default)})"
-        if f.name == "model":
-            parser.add_argument("model", help=help_text)
-            continue
-        flag = "--out" if f.name == "out_dir" else "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        if types[f.name] is bool:
-            kwargs["action"] = "store_true"
-        else:
-            kind = _number_or_none if f.name in NONE_FLAGS else _flag_type(types[f.name])
-            kwargs.update(type=kind, choices=meta["choices"], metavar=meta["metavar"])
-        if f.name in ("calibration", "out_dir"):
-            kwargs["required"] = True
-        (mode if f.name in MODES else parser).add_argument(flag, **kwargs)
-
-
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """`osscar serve`'s flags, one per ServerSettings field (help from the field's description)."""
-    from .settings import ServerSettings
+    from ..server.settings import ServerSettings
 
     for name, info in ServerSettings.model_fields.items():
         if name in SERVE_NOT_FLAGS:
@@ -315,20 +214,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, **kwargs)
 
 
-def add_connection_flags(parser, connect_timeout: float) -> None:
-    """How a client reaches a server (besides --server): deadlines, TLS and the bearer token."""
-    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
-    parser.add_argument("--connect-timeout", type=float, default=connect_timeout,
-                        help=f"how long to wait for the server to come up (default {connect_timeout:g} s)")
-    parser.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
-    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
-    parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
-    parser.add_argument("--token-file", type=Path, default=None,
-                        help="file holding the bearer token (default: $OSSCAR_TOKEN)")
-
-
 def _operations(args: argparse.Namespace) -> int:
-    from .client import operations_command
+    from .operations import operations_command
 
     return operations_command(args)
 
@@ -352,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="upload the model and data (directories as tar) instead of sending their paths")
     remote.add_argument("--request-id", default=None,
                         help="idempotency key (a UUID; default: a new one): resubmitting it returns the same job")
-    remote.add_argument("--label", type=_label, action="append", metavar="KEY=VALUE", help="a label on the job")
+    remote.add_argument("--label", type=label_flag, action="append", metavar="KEY=VALUE", help="a label on the job")
     remote.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="wall-clock budget of the job on the server")
     remote.add_argument("--cancel-on-interrupt", action="store_true",
@@ -405,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    from .logs import drop_irrelevant
+    from ..logs import drop_irrelevant
 
     drop_irrelevant()
     try:
@@ -420,3 +307,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+

@@ -2,8 +2,9 @@
 
 import pytest
 
-from service import cli
-from service.demo import METHODS, calibration_texts, run_demo
+from service.client import cli
+from service.client.demo import METHODS, run_demo
+from service.embedded import calibration_texts
 
 
 def test_calibration_texts_are_seeded_and_long_enough():
@@ -31,7 +32,7 @@ def test_demo_prunes_every_layer_and_osscar_is_best_on_average(demo_results):
 
 
 def test_cli_demo_prints_the_table(capsys, monkeypatch, demo_results):
-    monkeypatch.setattr("service.demo.run_demo", lambda ratio, model: demo_results)
+    monkeypatch.setattr("service.client.demo.run_demo", lambda ratio, model: demo_results)
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "layer.5.output.dense" in out and out.strip().splitlines()[-1].startswith("mean")
@@ -51,7 +52,7 @@ def test_cli_without_a_command_exits_nonzero():
 
 
 def test_serve_has_a_flag_for_every_setting_but_the_secret_tokens():
-    from service.settings import ServerSettings
+    from service.server.settings import ServerSettings
 
     serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {a.dest: a for a in serve._actions}
@@ -68,8 +69,7 @@ def test_serve_has_a_flag_for_every_setting_but_the_secret_tokens():
 
 def test_ctrl_c_on_a_local_job_exits_130_with_one_line_and_removes_its_output(tmp_path):
     from tests.compressor.cnn.conv_models import write_conv_job
-
-    from .test_client import compress_args, interrupt_when
+    from tests.service.client.test_remote import compress_args, interrupt_when
 
     (tmp_path / "data").mkdir()
     data = write_conv_job(tmp_path / "data", size=32)
@@ -93,8 +93,7 @@ def test_cuda_out_of_memory_in_a_local_job_is_one_line_with_the_stage_and_exit_2
     import torch
 
     from tests.compressor.cnn.conv_models import write_conv_job
-
-    from .test_client import compress_args
+    from tests.service.client.test_remote import compress_args
 
     def compress(request, progress=None, stage=None):
         stage("pruning", 0)

@@ -14,36 +14,13 @@ from pathlib import Path
 
 from compressor.errors import InputError
 
+from ..embedded import embedded
+from ..errors import FieldViolation, InvalidArgument, NotFound
 from .blobs import BlobStore, valid_digest, valid_filename
-from .errors import FieldViolation, InvalidArgument, NotFound
-from .files import write_text_atomically
 from .policy import ReferencePolicy
 
-EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"
-EMBEDDED_CALIBRATION = "embedded:calibration.txt"
 MAX_REFERENCE = 4096
 _BLOB = re.compile(r"^blob:sha256:([^/]*)/(.*)$")
-
-
-def is_remote_reference(reference: str) -> bool:
-    """References that name something on the server rather than on the client's filesystem."""
-    return reference.startswith(("blob:", "embedded:"))
-
-
-def embedded(reference: str, home: Path) -> Path:
-    if reference == EMBEDDED_MODEL:
-        from .demo import default_model_path
-
-        return default_model_path()
-    if reference == EMBEDDED_CALIBRATION:
-        from .demo import calibration_texts
-
-        path = home / "embedded" / "calibration.txt"
-        if not path.is_file():  # documents separated by blank lines, as load_text reads .txt
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, "\n\n".join(calibration_texts()) + "\n")
-        return path
-    raise InputError(f"unknown embedded resource {reference!r}; known: {EMBEDDED_MODEL}, {EMBEDDED_CALIBRATION}")
 
 
 def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, home: Path,

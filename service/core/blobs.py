@@ -13,12 +13,11 @@ import hashlib
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from .files import file_sha256
+from ..files import ArchiveError, extract_tar, file_sha256, write_tar
 
 CHUNK = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -160,43 +159,3 @@ class BlobStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target
-
-
-class ArchiveError(ValueError):
-    """A tar upload that is not a plain directory of regular files."""
-
-
-def write_tar(directory: Path, out: Path) -> None:
-    directory = Path(directory)
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(directory.rglob("*")):
-            if not (path.is_file() or path.is_dir()) or path.is_symlink():
-                continue
-            info = tar.gettarinfo(str(path), arcname=path.relative_to(directory).as_posix())
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mtime = 0
-            if path.is_file():
-                with open(path, "rb") as f:
-                    tar.addfile(info, f)
-            else:
-                tar.addfile(info)
-
-
-def extract_tar(archive: Path, target: Path) -> None:
-    """Regular files and directories only, every member inside `target`; anything else is refused with
-    the list of offending members."""
-    target.mkdir(parents=True)
-    try:
-        with tarfile.open(archive, "r:") as tar:
-            members = tar.getmembers()
-            bad = [m.name for m in members
-                   if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts]
-            if bad:
-                raise ArchiveError(f"the archive may hold only regular files and directories inside it; refused "
-                                   f"members: {', '.join(bad[:10])}")
-            tar.extractall(target, filter="data")
-    except tarfile.TarError as err:
-        raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
-    except OSError as err:  # members that contradict each other (a file `a`, then `a/b`)
-        raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FieldViolation, InvalidArgument, NotFound, PermissionDenied
+from ..errors import FieldViolation, InvalidArgument, NotFound, PermissionDenied
 
 MAX_DIRECTORY_FILES = 100_000
 

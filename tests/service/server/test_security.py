@@ -15,17 +15,16 @@ import pytest
 from google.longrunning import operations_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import cli
 from service.api import compression_pb2 as pb
 from service.api import compression_pb2_grpc as pb_grpc
-from service.settings import ServerSettings
-from service.wire import error_details
+from service.api.wire import error_details
+from service.client import cli
+from service.server.settings import ServerSettings
 from tests.compressor.cnn.conv_models import write_conv_job
+from tests.service.certs import make_pki
+from tests.service.server_process import ServerProcess
 
-from .certs import make_pki
-from .server_process import ServerProcess
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 TOKEN = "s3cret-token-for-tests"
 

@@ -7,7 +7,8 @@ import tarfile
 
 import pytest
 
-from service.blobs import ArchiveError, BlobStore, extract_tar, tree_sha256, valid_filename
+from service.core.blobs import BlobStore, tree_sha256, valid_filename
+from service.files import ArchiveError, extract_tar
 
 
 def test_a_blob_is_visible_only_complete_and_under_its_digest(tmp_path):

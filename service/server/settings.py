@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .files import default_home
+from ..files import default_home
 
 SCHEMES = ("path", "blob", "embedded")
 

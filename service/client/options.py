@@ -1,0 +1,161 @@
+"""`osscar compress`'s flags, one per `CompressRequest` field, and the request they make: the options
+a local job runs with (`compress_options`) and the gRPC request a remote one is submitted as
+(`build_request`: references made absolute or uploaded)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..api import compression_pb2 as pb
+from ..api.wire import (
+    spec_to_proto,
+)
+from ..embedded import is_remote_reference
+from .transport import ClientError, RemoteCompressor
+
+
+def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
+    """The Compress request of the command's flags: the options it set (the server applies the same
+    defaults to the rest), references made absolute or uploaded."""
+    from ..job.request import LOCAL_ONLY, REFERENCES, SHAPE_KEYS
+
+    def reference(value) -> str:
+        text = str(value)
+        if is_remote_reference(text):
+            return text
+        path = Path(text).expanduser()
+        if args.upload:
+            if not path.exists():
+                raise ClientError(f"--upload: no such file or directory: {path}")
+            print(f"uploading {path}", file=sys.stderr)
+            return client.upload(path)
+        return str(path.resolve())
+
+    options = {k: v for k, v in compress_options(args).items() if k not in LOCAL_ONLY}
+    for name in REFERENCES:
+        if name in options:
+            options[name] = reference(options[name])
+    bad = sorted(set(options.get("shape", {})) - set(SHAPE_KEYS))
+    if bad:
+        raise ClientError(f"--shape takes batch=N and sequence=N (got {', '.join(bad)})")
+    request = spec_to_proto(options, pb.CompressRequest(request_id=args.request_id or str(uuid.uuid4()),
+                                                        labels=dict(args.label or [])))
+    if args.time_budget is not None:
+        request.time_budget.FromMilliseconds(int(args.time_budget * 1000))
+    return request
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def _shape(text: str) -> dict[str, int]:
+    try:
+        pairs = [item.split("=", 1) for item in text.split(",") if item]
+        return {k.strip(): int(v) for k, v in pairs}
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected name=N pairs such as batch=8,sequence=128, got {text!r}") from err
+
+
+NONE = "none"
+
+
+# flags that also take the literal `none`, and the request field it sets (a float cannot say "off")
+NONE_FLAGS = {"accuracy_budget": "no_accuracy_budget"}
+
+
+def _number_or_none(text: str) -> float | str:
+    if text.strip().lower() == NONE:
+        return NONE
+    try:
+        return float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from err
+
+
+def label_flag(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def compress_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields the command line set (absent flags: the request's defaults apply)."""
+    from ..job.request import CompressRequest
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompressRequest)
+               if f.metadata["cli"] and getattr(args, f.name, None) is not None}
+    for name, switch in NONE_FLAGS.items():
+        if options.get(name) == NONE:
+            del options[name]
+            options[switch] = True
+    return options
+
+
+def _flag_type(kind: Any) -> Any:
+    """The argparse `type` of a field type."""
+    origin = typing.get_origin(kind) or kind
+    if origin is tuple:
+        return _floats
+    if origin is dict:
+        return _shape
+    return kind
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" for v in value)
+    return str(value)
+
+
+def add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """`osscar compress`'s flags, one per CompressRequest field (service.job.request holds the help and
+    defaults; argparse defaults stay None so that an absent flag means the request's default)."""
+    from ..job.request import MODES, CompressRequest, field_types
+
+    types = field_types()
+    mode = parser.add_mutually_exclusive_group(required=True)
+    for f in dataclasses.fields(CompressRequest):
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        help_text = meta["help"]
+        if f.default not in (None, False, dataclasses.MISSING):
+            help_text += f" (default {_default_text(f.default)})"
+        if f.name == "model":
+            parser.add_argument("model", help=help_text)
+            continue
+        flag = "--out" if f.name == "out_dir" else "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if types[f.name] is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kind = _number_or_none if f.name in NONE_FLAGS else _flag_type(types[f.name])
+            kwargs.update(type=kind, choices=meta["choices"], metavar=meta["metavar"])
+        if f.name in ("calibration", "out_dir"):
+            kwargs["required"] = True
+        (mode if f.name in MODES else parser).add_argument(flag, **kwargs)
+
+
+def add_connection_flags(parser, connect_timeout: float) -> None:
+    """How a client reaches a server (besides --server): deadlines, TLS and the bearer token."""
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
+    parser.add_argument("--connect-timeout", type=float, default=connect_timeout,
+                        help=f"how long to wait for the server to come up (default {connect_timeout:g} s)")
+    parser.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the bearer token (default: $OSSCAR_TOKEN)")
+
+

@@ -1,0 +1,217 @@
+"""The client's connection to an osscar server: TLS and bearer tokens, unary calls retried on
+UNAVAILABLE, chunked uploads, a watch stream resumed across server restarts, sha256-checked downloads."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
+
+from ..api import compression_pb2 as pb
+from ..api import compression_pb2_grpc as pb_grpc
+from ..api.wire import (
+    error_details,
+    unpack_metadata,
+)
+from ..files import extract_tar, file_sha256, write_tar
+
+UPLOAD_CHUNK = 1 << 20
+
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ClientError(Exception):
+    """What the command prints before exiting 2."""
+
+
+class RemoteCompressor:
+    def __init__(self, target: str, timeout_s: float = 60.0, *, tls_ca: Path | None = None,
+                 tls_cert: Path | None = None, tls_key: Path | None = None, token: str | None = None) -> None:
+        options = [("grpc.max_receive_message_length", 8 << 20)]
+        if tls_ca is not None or tls_cert is not None:
+            if (tls_cert is None) != (tls_key is None):
+                raise ClientError("--tls-cert and --tls-key go together")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+                private_key=Path(tls_key).read_bytes() if tls_key else None,
+                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
+            self.channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.target = target
+        self.timeout = timeout_s
+        self.stub = pb_grpc.CompressionStub(self.channel)
+        self.operations = operations_pb2_grpc.OperationsStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ClientError(f"cannot reach an osscar server at {self.target} within {timeout_s:.0f}s "
+                              "(start one with `osscar serve --port P`)") from None
+
+    def _call(self, method, request, attempts: int = 5):
+        """Unary call with a deadline, retried on UNAVAILABLE (requests carry a request_id, so a retried
+        Compress is the same job)."""
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE or attempt == attempts - 1:
+                    raise
+                time.sleep(min(2.0 ** attempt, 10.0))
+        raise AssertionError("unreachable")
+
+    def upload(self, path: Path) -> str:
+        """A file, or a directory as a tar; returns the blob reference."""
+        path = Path(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            source, archive = path, False
+            if path.is_dir():
+                source, archive = Path(tmp) / "upload.tar", True
+                write_tar(path, source)
+            header = pb.BlobHeader(filename=path.name, archive=archive, size_bytes=source.stat().st_size,
+                                   sha256=file_sha256(source))
+
+            def messages():
+                yield pb.UploadBlobRequest(header=header)
+                with open(source, "rb") as f:
+                    for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
+                        yield pb.UploadBlobRequest(chunk=chunk)
+
+            blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True,
+                                        metadata=self.metadata)
+        if blob.sha256 != header.sha256:
+            raise ClientError(f"upload of {path}: the server stored sha256 {blob.sha256}, expected {header.sha256}")
+        return blob.reference
+
+    def submit(self, request: pb.CompressRequest) -> operations_pb2.Operation:
+        return self._call(self.stub.Compress, request)
+
+    def follow(self, name: str, show) -> operations_pb2.Operation:
+        """Watch until done; a dropped stream (server restart) is resumed."""
+        delay = 1.0
+        while True:
+            try:
+                for event in self.stub.WatchCompression(pb.WatchCompressionRequest(name=name), wait_for_ready=True,
+                                                        metadata=self.metadata):
+                    delay = 1.0
+                    if (event.message or event.layers) and event.stage != "done":
+                        show(event)
+                    if event.HasField("operation") and event.operation.done:
+                        return event.operation
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE and err.code() != grpc.StatusCode.CANCELLED:
+                    raise
+            # the stream ended without the final event: the server went away; resume
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def download(self, name: str, artifact: pb.Artifact, out: Path) -> Path:
+        """One artifact into `out`, written under a temporary name and renamed once its sha256 matches."""
+        target = out / artifact.name
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{artifact.name}.")
+        digest, size, expected = hashlib.sha256(), 0, None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                stream = self.stub.DownloadArtifact(pb.DownloadArtifactRequest(name=name, artifact=artifact.name),
+                                                    timeout=max(self.timeout, 3600), wait_for_ready=True,
+                                                    metadata=self.metadata)
+                for chunk in stream:
+                    if chunk.HasField("artifact"):
+                        expected = chunk.artifact
+                    if chunk.offset != size:
+                        raise ClientError(f"{artifact.name}: chunk at offset {chunk.offset}, expected {size}")
+                    f.write(chunk.data)
+                    digest.update(chunk.data)
+                    size += len(chunk.data)
+            if expected is None or digest.hexdigest() != expected.sha256 or size != expected.size_bytes or \
+                    expected.sha256 != artifact.sha256:
+                raise ClientError(f"{artifact.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "
+                                  f"server announced {artifact.size_bytes} bytes with {artifact.sha256}")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+
+def describe_error(err: grpc.RpcError) -> str:
+    lines = [f"{err.code().name}: {err.details()}"]
+    details = error_details(err)
+    if "bad_request" in details:
+        lines += [f"  {v.field}: {v.description}" for v in details["bad_request"].field_violations]
+    if "error_info" in details:
+        info = details["error_info"]
+        lines.append(f"  reason {info.reason}" + "".join(f", {k}={v}" for k, v in sorted(info.metadata.items())))
+    if "retry" in details:
+        lines.append(f"  retry after {details['retry'].retry_delay.ToTimedelta().total_seconds():.0f}s")
+    return "\n".join(lines)
+
+
+def connect(args: argparse.Namespace) -> RemoteCompressor:
+    """A client for the connection flags (`--server`, TLS, token, `--timeout`), once the server answers."""
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("OSSCAR_TOKEN")
+    client = RemoteCompressor(args.server, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key, token=token or None)
+    try:
+        client.wait_ready(args.connect_timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path) -> Path:
+    """A finished operation's artifacts into `out` (a pruned model directory unpacked to `model/`); raises
+    ClientError when the job failed (after writing what it left, e.g. the best artifact of a missed
+    target)."""
+    meta = unpack_metadata(final)
+    out.mkdir(parents=True, exist_ok=True)
+    for artifact in meta.artifacts:
+        path = client.download(final.name, artifact, out)
+        if path.suffix == ".tar":  # a pruned model directory
+            staging = Path(tempfile.mkdtemp(dir=out, prefix=".extract-"))
+            try:
+                extract_tar(path, staging / path.stem)
+                shutil.rmtree(out / path.stem, ignore_errors=True)
+                os.replace(staging / path.stem, out / path.stem)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            path.unlink()
+    if meta.artifacts:
+        print(f"downloaded {len(meta.artifacts)} artifacts (sha256 verified) into {out}", file=sys.stderr)
+    if final.HasField("error"):
+        code = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == final.error.code))
+        raise ClientError(f"{final.name} failed: {code.name}: {final.error.message}")
+    return out
+
+
+def server_flags(args: argparse.Namespace) -> str:
+    """The connection flags of this command, to repeat in the commands it suggests."""
+    flags = [f"--server {args.server}"]
+    for name in ("tls_ca", "tls_cert", "tls_key", "token_file"):
+        if getattr(args, name, None) is not None:
+            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return " ".join(flags)
+
+
+def failed(err: ClientError | grpc.RpcError) -> int:
+    """One line on stderr for a refused or failed call; exit code 2."""
+    print(f"osscar: error: {describe_error(err) if isinstance(err, grpc.RpcError) else err}", file=sys.stderr)
+    return 2
+
+
