@@ -87,6 +87,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "xlm-roberta": ROBERTA_LIKE,
     "distilbert": DISTILBERT,
     "vit": VIT_LIKE,
+    "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
     "opt": OPT_LIKE,
     "gpt2": GPT2_LIKE,
     "llama": LLAMA_LIKE,
@@ -96,6 +97,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "gemma": LLAMA_LIKE,
     "gemma2": LLAMA_LIKE,
 }
+
+VISION_FAMILIES = ("vit", "deit")  # the vision transformers of ADAPTERS (images in, patches as tokens)
 
 # families that load but are refused, each with the unit or step that stops it (one line a user can act on)
 REFUSED: dict[str, str] = {
@@ -204,7 +207,8 @@ def check_config(config: dict, reference: str) -> None:
                                       f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")
     if "num_channels" in config and model_type not in ADAPTERS and _vision_transformer(config):
         raise UnsupportedArchitecture(f"{reference}: {model_type!r} is a vision transformer that is not supported "
-                                      f"(supported vision transformers: vit); it has no conv channels to prune")
+                                      f"(supported vision transformers: {', '.join(VISION_FAMILIES)}); it has no "
+                                      "conv channels to prune")
 
 
 def _vision_transformer(config: dict) -> bool:

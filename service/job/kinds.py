@@ -2,7 +2,7 @@
 
 * `ConvJob`: conv graphs (`.pt2`, HF image CNNs, torchvision): image calibration, top-1 or cosine.
 * `TextJob`: HF text transformers (encoders, causal LMs): text calibration, cosine or perplexity.
-* `ImageTransformerJob`: HF vision transformers (ViT): image calibration through the transformer
+* `ImageTransformerJob`: HF vision transformers (ViT, DeiT): image calibration through the transformer
   pipeline, `pixel_values` in, cosine of the pooled `last_hidden_state`.
 
 `open_job` is the one place that decides which kind a reference is; the compressor's CNN and
@@ -609,8 +609,10 @@ class ImageTransformerJob(_TransformerJob):
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
         self.metric = COSINE
         self.shape = {"batch": request.shape.get("batch", 8)}
-        patch = int(config.patch_size)
-        self.tokens = (size // patch) ** 2 + 1  # patches and the [CLS] token
+        # the patches and the tokens before them ([CLS]; DeiT's distillation token too), as the position
+        # embeddings count them
+        positions = getattr(getattr(self.dense, "embeddings", None), "position_embeddings", None)
+        self.tokens = int(positions.shape[1]) if positions is not None else (size // int(config.patch_size)) ** 2 + 1
         say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
             f"{request.method}")
 

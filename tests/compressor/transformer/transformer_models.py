@@ -23,6 +23,13 @@ def tiny_vit():
         patch_size=4, add_pooling_layer=False))
 
 
+def tiny_deit():
+    """ViT's blocks with a distillation token beside [CLS]."""
+    return _seeded(transformers.DeiTModel, transformers.DeiTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24, image_size=16,
+        patch_size=4))
+
+
 def tiny_opt():
     return _seeded(transformers.OPTForCausalLM, transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=24, num_attention_heads=4,
@@ -70,13 +77,14 @@ def tiny_gemma2():
         head_dim=16, intermediate_size=20, max_position_embeddings=32, sliding_window=4))
 
 
-MODELS = {"bert": tiny_bert, "vit": tiny_vit, "opt": tiny_opt, "gpt2": tiny_gpt2, "llama": tiny_llama,
-          "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3, "gemma2": tiny_gemma2}
+MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
+          "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
+          "gemma2": tiny_gemma2}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    if model.config.model_type == "vit":
+    if model.config.model_type in ("vit", "deit"):
         size = model.config.image_size
         return {"pixel_values": torch.randn(batch, 3, size, size, generator=gen)}
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)

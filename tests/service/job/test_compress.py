@@ -199,14 +199,15 @@ def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
     assert "needs the model's tokenizer" in capsys.readouterr().err
 
 
-def test_compress_a_vision_transformer_directory(tmp_path):
-    """A ViT directory is an image job through the transformer pipeline: image calibration, pixel_values
-    in the ONNX, cosine of the pooled hidden states, heads and FFN neurons physically removed; the saved
-    model reloads with the ONNX file's outputs."""
+@pytest.mark.parametrize("family", ["vit", "deit"])
+def test_compress_a_vision_transformer_directory(tmp_path, family):
+    """A ViT (or DeiT: a distillation token beside [CLS]) directory is an image job through the transformer
+    pipeline: image calibration, pixel_values in the ONNX, cosine of the pooled hidden states, heads and FFN
+    neurons physically removed; the saved model reloads with the ONNX file's outputs."""
     from compressor.transformer.surgery import load_pruned
-    from tests.compressor.transformer.transformer_models import tiny_vit
+    from tests.compressor.transformer.transformer_models import MODELS
 
-    tiny_vit().save_pretrained(tmp_path / "vit")
+    MODELS[family]().save_pretrained(tmp_path / "vit")
     np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (160, 16, 16, 3), dtype=np.uint8))
     out = tmp_path / "out"
     assert cli.main(["compress", str(tmp_path / "vit"), "--uniform-ratio", "0.5", "--calibration",
