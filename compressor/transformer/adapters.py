@@ -34,6 +34,8 @@ class FamilyAdapter:
     kv_heads_key: str | None = None  # grouped-query attention
     # q, k and v are one projection with [q | k | v] output rows (GPT-2's c_attn)
     fused_qkv: bool = False
+    # ... laid out per head instead: [q_h | k_h | v_h] for each head h in turn (GPT-NeoX's query_key_value)
+    qkv_per_head: bool = False
     # attention attributes that reshapes read after surgery: the query-head count, the query width
     # (heads x head_dim); models that reshape with -1 need neither
     head_count_attrs: tuple[str, ...] = ()
@@ -69,6 +71,10 @@ GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.
                           up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
                           head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",), causal=True,
                           ffn_key="n_inner")
+# parallel or sequential residual alike (use_parallel_residual): the projections' inputs are what they are
+GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value", k="attention.query_key_value",
+                         v="attention.query_key_value", o="attention.dense", up=("mlp.dense_h_to_4h",),
+                         down="mlp.dense_4h_to_h", fused_qkv=True, qkv_per_head=True, causal=True)
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
@@ -90,6 +96,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
     "opt": OPT_LIKE,
     "gpt2": GPT2_LIKE,
+    "gpt_neox": GPT_NEOX,
     "llama": LLAMA_LIKE,
     "mistral": LLAMA_LIKE,
     "qwen2": LLAMA_LIKE,
@@ -108,7 +115,6 @@ REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal; its text model (gemma3_text) is refused too: "
               "its sliding-window layers do not export to ONNX correctly beyond their window",
     "phi3": "Phi-3's fused qkv_proj and gate_up_proj are not split into prunable heads and neurons yet",
-    "gpt_neox": "GPT-NeoX's fused query_key_value (interleaved per head) is not split into prunable heads yet",
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",

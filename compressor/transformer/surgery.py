@@ -124,7 +124,9 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     hd, g = d.head_dim, d.group
     # a group is one KV head and the g query heads that share it (g = 1 without GQA)
     q_rows, kv_rows = group_rows(keep, g * hd), group_rows(keep, hd)
-    if adapter.fused_qkv:  # [q | k | v], each `width` rows (no GQA here: kv rows == q rows)
+    if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA here)
+        keep_output_rows(projection(layer, adapter.q), group_rows(keep, 3 * hd))
+    elif adapter.fused_qkv:  # [q | k | v], each `width` rows (no GQA here: kv rows == q rows)
         keep_output_rows(projection(layer, adapter.q), torch.cat([q_rows, width + kv_rows, 2 * width + kv_rows]))
     else:
         keep_output_rows(projection(layer, adapter.q), q_rows)

@@ -42,6 +42,13 @@ def tiny_gpt2():
         eos_token_id=0))
 
 
+def tiny_gpt_neox():
+    """Per-head fused query_key_value ([q_h | k_h | v_h] per head), partial rotary, parallel residual."""
+    return _seeded(transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=32, rotary_pct=0.5))
+
+
 def tiny_llama():
     """Grouped-query attention: 8 query heads over 2 KV heads."""
     return _seeded(transformers.LlamaForCausalLM, transformers.LlamaConfig(
@@ -78,6 +85,7 @@ def tiny_gemma2():
 
 
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
+          "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
           "gemma2": tiny_gemma2}
 

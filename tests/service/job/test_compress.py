@@ -598,10 +598,11 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
     assert words in err and "not an image model" not in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "gemma2", "distilbert"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
-    """GPT-2 (Conv1D projections: block reconstruction fits them too), Qwen3, Gemma 2 and DistilBERT, tiny
-    random-init, through the CLI with the default reconstruction: pruned, exported, parity-checked."""
+    """GPT-2 (Conv1D projections: block reconstruction fits them too), GPT-NeoX (q, k and v fused per head),
+    Qwen3, Gemma 2 and DistilBERT, tiny random-init, through the CLI with the default reconstruction: pruned,
+    exported, parity-checked."""
     from tests.compressor.transformer.transformer_models import MODELS
 
     MODELS[family]().save_pretrained(tmp_path / family)
