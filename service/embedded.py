@@ -8,8 +8,6 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from compressor.errors import InputError
 
 from .files import write_text_atomically
@@ -55,6 +53,8 @@ def calibration_texts(sequences: int = 96, per_sequence: int = 8, seed: int = 0)
     """
     text = resources.files("service").joinpath("data/calibration.txt").read_text(encoding="utf-8")
     sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    import torch  # only when the text is built: clients read this module for its reference schemes
+
     gen = torch.Generator().manual_seed(seed)
     return [" ".join(sentences[i] for i in torch.randperm(len(sentences), generator=gen)[:per_sequence])
             for _ in range(sequences)]

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, fx
 
 from ..errors import UnsupportedArchitecture
-from ..progress import DEPTH, Progress, ProgressFn, emit
+from ..progress import DEPTH, Progress, ProgressFn
 from .graph import ADD_OPS, CONV_OPS
 from .refine import graph_output
 
@@ -186,11 +186,11 @@ def choose_blocks(gm: fx.GraphModule, images: Tensor, count: int, *, device: tor
     for step, (best, error) in enumerate(itertools.islice(greedy_blocks(gm, images, device=device,
                                                                         batch_size=batch_size), count)):
         chosen.append(best)
-        record = Progress(DEPTH, best, numbers={"step": step + 1, "steps": count, "error": error})
         if progress is None:
             log.info("depth: block %d/%d: %s (output relative error with it removed %.4f)", step + 1, count, best,
                      error)
-        emit(progress, record, log)
+        else:
+            progress(Progress(DEPTH, best, numbers={"step": step + 1, "steps": count, "error": error}))
     return chosen
 
 

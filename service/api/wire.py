@@ -14,12 +14,12 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from ..job.report import Report
 from . import compression_pb2 as pb
 
 if TYPE_CHECKING:  # annotations only: clients import this module without the service core
     from ..core.outcomes import JobError
     from ..core.store import JobRecord
+    from ..job.report import Report
 
 DOMAIN = "osscar.compression.v1"
 # CompressRequest fields that belong to the submission, not to the job's options
@@ -179,6 +179,8 @@ def operation_of(record: JobRecord) -> operations_pb2.Operation:
     if record.error:
         op.error.CopyFrom(status_of_error(record.error))
     elif record.done and record.report is not None:
+        from ..job.report import Report  # the server's side: the job package (torch) stays out of clients
+
         op.response.Pack(pb.CompressResponse(report=report_to_proto(Report.from_json(record.report)),
                                              artifacts=[artifact_to_proto(a) for a in record.artifacts]))
     return op
