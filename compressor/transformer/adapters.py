@@ -32,7 +32,8 @@ class FamilyAdapter:
     down: str  # FFN output projection: its input rows are the neurons
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention
-    # q, k and v are one projection with [q | k | v] output rows (GPT-2's c_attn)
+    # q, k and v are one projection with [q | k | v] output rows (GPT-2's c_attn; Phi-3's qkv_proj, whose k and v
+    # parts are KV heads under grouped-query attention)
     fused_qkv: bool = False
     # ... laid out per head instead: [q_h | k_h | v_h] for each head h in turn (GPT-NeoX's query_key_value)
     qkv_per_head: bool = False
@@ -40,6 +41,14 @@ class FamilyAdapter:
     # (heads x head_dim); models that reshape with -1 need neither
     head_count_attrs: tuple[str, ...] = ()
     width_attrs: tuple[str, ...] = ()
+    # attention attributes holding the KV-head count (Phi-3 slices its fused q/k/v by it)
+    kv_count_attrs: tuple[str, ...] = ()
+    # the attention reads its query-head count from the config, which every layer shares (Phi-3 splits qkv_proj
+    # at config.num_attention_heads): a resized attention gets a view of the config with its own count
+    config_head_count: bool = False
+    # gate and up are one projection with [gate | up] output rows (Phi-3's gate_up_proj): neuron n is row n of
+    # each half
+    fused_up: bool = False
     # post-norm families: the LayerNorm right after each projection's residual add (its gamma scales
     # every output channel of the projection before anything else sees it)
     o_norm: str | None = None
@@ -55,6 +64,11 @@ class FamilyAdapter:
     # position ids start after the padding index (RoBERTa: pad_token_id + 1), so max_position_embeddings
     # holds that many positions fewer than a sequence may use
     positions_after_padding: bool = False
+
+    @property
+    def up_matrices(self) -> int:
+        """Weight matrices that produce the FFN's neurons (a fused gate/up projection counts twice)."""
+        return len(self.up) + int(self.fused_up)
 
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
@@ -78,6 +92,10 @@ GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value"
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
+# Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
+PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
+               up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
+               kv_count_attrs=("self_attn.num_key_value_heads",), config_head_count=True)
 
 # post-norm like BERT, with its own names; its config says hidden_dim for the FFN width
 DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",
@@ -103,6 +121,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen3": LLAMA_LIKE,
     "gemma": LLAMA_LIKE,
     "gemma2": LLAMA_LIKE,
+    "phi3": PHI3,
 }
 
 VISION_FAMILIES = ("vit", "deit")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -114,7 +133,6 @@ REFUSED: dict[str, str] = {
                    "window 4), and the parity check runs on shorter sequences than served ones",
     "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal; its text model (gemma3_text) is refused too: "
               "its sliding-window layers do not export to ONNX correctly beyond their window",
-    "phi3": "Phi-3's fused qkv_proj and gate_up_proj are not split into prunable heads and neurons yet",
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
@@ -182,8 +200,6 @@ def dims(model: nn.Module) -> TransformerDims:
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    if adapter.fused_qkv and kv_heads != heads:
-        raise UnsupportedArchitecture("fused q/k/v projections with grouped-query attention are not supported")
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
 
 

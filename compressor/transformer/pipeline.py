@@ -258,7 +258,7 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         projections = d.hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
         return float(projections + 2 * sequence_length * d.head_dim * heads)
-    return float(d.hidden * (1 + len(adapter.up)))
+    return float(d.hidden * (1 + adapter.up_matrices))
 
 
 def prune_blocks(

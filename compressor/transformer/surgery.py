@@ -6,6 +6,9 @@ query heads that share it, so every layer keeps `heads / kv_heads` query heads p
 `repeat_kv` assumes), or single query heads (`prune_query_heads`: the paper's groups; a KV head goes
 when no kept query head reads it, and the attention reads KV heads through an index, `attention.py`).
 Without GQA both are the same. FFN neurons: up (and gate) output rows, down input rows.
+Fused projections keep their layout: [q | k | v] (GPT-2, Phi-3 under GQA), [q_h | k_h | v_h] per head
+(GPT-NeoX), [gate | up] (Phi-3); a count the attention reads from its shared config (Phi-3's query heads)
+moves to a per-layer view of that config (`LayerConfig`).
 Projections are nn.Linear (weight out x in) or transformers' Conv1D (weight in x out); the helpers
 below are the only code that knows the difference.
 Whole layers (`remove_layers`): the block leaves the ModuleList and the config counts one layer fewer
@@ -95,16 +98,70 @@ def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_w
     """Keep FFN neurons `keep` of block `index` (down_weight: the refit down projection, out x kept)."""
     adapter, layer = adapter_for(model), layers(model)[index]
     down = projection(layer, adapter.down)
-    keep = check_keep(keep, in_features(down), f"layer {index} FFN neurons")
+    width = in_features(down)
+    keep = check_keep(keep, width, f"layer {index} FFN neurons")
+    rows = torch.cat([keep, width + keep]) if adapter.fused_up else keep  # [gate | up]: the neuron in each half
     for path in adapter.up:
-        keep_output_rows(projection(layer, path), keep)
+        keep_output_rows(projection(layer, path), rows)
     keep_input_columns(down, keep, down_weight)
 
 
 def _query_width(model: nn.Module, layer: nn.Module) -> int:
-    adapter = adapter_for(model)
-    width = out_features(projection(layer, adapter.q))
-    return width // 3 if adapter.fused_qkv else width
+    """Query heads x head_dim: the output projection's inputs, whatever the q/k/v layout."""
+    return in_features(projection(layer, adapter_for(model).o))
+
+
+def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Tensor, o_weight: Tensor | None) -> None:
+    """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones) in q/k/v and the output
+    projection, and every count the attention reads (its attributes, its config view)."""
+    adapter, hd = adapter_for(model), dims(model).head_dim
+    q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
+    qkv = projection(layer, adapter.q)
+    if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)
+        assert torch.equal(heads, kv_heads), (heads, kv_heads)
+        keep_output_rows(qkv, group_rows(heads, 3 * hd))
+    elif adapter.fused_qkv:  # [q | k | v]: the query heads' rows, then the KV heads' in each of k and v
+        q_width = _query_width(model, layer)
+        kv_width = (out_features(qkv) - q_width) // 2
+        keep_output_rows(qkv, torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows]))
+    else:
+        keep_output_rows(qkv, q_rows)
+        keep_output_rows(projection(layer, adapter.k), kv_rows)
+        keep_output_rows(projection(layer, adapter.v), kv_rows)
+    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    for attr in adapter.head_count_attrs:
+        _set_attr(layer, attr, len(heads))
+    for attr in adapter.width_attrs:
+        _set_attr(layer, attr, q_rows.numel())
+    for attr in adapter.kv_count_attrs:
+        _set_attr(layer, attr, len(kv_heads))
+    if adapter.config_head_count:
+        attention = _attention(model, layer)
+        if not isinstance(attention.config, LayerConfig):
+            attention.config = LayerConfig(attention.config)
+        attention.config.own[adapter.heads_key] = len(heads)
+
+
+class LayerConfig:
+    """A model's config as one layer's attention reads it: the counts in `own` (this layer's), every other
+    field read from and written to the shared config. So a switch of the model's attention implementation
+    (the ONNX export's, `use_gathered_attention`) still reaches a layer whose head count differs."""
+
+    def __init__(self, base: object) -> None:
+        self.__dict__["base"] = base
+        self.__dict__["own"] = {}
+
+    def __getattr__(self, name: str):  # only for names not in __dict__
+        if name.startswith("__") or name in ("base", "own"):  # copy/pickle probe special names before __init__
+            raise AttributeError(name)
+        own = self.__dict__["own"]
+        return own[name] if name in own else getattr(self.base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.own:
+            self.own[name] = value
+        else:
+            setattr(self.base, name, value)
 
 
 def head_groups(model: nn.Module, index: int) -> int:
@@ -117,26 +174,11 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
                 o_weight: Tensor | None = None) -> None:
     """Keep head groups `keep_groups` of block `index` (see head_groups); o_weight: the refit output
     projection (out x kept query-head rows)."""
-    adapter, layer = adapter_for(model), layers(model)[index]
-    d = dims(model)
+    layer, d = layers(model)[index], dims(model)
     width = _query_width(model, layer)
     keep = check_keep(keep_groups, width // (d.head_dim * d.group), f"layer {index} head groups")
-    hd, g = d.head_dim, d.group
-    # a group is one KV head and the g query heads that share it (g = 1 without GQA)
-    q_rows, kv_rows = group_rows(keep, g * hd), group_rows(keep, hd)
-    if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA here)
-        keep_output_rows(projection(layer, adapter.q), group_rows(keep, 3 * hd))
-    elif adapter.fused_qkv:  # [q | k | v], each `width` rows (no GQA here: kv rows == q rows)
-        keep_output_rows(projection(layer, adapter.q), torch.cat([q_rows, width + kv_rows, 2 * width + kv_rows]))
-    else:
-        keep_output_rows(projection(layer, adapter.q), q_rows)
-        keep_output_rows(projection(layer, adapter.k), kv_rows)
-        keep_output_rows(projection(layer, adapter.v), kv_rows)
-    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
-    for attr in adapter.head_count_attrs:
-        _set_attr(layer, attr, q_rows.numel() // hd)
-    for attr in adapter.width_attrs:
-        _set_attr(layer, attr, q_rows.numel())
+    # a group is one KV head and the `group` query heads that share it (one without GQA)
+    _keep_heads(model, layer, group_rows(keep, d.group), keep, o_weight)
 
 
 def query_heads(model: nn.Module, index: int) -> int:
@@ -162,8 +204,7 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
     """Keep query heads `keep_heads` of block `index`, one by one; a KV head stays while a kept query
     head reads it. o_weight: the refit output projection (out x kept query-head rows). Without GQA this
     is `prune_heads`."""
-    adapter, d = adapter_for(model), dims(model)
-    if d.group == 1 or adapter.fused_qkv:
+    if dims(model).group == 1:
         prune_heads(model, index, keep_heads, o_weight)
         return
     mapping = kv_index(model, index)
@@ -176,23 +217,15 @@ def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Ten
                       o_weight: Tensor | None) -> None:
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones); `new_index`: the
     kept KV head (0..len(kv_heads)-1) each kept query head reads."""
-    adapter, layer, hd = adapter_for(model), layers(model)[index], dims(model).head_dim
+    adapter, layer = adapter_for(model), layers(model)[index]
     assert len(new_index) == len(heads) and set(new_index.tolist()) == set(range(len(kv_heads))), new_index
-    q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
-    keep_output_rows(projection(layer, adapter.q), q_rows)
-    keep_output_rows(projection(layer, adapter.k), kv_rows)
-    keep_output_rows(projection(layer, adapter.v), kv_rows)
-    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    _keep_heads(model, layer, heads, kv_heads, o_weight)
     attention = _attention(model, layer)
     # the map as data (what the manifest records; a streamed block's tensors go back to the meta device
     # once stored) and as the buffer the attention gathers with, outside the state dict so that
     # checkpoints keep their keys
     attention.kv_map = tuple(int(k) for k in new_index.tolist())
     attention.register_buffer("kv_index", new_index.to(projection(layer, adapter.q).weight.device), persistent=False)
-    for attr in adapter.head_count_attrs:
-        _set_attr(layer, attr, len(heads))
-    for attr in adapter.width_attrs:
-        _set_attr(layer, attr, q_rows.numel())
     use_gathered_attention(model)
 
 

@@ -48,8 +48,8 @@ def test_parity_gate_passes_and_catches_a_changed_model(exported):
 
 
 @pytest.mark.parametrize("name,unit", [("llama", "kv-groups"), ("qwen2", "kv-groups"), ("opt", "kv-groups"),
-                                       ("gpt2", "kv-groups"), ("gpt_neox", "kv-groups"), ("llama", "query-heads"),
-                                       ("qwen2", "query-heads")])
+                                       ("gpt2", "kv-groups"), ("gpt_neox", "kv-groups"), ("phi3", "kv-groups"),
+                                       ("llama", "query-heads"), ("qwen2", "query-heads"), ("phi3", "query-heads")])
 def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, tmp_path):
     from compressor.transformer.surgery import prune_query_heads
     from exporters.onnx import _DecodeStep, _past_of, check_decode_parity, decode_step_names, export_decode_step

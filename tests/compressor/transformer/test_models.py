@@ -22,7 +22,7 @@ def _without_architectures(model, directory):
     return directory
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "opt", "phi3"])
 def test_a_decoder_without_architectures_loads_as_a_causal_lm(name, tmp_path):
     model = MODELS[name]()
     loaded = load_transformer(str(_without_architectures(model, tmp_path / name)))
@@ -73,7 +73,7 @@ def _auto_load(directory, causal: bool, base_of_lm: bool = False):
     return model.eval()
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "phi3"])
 def test_uniform_heads_and_ffn_of_a_head_dim_family_load_with_transformers_alone(name, tmp_path, monkeypatch):
     from compressor.transformer.models import save_standard
     from compressor.transformer.surgery import MANIFEST, prune_ffn, prune_query_heads, query_heads

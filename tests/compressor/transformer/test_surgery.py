@@ -45,7 +45,8 @@ def removed_parameters(model, index, groups_removed, neurons_removed):
     per_group = d.group * d.head_dim * 2 * hidden + 2 * d.head_dim * hidden  # q and o, k and v
     if projection(layer, adapter.q).bias is not None:
         per_group += d.group * d.head_dim + 2 * d.head_dim
-    per_neuron = hidden * (1 + len(adapter.up)) + sum(projection(layer, p).bias is not None for p in adapter.up)
+    up_biases = sum(projection(layer, p).bias is not None for p in adapter.up) * (1 + adapter.fused_up)
+    per_neuron = hidden * (1 + adapter.up_matrices) + up_biases
     return groups_removed * per_group + neurons_removed * per_neuron
 
 
@@ -121,11 +122,19 @@ def test_stories260k_gqa_prunes_and_reloads(shared_data, tmp_path):
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "s"), ids), first_output(model, ids))
 
 
+def _kv_width(model, layer):
+    """Rows of K (= of V): their own projection's, or the k part of a fused [q | k | v] one."""
+    adapter = adapter_for(model)
+    if adapter.fused_qkv:
+        return (projection(layer, adapter.q).out_features - in_features(projection(layer, adapter.o))) // 2
+    return projection(layer, adapter.k).out_features
+
+
 def _query_rows(heads, head_dim):
     return [h * head_dim + a for h in heads for a in range(head_dim)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
 def test_single_query_heads_equal_the_dense_model_with_those_heads_zeroed(name):
     """GQA pruned one query head at a time: uneven query heads per KV head, and a KV head with no kept
     query head leaves with its K/V rows."""
@@ -138,14 +147,19 @@ def test_single_query_heads_equal_the_dense_model_with_those_heads_zeroed(name):
     prune_query_heads(model, 0, keep)
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
     assert query_heads(model, 0) == 3 and kv_index(model, 0).tolist() == [0, 0, 1]
-    attention = layers(model)[0].self_attn
-    assert attention.k_proj.out_features == attention.v_proj.out_features == 2 * d.head_dim
+    layer = layers(model)[0]
+    assert _kv_width(model, layer) == 2 * d.head_dim
+    if not adapter.fused_qkv:
+        assert projection(layer, adapter.v).out_features == 2 * d.head_dim
     bias = projection(layers(model)[0], adapter.q).bias is not None
     per_q = 2 * d.head_dim * d.hidden + (d.head_dim if bias else 0)  # q rows and o columns
     per_kv = 2 * (d.head_dim * d.hidden + (d.head_dim if bias else 0))
     assert before - count_parameters(model) == (d.heads - 3) * per_q + (d.kv_heads - 2) * per_kv
     prune_query_heads(model, 0, [2])  # again on the pruned layer: the map follows the kept heads
-    assert kv_index(model, 0).tolist() == [0] and attention.k_proj.out_features == d.head_dim
+    assert kv_index(model, 0).tolist() == [0] and _kv_width(model, layer) == d.head_dim
+    torch.testing.assert_close(first_output(model), first_output(zero_inputs(reference, 0, adapter.o,
+                                                                             _query_rows([last], d.head_dim))),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_query_head_widths_save_and_reload(tmp_path):

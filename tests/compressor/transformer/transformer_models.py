@@ -84,10 +84,19 @@ def tiny_gemma2():
         head_dim=16, intermediate_size=20, max_position_embeddings=32, sliding_window=4))
 
 
+def tiny_phi3():
+    """q/k/v fused into qkv_proj under grouped-query attention, gate and up fused into gate_up_proj, partial
+    rotary (Phi-4-mini's)."""
+    return _seeded(transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=20, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        partial_rotary_factor=0.5))
+
+
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
-          "gemma2": tiny_gemma2}
+          "gemma2": tiny_gemma2, "phi3": tiny_phi3}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -580,7 +580,7 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "mixtral"}, "'mixtral' is not supported: Mixture-of-Experts experts are not a prunable unit yet"),
     ({"model_type": "gemma3_text"}, "sliding-window layers do not export to ONNX correctly beyond their window"),
-    ({"model_type": "phi3"}, "fused qkv_proj and gate_up_proj"),
+    ({"model_type": "deberta-v2"}, "disentangled relative-position attention"),
     ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
     ({"model_type": "swin", "num_channels": 3, "num_heads": [3, 6]}, "'swin' is a vision transformer that is not "
                                                                      "supported"),
@@ -598,7 +598,7 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
     assert words in err and "not an image model" not in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert", "phi3"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
     """GPT-2 (Conv1D projections: block reconstruction fits them too), GPT-NeoX (q, k and v fused per head),
     Qwen3, Gemma 2 and DistilBERT, tiny random-init, through the CLI with the default reconstruction: pruned,
