@@ -2,13 +2,16 @@
 
     python bench/memory.py                        # ~3.3 GB fp32 random-init Llama-style decoder
     python bench/memory.py --layers 4 --hidden 1024 --intermediate 2816   # a quick run
+    python bench/memory.py --intermediate 8192 --vocab 128256 --heads 32 --kv-heads 8 --tie \
+        --dtype bfloat16 --modes streamed      # Llama-3.2-1B's shape, bf16 safetensors
 
 Builds (once, cached in --workdir) a random-init decoder saved as safetensors shards, then prunes it
 in two fresh processes, one after the other: `streamed` (StreamedCheckpoint: blocks read one at a
 time from the shards and written back pruned) and `in-memory` (the whole model loaded, a pruned copy
 made, saved). Reports each process's peak RSS (ru_maxrss) and wall time. Calibration is random token
 ids (memory, not quality, is measured here). `--methods osscar,mp+` runs each mode with each layer solver
-(block reconstruction off): the time osscar adds over mp+ on the same pipeline.
+(block reconstruction off): the time osscar adds over mp+ on the same pipeline. Each row also has the time
+of each stage (opening the checkpoint or loading the model, the blocks one by one, writing the result).
 """
 
 from __future__ import annotations
@@ -32,16 +35,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _build(path: str, hidden: int, layers: int, intermediate: int, vocab: int) -> float:
+def _build(path: str, hidden: int, layers: int, intermediate: int, vocab: int, heads: int, kv_heads: int,
+           tie: bool, dtype: str) -> float:
     import torch
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                      num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       intermediate_size=intermediate, max_position_embeddings=1024,
-                                      tie_word_embeddings=False)
+                                      tie_word_embeddings=tie)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
     model.save_pretrained(path, max_shard_size="1GB")
     return sum(p.numel() for p in model.parameters()) / 1e6
 
@@ -63,17 +67,45 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
     from compressor.transformer.surgery import save_pruned
 
     start = time.perf_counter()
+    marks: list[tuple[str, float]] = []  # (stage, time it ended)
+
+    def mark(stage: str) -> None:
+        marks.append((stage, time.perf_counter()))
+
     if mode == "streamed":
         checkpoint = StreamedCheckpoint(source, out)
+        mark("open")
+        load, store = checkpoint.load, checkpoint.store
+
+        def timed_load(index: int):
+            mark("capture" if index == 0 else f"block {index - 1} (between)")
+            return load(index)
+
+        def timed_store(index: int) -> None:
+            store(index)
+            mark(f"block {index}")
+
+        checkpoint.load, checkpoint.store = timed_load, timed_store
         batches = _calibration(checkpoint.model.config.vocab_size, sequences, length)
         prune_blocks(checkpoint, batches, ratio, method=method)
+        mark("blocks")
         checkpoint.finish()
+        mark("finish")
     else:
         model = load_transformer(source).model
+        mark("load")
         batches = _calibration(model.config.vocab_size, sequences, length)
         pruned, _ = prune_transformer(model, batches, ratio, method=method)
+        mark("prune")
         save_pruned(pruned, out)
-    return {"mode": mode, "method": method, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+        mark("save")
+    stages, previous = {}, start
+    for stage, end in marks:
+        stages[stage] = round(end - previous, 2)
+        previous = end
+    blocks = [v for k, v in stages.items() if k.startswith("block ") and "between" not in k]
+    return {"mode": mode, "method": method, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(),
+            "stages": stages, "block_seconds_median": sorted(blocks)[len(blocks) // 2] if blocks else None}
 
 
 def main() -> None:
@@ -82,6 +114,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=5504)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--heads", type=int, default=0, help="query heads (default hidden / 128)")
+    parser.add_argument("--kv-heads", type=int, default=0, help="KV heads (default hidden / 256)")
+    parser.add_argument("--tie", action="store_true", help="tie the LM head to the embeddings (Llama 3.2)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the checkpoint's dtype (pruning upcasts each block on the device)")
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
@@ -91,13 +128,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("memory_results.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    heads, kv_heads = args.heads or args.hidden // 128, args.kv_heads or args.hidden // 256
     shape = f"h{args.hidden}-l{args.layers}-i{args.intermediate}-v{args.vocab}"
+    if (heads, kv_heads, args.tie, args.dtype) != (args.hidden // 128, args.hidden // 256, False, "float32"):
+        shape += f"-q{heads}-kv{kv_heads}{'-tied' if args.tie else ''}-{args.dtype}"
     source = args.workdir / shape
     spawn = get_context("spawn")
     if not (source / "config.json").is_file():
         log.info("building %s", source)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            pool.submit(_build, str(source), args.hidden, args.layers, args.intermediate, args.vocab).result()
+            pool.submit(_build, str(source), args.hidden, args.layers, args.intermediate, args.vocab, heads, kv_heads,
+                        args.tie, args.dtype).result()
     size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
     rows = []
     for mode, method in [(m, k) for m in args.modes.split(",") for k in args.methods.split(",")]:

@@ -184,6 +184,21 @@ class Float16(torch.nn.Module):
         return out
 
 
+def in_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The module to export for `precision` ("fp32" or "fp16"): `Float16` for fp16; for fp32 the model itself,
+    or a float32 copy of a half-precision (bf16 / fp16) one: ONNX Runtime's CPU kernels lack bf16 for most
+    operators, and the exported graph keeps float32 inputs and outputs either way."""
+    if precision == "fp16":
+        return Float16(model)
+    if precision != "fp32":
+        raise ValueError(f"precision must be fp32 or fp16, not {precision!r}")
+    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
+        return model
+    import copy
+
+    return copy.deepcopy(model).float().eval()
+
+
 class _NamedInputs(torch.nn.Module):
     """Positional inputs in a fixed order -> the HF model's keyword inputs; returns one output."""
 

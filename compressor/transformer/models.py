@@ -61,10 +61,11 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
 
 def build_hf_model(cls: type, config: PretrainedConfig) -> torch.nn.Module:
     """An untrained model of `cls` (a concrete class, or AutoModel) for `config`, on the current default
-    device (use `with torch.device("meta")` for shapes without memory)."""
+    device (use `with torch.device("meta")` for shapes without memory), in the config's dtype: a bf16 / fp16
+    checkpoint's model is built in it, never in float32 first."""
     import transformers
 
-    return (cls.from_config(config) if cls is transformers.AutoModel else cls(config)).eval()
+    return (cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)).eval()
 
 
 def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:
@@ -82,8 +83,9 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
                                       f"supported: {sorted(ADAPTERS)}")
     cls, causal = hf_model_class(config)
     if weights:
+        # never a pickle (it could run code); in the checkpoint's own dtype: a bf16 model stays bf16 on the host
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
-                                    use_safetensors=True).eval()  # never a pickle: it could run code
+                                    use_safetensors=True, dtype="auto").eval()
     else:
         with torch.device("meta"):
             model = build_hf_model(cls, config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
 import shutil
 from collections import defaultdict
@@ -28,6 +29,33 @@ from .models import build_hf_model, hf_model_class
 from .surgery import save_config_and_widths, state_to_save, tied_aliases
 
 log = logging.getLogger(__name__)
+
+# streaming turns on by itself when pruning in memory (the dense model and its pruned copy: twice the
+# checkpoint's bytes) would take more than this share of the host's available memory; the rest is left to the
+# exports (a float32 copy of a bf16 model), ONNX Runtime and the calibration activations
+STREAM_SHARE = 0.5
+
+
+def checkpoint_bytes(directory: str | Path) -> int:
+    """Bytes of a HF directory's safetensors weights (as stored: a bf16 checkpoint counts 2 bytes a weight)."""
+    return sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+
+
+def available_memory() -> int:
+    """Bytes the host can still give this process (MemAvailable; total physical memory where it is not known)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def needs_streaming(directory: str | Path, share: float = STREAM_SHARE) -> bool:
+    """Whether pruning the checkpoint in memory would exceed `share` of the available memory (`STREAM_SHARE`)."""
+    return 2 * checkpoint_bytes(directory) > share * available_memory()
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")

@@ -132,6 +132,24 @@ def _offload(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).to("cpu", non_blocking=True)
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+COMPUTE_DTYPE = torch.float32  # what a half-precision checkpoint's blocks compute in on the device
+
+
+def stored_dtype(module: nn.Module) -> torch.dtype:
+    """The floating dtype a module's parameters are kept in (float32 when it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _to_compute(block: nn.Module, device: torch.device) -> torch.dtype:
+    """Move a block to the device for its turn; a half-precision (bf16 / fp16) block is upcast there, so the
+    statistics, the solve and the reconstruction see float32 and the host keeps the checkpoint's dtype.
+    Returns the dtype it goes back to (`block.to(dtype=...)` before it is stored)."""
+    dtype = stored_dtype(block)
+    block.to(device=device, dtype=COMPUTE_DTYPE if dtype in HALF_DTYPES else None)
+    return dtype
+
+
 def _host_ready(device: torch.device) -> None:
     """Wait for the device's queued work (the asynchronous copies of `_offload`) before the host reads the
     streams: once per block, not per batch."""
@@ -305,13 +323,15 @@ def prune_blocks(
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     for i in range(d.layers):
-        block = source.load(i).eval().to(device)
+        block = source.load(i).eval()
+        stored = _to_compute(block, device)
         _host_ready(device)  # the streams' asynchronous copies have landed
         if i in skip:  # removed whole: the dense stream goes through it, the pruned one past it
             with torch.no_grad():
                 for s in streams:
                     s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
             emit(progress, Progress(REMOVED, f"{prefix}.{i}", i + 1, d.layers), log)
+            block.to(dtype=stored)
             source.store(i)
             continue
         # the residual stream this block's projections add to, over the counted tokens
@@ -374,6 +394,7 @@ def prune_blocks(
             for s in streams:
                 s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
         del dense, stats, W_hat
+        block.to(dtype=stored)  # kept in the checkpoint's dtype: the refit weights round once, here
         source.store(i)
         _release_memory()
     if skip:
@@ -445,14 +466,14 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     losses = []
     for block in layers(model):
-        moved = block.to(device)
+        stored = _to_compute(block, device)
         update = stream = 0.0
         for s in streams:
-            out = _run(moved, s.hidden, s, device).cpu()
+            out = _run(block, s.hidden, s, device).cpu()
             update += float(_rows(out - s.hidden.float(), s).square().sum())
             stream += float(_rows(out, s).square().sum())
             s.hidden = _offload(out, activation_dtype)
-        block.to("cpu")
+        block.to("cpu", stored)
         losses.append(update / max(stream, 1e-30))
     return losses
 

@@ -351,7 +351,7 @@ def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Mo
     directory = Path(directory)
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     cls = model_class or getattr(transformers, config.architectures[0])
-    model = cls(config)
+    model = cls._from_config(config)  # in the config's dtype (a bf16 checkpoint stays bf16)
     manifest = json.loads((directory / MANIFEST).read_text()) if (directory / MANIFEST).exists() else None
     if manifest is not None:
         apply_widths(model, manifest)

@@ -46,18 +46,17 @@ from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
-from compressor.progress import SOLVE, STATISTICS, Progress
+from compressor.progress import SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
 from compressor.transformer.adapters import check_config, layers_path, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
-from compressor.transformer.offload import StreamedCheckpoint
+from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
 from compressor.transformer.pipeline import prune_blocks, prune_transformer, removal_losses, resize_transformer
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.surgery import load_pruned, remove_layers, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
-    Float16,
     Parity,
     ParityTolerance,
     check_decode_parity,
@@ -66,6 +65,7 @@ from exporters.onnx import (
     export_decode_step,
     export_hf_onnx,
     export_onnx,
+    in_precision,
 )
 from exporters.runtime import run_outputs
 
@@ -348,7 +348,7 @@ class ConvJob:
 
     def export(self, module: nn.Module, path: Path) -> Parity:
         example = self.images[:2].clone()  # a view would save the whole calibration tensor
-        module = Float16(module) if self.request.precision == "fp16" else module
+        module = in_precision(module, self.request.precision)
         export_onnx(module, example, path, input_name=self.loaded.input_name, opset=self.request.opset)
         return check_parity(module, path, self.images[: min(16, len(self.images))], tolerance=tolerance(self.request))
 
@@ -409,6 +409,11 @@ class _TransformerJob:
                              "whole layers are weighed in target mode (report.json `depth`); --remove-blocks 0 "
                              "turns that off")
         self.request, self.say = request, say
+        self.stream = request.stream or needs_streaming(request.model)
+        if self.stream and not request.stream:
+            say(warning(f"pruning streams the checkpoint block by block (--stream): pruning it in memory would take "
+                        f"more than {STREAM_SHARE:.0%} of the available memory; whole layers are not weighed for "
+                        "removal when streaming"))
         self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
         self.dense = self.loaded.model
         self.params_before = count_parameters(self.dense)
@@ -416,7 +421,7 @@ class _TransformerJob:
         self.shape: dict[str, int] = {}
         self.tokens = 0  # tokens per sample at the measured shape (the latency model's sequence length)
         # whole layers: target mode weighs removing them (`targeting.plan_depth`), in memory only
-        self.plans_depth = not request.stream
+        self.plans_depth = not self.stream
         self.prefix = layers_path(self.dense)
         self.removed_blocks: list[str] = []  # layers removed whole ("model.layers.7"), in the dense numbering
         self.depth: dict | None = None  # target mode's depth plan (report.json `depth`)
@@ -468,7 +473,7 @@ class _TransformerJob:
                    "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
         if self.removed_blocks and not statistics:
             options["skip"] = self._indices(self.removed_blocks)
-        if request.stream:
+        if self.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
                 checkpoint = StreamedCheckpoint(request.model, work / "model")
@@ -487,7 +492,7 @@ class _TransformerJob:
     def export(self, module: nn.Module, path: Path) -> Parity:
         names = self.loaded.input_names
         example = {name: self.batches[0][name][:2].clone() for name in names}
-        module = Float16(module) if self.request.precision == "fp16" else module
+        module = in_precision(module, self.request.precision)
         export_hf_onnx(module, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
         return check_hf_parity(module, path, {k: self.batches[0][k] for k in names}, self.loaded.output_name,
                                tolerance=tolerance(self.request))
@@ -555,6 +560,7 @@ class TextJob(_TransformerJob):
         if not self.causal:
             return _no_decode_step(module, path)
         ids = self.batches[0]["input_ids"][:2, :8].clone()
+        module = in_precision(module, "fp32")  # the decode step computes in float32 (a bf16 model upcast)
         export_decode_step(module, ids, path, opset=self.request.opset)
         return check_decode_parity(module, path, ids)
 

@@ -115,7 +115,8 @@ class CompressRequest:
                                              "--sequence-length for decoders (a causal window holds every shorter "
                                              "context)", statistics=True)
     stream: bool = option(False, "transformers: read one block at a time from the safetensors shards and write it "
-                          "back pruned (memory bounded by a block, for models larger than RAM)")
+                          "back pruned (memory bounded by a block, for models larger than RAM); on by itself when "
+                          "pruning in memory would take more than half of the available memory")
     activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
                                    "CPU between blocks", choices=("float32", "float16"), statistics=True)
     shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; "

@@ -7,10 +7,12 @@ import transformers
 
 from exporters.onnx import (
     PARITY_TOLERANCES,
+    Float16,
     ParityError,
     _NamedInputs,
     check_hf_parity,
     export_hf_onnx,
+    in_precision,
     output_errors,
 )
 from exporters.runtime import run_outputs
@@ -119,3 +121,14 @@ def test_every_mismatching_output_is_listed_in_one_error(tmp_path):
         check_parity(TwoOutputs(2.1), tmp_path / "two.onnx", x)
     assert [m.output for m in caught.value.mismatches] == ["a", "b"]
     assert all(m.peak_error > 1e-2 for m in caught.value.mismatches)
+
+
+def test_the_exported_module_has_the_precision_asked_for_whatever_the_models_dtype():
+    fp32, bf16 = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2).to(torch.bfloat16)
+    assert in_precision(fp32, "fp32") is fp32  # nothing copied when nothing changes
+    upcast = in_precision(bf16, "fp32")
+    assert upcast.weight.dtype == torch.float32 and bf16.weight.dtype == torch.bfloat16  # a copy
+    torch.testing.assert_close(upcast.weight, bf16.weight.float(), rtol=0, atol=0)
+    assert isinstance(in_precision(bf16, "fp16"), Float16)
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        in_precision(fp32, "bf16")

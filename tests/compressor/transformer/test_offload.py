@@ -39,13 +39,15 @@ def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
     model = MODELS["llama"]().half()
     model.save_pretrained(tmp_path / "src")
     checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    checkpoint.model.float()  # prune in float32
+    # the host keeps the checkpoint's dtype (each block is upcast to float32 only for its turn)
+    assert checkpoint.model.get_input_embeddings().weight.dtype == torch.float16
     materialised = []
     load = checkpoint.load
 
     def spy(index):
         block = load(index)
         materialised.append([not next(b.parameters()).is_meta for b in layers(checkpoint.model)])
+        assert next(block.parameters()).dtype == torch.float16
         return block
 
     checkpoint.load = spy
@@ -57,6 +59,7 @@ def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
     # the stored model is what pruning in memory gives (float32, from the same float16 weights; stored in float16)
     expected, _ = prune_transformer(copy.deepcopy(model).float(), data(model), 0.25)
     reloaded = load_pruned(out)
+    assert {p.dtype for p in reloaded.parameters()} == {torch.float16}  # rebuilt in the config's dtype
     assert widths(reloaded) == widths(expected) != widths(model)
     torch.testing.assert_close(first_output(reloaded.float()), first_output(expected), rtol=1e-2, atol=1e-2)
 

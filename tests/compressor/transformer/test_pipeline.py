@@ -40,6 +40,21 @@ def test_replayed_block_inputs_match_the_models_hidden_states(name):
                 hidden = _run(block, hidden, s, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_pruned_in_float32_and_stays_in_its_dtype(dtype):
+    """Each block is upcast for its turn (statistics, solve, reconstruction in float32) and goes back in the
+    model's dtype; so the result is the float32 pipeline's on the same weights, rounded once."""
+    model = MODELS["llama"]().to(dtype)
+    data = batches(model)
+    pruned, reports = prune_transformer(model, data, 0.5)
+    assert {p.dtype for p in pruned.parameters()} == {dtype}
+    assert {p.dtype for p in model.parameters()} == {dtype}  # the dense model as it was
+    expected, expected_reports = prune_transformer(copy.deepcopy(model).float(), data, 0.5)
+    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    got, want = first_output(pruned).float(), first_output(expected)
+    assert float((got - want).norm() / want.norm()) < 2e-2  # half precision's rounding, not a different model
+
+
 @pytest.mark.parametrize("name,unit", [(name, "query-heads") for name in sorted(MODELS)]
                          + [("llama", "kv-groups"), ("qwen2", "kv-groups")])
 def test_every_block_is_pruned_and_runs(name, unit):

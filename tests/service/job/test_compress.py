@@ -111,14 +111,20 @@ def test_missing_model_and_mismatched_images(model_and_data, tmp_path, capsys):
     assert "the model expects (3, 16, 16)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra", [["--decode-step"], ["--stream", "--activation-dtype", "float16"]],
-                         ids=["in-memory", "streamed"])
-def test_compress_a_transformer_directory(tmp_path, capsys, extra):
+@pytest.mark.parametrize("extra", [["--decode-step"], ["--stream", "--activation-dtype", "float16"], []],
+                         ids=["in-memory", "streamed", "streamed-by-itself"])
+def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, request):
     """A (tiny, GQA) Llama directory with token-id calibration: pruned HF directory + manifest, ONNX
     with the model's input names and logits, report; the saved model reloads with the same outputs.
-    Streamed from its shards, the job gives the same widths and parameter counts."""
+    Streamed from its shards, the job gives the same widths and parameter counts; a host with too little
+    memory for pruning in memory streams without being asked, and says so."""
+    from compressor.transformer import offload
     from compressor.transformer.surgery import load_pruned
     from tests.compressor.transformer.transformer_models import tiny_llama
+
+    auto = request.node.callspec.id == "streamed-by-itself"
+    if auto:  # 2 x the checkpoint's ~43 kB is more than half of this
+        monkeypatch.setattr(offload, "available_memory", lambda: 64_000)
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     lengths = [300, 250, 400, 330]  # the text's end (512 tokens) is held out
@@ -131,6 +137,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra):
     assert "mlp.down_proj" in capsys.readouterr().err
     assert (out / "decode.onnx").is_file() == ("--decode-step" in extra)
     report = json.loads((out / "report.json").read_text())
+    assert any("streams the checkpoint block by block" in w for w in report.get("warnings", [])) == auto
     # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
     assert (report["widths"]["heads"], report["widths"]["ffn"]) == ([4, 4], [10, 10])
     assert report["min_sequence_length"] == report["sequence_length"] == 16  # a decoder: full causal windows
@@ -615,3 +622,27 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
     assert report["params_after"] < report["params_before"] and report["block_reconstruction"]["blocks"] == 2
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3
+
+
+def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
+    """A bf16 checkpoint (Qwen3, tiny): pruned in float32 block by block, exported in float32 (ONNX Runtime's
+    CPU kernels lack bf16), the decode step too; model/ keeps the checkpoint's dtype (fp16 alike: the
+    pipeline's and streaming's tests)."""
+    from safetensors import safe_open
+
+    dtype = "bfloat16"
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    MODELS["qwen3"]().to(getattr(torch, dtype)).save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "m"), "--target-speedup", "1.3", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16", "--repeats", "3",
+                     "--decode-step", "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "target_not_met")), report["status"]
+    assert report["params_after"] < report["params_before"]
+    assert report["artifacts"]["parity"]["peak_error"] < 2e-3 and (out / "decode.onnx").is_file()
+    assert json.loads((out / "model" / "config.json").read_text())["dtype"] == dtype
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{dtype}"}  # noqa: SIM118
