@@ -25,12 +25,39 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def umask() -> int:
+    """This process's file-creation mask, read without changing it where Linux says it (/proc/self/status);
+    elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file, or every file and directory under a directory, the mode a plain open() or mkdir() would
+    have (0666 / 0777 less the umask). Temporary files (mkstemp) and safetensors' weights are created 0600:
+    returned as they are, a serving process running as another user could not read them."""
+    mask = umask()
+    path = Path(path)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not item.is_symlink():
+            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 def write_text_atomically(path: Path, text: str) -> None:
-    """Write beside `path` under a hidden name, then rename over it (atomic on one filesystem)."""
+    """Write beside `path` under a hidden name, then rename over it (atomic on one filesystem); the file gets
+    the umask's mode, as an ordinary write would give it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        follow_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -21,7 +21,7 @@ from ..api.wire import (
     error_details,
     unpack_metadata,
 )
-from ..files import extract_tar, file_sha256, write_tar
+from ..files import extract_tar, file_sha256, follow_umask, write_tar
 
 UPLOAD_CHUNK = 1 << 20
 
@@ -142,6 +142,7 @@ class RemoteCompressor:
                     expected.sha256 != artifact.sha256:
                 raise ClientError(f"{artifact.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "
                                   f"server announced {artifact.size_bytes} bytes with {artifact.sha256}")
+            follow_umask(Path(tmp))  # mkstemp's 0600 is not what a user's serving process may read
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -187,6 +188,7 @@ def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path
             staging = Path(tempfile.mkdtemp(dir=out, prefix=".extract-"))
             try:
                 extract_tar(path, staging / path.stem)
+                follow_umask(staging / path.stem)
                 shutil.rmtree(out / path.stem, ignore_errors=True)
                 os.replace(staging / path.stem, out / path.stem)
             finally:

@@ -30,7 +30,7 @@ from compressor.reports import LayerReport
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
-from ..files import file_sha256, write_text_atomically
+from ..files import file_sha256, follow_umask, write_text_atomically
 from .kinds import ConvJob, ModelJob, Say, open_job
 from .progress import render
 from .report import Report
@@ -243,6 +243,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                               baseline_secondary)
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
+                follow_umask(path)
                 os.replace(path, out / path.name)
             report.artifacts.decode_step = {"path": "decode.onnx", "parity_max_abs_error": decode_parity.max_abs_error,
                                             "parity": dataclasses.asdict(decode_parity)}
@@ -327,4 +328,7 @@ def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> 
         "osscar.calibration": str(request.calibration), "osscar.calibration_sha256": file_sha256(request.calibration),
         "osscar.seed": request.seed, "osscar.version": version(), "osscar.preprocessing": job.preprocessing(),
         "osscar.widths": {r.name: r.width_after for r in chosen.layers}})
+    # readable as any file the user writes (safetensors creates its files 0600)
+    for name in (artifact.rstrip("/"), "model.onnx", *(p.name for p in out.glob("model.onnx*.data"))):
+        follow_umask(out / name)
     return artifact

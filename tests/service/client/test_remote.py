@@ -136,6 +136,11 @@ def test_operations_list_get_watch_and_download(server, data, tmp_path, capsys):
     assert "status             ok" in captured.out if expected == 0 else f"{name} failed" in captured.err
     assert {p.name for p in (tmp_path / "got").iterdir()} == {"model.onnx", "model.pt2", "report.json",
                                                               "report.html", "manifest.json"}
+    from service.files import umask
+
+    # what a serving process running as another user reads: the umask's mode, not the temporary files' 0600
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "got").iterdir()} == \
+        dict.fromkeys(["model.onnx", "model.pt2", "report.json", "report.html", "manifest.json"], 0o666 & ~umask())
 
     # a finished job cannot be cancelled: exit 2 with the server's reason
     assert cli.main(["operations", "cancel", name, *flags]) == 2

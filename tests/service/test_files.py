@@ -1,0 +1,46 @@
+"""File helpers: atomic writes and the modes of what a job returns."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from service.files import follow_umask, umask, write_text_atomically
+
+
+@pytest.fixture
+def mask_027():
+    previous = os.umask(0o027)
+    try:
+        yield 0o027
+    finally:
+        os.umask(previous)
+
+
+def test_the_umask_is_read_without_changing_it(mask_027):
+    assert umask() == mask_027
+    assert umask() == mask_027
+
+
+def test_files_and_directories_follow_the_umask_not_0600(tmp_path, mask_027):
+    fd, name = tempfile.mkstemp(dir=tmp_path)
+    os.close(fd)
+    assert Path(name).stat().st_mode & 0o777 == 0o600
+    follow_umask(Path(name))
+    assert Path(name).stat().st_mode & 0o777 == 0o640
+    tree = Path(tempfile.mkdtemp(dir=tmp_path))  # 0700
+    (tree / "sub").mkdir()
+    (tree / "sub" / "w.safetensors").write_bytes(b"x")
+    os.chmod(tree / "sub" / "w.safetensors", 0o600)
+    follow_umask(tree)
+    assert [p.stat().st_mode & 0o777 for p in (tree, tree / "sub", tree / "sub" / "w.safetensors")] == \
+        [0o750, 0o750, 0o640]
+
+
+def test_an_atomic_write_has_the_mode_of_an_ordinary_one(tmp_path, mask_027):
+    write_text_atomically(tmp_path / "report.json", "{}")
+    (tmp_path / "plain.json").write_text("{}")
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == (tmp_path / "plain.json").stat().st_mode & 0o777 \
+        == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
