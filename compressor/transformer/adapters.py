@@ -46,8 +46,8 @@ class FamilyAdapter:
     # the attention reads its query-head count from the config, which every layer shares (Phi-3 splits qkv_proj
     # at config.num_attention_heads): a resized attention gets a view of the config with its own count
     config_head_count: bool = False
-    # gate and up are one projection with [gate | up] output rows (Phi-3's gate_up_proj): neuron n is row n of
-    # each half
+    # the FFN's two input projections are one with two halves of output rows (Phi-3's gate_up_proj: [gate | up];
+    # ModernBERT's Wi: [input | gate]): neuron n is row n of each half
     fused_up: bool = False
     # post-norm families: the LayerNorm right after each projection's residual add (its gamma scales
     # every output channel of the projection before anything else sees it)
@@ -61,6 +61,9 @@ class FamilyAdapter:
     # the config carries head_dim: the head count can change without changing the head size (otherwise
     # the head size is hidden / heads, and only an FFN-only pruning can be said in the config)
     config_head_dim: bool = False
+    # the first layer is built unlike the others (ModernBERT's has no attention norm), so a checkpoint whose
+    # first layer is another cannot be rebuilt from its config: that layer is never removed whole
+    first_layer_fixed: bool = False
     # position ids start after the padding index (RoBERTa: pad_token_id + 1), so max_position_embeddings
     # holds that many positions fewer than a sequence may use
     positions_after_padding: bool = False
@@ -97,6 +100,11 @@ PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="se
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
                kv_count_attrs=("self_attn.num_key_value_heads",), config_head_count=True)
 
+# pre-norm encoder: q/k/v fused in Wqkv as [q | k | v], the gated FFN's two projections in Wi; its global and
+# sliding-window layers get different masks and rotary tables, which the pipeline captures per layer
+MODERNBERT = FamilyAdapter(layers="layers", q="attn.Wqkv", k="attn.Wqkv", v="attn.Wqkv", o="attn.Wo",
+                           up=("mlp.Wi",), down="mlp.Wo", fused_qkv=True, fused_up=True, first_layer_fixed=True)
+
 # post-norm like BERT, with its own names; its config says hidden_dim for the FFN width
 DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",
                            o="attention.out_lin", up=("ffn.lin1",), down="ffn.lin2", o_norm="sa_layer_norm",
@@ -104,12 +112,14 @@ DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="a
 
 # Llama's module paths serve every family below: Qwen3 normalises q and k per head (q_norm / k_norm: one
 # weight of head_dim shared by the heads, untouched by removing heads), Gemma 2 adds norms after each
-# sub-layer, soft-capping and sliding windows, none of which reads the pruned widths
+# sub-layer, soft-capping and sliding windows, Gemma 3 per-head q/k norms and a rotary base per layer kind,
+# none of which reads the pruned widths
 ADAPTERS: dict[str, FamilyAdapter] = {
     "bert": BERT_LIKE,
     "roberta": ROBERTA_LIKE,
     "xlm-roberta": ROBERTA_LIKE,
     "distilbert": DISTILBERT,
+    "modernbert": MODERNBERT,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
     "opt": OPT_LIKE,
@@ -121,6 +131,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen3": LLAMA_LIKE,
     "gemma": LLAMA_LIKE,
     "gemma2": LLAMA_LIKE,
+    "gemma3_text": LLAMA_LIKE,
     "phi3": PHI3,
 }
 
@@ -128,18 +139,13 @@ VISION_FAMILIES = ("vit", "deit")  # the vision transformers of ADAPTERS (images
 
 # families that load but are refused, each with the unit or step that stops it (one line a user can act on)
 REFUSED: dict[str, str] = {
-    "gemma3_text": "Gemma 3's sliding-window layers do not export to ONNX correctly beyond their window (the dynamo "
-                   "export of a 2-layer model measured a peak error of 2.15 of the logits' scale at 14 tokens, "
-                   "window 4), and the parity check runs on shorter sequences than served ones",
-    "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal; its text model (gemma3_text) is refused too: "
-              "its sliding-window layers do not export to ONNX correctly beyond their window",
+    "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal (images and text in one model); their "
+              "language model alone, saved as a gemma3_text checkpoint (Gemma3ForCausalLM), is supported",
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "deberta-v2": "DeBERTa-v2/v3's disentangled relative-position attention (its pos_key/pos_query projections) is "
                   "not pruned per head yet",
-    "modernbert": "ModernBERT's fused Wqkv and Wi (gated, fused) projections are not split into prunable heads and "
-                  "neurons yet",
     "mpnet": "MPNet's relative attention bias per head is not pruned with its heads yet",
 }
 

@@ -97,12 +97,23 @@ class _Stream:
 
     hidden: Tensor  # dense stream's block input, CPU, activation dtype
     pruned: Tensor  # pruned stream's block input
-    args: tuple[Any, ...]  # what the model passes every block besides the hidden states (CPU)
-    kwargs: dict[str, Any]
+    # what the model passes each block besides the hidden states (CPU), per layer: layers of different kinds get
+    # different masks and rotary tables (sliding-window and global layers: ModernBERT, Gemma 2); a tensor that
+    # layers share is stored once
+    layer_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
     mask: Tensor | None  # (batch, seq) bool: tokens that count (padding excluded)
     # flat indices of the counted tokens, formed once on the CPU (None: all count): a boolean mask applied
     # on the device would make the host wait for every batch of every layer's statistics
     counted: Tensor | None = None
+    layer: int = 0  # the layer whose inputs `args` / `kwargs` are: set as the blocks take their turns
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return self.layer_inputs[self.layer][0]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self.layer_inputs[self.layer][1]
 
 
 class _Stop(Exception):
@@ -169,44 +180,73 @@ def _without_blocks(model: nn.Module) -> Iterator[None]:
         setattr(owner, name, blocks)
 
 
+@contextmanager
+def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iterator[None]:
+    """Every block's forward replaced by one that appends (hidden states, args, kwargs) to `sink` and hands the
+    hidden states on unchanged; the last raises _Stop. The blocks keep their attributes (the model reads some,
+    e.g. ModernBERT's `attention_type`) and their weights are never touched (meta tensors when streaming)."""
+    blocks = list(layers(model))
+
+    def recorder(index: int) -> Callable[..., Tensor]:
+        def forward(*args: Any, **kwargs: Any) -> Tensor:
+            kwargs = dict(kwargs)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            sink.append((hidden, args[1:], kwargs))
+            if index == len(blocks) - 1:
+                raise _Stop
+            return hidden
+        return forward
+
+    for i, block in enumerate(blocks):
+        block.forward = recorder(i)  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def _to_cpu_shared(obj: Any, memo: dict[int, Tensor]) -> Any:
+    """`_to(obj, "cpu")`, each tensor moved once however many layers received it."""
+    if isinstance(obj, Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.to("cpu", non_blocking=True)
+        return memo[id(obj)]
+    if isinstance(obj, tuple | list):
+        return type(obj)(_to_cpu_shared(o, memo) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu_shared(v, memo) for k, v in obj.items()}
+    return obj
+
+
 def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: torch.device,
                          activation_dtype: torch.dtype) -> list[_Stream]:
-    """Run the model up to its first block for every batch; its inputs, stored on the CPU."""
-    first = layers(model)[0]
+    """Run the model's embeddings for every batch, with every block standing aside (`_recording`): the first
+    block's hidden states and what each block is passed besides them, stored on the CPU."""
     streams: list[_Stream] = []
-    captured: dict[str, Any] = {}
-
-    def catch(_module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured["hidden"], captured["args"], captured["kwargs"] = hidden, args[1:], kwargs
-        raise _Stop
-
     with _without_blocks(model):
         model.to(device)
     use_cache = getattr(model.config, "use_cache", None)
     if use_cache is not None:
         model.config.use_cache = False  # no KV cache is built, nor passed to the blocks
-    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
             for batch in batches:
-                try:
+                seen: list[tuple[Tensor, tuple, dict]] = []
+                with _recording(model, seen), suppress(_Stop):
                     model(**_to(batch, device, non_blocking=True))
-                except _Stop:
-                    pass
-                else:
-                    raise RuntimeError("the model never called its first block")
-                hidden = _offload(captured["hidden"].detach(), activation_dtype)
+                if len(seen) != len(layers(model)):
+                    raise RuntimeError(f"the model called {len(seen)} of its {len(layers(model))} blocks")
+                hidden = _offload(seen[0][0].detach(), activation_dtype)
                 mask = batch.get("attention_mask")
                 mask = mask.bool().cpu() if mask is not None else None
                 counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
                 if counted is not None and device.type == "cuda":
                     counted = counted.pin_memory()  # uploaded per batch and layer: asynchronously
-                args, kwargs = (_to(captured[k], "cpu", non_blocking=True) for k in ("args", "kwargs"))
-                streams.append(_Stream(hidden, hidden, args, kwargs, mask, counted))
+                memo: dict[int, Tensor] = {}
+                inputs = [(_to_cpu_shared(args, memo), _to_cpu_shared(kwargs, memo)) for _, args, kwargs in seen]
+                streams.append(_Stream(hidden, hidden, inputs, mask, counted))
     finally:
-        handle.remove()
         if use_cache is not None:
             model.config.use_cache = use_cache
         with _without_blocks(model):
@@ -325,6 +365,8 @@ def prune_blocks(
     for i in range(d.layers):
         block = source.load(i).eval()
         stored = _to_compute(block, device)
+        for s in streams:
+            s.layer = i  # this layer's masks and rotary tables
         _host_ready(device)  # the streams' asynchronous copies have landed
         if i in skip:  # removed whole: the dense stream goes through it, the pruned one past it
             with torch.no_grad():
@@ -465,10 +507,11 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
     model = model.eval()
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     losses = []
-    for block in layers(model):
+    for i, block in enumerate(layers(model)):
         stored = _to_compute(block, device)
         update = stream = 0.0
         for s in streams:
+            s.layer = i
             out = _run(block, s.hidden, s, device).cpu()
             update += float(_rows(out - s.hidden.float(), s).square().sum())
             stream += float(_rows(out, s).square().sum())

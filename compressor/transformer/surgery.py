@@ -245,6 +245,10 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise ValueError(f"layer indices {bad} are out of range [0, {n}) or repeated")
     if len(set(indices)) >= n:
         raise UnsupportedArchitecture(f"removing all {n} layers leaves no model")
+    if 0 in indices and adapter_for(model).first_layer_fixed:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
+                                      "rebuilt from its config could not load the second in its place): it is "
+                                      "never removed whole")
     gone = set(indices)
     kept = [block for i, block in enumerate(blocks) if i not in gone]
     config = model.config

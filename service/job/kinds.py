@@ -49,7 +49,7 @@ from compressor.modules import count_parameters
 from compressor.progress import SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
-from compressor.transformer.adapters import check_config, layers_path, max_sequence
+from compressor.transformer.adapters import adapter_for, check_config, layers_path, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
 from compressor.transformer.pipeline import prune_blocks, prune_transformer, removal_losses, resize_transformer
@@ -428,11 +428,13 @@ class _TransformerJob:
         self._removal_losses: dict[str, float] | None = None
 
     def removal_losses(self) -> dict[str, float]:
-        """Each layer's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by name."""
+        """Each removable layer's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by
+        name (a family whose first layer is built unlike the others keeps it: `FamilyAdapter.first_layer_fixed`)."""
         if self._removal_losses is None:
             losses = removal_losses(self.dense, self.batches, device=self.request.device,
                                     activation_dtype=getattr(torch, self.request.activation_dtype))
-            self._removal_losses = {f"{self.prefix}.{i}": loss for i, loss in enumerate(losses)}
+            first = 1 if adapter_for(self.dense).first_layer_fixed else 0
+            self._removal_losses = {f"{self.prefix}.{i}": loss for i, loss in enumerate(losses) if i >= first}
         return self._removal_losses
 
     def depth_order(self) -> Iterator[tuple[str, float]]:
@@ -519,6 +521,10 @@ class TextJob(_TransformerJob):
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.output_name == "logits"
+        if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):
+            raise InputError(f"--decode-step: {self.dense.config.model_type}'s sliding-window layers keep a window "
+                             "of keys in their cache, which torch.export cannot trace with a dynamic past length "
+                             "yet; compress without --decode-step (model.onnx takes whole sequences)")
         self.draw = request.text_calibration(self.causal)
         text = {"tokenizer": self.loaded.tokenizer, "length": self.draw.length, "batch_size": 16}
         drawn = {**text, "min_length": self.draw.min_length}

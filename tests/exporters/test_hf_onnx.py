@@ -31,7 +31,9 @@ def test_names_and_dynamic_shapes_match_pytorch(exported):
     for batch, length in ((1, 5), (3, 17)):
         feed = example_inputs(model, batch=batch, length=length, seed=batch)
         got = session.run(None, {k: v.numpy() for k, v in feed.items()})[0]
-        np.testing.assert_allclose(got, first_output(model, feed).numpy(), rtol=1e-4, atol=1e-4)
+        # the real tokens (a padding query under a sliding window sees no key: undefined, see check_hf_parity)
+        real = feed["attention_mask"].bool().numpy() if "attention_mask" in feed else np.ones(got.shape[:2], bool)
+        np.testing.assert_allclose(got[real], first_output(model, feed).numpy()[real], rtol=1e-4, atol=1e-4)
 
 
 def test_parity_gate_passes_and_catches_a_changed_model(exported):

@@ -84,6 +84,14 @@ def tiny_gemma2():
         head_dim=16, intermediate_size=20, max_position_embeddings=32, sliding_window=4))
 
 
+def tiny_gemma3():
+    """Gemma 2's layout with per-head q/k norms; a sliding-window layer (window 4) with its own rotary base,
+    then a global one."""
+    return _seeded(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=20, max_position_embeddings=64, sliding_window=4, sliding_window_pattern=2))
+
+
 def tiny_phi3():
     """q/k/v fused into qkv_proj under grouped-query attention, gate and up fused into gate_up_proj, partial
     rotary (Phi-4-mini's)."""
@@ -93,10 +101,20 @@ def tiny_phi3():
         partial_rotary_factor=0.5))
 
 
+def tiny_modernbert():
+    """Pre-norm encoder, Wqkv fused as [q | k | v], Wi as [input | gate]; a global layer, then a sliding-window
+    one (window 4 of 9 tokens) with its own rotary base: each layer's own mask and rotary table."""
+    return _seeded(transformers.ModernBertModel, transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+
+
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
-          "gemma2": tiny_gemma2, "phi3": tiny_phi3}
+          "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3,
+          "modernbert": tiny_modernbert}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -136,6 +136,11 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
                      *extra]) == 0
     assert "mlp.down_proj" in capsys.readouterr().err
     assert (out / "decode.onnx").is_file() == ("--decode-step" in extra)
+    from service.files import umask
+
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert "model/model.safetensors" in modes and "report.json" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask())  # safetensors and mkstemp create 0600; not returned so
     report = json.loads((out / "report.json").read_text())
     assert any("streams the checkpoint block by block" in w for w in report.get("warnings", [])) == auto
     # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
@@ -586,7 +591,7 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
 
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "mixtral"}, "'mixtral' is not supported: Mixture-of-Experts experts are not a prunable unit yet"),
-    ({"model_type": "gemma3_text"}, "sliding-window layers do not export to ONNX correctly beyond their window"),
+    ({"model_type": "gemma3"}, "their language model alone, saved as a gemma3_text checkpoint"),
     ({"model_type": "deberta-v2"}, "disentangled relative-position attention"),
     ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
     ({"model_type": "swin", "num_channels": 3, "num_heads": [3, 6]}, "'swin' is a vision transformer that is not "
@@ -605,11 +610,13 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
     assert words in err and "not an image model" not in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert", "phi3"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert", "phi3",
+                                    "gemma3_text", "modernbert"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
     """GPT-2 (Conv1D projections: block reconstruction fits them too), GPT-NeoX (q, k and v fused per head),
-    Qwen3, Gemma 2 and DistilBERT, tiny random-init, through the CLI with the default reconstruction: pruned,
-    exported, parity-checked."""
+    Qwen3, Gemma 2 and 3, DistilBERT, Phi-3 (fused qkv / gate_up) and ModernBERT (fused Wqkv / Wi, global and
+    sliding-window layers), tiny random-init, through the CLI with the default reconstruction: pruned, exported,
+    parity-checked (16-token windows: longer than the sliding windows)."""
     from tests.compressor.transformer.transformer_models import MODELS
 
     MODELS[family]().save_pretrained(tmp_path / family)
@@ -646,3 +653,15 @@ def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
     assert json.loads((out / "model" / "config.json").read_text())["dtype"] == dtype
     with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{dtype}"}  # noqa: SIM118
+
+
+def test_a_decode_step_of_sliding_window_layers_is_refused_before_any_work(tmp_path, capsys):
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    MODELS["gemma2"]().save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 1200])
+    assert cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--decode-step", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--decode-step: gemma2's sliding-window layers" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "model.onnx").exists()
