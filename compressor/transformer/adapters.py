@@ -9,6 +9,7 @@ every HF model has and that say nothing about the pruned widths (`use_cache`, `a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -41,6 +42,9 @@ class FamilyAdapter:
     # (heads x head_dim); models that reshape with -1 need neither
     head_count_attrs: tuple[str, ...] = ()
     width_attrs: tuple[str, ...] = ()
+    # further projections whose output rows are laid out per head like q's, pruned with them where a block has
+    # them (DeBERTa-v2's pos_query_proj / pos_key_proj, without share_att_key)
+    per_head_outputs: tuple[str, ...] = ()
     # attention attributes holding the KV-head count (Phi-3 slices its fused q/k/v by it)
     kv_count_attrs: tuple[str, ...] = ()
     # the attention reads its query-head count from the config, which every layer shares (Phi-3 splits qkv_proj
@@ -105,6 +109,14 @@ PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="se
 MODERNBERT = FamilyAdapter(layers="layers", q="attn.Wqkv", k="attn.Wqkv", v="attn.Wqkv", o="attn.Wo",
                            up=("mlp.Wi",), down="mlp.Wo", fused_qkv=True, fused_up=True, first_layer_fixed=True)
 
+# DeBERTa-v2 / v3: BERT's post-norm layout; disentangled attention projects the shared relative-position
+# embeddings through q and k (share_att_key) or through per-head pos_query / pos_key projections
+DEBERTA_V2 = replace(BERT_LIKE, q="attention.self.query_proj", k="attention.self.key_proj",
+                     v="attention.self.value_proj",
+                     per_head_outputs=("attention.self.pos_query_proj", "attention.self.pos_key_proj"),
+                     head_count_attrs=("attention.self.num_attention_heads",),
+                     width_attrs=("attention.self.all_head_size",))
+
 # post-norm like BERT, with its own names; its config says hidden_dim for the FFN width
 DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",
                            o="attention.out_lin", up=("ffn.lin1",), down="ffn.lin2", o_norm="sa_layer_norm",
@@ -119,6 +131,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "roberta": ROBERTA_LIKE,
     "xlm-roberta": ROBERTA_LIKE,
     "distilbert": DISTILBERT,
+    "deberta-v2": DEBERTA_V2,
     "modernbert": MODERNBERT,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
@@ -144,9 +157,18 @@ REFUSED: dict[str, str] = {
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
-    "deberta-v2": "DeBERTa-v2/v3's disentangled relative-position attention (its pos_key/pos_query projections) is "
-                  "not pruned per head yet",
     "mpnet": "MPNet's relative attention bias per head is not pruned with its heads yet",
+}
+
+
+# configurations of a supported family that are refused all the same: (the config.json test, why)
+REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
+    "opt": (lambda c: c.get("do_layer_norm_before") is False,
+            "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
+    "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,
+                   "DeBERTa-v2 with a convolution after its first layer (conv_kernel_size, the v2 xlarge / xxlarge "
+                   "checkpoints) is not supported: the convolution sits between blocks, which are pruned one at a "
+                   "time"),
 }
 
 
@@ -169,9 +191,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     if model_type not in ADAPTERS:
         raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
     adapter = ADAPTERS[model_type]
-    if model_type == "opt":  # post-norm OPT: refused by the same rule as a config.json
-        check_config({"model_type": "opt", "do_layer_norm_before": bool(getattr(model.config, "do_layer_norm_before",
-                                                                                 True))}, type(model).__name__)
+    if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json
+        check_config(model.config.to_dict(), type(model).__name__)
     return adapter
 
 
@@ -227,9 +248,8 @@ def check_config(config: dict, reference: str) -> None:
     model_type = config.get("model_type")
     if model_type in REFUSED:
         raise UnsupportedArchitecture(f"{reference}: {model_type!r} is not supported: {REFUSED[model_type]}")
-    if model_type == "opt" and config.get("do_layer_norm_before") is False:
-        raise UnsupportedArchitecture(f"{reference}: post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is "
-                                      "not supported")
+    if model_type in REFUSED_CONFIGS and REFUSED_CONFIGS[model_type][0](config):
+        raise UnsupportedArchitecture(f"{reference}: {REFUSED_CONFIGS[model_type][1]}")
     if model_type not in ADAPTERS and "num_channels" not in config:
         raise UnsupportedArchitecture(f"{reference}: model_type {model_type!r} is neither a supported transformer "
                                       f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")

@@ -182,19 +182,22 @@ def _without_blocks(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iterator[None]:
-    """Every block's forward replaced by one that appends (hidden states, args, kwargs) to `sink` and hands the
-    hidden states on unchanged; the last raises _Stop. The blocks keep their attributes (the model reads some,
-    e.g. ModernBERT's `attention_type`) and their weights are never touched (meta tensors when streaming)."""
+    """Every block's forward replaced by one that appends (hidden states, args, kwargs) to `sink`; the last
+    raises _Stop. The blocks keep their attributes (the model reads some, e.g. ModernBERT's `attention_type`) and
+    their weights are never touched (meta tensors when streaming). A stand-in returns (hidden states, None): what
+    a model unpacks as (output, attention weights) (DeBERTa-v2) or indexes [0]; a model that takes one tensor
+    passes the pair on to the next stand-in, which reads nothing of it: only the first block's hidden states
+    are kept, the blocks' own outputs come from running them."""
     blocks = list(layers(model))
 
-    def recorder(index: int) -> Callable[..., Tensor]:
-        def forward(*args: Any, **kwargs: Any) -> Tensor:
+    def recorder(index: int) -> Callable[..., tuple[Any, None]]:
+        def forward(*args: Any, **kwargs: Any) -> tuple[Any, None]:
             kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
             sink.append((hidden, args[1:], kwargs))
             if index == len(blocks) - 1:
                 raise _Stop
-            return hidden
+            return hidden, None
         return forward
 
     for i, block in enumerate(blocks):

@@ -42,13 +42,15 @@ class Sequences:
 
     def select(self, rows: Tensor | slice) -> Sequences:
         """The sequences `rows` of this batch (a slice: views, no copy); context tensors with a batch
-        dimension are sliced with them, broadcast ones (batch dimension 1: rotary tables, ...) and 1-D ones
-        (cache positions) are kept."""
-        batch = self.x.shape[0]
+        dimension (the batch first, the sequence after it: masks, position ids) are sliced with them, broadcast
+        ones (batch dimension 1: rotary tables, ...), 1-D ones (cache positions) and ones without a sequence
+        dimension (DeBERTa-v2's relative-position embeddings, buckets x hidden) are kept."""
+        batch, length = self.x.shape[:2]
 
         def pick(obj: Any) -> Any:
             if isinstance(obj, Tensor):
-                return obj[rows] if obj.dim() >= 2 and obj.shape[0] == batch and batch > 1 else obj
+                batched = obj.dim() >= 2 and obj.shape[0] == batch and batch > 1 and length in obj.shape[1:]
+                return obj[rows] if batched else obj
             if isinstance(obj, tuple | list):
                 return type(obj)(pick(o) for o in obj)
             if isinstance(obj, dict):

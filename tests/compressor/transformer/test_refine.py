@@ -23,8 +23,10 @@ def sequences(batch: int, tag: float) -> Sequences:
     x = torch.arange(batch, dtype=torch.float32).view(batch, 1, 1).expand(batch, 3, 2) + tag
     rotary = torch.randn(1, 3, 2)  # broadcast over the batch: kept whole
     mask4d = torch.arange(batch, dtype=torch.float32).view(batch, 1, 1, 1).expand(batch, 1, 3, 3)
+    relative = torch.randn(batch, 2)  # relative-position embeddings (buckets x hidden): no sequence dimension
     return Sequences(x, x + 1, (), {"position_embeddings": (rotary, rotary), "attention_mask": mask4d,
-                                    "cache_position": torch.arange(batch)}, torch.ones(batch, 3, dtype=torch.bool))
+                                    "cache_position": torch.arange(batch), "rel_embeddings": relative},
+                     torch.ones(batch, 3, dtype=torch.bool))
 
 
 def test_held_out_sequences_are_a_seeded_tenth_of_all_and_never_fitted():
@@ -45,6 +47,7 @@ def test_a_split_batch_slices_its_batched_context_and_keeps_broadcast_tensors():
     assert part.kwargs["attention_mask"][:, 0, 0, 0].tolist() == [1.0, 4.0]
     assert part.kwargs["position_embeddings"][0] is whole.kwargs["position_embeddings"][0]
     assert part.kwargs["cache_position"] is whole.kwargs["cache_position"]  # 1-D: positions, not sequences
+    assert part.kwargs["rel_embeddings"] is whole.kwargs["rel_embeddings"]  # as many buckets as sequences: kept
     assert part.mask.shape == (2, 3)
 
 

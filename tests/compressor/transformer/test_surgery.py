@@ -46,6 +46,10 @@ def removed_parameters(model, index, groups_removed, neurons_removed):
     per_group = d.group * d.head_dim * 2 * hidden + 2 * d.head_dim * hidden  # q and o, k and v
     if projection(layer, adapter.q).bias is not None:
         per_group += d.group * d.head_dim + 2 * d.head_dim
+    for path in adapter.per_head_outputs:  # pruned with the query heads where the block has them
+        extra = dict(layer.named_modules()).get(path)
+        if extra is not None:
+            per_group += d.group * d.head_dim * (hidden + (extra.bias is not None))
     up_biases = sum(projection(layer, p).bias is not None for p in adapter.up) * (1 + adapter.fused_up)
     per_neuron = hidden * (1 + adapter.up_matrices) + up_biases
     return groups_removed * per_group + neurons_removed * per_neuron

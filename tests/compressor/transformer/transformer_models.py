@@ -110,11 +110,20 @@ def tiny_modernbert():
         bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
 
 
+def tiny_deberta_v2():
+    """Disentangled attention with its own per-head position projections (share_att_key off: pos_query_proj and
+    pos_key_proj), log-bucketed relative positions, post-norm."""
+    return _seeded(transformers.DebertaV2Model, transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=32, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+        share_att_key=False, type_vocab_size=0, norm_rel_ebd="layer_norm"))
+
+
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
           "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3,
-          "modernbert": tiny_modernbert}
+          "modernbert": tiny_modernbert, "deberta-v2": tiny_deberta_v2}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
