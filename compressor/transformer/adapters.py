@@ -45,6 +45,9 @@ class FamilyAdapter:
     # further projections whose output rows are laid out per head like q's, pruned with them where a block has
     # them (DeBERTa-v2's pos_query_proj / pos_key_proj, without share_att_key)
     per_head_outputs: tuple[str, ...] = ()
+    # the module taking `position_bias`, a score bias per head computed once for every layer (MPNet's relative
+    # attention bias): a pruned layer reads the bias rows of the heads it kept (`surgery.head_bias_rows`)
+    head_bias: str | None = None
     # attention attributes holding the KV-head count (Phi-3 slices its fused q/k/v by it)
     kv_count_attrs: tuple[str, ...] = ()
     # the attention reads its query-head count from the config, which every layer shares (Phi-3 splits qkv_proj
@@ -117,6 +120,14 @@ DEBERTA_V2 = replace(BERT_LIKE, q="attention.self.query_proj", k="attention.self
                      head_count_attrs=("attention.self.num_attention_heads",),
                      width_attrs=("attention.self.all_head_size",))
 
+# BERT's post-norm layout under other names; the relative attention bias (one per head, shared by the layers)
+MPNET = FamilyAdapter(layers="encoder.layer", q="attention.attn.q", k="attention.attn.k", v="attention.attn.v",
+                      o="attention.attn.o", up=("intermediate.dense",), down="output.dense",
+                      o_norm="attention.LayerNorm", down_norm="output.LayerNorm",
+                      head_count_attrs=("attention.attn.num_attention_heads",),
+                      width_attrs=("attention.attn.all_head_size",), head_bias="attention.attn",
+                      positions_after_padding=True)
+
 # post-norm like BERT, with its own names; its config says hidden_dim for the FFN width
 DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",
                            o="attention.out_lin", up=("ffn.lin1",), down="ffn.lin2", o_norm="sa_layer_norm",
@@ -132,6 +143,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "xlm-roberta": ROBERTA_LIKE,
     "distilbert": DISTILBERT,
     "deberta-v2": DEBERTA_V2,
+    "mpnet": MPNET,
     "modernbert": MODERNBERT,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
@@ -157,7 +169,6 @@ REFUSED: dict[str, str] = {
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
-    "mpnet": "MPNet's relative attention bias per head is not pruned with its heads yet",
 }
 
 

@@ -122,6 +122,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     group = heads_before // kv_before
     heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
+    if any(rows != list(range(heads_before)) for rows in manifest.get("bias_rows", [])):
+        return None  # layers read other rows of a shared per-head bias than the first ones
     if len(set(heads)) != 1 or len(set(ffn)) != 1 or (maps is not None and any(m != maps[0] for m in maps)):
         return None
     kept = heads[0]

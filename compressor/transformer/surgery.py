@@ -139,11 +139,42 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         _set_attr(layer, attr, q_rows.numel())
     for attr in adapter.kv_count_attrs:
         _set_attr(layer, attr, len(kv_heads))
+    if adapter.head_bias is not None:
+        bias_module = layer.get_submodule(adapter.head_bias)
+        current = getattr(bias_module, "bias_rows", None)
+        rows = heads if current is None else torch.tensor(current, dtype=torch.long)[heads]
+        set_bias_rows(bias_module, rows.tolist())
     if adapter.config_head_count:
         attention = _attention(model, layer)
         if not isinstance(attention.config, LayerConfig):
             attention.config = LayerConfig(attention.config)
         attention.config.own[adapter.heads_key] = len(heads)
+
+
+def set_bias_rows(module: nn.Module, rows: Sequence[int]) -> None:
+    """Make `module` read only rows `rows` (its kept heads, in the dense numbering) of the per-head score bias
+    it is passed as `position_bias` (batch, heads, q, k), which the model computes once for every layer. The
+    rows as data (`bias_rows`, what the manifest records) and as a buffer outside the state dict; a forward
+    pre-hook (installed once, kept by deepcopy and traced by the export) selects them."""
+    module.bias_rows = tuple(int(r) for r in rows)
+    device = next(module.parameters()).device
+    module.register_buffer("bias_index", torch.tensor(module.bias_rows, dtype=torch.long, device=device),
+                          persistent=False)
+    if not getattr(module, "bias_hooked", False):
+        import inspect
+
+        module.bias_argument = list(inspect.signature(module.forward).parameters).index("position_bias")
+        module.register_forward_pre_hook(_select_bias_rows, with_kwargs=True)
+        module.bias_hooked = True
+
+
+def _select_bias_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    at = module.bias_argument
+    if kwargs.get("position_bias") is not None:
+        kwargs = {**kwargs, "position_bias": kwargs["position_bias"].index_select(1, module.bias_index)}
+    elif len(args) > at and args[at] is not None:
+        args = (*args[:at], args[at].index_select(1, module.bias_index), *args[at + 1:])
+    return args, kwargs
 
 
 class LayerConfig:
@@ -282,11 +313,16 @@ def widths(model: nn.Module) -> dict[str, list]:
     adapter = adapter_for(model)
     out: dict[str, list] = {"heads": [], "ffn": []}
     gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
+    biased = adapter.head_bias is not None and any(hasattr(layer.get_submodule(adapter.head_bias), "bias_rows")
+                                                   for layer in layers(model))
     for i, layer in enumerate(layers(model)):
         out["heads"].append(query_heads(model, i))
         out["ffn"].append(in_features(projection(layer, adapter.down)))
         if gathered:
             out.setdefault("kv_index", []).append(kv_index(model, i).tolist())
+        if biased:  # which rows of the shared per-head bias each layer reads
+            rows = getattr(layer.get_submodule(adapter.head_bias), "bias_rows", range(query_heads(model, i)))
+            out.setdefault("bias_rows", []).append(list(rows))
     return out
 
 
@@ -308,6 +344,11 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             _resize_attention(model, i, torch.arange(heads[i]), torch.arange(len(kv)), mapping, None)
         else:
             prune_heads(model, i, range(heads[i] // d.group))
+        if "bias_rows" in manifest:
+            rows = manifest["bias_rows"][i]
+            if len(rows) != heads[i]:
+                raise ModelReferenceError(f"width manifest: layer {i}'s bias_rows {rows} are not one per query head")
+            set_bias_rows(layers(model)[i].get_submodule(adapter_for(model).head_bias), rows)
         prune_ffn(model, i, range(manifest["ffn"][i]))
 
 

@@ -246,3 +246,16 @@ def test_bad_layer_removals_are_refused_listing_every_bad_index():
     with pytest.raises(UnsupportedArchitecture, match="removing all 2 layers"):
         remove_layers(model, [0, 1])
     assert dims(model).layers == 2  # nothing was removed
+
+
+def test_mpnet_layers_read_the_shared_bias_rows_of_the_heads_they_kept(tmp_path):
+    """MPNet computes one relative attention bias per head for all layers: a pruned layer selects its heads'
+    rows (twice pruned: rows of the dense numbering), the manifest records them and a reload reads them."""
+    model = MODELS["mpnet"]()
+    reference = zero_inputs(model, 0, adapter_for(model).o, _query_rows([1, 3], dims(model).head_dim))
+    prune_heads(model, 0, [1, 2, 3])
+    prune_heads(model, 0, [0, 2])  # heads 1 and 3 of the dense layer
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+    assert widths(model)["bias_rows"] == [[1, 3], [0, 1, 2, 3]]
+    save_pruned(model, tmp_path / "m")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model))

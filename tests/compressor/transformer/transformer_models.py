@@ -119,11 +119,19 @@ def tiny_deberta_v2():
         share_att_key=False, type_vocab_size=0, norm_rel_ebd="layer_norm"))
 
 
+def tiny_mpnet():
+    """BERT's post-norm layout, a relative attention bias per head computed once for every layer."""
+    return _seeded(transformers.MPNetModel, transformers.MPNetConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=40))  # 32 relative buckets: compute_position_bias assumes them
+
+
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
           "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3,
-          "modernbert": tiny_modernbert, "deberta-v2": tiny_deberta_v2}
+          "modernbert": tiny_modernbert, "deberta-v2": tiny_deberta_v2,
+          "mpnet": tiny_mpnet}
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

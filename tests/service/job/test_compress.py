@@ -593,7 +593,6 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
     ({"model_type": "mixtral"}, "'mixtral' is not supported: Mixture-of-Experts experts are not a prunable unit yet"),
     ({"model_type": "gemma3"}, "their language model alone, saved as a gemma3_text checkpoint"),
     ({"model_type": "deberta-v2", "conv_kernel_size": 3}, "a convolution after its first layer (conv_kernel_size"),
-    ({"model_type": "mpnet"}, "relative attention bias per head"),
     ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
     ({"model_type": "swin", "num_channels": 3, "num_heads": [3, 6]}, "'swin' is a vision transformer that is not "
                                                                      "supported"),
@@ -612,11 +611,12 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "gemma2", "distilbert", "phi3",
-                                    "gemma3_text", "modernbert", "deberta-v2"])
+                                    "gemma3_text", "modernbert", "deberta-v2", "mpnet"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
     """GPT-2 (Conv1D projections: block reconstruction fits them too), GPT-NeoX (q, k and v fused per head),
     Qwen3, Gemma 2 and 3, DistilBERT, Phi-3 (fused qkv / gate_up), ModernBERT (fused Wqkv / Wi, global and
-    sliding-window layers) and DeBERTa-v2 (per-head position projections), tiny random-init, through the CLI
+    sliding-window layers), DeBERTa-v2 (per-head position projections) and MPNet (a bias per head shared by the
+    layers), tiny random-init, through the CLI
     with the default reconstruction: pruned, exported, parity-checked (16-token windows: longer than the
     sliding windows)."""
     from tests.compressor.transformer.transformer_models import MODELS
