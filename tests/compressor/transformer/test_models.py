@@ -196,3 +196,24 @@ def test_the_longest_sequence_leaves_roberta_its_positions_after_padding():
     ids = torch.randint(3, 50, (1, 32))
     assert roberta(input_ids=ids).last_hidden_state.shape == (1, 32, 32)  # the limit itself runs
     assert max_sequence(transformers.BertModel(transformers.BertConfig(**common))) == 34
+
+
+def test_no_supported_family_reads_per_layer_config_so_non_uniform_widths_keep_their_manifest():
+    """transformers 5.x can state per-layer widths in a config (`per_layer_config`), but only families whose
+    modeling code reads it build their layers from it (Gemma 4 and a few others). None of the families here
+    does in the installed release, so their non-uniform outputs keep osscar_widths.json + load_pruned (the
+    README's table of families says so). A release that teaches one of them fails this test: that family
+    should then save `per_layer_config` instead."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    from compressor.transformer.adapters import ADAPTERS
+
+    readers = []
+    for model_type in sorted(ADAPTERS):
+        module = inspect.getmodule(getattr(transformers, MODEL_MAPPING_NAMES[model_type]))
+        if "per_layer_config" in inspect.getsource(module):
+            readers.append(model_type)
+    assert readers == []
