@@ -42,6 +42,25 @@ def _lm(cls: str, config: str, **fields) -> Callable[[], object]:
     return build
 
 
+def _live_norms(build: Callable[[], object]) -> Callable[[], object]:
+    """A builder whose BatchNorms get random scales and shifts: HF EfficientNet's initialisation makes its
+    pooled features exactly 0 for every input (so a pruned model's outputs equal the dense one's and the
+    accuracy check refuses to compare them), which no trained checkpoint does."""
+    def live():
+        import torch
+
+        model = build()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.BatchNorm2d):
+                    module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+                    module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+        return model
+
+    return live
+
+
 GQA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
            **TEXT)
 ENCODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96, **TEXT)
@@ -81,8 +100,9 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                    depths=[1, 1], num_labels=10, num_channels=3), "image224"),
     ("mobilenet_v2", _lm("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
                          num_labels=10, **IMAGE), "image"),
-    ("efficientnet", _lm("EfficientNetForImageClassification", "EfficientNetConfig", width_coefficient=0.25,
-                         depth_coefficient=0.25, hidden_dim=320, num_labels=10, **IMAGE), "image"),
+    ("efficientnet", _live_norms(_lm("EfficientNetForImageClassification", "EfficientNetConfig",
+                                     width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, num_labels=10,
+                                     **IMAGE)), "image"),
     ("convnext", _lm("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[16, 32], depths=[1, 1],
                      num_stages=2, num_labels=10, num_channels=3), "image224"),
 ]

@@ -17,6 +17,8 @@ from ..errors import SurgeryError
 from ..modules import check_keep, get_attr, owner_of
 from .graph import BATCH_NORM_OPS, ChannelGroup, ChannelPad, ConvSpec, LinearSpec, conv_spec
 
+aten = torch.ops.aten
+
 
 def get_tensor(gm: fx.GraphModule, target: str) -> Tensor:
     return get_attr(gm, target)
@@ -169,7 +171,24 @@ def prune_group(gm: fx.GraphModule, group: ChannelGroup, keep: Sequence[int] | T
         rewrite_channel_pad(gm, pad)
     for consumer, weight in zip(group.consumers, weights, strict=True):
         prune_consumer(gm, consumer, keep, weight)
+    _resize_reshapes(gm, group, len(keep))
     gm.recompile()
+
+
+SHAPED_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _resize_reshapes(gm: fx.GraphModule, group: ChannelGroup, kept: int) -> None:
+    """A reshape in the group's space (the analysis lets through only those that keep dim 1 as the channels,
+    a 1 x 1 map flattened) whose target shape states the channel count as a constant says the new one (HF
+    EfficientNet's pooled features: `view(batch, 320)`)."""
+    for node in gm.graph.nodes:
+        if node.name not in group.tensors or node.target not in SHAPED_RESHAPES:
+            continue
+        shape = list(node.args[1])
+        if len(shape) > 1 and isinstance(shape[1], int) and shape[1] == group.channels:
+            shape[1] = kept
+            node.args = (node.args[0], shape, *node.args[2:])
 
 
 prune_unit = prune_group  # an in-block unit is a group with one producer and one consumer

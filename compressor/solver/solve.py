@@ -140,6 +140,29 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
     return state
 
 
+# what a layer falls back to when its method cannot factorise H even at the largest damping (an H whose scales
+# span more than float64 resolves, or statistics at rounding level): MP+'s support and refit, which the search
+# would have had to beat; then the magnitude support with the dense weights as they are, which needs no H
+FALLBACKS = {"osscar": ("mp+", "mp"), "mp+": ("mp",)}
+
+
+def _fall_back(pb: LayerProblem, method: str, err: IllConditioned) -> MethodResult:
+    """The first method of FALLBACKS[method] that solves `pb`, its stats saying why; re-raises `err` when
+    there is none (no dense weight: nothing to keep)."""
+    if pb.dense_weight is None or method not in FALLBACKS:
+        raise err
+    for fallback in FALLBACKS[method]:
+        try:
+            result = METHODS[fallback](pb, {})
+        except IllConditioned as again:
+            err = again
+            continue
+        log.warning("%s: %s; this layer falls back to %s", method, err, fallback)
+        result.stats["fallback"] = f"{fallback} ({err})"
+        return result
+    raise err
+
+
 METHODS: dict[str, Method] = {
     "mp": _kept_as_is("mp", magnitude_support),
     "mp+": _refit_method("mp+", magnitude_support),
@@ -192,14 +215,7 @@ def solve_layer(
     try:
         result = METHODS[method](pb, dict(options))
     except IllConditioned as err:
-        if method != "osscar" or pb.dense_weight is None:
-            raise
-        # the search's exchanges lose positive definiteness even at the largest damping (an H whose scales
-        # span more than float64 resolves): the layer gets MP+'s support and refit, which the search would
-        # otherwise have had to beat, and says so
-        log.warning("osscar: %s; this layer falls back to mp+", err)
-        result = METHODS["mp+"](pb, {})
-        result.stats["fallback"] = f"mp+ ({err})"
+        result = _fall_back(pb, method, err)
     pruned = torch.sort(result.pruned).values
     weight = result.weight.to(pb.out_dtype)
     weight[group_rows(pruned, pb.group_size)] = 0

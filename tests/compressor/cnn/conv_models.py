@@ -155,6 +155,23 @@ class NamedPaddingNet(nn.Module):
         return self.fc(F.silu(self.conv3(x)).mean((2, 3)))
 
 
+class FlattenedHeadNet(nn.Module):
+    """Pooled features flattened with the channel count written out, as HF EfficientNet's classifier input is
+    (`reshape(batch, 16)`): surgery must rewrite that constant with the channels kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 12, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(12)
+        self.conv2 = nn.Conv2d(12, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).reshape(x.shape[0], 16))
+
+
 def relu6(x):
     return torch.clamp(x, 0, 6)  # how exported MobileNetV2s often write ReLU6
 
@@ -225,7 +242,8 @@ def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet,
-          "option_a": OptionANet, "mobilenet_v2": MobileNetV2, "named_padding": NamedPaddingNet}
+          "option_a": OptionANet, "mobilenet_v2": MobileNetV2, "named_padding": NamedPaddingNet,
+          "flattened_head": FlattenedHeadNet}
 # the channel groups each model must expose, in order: in-block units by their consumer, coupled groups
 # (residual streams) by their first producer
 EXPECTED_UNITS = {
@@ -235,6 +253,7 @@ EXPECTED_UNITS = {
     "option_a": ["coupled:conv1", "layer1.0.conv2", "layer1.1.conv2", "layer2.0.conv2", "coupled:layer2.0.conv2",
                  "layer2.1.conv2"],
     "named_padding": ["conv2", "conv3", "fc"],
+    "flattened_head": ["conv2", "fc"],
     "mobilenet_v2": ["coupled:stem", "blocks.1.project", "coupled:blocks.1.project", "coupled:blocks.2.expand",
                      "blocks.2.excite.2", "blocks.3.project", "coupled:blocks.3.project", "blocks.4.project", "fc"],
 }

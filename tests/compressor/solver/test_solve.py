@@ -365,3 +365,16 @@ def test_wanda_sp_and_flap_score_rows_by_input_size_and_weight():
         assert solve_layer(H, G, 1, 2, method, dense_weight=W).pruned == [0, 1]
         with pytest.raises(ValueError, match="dense_weight"):
             solve_layer(H, G, 1, 1, method)
+
+
+def test_statistics_at_rounding_level_fall_back_to_the_magnitude_support():
+    """An H that no damping factorises (every 2 x 2 block indefinite at the 1e-20 scale of an EfficientNet
+    squeeze-excite conv fed ~zero inputs): osscar and MP+'s refit both need a factor, so the layer keeps the
+    magnitude support with its dense weights, and says so; a job no longer ends in a traceback there."""
+    H = torch.tensor([[1.0, 2.0, 2.0], [2.0, 1.0, 2.0], [2.0, 2.0, 1.0]], dtype=torch.float64) * 1e-20
+    W_hat = torch.tensor([[3.0, 1.0], [0.1, 0.2], [-2.0, 0.5]], dtype=torch.float64)
+    sol = solve_layer(H, H @ W_hat, 1, 1, dense_weight=W_hat)
+    magnitude = solve_layer(H, H @ W_hat, 1, 1, "mp", dense_weight=W_hat)
+    assert sol.pruned == magnitude.pruned == [1]  # the smallest row
+    assert sol.stats["fallback"].startswith("mp (H on the kept rows is not positive semi-definite")
+    torch.testing.assert_close(sol.weight[[0, 2]], W_hat[[0, 2]])
