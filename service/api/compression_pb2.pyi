@@ -4,6 +4,7 @@ from google.longrunning import operations_pb2 as _operations_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.rpc import error_details_pb2 as _error_details_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -132,7 +133,7 @@ class CompressOptions(_message.Message):
     def __init__(self, samples: _Optional[int] = ..., seed: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., batch_size: _Optional[int] = ..., sequences: _Optional[int] = ..., sequence_length: _Optional[int] = ..., stream: _Optional[bool] = ..., activation_dtype: _Optional[str] = ..., threads: _Optional[int] = ..., deployment_target: _Optional[str] = ..., round_to: _Optional[int] = ..., min_width: _Optional[float] = ..., max_rounds: _Optional[int] = ..., repeats: _Optional[int] = ..., opset: _Optional[int] = ..., precision: _Optional[str] = ..., decode_step: _Optional[bool] = ..., no_curves_cache: _Optional[bool] = ..., gqa: _Optional[str] = ..., refine_steps: _Optional[int] = ..., latency_probes: _Optional[int] = ..., min_sequence_length: _Optional[int] = ..., remove_blocks: _Optional[int] = ...) -> None: ...
 
 class CompressMetadata(_message.Message):
-    __slots__ = ("state", "stage", "round", "layer", "layers", "message", "attempt", "create_time", "start_time", "end_time", "labels", "artifacts", "request")
+    __slots__ = ("state", "stage", "round", "layer", "layers", "message", "attempt", "create_time", "start_time", "end_time", "labels", "artifacts", "request", "report")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +154,7 @@ class CompressMetadata(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     state: State
     stage: str
     round: int
@@ -166,7 +168,8 @@ class CompressMetadata(_message.Message):
     labels: _containers.ScalarMap[str, str]
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
     request: CompressRequest
-    def __init__(self, state: _Optional[_Union[State, str]] = ..., stage: _Optional[str] = ..., round: _Optional[int] = ..., layer: _Optional[int] = ..., layers: _Optional[int] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., request: _Optional[_Union[CompressRequest, _Mapping]] = ...) -> None: ...
+    report: _struct_pb2.Struct
+    def __init__(self, state: _Optional[_Union[State, str]] = ..., stage: _Optional[str] = ..., round: _Optional[int] = ..., layer: _Optional[int] = ..., layers: _Optional[int] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., request: _Optional[_Union[CompressRequest, _Mapping]] = ..., report: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class CompressResponse(_message.Message):
     __slots__ = ("report", "artifacts")

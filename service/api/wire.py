@@ -175,7 +175,10 @@ def metadata_of(record: JobRecord) -> pb.CompressMetadata:
 
 def operation_of(record: JobRecord) -> operations_pb2.Operation:
     op = operations_pb2.Operation(name=record.name, done=record.done)
-    op.metadata.Pack(metadata_of(record))
+    meta = metadata_of(record)
+    if record.error and record.report is not None:  # a failure's report: no response carries it
+        ParseDict(_json_safe(record.report), meta.report)
+    op.metadata.Pack(meta)
     if record.error:
         op.error.CopyFrom(status_of_error(record.error))
     elif record.done and record.report is not None:
