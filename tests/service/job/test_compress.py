@@ -645,11 +645,11 @@ def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
     MODELS["qwen3"]().to(getattr(torch, dtype)).save_pretrained(tmp_path / "m")
     np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
     out = tmp_path / "out"
-    code = cli.main(["compress", str(tmp_path / "m"), "--target-speedup", "1.3", "--calibration",
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.5", "--calibration",
                      str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16", "--repeats", "3",
                      "--decode-step", "--accuracy-budget", "none", "--out", str(out)])
     report = json.loads((out / "report.json").read_text())
-    assert (code, report["status"]) in ((0, "ok"), (2, "target_not_met")), report["status"]
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense")), report["status"]  # a toy's speed
     assert report["params_after"] < report["params_before"]
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3 and (out / "decode.onnx").is_file()
     assert json.loads((out / "model" / "config.json").read_text())["dtype"] == dtype
