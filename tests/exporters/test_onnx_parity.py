@@ -132,3 +132,27 @@ def test_the_exported_module_has_the_precision_asked_for_whatever_the_models_dty
     assert isinstance(in_precision(bf16, "fp16"), Float16)
     with pytest.raises(ValueError, match="fp32 or fp16"):
         in_precision(fp32, "bf16")
+
+
+def test_errors_computed_in_chunks_are_those_of_the_whole_arrays(monkeypatch):
+    """A large output is measured a chunk at a time (bounded memory): the same peak, aggregate and maximum as
+    in one piece, non-finite values included."""
+    import exporters.onnx as onnx_module
+
+    rng = np.random.default_rng(3)
+    t = rng.standard_normal((5, 7, 11)).astype(np.float32) * 10
+    g = t + rng.standard_normal(t.shape).astype(np.float32) * 1e-3
+    t[0, 0, 0], g[0, 0, 0] = np.inf, np.inf  # agreed on: no error
+    g[4, 6, 10] = np.nan  # one side only: infinitely wrong
+    whole = output_errors(g, t)
+    monkeypatch.setattr(onnx_module, "ERROR_CHUNK", 13)  # 385 elements in 30 chunks, the last one partial
+    chunked = output_errors(g, t)
+    assert chunked.max_abs_error == whole.max_abs_error == np.inf and chunked.peak_error == whole.peak_error
+    g[4, 6, 10] = g[4, 6, 9]
+    whole = output_errors(g, t)
+    monkeypatch.setattr(onnx_module, "ERROR_CHUNK", 1 << 22)
+    assert output_errors(g, t) == whole
+    monkeypatch.setattr(onnx_module, "ERROR_CHUNK", 13)
+    chunked = output_errors(g, t)
+    assert chunked.max_abs_error == whole.max_abs_error and chunked.peak_error == whole.peak_error
+    assert chunked.aggregate_error == pytest.approx(whole.aggregate_error, rel=1e-12)
