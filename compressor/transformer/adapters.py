@@ -46,7 +46,7 @@ class FamilyAdapter:
     # them (DeBERTa-v2's pos_query_proj / pos_key_proj, without share_att_key)
     per_head_outputs: tuple[str, ...] = ()
     # the module taking `position_bias`, a score bias per head computed once for every layer (MPNet's relative
-    # attention bias): a pruned layer reads the bias rows of the heads it kept (`surgery.head_bias_rows`)
+    # attention bias): a pruned layer reads the bias rows of the heads it kept (`surgery.set_bias_rows`)
     head_bias: str | None = None
     # attention attributes holding the KV-head count (Phi-3 slices its fused q/k/v by it)
     kv_count_attrs: tuple[str, ...] = ()
@@ -202,8 +202,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     if model_type not in ADAPTERS:
         raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
     adapter = ADAPTERS[model_type]
-    if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json
-        check_config(model.config.to_dict(), type(model).__name__)
+    if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json (its fields, not copied)
+        check_config({**vars(model.config), "model_type": model_type}, type(model).__name__)
     return adapter
 
 

@@ -120,17 +120,24 @@ class _Stop(Exception):
     """Raised by a hook once it has what it needs: the rest of the forward pass is not run."""
 
 
-def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> Any:
+def _to(obj: Any, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False,
+        memo: dict[int, Tensor] | None = None) -> Any:
     """Tensors of a nested tuple / list / dict on `device`. `non_blocking`: asynchronous where the memory allows
     it (into pinned CPU memory from a GPU; from pinned CPU memory to a GPU), so the host does not wait for the
-    device: the values may be read on the host only after `_host_ready`."""
+    device: the values may be read on the host only after `_host_ready`. `memo`: a tensor met again (in this
+    call or another given the same memo) is moved once and shared."""
     if isinstance(obj, Tensor):
-        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None,
-                      non_blocking=non_blocking)
+        if memo is not None and id(obj) in memo:
+            return memo[id(obj)]
+        moved = obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None,
+                       non_blocking=non_blocking)
+        if memo is not None:
+            memo[id(obj)] = moved
+        return moved
     if isinstance(obj, tuple | list):
-        return type(obj)(_to(o, device, dtype, non_blocking) for o in obj)
+        return type(obj)(_to(o, device, dtype, non_blocking, memo) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device, dtype, non_blocking) for k, v in obj.items()}
+        return {k: _to(v, device, dtype, non_blocking, memo) for k, v in obj.items()}
     return obj
 
 
@@ -209,19 +216,6 @@ def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iter
             del block.forward
 
 
-def _to_cpu_shared(obj: Any, memo: dict[int, Tensor]) -> Any:
-    """`_to(obj, "cpu")`, each tensor moved once however many layers received it."""
-    if isinstance(obj, Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.to("cpu", non_blocking=True)
-        return memo[id(obj)]
-    if isinstance(obj, tuple | list):
-        return type(obj)(_to_cpu_shared(o, memo) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_cpu_shared(v, memo) for k, v in obj.items()}
-    return obj
-
-
 def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: torch.device,
                          activation_dtype: torch.dtype) -> list[_Stream]:
     """Run the model's embeddings for every batch, with every block standing aside (`_recording`): the first
@@ -246,8 +240,8 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
                 counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
                 if counted is not None and device.type == "cuda":
                     counted = counted.pin_memory()  # uploaded per batch and layer: asynchronously
-                memo: dict[int, Tensor] = {}
-                inputs = [(_to_cpu_shared(args, memo), _to_cpu_shared(kwargs, memo)) for _, args, kwargs in seen]
+                memo: dict[int, Tensor] = {}  # layers of one kind share their masks and rotary tables: stored once
+                inputs = [_to((args, kwargs), "cpu", non_blocking=True, memo=memo) for _, args, kwargs in seen]
                 streams.append(_Stream(hidden, hidden, inputs, mask, counted))
     finally:
         if use_cache is not None:

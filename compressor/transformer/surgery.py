@@ -128,10 +128,11 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         keep_output_rows(qkv, q_rows)
         keep_output_rows(projection(layer, adapter.k), kv_rows)
         keep_output_rows(projection(layer, adapter.v), kv_rows)
-    modules = dict(layer.named_modules())
-    for path in adapter.per_head_outputs:  # where the block has them
-        if path in modules:
-            keep_output_rows(projection(layer, path), q_rows)
+    if adapter.per_head_outputs:
+        modules = dict(layer.named_modules())
+        for path in adapter.per_head_outputs:  # where the block has them
+            if path in modules:
+                keep_output_rows(projection(layer, path), q_rows)
     keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
     for attr in adapter.head_count_attrs:
         _set_attr(layer, attr, len(heads))
