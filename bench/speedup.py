@@ -94,8 +94,12 @@ def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float] 
     """ShortGPT / SLEB's baseline: whole layers only, the least removal loss first, one more at a time
     until the measured speedup reaches the osscar job's (each a job whose report names the layers removed
     and every width dense); None when the osscar job weighed no layers."""
-    options = (osscar.get("depth") or {}).get("options") or []
-    order = [o["last"] for o in options if o.get("last")]
+    depth = osscar.get("depth") or {}
+    losses = depth.get("removal_losses") or {}
+    # whole layers only ("model.layers.7", not a sub-layer's projection), least removal loss first; reports of
+    # earlier releases carry only the prefixes the plan weighed
+    order = sorted((name for name in losses if name.split(".")[-1].isdigit()), key=losses.get) or \
+        [o["last"] for o in depth.get("options") or [] if o.get("last")]
     # every layer's dense widths, the ones the osscar job removed too: its kept layers' names and widths
     # with each layer's index (the families here have equal widths in every layer)
     layers = json.loads((Path(base[0]) / "config.json").read_text())["num_hidden_layers"]

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from compressor.transformer.attention import GATHERED
+from compressor.transformer.sublayers import kv_layers
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +322,8 @@ def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, 
 
 class _DecodeStep(torch.nn.Module):
     """One decoding step of a HF causal LM with its KV cache as plain tensors: (input_ids, attention_mask,
-    past key/value per layer) -> (logits, present key/value per layer). Layers may have different KV
-    head counts (pruned models)."""
+    past key/value per layer with an attention) -> (logits, present key/value of those layers). Layers may have
+    different KV head counts (pruned models)."""
 
     def __init__(self, model: torch.nn.Module, layers: int) -> None:
         super().__init__()
@@ -349,14 +350,16 @@ def decode_step_names(layers: int) -> tuple[list[str], list[str]]:
 def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).past_key_values
-    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    # a cache built from the config has a slot per layer; layers whose attention was removed fill none
+    return [t for layer in cache.layers[:kv_layers(model)] for t in (layer.keys, layer.values)]
 
 
 def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: str | Path, *,
                        opset: int = 18, max_length: int = 4096) -> Path:
     """Export a causal LM's decode step with past key/values (dynamic batch and past length); input and
-    output names follow the optimum convention (past_key_values.N.key / present.N.value)."""
-    layers = int(model.config.num_hidden_layers)
+    output names follow the optimum convention (past_key_values.N.key / present.N.value); N counts the layers
+    that keep an attention (a removed one keeps no cache)."""
+    layers = kv_layers(model)
     past_len = example_ids.shape[1] - 1
     if past_len < 1:
         raise ValueError("the example needs at least 2 tokens (a past and a step)")
@@ -383,5 +386,5 @@ def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Ten
                         tolerance: ParityTolerance = PARITY_TOLERANCES["fp32"]) -> Parity:
     """The exported decode step against the model's own next-token logits after `ids[:, :-1]`."""
     past = _past_of(model, ids[:, :-1])
-    step = _DecodeStep(model.eval(), int(model.config.num_hidden_layers)).eval()
+    step = _DecodeStep(model.eval(), kv_layers(model)).eval()
     return check_parity(step, path, (ids[:, -1:], torch.ones_like(ids), *past), tolerance=tolerance)

@@ -74,6 +74,12 @@ class FamilyAdapter:
     # position ids start after the padding index (RoBERTa: pad_token_id + 1), so max_position_embeddings
     # holds that many positions fewer than a sequence may use
     positions_after_padding: bool = False
+    # where the module holding a sub-layer's output projection also adds the residual (BERT's attention.output:
+    # LayerNorm(dense(x) + input); OPT's FFN, inline in the block), the module computing that projection's input:
+    # a removed sub-layer replaces it and the projection (`sublayers`); None: the projection's parent module
+    # returns the sub-layer's update and is replaced whole
+    attention_core: str | None = None
+    ffn_core: str | None = None
 
     @property
     def up_matrices(self) -> int:
@@ -83,14 +89,15 @@ class FamilyAdapter:
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
                           v="attention.self.value", o="attention.output.dense", up=("intermediate.dense",),
-                          down="output.dense", o_norm="attention.output.LayerNorm", down_norm="output.LayerNorm")
+                          down="output.dense", o_norm="attention.output.LayerNorm", down_norm="output.LayerNorm",
+                          attention_core="attention.self", ffn_core="intermediate")
 ROBERTA_LIKE = replace(BERT_LIKE, positions_after_padding=True)
 VIT_LIKE = FamilyAdapter(layers="layers", q="attention.q_proj", k="attention.k_proj", v="attention.v_proj",
                          o="attention.o_proj", up=("mlp.fc1",), down="mlp.fc2")
 # pre-norm OPT (do_layer_norm_before, every size but 350m); its reshapes use self.num_heads
 OPT_LIKE = FamilyAdapter(layers="model.decoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                          v="self_attn.v_proj", o="self_attn.out_proj", up=("fc1",), down="fc2",
-                         head_count_attrs=("self_attn.num_heads",), causal=True, ffn_key="ffn_dim")
+                         head_count_attrs=("self_attn.num_heads",), causal=True, ffn_key="ffn_dim", ffn_core="fc1")
 GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.c_attn", o="attn.c_proj",
                           up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
                           head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",), causal=True,
@@ -126,7 +133,7 @@ MPNET = FamilyAdapter(layers="encoder.layer", q="attention.attn.q", k="attention
                       o_norm="attention.LayerNorm", down_norm="output.LayerNorm",
                       head_count_attrs=("attention.attn.num_attention_heads",),
                       width_attrs=("attention.attn.all_head_size",), head_bias="attention.attn",
-                      positions_after_padding=True)
+                      positions_after_padding=True, ffn_core="intermediate")
 
 # post-norm like BERT, with its own names; its config says hidden_dim for the FFN width
 DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",

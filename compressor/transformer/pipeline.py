@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..errors import CalibrationError, InputError
+from ..errors import CalibrationError, InputError, UnsupportedArchitecture
 from ..layerstats import (
     KeptSolution,
     LayerObservation,
@@ -51,6 +51,7 @@ from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import NO_REFIT_METHODS
 from .adapters import adapter_for, dims, layers, layers_path
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
+from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
     dense_weight,
     head_groups,
@@ -297,6 +298,9 @@ def _rows(x: Tensor, stream: _Stream) -> Tensor:
 
 
 GQA_UNITS = ("query-heads", "kv-groups")
+# methods without bias compensation: no intercept in a projection's bias, and a removed sub-layer adds zeros
+# instead of its mean (FLAP compensates; magnitude and Wanda-sp keep the kept weights as they are)
+UNCOMPENSATED = ("mp", "wanda-sp")
 
 
 def check_gqa(gqa: str) -> None:
@@ -332,6 +336,7 @@ def prune_blocks(
     gqa: str = "query-heads",
     refine: RefineConfig | None = None,
     skip: Collection[int] = (),
+    sublayers: Collection[tuple[int, str]] = (),
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
@@ -341,10 +346,16 @@ def prune_blocks(
     then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp").
     `skip`: blocks removed whole (in-memory sources only): the dense stream runs through them, the pruned
     stream does not, so the blocks after one are solved and fitted against the dense model's stream (what
-    the removed block wrote included); they leave the model at the end (`surgery.remove_layers`)."""
+    the removed block wrote included); they leave the model at the end (`surgery.remove_layers`).
+    `sublayers`: (block, kind) of attentions ("attention_heads") and FFNs ("ffn_neurons") removed alone
+    (`sublayers.remove_sublayer`), in-memory sources only: the sub-layer's update becomes its calibration mean
+    over the dense stream (with `bias_correction`, for the methods that refit; zeros otherwise), and the rest
+    of the block is solved and fitted against the dense block."""
     check_plan(ratio)
-    if skip and not isinstance(source, InMemoryBlocks):
-        raise ValueError("whole layers are removed from in-memory models only")
+    if (skip or sublayers) and not isinstance(source, InMemoryBlocks):
+        raise ValueError("whole layers and sub-layers are removed from in-memory models only")
+    for index, kind in sublayers:
+        check_removable(source.model, index, kind)
     check_gqa(gqa)
     refine = refine or RefineConfig()
     check_method(refine, method)
@@ -376,12 +387,19 @@ def prune_blocks(
         # the residual stream this block's projections add to, over the counted tokens
         stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
-        for kind, path, norm in (("attention_heads", adapter.o, adapter.o_norm),
-                                 ("ffn_neurons", adapter.down, adapter.down_norm)):
+        solved = False  # whether a projection of this block was solved (what a reconstruction fits)
+        for kind, path, norm in ((ATTENTION, adapter.o, adapter.o_norm), (FFN, adapter.down, adapter.down_norm)):
+            if (i, kind) in sublayers:  # removed alone: its update becomes a constant, nothing is solved
+                compensate = bias_correction and method not in UNCOMPENSATED
+                update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype)
+                remove_sublayer(model, i, kind, update if compensate else None)
+                emit(progress, Progress(REMOVED, f"{prefix}.{i}.{path}", i + 1, d.layers), log)
+                continue
+            solved = True
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
             # the intercept folded into the bias: FLAP's bias compensation too; mp and Wanda-sp have none
-            center = bias_correction and method not in ("mp", "wanda-sp") and proj.bias is not None
+            center = bias_correction and method not in UNCOMPENSATED and proj.bias is not None
             W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
             scale = None
             if weight_by_norm and norm is not None and method not in NO_REFIT_METHODS:  # scores see raw weights
@@ -390,7 +408,7 @@ def prune_blocks(
                 scale = dense.get_submodule(norm).weight.detach().abs().double()
                 W_hat = W_hat * scale
             stats = LayerStatistics(W_hat)
-            last = kind == "ffn_neurons"  # the dense block runs to its end once: the next dense input
+            last = kind == FFN  # the dense block runs to its end once: the next dense input
             x_store, h1 = _inputs_of(proj, stop=True)
             x_hat_store, h2 = _inputs_of(proj_dense, stop=not last)
             try:
@@ -405,7 +423,7 @@ def prune_blocks(
                 h1.remove()
                 h2.remove()
             finished = stats.finish(center)
-            g = head_rows if kind == "attention_heads" else 1
+            g = head_rows if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
             name = f"{prefix}.{i}.{path}"
             num_prune = planned_prune(name, groups, ratio)
@@ -423,8 +441,8 @@ def prune_blocks(
                 position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
                 costs=functools.partial(_costs, model, kind, cost_sequence_length, gqa, stream_energy))
             reports.append(report)
-            del finished
-        if refine.steps:
+            del finished, stats, W_hat
+        if refine.steps and solved:
             _host_ready(device)
             fit = _refine(block, streams, refine, device)
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
@@ -432,7 +450,7 @@ def prune_blocks(
         with torch.no_grad():
             for s in streams:
                 s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
-        del dense, stats, W_hat
+        del dense
         block.to(dtype=stored)  # kept in the checkpoint's dtype: the refit weights round once, here
         source.store(i)
         _release_memory()
@@ -447,7 +465,34 @@ def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: b
     new_weight = kept.weight.T.float()  # (out, kept)
     if center:  # the intercept: the refit output's mean matches the dense one
         proj.bias.data += kept.shift.to(proj.bias)
-    (prune_heads_by if kind == "attention_heads" else prune_ffn)(model, index, kept.keep, new_weight)
+    (prune_heads_by if kind == ATTENTION else prune_ffn)(model, index, kept.keep, new_weight)
+
+
+def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device: torch.device, last: bool,
+                 activation_dtype: torch.dtype) -> Tensor:
+    """The calibration mean of what a sub-layer of the dense block adds to the stream (its output projection's
+    output, over the counted tokens of the dense stream), (hidden,) float32 on the device: the update that best
+    stands in for it as one vector. `last`: the dense stream advances through the whole block meanwhile."""
+    store: dict[str, Tensor] = {}
+
+    def hook(_module, _inputs, output):
+        store["y"] = output.detach()
+        if not last:
+            raise _Stop
+
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    handle = projection(dense, path).register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for s in streams:
+                out = _run(dense, s.hidden, s, device)
+                rows = _rows(store.pop("y"), s)  # (tokens, hidden)
+                total, count = total + rows.sum(0), count + rows.shape[0]
+                if last:
+                    s.hidden = _offload(out, activation_dtype)
+    finally:
+        handle.remove()
+    return (total / max(count, 1)).float()
 
 
 def _costs(model: nn.Module, kind: str, sequence_length: int, gqa: str, stream_energy: float) -> tuple[float, float]:
@@ -455,15 +500,16 @@ def _costs(model: nn.Module, kind: str, sequence_length: int, gqa: str, stream_e
     return group_cost(model, kind, sequence_length, gqa), stream_energy
 
 
-def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = ()
-                       ) -> nn.Module:
+def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = (),
+                       sublayers: Collection[tuple[int, str]] = ()) -> nn.Module:
     """A copy of `model` with every block at the plan's widths (the names `prune_blocks` reports), weights
     sliced, nothing solved: the structure, and so the latency, that pruning to `plan` returns. Target mode
     measures these to search the widths before it pays for a solve.
 
     Single query heads (`gqa` query-heads) are kept spread over the KV heads (the first query head of each
     KV head, then the second, ...): the most KV heads a solve can keep at that width, so the latency is
-    never flattered by KV heads that a solve's choice of heads would rarely empty."""
+    never flattered by KV heads that a solve's choice of heads would rarely empty. `skip` and `sublayers`:
+    removed whole layers and sub-layers, as `prune_blocks` takes them."""
     check_plan(plan)
     check_gqa(gqa)
     resized = copy.deepcopy(model).to("cpu").eval()
@@ -474,13 +520,18 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
         for i in range(d.layers):
             if i in skip:  # removed below: the plan need not name its widths
                 continue
-            heads = query_heads(resized, i) if single else head_groups(resized, i)
+            for kind in KINDS:
+                if (i, kind) in sublayers:
+                    remove_sublayer(resized, i, kind)
+            heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
             kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan)
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)
                 keep = torch.tensor(sorted(spread[:kept]))
                 (prune_query_heads if single else prune_heads)(resized, i, keep)
+            if (i, FFN) in sublayers:
+                continue
             neurons = in_features(projection(layers(resized)[i], adapter.down))
             kept = neurons - planned_prune(f"{prefix}.{i}.{adapter.down}", neurons, plan)
             if kept < neurons:
@@ -490,11 +541,23 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
     return resized
 
 
+@dataclass(frozen=True)
+class RemovalLoss:
+    """What removing a block, or one of its sub-layers, changes (relative to the stream it writes): `removal_losses`."""
+
+    layer: float
+    attention: float | None  # None: not removable alone (`sublayers.check_removable`)
+    ffn: float | None
+
+
 @torch.no_grad()
 def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: str | torch.device | None = None,
-                   activation_dtype: torch.dtype = torch.float32) -> list[float]:
+                   activation_dtype: torch.dtype = torch.float32, sublayers: bool = True,
+                   compensate: bool = True) -> list[RemovalLoss]:
     """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||block(h)||^2
-    over the counted tokens of the calibration batches (dense model, one pass).
+    over the counted tokens of the calibration batches (dense model, one pass); with `sublayers`, also its
+    attention's and its FFN's alone: ||block(h) - block'(h)||^2 / ||block(h)||^2, block' the block with that
+    sub-layer's update made its calibration mean (`compensate`; zeros otherwise), as `prune_blocks` removes it.
 
     Removing a block takes its whole update out of the residual stream it writes, and a width loss is an
     error in a projection's output relative to that stream (`stream_energy`); so one allocation can weigh
@@ -502,19 +565,43 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
     the units the widths are priced in."""
     device = compute_device(device)
     model = model.eval()
+    adapter = adapter_for(model)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     losses = []
     for i, block in enumerate(layers(model)):
         stored = _to_compute(block, device)
-        update = stream = 0.0
         for s in streams:
             s.layer = i
-            out = _run(block, s.hidden, s, device).cpu()
-            update += float(_rows(out - s.hidden.float(), s).square().sum())
+        kinds = []
+        if sublayers:
+            for kind, path in ((ATTENTION, adapter.o), (FFN, adapter.down)):
+                try:
+                    check_removable(model, i, kind)
+                except (ValueError, UnsupportedArchitecture):
+                    continue
+                update = _mean_update(block, path, streams, device, False, activation_dtype) if compensate else None
+                kinds.append((kind, update))
+        outputs, stream, update_energy = [], 0.0, 0.0
+        for s in streams:
+            out = _run(block, s.hidden, s, device)
+            update_energy += float(_rows(out - s.hidden.to(out), s).square().sum())
             stream += float(_rows(out, s).square().sum())
-            s.hidden = _offload(out, activation_dtype)
+            outputs.append(_offload(out, activation_dtype))  # the next block's input; compared with below
+        stream = max(stream, 1e-30)
+        alone: dict[str, float] = {}
+        for kind, update in kinds:
+            with sublayer_removed(model, i, kind, update):
+                change = 0.0
+                for s, out in zip(streams, outputs, strict=True):
+                    without = _run(block, s.hidden, s, device)
+                    change += float(_rows(out.to(without) - without, s).square().sum())
+                alone[kind] = change / stream
+        _host_ready(device)
+        for s, out in zip(streams, outputs, strict=True):
+            s.hidden = out
+        del outputs
         block.to("cpu", stored)
-        losses.append(update / max(stream, 1e-30))
+        losses.append(RemovalLoss(update_energy / stream, alone.get(ATTENTION), alone.get(FFN)))
     return losses
 
 

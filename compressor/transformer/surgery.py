@@ -31,6 +31,7 @@ from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
 from .adapters import adapter_for, dims, layers, layers_path
 from .attention import use_gathered_attention
+from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
 
 MANIFEST = "osscar_widths.json"
 
@@ -97,6 +98,8 @@ def keep_input_columns(proj: nn.Module, cols: Tensor, weight: Tensor | None = No
 def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_weight: Tensor | None = None) -> None:
     """Keep FFN neurons `keep` of block `index` (down_weight: the refit down projection, out x kept)."""
     adapter, layer = adapter_for(model), layers(model)[index]
+    if is_removed(model, index, FFN):
+        raise ValueError(f"layer {index}'s FFN is removed: it has no neurons to keep")
     down = projection(layer, adapter.down)
     width = in_features(down)
     keep = check_keep(keep, width, f"layer {index} FFN neurons")
@@ -211,6 +214,8 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     """Keep head groups `keep_groups` of block `index` (see head_groups); o_weight: the refit output
     projection (out x kept query-head rows)."""
     layer, d = layers(model)[index], dims(model)
+    if is_removed(model, index, ATTENTION):
+        raise ValueError(f"layer {index}'s attention is removed: it has no heads to keep")
     width = _query_width(model, layer)
     keep = check_keep(keep_groups, width // (d.head_dim * d.group), f"layer {index} head groups")
     # a group is one KV head and the `group` query heads that share it (one without GQA)
@@ -218,8 +223,17 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
 
 
 def query_heads(model: nn.Module, index: int) -> int:
-    """Query heads of block `index`."""
+    """Query heads of block `index` (0 once its attention is removed)."""
+    if is_removed(model, index, ATTENTION):
+        return 0
     return _query_width(model, layers(model)[index]) // dims(model).head_dim
+
+
+def ffn_width(model: nn.Module, index: int) -> int:
+    """FFN neurons of block `index` (0 once its FFN is removed)."""
+    if is_removed(model, index, FFN):
+        return 0
+    return in_features(projection(layers(model)[index], adapter_for(model).down))
 
 
 def _attention(model: nn.Module, layer: nn.Module) -> nn.Module:
@@ -292,13 +306,10 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         values = getattr(config, key, None)
         if isinstance(values, list | tuple) and len(values) == n:
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
-    for new, block in enumerate(kept):
-        for module in block.modules():
-            if isinstance(getattr(module, "layer_idx", None), int):
-                module.layer_idx = new
     owner, name = owner_of(model, layers_path(model))
     setattr(owner, name, nn.ModuleList(kept))
     config.num_hidden_layers = len(kept)
+    renumber_caches(model)
 
 
 def _set_attr(layer: nn.Module, path: str, value: int) -> None:
@@ -310,7 +321,8 @@ def _set_attr(layer: nn.Module, path: str, value: int) -> None:
 
 def widths(model: nn.Module) -> dict[str, list]:
     """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`) and, once
-    query heads were pruned one by one, the KV head each query head reads (`kv_index`)."""
+    query heads were pruned one by one, the KV head each query head reads (`kv_index`). A removed attention
+    or FFN (`sublayers`) has width 0."""
     adapter = adapter_for(model)
     out: dict[str, list] = {"heads": [], "ffn": []}
     gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
@@ -318,11 +330,12 @@ def widths(model: nn.Module) -> dict[str, list]:
                                                    for layer in layers(model))
     for i, layer in enumerate(layers(model)):
         out["heads"].append(query_heads(model, i))
-        out["ffn"].append(in_features(projection(layer, adapter.down)))
+        out["ffn"].append(ffn_width(model, i))
         if gathered:
             out.setdefault("kv_index", []).append(kv_index(model, i).tolist())
         if biased:  # which rows of the shared per-head bias each layer reads
             rows = getattr(layer.get_submodule(adapter.head_bias), "bias_rows", range(query_heads(model, i)))
+            rows = rows if query_heads(model, i) else []
             out.setdefault("bias_rows", []).append(list(rows))
     return out
 
@@ -336,7 +349,9 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
     if len(heads) != n or len(manifest.get("ffn", [])) != n or (maps is not None and len(maps) != n):
         raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
     for i in range(n):
-        if maps is not None:
+        if heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
+            remove_sublayer(model, i, ATTENTION)
+        elif maps is not None:
             mapping = torch.tensor(maps[i], dtype=torch.long)
             kv = sorted(set(maps[i]))
             if len(mapping) != heads[i] or kv != list(range(len(kv))):
@@ -349,8 +364,12 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             rows = manifest["bias_rows"][i]
             if len(rows) != heads[i]:
                 raise ModelReferenceError(f"width manifest: layer {i}'s bias_rows {rows} are not one per query head")
-            set_bias_rows(layers(model)[i].get_submodule(adapter_for(model).head_bias), rows)
-        prune_ffn(model, i, range(manifest["ffn"][i]))
+            if heads[i]:
+                set_bias_rows(layers(model)[i].get_submodule(adapter_for(model).head_bias), rows)
+        if manifest["ffn"][i] == 0:
+            remove_sublayer(model, i, FFN)
+        else:
+            prune_ffn(model, i, range(manifest["ffn"][i]))
 
 
 def tied_aliases(model: nn.Module) -> set[str]:

@@ -49,12 +49,20 @@ from compressor.modules import count_parameters
 from compressor.progress import SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
-from compressor.transformer.adapters import adapter_for, check_config, layers_path, max_sequence
+from compressor.transformer.adapters import adapter_for, check_config, dims, layers, layers_path, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
-from compressor.transformer.pipeline import prune_blocks, prune_transformer, removal_losses, resize_transformer
+from compressor.transformer.pipeline import (
+    UNCOMPENSATED,
+    group_cost,
+    prune_blocks,
+    prune_transformer,
+    removal_losses,
+    resize_transformer,
+)
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
-from compressor.transformer.surgery import load_pruned, remove_layers, widths
+from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
+from compressor.transformer.surgery import in_features, load_pruned, projection, remove_layers, widths
 from exporters.onnx import (
     PARITY_TOLERANCES,
     Parity,
@@ -423,46 +431,97 @@ class _TransformerJob:
         # whole layers: target mode weighs removing them (`targeting.plan_depth`), in memory only
         self.plans_depth = not self.stream
         self.prefix = layers_path(self.dense)
-        self.removed_blocks: list[str] = []  # layers removed whole ("model.layers.7"), in the dense numbering
+        # layers removed whole ("model.layers.7") and sub-layers removed alone (their output projection's name,
+        # "model.layers.7.mlp.down_proj"), in the dense numbering
+        self.removed_blocks: list[str] = []
         self.depth: dict | None = None  # target mode's depth plan (report.json `depth`)
         self._removal_losses: dict[str, float] | None = None
 
     def removal_losses(self) -> dict[str, float]:
-        """Each removable layer's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by
-        name (a family whose first layer is built unlike the others keeps it: `FamilyAdapter.first_layer_fixed`)."""
+        """Each removable unit's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by
+        name: whole layers ("model.layers.7"; a family whose first layer is built unlike the others keeps it:
+        `FamilyAdapter.first_layer_fixed`), and each layer's attention and FFN alone, named by their output
+        projection ("model.layers.7.self_attn.o_proj": the width curve's unit, all of whose groups go)."""
         if self._removal_losses is None:
             losses = removal_losses(self.dense, self.batches, device=self.request.device,
-                                    activation_dtype=getattr(torch, self.request.activation_dtype))
+                                    activation_dtype=getattr(torch, self.request.activation_dtype),
+                                    compensate=self.request.method not in UNCOMPENSATED)
+            units = self._units()
             first = 1 if adapter_for(self.dense).first_layer_fixed else 0
-            self._removal_losses = {f"{self.prefix}.{i}": loss for i, loss in enumerate(losses) if i >= first}
+            found = {(i, None): loss.layer for i, loss in enumerate(losses) if i >= first}
+            found |= {(i, ATTENTION): loss.attention for i, loss in enumerate(losses) if loss.attention is not None}
+            found |= {(i, FFN): loss.ffn for i, loss in enumerate(losses) if loss.ffn is not None}
+            self._removal_losses = {name: found[unit] for name, unit in units.items() if unit in found}
         return self._removal_losses
 
     def depth_order(self) -> Iterator[tuple[str, float]]:
-        """Layers by removal loss, least first (ShortGPT's order, in the curves' units)."""
-        return iter(sorted(self.removal_losses().items(), key=lambda item: item[1]))
+        """Whole layers and sub-layers by removal loss per multiply-add saved, least first (ShortGPT's order,
+        in the curves' units, weighed by what each move saves: a layer's attention and its FFN cost unequally).
+        A move overlapping an earlier one (a layer after one of its sub-layers, a sub-layer after its layer) is
+        left out; a layer's two sub-layers together are its removal (`_split`)."""
+        costs = self._unit_costs()
+        units = self._units()
+        whole, partial = set(), set()
+        for name, loss in sorted(self.removal_losses().items(), key=lambda item: item[1] / costs[item[0]]):
+            index, kind = units[name]
+            if index in whole or (kind is None and index in partial):
+                continue
+            (whole if kind is None else partial).add(index)
+            yield name, loss
 
-    def _indices(self, blocks: Sequence[str]) -> list[int]:
-        """Layer indices of names like "model.layers.7"; names of no layer of this model are refused, all listed."""
-        known = {name: i for i, name in enumerate(self.layer_names())}
-        unknown = [name for name in blocks if name not in known]
+    def _units(self) -> dict[str, tuple[int, str | None]]:
+        """Every depth unit's name -> (layer index, sub-layer kind, None for the whole layer)."""
+        adapter = adapter_for(self.dense)
+        units: dict[str, tuple[int, str | None]] = {}
+        for i in range(self.dense.config.num_hidden_layers):
+            units[f"{self.prefix}.{i}"] = (i, None)
+            units[f"{self.prefix}.{i}.{adapter.o}"] = (i, ATTENTION)
+            units[f"{self.prefix}.{i}.{adapter.down}"] = (i, FFN)
+        return units
+
+    def _unit_costs(self) -> dict[str, float]:
+        """Each depth unit's multiply-adds per token at the measured sequence length (the latency model's)."""
+        d, adapter = dims(self.dense), adapter_for(self.dense)
+        costs = {}
+        for name, (i, kind) in self._units().items():
+            ffn = in_features(projection(layers(self.dense)[i], adapter.down))
+            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1)) * d.heads
+            sublayer = {ATTENTION: attention, FFN: group_cost(self.dense, FFN, 1) * ffn}
+            costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
+        return costs
+
+    def _split(self, names: Sequence[str]) -> tuple[list[int], list[tuple[int, str]]]:
+        """(layers removed whole, (layer, kind) of the sub-layers removed alone) of depth unit names, in the dense
+        numbering; a layer named with one of its sub-layers, or by both of them, is removed whole (unless it is a
+        first layer kept by `first_layer_fixed`). Names of no unit of this model are refused, all listed."""
+        units = self._units()
+        unknown = [name for name in names if name not in units]
         if unknown:
-            raise InputError(f"no layer named {unknown} in this model (its layers: {self.prefix}.0 ... "
-                             f"{self.prefix}.{len(known) - 1})")
-        return sorted(known[name] for name in blocks)
-
-    def layer_names(self) -> list[str]:
-        """Every layer's name, in order."""
-        return [f"{self.prefix}.{i}" for i in range(self.dense.config.num_hidden_layers)]
+            adapter = adapter_for(self.dense)
+            raise InputError(f"no layer or sub-layer named {unknown} in this model (its layers: {self.prefix}.0 ... "
+                             f"{self.prefix}.{self.dense.config.num_hidden_layers - 1}, their sub-layers "
+                             f"{self.prefix}.N.{adapter.o} and {self.prefix}.N.{adapter.down})")
+        fixed = 0 if adapter_for(self.dense).first_layer_fixed else None
+        chosen = [units[name] for name in names]
+        whole = {i for i, kind in chosen if kind is None}
+        whole |= {i for i, kind in chosen if kind == ATTENTION and (i, FFN) in chosen and i != fixed}
+        subs = sorted({(i, kind) for i, kind in chosen if kind is not None and i not in whole})
+        return sorted(whole), subs
 
     def without(self, blocks: Sequence[str]) -> nn.Module:
-        """The dense model without the named layers."""
+        """The dense model without the named layers and sub-layers (the structure: sub-layers add zeros)."""
+        whole, subs = self._split(blocks)
         shallow = copy.deepcopy(self.dense).cpu().eval()
-        remove_layers(shallow, self._indices(blocks))
+        for index, kind in subs:
+            remove_sublayer(shallow, index, kind)
+        remove_layers(shallow, whole)
         return shallow
 
     def remove(self, blocks: Sequence[str]) -> None:
-        """From now on the named layers are removed whole when the model is pruned."""
-        self._indices(blocks)  # names checked now, not mid-job
+        """From now on the named layers and sub-layers are removed when the model is pruned."""
+        _, subs = self._split(blocks)  # names checked now, not mid-job
+        for index, kind in subs:
+            check_removable(self.dense, index, kind)
         self.removed_blocks = list(blocks)
 
     def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
@@ -474,7 +533,7 @@ class _TransformerJob:
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
                    "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
         if self.removed_blocks and not statistics:
-            options["skip"] = self._indices(self.removed_blocks)
+            options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
@@ -489,7 +548,8 @@ class _TransformerJob:
         return pruned.cpu().eval(), layers
 
     def resize(self, plan: Widths) -> nn.Module:
-        return resize_transformer(self.dense, plan, gqa=self.request.gqa, skip=self._indices(self.removed_blocks))
+        whole, subs = self._split(self.removed_blocks)
+        return resize_transformer(self.dense, plan, gqa=self.request.gqa, skip=whole, sublayers=subs)
 
     def export(self, module: nn.Module, path: Path) -> Parity:
         names = self.loaded.input_names

@@ -133,7 +133,9 @@ class KindFields:
     widths: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a transformer's kept widths
     onnx_inputs: list[str] | None = field(default=None, metadata=OPTIONAL)
     onnx_output: str | None = field(default=None, metadata=OPTIONAL)
-    removed_layers: list[str] | None = field(default=None, metadata=OPTIONAL)  # transformer layers removed whole
+    # transformer layers removed whole ("model.layers.7"), and attentions / FFNs removed alone, named by their output
+    # projection ("model.layers.7.self_attn.o_proj")
+    removed_layers: list[str] | None = field(default=None, metadata=OPTIONAL)
     sequences: int | None = field(default=None, metadata=OPTIONAL)  # text calibration windows
     sequence_length: int | None = field(default=None, metadata=OPTIONAL)
     min_sequence_length: int | None = field(default=None, metadata=OPTIONAL)

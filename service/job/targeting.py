@@ -157,11 +157,13 @@ class DepthPlan:
     options: list[DepthOption]
     aim: float  # the speedup the options were planned for
     share: float  # the latency model's share that turned the missing speedup into a width saving
+    losses: dict[str, float] = field(default_factory=dict)  # every removable unit's removal loss (the why)
 
     def to_dict(self, tried: Sequence[DepthOption] = ()) -> dict:
         """The plan as report.json's `depth`; `tried`: the options whose rounds ran, in order (re-plans)."""
         rule = ("each prefix of the greedy block order (the block whose removal changes the outputs least, one at "
-                "a time) removed and its speedup measured, the widths planned for the rest of the aim from the "
+                "a time; a transformer's layers and their attentions and FFNs alone, by that change per multiply-add "
+                "saved) removed and its speedup measured, the widths planned for the rest of the aim from the "
                 "dense loss curves; the option with the least loss (removal losses plus width losses, both relative "
                 "to the residual stream) is taken")
         return {"rule": rule, "aim": self.aim, "share": self.share, "planned": list(self.chosen.blocks),
@@ -171,7 +173,8 @@ class DepthPlan:
                              "width_loss": o.width_loss if math.isfinite(o.width_loss) else None,
                              "loss": o.loss if math.isfinite(o.loss) else None,
                              "chosen": o is self.chosen} for o in self.options],
-                "tried": [len(o.blocks) for o in tried or [self.chosen]]}
+                "tried": [len(o.blocks) for o in tried or [self.chosen]],
+                "removal_losses": dict(self.losses)}
 
     def ranked(self) -> list[DepthOption]:
         """The options by planned loss, the chosen one first: the order re-planning tries them in."""
@@ -180,9 +183,10 @@ class DepthPlan:
 
 
 def in_blocks(layer: str, blocks: Sequence[str]) -> bool:
-    """Whether a layer's curve (its unit's name) belongs to one of the removed blocks (module paths)."""
+    """Whether a layer's curve (its unit's name) belongs to one of the removed blocks (module paths), or is a
+    removed sub-layer itself (named by its output projection, the curve's own name)."""
     name = layer.removeprefix("coupled:")
-    return any(name.startswith(f"{block}.") for block in blocks)
+    return any(name == block or name.startswith(f"{block}.") for block in blocks)
 
 
 def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest, probe: ProbeGraph,
@@ -200,7 +204,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
     losses = job.removal_losses()
     options = [depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)]
     best, worse = options[0], 0
-    say(f"depth: {len(losses)} removable residual blocks; no block removed: widths remove "
+    say(f"depth: {len(losses)} removable residual blocks or sub-layers; none removed: widths remove "
         f"{options[0].width_saving:.1%} of the prunable cost, planned loss {options[0].loss:.4f}")
     chosen: list[str] = []
     for block, _ in itertools.islice(job.depth_order(), int(MAX_DEPTH_SHARE * len(losses))):
@@ -219,7 +223,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         if option.width_saving == 0 or worse >= DEPTH_PATIENCE:
             break
     say(f"depth: removing {len(best.blocks)} blocks ({', '.join(best.blocks) or 'none'}): the least planned loss")
-    return DepthPlan(best, options, aim, INITIAL_SHARE)
+    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses))
 
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,

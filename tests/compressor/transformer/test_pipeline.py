@@ -17,7 +17,9 @@ from compressor.transformer.pipeline import (
     prune_transformer,
     resize_transformer,
 )
-from compressor.transformer.surgery import head_groups, in_features, kv_index, projection, query_heads
+from compressor.transformer.refine import RefineConfig
+from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer, removed_sublayers
+from compressor.transformer.surgery import head_groups, in_features, kv_index, projection, query_heads, widths
 
 from .transformer_models import MODELS, example_inputs, first_output
 
@@ -248,7 +250,7 @@ def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_writes():
         projection(layers(model)[1], adapter.o).weight.zero_()
         projection(layers(model)[1], adapter.down).weight.zero_()
     data = batches(model, 2)
-    losses = pipeline.removal_losses(model, data)
+    losses = [loss.layer for loss in pipeline.removal_losses(model, data)]
     assert len(losses) == 2 and losses[1] == pytest.approx(0.0, abs=1e-12) and 0 < losses[0] < 10
     with torch.no_grad():  # layer 0 by hand, over the tokens that count (the attention mask's)
         hidden = model(**data[0], output_hidden_states=True).hidden_states
@@ -261,3 +263,62 @@ def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_writes():
     update += (hidden[1] - hidden[0])[mask].double().square().sum()
     stream += hidden[1][mask].double().square().sum()
     assert losses[0] == pytest.approx(float(update / stream), rel=1e-4)
+
+
+def _mean_output(model, index, path, data):
+    """The mean output of a projection over the counted tokens of the calibration batches, by hand."""
+    seen = []
+    handle = projection(layers(model)[index], path).register_forward_hook(
+        lambda _m, _i, out: seen.append(out.detach()))
+    total, count = 0, 0
+    with torch.no_grad():
+        for batch in data:
+            model(**batch)
+            rows = seen.pop()[batch["attention_mask"].bool()].double()
+            total, count = total + rows.sum(0), count + rows.shape[0]
+    handle.remove()
+    return (total / count).float()
+
+
+@pytest.mark.parametrize("kind", [ATTENTION, FFN])
+def test_a_sublayers_removal_loss_is_what_its_mean_in_its_place_changes(kind):
+    """The loss of removing layer 0's attention (or FFN) alone: the change of the block's output when that
+    sub-layer adds its calibration mean instead, relative to the output, computed here by hand."""
+    model = MODELS["llama"]()
+    path = adapter_for(model).o if kind == ATTENTION else adapter_for(model).down
+    data = batches(model, 2)
+    losses = pipeline.removal_losses(model, data)
+    assert all(loss.attention is not None and loss.ffn is not None for loss in losses)
+    without = copy.deepcopy(model)
+    remove_sublayer(without, 0, kind, _mean_output(model, 0, path, data))
+    change = stream = 0.0
+    for batch in data:
+        mask = batch["attention_mask"].bool()
+        with torch.no_grad():
+            dense = model(**batch, output_hidden_states=True).hidden_states[1][mask].double()
+            cut = without(**batch, output_hidden_states=True).hidden_states[1][mask].double()
+        change += float((dense - cut).square().sum())
+        stream += float(dense.square().sum())
+    got = losses[0].attention if kind == ATTENTION else losses[0].ffn
+    assert 0 < got < losses[0].layer * 10 and got == pytest.approx(change / stream, rel=1e-4)
+
+
+def test_sublayers_removed_while_pruning_get_their_mean_update_and_the_rest_is_solved():
+    """Layer 0's attention and layer 1's FFN removed alone, the rest pruned: the stand-ins carry the dense
+    stream's mean update (layer 1's over the dense stream after the dense layer 0), the other projections are
+    narrowed, and the pruned model has resize_transformer's structure."""
+    model = MODELS["llama"]()
+    adapter = adapter_for(model)
+    data = batches(model, 2)
+    removed = [(0, ATTENTION), (1, FFN)]
+    pruned, reports = prune_transformer(model, data, 0.5, sublayers=removed, refine=RefineConfig(steps=5))
+    assert removed_sublayers(pruned) == removed
+    assert [r.name for r in reports] == ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj"]
+    torch.testing.assert_close(layers(pruned)[0].self_attn.update, _mean_output(model, 0, adapter.o, data),
+                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(layers(pruned)[1].mlp.update, _mean_output(model, 1, adapter.down, data),
+                               rtol=1e-4, atol=1e-6)
+    assert widths(pruned) == widths(resize_transformer(model, 0.5, sublayers=removed))
+    assert torch.isfinite(first_output(pruned)).all()
+    with pytest.raises(ValueError, match="in-memory models only"):
+        prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, sublayers=[(0, FFN)])

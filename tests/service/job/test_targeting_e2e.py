@@ -93,12 +93,52 @@ def test_target_mode_end_to_end_on_a_gqa_decoder(tmp_path):
         if layer["kind"] == "ffn_neurons":
             assert layer["width_after"] in (20, 16)  # the full width or multiples of 8 above 10
     assert report["widths"]["heads"] == [r["width_after"] for r in report["layers"] if r["kind"] == "attention_heads"]
-    # whole layers were weighed (one of the two at most), and the saved model is as deep as the report says
-    assert [o["blocks"] for o in report["depth"]["options"]] == [0, 1]
-    assert report["removed_layers"] in ([], ["model.layers.0"], ["model.layers.1"])
-    kept = 2 - len(report["removed_layers"])
-    assert len(report["widths"]["heads"]) == kept
-    assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == kept
+    # whole layers and sub-layers were weighed (6 units, half of them as moves at most); the saved model is as
+    # deep as the report says
+    options = report["depth"]["options"]
+    assert [o["blocks"] for o in options] == list(range(len(options))) and 2 <= len(options) <= 4
+    removed = report["removed_layers"]
+    assert len(removed) == report["depth"]["tried"][-1]
+    whole = [name for name in removed if name.count(".") == 2]
+    assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == 2 - len(whole)
+    assert len(report["widths"]["heads"]) == 2 - len(whole)
+
+
+def test_sublayers_removed_alone_export_decode_and_reload(tmp_path):
+    """The attention of layer 0 and the FFN of layer 1 removed alone (the structure of an earlier report, as
+    --widths-from reproduces it): the model exports with a decode step that carries the one KV cache left, both
+    pass parity, the report says what went, and the saved directory reloads without them."""
+    import torch
+
+    from compressor.transformer.sublayers import ATTENTION, FFN, removed_sublayers
+    from compressor.transformer.surgery import load_pruned
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    removed = ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"]
+    earlier = {"layers": [{"name": "model.layers.0.mlp.down_proj", "width_after": 16},
+                          {"name": "model.layers.1.self_attn.o_proj", "width_after": 4}], "removed_layers": removed}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "llama"), "--widths-from", str(tmp_path / "earlier.json"),
+                     "--calibration", str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16",
+                     "--repeats", "3", "--decode-step", "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense")), report["status"]  # a toy's speed
+    assert report["removed_layers"] == removed
+    assert report["widths"]["heads"] == [0, 4] and report["widths"]["ffn"] == [16, 0]
+    assert [r["name"] for r in report["layers"]] == [e["name"] for e in earlier["layers"]]
+    assert report["artifacts"]["parity"]["peak_error"] < 1e-3
+    import onnx
+
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    assert [i.name for i in decode.graph.input] == ["input_ids", "attention_mask", "past_key_values.0.key",
+                                                    "past_key_values.0.value"]
+    reloaded = load_pruned(out / "model")
+    assert removed_sublayers(reloaded) == [(0, ATTENTION), (1, FFN)]
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(input_ids=torch.tensor([[3, 4, 5]])).logits).all()
 
 
 def test_widths_from_an_earlier_report_reproduce_its_widths_with_another_method(tmp_path):
