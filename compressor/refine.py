@@ -38,6 +38,10 @@ class RefineConfig:
     augment: bool = False  # conv graphs: fit on flipped and shifted views of the images, their targets the
     # dense graph's outputs on those views (more inputs to match the dense model on than images drawn)
     seed: int = 0  # the order of the fitting batches
+    # wall-clock allowance of one fit (a job's time budget, `service/job/pacing.py`): the fit stops at its first
+    # held-out check past it, with the best weights seen; None: the steps alone bound it. A pipeline fitting
+    # several blocks shares it out among them
+    seconds: float | None = None
 
     def __post_init__(self) -> None:
         assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
@@ -46,6 +50,7 @@ class RefineConfig:
         assert self.lr > 0, f"learning rate must be > 0 (got {self.lr})"
         assert self.check_every >= 1 and 0 < self.backoff < 1 and self.slack >= 0, (self.check_every, self.backoff,
                                                                                    self.slack)
+        assert self.seconds is None or self.seconds >= 0, f"refine seconds must be >= 0 (got {self.seconds})"
 
 
 def check_method(config: RefineConfig, method: str) -> None:
@@ -81,8 +86,8 @@ class Reconstruction:
         no fit beat them."""
         start = time.perf_counter()
         before = self.error(held_out, loss)
-        if not train or self.config.steps == 0 or before == 0.0:  # nothing to fit, or nothing to fix (a block
-            # left whole on a stream still equal to the dense one)
+        if not train or self.config.steps == 0 or before == 0.0 or self.config.seconds == 0:  # nothing to fit,
+            # nothing to fix (a block left whole on a stream still equal to the dense one), or no time to
             return RefineReport(before, before, False, 0, time.perf_counter() - start)
         best, best_weights = before, [p.detach().clone() for p in self.parameters]
         trainable = {id(p): p.requires_grad for p in self.module.parameters()}
@@ -96,6 +101,7 @@ class Reconstruction:
         optimizer = self._adam(scales, lr)
         generator = torch.Generator().manual_seed(self.config.seed)
         order: list[int] = []
+        step = 0
         try:
             for step in range(1, self.config.steps + 1):
                 if not order:  # a new pass over the fitting batches, in a seeded order
@@ -123,6 +129,8 @@ class Reconstruction:
                             p.copy_(saved)
                         lr *= self.config.backoff
                         optimizer = self._adam(scales, lr)
+                if self.config.seconds is not None and time.perf_counter() - start > self.config.seconds:
+                    break  # out of time: the steps run so far, judged
         finally:
             for p in self.module.parameters():
                 p.requires_grad_(trainable[id(p)])
@@ -130,7 +138,7 @@ class Reconstruction:
         with torch.no_grad():
             for saved, p in zip(best_weights, self.parameters, strict=True):
                 p.copy_(saved)
-        return RefineReport(before, best, best < before, self.config.steps, time.perf_counter() - start)
+        return RefineReport(before, best, best < before, step, time.perf_counter() - start)
 
     def _adam(self, scales: Sequence[float], lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam([{"params": [p], "lr": lr * scale} for p, scale in zip(self.parameters, scales,

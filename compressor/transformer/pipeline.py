@@ -343,7 +343,8 @@ def prune_blocks(
     single query head (`gqa="query-heads"`, the paper's groups) or a whole KV group ("kv-groups").
     `observe` sees each projection's statistics before its solve, with the latency-model cost of one
     group at `cost_sequence_length`. With `refine` (RefineConfig with steps > 0), each pruned block is
-    then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp").
+    then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp"); its
+    `seconds`, when set, is the allowance of all the fits, each block getting an equal share of what is left.
     `skip`: blocks removed whole (in-memory sources only): the dense stream runs through them, the pruned
     stream does not, so the blocks after one are solved and fitted against the dense model's stream (what
     the removed block wrote included); they leave the model at the end (`surgery.remove_layers`).
@@ -370,6 +371,7 @@ def prune_blocks(
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
+    fitted = 0.0  # seconds the blocks' reconstructions took so far (of `refine.seconds`)
     for i in range(d.layers):
         block = source.load(i).eval()
         stored = _to_compute(block, device)
@@ -444,7 +446,11 @@ def prune_blocks(
             del finished, stats, W_hat
         if refine.steps and solved:
             _host_ready(device)
-            fit = _refine(block, streams, refine, device)
+            share = refine
+            if refine.seconds is not None:  # the pipeline's allowance, shared by the blocks still to fit
+                share = dataclasses.replace(refine, seconds=max(0.0, refine.seconds - fitted) / (d.layers - i))
+            fit = _refine(block, streams, share, device)
+            fitted += fit.seconds
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
             emit(progress, Progress(RECONSTRUCTION, f"{prefix}.{i}", i + 1, d.layers, numbers=fit_numbers(fit)), log)
         with torch.no_grad():
@@ -521,10 +527,10 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
             if i in skip:  # removed below: the plan need not name its widths
                 continue
             for kind in KINDS:
-                if (i, kind) in sublayers:
+                if (i, kind) in sublayers:  # removed alone: the plan need not name its width either
                     remove_sublayer(resized, i, kind)
             heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
-            kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan)
+            kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan) if heads else 0
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)

@@ -92,6 +92,8 @@ def _compress(args: argparse.Namespace) -> int:
     from ..job.report_html import record_references
 
     options = compress_options(args)
+    if args.time_budget is not None:  # the job paces its reconstruction to it, as on a server
+        options["time_budget"] = args.time_budget
     given = {name: str(options[name]) for name in ("model", "calibration", "eval", "widths_from")
              if options.get(name) is not None}
     for name in ("model", "calibration", "eval"):  # embedded:<name> works locally too
@@ -241,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="idempotency key (a UUID; default: a new one): resubmitting it returns the same job")
     remote.add_argument("--label", type=label_flag, action="append", metavar="KEY=VALUE", help="a label on the job")
     remote.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="wall-clock budget of the job on the server")
+                        help="wall-clock budget of the job: its reconstruction is paced to fit it (report.json "
+                        "`pacing`); a server also ends the job past it")
     remote.add_argument("--cancel-on-interrupt", action="store_true",
                         help="Ctrl-C cancels the job on the server (default: it keeps running, and the commands "
                         "to follow, download or cancel it are printed)")

@@ -164,7 +164,9 @@ class Supervisor:
         self.feeds.publish(name, RUNNING, progress)
         self.observe()
         stage, stage_start = progress["stage"], started
-        args = WorkerArgs(name, record.spec["resolved"], record.spec["references"], str(self.home), str(work_dir),
+        # the job paces itself to its budget (`service.job.pacing`) as the supervisor enforces it
+        spec = {**record.spec["resolved"], "time_budget": record.time_budget_s}
+        args = WorkerArgs(name, spec, record.spec["references"], str(self.home), str(work_dir),
                           slot.device, os.getpid(), self.config.log_format)
         run = running.attempt = self.executor.attempt(args, slot)
         outcome: tuple[str, Any] | None = None

@@ -32,6 +32,7 @@ from exporters.runtime import Latency, RuntimeFailure, default_provider, measure
 
 from ..files import file_sha256, follow_umask, write_text_atomically
 from .kinds import ConvJob, ModelJob, Say, open_job
+from .pacing import Pace
 from .progress import render
 from .report import Report
 from .report_html import write_html
@@ -133,6 +134,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
     rounds: list[Round] = []
     baseline_metric: float | None = None
+    pace = Pace(request.time_budget)  # started with the job: the budget counts from here
     try:
         enter("baseline", 0)
         held = job.held_out
@@ -167,7 +169,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
 
         def run_round(plan: Widths, index: int, predicted: float | None = None) -> Round:
             enter("prune", index)
-            module, layers = job.prune(plan)
+            module, layers = job.prune(plan, fit_seconds=pace.fit_seconds(index))
             enter("measure", index)
             # one folder per round: the file keeps its final name, so the external data it references over
             # 2 GB (model.onnx.data) stays valid when moved
@@ -241,6 +243,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)
+        report.pacing = pace.to_dict({i: _fits(r.layers) for i, r in enumerate(rounds)})
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
                 follow_umask(path)
@@ -311,6 +314,12 @@ def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[
         say(warning(f"the unrounded uniform widths ({', '.join(map(str, odd[:6]))}{' ...' if len(odd) > 6 else ''}) "
             f"measured slower than dense ({result.latency.speedup:.3f}x); --round-to {ROUND_TO} rounds them to "
             "hardware-friendly multiples"))
+
+
+def _fits(layers: list[LayerReport]) -> dict[str, float]:
+    """A round's reconstruction in sum: the steps its fits ran and the seconds they took."""
+    fits = [r.refine for r in layers if r.refine is not None]
+    return {"fit_steps": sum(f.steps for f in fits), "fit_s": round(sum(f.seconds for f in fits), 1)}
 
 
 def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:

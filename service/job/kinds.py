@@ -122,9 +122,11 @@ class ModelJob(Protocol):
     params_before: int
     held_out: HeldOut  # how the evaluation inputs were set apart from the calibration inputs
 
-    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
-        layer's statistics before its solve (the dense curves pass prunes nothing)."""
+        layer's statistics before its solve (the dense curves pass prunes nothing); `fit_seconds`: what the
+        reconstruction may spend in all (a time budget's pacing; None: its steps alone bound it)."""
         ...
 
     def resize(self, plan: Widths) -> nn.Module:
@@ -311,10 +313,11 @@ class ConvJob:
         say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
             f"images, method {request.method}")
 
-    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: nothing to reconstruct either
         progress = _relay(statistics, self.say)
-        refine = graph_config(0 if statistics else self.refine_steps)
+        refine = dataclasses.replace(graph_config(0 if statistics else self.refine_steps), seconds=fit_seconds)
         # the statistics (curves and solves) from the first STATISTICS_IMAGES of the draw, the fit from all
         return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observe,
@@ -524,14 +527,16 @@ class _TransformerJob:
             check_removable(self.dense, index, kind)
         self.removed_blocks = list(blocks)
 
-    def prune(self, plan: Widths, observe: Observe | None = None) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: no block to reconstruct either
         progress = _relay(statistics, self.say)
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS))}
+                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS),
+                                          seconds=fit_seconds)}
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:

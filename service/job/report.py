@@ -185,6 +185,7 @@ class Report:
     parity: ParityFailure | None = field(default=None, metadata=OPTIONAL)  # status parity_failed
     evaluation_failure: EvaluationFailure | None = field(default=None, metadata=OPTIONAL)  # status evaluation_failed
     references: dict[str, str] | None = field(default=None, metadata=OPTIONAL)  # the references as the user gave them
+    pacing: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # the time budget's pacing (`pacing.Pace`)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:

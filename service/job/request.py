@@ -57,6 +57,8 @@ LOCAL_ONLY = {
     "home": "the server's own $OSSCAR_HOME",
     "trust_remote_code": "granted per model directory by the server's policy, never by the request",
     "normalise": "a research knob of the target mode (bench/speedup.py); jobs use the default",
+    "time_budget": "the submission's time_budget (CompressRequest.time_budget on the wire), which the supervisor "
+                   "also enforces",
 }
 # The exactly-one-of group of the run mode (a proto oneof, a required mutually exclusive CLI group).
 MODES = ("target_speedup", "uniform_ratio", "widths_from")
@@ -165,6 +167,9 @@ class CompressRequest:
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
                                    "$OSSCAR_HOME/curves")
     home: Path | None = option(help="where caches live (default $OSSCAR_HOME, else ~/.osscar)", cli=False)
+    # the job's time budget in seconds (the server's time_budget, the CLI's --time-budget): each round's
+    # reconstruction is paced to fit what is left (`pacing`)
+    time_budget: float | None = option(help="seconds the job may take", cli=False)
     trust_remote_code: bool = option(False, "run a Hugging Face model's own code", cli=False)
 
     @property
@@ -239,6 +244,8 @@ class CompressRequest:
         check(self.threads is None or 1 <= self.threads <= 1024, "threads",
               f"--threads must be in [1, 1024] (got {self.threads})")
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
+        check(self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0), "time_budget",
+              f"--time-budget must be a positive number of seconds (got {self.time_budget})")
         check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
               f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
         check(not (self.no_accuracy_budget and self.accuracy_budget is not None), "accuracy_budget",

@@ -319,6 +319,9 @@ def test_sublayers_removed_while_pruning_get_their_mean_update_and_the_rest_is_s
     torch.testing.assert_close(layers(pruned)[1].mlp.update, _mean_output(model, 1, adapter.down, data),
                                rtol=1e-4, atol=1e-6)
     assert widths(pruned) == widths(resize_transformer(model, 0.5, sublayers=removed))
+    # a plan by name need not name the removed sub-layers (their curves left the allocation)
+    plan = {r.name: r.width_after for r in reports}
+    assert widths(resize_transformer(model, plan, sublayers=removed)) == widths(pruned)
     assert torch.isfinite(first_output(pruned)).all()
     with pytest.raises(ValueError, match="in-memory models only"):
         prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, sublayers=[(0, FFN)])

@@ -86,6 +86,30 @@ def test_the_fit_lowers_the_held_out_error_and_only_touches_the_block_weights():
     assert all(p.grad is None for p in block.parameters())
 
 
+def test_a_fit_with_an_allowance_stops_at_its_first_check_past_it_with_the_best_weights():
+    """A time budget's allowance (`seconds`) ends the fit at the held-out check after it runs out: fewer steps
+    than asked, a multiple of the check interval, the best weights kept; an allowance of 0 fits nothing."""
+    block, fit, judge, _ = _block_problem(steps=100_000)
+    result = BlockReconstruction(block, RefineConfig(steps=100_000, seconds=0.3)).fit(fit, judge, run)
+    assert 0 < result.steps < 100_000 and result.steps % 10 == 0 and result.seconds < 10
+    assert result.kept and result.after < result.before
+    assert result.after == pytest.approx(BlockReconstruction(block, RefineConfig()).error(judge, run), rel=1e-5)
+    block, fit, judge, _ = _block_problem(steps=5)
+    nothing = BlockReconstruction(block, RefineConfig(steps=50, seconds=0.0)).fit(fit, judge, run)
+    assert nothing.steps == 0 and not nothing.kept and nothing.after == nothing.before
+
+
+def test_a_pipelines_allowance_is_shared_by_its_blocks():
+    """prune_transformer's fits share `seconds`: with 0 none runs a step; with time to spare every block runs
+    its steps."""
+    model = MODELS["llama"]()
+    data = batches(model)
+    _, starved = prune_transformer(model, data, 0.5, refine=RefineConfig(steps=10, seconds=0.0))
+    _, ample = prune_transformer(model, data, 0.5, refine=RefineConfig(steps=10, seconds=600.0))
+    assert [r.refine.steps for r in starved[1::2]] == [0, 0]
+    assert [r.refine.steps for r in ample[1::2]] == [10, 10]
+
+
 def test_trainable_norms_move_with_the_weights():
     block, fit, judge, _ = _block_problem(steps=20)
     norm = block.input_layernorm.weight.detach().clone()

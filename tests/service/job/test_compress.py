@@ -330,8 +330,8 @@ def _damaging(monkeypatch) -> None:
 
     real = kinds.ConvJob.prune
 
-    def prune(self, plan, observe=None):
-        module, layers = real(self, plan, observe)
+    def prune(self, plan, observe=None, fit_seconds=None):
+        module, layers = real(self, plan, observe, fit_seconds)
         if observe is None:  # a round, not the dense statistics pass
             gen = torch.Generator().manual_seed(0)
             with torch.no_grad():
@@ -624,10 +624,12 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     out = tmp_path / "out"
     code = cli.main(["compress", str(tmp_path / family), "--uniform-ratio", "0.25", "--calibration",
                      str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16", "--repeats", "3",
-                     "--accuracy-budget", "none", "--out", str(out)])
+                     "--accuracy-budget", "none", "--time-budget", "600", "--out", str(out)])
     report = json.loads((out / "report.json").read_text())
     assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
     assert report["params_after"] < report["params_before"] and report["block_reconstruction"]["blocks"] == 2
+    # a local job paces itself to --time-budget too: an ample one, the fits ran every step (50 per block)
+    assert report["pacing"]["time_budget_s"] == 600 and report["pacing"]["rounds"][0]["fit_steps"] <= 100
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3
 
 

@@ -313,6 +313,33 @@ def test_depth_is_chosen_by_the_least_planned_loss_of_depth_and_width(loss, remo
     assert lines[-1].startswith(f"depth: removing {removed} blocks")
 
 
+def test_long_depth_orders_are_weighed_at_prefix_lengths_about_1_5x_apart():
+    """A transformer's depth order holds 3 units a layer: the prefixes weighed (each a probe) are those of
+    DEPTH_SIZES, not every one."""
+
+    class ManyUnits(FakeDepthJob):
+        def depth_order(self):
+            for i in range(40):
+                yield f"b{i}", 0.0
+
+        def removal_losses(self):
+            return {f"b{i}": 1e-6 * i for i in range(40)}
+
+    probed = []
+
+    def probe(blocks):
+        probed.append(len(blocks))
+        return depth_probe(blocks)  # 5 % saved a unit: 16 units reach the aim (3.09x) alone
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=3.0)
+    # fine curves: each unit removed spares some width loss, so every option is better than the one before
+    curves = [LayerCurve(f"c{i}.conv", "conv_channels", list(range(64, 0, -1)), [0.01 * k for k in range(64)],
+                         cost=1.0) for i in range(6)]
+    plan = plan_depth(ManyUnits(0.0), curves, request, probe, lambda m: None)
+    assert probed == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert [len(o.blocks) for o in plan.options] == [0, *probed]
+
+
 def test_depth_search_stops_once_blocks_alone_reach_the_aim():
     request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.05)
     plan = plan_depth(FakeDepthJob(0.0), fake_depth_curves(), request, depth_probe, lambda m: None)

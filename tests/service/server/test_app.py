@@ -87,7 +87,7 @@ def test_compress_a_real_model_end_to_end_through_the_cli_client(server, shared_
                      "--calibration", str(shared_data / "cifar10/train_prefix_5085.npz"), "--samples", "64",
                      "--repeats", "3", "--mean", "0.4914,0.4822,0.4465", "--std", "0.247,0.243,0.261",
                      "--accuracy-budget", "none",  # a uniform 0.5 keeps cosine 0.86: below the default budget
-                     "--server", server.address, "--label", "suite=e2e", "--out", str(out)])
+                     "--server", server.address, "--label", "suite=e2e", "--time-budget", "900", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "12/12" in captured.err and "prune" in captured.err  # the progress bar from the watch stream
@@ -97,6 +97,10 @@ def test_compress_a_real_model_end_to_end_through_the_cli_client(server, shared_
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and report["params_after"] < report["params_before"]
     assert report["accuracy_budget"] is None  # `none` travelled to the server
+    # so did the time budget, to the job, which paced its reconstruction by it
+    pacing = report["pacing"]
+    assert pacing["time_budget_s"] == 900 and [r["round"] for r in pacing["rounds"]] == [0]
+    assert 0 < pacing["rounds"][0]["fit_allowance_s"] < 0.25 * 900 and pacing["rounds"][0]["fit_steps"] == 300
     session = ort.InferenceSession(str(out / "model.onnx"))
     assert session.run(None, {session.get_inputs()[0].name: np.zeros((2, 3, 32, 32), np.float32)})[0].shape == (2, 10)
     # provenance: what went in, what was kept, what came out

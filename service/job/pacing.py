@@ -1,0 +1,62 @@
+"""A job's time budget (the request's `time_budget`: the server's, or the CLI's --time-budget): what each
+round's reconstruction may spend of the time left.
+
+The server kills a job past its budget and keeps nothing of it, so a job that knows its budget must pace
+itself. Of the stages, the reconstruction is the one whose length is a choice (its steps: Adam steps per
+block or for the whole graph); the statistics pass, the depth plan, the solves, the exports and the
+evaluation take what they take. So each round's fit gets an allowance (`RefineConfig.seconds`), which it
+stops at with the best weights seen, and report.json's `pacing` says what each round was allowed, what
+it left, and the steps its fits ran.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# of the budget, what the job plans to use: saving the artifacts, report.html and the worker's start come after
+USABLE = 0.9
+# of the time left when a round starts, what its fit may spend: the round's solves, export, measurement and
+# evaluation need about as much again, and a next round (the target missed, or a re-plan) half of what is left
+# then; a round that spends half of the time left leaves the next one the same share
+FIT_SHARE = 0.25
+
+
+@dataclass
+class Pace:
+    """The clock of one job against its budget (None: no budget, nothing is paced)."""
+
+    budget: float | None  # seconds
+    start: float = field(default_factory=time.perf_counter)
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # what each round was allowed (report.json)
+
+    def __post_init__(self) -> None:
+        assert self.budget is None or self.budget > 0, self.budget
+
+    def left(self) -> float | None:
+        """Seconds of the usable budget left (negative once past it); None without a budget."""
+        if self.budget is None:
+            return None
+        return USABLE * self.budget - (time.perf_counter() - self.start)
+
+    def fit_seconds(self, index: int) -> float | None:
+        """Round `index`'s reconstruction allowance (recorded for the report): FIT_SHARE of the time left, 0
+        once none is; None without a budget."""
+        left = self.left()
+        if left is None:
+            return None
+        allowance = max(0.0, FIT_SHARE * left)
+        self.rounds.append({"round": index, "left_s": round(left, 1), "fit_allowance_s": round(allowance, 1)})
+        return allowance
+
+    def to_dict(self, fits: dict[int, dict[str, float]]) -> dict[str, Any] | None:
+        """report.json `pacing`: the budget, and per round its allowance and what its fits did (`fits`: round ->
+        {"steps": steps run in all, "seconds": seconds the fits took})."""
+        if self.budget is None:
+            return None
+        rule = (f"each round's reconstruction may spend {FIT_SHARE:.0%} of the time left of {USABLE:.0%} of the "
+                "budget when the round starts, shared among its blocks; it stops at its first held-out check past "
+                "that, keeping the best weights seen")
+        return {"time_budget_s": self.budget, "rule": rule,
+                "rounds": [{**r, **fits.get(r["round"], {})} for r in self.rounds]}
