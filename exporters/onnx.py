@@ -356,17 +356,21 @@ def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: str | Path, *,
                        opset: int = 18, max_length: int = 4096) -> Path:
-    """Export a causal LM's decode step with past key/values (dynamic batch and past length); input and
-    output names follow the optimum convention (past_key_values.N.key / present.N.value); N counts the layers
-    that keep an attention (a removed one keeps no cache)."""
+    """Export a causal LM's decode step with past key/values: any batch, any number of new tokens, any past
+    length from 0 (so one graph prefills a prompt from an empty cache and decodes token by token, as ONNX
+    Runtime GenAI runs it); the attention mask spans past and new tokens. Input and output names follow the
+    optimum convention (past_key_values.N.key / present.N.value); N counts the layers that keep an attention
+    (a removed one keeps no cache)."""
     layers = kv_layers(model)
-    past_len = example_ids.shape[1] - 1
-    if past_len < 1:
-        raise ValueError("the example needs at least 2 tokens (a past and a step)")
+    past_len = example_ids.shape[1] - 2  # two new tokens, so the export does not specialise the step to one
+    if past_len < 2:
+        raise ValueError("the example needs at least 4 tokens (a past and a step of two, neither traced as 1)")
     past = _past_of(model, example_ids[:, :past_len])
     mask = torch.ones_like(example_ids)
-    batch, length = torch.export.Dim("batch"), torch.export.Dim("past", min=1, max=max_length)
-    dynamic = ({0: batch}, {0: batch, 1: length + 1}, tuple({0: batch, 2: length} for _ in past))
+    batch = torch.export.Dim("batch")
+    step, length = torch.export.Dim("sequence", min=1, max=max_length), torch.export.Dim("past", min=0, max=max_length)
+    total = torch.export.Dim("total", min=1, max=2 * max_length)  # past + sequence
+    dynamic = ({0: batch, 1: step}, {0: batch, 1: total}, tuple({0: batch, 2: length} for _ in past))
     inputs, outputs = decode_step_names(layers)
     # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
     # both compute the same attention. Pruned query heads keep their gathered attention (eager's repeat_kv
@@ -383,8 +387,14 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
 
 
 def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Tensor, *,
-                        tolerance: ParityTolerance = PARITY_TOLERANCES["fp32"]) -> Parity:
-    """The exported decode step against the model's own next-token logits after `ids[:, :-1]`."""
-    past = _past_of(model, ids[:, :-1])
+                        tolerance: ParityTolerance = PARITY_TOLERANCES["fp32"], new: int = 1) -> Parity:
+    """The exported decode step against the model's own logits of the last `new` tokens of `ids` after the
+    cache of the ones before (all of them: a prefill from an empty cache)."""
+    past = _past_of(model, ids[:, :-new]) if new < ids.shape[1] else _empty_past(model, ids)
     step = _DecodeStep(model.eval(), kv_layers(model)).eval()
-    return check_parity(step, path, (ids[:, -1:], torch.ones_like(ids), *past), tolerance=tolerance)
+    return check_parity(step, path, (ids[:, -new:], torch.ones_like(ids), *past), tolerance=tolerance)
+
+
+def _empty_past(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each cached layer's key and value with no position yet: (batch, its KV heads, 0, head size)."""
+    return [t[:, :, :0] for t in _past_of(model, ids[:, :1])]

@@ -27,6 +27,7 @@ from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.progress import WARNING, Progress, ProgressFn, note, warning
 from compressor.reports import LayerReport
+from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 # what an export that does not match PyTorch, or that ONNX Runtime cannot run, raises
 EXPORT_FAILURES = (ParityError, RuntimeFailure)
 # what a job writes into --out beside report.json; none of it may outlive a parity_failed job there
-EXPORT_FILES = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "report.html")
+EXPORT_FILES = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "genai_config.json", "report.html")
 
 
 class _ExportFailed(Exception):
@@ -249,7 +250,9 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                 follow_umask(path)
                 os.replace(path, out / path.name)
             report.artifacts.decode_step = {"path": "decode.onnx", "parity_max_abs_error": decode_parity.max_abs_error,
-                                            "parity": dataclasses.asdict(decode_parity)}
+                                            "parity": dataclasses.asdict(decode_parity),
+                                            # ONNX Runtime GenAI generates from the job's directory
+                                            "genai_config": GENAI_CONFIG if (out / GENAI_CONFIG).is_file() else None}
         if status == "slower_than_dense":
             say(warning(f"the pruned model measured slower than dense ({chosen.latency.speedup:.3f}x < {MET}x)"))
         assert report.measured is not None

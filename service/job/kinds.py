@@ -63,6 +63,7 @@ from compressor.transformer.pipeline import (
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
 from compressor.transformer.surgery import in_features, load_pruned, projection, remove_layers, widths
+from exporters.genai import GENAI_TYPES, genai_type, write_genai_config
 from exporters.onnx import (
     PARITY_TOLERANCES,
     Parity,
@@ -633,7 +634,16 @@ class TextJob(_TransformerJob):
         ids = self.batches[0]["input_ids"][:2, :8].clone()
         module = in_precision(module, "fp32")  # the decode step computes in float32 (a bf16 model upcast)
         export_decode_step(module, ids, path, opset=self.request.opset)
-        return check_decode_parity(module, path, ids)
+        # a step of one token after a cache, and a prompt's prefill from an empty one: how generation runs it
+        step, prefill = check_decode_parity(module, path, ids), check_decode_parity(module, path, ids, new=8)
+        if genai_type(module) is not None:  # ONNX Runtime GenAI generates from the job's directory as it is
+            write_genai_config(module, path.parent, path.name)
+            if self.loaded.tokenizer is not None:
+                self.loaded.tokenizer.save_pretrained(path.parent)
+        else:
+            self.say(f"decode.onnx: ONNX Runtime GenAI's configuration is written for {', '.join(sorted(GENAI_TYPES))} "
+                     f"only (tested to generate PyTorch's greedy tokens), not {module.config.model_type}")
+        return max(step, prefill, key=lambda parity: parity.max_abs_error)
 
     def latency_feed(self) -> dict[str, np.ndarray]:
         batch, seq = self.shape["batch"], self.shape["sequence"]

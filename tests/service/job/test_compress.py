@@ -510,16 +510,37 @@ def test_eval_images_that_repeat_calibration_images_are_dropped(model_and_data, 
 
 def test_a_real_lm_pruned_past_twice_its_perplexity_is_not_ok(shared_data, tmp_path, capsys):
     """stories260K (trained) at a uniform 0.5: perplexity ~4.4 -> ~30 on held-out stories; the default
-    budget (2x dense) ends the job instead of reporting it ok."""
+    budget (2x dense) ends the job instead of reporting it ok. Its decode step and genai_config.json, as the job
+    writes them, make ONNX Runtime GenAI generate 64 tokens from a story's first 8, exactly the greedy tokens of
+    the pruned model in PyTorch (query heads pruned one by one: layers with different KV head counts)."""
+    import onnxruntime_genai as og
+
+    from compressor.transformer.surgery import load_pruned
+
     model = shared_data / "stories260K"
     out = tmp_path / "out"
     assert cli.main(["compress", str(model), "--uniform-ratio", "0.5", "--calibration",
                      str(model / "tinystories-valid-tokens.npz"), "--out", str(out), "--sequences", "16",
-                     "--sequence-length", "64", "--shape", "batch=1,sequence=64", "--repeats", "3"]) == 2
+                     "--sequence-length", "64", "--shape", "batch=1,sequence=64", "--repeats", "3",
+                     "--decode-step"]) == 2
     report = json.loads((out / "report.json").read_text())
     metric = report["metric"]
     assert report["status"] == "accuracy_budget_exceeded" and metric["compressed"] > 2 * metric["baseline"]
     assert "perplexity at most 2x dense" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert report["artifacts"]["decode_step"]["genai_config"] == "genai_config.json"
+    tokens = np.load(model / "tinystories-valid-tokens.npz")
+    prompt = [int(t) for t in tokens["ids"][tokens["offsets"][200]:][:8]]
+    generator_model = og.Model(str(out))
+    params = og.GeneratorParams(generator_model)
+    params.set_search_options(max_length=len(prompt) + 64)
+    generator = og.Generator(generator_model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    pruned = load_pruned(out / "model")
+    with torch.no_grad():
+        greedy = pruned.generate(torch.tensor([prompt]), max_length=len(prompt) + 64, do_sample=False).tolist()[0]
+    assert [int(t) for t in generator.get_sequence(0)] == greedy and len(greedy) > len(prompt) + 16
 
 
 def _slower(monkeypatch, speedup: float = 0.72) -> None:

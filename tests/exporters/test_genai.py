@@ -1,0 +1,63 @@
+"""ONNX Runtime GenAI generates with our decode step and the configuration we write."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from compressor.transformer.sublayers import ATTENTION, remove_sublayer
+from compressor.transformer.surgery import prune_query_heads
+from exporters.genai import CONFIG, genai_config, write_genai_config
+from exporters.onnx import check_decode_parity, export_decode_step
+from tests.compressor.transformer.transformer_models import MODELS
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a dev dependency")
+
+
+def generate(directory, prompt: list[int], length: int) -> list[int]:
+    """GenAI's greedy tokens: the prompt prefilled at once, then one token at a time."""
+    model = og.Model(str(directory))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=length)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)]
+
+
+def torch_greedy(model, prompt: list[int], length: int) -> list[int]:
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_length=length, do_sample=False, eos_token_id=None,
+                              pad_token_id=0).tolist()[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3"])
+def test_genai_generates_the_greedy_tokens_of_a_pruned_model(name, tmp_path):
+    """Query heads pruned unevenly (layers with different KV head counts) and layer 1's attention removed (one
+    cache fewer): GenAI, from a 5-token prompt, generates exactly PyTorch's greedy tokens."""
+    model = MODELS[name]()
+    model.config.eos_token_id = None  # a random model would stop anywhere
+    prune_query_heads(model, 0, [0, 1, 3])
+    remove_sublayer(model, 1, ATTENTION)
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    export_decode_step(model, ids, tmp_path / "decode.onnx")
+    write_genai_config(model, tmp_path)
+    config = json.loads((tmp_path / CONFIG).read_text())["model"]["decoder"]
+    assert config["num_hidden_layers"] == 1 and config["filename"] == "decode.onnx"
+    prompt = [5, 7, 9, 11, 13]
+    assert generate(tmp_path, prompt, 24) == torch_greedy(model, prompt, 24)
+
+
+def test_the_decode_step_prefills_from_an_empty_cache_and_steps_several_tokens(tmp_path):
+    model = MODELS["llama"]()
+    ids = torch.randint(3, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+    export_decode_step(model, ids, tmp_path / "decode.onnx")
+    for new in (1, 3, 10):  # a step, a few tokens after a cache, a whole prompt from nothing
+        assert check_decode_parity(model, tmp_path / "decode.onnx", ids, new=new).max_abs_error < 1e-4
+
+
+def test_families_genai_was_not_tested_with_are_refused():
+    with pytest.raises(ValueError, match="not supported for 'gpt2'"):
+        genai_config(MODELS["gpt2"]())
