@@ -42,7 +42,7 @@ def _clip(text: str, limit: int) -> str:
 def status_of(err: errors.ServiceError) -> status_pb2.Status:
     """AIP-193: the code and details for a domain error (echoed input clipped)."""
     def packed(code: int, message: str, *details) -> status_pb2.Status:
-        status = status_pb2.Status(code=code, message=_clip(message, 600))
+        status = status_pb2.Status(code=code, message=_clip(message, 1100))
         for detail in details:
             status.details.add().Pack(detail)
         return status
@@ -53,8 +53,10 @@ def status_of(err: errors.ServiceError) -> status_pb2.Status:
                                                         description=_clip(api_description(v.description), 300))
             for v in err.violations[:MAX_VIOLATIONS]])
         more = len(err.violations) - MAX_VIOLATIONS
-        message = _clip("; ".join(f"{api_field(v.field)}: {_clip(api_description(v.description), 120)}"
-                                  for v in err.violations[:MAX_VIOLATIONS]), 500)
+        # each violation whole as its detail keeps it (a client that reads only the message, such as one built
+        # by reflection, gets the line a user can act on), the list clipped
+        message = _clip("; ".join(f"{api_field(v.field)}: {_clip(api_description(v.description), 300)}"
+                                  for v in err.violations[:MAX_VIOLATIONS]), 1000)
         message += f"; and {more} more" if more > 0 else ""
         return packed(code_pb2.INVALID_ARGUMENT, message, bad)
     if isinstance(err, errors.NotFound):

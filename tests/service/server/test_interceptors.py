@@ -45,6 +45,14 @@ def test_echoed_input_is_clipped_under_the_trailer_limit():
     assert "and 54 more" in status_of(many).message
 
 
+def test_a_violation_of_a_few_hundred_characters_is_whole_in_the_message():
+    """A client that reads only the status message (one built by reflection) gets each refusal's whole line,
+    not a cut one; the BadRequest detail carries the same."""
+    why = "--decode-step: " + "gemma2's sliding-window layers keep a window of keys in their cache " * 3
+    status = status_of(errors.InvalidArgument([errors.FieldViolation("decode_step", why.strip())]))
+    assert api_description(why.strip()) in status.message and len(status.message) > 200
+
+
 class _Failing(grpc.GenericRpcHandler):
     def service(self, details):
         async def boom(request, context):
