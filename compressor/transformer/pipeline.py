@@ -387,7 +387,7 @@ def prune_blocks(
             source.store(i)
             continue
         # the residual stream this block's projections add to, over the counted tokens
-        stream_energy = 0.5 * stream_energy_of([_rows(s.hidden, s).square().sum(1) for s in streams])  # CPU
+        stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         solved = False  # whether a projection of this block was solved (what a reconstruction fits)
         for kind, path, norm in ((ATTENTION, adapter.o, adapter.o_norm), (FFN, adapter.down, adapter.down_norm)):
@@ -587,13 +587,13 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
                     continue
                 update = _mean_update(block, path, streams, device, False, activation_dtype) if compensate else None
                 kinds.append((kind, update))
-        outputs, norms, update_energy = [], [], 0.0
+        outputs, stream, update_energy = [], 0.0, 0.0
         for s in streams:
             out = _run(block, s.hidden, s, device)
             update_energy += float(_rows(out - s.hidden.to(out), s).square().sum())
-            norms.append(_rows(out, s).square().sum(1).cpu())
+            stream += float(_rows(out, s).square().sum())
             outputs.append(_offload(out, activation_dtype))  # the next block's input; compared with below
-        stream = max(stream_energy_of(norms), 1e-30)
+        stream = max(stream, 1e-30)
         alone: dict[str, float] = {}
         for kind, update in kinds:
             with sublayer_removed(model, i, kind, update):
@@ -609,25 +609,6 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
         block.to("cpu", stored)
         losses.append(RemovalLoss(update_energy / stream, alone.get(ATTENTION), alone.get(FFN)))
     return losses
-
-
-# a token's share of the residual stream's energy is at most this many times the median token's
-STREAM_CLIP = 10.0
-
-
-def stream_energy_of(norms: Sequence[Tensor]) -> float:
-    """The residual stream's energy as its typical tokens carry it: sum over tokens of min(||h_t||^2,
-    STREAM_CLIP x the median ||h_t||^2), from each batch's per-token squared norms.
-
-    Layer losses and removal losses are relative to this (what an error is felt against: the next norm divides
-    each token by its own norm). A few tokens with massive activations would otherwise own it: SmolLM2-135M
-    from layer 12 on carries one token at ~31,000x the median token's squared norm, ~200x the whole stream of
-    the others, so every error in those layers looked 200x smaller than it is and the allocation pruned them
-    to 16 % of their FFN. Without such tokens the clip changes little (at most ~2.8x in SmolLM2's first 12)."""
-    flat = torch.cat([n.reshape(-1).double().cpu() for n in norms])
-    if flat.numel() == 0:
-        return 0.0
-    return float(flat.clamp(max=STREAM_CLIP * float(flat.median())).sum())
 
 
 def _release_memory() -> None:
