@@ -38,7 +38,7 @@ def test_a_failed_jobs_report_has_no_measurements():
 def test_every_field_of_the_record_is_in_its_json():
     """A new field is one field: declared, it is written (and read back) with nothing else to change."""
     full = report(kind=KindFields(**{f.name: 1 for f in dataclasses.fields(KindFields)}),
-                  references={"model": "embedded:m"})
+                  references={"model": "embedded:m"}, pacing={"time_budget_s": 60.0, "rounds": []})
     data = full.to_json()
     for record in (Report, KindFields, type(full.measured)):
         names = {f.name for f in dataclasses.fields(record)} - {"measured", "kind", "parity", "evaluation_failure"}
