@@ -485,12 +485,13 @@ class _TransformerJob:
 
     def _unit_costs(self) -> dict[str, float]:
         """Each depth unit's multiply-adds per token at the measured sequence length (the latency model's)."""
-        d, adapter = dims(self.dense), adapter_for(self.dense)
+        adapter = adapter_for(self.dense)
+        attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1)) * dims(self.dense).heads  # every layer's
+        neuron = group_cost(self.dense, FFN, 1)
         costs = {}
         for name, (i, kind) in self._units().items():
-            ffn = in_features(projection(layers(self.dense)[i], adapter.down))
-            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1)) * d.heads
-            sublayer = {ATTENTION: attention, FFN: group_cost(self.dense, FFN, 1) * ffn}
+            ffn = neuron * in_features(projection(layers(self.dense)[i], adapter.down))
+            sublayer = {ATTENTION: attention, FFN: ffn}
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs
 
