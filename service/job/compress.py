@@ -27,6 +27,7 @@ from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.progress import WARNING, Progress, ProgressFn, note, warning
 from compressor.reports import LayerReport
+from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
@@ -230,6 +231,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         else:
             _uniform_round(request, job, run_round, say)
         chosen, status = choose(request, rounds, job.metric, baseline_metric)
+        graphs = _graphs(dense_onnx, chosen, feed, provider, request, say)
         decode = None
         if request.decode_step:  # before anything is saved: a failing decode step leaves no model.onnx
             say("exporting the decode step (decode.onnx)")
@@ -257,6 +259,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             say(warning(f"the pruned model measured slower than dense ({chosen.latency.speedup:.3f}x < {MET}x)"))
         assert report.measured is not None
         report.measured.warnings = warnings
+        report.measured.onnx_graph = graphs
         write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
@@ -323,6 +326,29 @@ def _fits(layers: list[LayerReport]) -> dict[str, float]:
     """A round's reconstruction in sum: the steps its fits ran and the seconds they took."""
     fits = [r.refine for r in layers if r.refine is not None]
     return {"fit_steps": sum(f.steps for f in fits), "fit_s": round(sum(f.seconds for f in fits), 1)}
+
+
+def _graphs(dense_onnx: Path, chosen: Round, feed: dict, provider: str, request: CompressRequest,
+            say: Say) -> dict | None:
+    """The graphs the speedup compares (their ONNX Runtime fusions), and both timed as exported: report.json
+    `measured.onnx_graph`. None for a kind whose exports are not fused (conv graphs)."""
+    if chosen.onnx is None:
+        return None
+    dense, compressed = fusion_of(dense_onnx), fusion_of(chosen.onnx)
+    if dense is None or compressed is None:
+        return None
+    graphs: dict = {"dense": dense.to_json(), "compressed": compressed.to_json(), "as_exported": None}
+    plain_dense, plain = unfused_path(dense_onnx), unfused_path(chosen.onnx)
+    if plain_dense.is_file() and plain.is_file():
+        say("timing the dense and the returned model as exported, without ONNX Runtime's fused kernels")
+        try:
+            raw = measure_latency(plain_dense, plain, feed, provider=provider, threads=request.threads,
+                                  repeats=request.repeats)
+            graphs["as_exported"] = {"baseline_ms": raw.baseline_ms, "compressed_ms": raw.compressed_ms,
+                                     "speedup": raw.speedup}
+        except RuntimeFailure as err:  # the shipped graphs were measured; these figures are for comparison only
+            say(warning(f"the graphs as exported could not be timed: {err}"))
+    return graphs
 
 
 def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:

@@ -117,6 +117,10 @@ class Measured:
     block_reconstruction: dict[str, Any] | None  # the fits in sum (steps, blocks, blocks_kept, seconds)
     eval: str | None  # the --eval reference as the job saw it
     warnings: list[str] = field(default_factory=list)
+    # the ONNX graphs timed (transformers): each graph's ONNX Runtime fusions (exporters.fusion.Fusion.to_json:
+    # "dense" and "compressed"), and "as_exported": the same two graphs timed as the exporter wrote them
+    # (baseline_ms, compressed_ms, speedup). The speedup above is the fused graphs'.
+    onnx_graph: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

@@ -338,6 +338,9 @@ def _outputs(report: Report) -> list[tuple[str, Any]]:
     if artifacts.onnx:
         rows.append(("ONNX model", f"<code>{_e(artifacts.onnx)}</code> (parity with PyTorch checked: peak error "
                                    f"{_num((artifacts.parity or {}).get('peak_error'), 2)})"))
+    graph = report.measured.onnx_graph if report.measured is not None else None
+    if graph:
+        rows.append(("ONNX Runtime fusions", _fusion_words(graph)))
     model = artifacts.model
     if model == "model/":
         rows.append(("pruned model", "<code>model/</code>, a Hugging Face directory that transformers loads by "
@@ -352,6 +355,23 @@ def _outputs(report: Report) -> list[tuple[str, Any]]:
         before, after = report.params_before, report.measured.params_after
         rows.append(("parameters", f"{before:,} → {after:,} ({1 - after / before:.1%} fewer)"))
     return rows
+
+
+def _fusion_words(graph: dict) -> str:
+    """Which fused kernels the shipped graph and the dense baseline use, and the speedup as exported."""
+    def words(entry: dict) -> str:
+        if entry.get("fallback"):
+            return f"none ({_e(entry['fallback'])})"
+        fused = entry.get("fusions") or {}
+        return ", ".join(f"{_e(name)} {count}" for name, count in fused.items()) or "none"
+
+    text = (f"model.onnx: {words(graph['compressed'])}; the dense baseline it was timed against: "
+            f"{words(graph['dense'])}")
+    raw = graph.get("as_exported")
+    if raw:
+        text += (f". Both as exported, unfused: {raw['baseline_ms']:.2f} ms → {raw['compressed_ms']:.2f} ms "
+                 f"({raw['speedup']:.2f}x)")
+    return text
 
 
 def _settings(report: Report) -> list[tuple[str, Any]]:

@@ -120,6 +120,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
     memory for pruning in memory streams without being asked, and says so."""
     from compressor.transformer import offload
     from compressor.transformer.surgery import load_pruned
+    from exporters.fusion import fusion_of
     from tests.compressor.transformer.transformer_models import tiny_llama
 
     auto = request.node.callspec.id == "streamed-by-itself"
@@ -152,6 +153,16 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
     removed = sum(4 * q_and_o + (2 - kv) * k_and_v + 10 * ffn for kv in kv_heads)
     assert (report["params_before"], report["params_after"]) == (10720, 10720 - removed)
     assert [layer["kind"] for layer in report["layers"]] == ["attention_heads", "ffn_neurons"] * 2
+    # the dense baseline and model.onnx both with ONNX Runtime's fused attention and norms (timed against each
+    # other), and the two graphs as exported timed too
+    graph = report["onnx_graph"]
+    for which in ("dense", "compressed"):
+        assert graph[which]["fallback"] is None
+        assert {"sdpa", "rotary_embedding", "skip_rms_normalization"} <= set(graph[which]["fusions"])
+    assert graph["as_exported"]["baseline_ms"] > 0 and graph["as_exported"]["speedup"] > 0
+    assert fusion_of(out / "model.onnx").counts == graph["compressed"]["fusions"]  # stamped in the file
+    if "--decode-step" in extra:
+        assert fusion_of(out / "decode.onnx").fused and not (out / "unfused").exists()
     session = ort.InferenceSession(str(out / "model.onnx"))
     assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
     assert session.get_outputs()[0].name == "logits"

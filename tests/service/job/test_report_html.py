@@ -82,6 +82,17 @@ def test_the_page_names_the_residual_blocks_a_conv_job_removed():
     assert "residual blocks removed" not in render(sample_report(removed_blocks=[]))
 
 
+def test_the_page_says_which_fused_graphs_were_timed_and_the_speedup_as_exported():
+    graph = {"dense": {"fusions": {"attention": 6, "skip_layer_normalization": 12}, "fallback": None},
+             "compressed": {"fusions": {}, "fallback": "the fused graph failed its check: peak error 0.5"},
+             "as_exported": {"baseline_ms": 172.0, "compressed_ms": 111.3, "speedup": 1.55}}
+    page = render(sample_report(onnx_graph=graph))
+    assert "ONNX Runtime fusions" in page and "the dense baseline it was timed against: attention 6" in page
+    assert "model.onnx: none (the fused graph failed its check: peak error 0.5)" in page
+    assert "172.00 ms → 111.30 ms (1.55x)" in page
+    assert "ONNX Runtime fusions" not in render(sample_report())
+
+
 def test_the_rounds_chart_shows_each_rounds_latency_probes():
     probes = [{"saving": 0.3, "measured_speedup": 1.141, "baseline_ms": 40.0, "compressed_ms": 35.1},
               {"saving": 0.5, "measured_speedup": 1.352, "baseline_ms": 40.0, "compressed_ms": 29.6}]

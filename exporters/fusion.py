@@ -1,0 +1,173 @@
+"""ONNX Runtime's fused transformer kernels for a dynamo export, kept only where the fused graph matches PyTorch.
+
+ONNX Runtime's own transformer optimizer (`onnxruntime.transformers.optimizer`) matches the graphs the TorchScript
+exporter wrote: on our dynamo exports it fuses the layer norms and GELUs but no attention ("failed to match qk
+path"). onnxscript's ORT fusions (`onnxscript.rewriter.ort_fusions`) are written for dynamo graphs: on
+all-MiniLM-L6-v2 they turn every layer's attention into one `com.microsoft.Attention` (its own head count per
+layer, so a pruned model fuses as the dense one does) and fuse skip-LayerNorm and bias-GELU.
+
+On the CPU one fusion is undone: ONNX Runtime's CPU skip-LayerNorm kernel is slower than the sum and the
+norm apart (`split_skip_layer_norms`). With that, all-MiniLM-L6-v2's graphs run as fast as Optimum's export of
+the dense model and a TorchScript export of the pruned one (bench/RESULTS.md).
+
+A fusion is a pattern rewrite: the fused graph is checked against PyTorch like any export, and where it fails
+(or the rewrite raises) the plain export ships instead, with a warning. The plain graph is kept beside
+(`unfused_path`), so the job can also time the graphs as exported (report.json `measured.onnx_graph`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .onnx import EXTERNAL_DATA_BYTES, Parity, ParityError, stamp_metadata
+from .runtime import RuntimeFailure
+
+log = logging.getLogger(__name__)
+
+FUSIONS_KEY = "osscar.ort_fusions"  # metadata_props: the fusions applied (JSON), or why none were
+UNFUSED = "unfused"  # the folder beside an export that holds the plain graph
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What became of one export: the fusions applied (onnxscript's names -> count), or why the plain graph
+    ships (`fallback`)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    fallback: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.fallback is None and any(self.counts.values())
+
+    def to_json(self) -> dict:
+        return {"fusions": {k: v for k, v in self.counts.items() if v}, "fallback": self.fallback}
+
+    def describe(self) -> str:
+        if self.fallback is not None:
+            return f"as exported ({self.fallback})"
+        applied = ", ".join(f"{name} {count}" for name, count in self.counts.items() if count)
+        return f"fused for ONNX Runtime ({applied})" if applied else "as exported (no pattern to fuse)"
+
+
+def unfused_path(path: str | Path) -> Path:
+    """Where `fuse_checked` keeps the plain export of `path` (same file name: external data keep resolving)."""
+    path = Path(path)
+    return path.parent / UNFUSED / path.name
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The .onnx file and its external weights (`<name>.data`, as `exporters.onnx._export` saves them)."""
+    return [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
+
+
+SKIP_AS_SUM = "skip_layer_normalization_as_sum"  # Fusion.counts: skip-LayerNorms split again (CPU graphs)
+
+
+def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
+    """Write `source` with ONNX Runtime's fused transformer operators for `provider` ("cpu", "cuda") to `target`;
+    returns the fusions applied (onnxscript's names, and `SKIP_AS_SUM`) and how often."""
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    model = ir.load(str(source))
+    model, counts = optimize_for_ort(model)
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    ir.save(model, str(target), external_data=f"{target.name}.data" if size >= EXTERNAL_DATA_BYTES else None)
+    counts = {name: int(count) for name, count in counts.items() if count}
+    if provider == "cpu":
+        split = split_skip_layer_norms(target)
+        if split:
+            counts[SKIP_AS_SUM] = split
+    return counts
+
+
+def split_skip_layer_norms(path: Path) -> int:
+    """Replace each `SkipLayerNormalization` in the graph at `path` by `Sum` then `LayerNormalization`; returns
+    how many. ONNX Runtime's CPU SkipLayerNormalization (1.32) is a scalar loop per row: on all-MiniLM-L6-v2 at
+    8 x 128 (2-core EPYC) its 12 calls took 12.9 of 83 ms, ~7x what LayerNormalization (vectorised) and an Add
+    take. The sum is written as `Sum`, not `Add`: ONNX Runtime's session-level SkipLayerNormFusion matches
+    Add -> LayerNormalization and would fuse it back. The CUDA kernel is fast; CUDA graphs keep the fusion."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path), load_external_data=False)  # the weights stay where they are
+    read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    nodes, split = [], 0
+    for node in model.graph.node:
+        if node.op_type != "SkipLayerNormalization" or node.domain != "com.microsoft":
+            nodes.append(node)
+            continue
+        # inputs: input, skip, gamma, [beta], [bias]; outputs: output, [mean], [inv_std_var], [input + skip + bias]
+        inputs = list(node.input) + [""] * (5 - len(node.input))
+        outputs = list(node.output) + [""] * (4 - len(node.output))
+        if {outputs[1], outputs[2]} & read - {""}:  # its statistics are read (never in inference graphs)
+            nodes.append(node)
+            continue
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)
+        total = outputs[3] or f"{node.name}_sum"
+        nodes.append(helper.make_node("Sum", [x for x in (inputs[0], inputs[1], inputs[4]) if x], [total],
+                                      name=f"{node.name}_sum"))
+        nodes.append(helper.make_node("LayerNormalization", [x for x in (total, inputs[2], inputs[3]) if x],
+                                      [outputs[0]], name=f"{node.name}_norm", axis=-1, epsilon=epsilon))
+        split += 1
+    if split:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        onnx.save(model, str(path))
+    return split
+
+
+def fuse_checked(path: str | Path, check: Callable[[Path], Parity], provider: str = "cpu") -> tuple[Parity, Fusion]:
+    """`path` holds a plain export. Fuse it in place for `provider` (the plain graph moves to
+    `unfused_path(path)`) and check the fused graph with `check` (raises ParityError / RuntimeFailure). A fusion
+    that raises, or a fused graph that fails the check, is logged and the plain graph goes back to `path` and is
+    checked instead: what ships is always what was checked. The outcome is stamped in the file's metadata
+    (`FUSIONS_KEY`)."""
+    path = Path(path)
+    plain = unfused_path(path)
+    plain.parent.mkdir(exist_ok=True)
+    for file in _files_of(path):
+        file.replace(plain.parent / file.name)
+    reason = None
+    try:
+        counts = fuse(plain, path, provider)
+    except Exception as err:  # a rewrite rule's bug must not lose the export: the plain graph still ships
+        log.warning("fusing %s for ONNX Runtime failed (%s: %s); it ships as exported", path, type(err).__name__, err)
+        reason, counts = f"the fusion failed: {type(err).__name__}", {}
+    if reason is None and not any(counts.values()):
+        reason = "no pattern to fuse"
+    if reason is None:
+        try:
+            parity = check(path)
+            fusion = Fusion(counts)
+            stamp_metadata(path, {FUSIONS_KEY: fusion.to_json()})
+            return parity, fusion
+        except (ParityError, RuntimeFailure) as err:
+            log.warning("the fused graph of %s fails its check (%s); it ships as exported", path, err)
+            reason = f"the fused graph failed its check: {str(err)[:200]}"
+    for file in _files_of(path):
+        file.unlink()
+    for file in _files_of(plain):
+        shutil.copy2(file, path.parent / file.name)
+    parity = check(path)
+    fusion = Fusion(counts if reason == "no pattern to fuse" else {}, reason)
+    stamp_metadata(path, {FUSIONS_KEY: fusion.to_json()})
+    return parity, fusion
+
+
+def fusion_of(path: str | Path) -> Fusion | None:
+    """The outcome `fuse_checked` stamped in an ONNX file, or None (a graph that never went through it)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for prop in model.metadata_props:
+        if prop.key == FUSIONS_KEY:
+            data = json.loads(prop.value)
+            return Fusion(dict(data.get("fusions") or {}), data.get("fallback"))
+    return None
