@@ -8,6 +8,7 @@ import torch
 
 from compressor.transformer.sublayers import ATTENTION, remove_sublayer
 from compressor.transformer.surgery import prune_query_heads
+from exporters.fusion import fuse_checked
 from exporters.genai import CONFIG, genai_config, write_genai_config
 from exporters.onnx import check_decode_parity, export_decode_step
 from tests.compressor.transformer.transformer_models import MODELS
@@ -33,16 +34,21 @@ def torch_greedy(model, prompt: list[int], length: int) -> list[int]:
                               pad_token_id=0).tolist()[0]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3"])
-def test_genai_generates_the_greedy_tokens_of_a_pruned_model(name, tmp_path):
+@pytest.mark.parametrize("name,fused", [("llama", False), ("qwen2", False), ("qwen3", False), ("phi3", False),
+                                        ("llama", True), ("phi3", True)])
+def test_genai_generates_the_greedy_tokens_of_a_pruned_model(name, fused, tmp_path):
     """Query heads pruned unevenly (layers with different KV head counts) and layer 1's attention removed (one
-    cache fewer): GenAI, from a 5-token prompt, generates exactly PyTorch's greedy tokens."""
+    cache fewer): GenAI, from a 5-token prompt, generates exactly PyTorch's greedy tokens; also from the graph
+    with ONNX Runtime's fused kernels, as a job ships decode.onnx."""
     model = MODELS[name]()
     model.config.eos_token_id = None  # a random model would stop anywhere
     prune_query_heads(model, 0, [0, 1, 3])
     remove_sublayer(model, 1, ATTENTION)
     ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     export_decode_step(model, ids, tmp_path / "decode.onnx")
+    if fused:
+        _, fusion = fuse_checked(tmp_path / "decode.onnx", lambda graph: check_decode_parity(model, graph, ids))
+        assert fusion.fused and "rotary_embedding" in fusion.counts
     write_genai_config(model, tmp_path)
     config = json.loads((tmp_path / CONFIG).read_text())["model"]["decoder"]
     assert config["num_hidden_layers"] == 1 and config["filename"] == "decode.onnx"
