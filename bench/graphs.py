@@ -5,9 +5,9 @@ graph's outputs compared to the first graph of its model.
     .venv/bin/python bench/graphs.py --shape 8x128 --repeats 15 \\
         dense=out/job/dense.onnx pruned=out/job/model.onnx dense-optimum=/tmp/optimum/model.onnx ...
 
-A name's part before the first "-" is its model: graphs of one model are checked against each other
-(max |difference| of the first output at the unmasked tokens). Prints the median of each graph and the
-ratios of every graph of another model to the first one of "dense".
+Image models take `--shape 64x0` (batch 64 of the graph's image size). A name's part before the first "-" is
+its model: graphs of one model are checked against each other (max |difference| of the first output). Prints the
+median of each graph and the ratios of every graph of another model to the first one of "dense".
 """
 
 from __future__ import annotations
@@ -23,10 +23,18 @@ log = logging.getLogger("bench.graphs")
 
 
 def _feed(session, batch: int, sequence: int, vocab: int) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(0).integers(1000, vocab, size=(batch, sequence), dtype=np.int64)
+    """Token inputs of batch x sequence; a float input (images) gets `batch` samples of its fixed other dims."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, vocab, size=(batch, sequence), dtype=np.int64)
     values = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids),
               "position_ids": np.broadcast_to(np.arange(sequence, dtype=np.int64), ids.shape).copy()}
-    return {i.name: values[i.name] for i in session.get_inputs()}
+    feed = {}
+    for i in session.get_inputs():
+        if i.type == "tensor(float)":
+            feed[i.name] = rng.standard_normal((batch, *i.shape[1:])).astype(np.float32)
+        else:
+            feed[i.name] = values[i.name]
+    return feed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("graphs", nargs="+", help="name=path.onnx")
-    parser.add_argument("--shape", default="8x128", help="batch x sequence")
+    parser.add_argument("--shape", default="8x128", help="batch x sequence (images: batch x anything)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=30000, help="token ids are drawn below this")
