@@ -20,6 +20,13 @@ one space. Each space is one **channel group**: removing channel c removes
   channel of the wider space whose source channel was removed reads zeros (the pruned model's
   statistics see exactly that).
 
+**Channels-last spaces.** A Linear applied at every position of a map (input rank > 2: ConvNeXt's pointwise
+layers, after a permute to channels-last) reads its input's last dim and writes a space of its own whose
+channels are the last dim. Element-wise ops with scalar or per-channel (last-dim) operands keep it (GELU, a
+layer scale); anything else reading it (the permute back, a LayerNorm over the channels) refuses it. So
+ConvNeXt's inverted bottleneck, Linear -> GELU -> Linear, is a unit (kind `ffn_neurons`, `channel_dim` -1),
+and its residual stream, normalised over the channels, is not.
+
 A group with one producer, one consumer and no pad is an in-block *unit* (kind `conv_channels`); a
 group with several producers or consumers (a residual stream) is *coupled* (`coupled_channels`),
 named after its first producer (`coupled:<conv>`). How the pipeline chooses a coupled group's channels
@@ -82,10 +89,13 @@ class ConvSpec:
 
 @dataclass(frozen=True)
 class LinearSpec:
-    """A Linear reading a channel space as features (the classifier after global pooling)."""
+    """A Linear reading a channel space as features: the classifier after global pooling, or (`spatial`) a
+    Linear applied at every position of a channels-last map (ConvNeXt's pointwise layers, which also write a
+    channels-last space of their own)."""
 
     node: fx.Node
     weight: str  # (out, in)
+    spatial: bool = False  # its input is (batch, ..., features): one row per position, not per image
 
     @property
     def name(self) -> str:
@@ -114,13 +124,14 @@ class ChannelGroup:
     """Channels that are removed together: see the module docstring."""
 
     channels: int
-    producers: tuple[ConvSpec, ...]  # graph order
+    producers: tuple[ConvSpec | LinearSpec, ...]  # graph order: convs, or spatial Linears (channels last)
     chain: tuple[fx.Node, ...]  # BatchNorms and depthwise convs, graph order
     consumers: tuple[Consumer, ...]  # graph order of their inputs
     pads_in: tuple[ChannelPad, ...] = ()  # channel pads reading this space
     pads_out: tuple[ChannelPad, ...] = ()  # channel pads writing (a block of) it
     params: tuple[tuple[str, int], ...] = ()  # per-channel operands of pointwise ops: (attribute, dim)
     tensors: frozenset[str] = frozenset()  # names of the nodes whose values carry these channels
+    channel_dim: int = 1  # -1: a channels-last space (written by a spatial Linear)
 
     @property
     def coupled(self) -> bool:
@@ -128,14 +139,17 @@ class ChannelGroup:
 
     @property
     def kind(self) -> str:
-        return "coupled_channels" if self.coupled else "conv_channels"
+        if self.coupled:
+            return "coupled_channels"
+        # a spatial Linear pair (ConvNeXt's inverted bottleneck) is an MLP's hidden layer: its neurons
+        return "ffn_neurons" if self.channel_dim == -1 else "conv_channels"
 
     @property
     def name(self) -> str:
         return f"coupled:{self.producers[0].name}" if self.coupled else self.consumers[0].name
 
     @property
-    def producer(self) -> ConvSpec:
+    def producer(self) -> ConvSpec | LinearSpec:
         return self.producers[0]
 
     @property
@@ -290,6 +304,7 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
     """Every channel group of `gm` that can be pruned, and why the others cannot."""
     spaces = _Spaces()
     derived: set[fx.Node] = set()  # nodes computed from the model input (activations)
+    last: set[fx.Node] = set()  # activations whose channels are their last dim (a spatial Linear's output)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
 
     def refuse(node: fx.Node, why: str) -> None:
@@ -317,6 +332,13 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
         tensor(node)
         target = node.target
         x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if any(a in last for a in inputs) and target not in LINEAR_OPS and target not in HARMLESS_OPS:
+            why = _channels_last_operands(node, inputs, last, spaces, gm)
+            if why is not None:
+                for a in inputs:
+                    refuse(a, f"{node.name} ({target}) {why}")
+                refuse(node, f"{node.name} ({target}) {why}")
+            continue
         spec = conv_spec(node)
         if spec is not None:
             others = [a for a in inputs if a is not x]
@@ -339,10 +361,19 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
             weight = _attr(node.args[1]) if len(node.args) > 1 else None
             if shape is not None and len(shape) == 2 and weight is not None and len(inputs) == 1:
                 spaces.note(x, "consumers", LinearSpec(node, weight))
+                refuse(node, f"{node.name} is a linear layer's output")
+            elif shape is not None and len(shape) > 2 and weight is not None and len(inputs) == 1:
+                # features last at every position: it reads one channels-last space and writes another
+                spec = LinearSpec(node, weight, spatial=True)
+                spaces.note(x, "consumers", spec)
+                spaces.note(x, "last", True)
+                spaces.note(node, "producers", spec)
+                spaces.note(node, "last", True)
+                last.add(node)
             else:
                 for a in inputs:
                     refuse(a, f"{node.name} (linear) reads more than pooled features")
-            refuse(node, f"{node.name} is a linear layer's output")
+                refuse(node, f"{node.name} is a linear layer's output")
             continue
         if target in BATCH_NORM_OPS:
             if inputs != [x]:
@@ -463,6 +494,35 @@ def _pointwise_operands(node: fx.Node, inputs: list[fx.Node], spaces: _Spaces, g
     return None
 
 
+def _channels_last_operands(node: fx.Node, inputs: list[fx.Node], last: set[fx.Node], spaces: _Spaces,
+                            gm: fx.GraphModule) -> str | None:
+    """Join an op reading a channels-last space (a spatial Linear's output) to it when it is element-wise with
+    each other operand a scalar or a per-channel (last-dim) parameter (GELU; ConvNeXt's layer scale); None
+    then, else why not (a permute back to channels-first, a LayerNorm over the channels)."""
+    if not _pointwise(node):
+        return "is not element-wise on a channels-last map (its channels are the last dim)"
+    out = _shape(node)
+    if out is None:
+        return "has no known shape"
+    for arg in _operands(node):
+        if arg in inputs:
+            if arg not in last or _shape(arg) != out:
+                return f"mixes {arg.name} into a channels-last map of another layout"
+            continue
+        value = get_attr(gm, arg.target) if arg.op == "get_attr" else None
+        if value is None or value.numel() == 1:
+            if value is None and math.prod(_shape(arg) or (2,)) != 1:
+                return f"operand {arg.name} is a computed constant"
+            continue
+        if tuple(value.shape) != (out[-1],):
+            return f"operand {arg.target} of shape {tuple(value.shape)} is neither a scalar nor per-channel"
+        spaces.note(node, "params", (arg.target, 0))
+    for arg in inputs:
+        spaces.union(node, arg)
+    last.add(node)
+    return None
+
+
 def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> ChannelAnalysis:
     result = ChannelAnalysis()
     for space in spaces.spaces().values():
@@ -474,8 +534,11 @@ def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> C
         reasons = space.get("refused", [])
         if not reasons and not producers:
             reasons = ["no conv writes these channels"]
+        if not reasons and space.get("last") and not all(isinstance(c, LinearSpec) and c.spatial for c in consumers):
+            reasons = ["a channels-last map read by other than a Linear at every position"]
         tensors = space["tensors"]
-        channels = next((_shape(n)[1] for n in tensors if _shape(n) is not None and len(_shape(n)) > 1), None)
+        dim = -1 if space.get("last") else 1
+        channels = next((_shape(n)[dim] for n in tensors if _shape(n) is not None and len(_shape(n)) > 1), None)
         if not reasons and channels is None:
             reasons = ["the channel count is unknown"]
         if reasons:
@@ -486,6 +549,6 @@ def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> C
         result.units.append(ChannelGroup(
             channels, tuple(producers), tuple(chain), tuple(consumers), tuple(dict.fromkeys(space.get("pads_in", []))),
             tuple(dict.fromkeys(space.get("pads_out", []))), tuple(dict.fromkeys(space.get("params", []))),
-            frozenset(n.name for n in tensors)))
+            frozenset(n.name for n in tensors), dim))
     result.units.sort(key=lambda g: order[g.consumers[0].node.args[0]])
     return result

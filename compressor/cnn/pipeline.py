@@ -101,9 +101,9 @@ def _dense_matrix(consumer: Consumer, W_hat: Tensor, scale: Tensor | None, devic
 
 def _rows(consumer: Consumer, W_hat: Tensor, x: Tensor) -> Tensor:
     """A consumer's input batch as rows of its layer problem: kH kW patches of a conv's input, a
-    Linear's features as they are."""
+    Linear's features as they are (one row per image, or per position of a channels-last map)."""
     if isinstance(consumer, LinearSpec):
-        return x.reshape(x.shape[0], -1).to(torch.float64)
+        return x.reshape(-1, x.shape[-1]).to(torch.float64)
     cols = F.unfold(x, W_hat.shape[2:], dilation=consumer.dilation, padding=consumer.padding,
                     stride=consumer.stride)
     return cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(torch.float64)
@@ -228,9 +228,12 @@ def channel_cost(unit: ChannelGroup) -> float:
     producer, its filter in every depthwise conv, its input channel in every consumer (shapes from the
     exported graph's metadata)."""
 
-    def spatial(node: fx.Node) -> int:
+    def spatial(node: fx.Node, channels_last: bool = False) -> int:
+        """Positions of a node's output map: (N, C, H, W), or (N, H, W, C) for a spatial Linear's."""
         val = node.meta.get("val")
-        return int(val.shape[2] * val.shape[3]) if val is not None and val.dim() == 4 else 1
+        if val is None or val.dim() < 3:
+            return 1
+        return int(math.prod(val.shape[1:-1] if channels_last else val.shape[2:]))
 
     def weight_shape(node: fx.Node) -> tuple[int, ...] | None:
         weight = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
@@ -239,7 +242,8 @@ def channel_cost(unit: ChannelGroup) -> float:
     cost = 0.0
     for producer in unit.producers:
         shape = weight_shape(producer.node)
-        cost += math.prod(shape[1:]) * spatial(producer.node) if shape else 1.0  # Cin/groups kH kW per output
+        last = isinstance(producer, LinearSpec)  # (out, in) at every position of a channels-last map
+        cost += math.prod(shape[1:]) * spatial(producer.node, last) if shape else 1.0  # Cin/groups kH kW per output
     for node in unit.chain:
         if node.target not in BATCH_NORM_OPS and (shape := weight_shape(node)):
             cost += math.prod(shape[1:]) * spatial(node)  # a depthwise filter
@@ -248,7 +252,7 @@ def channel_cost(unit: ChannelGroup) -> float:
         if shape is None:
             cost += 1.0
         elif isinstance(consumer, LinearSpec):
-            cost += shape[0]
+            cost += shape[0] * (spatial(consumer.node, True) if consumer.spatial else 1)
         else:  # Cout kH kW per input channel
             cost += shape[0] * math.prod(shape[2:]) * spatial(consumer.node)
     return float(cost)
@@ -339,7 +343,7 @@ def _prune_conv_graph(gm: fx.GraphModule, images: Tensor, ratio: Widths, method:
         finished_parts = [st.finish(center=bias_correction) for st in stats]
         num_prune = planned_prune(unit.name, unit.channels, ratio)
         for c, part, W in zip(readers, finished_parts, mats, strict=True):
-            if isinstance(c, LinearSpec):
+            if isinstance(c, LinearSpec) and not c.spatial:  # one row per image: see _toward_dense
                 _toward_dense(part, W)
                 if num_prune and part.rank is not None and part.rank <= unit.channels - num_prune:
                     _warn(progress, f"{unit.name}: {c.weight} sees one row per calibration image (rank(H) <= "
@@ -384,7 +388,7 @@ def _surgery(pruned: fx.GraphModule, walk: GraphWalker, unit: ChannelGroup, prob
     for consumer, shift in zip(unit.consumers, shifts, strict=True):
         if shift is not None:
             add_output_shift(pruned, consumer, shift.cpu())
-    walk.select_channels(unit.tensors, torch.tensor(keep))  # live values of the kept channels
+    walk.select_channels(unit.tensors, torch.tensor(keep), unit.channel_dim)  # live values of the kept channels
 
 
 def _costs(dense_walk: GraphWalker, unit: ChannelGroup, dense_unit: ChannelGroup) -> tuple[float, float | None]:

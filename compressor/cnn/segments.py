@@ -88,12 +88,12 @@ class GraphWalker:
                     known.update(zip(missing, segment(*(known[n] for n in inputs)), strict=True))
                 yield [known[n] for n in nodes]
 
-    def select_channels(self, names: frozenset[str], keep: Tensor) -> None:
-        """Keep channels `keep` of every live value whose node is one of `names` (after surgery removed
-        the others from the graph that computes them)."""
+    def select_channels(self, names: frozenset[str], keep: Tensor, dim: int = 1) -> None:
+        """Keep channels `keep` (along `dim`: -1 for a channels-last map) of every live value whose node is one
+        of `names` (after surgery removed the others from the graph that computes them)."""
         for node, values in self.values.items():
             if node.name in names:
-                self.values[node] = [x.index_select(1, keep) for x in values]
+                self.values[node] = [x.index_select(dim, keep.to(x.device)) for x in values]
 
     def replace(self, node: fx.Node, values: list[Tensor]) -> None:
         """Overwrite a live value (e.g. after surgery removed channels of it)."""

@@ -41,15 +41,16 @@ def _slice(gm: fx.GraphModule, target: str | None, dim: int, keep: Tensor) -> No
         set_tensor(gm, target, tensor.index_select(dim, keep.to(tensor.device)))
 
 
-def live_bias(conv: ConvSpec) -> str | None:
-    """The conv's bias attribute as the graph has it now (surgery may have added one)."""
+def live_bias(conv: ConvSpec | LinearSpec) -> str | None:
+    """The conv's (or Linear's) bias attribute as the graph has it now (surgery may have added one)."""
     args = conv.node.args
     bias = args[2] if len(args) > 2 else conv.node.kwargs.get("bias")
     return bias.target if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
 
 
-def prune_conv_out_channels(gm: fx.GraphModule, conv: ConvSpec, keep: Sequence[int] | Tensor) -> None:
-    """Keep output channels `keep` of a (non-grouped) conv: weight rows and bias entries."""
+def prune_conv_out_channels(gm: fx.GraphModule, conv: ConvSpec | LinearSpec, keep: Sequence[int] | Tensor) -> None:
+    """Keep output channels `keep` of a (non-grouped) conv, or output features of a spatial Linear: weight rows
+    and bias entries."""
     keep = check_keep(keep, get_tensor(gm, conv.weight).shape[0], f"{conv.weight} output channels")
     _slice(gm, conv.weight, 0, keep)
     _slice(gm, live_bias(conv), 0, keep)

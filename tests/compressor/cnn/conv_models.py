@@ -172,6 +172,39 @@ class FlattenedHeadNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).reshape(x.shape[0], 16))
 
 
+class ConvNextBlock(nn.Module):
+    """ConvNeXt's block as Hugging Face writes it: depthwise 7 x 7, permute to channels-last, LayerNorm over the
+    channels, Linear -> GELU -> Linear at every position, a per-channel layer scale, permute back, residual add."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.pwconv1 = nn.Linear(channels, 4 * channels)
+        self.pwconv2 = nn.Linear(4 * channels, channels)
+        self.gamma = nn.Parameter(torch.full((channels,), 0.5))  # trained scales are far above the 1e-6 init
+
+    def forward(self, x):
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.gamma * self.pwconv2(F.gelu(self.pwconv1(y)))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNextish(nn.Module):
+    """A conv stem, two ConvNeXt blocks, pooled LayerNorm and a classifier: only the blocks' inner Linear
+    neurons are prunable (the stream is normalised over its channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 2, stride=2)
+        self.blocks = nn.Sequential(ConvNextBlock(8), ConvNextBlock(8))
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.blocks(self.stem(x)).mean((-2, -1))))
+
+
 def relu6(x):
     return torch.clamp(x, 0, 6)  # how exported MobileNetV2s often write ReLU6
 
@@ -243,7 +276,7 @@ def randomize_batch_norms(model: nn.Module, seed: int = 0) -> nn.Module:
 
 MODELS = {"bottleneck": BottleneckNet, "mobilenet": MobileNetish, "folded_pad": FoldedPadNet,
           "option_a": OptionANet, "mobilenet_v2": MobileNetV2, "named_padding": NamedPaddingNet,
-          "flattened_head": FlattenedHeadNet}
+          "flattened_head": FlattenedHeadNet, "convnext": ConvNextish}
 # the channel groups each model must expose, in order: in-block units by their consumer, coupled groups
 # (residual streams) by their first producer
 EXPECTED_UNITS = {
@@ -254,6 +287,7 @@ EXPECTED_UNITS = {
                  "layer2.1.conv2"],
     "named_padding": ["conv2", "conv3", "fc"],
     "flattened_head": ["conv2", "fc"],
+    "convnext": ["blocks.0.pwconv2", "blocks.1.pwconv2"],
     "mobilenet_v2": ["coupled:stem", "blocks.1.project", "coupled:blocks.1.project", "coupled:blocks.2.expand",
                      "blocks.2.excite.2", "blocks.3.project", "coupled:blocks.3.project", "blocks.4.project", "fc"],
 }

@@ -188,3 +188,29 @@ def test_a_resized_graph_has_the_pruned_graphs_structure(name):
     assert count_parameters(resized) <= count_parameters(pruned)  # the solve may add intercepts only
     assert resized(images[:2]).shape == gm(images[:2]).shape
     assert count_parameters(exported(name)) == count_parameters(gm)  # the input graph is left as it was
+
+
+def test_convnext_blocks_prune_their_inner_neurons_channels_last_and_export(tmp_path):
+    """ConvNeXt's Linear -> GELU -> Linear at every position of a channels-last map: each block's hidden
+    neurons are a unit (the stream, normalised over its channels by a LayerNorm, is not); pruned by osscar with
+    less error than mp+, saved, exported and matched by ONNX Runtime."""
+    from compressor.cnn.graph import LinearSpec
+    from compressor.cnn.models import save_program
+    from exporters.onnx import check_parity, export_onnx
+
+    gm = exported("convnext")
+    units = analyse(gm).units
+    assert [(u.kind, u.channel_dim, u.channels) for u in units] == [("ffn_neurons", -1, 32)] * 2
+    assert all(isinstance(p, LinearSpec) and p.spatial for u in units for p in u.producers)
+    images = torch.randn(48, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for method in ("osscar", "mp+"):
+        pruned, reports = prune_conv_graph(gm, images, 0.5, method=method, batch_size=16)
+        assert [r.width_after for r in reports] == [16, 16] and [r.kind for r in reports] == ["ffn_neurons"] * 2
+        errors[method] = [r.relative_error for r in reports]
+    assert errors["osscar"][0] < errors["mp+"][0]  # the first block sees the same inputs under both methods
+    save_program(pruned, tmp_path / "model.pt2", images[:2])
+    reloaded = torch.export.load(str(tmp_path / "model.pt2")).module()
+    torch.testing.assert_close(reloaded(images[:5]), pruned(images[:5]), rtol=1e-5, atol=1e-5)
+    export_onnx(pruned, images[:2], tmp_path / "model.onnx")
+    assert check_parity(pruned, tmp_path / "model.onnx", images[:7]).max_abs_error < 1e-4

@@ -247,6 +247,35 @@ def test_compress_a_vision_transformer_directory(tmp_path, family):
     np.testing.assert_allclose(session.run(None, {"pixel_values": x.numpy()})[0], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_compress_a_convnext_directory_prunes_its_blocks_inner_neurons(tmp_path):
+    """A Hugging Face ConvNeXt (its blocks' Linears run channels-last, its stream is normalised over the
+    channels) through the conv path: each block's hidden neurons are pruned, the graph is exported with parity,
+    and the saved program gives the ONNX file's outputs."""
+    import transformers
+
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=10,
+                                         layer_scale_init_value=0.5, image_size=32)
+    torch.manual_seed(0)
+    transformers.ConvNextForImageClassification(config).save_pretrained(tmp_path / "convnext")
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (200, 32, 32, 3), dtype=np.uint8))
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "convnext"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "cal.npz"), "--out", str(out), "--repeats", "3", "--accuracy-budget", "none"])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    assert [(r["kind"], r["width_before"], r["width_after"]) for r in report["layers"]] == \
+        [("ffn_neurons", 64, 32), ("ffn_neurons", 128, 64)]
+    assert report["params_after"] < report["params_before"] and report["artifacts"]["parity"]["peak_error"] < 2e-3
+    x = torch.randn(3, 3, 32, 32)
+    program = torch.export.load(str(out / "model.pt2")).module()
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    with torch.no_grad():
+        expected = program(x)
+    expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0], expected.numpy(),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_a_vision_transformer_refuses_calibration_of_another_size(tmp_path, capsys):
     from tests.compressor.transformer.transformer_models import tiny_vit
 
