@@ -23,9 +23,13 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .onnx import EXTERNAL_DATA_BYTES, Parity, ParityError, stamp_metadata
 from .runtime import RuntimeFailure
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 log = logging.getLogger(__name__)
 
@@ -33,26 +37,28 @@ FUSIONS_KEY = "osscar.ort_fusions"  # metadata_props: the fusions applied (JSON)
 UNFUSED = "unfused"  # the folder beside an export that holds the plain graph
 
 
+NO_PATTERN = "no pattern to fuse"  # Fusion.fallback of a graph with nothing to fuse: no failure
+
+
 @dataclass(frozen=True)
 class Fusion:
-    """What became of one export: the fusions applied (onnxscript's names -> count), or why the plain graph
-    ships (`fallback`)."""
+    """What became of one export: the fusions applied (onnxscript's names -> count, none zero), or why the plain
+    graph ships (`fallback`)."""
 
     counts: dict[str, int] = field(default_factory=dict)
     fallback: str | None = None
 
     @property
     def fused(self) -> bool:
-        return self.fallback is None and any(self.counts.values())
+        return self.fallback is None and bool(self.counts)
+
+    @property
+    def rejected(self) -> bool:
+        """The fusion raised or its graph failed the check (not merely nothing to fuse): worth a warning."""
+        return self.fallback not in (None, NO_PATTERN)
 
     def to_json(self) -> dict:
-        return {"fusions": {k: v for k, v in self.counts.items() if v}, "fallback": self.fallback}
-
-    def describe(self) -> str:
-        if self.fallback is not None:
-            return f"as exported ({self.fallback})"
-        applied = ", ".join(f"{name} {count}" for name, count in self.counts.items() if count)
-        return f"fused for ONNX Runtime ({applied})" if applied else "as exported (no pattern to fuse)"
+        return {"fusions": dict(self.counts), "fallback": self.fallback}
 
 
 def unfused_path(path: str | Path) -> Path:
@@ -70,56 +76,56 @@ SKIP_AS_SUM = "skip_layer_normalization_as_sum"  # Fusion.counts: skip-LayerNorm
 
 
 def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
-    """Write `source` with ONNX Runtime's fused transformer operators for `provider` ("cpu", "cuda") to `target`;
-    returns the fusions applied (onnxscript's names, and `SKIP_AS_SUM`) and how often."""
+    """Write `source` with ONNX Runtime's fused transformer operators for `provider` ("cpu", "cuda") to `target`,
+    stamped as fused (`FUSIONS_KEY`: one write of the file; `fuse_checked` re-stamps a graph it rejects); returns
+    the fusions applied (onnxscript's names, and `SKIP_AS_SUM`) and how often."""
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     model = ir.load(str(source))
     model, counts = optimize_for_ort(model)
+    counts = {name: int(count) for name, count in counts.items() if count}
+    if provider == "cpu" and (split := split_skip_layer_norms(model)):
+        counts[SKIP_AS_SUM] = split
+    model.metadata_props[FUSIONS_KEY] = json.dumps(Fusion(counts).to_json(), sort_keys=True)
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     ir.save(model, str(target), external_data=f"{target.name}.data" if size >= EXTERNAL_DATA_BYTES else None)
-    counts = {name: int(count) for name, count in counts.items() if count}
-    if provider == "cpu":
-        split = split_skip_layer_norms(target)
-        if split:
-            counts[SKIP_AS_SUM] = split
     return counts
 
 
-def split_skip_layer_norms(path: Path) -> int:
-    """Replace each `SkipLayerNormalization` in the graph at `path` by `Sum` then `LayerNormalization`; returns
-    how many. ONNX Runtime's CPU SkipLayerNormalization (1.32) is a scalar loop per row: on all-MiniLM-L6-v2 at
-    8 x 128 (2-core EPYC) its 12 calls took 12.9 of 83 ms, ~7x what LayerNormalization (vectorised) and an Add
-    take. The sum is written as `Sum`, not `Add`: ONNX Runtime's session-level SkipLayerNormFusion matches
-    Add -> LayerNormalization and would fuse it back. The CUDA kernel is fast; CUDA graphs keep the fusion."""
-    import onnx
-    from onnx import helper
+def split_skip_layer_norms(model: ir.Model) -> int:
+    """Replace each `SkipLayerNormalization` of `model` (an `onnx_ir.Model`) by `Sum` then `LayerNormalization`;
+    returns how many. ONNX Runtime's CPU SkipLayerNormalization (1.32) is a scalar loop per row: on
+    all-MiniLM-L6-v2 at 8 x 128 (2-core EPYC) its 12 calls took 12.9 of 83 ms, ~7x what LayerNormalization
+    (vectorised) and an Add take. The sum is written as `Sum`, not `Add`: ONNX Runtime's session-level
+    SkipLayerNormFusion matches Add -> LayerNormalization and would fuse it back. The CUDA kernel is fast; CUDA
+    graphs keep the fusion."""
+    import onnx_ir as ir
 
-    model = onnx.load(str(path), load_external_data=False)  # the weights stay where they are
-    read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
-    nodes, split = [], 0
-    for node in model.graph.node:
+    graph, split = model.graph, 0
+    for node in list(graph):
         if node.op_type != "SkipLayerNormalization" or node.domain != "com.microsoft":
-            nodes.append(node)
             continue
         # inputs: input, skip, gamma, [beta], [bias]; outputs: output, [mean], [inv_std_var], [input + skip + bias]
-        inputs = list(node.input) + [""] * (5 - len(node.input))
-        outputs = list(node.output) + [""] * (4 - len(node.output))
-        if {outputs[1], outputs[2]} & read - {""}:  # its statistics are read (never in inference graphs)
-            nodes.append(node)
-            continue
-        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)
-        total = outputs[3] or f"{node.name}_sum"
-        nodes.append(helper.make_node("Sum", [x for x in (inputs[0], inputs[1], inputs[4]) if x], [total],
-                                      name=f"{node.name}_sum"))
-        nodes.append(helper.make_node("LayerNormalization", [x for x in (total, inputs[2], inputs[3]) if x],
-                                      [outputs[0]], name=f"{node.name}_norm", axis=-1, epsilon=epsilon))
+        inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+        outputs = list(node.outputs) + [None] * (4 - len(node.outputs))
+        if any(o is not None and (o.uses() or o.is_graph_output()) for o in outputs[1:3]):
+            continue  # its statistics are read (never in inference graphs): keep the node
+        epsilon = node.attributes["epsilon"].value if "epsilon" in node.attributes else 1e-12
+        total = ir.Node("", "Sum", [x for x in (inputs[0], inputs[1], inputs[4]) if x is not None],
+                        name=f"{node.name}_sum")
+        norm = ir.Node("", "LayerNormalization", [x for x in (total.outputs[0], inputs[2], inputs[3]) if x is not None],
+                       [ir.AttrInt64("axis", -1), ir.AttrFloat32("epsilon", float(epsilon))], name=f"{node.name}_norm")
+        graph.insert_before(node, [total, norm])
+        for new, old in ((norm.outputs[0], outputs[0]), (total.outputs[0], outputs[3])):
+            if old is not None:
+                new.shape, new.type = old.shape, old.type
+                old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        # the values keep their names, now that the node holding them is gone
+        norm.outputs[0].name = outputs[0].name
+        total.outputs[0].name = outputs[3].name if outputs[3] is not None else f"{node.name}_sum"
         split += 1
-    if split:
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
-        onnx.save(model, str(path))
     return split
 
 
@@ -140,14 +146,11 @@ def fuse_checked(path: str | Path, check: Callable[[Path], Parity], provider: st
     except Exception as err:  # a rewrite rule's bug must not lose the export: the plain graph still ships
         log.warning("fusing %s for ONNX Runtime failed (%s: %s); it ships as exported", path, type(err).__name__, err)
         reason, counts = f"the fusion failed: {type(err).__name__}", {}
-    if reason is None and not any(counts.values()):
-        reason = "no pattern to fuse"
+    if reason is None and not counts:
+        reason = NO_PATTERN
     if reason is None:
         try:
-            parity = check(path)
-            fusion = Fusion(counts)
-            stamp_metadata(path, {FUSIONS_KEY: fusion.to_json()})
-            return parity, fusion
+            return check(path), Fusion(counts)  # `fuse` stamped it fused
         except (ParityError, RuntimeFailure) as err:
             log.warning("the fused graph of %s fails its check (%s); it ships as exported", path, err)
             reason = f"the fused graph failed its check: {str(err)[:200]}"
@@ -156,7 +159,7 @@ def fuse_checked(path: str | Path, check: Callable[[Path], Parity], provider: st
     for file in _files_of(plain):
         shutil.copy2(file, path.parent / file.name)
     parity = check(path)
-    fusion = Fusion(counts if reason == "no pattern to fuse" else {}, reason)
+    fusion = Fusion({}, reason)
     stamp_metadata(path, {FUSIONS_KEY: fusion.to_json()})
     return parity, fusion
 

@@ -510,9 +510,11 @@ def _channels_last_operands(node: fx.Node, inputs: list[fx.Node], last: set[fx.N
                 return f"mixes {arg.name} into a channels-last map of another layout"
             continue
         value = get_attr(gm, arg.target) if arg.op == "get_attr" else None
-        if value is None or value.numel() == 1:
-            if value is None and math.prod(_shape(arg) or (2,)) != 1:
+        if value is None:  # a lifted or computed constant: a scalar only
+            if math.prod(_shape(arg) or (2,)) != 1:
                 return f"operand {arg.name} is a computed constant"
+            continue
+        if value.numel() == 1:
             continue
         if tuple(value.shape) != (out[-1],):
             return f"operand {arg.target} of shape {tuple(value.shape)} is neither a scalar nor per-channel"
@@ -534,8 +536,10 @@ def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> C
         reasons = space.get("refused", [])
         if not reasons and not producers:
             reasons = ["no conv writes these channels"]
-        if not reasons and space.get("last") and not all(isinstance(c, LinearSpec) and c.spatial for c in consumers):
-            reasons = ["a channels-last map read by other than a Linear at every position"]
+        spatial = [s for s in (*producers, *consumers) if isinstance(s, LinearSpec) and s.spatial]
+        if not reasons and space.get("last") and len(spatial) != len(producers) + len(consumers):
+            # a conv writes dim 1, a spatial Linear reads the last one: not the same channels
+            reasons = ["a channels-last map written or read by other than a Linear at every position"]
         tensors = space["tensors"]
         dim = -1 if space.get("last") else 1
         channels = next((_shape(n)[dim] for n in tensors if _shape(n) is not None and len(_shape(n)) > 1), None)

@@ -576,7 +576,7 @@ class _TransformerJob:
                                                                           self.loaded.output_name,
                                                                           tolerance=tolerance(self.request)),
                                       self.provider)
-        if fusion.fallback is not None and fusion.fallback != "no pattern to fuse":
+        if fusion.rejected:
             self.say(warning(f"{path.name} ships as exported, without ONNX Runtime's fused kernels: {fusion.fallback}"))
         return parity
 
@@ -657,7 +657,7 @@ class TextJob(_TransformerJob):
 
         parity, fusion = fuse_checked(path, check, self.provider)
         shutil.rmtree(unfused_path(path).parent, ignore_errors=True)  # beside decode.onnx: nothing times it
-        if fusion.fallback is not None and fusion.fallback != "no pattern to fuse":
+        if fusion.rejected:
             self.say(warning(f"decode.onnx ships as exported, without ONNX Runtime's fused kernels: {fusion.fallback}"))
         if genai_type(module) is not None:  # ONNX Runtime GenAI generates from the job's directory as it is
             write_genai_config(module, path.parent, path.name)
