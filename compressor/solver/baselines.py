@@ -1,10 +1,12 @@
 """Baseline supports: magnitude (MP / MP+), ThiNet's greedy output-error removal, exact enumeration, and
-the retraining-free structured scores of the LLM pruning literature (Wanda-sp, FLAP's fluctuation)."""
+the retraining-free structured scores of the LLM pruning literature (Wanda-sp, FLAP's fluctuation, and
+FLAP's allocation of widths across layers)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -106,3 +108,39 @@ def exact_support(problem: LayerProblem, chunk: int = 4096) -> Tensor:
     pruned = torch.ones(p, dtype=torch.bool, device=pb.device)
     pruned[best] = False
     return torch.nonzero(pruned).squeeze(1)
+
+
+def flap_allocation(attention: Sequence[Tensor], ffn: Sequence[Tensor], head_dim: int, head_weight: float,
+                    keep: float) -> tuple[list[int], list[int]]:
+    """FLAP's adaptive structure search across layers and modules (An et al. 2024, sec. 4.2, "AL-AM"): the
+    kept heads and FFN neurons of every layer, by one global threshold on standardized fluctuation scores.
+
+    `attention[l]`: layer l's attention output projection inputs scored (heads x head_dim, FLAP's WIFV: the
+    input's variance x its weight column's squared norm); `ffn[l]`: its FFN neurons scored likewise. As FLAP
+    does, the attention scores are squared, each layer's scores of a module are standardized (mean 0, std 1
+    over that layer's channels), a head scores its channels' mean, and the units are kept best first until
+    their weight (a head weighs `head_weight` neurons: its parameters over a neuron's) reaches `keep` of the
+    total. A layer may keep no head (its attention goes) or no neuron."""
+    assert len(attention) == len(ffn) and attention, (len(attention), len(ffn))
+    assert 0 < keep <= 1 and head_weight > 0, (keep, head_weight)
+
+    def standardized(x: Tensor) -> Tensor:
+        x = x.double()
+        return (x - x.mean()) / x.std().clamp_min(1e-30)
+
+    heads = [standardized(a.square()).view(-1, head_dim).mean(1) for a in attention]  # (heads,) per layer
+    neurons = [standardized(f) for f in ffn]
+    scores = torch.cat([*heads, *neurons])
+    weights = torch.cat([torch.full((sum(h.numel() for h in heads),), float(head_weight), dtype=torch.float64),
+                         torch.ones(sum(n.numel() for n in neurons), dtype=torch.float64)])
+    order = torch.argsort(scores, descending=True, stable=True)
+    kept_weight = torch.cumsum(weights[order], 0)
+    # FLAP's threshold: the score where the kept weight comes closest to `keep` of the total
+    last = int(torch.argmin((kept_weight - keep * float(weights.sum())).abs()))
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen[order[: last + 1]] = True
+    counts, start = [], 0
+    for unit in (*heads, *neurons):
+        counts.append(int(chosen[start:start + unit.numel()].sum()))
+        start += unit.numel()
+    return counts[:len(heads)], counts[len(heads):]

@@ -344,7 +344,8 @@ def prune_blocks(
     `observe` sees each projection's statistics before its solve, with the latency-model cost of one
     group at `cost_sequence_length`. With `refine` (RefineConfig with steps > 0), each pruned block is
     then fitted to the dense block's output (`compressor.transformer.refine`; not with method "mp"); its
-    `seconds`, when set, is the allowance of all the fits, each block getting an equal share of what is left.
+    `seconds`, when set, is the allowance of all the fits, each block getting an equal share of what is left;
+    `per_solve`, when set, gives each block's fit that multiple of the seconds its own solves took.
     `skip`: blocks removed whole (in-memory sources only): the dense stream runs through them, the pruned
     stream does not, so the blocks after one are solved and fitted against the dense model's stream (what
     the removed block wrote included); they leave the model at the end (`surgery.remove_layers`).
@@ -386,6 +387,7 @@ def prune_blocks(
             block.to(dtype=stored)
             source.store(i)
             continue
+        solving = time.perf_counter()  # what this block's statistics and solves take (`refine.per_solve`)
         # the residual stream this block's projections add to, over the counted tokens
         stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
@@ -446,9 +448,7 @@ def prune_blocks(
             del finished, stats, W_hat
         if refine.steps and solved:
             _host_ready(device)
-            share = refine
-            if refine.seconds is not None:  # the pipeline's allowance, shared by the blocks still to fit
-                share = dataclasses.replace(refine, seconds=max(0.0, refine.seconds - fitted) / (d.layers - i))
+            share = _fit_allowance(refine, time.perf_counter() - solving, fitted, d.layers - i)
             fit = _refine(block, streams, share, device)
             fitted += fit.seconds
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
@@ -463,6 +463,19 @@ def prune_blocks(
     if skip:
         remove_layers(model, sorted(skip))
     return reports
+
+
+def _fit_allowance(refine: RefineConfig, solve_seconds: float, fitted: float, blocks_left: int) -> RefineConfig:
+    """One block's fit: the pipeline's allowance (`refine.seconds`, a job's time budget) shared by the blocks still
+    to fit, and `refine.per_solve` x the seconds this block's solves took; the tighter one binds, and the floor of
+    `refine.min_steps` holds only under the per-solve allowance (a time budget is not overrun for it)."""
+    paced = None if refine.seconds is None else max(0.0, refine.seconds - fitted) / blocks_left
+    matched = None if refine.per_solve is None else refine.per_solve * solve_seconds
+    if matched is None:
+        return refine if paced is None else dataclasses.replace(refine, seconds=paced)
+    if paced is not None and paced < matched:
+        return dataclasses.replace(refine, seconds=paced, min_steps=0)
+    return dataclasses.replace(refine, seconds=matched)
 
 
 def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: bool,

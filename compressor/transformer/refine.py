@@ -25,9 +25,20 @@ from .surgery import is_projection
 
 log = logging.getLogger(__name__)
 
-# the default steps per block of a job: SmolLM2-135M at 0.25 goes from perplexity 834 to 85 with 50
-# (dense 35.8), and 50 steps of a block cost about what its two solves do on the CPU (bench/RESULTS.md)
+# a job's default fit: each block's as long as its own solves took (`RefineConfig.per_solve`), at least
+# DEFAULT_STEPS and at most MAX_STEPS. SmolLM2-135M at 0.25 goes from perplexity 834 to 85 with 50 steps (dense
+# 35.8), about what its two solves cost on the CPU; all-MiniLM-L6-v2's solves, on 1,024 short windows, pay for
+# ~250, and 500 steps there gained +0.011 embedding cosine over 50 at 1.5x (bench/RESULTS.md)
 DEFAULT_STEPS = 50
+MAX_STEPS = 500
+PER_SOLVE = 1.0
+
+
+def default_config(steps: int | None) -> RefineConfig:
+    """A job's block reconstruction: `steps` as the user gave them (a fixed count), else the per-solve rule."""
+    if steps is not None:
+        return RefineConfig(steps=steps)
+    return RefineConfig(steps=MAX_STEPS, min_steps=DEFAULT_STEPS, per_solve=PER_SOLVE)
 
 
 @dataclass

@@ -61,6 +61,7 @@ from compressor.transformer.pipeline import (
     resize_transformer,
 )
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
+from compressor.transformer.refine import default_config as block_refine
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
 from compressor.transformer.surgery import in_features, load_pruned, projection, remove_layers, widths
 from exporters.fusion import fuse_checked, unfused_path
@@ -538,8 +539,7 @@ class _TransformerJob:
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": RefineConfig(steps=0 if statistics else request.refine_steps_or(BLOCK_STEPS),
-                                          seconds=fit_seconds)}
+                   "refine": self._refine(statistics, fit_seconds)}
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:
@@ -554,6 +554,13 @@ class _TransformerJob:
         pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         return pruned.cpu().eval(), layers
+
+    def _refine(self, statistics: bool, fit_seconds: float | None) -> RefineConfig:
+        """Each block's fit: none in a statistics pass or for a method that keeps the dense weights, the steps the
+        request gave, else as long as the block's own solves took (`compressor.transformer.refine`)."""
+        if statistics or not self.request.refine_steps_or(BLOCK_STEPS):
+            return RefineConfig(steps=0)
+        return dataclasses.replace(block_refine(self.request.refine_steps), seconds=fit_seconds)
 
     def resize(self, plan: Widths) -> nn.Module:
         whole, subs = self._split(self.removed_blocks)

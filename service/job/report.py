@@ -114,7 +114,8 @@ class Measured:
     shape: dict[str, int]  # the measured input shape
     params_after: int
     accuracy_budget: BudgetResult | None  # None: --accuracy-budget none
-    block_reconstruction: dict[str, Any] | None  # the fits in sum (steps, blocks, blocks_kept, seconds)
+    # the fits in sum (steps: the most a block ran, steps_min the fewest, blocks, blocks_kept, seconds)
+    block_reconstruction: dict[str, Any] | None
     eval: str | None  # the --eval reference as the job saw it
     warnings: list[str] = field(default_factory=list)
     # the ONNX graphs timed (transformers): each graph's ONNX Runtime fusions (exporters.fusion.Fusion.to_json:

@@ -386,7 +386,9 @@ def _settings(report: Report) -> list[tuple[str, Any]]:
     ]
     recon = m.block_reconstruction if m else None
     if recon:
-        rows.append(("block reconstruction", _e(f"{recon['steps']} steps per block; kept in {recon['blocks_kept']} of "
+        fewest = recon.get("steps_min", recon["steps"])  # reports before per-block lengths: one count
+        steps = f"{recon['steps']}" if fewest == recon["steps"] else f"{fewest}-{recon['steps']}"
+        rows.append(("block reconstruction", _e(f"{steps} steps per block; kept in {recon['blocks_kept']} of "
                                                 f"{recon['blocks']} blocks ({recon['seconds']:.0f} s)")))
     if kind.samples is not None:
         steps = f", {kind.refine_steps} reconstruction steps" if kind.refine_steps is not None else ""

@@ -86,8 +86,8 @@ def _reconstruction(layers: list[LayerReport]) -> dict | None:
     fits = [r.refine for r in layers if r.refine is not None]
     if not fits:
         return None
-    return {"steps": max(f.steps for f in fits), "blocks": len(fits), "blocks_kept": sum(f.kept for f in fits),
-            "seconds": sum(f.seconds for f in fits)}
+    return {"steps": max(f.steps for f in fits), "steps_min": min(f.steps for f in fits), "blocks": len(fits),
+            "blocks_kept": sum(f.kept for f in fits), "seconds": sum(f.seconds for f in fits)}
 
 
 def _evaluation(job: ModelJob) -> dict:

@@ -10,7 +10,7 @@ import torch
 from compressor import METHODS, solve_layer
 from compressor.solver import problem as problem_module
 from compressor.solver import solve as solve_module
-from compressor.solver.baselines import magnitude_support
+from compressor.solver.baselines import flap_allocation, magnitude_support
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
 from compressor.solver.solve import NO_REFIT_METHODS
@@ -378,3 +378,24 @@ def test_statistics_at_rounding_level_fall_back_to_the_magnitude_support():
     assert sol.pruned == magnitude.pruned == [1]  # the smallest row
     assert sol.stats["fallback"].startswith("mp (H on the kept rows is not positive semi-definite")
     torch.testing.assert_close(sol.weight[[0, 2]], W_hat[[0, 2]])
+
+
+def test_flaps_allocation_keeps_the_best_standardized_units_up_to_the_kept_weight():
+    """FLAP's AL-AM search: scores standardized per layer and module, one threshold across all, heads weighing
+    `head_weight` neurons; keep=1 keeps everything."""
+    torch.manual_seed(0)
+    attention = [torch.rand(8), torch.rand(8)]  # 4 heads of head_dim 2 per layer
+    ffn = [torch.rand(10), torch.rand(10)]
+    assert flap_allocation(attention, ffn, 2, 3.0, 1.0) == ([4, 4], [10, 10])
+    heads, neurons = flap_allocation(attention, ffn, 2, 3.0, 0.6)
+    total = 3.0 * 8 + 20
+    kept = 3.0 * sum(heads) + sum(neurons)
+    assert abs(kept - 0.6 * total) <= 3.0, (heads, neurons)  # the closest a unit's weight allows
+    # standardization: scaling one layer's scores changes nothing; the order within a layer is the scores'
+    scaled = flap_allocation([attention[0] * 1000, attention[1]], [ffn[0], ffn[1] * 1e-3], 2, 3.0, 0.6)
+    assert scaled == (heads, neurons)
+    # a layer whose scores are flat but for one outlier loses more units than one spread evenly
+    flat = 1.0 + 1e-3 * torch.rand(10)
+    flat[0] = 100.0
+    _, spread_vs_flat = flap_allocation(attention, [torch.linspace(0, 1, 10), flat], 2, 3.0, 0.6)
+    assert spread_vs_flat[1] < spread_vs_flat[0]

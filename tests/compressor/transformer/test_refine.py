@@ -1,14 +1,23 @@
 """Block reconstruction: held-out split, the fit and its keep-only-if-better rule, and its place in the pipeline."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from compressor.errors import InputError
 from compressor.transformer.adapters import layers
-from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer
-from compressor.transformer.refine import BlockReconstruction, RefineConfig, Sequences, split
+from compressor.transformer.pipeline import _fit_allowance, _run, capture_block_inputs, prune_transformer
+from compressor.transformer.refine import (
+    DEFAULT_STEPS,
+    MAX_STEPS,
+    BlockReconstruction,
+    RefineConfig,
+    Sequences,
+    default_config,
+    split,
+)
 
 from .transformer_models import MODELS, example_inputs, first_output
 
@@ -108,6 +117,37 @@ def test_a_pipelines_allowance_is_shared_by_its_blocks():
     _, ample = prune_transformer(model, data, 0.5, refine=RefineConfig(steps=10, seconds=600.0))
     assert [r.refine.steps for r in starved[1::2]] == [0, 0]
     assert [r.refine.steps for r in ample[1::2]] == [10, 10]
+
+
+def test_a_floor_of_steps_runs_whatever_the_allowance_says():
+    """`min_steps` run even when `seconds` ran out at the first check; past them the allowance binds again."""
+    block, fit, judge, _ = _block_problem(steps=100_000)
+    floored = BlockReconstruction(block, RefineConfig(steps=100_000, seconds=1e-9, min_steps=30)).fit(fit, judge, run)
+    assert floored.steps == 30
+
+
+def test_the_per_solve_allowance_follows_each_blocks_solves_and_yields_to_a_time_budget():
+    """`_fit_allowance`: per_solve x the block's solve seconds, floored at min_steps; a time budget's share
+    that is tighter binds instead, without the floor (the budget is not overrun for it)."""
+    rule = RefineConfig(steps=500, min_steps=50, per_solve=1.0)
+    assert _fit_allowance(rule, 4.0, 0.0, 3) == dataclasses.replace(rule, seconds=4.0)
+    assert _fit_allowance(dataclasses.replace(rule, per_solve=2.0), 4.0, 0.0, 3).seconds == 8.0
+    paced = _fit_allowance(dataclasses.replace(rule, seconds=6.0), 4.0, 3.0, 3)  # (6 - 3) / 3 = 1 s < 4 s
+    assert paced.seconds == pytest.approx(1.0) and paced.min_steps == 0
+    roomy = _fit_allowance(dataclasses.replace(rule, seconds=600.0), 4.0, 0.0, 3)
+    assert roomy.seconds == 4.0 and roomy.min_steps == 50
+    fixed = RefineConfig(steps=50)  # a user's --refine-steps: steps alone
+    assert _fit_allowance(fixed, 4.0, 0.0, 3) == fixed
+
+
+def test_a_jobs_default_fit_follows_the_solves_and_a_given_count_is_fixed():
+    default = default_config(None)
+    assert default.per_solve == 1.0 and default.min_steps == DEFAULT_STEPS and default.steps == MAX_STEPS
+    assert default_config(120) == RefineConfig(steps=120)
+    model = MODELS["llama"]()
+    _, fits = prune_transformer(model, batches(model), 0.5, refine=default)
+    steps = [r.refine.steps for r in fits[1::2]]
+    assert all(DEFAULT_STEPS <= n <= MAX_STEPS for n in steps), steps
 
 
 def test_trainable_norms_move_with_the_weights():

@@ -689,8 +689,12 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     report = json.loads((out / "report.json").read_text())
     assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
     assert report["params_after"] < report["params_before"] and report["block_reconstruction"]["blocks"] == 2
-    # a local job paces itself to --time-budget too: an ample one, the fits ran every step (50 per block)
-    assert report["pacing"]["time_budget_s"] == 600 and report["pacing"]["rounds"][0]["fit_steps"] <= 100
+    # each block's fit as long as its solves, 50 to 500 steps (a toy's solves take less than 50 steps do)
+    recon = report["block_reconstruction"]
+    assert 50 <= recon["steps_min"] <= recon["steps"] <= 500
+    # a local job paces itself to --time-budget too: an ample one does not cut the fits short
+    assert report["pacing"]["time_budget_s"] == 600
+    assert report["pacing"]["rounds"][0]["fit_steps"] == recon["steps_min"] + recon["steps"]
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3
 
 

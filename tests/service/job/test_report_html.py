@@ -82,6 +82,13 @@ def test_the_page_names_the_residual_blocks_a_conv_job_removed():
     assert "residual blocks removed" not in render(sample_report(removed_blocks=[]))
 
 
+def test_the_page_says_how_long_the_blocks_fits_ran():
+    fits = {"steps": 240, "steps_min": 50, "blocks": 6, "blocks_kept": 5, "seconds": 61.0}
+    assert "50-240 steps per block; kept in 5 of 6 blocks (61 s)" in render(sample_report(block_reconstruction=fits))
+    older = {"steps": 50, "blocks": 6, "blocks_kept": 6, "seconds": 20.0}  # a report before per-block lengths
+    assert "50 steps per block; kept in 6 of 6 blocks" in render(sample_report(block_reconstruction=older))
+
+
 def test_the_page_says_which_fused_graphs_were_timed_and_the_speedup_as_exported():
     graph = {"dense": {"fusions": {"attention": 6, "skip_layer_normalization": 12}, "fallback": None},
              "compressed": {"fusions": {}, "fallback": "the fused graph failed its check: peak error 0.5"},

@@ -1,0 +1,92 @@
+"""FLAP's structure for a transformer (An et al. 2024), a benchmark baseline: the fluctuation of every attention
+output and FFN output projection's inputs on the dense model, and the per-layer widths FLAP's global search
+keeps (`compressor.solver.baselines.flap_allocation`), as a structure that `--widths-from` prunes with
+`--method flap`.
+
+FLAP scores on the dense model in one pass (every layer sees the dense stream), then allocates across layers;
+which heads and neurons a layer keeps is then the layer's own fluctuation order, what `--method flap` picks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..solver.baselines import flap_allocation
+from .adapters import adapter_for, dims, layers, layers_path
+from .surgery import dense_weight, in_features, projection
+
+
+@dataclass
+class _Moments:
+    """Per-channel sums of a projection's inputs over the counted tokens (float64)."""
+
+    total: Tensor
+    squares: Tensor
+    count: int = 0
+
+    def add(self, x: Tensor) -> None:  # x: (tokens, d1)
+        x = x.double()
+        self.total += x.sum(0)
+        self.squares += x.square().sum(0)
+        self.count += x.shape[0]
+
+    def variance(self) -> Tensor:
+        assert self.count > 1, "no calibration tokens reached the projection"
+        mean = self.total / self.count
+        return (self.squares / self.count - mean.square()).clamp_min(0) * self.count / (self.count - 1)
+
+
+def fluctuation_scores(model: nn.Module, batches: Sequence[dict[str, Tensor]]) -> tuple[list[Tensor], list[Tensor]]:
+    """FLAP's WIFV of every layer on the dense model: (attention output projection inputs, FFN neurons), each
+    the input's sample variance over the non-padding tokens times the squared norm of its weight row."""
+    adapter = adapter_for(model)
+    paths = [(block, path) for block in layers(model) for path in (adapter.o, adapter.down)]
+    moments = [_Moments(torch.zeros(in_features(projection(b, p)), dtype=torch.float64),
+                        torch.zeros(in_features(projection(b, p)), dtype=torch.float64)) for b, p in paths]
+    counted: dict[str, Tensor | None] = {}
+
+    def hook(m: _Moments):
+        def record(_module, inputs):
+            x = inputs[0].detach()
+            mask = counted["mask"]
+            m.add(x.reshape(-1, x.shape[-1]) if mask is None else x[mask])
+        return record
+
+    handles = [projection(b, p).register_forward_pre_hook(hook(m)) for (b, p), m in zip(paths, moments, strict=True)]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask = batch.get("attention_mask")
+                counted["mask"] = None if mask is None else mask.bool()
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    scores = [m.variance() * dense_weight(projection(b, p)).double().square().sum(1)
+              for (b, p), m in zip(paths, moments, strict=True)]
+    return scores[0::2], scores[1::2]
+
+
+def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep: float) -> dict:
+    """FLAP's widths for `model` keeping `keep` of its attention and FFN parameters, as a structure for
+    `--widths-from`: {"layers": [{name, width_after}], "removed_layers": [sub-layers left with no unit]}; query
+    heads are the attention's unit (a head weighs its query and output rows: 2 x head_dim x hidden parameters,
+    a neuron its FFN rows and column: (up projections + 1) x hidden)."""
+    adapter, d = adapter_for(model), dims(model)
+    attention, ffn = fluctuation_scores(model, batches)
+    head_weight = 2 * d.head_dim / (adapter.up_matrices + 1)
+    heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)
+    prefix = layers_path(model)
+    structure: dict = {"layers": [], "removed_layers": []}
+    for i, (h, n) in enumerate(zip(heads, neurons, strict=True)):
+        for path, width in ((adapter.o, h), (adapter.down, n)):
+            name = f"{prefix}.{i}.{path}"
+            if width:
+                structure["layers"].append({"name": name, "width_after": width})
+            else:
+                structure["removed_layers"].append(name)
+    return structure
