@@ -77,18 +77,22 @@ def setups(work: Path) -> dict[str, list[str]]:
     }
 
 
-def smollm2_directory() -> Path:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from quality_transformers import smollm2_directory as build
+def _quality_transformers():
+    """bench/quality_transformers.py, which builds SmolLM2's directory and scores its artifacts."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    import quality_transformers
 
-    return build()
+    return quality_transformers
+
+
+def smollm2_directory() -> Path:
+    return _quality_transformers().smollm2_directory()
 
 
 def wikitext_perplexity(out: Path) -> float:
     """WikiText-2 perplexity of a job's model.onnx (the SmolLM2 protocol of bench/quality_transformers.py)."""
-    from quality_transformers import score_artifact
-
-    return score_artifact(out)["onnx_perplexity"]
+    return _quality_transformers().score_artifact(out)["onnx_perplexity"]
 
 
 def run(args: list[str]) -> tuple[dict, float, int]:

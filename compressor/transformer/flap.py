@@ -45,8 +45,8 @@ def fluctuation_scores(model: nn.Module, batches: Sequence[dict[str, Tensor]]) -
     the input's sample variance over the non-padding tokens times the squared norm of its weight row."""
     adapter = adapter_for(model)
     paths = [(block, path) for block in layers(model) for path in (adapter.o, adapter.down)]
-    moments = [_Moments(torch.zeros(in_features(projection(b, p)), dtype=torch.float64),
-                        torch.zeros(in_features(projection(b, p)), dtype=torch.float64)) for b, p in paths]
+    widths = [in_features(projection(b, p)) for b, p in paths]
+    moments = [_Moments(torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)) for d in widths]
     counted: dict[str, Tensor | None] = {}
 
     def hook(m: _Moments):
