@@ -22,8 +22,9 @@ if TYPE_CHECKING:  # transformers is imported where it is used: importing this m
 class LoadedTransformer:
     model: torch.nn.Module  # eval mode
     tokenizer: object | None  # the model's tokenizer, when the directory has one
-    output_name: str  # "last_hidden_state" (encoders) or "logits" (language models)
+    output_name: str  # "last_hidden_state" (encoders) or "logits" (language models, sequence classifiers)
     input_names: tuple[str, ...]  # ONNX inputs, as the source model takes them
+    causal: bool = False  # a causal LM ("logits" are next-token scores); an encoder's "logits" are its classes'
 
 
 def transformer_config(reference: str) -> dict | None:
@@ -36,11 +37,13 @@ def transformer_config(reference: str) -> dict | None:
 
 
 LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+CLASSIFIER_SUFFIX = "ForSequenceClassification"  # an encoder with its classification head, kept and exported
 
 
 def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
-    GPT2LMHeadModel), the base model otherwise (encoders are pruned and exported without task heads).
+    GPT2LMHeadModel), an encoder's own sequence classifier (its head kept: it is what the user serves), the
+    base model otherwise (other encoder heads are dropped: pruned and exported without them).
 
     A config without `architectures` (converted checkpoints often have none) of a decoder-only family
     (`FamilyAdapter.causal`) gets the family's causal-LM class from transformers' auto mapping: its base
@@ -52,6 +55,8 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), True
     adapter = ADAPTERS.get(config.model_type)
+    if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None and not adapter.causal:
+        return getattr(transformers, arch), False
     if not arch and adapter is not None and adapter.causal:
         name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
         if hasattr(transformers, name):
@@ -69,9 +74,9 @@ def build_hf_model(cls: type, config: PretrainedConfig) -> torch.nn.Module:
 
 
 def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:
-    """A HF transformer from a local directory (never downloaded): causal LMs with their LM head,
-    encoders as the base model. `weights=False` builds it on the meta device (shapes, no memory), for
-    callers that stream the weights themselves."""
+    """A HF transformer from a local directory (never downloaded): causal LMs with their LM head, sequence
+    classifiers with their head, other encoders as the base model. `weights=False` builds it on the meta device
+    (shapes, no memory), for callers that stream the weights themselves."""
     import transformers
 
     path = Path(str(reference)).expanduser()
@@ -97,7 +102,9 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         names = ("pixel_values",)
     elif not causal and getattr(config, "type_vocab_size", 0):
         names += ("token_type_ids",)
-    return LoadedTransformer(model, tokenizer, "logits" if causal else "last_hidden_state", names)
+    classifier = type(model).__name__.endswith(CLASSIFIER_SUFFIX)
+    return LoadedTransformer(model, tokenizer, "logits" if causal or classifier else "last_hidden_state", names,
+                             causal=causal)
 
 
 # ---- standard outputs: a pruned model whose config says its widths ------------------------------------
@@ -171,9 +178,14 @@ def standardise(directory: str | Path) -> bool:
 
 def save_standard(model: torch.nn.Module, directory: str | Path) -> bool:
     """`surgery.save_pruned`, then `standardise`: a pruned model directory that transformers loads by
-    itself when its widths allow, else with the width manifest for `load_pruned`. Returns whether it is
+    itself when its widths allow; else with the width manifest for `load_pruned`, and with transformers'
+    `trust_remote_code=True` where `remote.write_remote_code` can state the widths. Returns whether it is
     standard."""
+    from .remote import write_remote_code
     from .surgery import save_pruned
 
     save_pruned(model, directory)
-    return standardise(directory)
+    if standardise(directory):
+        return True
+    write_remote_code(model, directory)
+    return False

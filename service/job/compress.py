@@ -246,6 +246,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)
+        report.artifacts.serving = job.serving_files(out)
         report.pacing = pace.to_dict({i: _fits(r.layers) for i, r in enumerate(rounds)})
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB

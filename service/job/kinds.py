@@ -62,6 +62,7 @@ from compressor.transformer.pipeline import (
 )
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.refine import default_config as block_refine
+from compressor.transformer.remote import MODULE as REMOTE_MODULE
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
 from compressor.transformer.surgery import in_features, load_pruned, projection, remove_layers, widths
 from exporters.fusion import fuse_checked, unfused_path
@@ -79,6 +80,7 @@ from exporters.onnx import (
     in_precision,
 )
 from exporters.runtime import default_provider, run_outputs
+from exporters.serving import LayoutError, copy_image_classifier_files, copy_sentence_files, link_onnx
 
 from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
 from .report import KindFields
@@ -167,6 +169,11 @@ class ModelJob(Protocol):
         """Save the pruned model into `out`; returns its artifact name."""
         ...
 
+    def serving_files(self, out: Path) -> dict[str, Any] | None:
+        """Files the stacks that serve the model read beside the returned `out`/model.onnx (written after it),
+        for report.json's artifacts; None when the kind writes none."""
+        ...
+
     def preprocessing(self) -> dict:
         """What a server of the ONNX file must do to inputs (stamped into its metadata)."""
         ...
@@ -227,6 +234,17 @@ def _no_warnings(reference: Any) -> list[str]:
 
 
 ONE_CLASS_SHARE = 0.9  # a dense model predicting one class this often makes top-1 agreement say little
+
+
+def _one_class_warnings(logits: np.ndarray, samples: str, advice: str) -> list[str]:
+    """A warning when the dense model's `logits` (samples, classes) pick one class for most samples."""
+    counts = np.bincount(logits.argmax(1))
+    share = counts.max() / counts.sum()
+    if share < ONE_CLASS_SHARE:
+        return []
+    return [f"the dense model predicts class {counts.argmax()} for {share:.0%} of the {counts.sum()} held-out "
+            f"{samples}: top-1 agreement with it says little about them (any model predicting that class agrees); "
+            f"{advice}"]
 
 
 def _no_decode_step(module: nn.Module, path: Path) -> Parity:
@@ -383,13 +401,8 @@ class ConvJob:
     def baseline_warnings(self, reference: np.ndarray) -> list[str]:
         if self.metric != AGREEMENT:
             return []
-        counts = np.bincount(np.asarray(reference).argmax(1))
-        share = counts.max() / counts.sum()
-        if share < ONE_CLASS_SHARE:
-            return []
-        return [f"the dense model predicts class {counts.argmax()} for {share:.0%} of the {counts.sum()} held-out "
-                "images: top-1 agreement with it says little about them (any model predicting that class agrees); "
-                "calibrate on images of the model's domain, or give labelled evaluation images (--eval)"]
+        return _one_class_warnings(np.asarray(reference), "images", "calibrate on images of the model's domain, or "
+                                   "give labelled evaluation images (--eval)")
 
     def secondary(self, outputs: np.ndarray, reference: np.ndarray) -> dict[str, float]:
         if self.metric == COSINE:
@@ -400,6 +413,13 @@ class ConvJob:
     def save(self, module: nn.Module, out: Path) -> str:
         save_program(module, out / "model.pt2", self.images[:2].clone())
         return "model.pt2"
+
+    def serving_files(self, out: Path) -> dict[str, Any] | None:
+        if self.loaded.kind != "hf":
+            return None
+        # a Hugging Face image classifier: the job's directory loads as Optimum's ORTModelForImageClassification
+        copied = copy_image_classifier_files(Path(str(self.request.model)).expanduser(), out)
+        return {"onnx": "model.onnx", "optimum": "ORTModelForImageClassification", "files": copied}
 
     def preprocessing(self) -> dict:
         return _image_preprocessing(self.request, self.loaded.input_name, self.loaded.input_shape)
@@ -592,10 +612,14 @@ class _TransformerJob:
     def save(self, module: nn.Module, out: Path) -> str:
         # config.json says the widths when every layer kept the same ones (transformers loads it alone);
         # otherwise osscar_widths.json beside it, for load_pruned
+        shutil.rmtree(out / "model", ignore_errors=True)  # an earlier job's files (onnx/, remote code) go with it
         save_standard(module, out / "model")
         if self.loaded.tokenizer is not None:
             self.loaded.tokenizer.save_pretrained(out / "model")
         return "model/"
+
+    def serving_files(self, out: Path) -> dict[str, Any] | None:
+        return None
 
     def report_fields(self, module: nn.Module) -> KindFields:
         return KindFields(widths=widths(module), onnx_inputs=list(self.loaded.input_names),
@@ -608,7 +632,9 @@ class TextJob(_TransformerJob):
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
-        self.causal = self.loaded.output_name == "logits"
+        self.causal = self.loaded.causal
+        # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
+        self.classifier = self.loaded.output_name == "logits" and not self.causal
         if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):
             raise InputError(f"--decode-step: {self.dense.config.model_type}'s sliding-window layers keep a window "
                              "of keys in their cache, which torch.export cannot trace with a dynamic past length "
@@ -629,7 +655,7 @@ class TextJob(_TransformerJob):
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
-        self.metric = PERPLEXITY if self.causal else COSINE
+        self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier else COSINE
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         limit = max_sequence(self.dense)
         if limit:
@@ -686,16 +712,41 @@ class TextJob(_TransformerJob):
 
     def outputs(self, path: Path) -> list:
         batches = [{k: v.numpy() for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
-        return run_outputs(path, batches, reduce="nll" if self.causal else "mean_pool")
+        reduce = "nll" if self.causal else "raw" if self.classifier else "mean_pool"
+        return run_outputs(path, batches, reduce=reduce)
 
-    secondary = staticmethod(_no_secondary)
-    baseline_warnings = staticmethod(_no_warnings)
+    def secondary(self, outputs: list, reference: list) -> dict[str, float]:
+        return {COSINE.name: cosine(outputs, reference)} if self.classifier else {}
+
+    def baseline_warnings(self, reference: list) -> list[str]:
+        if not self.classifier:
+            return []
+        return _one_class_warnings(np.concatenate(reference), "windows", "calibrate on text of the model's task")
 
     def score(self, outputs: list, reference: list) -> float:
         if self.metric == PERPLEXITY:
             nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
             return float(math.exp(nll / max(count, 1)))
+        if self.metric == AGREEMENT:  # logits (batch, classes) per evaluation batch
+            return agreement(np.concatenate(outputs), np.concatenate(reference))
         return cosine(outputs, reference)
+
+    def serving_files(self, out: Path) -> dict[str, Any] | None:
+        if self.causal:  # generation reads decode.onnx and genai_config.json (export_decode_step)
+            return None
+        # an encoder as Optimum and sentence-transformers load it: model/ with the graph in model/onnx/
+        model_dir = out / "model"
+        onnx = link_onnx(out / "model.onnx", model_dir)
+        sentence = False
+        try:
+            if not self.classifier:
+                sentence = copy_sentence_files(Path(str(self.request.model)).expanduser(), model_dir,
+                                               dims(self.dense).hidden)
+        except LayoutError as err:
+            self.say(warning(f"model/ is not a sentence-transformers model: {err}"))
+        optimum = "ORTModelForSequenceClassification" if self.classifier else "ORTModelForFeatureExtraction"
+        return {"onnx": onnx.relative_to(out).as_posix(), "optimum": optimum, "sentence_transformers": sentence,
+                "trust_remote_code": (model_dir / f"{REMOTE_MODULE}.py").is_file()}
 
     def preprocessing(self) -> dict:
         return {"inputs": list(self.loaded.input_names), "tokenizer": "the model's (saved in model/)"

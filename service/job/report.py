@@ -93,6 +93,9 @@ class Artifacts:
     # exporters.onnx.Parity of model.onnx against PyTorch
     parity: dict[str, float] | None = field(default=None, metadata=OPTIONAL)
     decode_step: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # decode.onnx and its parity
+    # what serving stacks read beside model.onnx (an encoder's model/onnx/model.onnx, sentence-transformers'
+    # modules, remote code for unequal widths): kinds.ModelJob.serving_files
+    serving: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

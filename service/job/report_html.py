@@ -342,12 +342,25 @@ def _outputs(report: Report) -> list[tuple[str, Any]]:
     if graph:
         rows.append(("ONNX Runtime fusions", _fusion_words(graph)))
     model = artifacts.model
-    if model == "model/":
+    serving = artifacts.serving or {}
+    if model == "model/" and serving.get("trust_remote_code"):
+        rows.append(("pruned model", "<code>model/</code>, a Hugging Face directory whose layers kept unequal "
+                                     "widths: transformers loads it with <code>trust_remote_code=True</code> (its "
+                                     "<code>modeling_osscar.py</code>), or "
+                                     "<code>compressor.transformer.surgery.load_pruned</code>"))
+    elif model == "model/":
         rows.append(("pruned model", "<code>model/</code>, a Hugging Face directory that transformers loads by "
                                      "itself, unless it holds <code>osscar_widths.json</code> (widths its config "
                                      "cannot say): then <code>compressor.transformer.surgery.load_pruned</code>"))
     elif model:
         rows.append(("pruned model", f"<code>{_e(model)}</code> (a torch.export program)"))
+    if serving.get("onnx"):
+        stacks = f"Optimum's <code>{_e(serving.get('optimum', 'ORTModel'))}</code>"
+        if serving.get("sentence_transformers"):
+            stacks = f"sentence-transformers (<code>backend=\"onnx\"</code>) and {stacks}"
+        where = ("beside its config" if serving["onnx"] == "model.onnx"
+                 else f"as <code>{_e(serving['onnx'])}</code>")
+        rows.append(("for serving", f"model.onnx {where}, where {stacks} reads it"))
     if artifacts.decode_step:
         rows.append(("decode step", f"<code>{_e(artifacts.decode_step.get('path', 'decode.onnx'))}</code>"))
     rows.append(("report", "<code>report.json</code> (every number on this page) and this page"))

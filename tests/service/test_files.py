@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.files import follow_umask, umask, write_text_atomically
+from service.files import extract_tar, follow_umask, umask, write_tar, write_text_atomically
 
 
 @pytest.fixture
@@ -44,3 +44,16 @@ def test_an_atomic_write_has_the_mode_of_an_ordinary_one(tmp_path, mask_027):
     assert (tmp_path / "report.json").stat().st_mode & 0o777 == (tmp_path / "plain.json").stat().st_mode & 0o777 \
         == 0o640
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_hard_link_travels_as_a_file_of_its_own(tmp_path):
+    """An encoder's model/onnx/model.onnx is a hard link to model.onnx; the archive must still hold regular
+    files only, which is all extract_tar takes."""
+    job = tmp_path / "job"
+    (job / "model" / "onnx").mkdir(parents=True)
+    (job / "model.onnx").write_bytes(b"graph bytes")
+    os.link(job / "model.onnx", job / "model" / "onnx" / "model.onnx")
+    write_tar(job, tmp_path / "job.tar")
+    extract_tar(tmp_path / "job.tar", tmp_path / "back")
+    assert (tmp_path / "back" / "model" / "onnx" / "model.onnx").read_bytes() == b"graph bytes"
+    assert (tmp_path / "back" / "model.onnx").read_bytes() == b"graph bytes"

@@ -217,3 +217,21 @@ def test_no_supported_family_reads_per_layer_config_so_non_uniform_widths_keep_t
         if "per_layer_config" in inspect.getsource(module):
             readers.append(model_type)
     assert readers == []
+
+
+def test_an_encoder_classifier_keeps_its_head_and_other_heads_are_dropped(tmp_path):
+    """A sequence classifier is what its user serves: loaded with its head, logits out; a masked-LM head (a
+    pretraining head) is dropped for the base model, as before."""
+    import transformers
+
+    config = tiny_bert().config
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(**{**config.to_dict(), "num_labels": 3})
+                                               ).save_pretrained(tmp_path / "classifier")
+    loaded = load_transformer(str(tmp_path / "classifier"))
+    assert type(loaded.model).__name__ == "BertForSequenceClassification"
+    assert (loaded.output_name, loaded.causal) == ("logits", False)
+    assert layers(loaded.model) is loaded.model.bert.encoder.layer
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "mlm")
+    loaded = load_transformer(str(tmp_path / "mlm"))
+    assert (type(loaded.model).__name__, loaded.output_name) == ("BertModel", "last_hidden_state")

@@ -1,0 +1,206 @@
+"""A pruned checkpoint whose layers kept unequal widths, loaded by plain transformers (no osscar installed):
+`modeling_osscar.py` beside config.json, named by its `auto_map`, read with `trust_remote_code=True`.
+
+transformers builds a model from config.json, and a config states one width of each kind for every layer, so
+such a checkpoint does not load by itself (size mismatch). Its remote-code mechanism names a class shipped in
+the directory instead: ours subclasses the family's own class and, after that class's `__init__`, makes what
+pruning changed — a projection resized, a sub-layer's stand-in (`sublayers`), an attention's head count — from
+a list of module changes in config.json (`osscar_changes`). The list is found by comparing the pruned model with
+the model its saved config builds, module by module, so it needs no family knowledge; where a change is of a
+kind the file cannot make (a forward hook, a shared config view), nothing is written and the directory stays as
+`surgery.load_pruned` reads it. The file imports torch and transformers only; its stand-in classes are
+`sublayers`' own source.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import sublayers
+
+log = logging.getLogger(__name__)
+
+MODULE = "modeling_osscar"  # the file (MODULE.py) and the module name in auto_map
+CHANGES = "osscar_changes"  # the config key of the module changes
+# the Auto class that loads a model class, by the class name's ending (the base model otherwise)
+AUTO_CLASSES = (("ForCausalLM", "AutoModelForCausalLM"), ("LMHeadModel", "AutoModelForCausalLM"),
+                ("ForMaskedLM", "AutoModelForMaskedLM"), ("ForSequenceClassification",
+                                                         "AutoModelForSequenceClassification"),
+                ("ForTokenClassification", "AutoModelForTokenClassification"),
+                ("ForImageClassification", "AutoModelForImageClassification"))
+# module attributes a change may set: numbers and flags a forward reads (head counts, widths)
+_ATTRIBUTE_TYPES = (int, float, bool)
+_PLAIN = (int, float, bool, str, type(None), tuple, list)  # attributes compared between pruned and dense
+_MISSING = object()
+
+_HEADER = '''"""Written by osscar: this directory's pruned {base}, loaded by transformers with `trust_remote_code=True`.
+Its layers kept unequal widths, which config.json cannot state, so after {base}'s own __init__ the class below
+makes the changes config.json lists under "{changes}" (projections resized, removed sub-layers' stand-ins, head
+counts); the weights then load as they were saved. Needs torch and transformers only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import {base} as _Dense
+
+
+'''
+
+_FOOTER = '''
+
+def _apply(model: nn.Module, changes: list[dict[str, Any]]) -> None:
+    for change in changes:
+        owner_path, _, name = change["path"].rpartition(".")
+        owner = model.get_submodule(owner_path)
+        kind = change["kind"]
+        if kind == "linear":
+            setattr(owner, name, nn.Linear(change["in"], change["out"], bias=change["bias"]))
+        elif kind == "removed":
+            setattr(owner, name, RemovedSublayer(torch.zeros(change["hidden"]), pair=change["pair"]))
+        elif kind == "empty":
+            setattr(owner, name, EmptyCore(pair=change["pair"]))
+        elif kind == "attributes":
+            module = model.get_submodule(change["path"])
+            for key, value in change["values"].items():
+                setattr(module, key, value)
+        else:
+            raise ValueError(f"{{change['path']}}: unknown change {{kind!r}} (written by a newer osscar?)")
+
+
+class {cls}(_Dense):
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        _apply(self, config.{changes})
+'''
+
+
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+
+
+def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] | None:
+    """What turns `dense` (the model the pruned one's config builds) into `pruned`, module by module in
+    `named_modules` order (an owner before what it holds); None when a change is not of a kind
+    `modeling_osscar.py` makes."""
+    from transformers import PreTrainedModel
+
+    changes: list[dict[str, Any]] = []
+    dense_modules = dict(dense.named_modules())
+    for path, module in pruned.named_modules():
+        reference = dense_modules.get(path)
+        if reference is None:  # inside a module replaced above, or new
+            if not any(path.startswith(c["path"] + ".") for c in changes if c["kind"] != "attributes"):
+                log.info("%s: not in the model its config builds", path)
+                return None
+            continue
+        if len(module._forward_pre_hooks) != len(reference._forward_pre_hooks) or \
+                len(module._forward_hooks) != len(reference._forward_hooks):
+            log.info("%s: a forward hook of pruning (e.g. per-head bias rows)", path)
+            return None
+        if isinstance(module, sublayers.RemovedSublayer):
+            changes.append({"path": path, "kind": "removed", "hidden": int(module.update.shape[0]),
+                            "pair": module.pair})
+            continue
+        if isinstance(module, sublayers.EmptyCore):
+            changes.append({"path": path, "kind": "empty", "pair": module.pair})
+            continue
+        if type(module) is not type(reference):
+            log.info("%s: %s where the config builds %s", path, type(module).__name__, type(reference).__name__)
+            return None
+        if isinstance(module, nn.Linear):
+            if module.weight.shape != reference.weight.shape:
+                changes.append({"path": path, "kind": "linear", "in": module.in_features,
+                                "out": module.out_features, "bias": module.bias is not None})
+            continue
+        if any(p.shape != reference.get_parameter(n).shape for n, p in module.named_parameters(recurse=False)):
+            log.info("%s: a %s resized", path, type(module).__name__)  # e.g. GPT-2's Conv1D
+            return None
+        # a PreTrainedModel's own attributes (its config, name_or_path) are what loading sets
+        differing = ({} if isinstance(module, PreTrainedModel)
+                     else _differing_attributes(path, module, reference, pruned.config))
+        if differing is None:
+            return None
+        if differing:
+            changes.append({"path": path, "kind": "attributes", "values": differing})
+    return changes
+
+
+def _differing_attributes(path: str, module: nn.Module, reference: nn.Module, config: Any) -> dict[str, Any] | None:
+    """The plain attributes (numbers, flags) of submodule `module` that differ from `reference`'s; None where
+    something the file cannot set differs: an attribute of another type, one added or gone, a config other than
+    the model's `config`."""
+    from transformers import PretrainedConfig
+
+    ours, theirs = _attributes(module), _attributes(reference)
+    differing = {}
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key, _MISSING), theirs.get(key, _MISSING)
+        if isinstance(a, PretrainedConfig) and isinstance(b, PretrainedConfig):
+            if a is not config:
+                log.info("%s: a config of its own (per-layer widths read from a config)", path)
+                return None
+            continue
+        if not isinstance(a, _PLAIN) and not isinstance(b, _PLAIN):
+            if type(a) is not type(b):  # e.g. a config view with the layer's own head count
+                log.info("%s: attribute %s is a %s, not a %s", path, key, type(a).__name__, type(b).__name__)
+                return None
+            continue  # tensors, functions, modules: what the weights or the class carry
+        if a == b:
+            continue
+        if type(a) not in _ATTRIBUTE_TYPES or type(b) not in _ATTRIBUTE_TYPES:
+            log.info("%s: attribute %s changed in a way the file cannot set (%r, was %r)", path, key, a, b)
+            return None
+        differing[key] = a
+    return differing
+
+
+def auto_class(architecture: str) -> str:
+    """The Auto class that loads a model class named `architecture`."""
+    return next((auto for ending, auto in AUTO_CLASSES if architecture.endswith(ending)), "AutoModel")
+
+
+def source(base: str) -> str:
+    """modeling_osscar.py for a pruned model of transformers class `base`."""
+    stand_ins = "\n\n".join(inspect.getsource(obj) for obj in
+                            (sublayers._first_tensor, sublayers.RemovedSublayer, sublayers.EmptyCore))
+    return (_HEADER.format(base=base, changes=CHANGES) + stand_ins
+            + _FOOTER.format(cls=f"Osscar{base}", changes=CHANGES))
+
+
+def write_remote_code(model: nn.Module, directory: str | Path) -> bool:
+    """Make a saved pruned model directory (config.json naming `type(model)`) load with transformers'
+    `trust_remote_code=True`: modeling_osscar.py, config.json's `auto_map` and `osscar_changes`. Returns whether
+    it did (False, with the reason logged, where a change is of a kind the file cannot make)."""
+    import transformers
+
+    directory = Path(directory)
+    base = type(model).__name__
+    if getattr(transformers, base, None) is not type(model):
+        log.info("%s is not a transformers class: no remote code", base)
+        return False
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    with torch.device("meta"):
+        dense = type(model)._from_config(config)
+    changes = module_changes(model, dense)
+    if changes is None:
+        return False
+    (directory / f"{MODULE}.py").write_text(source(base))
+    config_path = directory / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["auto_map"] = {auto_class(base): f"{MODULE}.Osscar{base}"}
+    saved[CHANGES] = changes
+    partial = config_path.with_name(".config.json.partial")
+    partial.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, config_path)  # never a half-written config
+    return True

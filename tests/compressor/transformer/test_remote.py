@@ -1,0 +1,132 @@
+"""A pruned checkpoint with unequal widths loads in plain transformers through its modeling_osscar.py."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from compressor.transformer.adapters import dims, layers
+from compressor.transformer.models import save_standard
+from compressor.transformer.remote import CHANGES, MODULE, auto_class
+from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
+from compressor.transformer.surgery import (
+    MANIFEST,
+    load_pruned,
+    prune_ffn,
+    prune_heads,
+    prune_query_heads,
+    remove_layers,
+)
+
+from .transformer_models import MODELS, example_inputs, first_output, tiny_llama
+
+# every family whose pruning the file can state; the rest below keep the manifest alone
+REMOTE = ["bert", "distilbert", "modernbert", "deberta-v2", "vit", "deit", "opt", "gpt_neox", "llama", "qwen2",
+          "qwen3", "gemma2", "gemma3_text"]
+
+
+def _prune_unevenly(model) -> None:
+    """Layer 0 loses FFN neurons and a head group, the last layer its FFN (a stand-in with an update)."""
+    d = dims(model)
+    prune_ffn(model, 0, range(7))
+    prune_heads(model, 0, range(d.heads // d.group - 1))
+    torch.manual_seed(1)
+    remove_sublayer(model, len(layers(model)) - 1, FFN, torch.randn(d.hidden) * 0.1)
+
+
+def _auto_load(directory, model):
+    auto = getattr(transformers, auto_class(type(model).__name__))
+    return auto.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
+
+
+@pytest.mark.parametrize("family", REMOTE)
+def test_unequal_widths_load_with_trust_remote_code_and_give_the_pruned_outputs(family, tmp_path):
+    model = MODELS[family]()
+    _prune_unevenly(model)
+    assert not save_standard(model, tmp_path)
+    assert (tmp_path / f"{MODULE}.py").is_file() and (tmp_path / MANIFEST).is_file()  # load_pruned still reads it
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {auto_class(type(model).__name__): f"{MODULE}.Osscar{type(model).__name__}"}
+    assert {c["kind"] for c in config[CHANGES]} >= {"linear", "removed"}
+    loaded = _auto_load(tmp_path, model)
+    assert type(loaded).__name__ == f"Osscar{type(model).__name__}"
+    inputs = example_inputs(model)
+    torch.testing.assert_close(first_output(loaded, inputs), first_output(model, inputs), rtol=0, atol=0)
+    torch.testing.assert_close(first_output(load_pruned(tmp_path), inputs), first_output(model, inputs))
+
+
+def test_a_decoder_without_an_attention_and_a_layer_generates_as_pruned(tmp_path):
+    """Renumbered KV caches (an attention removed, a whole layer gone) are attributes the file sets."""
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=4, intermediate_size=20,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prune_heads(model, 1, [1])
+    prune_ffn(model, 2, range(5))
+    remove_sublayer(model, 0, ATTENTION, torch.randn(32) * 0.1)
+    remove_layers(model, [3])
+    assert not save_standard(model, tmp_path)
+    changes = json.loads((tmp_path / "config.json").read_text())[CHANGES]
+    assert any(c["kind"] == "attributes" and "layer_idx" in c["values"] for c in changes)
+    loaded = _auto_load(tmp_path, model)
+    ids = torch.tensor([[5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+        steps = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        ours, theirs = loaded.generate(ids, **steps), model.generate(ids, **steps)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(theirs.scores))  # through the KV cache
+
+
+def _uneven_kv_map():
+    model = tiny_llama()  # 3 + 1 query heads per KV head: the attention gathers with a buffer of surgery's
+    for i in range(len(layers(model))):
+        prune_query_heads(model, i, [0, 1, 2, 4])
+    return model
+
+
+def _mpnet():
+    model = MODELS["mpnet"]()  # a hook selects the kept heads' rows of the shared relative bias
+    prune_heads(model, 0, [0, 2])
+    return model
+
+
+def _phi3():
+    model = MODELS["phi3"]()  # the attention reads its head count from a config view of its own
+    prune_heads(model, 0, [0])
+    return model
+
+
+def _gpt2():
+    model = MODELS["gpt2"]()  # Conv1D projections, which the file does not build
+    prune_ffn(model, 0, range(7))
+    return model
+
+
+@pytest.mark.parametrize("make", [_uneven_kv_map, _mpnet, _phi3, _gpt2])
+def test_changes_the_file_cannot_make_leave_the_manifest_alone(make, tmp_path):
+    model = make()
+    assert not save_standard(model, tmp_path)
+    assert not (tmp_path / f"{MODULE}.py").exists()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "auto_map" not in config and CHANGES not in config
+    inputs = example_inputs(model)
+    torch.testing.assert_close(first_output(load_pruned(tmp_path), inputs), first_output(model, inputs))
+
+
+def test_equal_widths_need_no_remote_code(tmp_path):
+    model = tiny_llama()
+    for i in range(len(layers(model))):
+        prune_ffn(model, i, range(10))
+    assert save_standard(model, tmp_path)
+    assert not (tmp_path / f"{MODULE}.py").exists() and "auto_map" not in json.loads(
+        (tmp_path / "config.json").read_text())
+
+
+def test_the_auto_class_follows_the_class_name():
+    assert auto_class("LlamaForCausalLM") == "AutoModelForCausalLM"
+    assert auto_class("GPT2LMHeadModel") == "AutoModelForCausalLM"
+    assert auto_class("BertForSequenceClassification") == "AutoModelForSequenceClassification"
+    assert auto_class("BertModel") == "AutoModel"
