@@ -80,7 +80,7 @@ from exporters.onnx import (
     in_precision,
 )
 from exporters.runtime import default_provider, run_outputs
-from exporters.serving import LayoutError, copy_image_classifier_files, copy_sentence_files, link_onnx
+from exporters.serving import ONNX_DIR, LayoutError, copy_image_classifier_files, copy_sentence_files, link_onnx
 
 from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
 from .report import KindFields
@@ -612,7 +612,9 @@ class _TransformerJob:
     def save(self, module: nn.Module, out: Path) -> str:
         # config.json says the widths when every layer kept the same ones (transformers loads it alone);
         # otherwise osscar_widths.json beside it, for load_pruned
-        shutil.rmtree(out / "model", ignore_errors=True)  # an earlier job's files (onnx/, remote code) go with it
+        # an earlier job's serving files, which this model's might not replace (a uniform model needs no remote code)
+        shutil.rmtree(out / "model" / ONNX_DIR, ignore_errors=True)
+        (out / "model" / f"{REMOTE_MODULE}.py").unlink(missing_ok=True)
         save_standard(module, out / "model")
         if self.loaded.tokenizer is not None:
             self.loaded.tokenizer.save_pretrained(out / "model")
