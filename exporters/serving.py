@@ -27,8 +27,6 @@ MODULES = "modules.json"
 # sentence-transformers' files of the model as a whole (the Transformer module's are the directory's own)
 SENTENCE_FILES = (MODULES, "sentence_bert_config.json", "config_sentence_transformers.json")
 NORMALIZE = "sentence_transformers.models.Normalize"  # keeps nothing in its folder (often absent from a copy)
-
-
 # a Hugging Face image classifier's files that Optimum (and transformers' pipelines) read beside its graph
 IMAGE_CLASSIFIER_FILES = ("config.json", "preprocessor_config.json")
 

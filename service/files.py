@@ -75,13 +75,12 @@ def write_tar(directory: Path, out: Path) -> None:
             if not (path.is_file() or path.is_dir()) or path.is_symlink():
                 continue
             info = tar.gettarinfo(str(path), arcname=path.relative_to(directory).as_posix())
-            # a hard link (an encoder's model/onnx/model.onnx) as a file of its own: extract_tar takes no links
-            if path.is_file():
-                info.type, info.linkname, info.size = tarfile.REGTYPE, "", path.stat().st_size
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             info.mtime = 0
             if path.is_file():
+                # a hard link (an encoder's model/onnx/model.onnx) as a file of its own: extract_tar takes no links
+                info.type, info.linkname, info.size = tarfile.REGTYPE, "", path.stat().st_size
                 with open(path, "rb") as f:
                     tar.addfile(info, f)
             else:

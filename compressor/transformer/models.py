@@ -155,6 +155,13 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     return out
 
 
+def write_config(path: Path, config: dict) -> None:
+    """Replace config.json at `path` by `config`, never leaving a half-written one."""
+    partial = path.with_name(".config.json.partial")
+    partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, path)
+
+
 def standardise(directory: str | Path) -> bool:
     """Rewrite a saved pruned model's config.json to say its widths and drop its width manifest, when
     `standard_config` can (then transformers' from_pretrained loads it with no code of ours); otherwise
@@ -169,9 +176,7 @@ def standardise(directory: str | Path) -> bool:
     standard = standard_config(json.loads(config_path.read_text()), json.loads(manifest_path.read_text()))
     if standard is None:
         return False
-    partial = config_path.with_name(".config.json.partial")
-    partial.write_text(json.dumps(standard, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, config_path)  # never a half-written config
+    write_config(config_path, standard)
     manifest_path.unlink()
     return True
 

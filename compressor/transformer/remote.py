@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from . import sublayers
+from .models import write_config
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,5 @@ def write_remote_code(model: nn.Module, directory: str | Path) -> bool:
     saved = json.loads(config_path.read_text())
     saved["auto_map"] = {auto_class(base): f"{MODULE}.Osscar{base}"}
     saved[CHANGES] = changes
-    partial = config_path.with_name(".config.json.partial")
-    partial.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, config_path)  # never a half-written config
+    write_config(config_path, saved)
     return True
