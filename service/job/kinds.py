@@ -484,15 +484,24 @@ class _TransformerJob:
         """Whole layers and sub-layers by removal loss per multiply-add saved, least first (ShortGPT's order,
         in the curves' units, weighed by what each move saves: a layer's attention and its FFN cost unequally).
         A move overlapping an earlier one (a layer after one of its sub-layers, a sub-layer after its layer) is
-        left out; a layer's two sub-layers together are its removal (`_split`)."""
+        left out; a layer's two sub-layers together are its removal (`_split`). The order ends before a move
+        that would leave no layer at all (a shallow model has its best moves in every layer)."""
         costs = self._unit_costs()
         units = self._units()
+        layers_in = self.dense.config.num_hidden_layers
         whole, partial = set(), set()
         for name, loss in sorted(self.removal_losses().items(), key=lambda item: item[1] / costs[item[0]]):
             index, kind = units[name]
             if index in whole or (kind is None and index in partial):
                 continue
-            (whole if kind is None else partial).add(index)
+            gone = index in partial or kind is None  # the layer is then removed whole
+            if gone and len(whole) + 1 >= layers_in:
+                continue
+            if gone:
+                partial.discard(index)
+                whole.add(index)
+            else:
+                partial.add(index)
             yield name, loss
 
     def _units(self) -> dict[str, tuple[int, str | None]]:

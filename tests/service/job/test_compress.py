@@ -174,7 +174,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
 
 
 def test_an_encoder_is_calibrated_on_many_windows_of_spread_lengths_and_a_decoder_on_full_windows(tmp_path, capsys):
-    """Without --sequences / --min-sequence-length, an encoder's calibration is 1,024 windows of 16 to
+    """Without --sequences / --min-sequence-length, an encoder's calibration is 2,048 windows of 16 to
     --sequence-length tokens (each window is one context of its bidirectional attention); the report
     and the job's log say what was drawn. Explicit values win."""
     from tests.compressor.transformer.transformer_models import tiny_bert
@@ -186,9 +186,9 @@ def test_an_encoder_is_calibrated_on_many_windows_of_spread_lengths_and_a_decode
     common = ["compress", str(tmp_path / "bert"), "--uniform-ratio", "0.5", "--calibration", str(tmp_path / "ids.npz"),
               "--sequence-length", "32", "--refine-steps", "0", "--latency-probes", "0"]
     assert cli.main([*common, "--out", str(tmp_path / "default")]) == 0
-    assert "1024 calibration sequences of 16-32 tokens" in capsys.readouterr().err
+    assert "2048 calibration sequences of 16-32 tokens" in capsys.readouterr().err
     report = json.loads((tmp_path / "default" / "report.json").read_text())
-    assert (report["sequences"], report["min_sequence_length"], report["sequence_length"]) == (1024, 16, 32)
+    assert (report["sequences"], report["min_sequence_length"], report["sequence_length"]) == (2048, 16, 32)
     given = ["--sequences", "40", "--min-sequence-length", "32"]
     assert cli.main([*common, "--out", str(tmp_path / "given"), *given]) == 0
     assert "40 calibration sequences of <= 32 tokens" in capsys.readouterr().err

@@ -62,3 +62,25 @@ def test_agreement_with_a_dense_model_that_predicts_one_class_is_flagged():
     assert ConvJob.baseline_warnings(job, spread) == []
     assert agreement(spread[::-1], spread) == pytest.approx(33 / 99)
     assert ConvJob.baseline_warnings(SimpleNamespace(metric=Metric("cosine", True)), one_class) == []
+
+
+def test_the_depth_order_never_removes_every_layer():
+    """A two-layer model whose cheapest moves lie in both layers: the order takes one layer and the other's
+    sub-layer alone, never both layers (a depth plan that removed them crashed the job: "leaves no model")."""
+    import transformers
+
+    from compressor.transformer.adapters import layers_path
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64)
+    job = TextJob.__new__(TextJob)
+    job.dense = transformers.LlamaForCausalLM(config).eval()
+    job.prefix, job.tokens = layers_path(job.dense), 16
+    job._removal_losses = {"model.layers.1": 0.1, "model.layers.0": 0.2, "model.layers.0.self_attn.o_proj": 0.3,
+                           "model.layers.0.mlp.down_proj": 0.4, "model.layers.1.self_attn.o_proj": 0.5,
+                           "model.layers.1.mlp.down_proj": 0.6}
+    order = [name for name, _ in job.depth_order()]
+    assert order[0] == "model.layers.1" and "model.layers.0" not in order
+    assert len([n for n in order if n.startswith("model.layers.0.")]) == 1  # the second would empty the model
+    whole, _ = job._split(order)
+    assert len(whole) < 2

@@ -135,7 +135,7 @@ def test_text_calibration_defaults_by_attention_kind_and_explicit_values_win():
     base = {"model": "m", "calibration": Path("c"), "out_dir": Path("o"), "uniform_ratio": 0.5}
     request = CompressRequest(**base)
     encoder, decoder = request.text_calibration(causal=False), request.text_calibration(causal=True)
-    assert (encoder.sequences, encoder.min_length, encoder.length) == (1024, 16, 128)  # many contexts
+    assert (encoder.sequences, encoder.min_length, encoder.length) == (2048, 16, 128)  # many contexts
     assert (decoder.sequences, decoder.min_length, decoder.length) == (128, 128, 128)  # full causal windows
     short = CompressRequest(**base, sequence_length=8).text_calibration(causal=False)
     assert (short.min_length, short.length) == (8, 8)  # never longer than the longest window
