@@ -97,6 +97,9 @@ DEPTH_STEPS = 3000
 # the draw), while the graph reconstruction fits on all of them: on 2 CPU cores ResNet-56's curves pass took ~8
 # minutes and a round's solves ~10 on all 5,085 images, each image a 32 x 32 map of rows in H
 STATISTICS_IMAGES = 1024
+# the text windows the planning passes (the dense curves and the removal losses) read at most: every k-th batch of
+# the draw, so they span its lengths; the round's solves and fits read them all
+PLANNING_SEQUENCES = 1024
 
 
 def _statistics_pass(plan: Widths, observe: Observe | None) -> bool:
@@ -469,7 +472,7 @@ class _TransformerJob:
         `FamilyAdapter.first_layer_fixed`), and each layer's attention and FFN alone, named by their output
         projection ("model.layers.7.self_attn.o_proj": the width curve's unit, all of whose groups go)."""
         if self._removal_losses is None:
-            losses = removal_losses(self.dense, self.batches, device=self.request.device,
+            losses = removal_losses(self.dense, self.planning_batches(), device=self.request.device,
                                     activation_dtype=getattr(torch, self.request.activation_dtype),
                                     compensate=self.request.method not in UNCOMPENSATED)
             units = self._units()
@@ -560,10 +563,17 @@ class _TransformerJob:
             check_removable(self.dense, index, kind)
         self.removed_blocks = list(blocks)
 
+    def planning_batches(self) -> list[dict[str, torch.Tensor]]:
+        """The calibration batches the planning passes read: every k-th, at most PLANNING_SEQUENCES windows
+        (the draw is batched shortest first, so every k-th batch spans its lengths)."""
+        windows = sum(len(b["input_ids"]) for b in self.batches)
+        return self.batches[::max(1, math.ceil(windows / PLANNING_SEQUENCES))]
+
     def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
               ) -> tuple[nn.Module, list[LayerReport]]:
         request = self.request
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: no block to reconstruct either
+        batches = self.planning_batches() if statistics else self.batches
         progress = _relay(statistics, self.say)
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
@@ -575,12 +585,12 @@ class _TransformerJob:
             work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
             try:
                 checkpoint = StreamedCheckpoint(request.model, work / "model")
-                layers = prune_blocks(checkpoint, self.batches, plan, **options)
+                layers = prune_blocks(checkpoint, batches, plan, **options)
                 checkpoint.finish()
                 return load_pruned(work / "model"), layers
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-        pruned, layers = prune_transformer(self.dense, self.batches, plan, **options)
+        pruned, layers = prune_transformer(self.dense, batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         return pruned.cpu().eval(), layers
 

@@ -43,9 +43,9 @@ AIM_AT = 1.03  # each round asks for 1.03 x target: inside [MET, AIM], with room
 # what a cached curve file was computed with: conv graphs' coupled channel groups (residual adds) are layers
 # since version 2 (3: option-A shortcuts count in their groups' losses; 4: in-block groups normalised by the
 # residual stream they join; 5: calibration draws leave the accuracy check's held-out inputs out; 6: conv
-# graphs' curves from the first STATISTICS_IMAGES of the draw), so older curves describe other layers, losses
-# or calibration data
-LAYERS_VERSION = 6
+# graphs' curves from the first STATISTICS_IMAGES of the draw; 7: text models' curves from at most
+# PLANNING_SEQUENCES windows of the draw), so older curves describe other layers, losses or calibration data
+LAYERS_VERSION = 7
 INITIAL_SHARE = 0.85  # modelled fraction of the latency in the prunable layers before the first measurement
 ROUND_TO = 8  # target mode's width multiple when --round-to is not given
 MAX_SHARE = 3.0  # bounds of the corrected latency share (fraction of latency per fraction of removed cost)

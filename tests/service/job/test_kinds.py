@@ -84,3 +84,19 @@ def test_the_depth_order_never_removes_every_layer():
     assert len([n for n in order if n.startswith("model.layers.0.")]) == 1  # the second would empty the model
     whole, _ = job._split(order)
     assert len(whole) < 2
+
+
+def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():
+    """2,048 windows in 64 batches shortest first: the dense curves and the removal losses read every other batch
+    (1,024 windows, from the shortest to the longest); a draw of 128 windows is read whole."""
+    import torch
+
+    from service.job.kinds import PLANNING_SEQUENCES
+
+    job = TextJob.__new__(TextJob)
+    job.batches = [{"input_ids": torch.zeros(32, 16 + i, dtype=torch.long)} for i in range(64)]
+    planning = job.planning_batches()
+    assert sum(len(b["input_ids"]) for b in planning) == PLANNING_SEQUENCES == 1024
+    assert planning[0] is job.batches[0] and planning[-1] is job.batches[62]
+    job.batches = job.batches[:4]
+    assert job.planning_batches() == job.batches
