@@ -438,6 +438,8 @@ class ConvJob:
 class _TransformerJob:
     """What text and vision transformers share: the block pipeline, HF exports and saving."""
 
+    planning_samples: int | None = None  # what the planning passes read at most (None: every calibration sample)
+
     causal = False
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
@@ -564,10 +566,12 @@ class _TransformerJob:
         self.removed_blocks = list(blocks)
 
     def planning_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The calibration batches the planning passes read: every k-th, at most PLANNING_SEQUENCES windows
-        (the draw is batched shortest first, so every k-th batch spans its lengths)."""
-        windows = sum(len(b["input_ids"]) for b in self.batches)
-        return self.batches[::max(1, math.ceil(windows / PLANNING_SEQUENCES))]
+        """The calibration batches the planning passes read: every k-th, at most `planning_samples` windows
+        (a text draw is batched shortest first, so every k-th batch spans its lengths); all without a limit."""
+        if self.planning_samples is None:
+            return self.batches
+        samples = sum(len(next(iter(b.values()))) for b in self.batches)
+        return self.batches[::max(1, math.ceil(samples / self.planning_samples))]
 
     def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
               ) -> tuple[nn.Module, list[LayerReport]]:
@@ -650,6 +654,7 @@ class _TransformerJob:
 
 class TextJob(_TransformerJob):
     EVAL_SEQUENCES = 64  # evaluation windows (at most)
+    planning_samples = PLANNING_SEQUENCES
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)

@@ -91,7 +91,7 @@ def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():
     (1,024 windows, from the shortest to the longest); a draw of 128 windows is read whole."""
     import torch
 
-    from service.job.kinds import PLANNING_SEQUENCES
+    from service.job.kinds import PLANNING_SEQUENCES, ImageTransformerJob
 
     job = TextJob.__new__(TextJob)
     job.batches = [{"input_ids": torch.zeros(32, 16 + i, dtype=torch.long)} for i in range(64)]
@@ -100,3 +100,6 @@ def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():
     assert planning[0] is job.batches[0] and planning[-1] is job.batches[62]
     job.batches = job.batches[:4]
     assert job.planning_batches() == job.batches
+    vit = ImageTransformerJob.__new__(ImageTransformerJob)  # a ViT plans on all its images, as measured so far
+    vit.batches = [{"pixel_values": torch.zeros(32, 3, 8, 8)} for _ in range(40)]
+    assert vit.planning_batches() == vit.batches
