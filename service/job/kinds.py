@@ -493,20 +493,15 @@ class _TransformerJob:
         that would leave no layer at all (a shallow model has its best moves in every layer)."""
         costs = self._unit_costs()
         units = self._units()
-        layers_in = self.dense.config.num_hidden_layers
         whole, partial = set(), set()
         for name, loss in sorted(self.removal_losses().items(), key=lambda item: item[1] / costs[item[0]]):
             index, kind = units[name]
             if index in whole or (kind is None and index in partial):
                 continue
-            gone = index in partial or kind is None  # the layer is then removed whole
-            if gone and len(whole) + 1 >= layers_in:
+            gone = kind is None or index in partial  # the layer is then removed whole
+            if gone and len(whole) + 1 >= self.dense.config.num_hidden_layers:
                 continue
-            if gone:
-                partial.discard(index)
-                whole.add(index)
-            else:
-                partial.add(index)
+            (whole if gone else partial).add(index)
             yield name, loss
 
     def _units(self) -> dict[str, tuple[int, str | None]]:

@@ -37,7 +37,7 @@ SHAPE_KEYS = ("batch", "sequence")
 # 0.25, 0.883 from 128 windows of 128 tokens, 0.917 from 512 of 128 (4x the tokens), 0.922 from 512 of
 # 16-128; at 0.5, 0.794 from 512 windows of 16-128 and 0.811 from 1,024 (36 s of pruning against 22 s). Its
 # 1.5x target job (2026-11-27, WikiText-2 cosine): 0.906 from 1,024 windows (388 s), 0.918 from 2,048 (737 s,
-# the same machine and hour; the statistics passes and the fits that last as long as them double).
+# the same machine and hour), 0.915 from 2,048 whose planning passes read 1,024 (548 s; kinds.PLANNING_SEQUENCES).
 # A decoder's causal window of n tokens already holds the contexts 1..n.
 ENCODER_SEQUENCES, ENCODER_MIN_LENGTH = 2048, 16
 DECODER_SEQUENCES = 128
