@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import fx
 
+from compressor.transformer.adapters import ADAPTERS
 from compressor.transformer.attention import GATHERED
 from compressor.transformer.sublayers import kv_layers
 
@@ -248,9 +249,21 @@ def export_hf_onnx(
     # token inputs are (batch, sequence) integers; images keep their channel and spatial sizes
     dynamic = tuple({0: batch, 1: seq} if not example[n].is_floating_point() else {0: batch} for n in names)
     wrapper = _NamedInputs(model.eval(), names, output_name).eval()
-    return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
-                   output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
-                   opset_version=opset)
+    config = getattr(model, "config", None)
+    family = ADAPTERS.get(getattr(config, "model_type", None))
+    previous = getattr(config, "_attn_implementation", None)
+    # a family whose default attention path torch.export cannot trace (Swin's SDPA path with a dynamic batch)
+    # is traced through the one it names; pruned query heads keep their gathered attention
+    switch = family is not None and family.export_attention is not None and previous != GATHERED
+    if switch:
+        config._attn_implementation = family.export_attention
+    try:
+        return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
+                       output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
+                       opset_version=opset)
+    finally:
+        if switch:
+            config._attn_implementation = previous
 
 
 

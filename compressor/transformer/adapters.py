@@ -80,6 +80,32 @@ class FamilyAdapter:
     # returns the sub-layer's update and is replaced whole
     attention_core: str | None = None
     ffn_core: str | None = None
+    # blocks grouped in stages (Swin): `layers` is then the ModuleList of the stages, each holding its blocks at
+    # `stage_blocks`; blocks are numbered through the stages (`layers()` lists them all, `block_path` names them)
+    stage_blocks: str | None = None
+    # a stage's module applied to its last block's output, called as the stage calls it: (hidden states, the
+    # block's positional arguments) (Swin's patch merging: a quarter of the tokens, twice the width)
+    stage_exit: str | None = None
+    # what one stage's blocks see of the first stage's tokens (Swin: 1/4, its patch merging): the latency model's
+    # share of each block
+    stage_tokens: float = 1.0
+    # the config key of an attention window's side (Swin: attention spans window x window tokens, not the image)
+    window_key: str | None = None
+    # parameters of the attention holding one column per head (Swin's relative-position bias table), kept with the
+    # heads
+    head_columns: tuple[str, ...] = ()
+    # whether a layer can be removed whole: no where the blocks differ by their place in a stage (Swin shifts
+    # every other block's windows), which a model rebuilt from its config with fewer blocks would misplace
+    whole_layers: bool = True
+    # a removed sub-layer's stand-in returns its update at every token, not one row broadcast (Swin reshapes the
+    # attention's output into windows)
+    full_updates: bool = False
+    # the attention implementation the ONNX export traces (Swin's SDPA path views a transposed output, which
+    # torch.export cannot trace with a dynamic batch; eager computes the same)
+    export_attention: str | None = None
+    # whether the config can state pruned widths at all (Swin's lists them per stage, from embed_dim and
+    # mlp_ratio): a pruned model always has `osscar_widths.json`
+    config_widths: bool = True
 
     @property
     def up_matrices(self) -> int:
@@ -140,6 +166,16 @@ DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="a
                            o="attention.out_lin", up=("ffn.lin1",), down="ffn.lin2", o_norm="sa_layer_norm",
                            down_norm="output_layer_norm", ffn_key="hidden_dim")
 
+# hierarchical vision transformer: blocks in stages (encoder.layers.S.blocks.B), patch merging between stages
+# (half the grid, twice the width), windowed attention with a relative-position bias table of one column per head;
+# transformers 5.x's attention reshapes with -1, so only the weights and the table change with the heads
+SWIN = FamilyAdapter(layers="encoder.layers", stage_blocks="blocks", stage_exit="downsample", stage_tokens=0.25,
+                     q="attention.q_proj", k="attention.k_proj", v="attention.v_proj", o="attention.o_proj",
+                     up=("mlp.fc1",), down="mlp.fc2", heads_key="num_heads",
+                     head_count_attrs=("attention.num_attention_heads",), window_key="window_size",
+                     head_columns=("attention.relative_position_bias.relative_position_bias_table",),
+                     whole_layers=False, full_updates=True, export_attention="eager", config_widths=False)
+
 # Llama's module paths serve every family below: Qwen3 normalises q and k per head (q_norm / k_norm: one
 # weight of head_dim shared by the heads, untouched by removing heads), Gemma 2 adds norms after each
 # sub-layer, soft-capping and sliding windows, Gemma 3 per-head q/k norms and a rotary base per layer kind,
@@ -154,6 +190,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "modernbert": MODERNBERT,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
+    "swin": SWIN,
     "opt": OPT_LIKE,
     "gpt2": GPT2_LIKE,
     "gpt_neox": GPT_NEOX,
@@ -167,7 +204,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "phi3": PHI3,
 }
 
-VISION_FAMILIES = ("vit", "deit")  # the vision transformers of ADAPTERS (images in, patches as tokens)
+VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
 
 # families that load but are refused, each with the unit or step that stops it (one line a user can act on)
 REFUSED: dict[str, str] = {
@@ -211,6 +248,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     adapter = ADAPTERS[model_type]
     if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json (its fields, not copied)
         check_config({**vars(model.config), "model_type": model_type}, type(model).__name__)
+    if adapter.stage_blocks is not None:
+        _check_stages(vars(model.config), type(model).__name__)
     return adapter
 
 
@@ -226,26 +265,89 @@ def _base(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
 
 
 def layers_path(model: nn.Module) -> str:
-    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h")."""
+    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h"); of the stages'
+    where blocks are grouped in stages (`FamilyAdapter.stage_blocks`)."""
     adapter = adapter_for(model)
     base = _base(model, adapter)
     prefix = next((name for name, module in model.named_modules() if module is base), "")
     return f"{prefix}.{adapter.layers}" if prefix else adapter.layers
 
 
+def block_lists(model: nn.Module) -> list[str]:
+    """Paths of the ModuleLists that hold the blocks, in block order: one, or one per stage."""
+    adapter, path = adapter_for(model), layers_path(model)
+    if adapter.stage_blocks is None:
+        return [path]
+    return [f"{path}.{s}.{adapter.stage_blocks}" for s in range(len(model.get_submodule(path)))]
+
+
 def layers(model: nn.Module) -> nn.ModuleList:
-    return model.get_submodule(layers_path(model))
+    """The blocks, numbered through the stages where they are grouped in stages (then a new list of the same
+    modules: replacing an entry of it does not reach the model)."""
+    paths = block_lists(model)
+    if len(paths) == 1 and adapter_for(model).stage_blocks is None:
+        return model.get_submodule(paths[0])
+    return nn.ModuleList([block for path in paths for block in model.get_submodule(path)])
+
+
+def _locate(model: nn.Module, index: int) -> tuple[int, str, int, int]:
+    """Block `index` as (its stage, its list's path, its place in that list, the list's length)."""
+    start = index
+    for stage, path in enumerate(block_lists(model)):
+        count = len(model.get_submodule(path))
+        if 0 <= index < count:
+            return stage, path, index, count
+        index -= count
+    raise IndexError(f"block index {start} is out of range ({len(layers(model))} blocks)")
+
+
+def block_path(model: nn.Module, index: int) -> str:
+    """Full path of block `index` ("model.layers.7"; Swin: "swin.encoder.layers.1.blocks.0")."""
+    _, path, place, _ = _locate(model, index)
+    return f"{path}.{place}"
+
+
+def stage_of(model: nn.Module, index: int) -> tuple[int, bool]:
+    """(the stage of block `index`, whether it is its stage's last block); (0, False) without stages."""
+    if adapter_for(model).stage_blocks is None:
+        return 0, False
+    stage, _, place, count = _locate(model, index)
+    return stage, place == count - 1
+
+
+def stage_exit(model: nn.Module, index: int) -> nn.Module | None:
+    """The module applied to block `index`'s output before the next block sees it (`FamilyAdapter.stage_exit`,
+    after a stage's last block), or None."""
+    adapter = adapter_for(model)
+    stage, last = stage_of(model, index)
+    if adapter.stage_exit is None or not last:
+        return None
+    return getattr(model.get_submodule(layers_path(model))[stage], adapter.stage_exit, None)
 
 
 def dims(model: nn.Module) -> TransformerDims:
-    """The model's sizes, from its config (the one place the size fields are read)."""
+    """The model's sizes, from its config (the one place the size fields are read). A family in stages (Swin)
+    gives its first stage's heads and width (`block_hidden` per block); its head size is the same in every stage
+    (`check_config`)."""
     config = model.config
     adapter = adapter_for(model)
-    heads = int(getattr(config, adapter.heads_key))
+    heads_value = getattr(config, adapter.heads_key)
+    if adapter.stage_blocks is not None:
+        heads = int(heads_value[0])
+        hidden = int(config.embed_dim)
+        return TransformerDims(len(layers(model)), heads, heads, hidden // heads, hidden)
+    heads = int(heads_value)
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def block_hidden(model: nn.Module, index: int) -> int:
+    """The residual stream's width at block `index` (Swin's doubles with every stage)."""
+    if adapter_for(model).stage_blocks is None:
+        return dims(model).hidden
+    return int(model.config.embed_dim) * 2 ** stage_of(model, index)[0]
 
 
 def max_sequence(model: nn.Module) -> int | None:
@@ -271,6 +373,8 @@ def check_config(config: dict, reference: str) -> None:
     if model_type not in ADAPTERS and "num_channels" not in config:
         raise UnsupportedArchitecture(f"{reference}: model_type {model_type!r} is neither a supported transformer "
                                       f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")
+    if model_type in ADAPTERS and ADAPTERS[model_type].stage_blocks is not None:
+        _check_stages(config, reference)
     if "num_channels" in config and model_type not in ADAPTERS and _vision_transformer(config):
         raise UnsupportedArchitecture(f"{reference}: {model_type!r} is a vision transformer that is not supported "
                                       f"(supported vision transformers: {', '.join(VISION_FAMILIES)}); it has no "
@@ -280,3 +384,17 @@ def check_config(config: dict, reference: str) -> None:
 def _vision_transformer(config: dict) -> bool:
     """An image model built of attention blocks (patch embeddings and heads), not of conv channels."""
     return "num_attention_heads" in config or "num_heads" in config
+
+
+def _check_stages(config: dict, reference: str) -> None:
+    """A Swin config whose head size changes between stages is refused: heads are pruned head_dim rows at a time,
+    one size for the model."""
+    embed, heads = config.get("embed_dim"), config.get("num_heads")
+    if not isinstance(embed, int) or not isinstance(heads, list) or not heads:
+        raise UnsupportedArchitecture(f"{reference}: a {config.get('model_type')!r} config needs embed_dim and a list "
+                                      "of num_heads per stage")
+    sizes = sorted({embed * 2 ** s / h for s, h in enumerate(heads)})
+    if len(sizes) != 1 or not sizes[0].is_integer():
+        raise UnsupportedArchitecture(f"{reference}: its head size differs between stages (embed_dim {embed}, "
+                                      f"num_heads {heads}: {', '.join(f'{x:g}' for x in sizes)}); heads are pruned "
+                                      "with one head size for the whole model")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..solver.baselines import flap_allocation
-from .adapters import adapter_for, dims, layers, layers_path
+from .adapters import adapter_for, block_path, dims, layers
 from .surgery import dense_weight, in_features, projection
 
 
@@ -80,11 +80,10 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     attention, ffn = fluctuation_scores(model, batches)
     head_weight = 2 * d.head_dim / (adapter.up_matrices + 1)
     heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)
-    prefix = layers_path(model)
     structure: dict = {"layers": [], "removed_layers": []}
     for i, (h, n) in enumerate(zip(heads, neurons, strict=True)):
         for path, width in ((adapter.o, h), (adapter.down, n)):
-            name = f"{prefix}.{i}.{path}"
+            name = f"{block_path(model, i)}.{path}"
             if width:
                 structure["layers"].append({"name": name, "width_after": width})
             else:

@@ -119,6 +119,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     if model_type not in ADAPTERS:
         return None
     adapter = ADAPTERS[model_type]
+    if not adapter.config_widths:
+        return None
     ffn_key = adapter.ffn_key
     import transformers
 

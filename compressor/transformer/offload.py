@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import ModelReferenceError
+from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
@@ -90,6 +90,9 @@ class StreamedCheckpoint:
         # the blocks as meta tensors: shapes without memory
         with torch.device("meta"):
             skeleton = build_hf_model(cls, config)
+        if adapter_for(skeleton).stage_blocks is not None:
+            raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
+                                          "streamed (it is pruned in memory: compress without --stream)")
         # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
         # a one-block model; its block is the template for those buffers
         small_config = copy.deepcopy(config)

@@ -49,7 +49,7 @@ from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warn
 from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import NO_REFIT_METHODS
-from .adapters import adapter_for, dims, layers, layers_path
+from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
@@ -178,14 +178,17 @@ def _host_ready(device: torch.device) -> None:
 
 @contextmanager
 def _without_blocks(model: nn.Module) -> Iterator[None]:
-    """Temporarily swap the block list out (to move the rest of the model without its blocks)."""
-    owner, name = owner_of(model, layers_path(model))
-    blocks = getattr(owner, name)
-    setattr(owner, name, nn.ModuleList())
+    """Temporarily swap the block lists out (to move the rest of the model without its blocks)."""
+    swapped = []
+    for path in block_lists(model):
+        owner, name = owner_of(model, path)
+        swapped.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, nn.ModuleList())
     try:
         yield
     finally:
-        setattr(owner, name, blocks)
+        for owner, name, blocks in swapped:
+            setattr(owner, name, blocks)
 
 
 @contextmanager
@@ -256,6 +259,26 @@ def _block_output(out: Any) -> Tensor:
     return out[0] if isinstance(out, tuple | list) else out
 
 
+def _exit_stage(model: nn.Module, index: int, streams: Sequence[_Stream], device: torch.device,
+                activation_dtype: torch.dtype, pruned: bool = True) -> None:
+    """After block `index`, the last of its stage (`adapters.stage_exit`: Swin's patch merging, never pruned),
+    both streams (the dense one only, without `pruned`) through the stage's exit: the next block's inputs.
+    Nothing for a block without one."""
+    module = stage_exit(model, index)
+    if module is None:
+        return
+    stored = _to_compute(module, device)
+    try:
+        with torch.no_grad():
+            for s in streams:
+                args = _to(s.args, device)  # the stage's own arguments (Swin: the grid's height and width)
+                s.hidden = _offload(module(s.hidden.to(device, torch.float32), *args), activation_dtype)
+                if pruned:
+                    s.pruned = _offload(module(s.pruned.to(device, torch.float32), *args), activation_dtype)
+    finally:
+        module.to("cpu", stored)
+
+
 def _run(block: nn.Module, hidden: Tensor, stream: _Stream | Sequences, device: torch.device) -> Tensor | None:
     """block(hidden) on the device; None when a hook stopped it early."""
     try:
@@ -308,16 +331,22 @@ def check_gqa(gqa: str) -> None:
         raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
 
 
-def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads") -> float:
-    """Multiply-adds one group costs per token: a head group's q/k/v/o rows and its attention over
-    `sequence_length` keys, or one FFN neuron's rows. A single query head under GQA (`gqa` query-heads)
-    carries a 1/group share of its KV head's k/v rows: they are saved only once the KV head empties."""
+def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads", index: int = 0) -> float:
+    """Multiply-adds one group of block `index` costs per token of the model's input: a head group's q/k/v/o rows
+    and its attention over `sequence_length` keys (a window's where attention is windowed), or one FFN neuron's
+    rows. A single query head under GQA (`gqa` query-heads) carries a 1/group share of its KV head's k/v rows:
+    they are saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at
+    a wider stream."""
     adapter, d = adapter_for(model), dims(model)
+    hidden = block_hidden(model, index)
+    share = adapter.stage_tokens ** stage_of(model, index)[0]
     if kind == "attention_heads":
+        if adapter.window_key is not None:
+            sequence_length = min(sequence_length, int(getattr(model.config, adapter.window_key)) ** 2)
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
-        projections = d.hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
-        return float(projections + 2 * sequence_length * d.head_dim * heads)
-    return float(d.hidden * (1 + adapter.up_matrices))
+        projections = hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
+        return share * float(projections + 2 * sequence_length * d.head_dim * heads)
+    return share * float(hidden * (1 + adapter.up_matrices))
 
 
 def prune_blocks(
@@ -366,7 +395,6 @@ def prune_blocks(
     device = compute_device(device)
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
-    prefix = layers_path(model)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
@@ -379,13 +407,15 @@ def prune_blocks(
         for s in streams:
             s.layer = i  # this layer's masks and rotary tables
         _host_ready(device)  # the streams' asynchronous copies have landed
+        here = block_path(model, i)
         if i in skip:  # removed whole: the dense stream goes through it, the pruned one past it
             with torch.no_grad():
                 for s in streams:
                     s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
-            emit(progress, Progress(REMOVED, f"{prefix}.{i}", i + 1, d.layers), log)
+            emit(progress, Progress(REMOVED, here, i + 1, d.layers), log)
             block.to(dtype=stored)
             source.store(i)
+            _exit_stage(model, i, streams, device, activation_dtype)
             continue
         solving = time.perf_counter()  # what this block's statistics and solves take (`refine.per_solve`)
         # the residual stream this block's projections add to, over the counted tokens
@@ -397,7 +427,7 @@ def prune_blocks(
                 compensate = bias_correction and method not in UNCOMPENSATED
                 update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype)
                 remove_sublayer(model, i, kind, update if compensate else None)
-                emit(progress, Progress(REMOVED, f"{prefix}.{i}.{path}", i + 1, d.layers), log)
+                emit(progress, Progress(REMOVED, f"{here}.{path}", i + 1, d.layers), log)
                 continue
             solved = True
             start = time.perf_counter()
@@ -429,7 +459,7 @@ def prune_blocks(
             finished = stats.finish(center)
             g = head_rows if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
-            name = f"{prefix}.{i}.{path}"
+            name = f"{here}.{path}"
             num_prune = planned_prune(name, groups, ratio)
             kept_rows = finished.H.shape[0] - num_prune * g
             if not flat_warned and finished.rank is not None and finished.rank <= kept_rows:
@@ -443,7 +473,7 @@ def prune_blocks(
                 name, kind, finished, g, num_prune, method, dense_weight=W_hat, scale=scale,
                 apply=functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by),
                 position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
-                costs=functools.partial(_costs, model, kind, cost_sequence_length, gqa, stream_energy))
+                costs=functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy))
             reports.append(report)
             del finished, stats, W_hat
         if refine.steps and solved:
@@ -452,10 +482,11 @@ def prune_blocks(
             fit = _refine(block, streams, share, device)
             fitted += fit.seconds
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)
-            emit(progress, Progress(RECONSTRUCTION, f"{prefix}.{i}", i + 1, d.layers, numbers=fit_numbers(fit)), log)
+            emit(progress, Progress(RECONSTRUCTION, here, i + 1, d.layers, numbers=fit_numbers(fit)), log)
         with torch.no_grad():
             for s in streams:
                 s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
+        _exit_stage(model, i, streams, device, activation_dtype)
         del dense
         block.to(dtype=stored)  # kept in the checkpoint's dtype: the refit weights round once, here
         source.store(i)
@@ -514,9 +545,10 @@ def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device
     return (total / max(count, 1)).float()
 
 
-def _costs(model: nn.Module, kind: str, sequence_length: int, gqa: str, stream_energy: float) -> tuple[float, float]:
+def _costs(model: nn.Module, index: int, kind: str, sequence_length: int, gqa: str, stream_energy: float
+           ) -> tuple[float, float]:
     """What a projection's observation adds to its statistics: one group's FLOPs, the stream's energy."""
-    return group_cost(model, kind, sequence_length, gqa), stream_energy
+    return group_cost(model, kind, sequence_length, gqa, index), stream_energy
 
 
 def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = (),
@@ -533,7 +565,6 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
     check_gqa(gqa)
     resized = copy.deepcopy(model).to("cpu").eval()
     adapter, d = adapter_for(resized), dims(resized)
-    prefix = layers_path(resized)
     single = gqa == "query-heads"
     with torch.no_grad():
         for i in range(d.layers):
@@ -543,7 +574,8 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                 if (i, kind) in sublayers:  # removed alone: the plan need not name its width either
                     remove_sublayer(resized, i, kind)
             heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
-            kept = heads - planned_prune(f"{prefix}.{i}.{adapter.o}", heads, plan) if heads else 0
+            here = block_path(resized, i)
+            kept = heads - planned_prune(f"{here}.{adapter.o}", heads, plan) if heads else 0
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)
@@ -552,7 +584,7 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
             if (i, FFN) in sublayers:
                 continue
             neurons = in_features(projection(layers(resized)[i], adapter.down))
-            kept = neurons - planned_prune(f"{prefix}.{i}.{adapter.down}", neurons, plan)
+            kept = neurons - planned_prune(f"{here}.{adapter.down}", neurons, plan)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
     if skip:
@@ -619,6 +651,7 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
         for s, out in zip(streams, outputs, strict=True):
             s.hidden = out
         del outputs
+        _exit_stage(model, i, streams, device, activation_dtype, pruned=False)
         block.to("cpu", stored)
         losses.append(RemovalLoss(update_energy / stream, alone.get(ATTENTION), alone.get(FFN)))
     return losses

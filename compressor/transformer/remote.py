@@ -67,13 +67,19 @@ def _apply(model: nn.Module, changes: list[dict[str, Any]]) -> None:
         if kind == "linear":
             setattr(owner, name, nn.Linear(change["in"], change["out"], bias=change["bias"]))
         elif kind == "removed":
-            setattr(owner, name, RemovedSublayer(torch.zeros(change["hidden"]), pair=change["pair"]))
+            setattr(owner, name, RemovedSublayer(torch.zeros(change["hidden"]), pair=change["pair"],
+                                                 full=change.get("full", False)))
         elif kind == "empty":
             setattr(owner, name, EmptyCore(pair=change["pair"]))
         elif kind == "attributes":
             module = model.get_submodule(change["path"])
             for key, value in change["values"].items():
                 setattr(module, key, value)
+        elif kind == "parameters":  # resized in place; the weights are loaded afterwards
+            module = model.get_submodule(change["path"])
+            for key, shape in change["shapes"].items():
+                old = getattr(module, key)
+                setattr(module, key, nn.Parameter(old.new_empty(shape), requires_grad=old.requires_grad))
         else:
             raise ValueError(f"{{change['path']}}: unknown change {{kind!r}} (written by a newer osscar?)")
 
@@ -110,7 +116,7 @@ def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] 
             return None
         if isinstance(module, sublayers.RemovedSublayer):
             changes.append({"path": path, "kind": "removed", "hidden": int(module.update.shape[0]),
-                            "pair": module.pair})
+                            "pair": module.pair, "full": module.full})
             continue
         if isinstance(module, sublayers.EmptyCore):
             changes.append({"path": path, "kind": "empty", "pair": module.pair})
@@ -123,9 +129,14 @@ def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] 
                 changes.append({"path": path, "kind": "linear", "in": module.in_features,
                                 "out": module.out_features, "bias": module.bias is not None})
             continue
-        if any(p.shape != reference.get_parameter(n).shape for n, p in module.named_parameters(recurse=False)):
-            log.info("%s: a %s resized", path, type(module).__name__)  # e.g. GPT-2's Conv1D
+        own = dict(reference.named_parameters(recurse=False))
+        if set(own) != {n for n, _ in module.named_parameters(recurse=False)}:
+            log.info("%s: a %s with other parameters", path, type(module).__name__)
             return None
+        # parameters resized in a module of another kind (GPT-2's Conv1D, Swin's relative-position bias table)
+        shapes = {n: list(p.shape) for n, p in module.named_parameters(recurse=False) if p.shape != own[n].shape}
+        if shapes:
+            changes.append({"path": path, "kind": "parameters", "shapes": shapes})
         # a PreTrainedModel's own attributes (its config, name_or_path) are what loading sets
         differing = ({} if isinstance(module, PreTrainedModel)
                      else _differing_attributes(path, module, reference, pruned.config))

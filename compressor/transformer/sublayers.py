@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedArchitecture
 from ..modules import owner_of
-from .adapters import FamilyAdapter, adapter_for, dims, layers
+from .adapters import FamilyAdapter, adapter_for, block_hidden, layers
 
 ATTENTION, FFN = "attention_heads", "ffn_neurons"  # the unit kinds of the width curves: a sub-layer is all of one
 KINDS = (ATTENTION, FFN)
@@ -47,21 +47,24 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
 class RemovedSublayer(nn.Module):
     """Stands in for a removed attention or FFN (or for its output projection): every token gets the same
     update, `update` (hidden,), shaped to broadcast over the tokens of the hidden states it is called with.
-    `pair`: return (update, None), as an attention returns (output, weights)."""
+    `pair`: return (update, None), as an attention returns (output, weights). `full`: the update at every token
+    (..., hidden), for a block that reshapes what the sub-layer returns (Swin's windows)."""
 
-    def __init__(self, update: Tensor, pair: bool) -> None:
+    def __init__(self, update: Tensor, pair: bool, full: bool = False) -> None:
         super().__init__()
         assert update.dim() == 1, update.shape
-        self.pair = pair
+        self.pair, self.full = pair, full
         self.register_buffer("update", update.detach().clone())  # saved with the weights
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor | tuple[Tensor, None]:
         x = _first_tensor(args, kwargs)  # (..., d)
         out = self.update.to(x.dtype).reshape((1,) * (x.dim() - 1) + (-1,))  # (1, ..., 1, hidden)
+        if self.full:
+            out = out.expand(*x.shape[:-1], -1).contiguous()  # (..., hidden)
         return (out, None) if self.pair else out
 
     def extra_repr(self) -> str:
-        return f"hidden={self.update.shape[0]}, pair={self.pair}"
+        return f"hidden={self.update.shape[0]}, pair={self.pair}" + (", full=True" if self.full else "")
 
 
 class EmptyCore(nn.Module):
@@ -115,7 +118,7 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
 
 def _swap(model: nn.Module, index: int, kind: str, update: Tensor | None) -> list[tuple[nn.Module, str, nn.Module]]:
     """Put the stand-ins of a removed sub-layer in place; returns (owner, name, module replaced) to undo it."""
-    adapter, layer, hidden = adapter_for(model), layers(model)[index], dims(model).hidden
+    adapter, layer, hidden = adapter_for(model), layers(model)[index], block_hidden(model, index)
     path, core = _paths(adapter, kind)
     dtype = next((p.dtype for p in layer.get_submodule(path).parameters() if p.is_floating_point()), torch.float32)
     device = next((p.device for p in layer.get_submodule(path).parameters()), torch.device("cpu"))
@@ -126,7 +129,8 @@ def _swap(model: nn.Module, index: int, kind: str, update: Tensor | None) -> lis
     attention = kind == ATTENTION
     # the module replaced whole returns what the block unpacks: an attention's (output, weights); a projection
     # standing alone returns one tensor
-    swaps = [(path, RemovedSublayer(update.to(device=device, dtype=dtype), pair=attention and core is None))]
+    swaps = [(path, RemovedSublayer(update.to(device=device, dtype=dtype), pair=attention and core is None,
+                                    full=adapter.full_updates))]
     if core is not None:
         swaps.append((core, EmptyCore(pair=attention)))
     undo = []

@@ -137,6 +137,11 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
             if path in modules:
                 keep_output_rows(projection(layer, path), q_rows)
     keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    for path in adapter.head_columns:  # (positions, heads) tables: the kept heads' columns
+        owner, name = owner_of(layer, path)
+        table = getattr(owner, name)
+        setattr(owner, name, nn.Parameter(table.data.index_select(1, heads.to(table.device)).clone(),
+                                          requires_grad=table.requires_grad))
     for attr in adapter.head_count_attrs:
         _set_attr(layer, attr, len(heads))
     for attr in adapter.width_attrs:
@@ -295,6 +300,13 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise ValueError(f"layer indices {bad} are out of range [0, {n}) or repeated")
     if len(set(indices)) >= n:
         raise UnsupportedArchitecture(f"removing all {n} layers leaves no model")
+    if not indices:
+        return
+    if not adapter_for(model).whole_layers:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s blocks differ by their place in a stage (every "
+                                      "other one shifts its windows): a model rebuilt from its config with fewer "
+                                      "blocks would misplace them, so no layer is removed whole (its attention or FFN "
+                                      "alone can be)")
     if 0 in indices and adapter_for(model).first_layer_fixed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "

@@ -2,7 +2,7 @@
 
 * `ConvJob`: conv graphs (`.pt2`, HF image CNNs, torchvision): image calibration, top-1 or cosine.
 * `TextJob`: HF text transformers (encoders, causal LMs): text calibration, cosine or perplexity.
-* `ImageTransformerJob`: HF vision transformers (ViT, DeiT): image calibration through the transformer
+* `ImageTransformerJob`: HF vision transformers (ViT, DeiT, Swin): image calibration through the transformer
   pipeline, `pixel_values` in, cosine of the pooled `last_hidden_state`.
 
 `open_job` is the one place that decides which kind a reference is; the compressor's CNN and
@@ -49,7 +49,7 @@ from compressor.modules import count_parameters
 from compressor.progress import SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport
-from compressor.transformer.adapters import adapter_for, check_config, dims, layers, layers_path, max_sequence
+from compressor.transformer.adapters import adapter_for, block_path, check_config, dims, layers, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
 from compressor.transformer.pipeline import (
@@ -64,7 +64,7 @@ from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.refine import default_config as block_refine
 from compressor.transformer.remote import MODULE as REMOTE_MODULE
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
-from compressor.transformer.surgery import in_features, load_pruned, projection, remove_layers, widths
+from compressor.transformer.surgery import in_features, load_pruned, projection, query_heads, remove_layers, widths
 from exporters.fusion import fuse_checked, unfused_path
 from exporters.genai import GENAI_TYPES, genai_type, write_genai_config
 from exporters.onnx import (
@@ -461,7 +461,6 @@ class _TransformerJob:
         self.tokens = 0  # tokens per sample at the measured shape (the latency model's sequence length)
         # whole layers: target mode weighs removing them (`targeting.plan_depth`), in memory only
         self.plans_depth = not self.stream
-        self.prefix = layers_path(self.dense)
         # layers removed whole ("model.layers.7") and sub-layers removed alone (their output projection's name,
         # "model.layers.7.mlp.down_proj"), in the dense numbering
         self.removed_blocks: list[str] = []
@@ -478,7 +477,8 @@ class _TransformerJob:
                                     activation_dtype=getattr(torch, self.request.activation_dtype),
                                     compensate=self.request.method not in UNCOMPENSATED)
             units = self._units()
-            first = 1 if adapter_for(self.dense).first_layer_fixed else 0
+            adapter = adapter_for(self.dense)
+            first = len(losses) if not adapter.whole_layers else 1 if adapter.first_layer_fixed else 0
             found = {(i, None): loss.layer for i, loss in enumerate(losses) if i >= first}
             found |= {(i, ATTENTION): loss.attention for i, loss in enumerate(losses) if loss.attention is not None}
             found |= {(i, FFN): loss.ffn for i, loss in enumerate(losses) if loss.ffn is not None}
@@ -499,7 +499,7 @@ class _TransformerJob:
             if index in whole or (kind is None and index in partial):
                 continue
             gone = kind is None or index in partial  # the layer is then removed whole
-            if gone and len(whole) + 1 >= self.dense.config.num_hidden_layers:
+            if gone and len(whole) + 1 >= dims(self.dense).layers:
                 continue
             (whole if gone else partial).add(index)
             yield name, loss
@@ -508,20 +508,20 @@ class _TransformerJob:
         """Every depth unit's name -> (layer index, sub-layer kind, None for the whole layer)."""
         adapter = adapter_for(self.dense)
         units: dict[str, tuple[int, str | None]] = {}
-        for i in range(self.dense.config.num_hidden_layers):
-            units[f"{self.prefix}.{i}"] = (i, None)
-            units[f"{self.prefix}.{i}.{adapter.o}"] = (i, ATTENTION)
-            units[f"{self.prefix}.{i}.{adapter.down}"] = (i, FFN)
+        for i in range(dims(self.dense).layers):
+            path = block_path(self.dense, i)
+            units[path] = (i, None)
+            units[f"{path}.{adapter.o}"] = (i, ATTENTION)
+            units[f"{path}.{adapter.down}"] = (i, FFN)
         return units
 
     def _unit_costs(self) -> dict[str, float]:
         """Each depth unit's multiply-adds per token at the measured sequence length (the latency model's)."""
-        adapter = adapter_for(self.dense)
-        attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1)) * dims(self.dense).heads  # every layer's
-        neuron = group_cost(self.dense, FFN, 1)
+        adapter, blocks = adapter_for(self.dense), layers(self.dense)
         costs = {}
         for name, (i, kind) in self._units().items():
-            ffn = neuron * in_features(projection(layers(self.dense)[i], adapter.down))
+            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i)
+            ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], adapter.down))
             sublayer = {ATTENTION: attention, FFN: ffn}
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs
@@ -532,15 +532,16 @@ class _TransformerJob:
         first layer kept by `first_layer_fixed`). Names of no unit of this model are refused, all listed."""
         units = self._units()
         unknown = [name for name in names if name not in units]
+        adapter = adapter_for(self.dense)
         if unknown:
-            adapter = adapter_for(self.dense)
-            raise InputError(f"no layer or sub-layer named {unknown} in this model (its layers: {self.prefix}.0 ... "
-                             f"{self.prefix}.{self.dense.config.num_hidden_layers - 1}, their sub-layers "
-                             f"{self.prefix}.N.{adapter.o} and {self.prefix}.N.{adapter.down})")
-        fixed = 0 if adapter_for(self.dense).first_layer_fixed else None
+            first, last = block_path(self.dense, 0), block_path(self.dense, dims(self.dense).layers - 1)
+            raise InputError(f"no layer or sub-layer named {unknown} in this model (its layers: {first} ... {last}, "
+                             f"their sub-layers LAYER.{adapter.o} and LAYER.{adapter.down})")
+        fixed = 0 if adapter.first_layer_fixed else None
         chosen = [units[name] for name in names]
         whole = {i for i, kind in chosen if kind is None}
-        whole |= {i for i, kind in chosen if kind == ATTENTION and (i, FFN) in chosen and i != fixed}
+        if adapter.whole_layers:  # else a layer named by both its sub-layers keeps its norms (Swin)
+            whole |= {i for i, kind in chosen if kind == ATTENTION and (i, FFN) in chosen and i != fixed}
         subs = sorted({(i, kind) for i, kind in chosen if kind is not None and i not in whole})
         return sorted(whole), subs
 
@@ -799,9 +800,12 @@ class ImageTransformerJob(_TransformerJob):
         self.metric = COSINE
         self.shape = {"batch": request.shape.get("batch", 8)}
         # the patches and the tokens before them ([CLS]; DeiT's distillation token too), as the position
-        # embeddings count them
-        positions = getattr(getattr(self.dense, "embeddings", None), "position_embeddings", None)
-        self.tokens = int(positions.shape[1]) if positions is not None else (size // int(config.patch_size)) ** 2 + 1
+        # embeddings count them; Swin has neither (its first stage's patches)
+        embeddings = getattr(getattr(self.dense, "base_model", self.dense), "embeddings", None)
+        positions = getattr(embeddings, "position_embeddings", None)
+        classes = int(getattr(embeddings, "cls_token", None) is not None)
+        self.tokens = int(positions.shape[1]) if positions is not None else \
+            (size // int(config.patch_size)) ** 2 + classes
         say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
             f"{request.method}")
 

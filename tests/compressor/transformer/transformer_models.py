@@ -30,6 +30,13 @@ def tiny_deit():
         patch_size=4))
 
 
+def tiny_swin():
+    """Blocks in two stages (two blocks each: the second shifts its windows), patch merging between them (16 -> 32
+    wide, 8 x 8 -> 4 x 4 patches), 2 then 4 heads of 8, a relative-position bias table with a column per head."""
+    return _seeded(transformers.SwinModel, transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, mlp_ratio=1.5))
+
+
 def tiny_opt():
     return _seeded(transformers.OPTForCausalLM, transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=24, num_attention_heads=4,
@@ -126,7 +133,7 @@ def tiny_mpnet():
         max_position_embeddings=40))  # 32 relative buckets: compute_position_bias assumes them
 
 
-MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt, "gpt2": tiny_gpt2,
+MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_swin, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
           "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3,
@@ -136,7 +143,7 @@ MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "opt": tiny_opt
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    if model.config.model_type in ("vit", "deit"):
+    if model.config.model_type in ("vit", "deit", "swin"):
         size = model.config.image_size
         return {"pixel_values": torch.randn(batch, 3, size, size, generator=gen)}
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)

@@ -247,6 +247,40 @@ def test_compress_a_vision_transformer_directory(tmp_path, family):
     np.testing.assert_allclose(session.run(None, {"pixel_values": x.numpy()})[0], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_compress_a_swin_directory_with_sublayers_removed(tmp_path):
+    """Swin (blocks in two stages, patch merging between them) through the job: --widths-from removes an attention
+    of stage 0 and an FFN of stage 1 beside narrower heads and FFNs of both stages (target mode weighs the same
+    units: tests/service/job/test_kinds.py, `bench/zoo.py`); the ONNX file gives the outputs of the saved model
+    as load_pruned rebuilds it, and transformers alone loads it with trust_remote_code."""
+    import transformers
+
+    from compressor.transformer.surgery import load_pruned
+    from tests.compressor.transformer.transformer_models import tiny_swin
+
+    tiny_swin().save_pretrained(tmp_path / "swin")
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).integers(0, 256, (160, 32, 32, 3), dtype=np.uint8))
+    kept = {"0.blocks.0.mlp.fc2": 24, "0.blocks.1.attention.o_proj": 2, "0.blocks.1.mlp.fc2": 12,
+            "1.blocks.0.attention.o_proj": 2, "1.blocks.0.mlp.fc2": 30, "1.blocks.1.attention.o_proj": 4}
+    structure = {"layers": [{"name": f"encoder.layers.{name}", "width_after": width} for name, width in kept.items()],
+                 "removed_layers": ["encoder.layers.0.blocks.0.attention.o_proj",
+                                    "encoder.layers.1.blocks.1.mlp.fc2"]}
+    (tmp_path / "structure.json").write_text(json.dumps(structure))
+    out = tmp_path / "out"
+    assert cli.main(["compress", str(tmp_path / "swin"), "--widths-from", str(tmp_path / "structure.json"),
+                     "--out", str(out), "--calibration", str(tmp_path / "cal.npz"), "--repeats", "3",
+                     "--shape", "batch=4", "--accuracy-budget", "none"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["widths"] == {"heads": [0, 2, 2, 4], "ffn": [24, 12, 30, 0]}
+    assert report["removed_layers"] == structure["removed_layers"]
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = load_pruned(out / "model")(pixel_values=x).last_hidden_state.numpy()
+        alone = transformers.AutoModel.from_pretrained(out / "model", trust_remote_code=True, local_files_only=True)
+        np.testing.assert_allclose(alone.eval()(pixel_values=x).last_hidden_state.numpy(), expected, rtol=0, atol=0)
+    np.testing.assert_allclose(session.run(None, {"pixel_values": x.numpy()})[0], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_compress_a_convnext_directory_prunes_its_blocks_inner_neurons(tmp_path):
     """A Hugging Face ConvNeXt (its blocks' Linears run channels-last, its stream is normalised over the
     channels) through the conv path: each block's hidden neurons are pruned, the graph is exported with parity,
@@ -655,8 +689,10 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
     ({"model_type": "gemma3"}, "their language model alone, saved as a gemma3_text checkpoint"),
     ({"model_type": "deberta-v2", "conv_kernel_size": 3}, "a convolution after its first layer (conv_kernel_size"),
     ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
-    ({"model_type": "swin", "num_channels": 3, "num_heads": [3, 6]}, "'swin' is a vision transformer that is not "
-                                                                     "supported"),
+    ({"model_type": "swinv2", "num_channels": 3, "num_heads": [3, 6]}, "'swinv2' is a vision transformer that is "
+                                                                       "not supported"),
+    ({"model_type": "swin", "num_channels": 3, "embed_dim": 96, "num_heads": [3, 4]}, "its head size differs between "
+                                                                                      "stages"),
 ])
 def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, config, words, capsys):
     """The CLI applies the server's architecture rule (check_config) before loading anything: the line names

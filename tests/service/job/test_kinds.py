@@ -69,13 +69,11 @@ def test_the_depth_order_never_removes_every_layer():
     sub-layer alone, never both layers (a depth plan that removed them crashed the job: "leaves no model")."""
     import transformers
 
-    from compressor.transformer.adapters import layers_path
-
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64)
     job = TextJob.__new__(TextJob)
     job.dense = transformers.LlamaForCausalLM(config).eval()
-    job.prefix, job.tokens = layers_path(job.dense), 16
+    job.tokens = 16
     job._removal_losses = {"model.layers.1": 0.1, "model.layers.0": 0.2, "model.layers.0.self_attn.o_proj": 0.3,
                            "model.layers.0.mlp.down_proj": 0.4, "model.layers.1.self_attn.o_proj": 0.5,
                            "model.layers.1.mlp.down_proj": 0.6}
@@ -84,6 +82,37 @@ def test_the_depth_order_never_removes_every_layer():
     assert len([n for n in order if n.startswith("model.layers.0.")]) == 1  # the second would empty the model
     whole, _ = job._split(order)
     assert len(whole) < 2
+
+
+def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
+    """Swin's blocks shift windows by their place in a stage: its depth units are each block's attention and FFN
+    (named by the block's path through the stages), a block named by both keeps its norms and stays a block, and
+    the model without them runs with the stage-1 blocks' own widths (32, not 16)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from compressor.transformer.sublayers import removed_sublayers
+    from service.job.kinds import ImageTransformerJob
+    from tests.compressor.transformer.transformer_models import tiny_swin
+
+    job = ImageTransformerJob.__new__(ImageTransformerJob)
+    job.dense, job.tokens, job._removal_losses = tiny_swin(), 64, None
+    job.request = SimpleNamespace(device="cpu", activation_dtype="float32", method="osscar")
+    job.batches = [{"pixel_values": torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(i))}
+                   for i in range(2)]
+    losses = job.removal_losses()
+    blocks = [f"encoder.layers.{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)]
+    assert sorted(losses) == sorted(f"{block}.{unit}" for block in blocks for unit in ("attention.o_proj", "mlp.fc2"))
+    assert all(loss > 0 for loss in losses.values())
+    order = [name for name, _ in job.depth_order()]
+    assert len(order) == 7  # every unit but the one that would leave no block with a sub-layer
+    both = ["encoder.layers.1.blocks.1.attention.o_proj", "encoder.layers.1.blocks.1.mlp.fc2"]
+    assert job._split(both) == ([], [(3, "attention_heads"), (3, "ffn_neurons")])
+    shallow = job.without(both)
+    assert removed_sublayers(shallow) == [(3, "attention_heads"), (3, "ffn_neurons")]
+    with torch.no_grad():
+        assert shallow(**job.batches[0]).last_hidden_state.shape == (4, 16, 32)
 
 
 def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():
