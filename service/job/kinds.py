@@ -556,7 +556,11 @@ class _TransformerJob:
 
     def remove(self, blocks: Sequence[str]) -> None:
         """From now on the named layers and sub-layers are removed when the model is pruned."""
-        _, subs = self._split(blocks)  # names checked now, not mid-job
+        whole, subs = self._split(blocks)  # names checked now, not mid-job
+        if whole and not adapter_for(self.dense).whole_layers:
+            raise InputError(f"{', '.join(block_path(self.dense, i) for i in whole)}: "
+                             f"{self.dense.config.model_type}'s layers are not removed whole (its blocks differ by "
+                             "their place in a stage); name their attention and FFN alone")
         for index, kind in subs:
             check_removable(self.dense, index, kind)
         self.removed_blocks = list(blocks)

@@ -111,6 +111,8 @@ def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
     assert job._split(both) == ([], [(3, "attention_heads"), (3, "ffn_neurons")])
     shallow = job.without(both)
     assert removed_sublayers(shallow) == [(3, "attention_heads"), (3, "ffn_neurons")]
+    with pytest.raises(InputError, match=r"encoder\.layers\.0\.blocks\.1: swin's layers are not removed whole"):
+        job.remove(["encoder.layers.0.blocks.1"])  # refused when named, before any work
     with torch.no_grad():
         assert shallow(**job.batches[0]).last_hidden_state.shape == (4, 16, 32)
 
