@@ -285,7 +285,7 @@ def layers(model: nn.Module) -> nn.ModuleList:
     """The blocks, numbered through the stages where they are grouped in stages (then a new list of the same
     modules: replacing an entry of it does not reach the model)."""
     paths = block_lists(model)
-    if len(paths) == 1 and adapter_for(model).stage_blocks is None:
+    if adapter_for(model).stage_blocks is None:
         return model.get_submodule(paths[0])
     return nn.ModuleList([block for path in paths for block in model.get_submodule(path)])
 
@@ -335,7 +335,7 @@ def dims(model: nn.Module) -> TransformerDims:
     if adapter.stage_blocks is not None:
         heads = int(heads_value[0])
         hidden = int(config.embed_dim)
-        return TransformerDims(len(layers(model)), heads, heads, hidden // heads, hidden)
+        return TransformerDims(sum(config.depths), heads, heads, hidden // heads, hidden)  # blocks of every stage
     heads = int(heads_value)
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
     hidden = int(config.hidden_size)
