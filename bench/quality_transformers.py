@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine-lr", type=float, default=0.02, help="relative to each weight's RMS")
     parser.add_argument("--refine-norms", action="store_true", help="also fit the norms")
     parser.add_argument("--refine-sequences", type=int, default=4, help="calibration sequences per step")
+    parser.add_argument("--add-bias", choices=("yes", "no"), help="give bias-free output projections a bias for "
+                        "their intercept (default: the method's own choice: FLAP does)")
+    parser.add_argument("--token-cap", type=float, help="weigh a token at most this many median tokens in the "
+                        "solves (`layerstats.token_weights`; default: every token alike)")
     parser.add_argument("--onnx", action="store_true", help="also score the exported ONNX in ONNX Runtime "
                         "(smollm2 rows: onnx_value)")
     parser.add_argument("--score-artifact", type=Path, action="append", default=[], metavar="DIR",
@@ -315,7 +319,9 @@ def main(argv: list[str] | None = None) -> None:
         jobs.append((model, 0.0, "dense", {"onnx": args.onnx}))
         jobs += [(model, float(r), m, {"refine_steps": int(steps), "refine_lr": args.refine_lr,
                                        "refine_norms": args.refine_norms,
-                                       "refine_sequences": args.refine_sequences, "onnx": args.onnx})
+                                       "refine_sequences": args.refine_sequences, "onnx": args.onnx,
+                                       **({} if args.add_bias is None else {"add_bias": args.add_bias == "yes"}),
+                                       **({} if args.token_cap is None else {"token_cap": args.token_cap})})
                  for r in args.ratios.split(",") for m in args.methods.split(",")
                  for steps in args.refine_steps.split(",") if not (m == "mp" and int(steps))]
     rows = []

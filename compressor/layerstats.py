@@ -70,16 +70,31 @@ class LayerObservation:
     stream_energy: float | None = None
 
 
+def token_weights(rows: Tensor, cap: float) -> Tensor:
+    """(n,) weights of rows (n x d) in a robust least squares: 1 up to `cap` x the median row's squared norm,
+    then cap x median / ||row||^2, so that no row weighs more than `cap` median rows. A language model carries
+    a few tokens of massive activation (SmolLM2: one token ~31,000x the median's squared norm from layer 12 on);
+    unweighted, they decide a refit weight and a mean, and the other tokens pay for it. Stays on the device."""
+    energy = rows.square().sum(1)
+    reference = energy.median()
+    reference = torch.where(reference > 0, reference, energy.mean())  # mostly zero rows: their mean
+    return (cap * reference / energy.clamp_min(torch.finfo(energy.dtype).tiny)).clamp(max=1.0)
+
+
 class LayerStatistics:
     """H = X^T X and G = X^T X_hat W_hat over the calibration rows, with the sums the intercept needs.
 
     X are the pruned model's input rows to the layer, X_hat the dense model's, W_hat (d1 x d2) the
-    dense weight (columns possibly scaled by the caller), all float64 on the compute device.
+    dense weight (columns possibly scaled by the caller), all float64 on the compute device. With
+    `token_cap`, each row pair is weighted by `token_weights(X_hat row, token_cap)` (a weighted least squares,
+    its intercept the weighted means).
     """
 
-    def __init__(self, W_hat: Tensor) -> None:
+    def __init__(self, W_hat: Tensor, token_cap: float | None = None) -> None:
         d1, d2 = W_hat.shape
         self.W_hat = W_hat
+        self.token_cap = token_cap
+        self.weight = torch.zeros((), dtype=W_hat.dtype, device=W_hat.device)  # the rows' summed weights
         self.H = torch.zeros(d1, d1, dtype=W_hat.dtype, device=W_hat.device)
         self.G = torch.zeros(d1, d2, dtype=W_hat.dtype, device=W_hat.device)
         self.sum_x = torch.zeros(d1, dtype=W_hat.dtype, device=W_hat.device)
@@ -90,25 +105,33 @@ class LayerStatistics:
 
     def add(self, X: Tensor, X_hat: Tensor) -> None:
         """One batch of matching rows (n x d1 each)."""
+        if self.token_cap:
+            w = token_weights(X_hat, self.token_cap)
+            r = w.sqrt()[:, None]
+            X, X_hat = X * r, X_hat * r  # sqrt(w) on both sides: H, G and the energy are weighted by w
+        else:
+            w, r = None, 1.0
         Y = X_hat @ self.W_hat  # the dense layer's pre-bias output
         self.H.addmm_(X.T, X)
         self.G.addmm_(X.T, Y)
         self.energy += 0.5 * Y.square().sum()
-        self.sum_x += X.sum(0)
-        self.sum_y += Y.sum(0)
+        self.sum_x += (X * r).sum(0)  # w-weighted sums of the unweighted rows
+        self.sum_y += (Y * r).sum(0)
+        self.weight += X.shape[0] if w is None else w.sum()
         self.rows += X.shape[0]
 
     def finish(self, center: bool) -> FinishedStatistics:
         """The layer problem's inputs; with `center`, those of the centred rows: least squares with an
         intercept = least squares on centred data, for every support. Centring works in place on H and
         G (no second d1 x d1 matrix), so `finish` is called once."""
-        mu, nu = self.sum_x / self.rows, self.sum_y / self.rows
+        total = self.weight.clamp_min(torch.finfo(self.weight.dtype).tiny)  # = rows without weights
+        mu, nu = self.sum_x / total, self.sum_y / total
         H, G, energy = self.H, self.G, self.energy
         if center:
-            H -= self.rows * torch.outer(mu, mu)
+            H -= total * torch.outer(mu, mu)
             H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
-            G -= self.rows * torch.outer(mu, nu)
-            energy = energy - 0.5 * self.rows * nu.square().sum()
+            G -= total * torch.outer(mu, nu)
+            energy = energy - 0.5 * total * nu.square().sum()
         rank = max(self.rows - 1, 0) if center else self.rows  # centring removes one direction
         return FinishedStatistics(H, G, float(energy), mu, nu, rank)  # the layer's one host synchronisation
 

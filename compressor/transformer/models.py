@@ -133,6 +133,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
     if any(rows != list(range(heads_before)) for rows in manifest.get("bias_rows", [])):
         return None  # layers read other rows of a shared per-head bias than the first ones
+    if manifest.get("biases"):
+        return None  # output projections given a bias that the family's config does not build
     if 0 in heads or 0 in ffn:
         return None  # a removed attention or FFN (`sublayers`): its stand-in is no module of the family
     if len(set(heads)) != 1 or len(set(ffn)) != 1 or (maps is not None and any(m != maps[0] for m in maps)):

@@ -43,6 +43,7 @@ from ..layerstats import (
     compute_device,
     planned_prune,
     prune_layer,
+    token_weights,
 )
 from ..modules import owner_of
 from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warning
@@ -53,6 +54,7 @@ from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, 
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
+    add_bias,
     dense_weight,
     head_groups,
     in_features,
@@ -324,6 +326,8 @@ GQA_UNITS = ("query-heads", "kv-groups")
 # methods without bias compensation: no intercept in a projection's bias, and a removed sub-layer adds zeros
 # instead of its mean (FLAP compensates; magnitude and Wanda-sp keep the kept weights as they are)
 UNCOMPENSATED = ("mp", "wanda-sp")
+# methods whose paper gives a bias-free output projection (Llama's) a bias to compensate into (FLAP)
+ADDS_BIAS = ("flap",)
 
 
 def check_gqa(gqa: str) -> None:
@@ -366,6 +370,8 @@ def prune_blocks(
     refine: RefineConfig | None = None,
     skip: Collection[int] = (),
     sublayers: Collection[tuple[int, str]] = (),
+    add_bias: bool | None = None,
+    token_cap: float | None = None,
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
@@ -381,8 +387,13 @@ def prune_blocks(
     `sublayers`: (block, kind) of attentions ("attention_heads") and FFNs ("ffn_neurons") removed alone
     (`sublayers.remove_sublayer`), in-memory sources only: the sub-layer's update becomes its calibration mean
     over the dense stream (with `bias_correction`, for the methods that refit; zeros otherwise), and the rest
-    of the block is solved and fitted against the dense block."""
+    of the block is solved and fitted against the dense block.
+    `add_bias`: whether a bias-free output projection gets a bias for its intercept (`surgery.add_bias`; with
+    `bias_correction`, for the methods that compensate); None: the method's own choice (`ADDS_BIAS`).
+    `token_cap`: each projection's least squares, intercept and a removed sub-layer's mean weigh a token at most
+    `token_cap` median tokens (`layerstats.token_weights`; None: every token alike, the paper's objective)."""
     check_plan(ratio)
+    add_bias = method in ADDS_BIAS if add_bias is None else add_bias
     if (skip or sublayers) and not isinstance(source, InMemoryBlocks):
         raise ValueError("whole layers and sub-layers are removed from in-memory models only")
     for index, kind in sublayers:
@@ -425,7 +436,7 @@ def prune_blocks(
         for kind, path, norm in ((ATTENTION, adapter.o, adapter.o_norm), (FFN, adapter.down, adapter.down_norm)):
             if (i, kind) in sublayers:  # removed alone: its update becomes a constant, nothing is solved
                 compensate = bias_correction and method not in UNCOMPENSATED
-                update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype)
+                update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype, token_cap)
                 remove_sublayer(model, i, kind, update if compensate else None)
                 emit(progress, Progress(REMOVED, f"{here}.{path}", i + 1, d.layers), log)
                 continue
@@ -433,7 +444,7 @@ def prune_blocks(
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
             # the intercept folded into the bias: FLAP's bias compensation too; mp and Wanda-sp have none
-            center = bias_correction and method not in UNCOMPENSATED and proj.bias is not None
+            center = bias_correction and method not in UNCOMPENSATED and (proj.bias is not None or add_bias)
             W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
             scale = None
             if weight_by_norm and norm is not None and method not in NO_REFIT_METHODS:  # scores see raw weights
@@ -441,7 +452,7 @@ def prune_blocks(
                 # column c is weighted by gamma_c^2 (undone after the solve)
                 scale = dense.get_submodule(norm).weight.detach().abs().double()
                 W_hat = W_hat * scale
-            stats = LayerStatistics(W_hat)
+            stats = LayerStatistics(W_hat, token_cap)
             last = kind == FFN  # the dense block runs to its end once: the next dense input
             x_store, h1 = _inputs_of(proj, stop=True)
             x_hat_store, h2 = _inputs_of(proj_dense, stop=not last)
@@ -514,15 +525,17 @@ def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: b
     """A projection's kept heads or neurons and its refit weight into block `index`; the intercept into its bias."""
     new_weight = kept.weight.T.float()  # (out, kept)
     if center:  # the intercept: the refit output's mean matches the dense one
+        add_bias(proj)
         proj.bias.data += kept.shift.to(proj.bias)
     (prune_heads_by if kind == ATTENTION else prune_ffn)(model, index, kept.keep, new_weight)
 
 
 def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device: torch.device, last: bool,
-                 activation_dtype: torch.dtype) -> Tensor:
+                 activation_dtype: torch.dtype, token_cap: float | None = None) -> Tensor:
     """The calibration mean of what a sub-layer of the dense block adds to the stream (its output projection's
     output, over the counted tokens of the dense stream), (hidden,) float32 on the device: the update that best
-    stands in for it as one vector. `last`: the dense stream advances through the whole block meanwhile."""
+    stands in for it as one vector. `last`: the dense stream advances through the whole block meanwhile.
+    `token_cap`: each token weighted by `token_weights` of its update."""
     store: dict[str, Tensor] = {}
 
     def hook(_module, _inputs, output):
@@ -530,19 +543,21 @@ def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device
         if not last:
             raise _Stop
 
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64,
+                                                                                     device=device)
     handle = projection(dense, path).register_forward_hook(hook)
     try:
         with torch.no_grad():
             for s in streams:
                 out = _run(dense, s.hidden, s, device)
                 rows = _rows(store.pop("y"), s)  # (tokens, hidden)
-                total, count = total + rows.sum(0), count + rows.shape[0]
+                w = token_weights(rows, token_cap) if token_cap else torch.ones_like(rows[:, 0])
+                total, count = total + (w[:, None] * rows).sum(0), count + w.sum()
                 if last:
                     s.hidden = _offload(out, activation_dtype)
     finally:
         handle.remove()
-    return (total / max(count, 1)).float()
+    return (total / count.clamp_min(1e-30)).float()
 
 
 def _costs(model: nn.Module, index: int, kind: str, sequence_length: int, gqa: str, stream_energy: float
@@ -604,11 +619,12 @@ class RemovalLoss:
 @torch.no_grad()
 def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: str | torch.device | None = None,
                    activation_dtype: torch.dtype = torch.float32, sublayers: bool = True,
-                   compensate: bool = True) -> list[RemovalLoss]:
+                   compensate: bool = True, token_cap: float | None = None) -> list[RemovalLoss]:
     """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||block(h)||^2
     over the counted tokens of the calibration batches (dense model, one pass); with `sublayers`, also its
     attention's and its FFN's alone: ||block(h) - block'(h)||^2 / ||block(h)||^2, block' the block with that
-    sub-layer's update made its calibration mean (`compensate`; zeros otherwise), as `prune_blocks` removes it.
+    sub-layer's update made its calibration mean (`compensate`; zeros otherwise; weighted by `token_cap`), as
+    `prune_blocks` removes it.
 
     Removing a block takes its whole update out of the residual stream it writes, and a width loss is an
     error in a projection's output relative to that stream (`stream_energy`); so one allocation can weigh
@@ -630,7 +646,8 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
                     check_removable(model, i, kind)
                 except (ValueError, UnsupportedArchitecture):
                     continue
-                update = _mean_update(block, path, streams, device, False, activation_dtype) if compensate else None
+                update = (_mean_update(block, path, streams, device, False, activation_dtype, token_cap)
+                          if compensate else None)
                 kinds.append((kind, update))
         outputs, stream, update_energy = [], 0.0, 0.0
         for s in streams:

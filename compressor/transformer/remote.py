@@ -125,7 +125,7 @@ def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] 
             log.info("%s: %s where the config builds %s", path, type(module).__name__, type(reference).__name__)
             return None
         if isinstance(module, nn.Linear):
-            if module.weight.shape != reference.weight.shape:
+            if module.weight.shape != reference.weight.shape or (module.bias is None) != (reference.bias is None):
                 changes.append({"path": path, "kind": "linear", "in": module.in_features,
                                 "out": module.out_features, "bias": module.bias is not None})
             continue

@@ -65,6 +65,13 @@ def dense_weight(proj: nn.Module) -> Tensor:
     return proj.weight.detach() if _is_conv1d(proj) else proj.weight.detach().T
 
 
+def add_bias(proj: nn.Module) -> None:
+    """Give a bias-free projection a zero bias (its output's intercept: FLAP's bias compensation on Llama-style
+    layers), in the weight's dtype and device; a projection with a bias keeps it."""
+    if proj.bias is None:
+        proj.bias = nn.Parameter(proj.weight.new_zeros(out_features(proj)), requires_grad=False)
+
+
 def keep_output_rows(proj: nn.Module, rows: Tensor) -> None:
     """Keep output features `rows` of a projection (weight rows or Conv1D columns, bias entries)."""
     rows = check_keep(rows, out_features(proj), "projection output features").to(proj.weight.device)
@@ -331,10 +338,25 @@ def _set_attr(layer: nn.Module, path: str, value: int) -> None:
     setattr(module, name, value)
 
 
+def added_biases(model: nn.Module) -> list[str]:
+    """The output projections ("layer.path") that have a bias where the model its config builds has none
+    (`add_bias`)."""
+    adapter = adapter_for(model)
+    with torch.device("meta"):
+        reference = type(model)._from_config(model.config)
+    added = []
+    for i, (layer, dense) in enumerate(zip(layers(model), layers(reference), strict=True)):
+        for path, kind in ((adapter.o, ATTENTION), (adapter.down, FFN)):
+            if not is_removed(model, i, kind) and projection(layer, path).bias is not None \
+                    and projection(dense, path).bias is None:
+                added.append(f"{i}.{path}")
+    return added
+
+
 def widths(model: nn.Module) -> dict[str, list]:
     """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`) and, once
     query heads were pruned one by one, the KV head each query head reads (`kv_index`). A removed attention
-    or FFN (`sublayers`) has width 0."""
+    or FFN (`sublayers`) has width 0. Output projections given a bias (`add_bias`) are listed as `biases`."""
     adapter = adapter_for(model)
     out: dict[str, list] = {"heads": [], "ffn": []}
     gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
@@ -349,6 +371,9 @@ def widths(model: nn.Module) -> dict[str, list]:
             rows = getattr(layer.get_submodule(adapter.head_bias), "bias_rows", range(query_heads(model, i)))
             rows = rows if query_heads(model, i) else []
             out.setdefault("bias_rows", []).append(list(rows))
+    biases = added_biases(model)
+    if biases:
+        out["biases"] = biases
     return out
 
 
@@ -382,6 +407,12 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             remove_sublayer(model, i, FFN)
         else:
             prune_ffn(model, i, range(manifest["ffn"][i]))
+    blocks = layers(model)
+    for name in manifest.get("biases", []):
+        index, _, path = str(name).partition(".")
+        if not index.isdigit() or int(index) >= n or path not in (adapter_for(model).o, adapter_for(model).down):
+            raise ModelReferenceError(f"width manifest: {name!r} is not an output projection of one of {n} layers")
+        add_bias(projection(blocks[int(index)], path))
 
 
 def tied_aliases(model: nn.Module) -> set[str]:

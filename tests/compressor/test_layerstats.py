@@ -3,7 +3,7 @@
 import torch
 
 from compressor import solve_layer
-from compressor.layerstats import LayerStatistics, kept_solution
+from compressor.layerstats import LayerStatistics, kept_solution, token_weights
 
 
 def _statistics(seed=0, n=64, d1=6, d2=3):
@@ -50,3 +50,36 @@ def test_the_rank_bound_is_the_rows_one_fewer_once_centred():
     stats, _, _, _ = _statistics(n=5, d1=8)
     finished = stats.finish(center=True)
     assert finished.rank == 4 == int(torch.linalg.matrix_rank(finished.H))
+
+
+def test_token_weights_cap_a_row_at_cap_medians_and_leave_the_rest_alone():
+    rows = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [100.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    # squared norms 1, 1, 2, 10,000, 0: median 1
+    torch.testing.assert_close(token_weights(rows, 4.0), torch.tensor([1, 1, 1, 4e-4, 1], dtype=torch.float64))
+    torch.testing.assert_close(token_weights(rows, 1.0), torch.tensor([1, 1, 0.5, 1e-4, 1], dtype=torch.float64))
+    zeros = torch.zeros(3, 2, dtype=torch.float64)
+    zeros[0, 0] = 3.0  # a zero median: weighed against the mean (3), never against 0
+    torch.testing.assert_close(token_weights(zeros, 1.0), torch.tensor([1 / 3, 1, 1], dtype=torch.float64))
+
+
+def test_capped_statistics_are_the_weighted_least_squares_with_a_weighted_intercept():
+    _, X, X_hat, W_hat = _statistics(seed=2)
+    X[0] *= 50
+    X_hat[0] *= 50  # one token of massive activation
+    stats = LayerStatistics(W_hat, token_cap=1.0)
+    for rows in range(0, 64, 16):
+        stats.add(X[rows:rows + 16], X_hat[rows:rows + 16])
+    w = torch.cat([token_weights(X_hat[r:r + 16], 1.0) for r in range(0, 64, 16)])  # per batch, as added
+    assert w[0] < 1e-2 and (w > 0).all()
+    finished = stats.finish(center=True)
+    Y = X_hat @ W_hat
+    mu, nu = (w[:, None] * X).sum(0) / w.sum(), (w[:, None] * Y).sum(0) / w.sum()
+    torch.testing.assert_close(finished.mean_x, mu)
+    torch.testing.assert_close(finished.H, (X - mu).T @ (w[:, None] * (X - mu)))
+    torch.testing.assert_close(finished.G, (X - mu).T @ (w[:, None] * (Y - nu)))
+    sol = solve_layer(finished.H, finished.G, 1, 2, "osscar", dense_weight=W_hat)
+    kept = kept_solution(sol, 1, None, finished)
+    A = torch.cat([X[:, kept.keep], torch.ones(64, 1, dtype=X.dtype)], 1) * w.sqrt()[:, None]
+    coef = torch.linalg.lstsq(A, Y * w.sqrt()[:, None]).solution
+    torch.testing.assert_close(kept.weight, coef[:-1], atol=1e-8, rtol=1e-8)
+    torch.testing.assert_close(kept.shift, coef[-1], atol=1e-8, rtol=1e-8)

@@ -39,7 +39,8 @@ def test_streamed_pruning_equals_in_memory_pruning(name, tmp_path):
     assert not list(out.glob(".*"))  # no temporary shard left behind
 
 
-def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
+@pytest.mark.parametrize("add_bias", [False, True])  # True: output projections gain a bias, stored in the dtype too
+def test_one_block_at_a_time_and_source_dtype_kept(add_bias, tmp_path):
     model = MODELS["llama"]().half()
     model.save_pretrained(tmp_path / "src")
     checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
@@ -55,13 +56,14 @@ def test_one_block_at_a_time_and_source_dtype_kept(tmp_path):
         return block
 
     checkpoint.load = spy
-    prune_blocks(checkpoint, data(model), 0.25)
+    prune_blocks(checkpoint, data(model), 0.25, add_bias=add_bias)
     out = checkpoint.finish()
     assert materialised == [[True, False], [False, True]]
     with safe_open(str(out / "model-block-00001.safetensors"), "pt") as f:
         assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())  # noqa: SIM118
     # the stored model is what pruning in memory gives (float32, from the same float16 weights; stored in float16)
-    expected, _ = prune_transformer(copy.deepcopy(model).float(), data(model), 0.25)
+    expected, _ = prune_transformer(copy.deepcopy(model).float(), data(model), 0.25, add_bias=add_bias)
+    assert bool(widths(expected).get("biases")) == add_bias
     reloaded = load_pruned(out)
     assert {p.dtype for p in reloaded.parameters()} == {torch.float16}  # rebuilt in the config's dtype
     assert widths(reloaded) == widths(expected) != widths(model)

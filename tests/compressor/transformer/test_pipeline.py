@@ -327,3 +327,18 @@ def test_sublayers_removed_while_pruning_get_their_mean_update_and_the_rest_is_s
     assert torch.isfinite(first_output(pruned)).all()
     with pytest.raises(ValueError, match="in-memory models only"):
         prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, sublayers=[(0, FFN)])
+
+
+def test_a_token_cap_weighs_the_solves_and_a_cap_no_token_reaches_changes_nothing():
+    model = MODELS["llama"]().eval()
+    batches = [example_inputs(model, batch=3, length=7, seed=s) for s in range(2)]
+    sublayers = [(1, FFN)]  # its stand-in's mean is weighted too
+    plain, _ = pipeline.prune_transformer(model, batches, 0.25, sublayers=sublayers)
+    unreached, _ = pipeline.prune_transformer(model, batches, 0.25, sublayers=sublayers, token_cap=1e12)
+    capped, _ = pipeline.prune_transformer(model, batches, 0.25, sublayers=sublayers, token_cap=1.0)
+    inputs = example_inputs(model, seed=7)
+    torch.testing.assert_close(first_output(unreached, inputs), first_output(plain, inputs))
+    assert not torch.allclose(first_output(capped, inputs), first_output(plain, inputs))
+    assert torch.isfinite(first_output(capped, inputs)).all()
+    update = layers(capped)[1].mlp.update
+    assert not torch.allclose(update, layers(plain)[1].mlp.update)
