@@ -105,19 +105,21 @@ class LayerStatistics:
 
     def add(self, X: Tensor, X_hat: Tensor) -> None:
         """One batch of matching rows (n x d1 each)."""
-        if self.token_cap:
-            w = token_weights(X_hat, self.token_cap)
-            r = w.sqrt()[:, None]
-            X, X_hat = X * r, X_hat * r  # sqrt(w) on both sides: H, G and the energy are weighted by w
-        else:
-            w, r = None, 1.0
+        root = token_weights(X_hat, self.token_cap).sqrt() if self.token_cap else None  # (n,)
+        if root is not None:  # sqrt(w) on both sides: H, G and the energy are weighted by w
+            X, X_hat = X * root[:, None], X_hat * root[:, None]
         Y = X_hat @ self.W_hat  # the dense layer's pre-bias output
         self.H.addmm_(X.T, X)
         self.G.addmm_(X.T, Y)
         self.energy += 0.5 * Y.square().sum()
-        self.sum_x += (X * r).sum(0)  # w-weighted sums of the unweighted rows
-        self.sum_y += (Y * r).sum(0)
-        self.weight += X.shape[0] if w is None else w.sum()
+        if root is None:
+            self.sum_x += X.sum(0)
+            self.sum_y += Y.sum(0)
+            self.weight += X.shape[0]
+        else:  # w-weighted sums of the unweighted rows: sqrt(w) once more
+            self.sum_x += root @ X
+            self.sum_y += root @ Y
+            self.weight += root.square().sum()
         self.rows += X.shape[0]
 
     def finish(self, center: bool) -> FinishedStatistics:

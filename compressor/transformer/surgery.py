@@ -342,6 +342,9 @@ def added_biases(model: nn.Module) -> list[str]:
     """The output projections ("layer.path") that have a bias where the model its config builds has none
     (`add_bias`)."""
     adapter = adapter_for(model)
+    if all(projection(layer, path).bias is None for i, layer in enumerate(layers(model))
+           for path, kind in ((adapter.o, ATTENTION), (adapter.down, FFN)) if not is_removed(model, i, kind)):
+        return []  # nothing to compare: no model is built from the config
     with torch.device("meta"):
         reference = type(model)._from_config(model.config)
     added = []
@@ -407,10 +410,10 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             remove_sublayer(model, i, FFN)
         else:
             prune_ffn(model, i, range(manifest["ffn"][i]))
-    blocks = layers(model)
+    blocks, adapter = layers(model), adapter_for(model)
     for name in manifest.get("biases", []):
         index, _, path = str(name).partition(".")
-        if not index.isdigit() or int(index) >= n or path not in (adapter_for(model).o, adapter_for(model).down):
+        if not index.isdigit() or int(index) >= n or path not in (adapter.o, adapter.down):
             raise ModelReferenceError(f"width manifest: {name!r} is not an output projection of one of {n} layers")
         add_bias(projection(blocks[int(index)], path))
 
