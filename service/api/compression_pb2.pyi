@@ -81,7 +81,7 @@ class Shape(_message.Message):
     def __init__(self, batch: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class CompressOptions(_message.Message):
-    __slots__ = ("samples", "seed", "mean", "std", "batch_size", "sequences", "sequence_length", "stream", "activation_dtype", "threads", "deployment_target", "round_to", "min_width", "max_rounds", "repeats", "opset", "precision", "decode_step", "no_curves_cache", "gqa", "refine_steps", "latency_probes", "min_sequence_length", "remove_blocks")
+    __slots__ = ("samples", "seed", "mean", "std", "batch_size", "sequences", "sequence_length", "stream", "activation_dtype", "threads", "deployment_target", "round_to", "min_width", "max_rounds", "repeats", "opset", "precision", "decode_step", "no_curves_cache", "gqa", "refine_steps", "latency_probes", "min_sequence_length", "remove_blocks", "add_bias")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class CompressOptions(_message.Message):
     LATENCY_PROBES_FIELD_NUMBER: _ClassVar[int]
     MIN_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REMOVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADD_BIAS_FIELD_NUMBER: _ClassVar[int]
     samples: int
     seed: int
     mean: _containers.RepeatedScalarFieldContainer[float]
@@ -130,7 +131,8 @@ class CompressOptions(_message.Message):
     latency_probes: int
     min_sequence_length: int
     remove_blocks: int
-    def __init__(self, samples: _Optional[int] = ..., seed: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., batch_size: _Optional[int] = ..., sequences: _Optional[int] = ..., sequence_length: _Optional[int] = ..., stream: _Optional[bool] = ..., activation_dtype: _Optional[str] = ..., threads: _Optional[int] = ..., deployment_target: _Optional[str] = ..., round_to: _Optional[int] = ..., min_width: _Optional[float] = ..., max_rounds: _Optional[int] = ..., repeats: _Optional[int] = ..., opset: _Optional[int] = ..., precision: _Optional[str] = ..., decode_step: _Optional[bool] = ..., no_curves_cache: _Optional[bool] = ..., gqa: _Optional[str] = ..., refine_steps: _Optional[int] = ..., latency_probes: _Optional[int] = ..., min_sequence_length: _Optional[int] = ..., remove_blocks: _Optional[int] = ...) -> None: ...
+    add_bias: str
+    def __init__(self, samples: _Optional[int] = ..., seed: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., batch_size: _Optional[int] = ..., sequences: _Optional[int] = ..., sequence_length: _Optional[int] = ..., stream: _Optional[bool] = ..., activation_dtype: _Optional[str] = ..., threads: _Optional[int] = ..., deployment_target: _Optional[str] = ..., round_to: _Optional[int] = ..., min_width: _Optional[float] = ..., max_rounds: _Optional[int] = ..., repeats: _Optional[int] = ..., opset: _Optional[int] = ..., precision: _Optional[str] = ..., decode_step: _Optional[bool] = ..., no_curves_cache: _Optional[bool] = ..., gqa: _Optional[str] = ..., refine_steps: _Optional[int] = ..., latency_probes: _Optional[int] = ..., min_sequence_length: _Optional[int] = ..., remove_blocks: _Optional[int] = ..., add_bias: _Optional[str] = ...) -> None: ...
 
 class CompressMetadata(_message.Message):
     __slots__ = ("state", "stage", "round", "layer", "layers", "message", "attempt", "create_time", "start_time", "end_time", "labels", "artifacts", "request", "report")

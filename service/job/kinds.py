@@ -582,7 +582,8 @@ class _TransformerJob:
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": self._refine(statistics, fit_seconds)}
+                   "refine": self._refine(statistics, fit_seconds),
+                   "add_bias": {"auto": None, "yes": True, "no": False}[request.add_bias]}
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:

@@ -20,7 +20,7 @@ from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
 from compressor.errors import InputError
 from compressor.solver import METHODS
 from compressor.solver.solve import NO_REFIT_METHODS
-from compressor.transformer.pipeline import GQA_UNITS
+from compressor.transformer.pipeline import GQA_UNITS, UNCOMPENSATED
 from exporters.runtime import PROVIDERS
 
 from ..files import default_home
@@ -165,6 +165,10 @@ class CompressRequest:
                                        "many by weighing each block's measured latency and loss against the widths "
                                        "(report.json `depth`; transformers: whole layers), other modes remove none",
                                        statistics=True)
+    add_bias: str = option("auto", "transformers: an output projection without a bias (Llama's) gets one for the "
+                           "intercept of its refit: yes, no, or auto (as the method's paper does: flap only; FLAP's "
+                           "compensation, which on a model with a few tokens of massive activation costs more than it "
+                           "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"))
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
                             "to the layer's own output", choices=("stream", "layer"), cli=False, statistics=True)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
@@ -244,6 +248,9 @@ class CompressRequest:
               f"--refine-steps must be in [0, 100000] (got {self.refine_steps})")
         check(not (self.method == "mp" and self.refine_steps), "refine_steps",
               "--refine-steps does not apply to --method mp (magnitude pruning uses no calibration data)")
+        check(not (self.add_bias == "yes" and self.method in UNCOMPENSATED), "add_bias",
+              f"--add-bias yes needs a method that compensates (--method {self.method} keeps the kept weights as "
+              "they are, so it has no intercept to put in a bias)")
         check(self.threads is None or 1 <= self.threads <= 1024, "threads",
               f"--threads must be in [1, 1024] (got {self.threads})")
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")

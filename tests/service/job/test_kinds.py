@@ -134,3 +134,26 @@ def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():
     vit = ImageTransformerJob.__new__(ImageTransformerJob)  # a ViT plans on all its images, as measured so far
     vit.batches = [{"pixel_values": torch.zeros(32, 3, 8, 8)} for _ in range(40)]
     assert vit.planning_batches() == vit.batches
+
+
+@pytest.mark.parametrize(("method", "add_bias", "biased"), [("flap", "auto", True), ("flap", "no", False),
+                                                            ("osscar", "auto", False), ("osscar", "yes", True)])
+def test_a_request_decides_whether_bias_free_projections_gain_a_bias(method, add_bias, biased):
+    """--add-bias reaches the pipeline: auto is the method's paper (FLAP adds a bias to Llama's bias-free
+    o_proj / down_proj), yes and no override it; the width manifest lists what was added."""
+    from pathlib import Path
+
+    import torch
+
+    from compressor.transformer.surgery import widths
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens, job.removed_blocks, job.stream = tiny_llama().eval(), 16, [], False
+    job.say = lambda *_args, **_kwargs: None
+    job.request = CompressRequest(model="m", calibration=Path("c"), out_dir=Path("o"), uniform_ratio=0.25,
+                                  method=method, add_bias=add_bias, refine_steps=0, device="cpu")
+    job.batches = [{"input_ids": torch.randint(3, 50, (4, 16), generator=torch.Generator().manual_seed(i))}
+                   for i in range(2)]
+    pruned, reports = job.prune(0.25)
+    assert reports and bool(widths(pruned).get("biases")) == biased

@@ -152,3 +152,17 @@ def test_min_sequence_length_travels_on_the_wire_and_unset_stays_the_kind_defaul
     assert spec["min_sequence_length"] == 24 and spec["sequences"] == 300
     assert "min_sequence_length" not in spec_from_proto(spec_to_proto({})) and "sequences" not in spec_from_proto(
         spec_to_proto({}))
+
+
+def test_add_bias_is_refused_for_methods_without_an_intercept_and_travels_on_the_wire():
+    base = {"model": "m", "calibration": Path("c"), "out_dir": Path("o"), "uniform_ratio": 0.5}
+    assert CompressRequest(**base).add_bias == "auto"
+    assert not CompressRequest(**base, method="flap", add_bias="no").violations()
+    assert not CompressRequest(**base, method="osscar", add_bias="yes").violations()
+    for method in ("mp", "wanda-sp"):
+        refused = dict(CompressRequest(**base, method=method, add_bias="yes").violations())
+        assert f"--add-bias yes needs a method that compensates (--method {method}" in refused["add_bias"]
+    assert "--add-bias must be one of auto, yes, no" in dict(CompressRequest(**base, add_bias="maybe").violations())[
+        "add_bias"]
+    assert spec_from_proto(spec_to_proto({"add_bias": "no"}))["add_bias"] == "no"
+    assert "add_bias" not in spec_from_proto(spec_to_proto({}))  # unset: the request's default (auto)
