@@ -109,3 +109,42 @@ def test_jobs_sharing_a_machine_take_turns_at_timing(tmp_path, monkeypatch):
         assert not thread.is_alive() and len(entered) == 2
     finally:
         holder.close()
+
+
+def test_the_subprocess_never_imports_the_callers_main_and_needs_no_guard(tmp_path):
+    """A script without `if __name__ == "__main__":` that runs ONNX Runtime: its body runs once (spawn would run it
+    again in the child, importing whatever the caller imported: the CLI's torch and transformers)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _matmul_model(tmp_path / "a.onnx", 8)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "import numpy as np\n"
+        "from exporters.runtime import run_outputs\n"
+        f"marks = Path({str(tmp_path / 'marks')!r})\n"
+        "marks.write_text(marks.read_text() + 'x' if marks.exists() else 'x')\n"
+        f"(y,) = run_outputs({str(tmp_path / 'a.onnx')!r}, [[np.ones((2, 8), np.float32)]])[0]\n"
+        "assert (y == 8).all(), y\n")
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "marks").read_text() == "x"
+
+
+def test_a_child_that_dies_or_raises_is_a_runtime_failure_with_its_cause():
+    import os
+
+    import pytest
+
+    from exporters.runtime import RuntimeFailure, _call
+
+    with pytest.raises(RuntimeFailure, match=r"crashed in its subprocess \(exit status 3\)"):
+        _call(os._exit, 3)
+    with pytest.raises(RuntimeFailure, match="ONNX Runtime failed: LinAlgError") as raised:
+        _call(np.linalg.inv, np.zeros((2, 3)))
+    assert type(raised.value.__cause__).__name__ == "LinAlgError"
+    assert _call(np.add, np.ones(3), 1).tolist() == [2.0, 2.0, 2.0]
