@@ -185,6 +185,9 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
     try:
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(write_fd), str(os.getpid())],
                                  stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env)
+    except BaseException:
+        os.close(read_fd)
+        raise
     finally:
         os.close(write_fd)
     try:

@@ -543,16 +543,18 @@ def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device
         if not last:
             raise _Stop
 
-    total, count = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64,
-                                                                                     device=device)
+    total = count = torch.zeros((), dtype=torch.float64, device=device)
     handle = projection(dense, path).register_forward_hook(hook)
     try:
         with torch.no_grad():
             for s in streams:
                 out = _run(dense, s.hidden, s, device)
                 rows = _rows(store.pop("y"), s)  # (tokens, hidden)
-                w = token_weights(rows, token_cap) if token_cap else torch.ones_like(rows[:, 0])
-                total, count = total + (w[:, None] * rows).sum(0), count + w.sum()
+                if token_cap:  # weighted: w @ rows, no weighted copy of the rows
+                    w = token_weights(rows, token_cap)
+                    total, count = total + w @ rows, count + w.sum()
+                else:
+                    total, count = total + rows.sum(0), count + rows.shape[0]
                 if last:
                     s.hidden = _offload(out, activation_dtype)
     finally:

@@ -342,14 +342,15 @@ def added_biases(model: nn.Module) -> list[str]:
     """The output projections ("layer.path") that have a bias where the model its config builds has none
     (`add_bias`)."""
     adapter = adapter_for(model)
+    outputs = ((adapter.o, ATTENTION), (adapter.down, FFN))
     if all(projection(layer, path).bias is None for i, layer in enumerate(layers(model))
-           for path, kind in ((adapter.o, ATTENTION), (adapter.down, FFN)) if not is_removed(model, i, kind)):
+           for path, kind in outputs if not is_removed(model, i, kind)):
         return []  # nothing to compare: no model is built from the config
     with torch.device("meta"):
         reference = type(model)._from_config(model.config)
     added = []
     for i, (layer, dense) in enumerate(zip(layers(model), layers(reference), strict=True)):
-        for path, kind in ((adapter.o, ATTENTION), (adapter.down, FFN)):
+        for path, kind in outputs:
             if not is_removed(model, i, kind) and projection(layer, path).bias is not None \
                     and projection(dense, path).bias is None:
                 added.append(f"{i}.{path}")
