@@ -63,6 +63,7 @@ from compressor.transformer.pipeline import (
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.refine import default_config as block_refine
 from compressor.transformer.remote import MODULE as REMOTE_MODULE
+from compressor.transformer.sensitivity import Sensitivity, output_sensitivity
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
 from compressor.transformer.surgery import in_features, load_pruned, projection, query_heads, remove_layers, widths
 from exporters.fusion import fuse_checked, unfused_path
@@ -183,6 +184,13 @@ class ModelJob(Protocol):
 
     def report_fields(self, module: nn.Module) -> KindFields:
         """Kind-specific entries of report.json."""
+        ...
+
+    def currency(self) -> Callable[..., float] | None:
+        """How a layer's loss relative to the residual stream becomes the currency target mode allocates in:
+        convert(unit name, loss, against) with `against` the stream it is relative to, the layer's "input" (a width
+        curve's) or "output" (a removal loss); None: the stream's own (the request's `normalise`, where the kind has
+        another)."""
         ...
 
 
@@ -366,6 +374,10 @@ class ConvJob:
         return block_removal_losses(self.dense, self.images[:DEPTH_IMAGES], device=compute_device(self.request.device),
                                     batch_size=self.request.batch_size)
 
+    def currency(self) -> None:
+        """Conv graphs price errors relative to the stream they join (no output sensitivity yet)."""
+        return None
+
     def without(self, blocks: Sequence[str]) -> fx.GraphModule:
         """The dense graph without `blocks`."""
         return remove_blocks(self.dense, list(blocks))
@@ -466,6 +478,25 @@ class _TransformerJob:
         self.removed_blocks: list[str] = []
         self.depth: dict | None = None  # target mode's depth plan (report.json `depth`)
         self._removal_losses: dict[str, float] | None = None
+        self._sensitivity: Sensitivity | None = None
+
+    def currency(self) -> Callable[..., float] | None:
+        """With `normalise` "output", a unit's loss relative to the stream becomes the change of the model's output
+        it predicts (`compressor.transformer.sensitivity`: the stream's energy there times the output's gradient
+        energy, from one backward pass of the dense model over the planning batches, made once)."""
+        if self.request.normalise != "output":
+            return None
+        if self._sensitivity is None:
+            self.say("output sensitivity: a backward pass of the dense model over the planning batches")
+            self._sensitivity = output_sensitivity(self.dense, self.planning_batches(), device=self.request.device)
+        sensitivity, units = self._sensitivity, self._units()
+
+        def convert(name: str, loss: float, against: str = "input") -> float:
+            if name not in units:
+                raise KeyError(f"{name}: not a layer or sub-layer of this model, no output sensitivity for it")
+            return sensitivity.relative_to_output(*units[name], loss, against)
+
+        return convert
 
     def removal_losses(self) -> dict[str, float]:
         """Each removable unit's loss if removed, in the width curves' currency (`pipeline.removal_losses`), by
@@ -482,7 +513,10 @@ class _TransformerJob:
             found = {(i, None): loss.layer for i, loss in enumerate(losses) if i >= first}
             found |= {(i, ATTENTION): loss.attention for i, loss in enumerate(losses) if loss.attention is not None}
             found |= {(i, FFN): loss.ffn for i, loss in enumerate(losses) if loss.ffn is not None}
-            self._removal_losses = {name: found[unit] for name, unit in units.items() if unit in found}
+            convert = self.currency()
+            self._removal_losses = {  # relative to the layer's output stream (a sub-layer's too): priced there
+                name: convert(name, found[unit], "output") if convert else found[unit]
+                for name, unit in units.items() if unit in found}
         return self._removal_losses
 
     def depth_order(self) -> Iterator[tuple[str, float]]:

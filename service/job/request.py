@@ -58,7 +58,7 @@ LOCAL_ONLY = {
     "device": "the server gives each job a device slot",
     "home": "the server's own $OSSCAR_HOME",
     "trust_remote_code": "granted per model directory by the server's policy, never by the request",
-    "normalise": "a research knob of the target mode (bench/speedup.py); jobs use the default",
+    "normalise": "a research knob of the target mode (bench/research.py); jobs use the default",
     "time_budget": "the submission's time_budget (CompressRequest.time_budget on the wire), which the supervisor "
                    "also enforces",
 }
@@ -169,8 +169,11 @@ class CompressRequest:
                            "intercept of its refit: yes, no, or auto (as the method's paper does: flap only; FLAP's "
                            "compensation, which on a model with a few tokens of massive activation costs more than it "
                            "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"))
-    normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, or "
-                            "to the layer's own output", choices=("stream", "layer"), cli=False, statistics=True)
+    normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, as the "
+                            "change of the model's output they predict (transformers, `compressor.transformer."
+                            "sensitivity`; conv graphs keep the stream; not the default: SmolLM2 and MiniLM "
+                            "measured no better, bench/RESULTS.md), or relative to the layer's own output",
+                            choices=("stream", "output", "layer"), cli=False, statistics=True)
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
                                    "$OSSCAR_HOME/curves")
     home: Path | None = option(help="where caches live (default $OSSCAR_HOME, else ~/.osscar)", cli=False)

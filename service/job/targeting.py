@@ -94,6 +94,7 @@ class DepthJob(Protocol):
 
     def depth_order(self) -> Iterator[tuple[str, float]]: ...
     def removal_losses(self) -> dict[str, float]: ...
+    def currency(self) -> Callable[..., float] | None: ...
     def without(self, blocks: Sequence[str]) -> nn.Module: ...
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 
@@ -133,6 +134,7 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str
         return [LayerCurve(**c) for c in json.loads(cache.read_text())]
     say("dense statistics pass: loss-versus-width curve of every layer")
     curves: list[LayerCurve] = []
+    convert = job.currency()
 
     def observe(obs: LayerObservation) -> None:
         groups = obs.H.shape[0] // obs.group_size
@@ -142,15 +144,23 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str
         allowed = allowed_widths(groups, multiple, minimum)
         losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
         # a layer's loss counts relative to what its error adds to: the residual stream when there is one
-        norm = obs.stream_energy if request.normalise == "stream" and obs.stream_energy else obs.energy
+        norm = obs.stream_energy if request.normalise != "layer" and obs.stream_energy else obs.energy
         norm = norm if norm > 0 else 1.0
-        curves.append(LayerCurve(obs.name, obs.kind, allowed, [v / norm for v in losses], obs.cost))
+        relative = [v / norm for v in losses]
+        if convert is not None and obs.stream_energy:  # priced by the output change they predict
+            relative = [convert(obs.name, v, "input") for v in relative]
+        curves.append(LayerCurve(obs.name, obs.kind, allowed, relative, obs.cost))
 
     job.prune(0.0, observe=observe)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(cache, json.dumps([asdict(c) for c in curves], indent=2))
     return curves
+
+
+CURRENCIES = {"stream": "relative to the residual stream they join",
+              "output": "the change of the model's output they predict: the error relative to the stream times the "
+                        "stream's energy and the output's gradient energy there (compressor.transformer.sensitivity)"}
 
 
 @dataclass(frozen=True)
@@ -162,14 +172,15 @@ class DepthPlan:
     aim: float  # the speedup the options were planned for
     share: float  # the latency model's share that turned the missing speedup into a width saving
     losses: dict[str, float] = field(default_factory=dict)  # every removable unit's removal loss (the why)
+    currency: str = "stream"  # what the losses are: "stream" (relative to it) or "output" (the change they predict)
 
     def to_dict(self, tried: Sequence[DepthOption] = ()) -> dict:
         """The plan as report.json's `depth`; `tried`: the options whose rounds ran, in order (re-plans)."""
         rule = ("each prefix of the greedy block order (the block whose removal changes the outputs least, one at "
                 "a time; a transformer's layers and their attentions and FFNs alone, by that change per multiply-add "
                 "saved) removed and its speedup measured, the widths planned for the rest of the aim from the "
-                "dense loss curves; the option with the least loss (removal losses plus width losses, both relative "
-                "to the residual stream) is taken")
+                "dense loss curves; the option with the least loss (removal losses plus width losses, both "
+                f"{CURRENCIES[self.currency]}) is taken")
         return {"rule": rule, "aim": self.aim, "share": self.share, "planned": list(self.chosen.blocks),
                 "options": [{"blocks": len(o.blocks), "last": o.blocks[-1] if o.blocks else None,
                              "depth_speedup": o.depth_speedup, "depth_loss": o.depth_loss,
@@ -201,9 +212,9 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
     measured (the dense graph without the blocks, exported and timed), the widths for the speedup still
     missing are allocated on the remaining layers' dense curves with the latency model's initial share,
     and the option's loss is the blocks' removal
-    losses plus that allocation's loss: both errors relative to the residual stream, the currency in which
-    `allocate` already trades one layer's width against another's. The least loss wins; removing none is an
-    option like the others."""
+    losses plus that allocation's loss: both in the currency in which `allocate` already trades one layer's
+    width against another's (`ModelJob.currency`: errors relative to the residual stream, or the output change
+    they predict). The least loss wins; removing none is an option like the others."""
     assert request.target_speedup is not None
     aim = AIM_AT * request.target_speedup
     losses = job.removal_losses()
@@ -230,7 +241,8 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         if option.width_saving == 0 or worse >= DEPTH_PATIENCE:
             break
     say(f"depth: removing {len(best.blocks)} blocks ({', '.join(best.blocks) or 'none'}): the least planned loss")
-    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses))
+    currency = "output" if request.normalise == "output" and job.currency() is not None else "stream"
+    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), currency)
 
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,

@@ -97,8 +97,9 @@ def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
     from tests.compressor.transformer.transformer_models import tiny_swin
 
     job = ImageTransformerJob.__new__(ImageTransformerJob)
-    job.dense, job.tokens, job._removal_losses = tiny_swin(), 64, None
-    job.request = SimpleNamespace(device="cpu", activation_dtype="float32", method="osscar")
+    job.dense, job.tokens, job._removal_losses, job._sensitivity = tiny_swin(), 64, None, None
+    job.request = SimpleNamespace(device="cpu", activation_dtype="float32", method="osscar", normalise="output")
+    job.say = lambda *_args, **_kwargs: None
     job.batches = [{"pixel_values": torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(i))}
                    for i in range(2)]
     losses = job.removal_losses()
@@ -115,6 +116,39 @@ def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
         job.remove(["encoder.layers.0.blocks.1"])  # refused when named, before any work
     with torch.no_grad():
         assert shallow(**job.batches[0]).last_hidden_state.shape == (4, 16, 32)
+
+
+def test_the_output_currency_prices_removal_losses_by_the_output_change_they_predict():
+    """normalise "output": each unit's removal loss relative to the stream times the stream's energy and the output
+    gradient's there (one backward pass, made once); "stream" keeps them as they are and has no conversion."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    said = []
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens, job._removal_losses, job._sensitivity = tiny_llama().eval(), 16, None, None
+    job.request = SimpleNamespace(device="cpu", activation_dtype="float32", method="osscar", normalise="stream")
+    job.say = said.append
+    job.batches = [{"input_ids": torch.randint(3, 50, (4, 16), generator=torch.Generator().manual_seed(i))}
+                   for i in range(2)]
+    assert job.currency() is None
+    stream = job.removal_losses()
+    job._removal_losses, job.request.normalise = None, "output"
+    output = job.removal_losses()
+    s = job._sensitivity
+    assert sorted(output) == sorted(stream) and len(said) == 1
+    assert output["model.layers.1"] == pytest.approx(stream["model.layers.1"] * s.stream_out[1] * s.layer[1])
+    attention = "model.layers.0.self_attn.o_proj"
+    # a removal loss is relative to the layer's output stream, a sub-layer's too
+    assert output[attention] == pytest.approx(stream[attention] * s.stream_out[0] * s.attention[0])
+    assert job.currency()(attention, 0.5, "input") == pytest.approx(0.5 * s.stream_in[0] * s.attention[0])
+    convert = job.currency()
+    assert job._sensitivity is s and len(said) == 1  # made once
+    with pytest.raises(KeyError, match=r"model\.layers\.9: not a layer"):
+        convert("model.layers.9", 1.0)
 
 
 def test_the_planning_passes_read_at_most_1024_windows_spread_over_the_draw():

@@ -285,6 +285,9 @@ class FakeDepthJob:
     def without(self, blocks):
         return list(blocks)
 
+    def currency(self):
+        return None  # a conv graph's: relative to the stream
+
 
 def fake_depth_curves():
     return [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.2 * (i + 1), 2.0], cost=1.0)
@@ -311,6 +314,7 @@ def test_depth_is_chosen_by_the_least_planned_loss_of_depth_and_width(loss, remo
     assert report["planned"] == list(plan.chosen.blocks)
     assert [o["chosen"] for o in report["options"]].count(True) == 1
     assert lines[-1].startswith(f"depth: removing {removed} blocks")
+    assert "relative to the residual stream" in report["rule"]  # a job without an output currency says so
 
 
 def test_long_depth_orders_are_weighed_at_prefix_lengths_about_1_5x_apart():

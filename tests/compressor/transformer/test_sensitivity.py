@@ -1,0 +1,117 @@
+import math
+
+import pytest
+import torch
+
+from compressor.transformer import sensitivity as sens
+from compressor.transformer.adapters import adapter_for, layers
+from compressor.transformer.sensitivity import output_sensitivity
+from compressor.transformer.sublayers import ATTENTION, FFN
+from compressor.transformer.surgery import projection
+
+from .transformer_models import MODELS, example_inputs, tiny_bert, tiny_llama
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_family_gets_a_sensitivity_at_every_layer_and_keeps_its_weights(name):
+    model = MODELS[name]().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = example_inputs(model)
+    s = output_sensitivity(model, [inputs, example_inputs(model, seed=1)])
+    n = len(layers(model))
+    for values in (s.attention, s.ffn, s.layer, s.stream_in, s.stream_out):
+        assert len(values) == n
+        assert all(math.isfinite(v) and v > 0 for v in values), values
+    if "attention_mask" in inputs:  # padding is not counted
+        assert s.tokens == 2 * int(inputs["attention_mask"].sum())
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # as they were: no gradient kept
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not model.training
+
+
+def test_a_layer_output_is_as_sensitive_as_its_ffn_output_in_a_pre_norm_decoder():
+    """The FFN's output is added last: the gradient there is the layer output's."""
+    model = tiny_llama().eval()
+    s = output_sensitivity(model, [example_inputs(model)])
+    assert s.layer == pytest.approx(s.ffn, rel=1e-5)
+    assert s.of(1, FFN) == s.ffn[1] and s.of(0, ATTENTION) == s.attention[0] and s.of(1, None) == s.layer[1]
+    # a relative loss priced by the stream it was measured against: a width curve's, the layer's input; a removal
+    # loss's, its output
+    assert s.relative_to_output(1, ATTENTION, 0.5, "input") == pytest.approx(0.5 * s.stream_in[1] * s.attention[1])
+    assert s.relative_to_output(1, None, 0.5, "output") == pytest.approx(0.5 * s.stream_out[1] * s.layer[1])
+    assert s.relative_to_output(0, FFN, 0.5, "output") == pytest.approx(0.5 * s.stream_out[0] * s.ffn[0])
+
+
+def _noise_at(module, sigma, generator):
+    def hook(_m, _args, out):
+        return out + sigma * torch.randn(out.shape, generator=generator, dtype=out.dtype)
+    return module.register_forward_hook(hook)
+
+
+def _batches(model, count):
+    return [example_inputs(model, batch=4, length=12, seed=seed) for seed in range(count)]
+
+
+def _counted(batch):
+    return batch["attention_mask"].bool()
+
+
+@pytest.mark.parametrize("kind", ["o", "down"])
+def test_the_sensitivity_predicts_a_decoders_kl_for_small_noise_in_a_sublayers_output(kind):
+    """Isotropic noise of variance sigma^2 per coordinate in a sub-layer's output changes the next-token
+    distributions by KL ~ 1/2 sigma^2 d s per token (second order, the Fisher's trace d s)."""
+    model = tiny_llama().double().eval()
+    batches = _batches(model, 16)
+    s = output_sensitivity(model, batches)
+    index, sigma = 1, 1e-3
+    module = projection(layers(model)[index], getattr(adapter_for(model), kind))
+    d = module.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    kl, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            p = torch.log_softmax(model(**batch).logits, -1)
+            for _ in range(4):
+                hook = _noise_at(module, sigma, generator)
+                q = torch.log_softmax(model(**batch).logits, -1)
+                hook.remove()
+                per_token = (p.exp() * (p - q)).sum(-1)
+                kl += float(per_token[_counted(batch)].sum()) / 4
+            tokens += int(_counted(batch).sum())
+    measured = kl / tokens
+    predicted = 0.5 * sigma**2 * d * (s.attention if kind == "o" else s.ffn)[index]
+    assert measured == pytest.approx(predicted, rel=0.3)
+
+
+def test_the_sensitivity_predicts_an_encoders_output_change_for_small_noise():
+    """Hutchinson's estimate on a deterministic output: sigma^2 d s per token of squared output change."""
+    model = tiny_bert().double().eval()
+    batches = _batches(model, 16)
+    s = output_sensitivity(model, batches)
+    module = projection(layers(model)[0], adapter_for(model).down)
+    d, sigma = module.weight.shape[0], 1e-4
+    generator = torch.Generator().manual_seed(0)
+    change, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            y = model(**batch).last_hidden_state
+            hook = _noise_at(module, sigma, generator)
+            moved = model(**batch).last_hidden_state
+            hook.remove()
+            change += float((moved - y)[_counted(batch)].square().sum())
+            tokens += int(_counted(batch).sum())
+    assert change / tokens == pytest.approx(sigma**2 * d * s.ffn[0], rel=0.3)
+
+
+def test_long_vocabularies_run_in_parts_of_whole_sequences(monkeypatch):
+    batch = {"input_ids": torch.arange(40).reshape(5, 8), "attention_mask": torch.ones(5, 8, dtype=torch.long)}
+    monkeypatch.setattr(sens, "LOGIT_ELEMENTS", 2 * 8 * 100)  # two sequences' logits of a 100-word vocabulary
+    parts = sens._parts(batch, 100)
+    assert [len(p["input_ids"]) for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), batch["input_ids"])
+    assert sens._parts(batch, 1) == [batch]
+
+
+def test_no_batches_is_refused():
+    with pytest.raises(ValueError, match="no calibration batches"):
+        output_sensitivity(tiny_llama(), [])
