@@ -55,11 +55,6 @@ class Sensitivity:
         return relative * stream * self.of(index, kind)
 
 
-def _mask(batch: dict[str, Tensor], shape: torch.Size) -> Tensor | None:
-    mask = batch.get("attention_mask")
-    return mask if mask is not None and mask.shape == shape else None
-
-
 def _draw_target(out: object, generator: torch.Generator) -> Tensor:
     """The scalar whose gradient is one sample of g: log-likelihood of labels drawn from the model's own
     logits, or <v, y> for Gaussian v on its first output."""
@@ -88,30 +83,23 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
     mask: Tensor | None = None  # the batch part's attention mask, when it has one
     hooks = []
 
-    def energy(key: str, i: int, x: Tensor) -> None:
-        e = x.detach().float().square().sum(-1)
-        m = _mask_for(e)
-        sums[key][i] += float((e * m).sum() if m is not None else e.sum())
+    def add(key: str, i: int, per_token: Tensor) -> None:
+        """Sum a (batch, seq) quantity over the counted tokens (all of them without a matching mask)."""
+        counted = mask is not None and mask.shape == per_token.shape
+        sums[key][i] += float((per_token * mask.to(per_token)).sum() if counted else per_token.sum())
 
-    def _mask_for(e: Tensor) -> Tensor | None:
-        return mask.to(e) if mask is not None and mask.shape == e.shape else None
+    def energy(key: str, i: int, x: Tensor) -> None:
+        add(key, i, x.detach().float().square().sum(-1))
 
     def gradient_of(key: str, i: int, x: Tensor) -> None:
-        if not x.requires_grad:
-            return
-        d = x.shape[-1]
-
-        def on_gradient(g: Tensor) -> None:
-            e = g.detach().float().square().sum(-1) / d
-            m = _mask_for(e)
-            sums[key][i] += float((e * m).sum() if m is not None else e.sum())
-
-        x.register_hook(on_gradient)
+        if x.requires_grad:
+            d = x.shape[-1]
+            x.register_hook(lambda g: add(key, i, g.detach().float().square().sum(-1) / d))
 
     def count(x: Tensor) -> None:
         nonlocal tokens
-        m = _mask_for(x[..., 0])
-        tokens += int(m.sum()) if m is not None else x[..., 0].numel()
+        counted = mask is not None and mask.shape == x.shape[:-1]
+        tokens += int(mask.sum()) if counted else x[..., 0].numel()
 
     for i, block in enumerate(blocks):
         def before_block(_m, args, kwargs, i=i):
@@ -130,6 +118,9 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
         for key, path in (("attention", adapter.o), ("ffn", adapter.down)):
             hooks.append(projection(block, path).register_forward_hook(
                 lambda _m, _args, out, key=key, i=i: gradient_of(key, i, out)))
+    # the stream needs a gradient although no weight does: the embeddings' output is made to want one
+    hooks.append(model.get_input_embeddings().register_forward_hook(_wants_grad))
+    width = _output_width(model)
     was_training = model.training
     stored = {p: p.requires_grad for p in model.parameters()}
     original_device = next(model.parameters()).device
@@ -138,12 +129,10 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
         for p in model.parameters():
             p.requires_grad_(False)
         for batch in batches:
-            for part in _parts(batch, _output_width(model)):
+            for part in _parts(batch, width):
                 part = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in part.items()}
                 mask = part.get("attention_mask")
-                # the stream needs a gradient although no weight does: the embeddings' output is made to want one
-                with _embeddings_require_grad(model):
-                    _draw_target(model(**part), generator).backward()
+                _draw_target(model(**part), generator).backward()
     finally:
         for h in hooks:
             h.remove()
@@ -179,16 +168,3 @@ def _wants_grad(_module: nn.Module, _args: object, out: object) -> None:
     first = out[0] if isinstance(out, tuple | list) else out
     first.requires_grad_(True)
 
-
-class _embeddings_require_grad:
-    """The input embeddings' output requires a gradient while the block (a context manager)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.embeddings = model.get_input_embeddings()
-        self.hook = None
-
-    def __enter__(self) -> None:
-        self.hook = self.embeddings.register_forward_hook(_wants_grad)
-
-    def __exit__(self, *exc: object) -> None:
-        self.hook.remove()
