@@ -31,6 +31,7 @@ def request(model: str, calibration: str, repeats: int = 15) -> pb.CompressReque
                                  request_id=str(uuid.uuid4()))
     message.options.samples = 16
     message.options.repeats = repeats  # 15: a 1-2 ms model; 300: a job that runs for a while (~30 s)
+    message.options.refine_steps = 0  # about the executor, not the graph's fit
     return message
 
 
