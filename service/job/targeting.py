@@ -241,8 +241,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         if option.width_saving == 0 or worse >= DEPTH_PATIENCE:
             break
     say(f"depth: removing {len(best.blocks)} blocks ({', '.join(best.blocks) or 'none'}): the least planned loss")
-    currency = "output" if request.normalise == "output" and job.currency() is not None else "stream"
-    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), currency)
+    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), "stream" if job.currency() is None else "output")
 
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,
