@@ -130,9 +130,10 @@ class LayerStatistics:
         mu, nu = self.sum_x / total, self.sum_y / total
         H, G, energy = self.H, self.G, self.energy
         if center:
-            H -= total * torch.outer(mu, mu)
+            # rank-1 updates in place: `total * outer(mu, mu)` would be two d1 x d1 temporaries
+            H.addr_(-total * mu, mu)
             H.diagonal().clamp_(min=0)  # constant features: zero variance, not -1e-12 from rounding
-            G -= total * torch.outer(mu, nu)
+            G.addr_(-total * mu, nu)
             energy = energy - 0.5 * total * nu.square().sum()
         rank = max(self.rows - 1, 0) if center else self.rows  # centring removes one direction
         return FinishedStatistics(H, G, float(energy), mu, nu, rank)  # the layer's one host synchronisation

@@ -430,6 +430,11 @@ class OsscarSolver:
             nested = self._guarded(nested, lambda s: s.prune(pruned))
         return self.swaps(nested.to_swap())
 
+    def release(self) -> None:
+        """Drop the factorisation search() kept (H^-1 and the greedy's factors): improve() and dense_objective()
+        are then unavailable."""
+        self._nested = None
+
     def dense_objective(self, pruned: Tensor) -> float:
         """f(pruned) in the search's problem, from the factorisation of search(), without a refit."""
         assert self._nested is not None, "dense_objective() needs search() first"

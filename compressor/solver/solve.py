@@ -97,6 +97,9 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     stats.update(solver.stats, drift=drift, damping=solver.damping)
     pruned = torch.sort(state.pruned()).values
     if not tracked:
+        # the search's H^-1, A0 and factors go before the refit factorises H on the kept rows
+        state.release()
+        solver.release()
         return MethodResult(pruned, pb.refit(pruned), stats)
     # The tracked W is the optimum of the search's problem (the caller's H, or H + delta I) and needs no
     # refit; without damping f(S) was tracked with it, and casting W to a lower precision changes f only
@@ -132,6 +135,7 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
         return state
     log.info("osscar: the MP+ support is as good as the search's (%.6g vs %.6g); improving it",
              f_mp, f_search)
+    state.release()  # only compared and returned from here: its A0 would double the search's memory
     improved = solver.improve(mp)
     f_improved = improved.f if drift is not None else pb.objective(pb.refit(improved.pruned()))
     if f_improved < f_search - (drift or 0.0):

@@ -241,6 +241,7 @@ class SwapState:
         self._k_pos = torch.full((d1,), -1, dtype=torch.long, device=device)
         self._k_pos[K] = torch.arange(K.numel(), device=device)  # position in K, -1 for S
         self._A0: Tensor | None = None
+        self._released = False  # see `release`
         self._factored_rows = 0  # cost of the columns formed from the factors so far (see _base_columns)
         self._sigma: Tensor | None = None
         self.blocks = -nested.blocks  # kept groups: -H_cur^-1 blocks
@@ -267,6 +268,7 @@ class SwapState:
         """A[:, rows] of the current state (d1 x m), without a host synchronisation. `known`: the same rows as
         host ints, when the caller has them: A0's columns are then reused from earlier calls and formed by
         the cheaper formula of their kind (pruned or kept at the end of the greedy)."""
+        assert not self._released, "a released state has no columns"
         if known is not None and self._materialise_if_repaid() is None:
             out = self._cached_base_columns(known)
         else:
@@ -276,6 +278,7 @@ class SwapState:
     def block(self, rows: Tensor) -> Tensor:
         """A[rows, rows] of the current state (m x m), without a host synchronisation and without forming
         the columns: from the greedy's factors O(R^2 m), a gather once A0 is formed, O(N m^2) for the moves."""
+        assert not self._released, "a released state has no blocks"
         return self.moves.add_to_block(self._base_block(rows), rows)
 
     def materialise(self) -> None:
@@ -290,8 +293,13 @@ class SwapState:
         self._pos = torch.empty_like(order)
         self._pos[order] = torch.arange(d1, device=order.device)  # row r of A0 is row _pos[r]
         A0 = torch.empty(d1, d1, dtype=self._Hinv.dtype, device=self._Hinv.device)
-        torch.mm(U_K, U_K.T, out=A0[:k, :k])
-        A0[:k, :k] -= self._Hinv.index_select(0, K).index_select(1, K)
+        # A0_KK = U_K U_K^T - H^-1[K, K] by slabs of rows: whole, its gathers and product are three more
+        # k x d1 temporaries beside A0 and H^-1 (a down projection of d1 = 8,192: 1.2 GB in float64)
+        for lo in range(0, k, self.MATERIALISE_SLAB_ROWS):
+            rows = K[lo : lo + self.MATERIALISE_SLAB_ROWS]
+            slab = torch.mm(U_K[lo : lo + rows.numel()], U_K.T)
+            slab -= self._Hinv.index_select(0, rows).index_select(1, K)
+            A0[lo : lo + rows.numel(), :k] = slab
         if S.numel():
             A0[k:, :k] = torch.linalg.solve_triangular(U_S.T, U_K.T, upper=True).neg_()  # -U_S^-T U_K^T
             A0[:k, k:] = A0[k:, :k].T
@@ -307,6 +315,8 @@ class SwapState:
     # twice the cost of the better choice in hindsight).
     BATCH_COST_ROWS = 48
     MATERIALISE_COST_PER_D1 = 0.75
+    # rows of A0_KK formed at a time by `materialise` (its temporaries: 2 x 512 x d1 floats)
+    MATERIALISE_SLAB_ROWS = 512
 
     def _materialise_if_repaid(self) -> Tensor | None:
         """A0 once the columns formed from the factors have cost about as much as forming it (else None)."""
@@ -489,6 +499,15 @@ class SwapState:
 
     def pruned(self) -> Tensor:
         return torch.nonzero(~self.kept).squeeze(1)
+
+    def release(self) -> None:
+        """Drop what only further moves need (A0 or the greedy's factors, the cached columns, the move stack):
+        `pruned`, `weight` and `f` stay valid. For a state that is only compared and returned while another
+        search runs (the MP guard), whose A0 would otherwise double the solve's largest buffer."""
+        self._A0 = self._U_K = self._U_S = self._sigma = self._Hinv = None
+        d1, dtype, device = self.Z.shape[0], self.Z.dtype, self.Z.device
+        self.cache, self.moves = ColumnCache(d1, dtype, device), MoveStack(d1, dtype, device)
+        self._released = True
 
     def weight(self) -> Tensor:
         """The optimal W for the current support (pruned rows exactly zero)."""

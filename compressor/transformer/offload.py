@@ -108,6 +108,7 @@ class StreamedCheckpoint:
         self._weight_map: dict[str, str] = {}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._load_rest()
+        self._released = False  # the weights outside the blocks are on the meta device (`release_rest`)
 
     def _model_names(self, where: dict[str, str]) -> dict[str, str]:
         """Checkpoint tensor names -> the model's names, as from_pretrained renames them (legacy layouts,
@@ -187,6 +188,35 @@ class StreamedCheckpoint:
         tmp.replace(self.out_dir / filename)  # no partial shard is ever visible under its name
         self._weight_map.update(dict.fromkeys(state, filename))
 
+    def release_rest(self) -> None:
+        """The weights outside the blocks (embeddings, LM head, final norm) go to the meta device: only the
+        first block's inputs needed them, and `finish` reads them from the shards again (pruning never changes
+        them). A Llama-3.2-1B's tied embeddings are 0.5 GB of bf16, four bf16 blocks. Tied weights stay tied;
+        buffers (rotary tables, position ids: small, and some not in the checkpoint) stay."""
+        released: dict[int, nn.Parameter] = {}
+        for name, param in list(self.model.named_parameters(remove_duplicate=False)):
+            if name.startswith(self.prefix) or param.is_meta:
+                continue
+            if id(param) not in released:
+                released[id(param)] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            owner, attr = owner_of(self.model, name)
+            owner._parameters[attr] = released[id(param)]
+        self._released = bool(released) or self._released
+
+    def _restore_rest(self) -> None:
+        """What `release_rest` released, read from the shards again into CPU tensors of its dtype."""
+        restored: dict[int, nn.Parameter] = {}
+        for name, param in list(self.model.named_parameters(remove_duplicate=False)):
+            if name.startswith(self.prefix) or not param.is_meta:
+                continue
+            if id(param) not in restored:
+                restored[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                   requires_grad=param.requires_grad)
+            owner, attr = owner_of(self.model, name)
+            owner._parameters[attr] = restored[id(param)]
+        self._load_rest()
+        self._released = False
+
     def store(self, index: int) -> None:
         block = layers(self.model)[index]
         self._save(state_to_save(block, prefix=f"{self.prefix}{index}."), f"model-block-{index:05d}.safetensors")
@@ -194,6 +224,8 @@ class StreamedCheckpoint:
 
     def finish(self) -> Path:
         """Write what `load_pruned` needs besides the blocks; returns the output directory."""
+        if self._released:
+            self._restore_rest()
         rest = {k: v for k, v in state_to_save(self.model).items() if not k.startswith(self.prefix)}
         self._save(rest, "model-rest.safetensors")
         save_config_and_widths(self.model, self.out_dir)

@@ -80,6 +80,9 @@ class BlockSource(Protocol):
     def store(self, index: int) -> None:
         """Block `index` is pruned: keep it (its module in `model` has its final widths)."""
 
+    def release_rest(self) -> None:
+        """The first block's inputs are captured: until the end, nothing reads the weights outside the blocks."""
+
 
 class InMemoryBlocks:
     """The model's own blocks, moved back to the CPU once pruned."""
@@ -89,6 +92,9 @@ class InMemoryBlocks:
 
     def load(self, index: int) -> nn.Module:
         return layers(self.model)[index]
+
+    def release_rest(self) -> None:
+        """Nothing to release: the caller's model stays whole."""
 
     def store(self, index: int) -> None:
         layers(self.model)[index].to("cpu")
@@ -407,6 +413,7 @@ def prune_blocks(
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
+    source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []

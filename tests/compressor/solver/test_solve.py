@@ -14,6 +14,7 @@ from compressor.solver.baselines import flap_allocation, magnitude_support
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
 from compressor.solver.solve import NO_REFIT_METHODS
+from compressor.solver.sweep import SwapState
 from compressor.solver.synthetic import correlated_problem
 
 
@@ -217,6 +218,51 @@ def test_a_damping_raised_while_improving_mp_plus_falls_back_to_a_refit(monkeypa
     problem = LayerProblem.validate(pb.H, pb.G, 2, 6, pb.dense_weight)
     assert sol.stats["damping"] == 1e-2
     assert torch.equal(sol.weight, problem.refit(torch.tensor(sol.pruned)))
+
+
+def test_the_guard_releases_the_searched_state_before_a_second_search(monkeypatch):
+    """Improving MP+'s support is a second swap phase with an A0 of its own: the searched state, only compared
+    and returned from then on, gives up its A0 first (a down projection's is 0.5 GB in float64)."""
+    released, improved = [], []
+    release, improve = SwapState.release, OsscarSolver.improve
+
+    def recording_release(self):
+        released.append(self)
+        release(self)
+
+    def checking_improve(self, pruned):
+        improved.append(len(released))
+        return improve(self, pruned)
+
+    monkeypatch.setattr(SwapState, "release", recording_release)
+    monkeypatch.setattr(OsscarSolver, "improve", checking_improve)
+    for seed in range(40):
+        pb = correlated_problem(24, 6, 2, samples=60, seed=seed, shift=0.5)
+        mp = solve_layer(pb.H, pb.G, 2, 6, "mp+", dense_weight=pb.dense_weight)
+        sol = solve_layer(pb.H, pb.G, 2, 6, dense_weight=pb.dense_weight, step_fraction=1.0, swap_rounds=0)
+        assert sol.objective <= mp.objective + 1e-10 * abs(mp.objective)  # the released state still compares
+        if improved:
+            break
+    else:
+        pytest.fail("the guard never improved MP+'s support")
+    assert improved[0] >= 1 and released[0]._A0 is None and released[0]._Hinv is None
+
+
+def test_objective_and_refit_by_slabs_of_rows_match_the_whole_gathers(monkeypatch):
+    """f and the refit gather H a few rows at a time (slabs that do not divide the rows): the same numbers as
+    the whole gathers, to rounding."""
+    pb = correlated_problem(40, 7, 1, samples=200, seed=2)
+    problem = LayerProblem.validate(pb.H, pb.G, 1, 10, pb.dense_weight)
+    pruned = torch.tensor([0, 3, 4, 9, 17, 21, 22, 30, 31, 39])
+    kept = torch.tensor([j for j in range(40) if j not in set(pruned.tolist())])
+    H_KK = pb.H.double()[kept][:, kept]
+    W = torch.zeros(40, 7, dtype=torch.float64)
+    W[kept] = torch.linalg.solve(H_KK, pb.G.double()[kept])
+    f = float(0.5 * (W[kept] * (H_KK @ W[kept])).sum() - (pb.G.double()[kept] * W[kept]).sum())
+    monkeypatch.setattr(problem_module, "SLAB_ROWS", 7)
+    assert torch.allclose(problem.refit(pruned), W, rtol=1e-9, atol=1e-12)
+    assert math.isclose(problem.objective(W), f, rel_tol=1e-12)
+    assert torch.equal(problem_module.principal_block(pb.H.double(), kept), H_KK)
 
 
 def test_guard_improves_mp_plus_only_when_it_beats_the_search_by_more_than_the_drift():

@@ -204,6 +204,36 @@ def test_materialised_state_and_exchanges_match_direct(problem):
     assert_state_matches(factored, H, G, g)
 
 
+def test_materialised_by_slabs_of_rows_matches_direct(problem, monkeypatch):
+    """A0_KK formed a few rows at a time (slabs that do not divide the kept rows) is the same matrix."""
+    H, G, g = problem
+    monkeypatch.setattr(SwapState, "MATERIALISE_SLAB_ROWS", 7)
+    nested = NestedState(H, G, g, capacity=16)
+    nested.prune(torch.tensor([1, 4, 7, 2, 11]))
+    state = nested.to_swap()
+    state.materialise()
+    assert_state_matches(state, H, G, g)
+
+
+def test_a_released_state_keeps_its_support_weight_and_f_but_no_columns(problem):
+    """`release` drops A0 and H^-1 (the MP guard's searched state while another search runs): what is
+    compared and returned stays, and asking it for columns fails loudly instead of reading stale memory."""
+    H, G, g = problem
+    nested = NestedState(H, G, g, capacity=16)
+    nested.prune(torch.tensor([1, 4, 7]))
+    state = nested.to_swap()
+    state.swap(torch.tensor([4]), torch.tensor([9]))
+    state.materialise()
+    pruned, weight, f = state.pruned(), state.weight(), state.f
+    state.release()
+    assert state._A0 is None and state._Hinv is None
+    assert torch.equal(state.pruned(), pruned) and torch.equal(state.weight(), weight) and state.f == f
+    with pytest.raises(AssertionError, match="released"):
+        state.columns(torch.arange(3))
+    with pytest.raises(AssertionError, match="released"):
+        state.block(torch.arange(3))
+
+
 def test_columns_of_rows_known_on_the_host_match_the_direct_state(problem, monkeypatch):
     """Rows known on the host: A0's columns reused across calls (a small cache here, so that rows are dropped
     and formed again) and formed by kind; the same columns as the definitions, before and after moves."""

@@ -70,6 +70,37 @@ def test_one_block_at_a_time_and_source_dtype_kept(add_bias, tmp_path):
     torch.testing.assert_close(first_output(reloaded.float()), first_output(expected), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # tied embeddings and LM head; a head of its own
+def test_the_weights_outside_the_blocks_leave_memory_while_the_blocks_are_pruned(name, tmp_path):
+    """Only the first block's inputs read the embeddings: from then on they are on the meta device, and `finish`
+    writes them back from the shards unchanged (tied weights tied again)."""
+    model = MODELS[name]()
+    model.save_pretrained(tmp_path / "src")
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    outside = [n for n, _ in checkpoint.model.named_parameters() if not n.startswith(checkpoint.prefix)]
+    assert any("embed" in n for n in outside)
+    during = []
+    load = checkpoint.load
+
+    def spy(index):
+        during.append({n: p.is_meta for n, p in checkpoint.model.named_parameters() if n in outside})
+        return load(index)
+
+    checkpoint.load = spy
+    prune_blocks(checkpoint, data(model), 0.25)
+    assert during and all(all(meta.values()) for meta in during)
+    out = checkpoint.finish()
+    expected = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(checkpoint.prefix)}
+    restored = dict(checkpoint.model.named_parameters(remove_duplicate=False))
+    for n, p in expected.items():
+        assert torch.equal(restored[n], p), n
+    tied = model.config.tie_word_embeddings
+    assert (checkpoint.model.get_output_embeddings().weight is checkpoint.model.get_input_embeddings().weight) == tied
+    reloaded = load_pruned(out)
+    assert torch.equal(reloaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert torch.equal(reloaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
+
+
 def test_missing_weights_and_non_safetensors_are_refused(tmp_path):
     model = MODELS["bert"]()
     model.save_pretrained(tmp_path / "src")
