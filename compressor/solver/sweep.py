@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .bookkeeping import ColumnCache, MoveStack
 from .linalg import Cholesky, cholesky
-from .problem import group_rows, host_index
+from .problem import SLAB_ROWS, group_rows, host_index
 
 
 class PivotError(RuntimeError):
@@ -293,10 +293,10 @@ class SwapState:
         self._pos = torch.empty_like(order)
         self._pos[order] = torch.arange(d1, device=order.device)  # row r of A0 is row _pos[r]
         A0 = torch.empty(d1, d1, dtype=self._Hinv.dtype, device=self._Hinv.device)
-        # A0_KK = U_K U_K^T - H^-1[K, K] by slabs of rows: whole, its gathers and product are three more
-        # k x d1 temporaries beside A0 and H^-1 (a down projection of d1 = 8,192: 1.2 GB in float64)
-        for lo in range(0, k, self.MATERIALISE_SLAB_ROWS):
-            rows = K[lo : lo + self.MATERIALISE_SLAB_ROWS]
+        # A0_KK = U_K U_K^T - H^-1[K, K] by slabs of rows (`SLAB_ROWS`, as H's gathers): whole, its gathers and
+        # product are three more k x d1 temporaries beside A0 and H^-1 (a down projection of d1 = 8,192: 1.2 GB)
+        for lo in range(0, k, SLAB_ROWS):
+            rows = K[lo : lo + SLAB_ROWS]
             slab = torch.mm(U_K[lo : lo + rows.numel()], U_K.T)
             slab -= self._Hinv.index_select(0, rows).index_select(1, K)
             A0[lo : lo + rows.numel(), :k] = slab
@@ -315,8 +315,6 @@ class SwapState:
     # twice the cost of the better choice in hindsight).
     BATCH_COST_ROWS = 48
     MATERIALISE_COST_PER_D1 = 0.75
-    # rows of A0_KK formed at a time by `materialise` (its temporaries: 2 x 512 x d1 floats)
-    MATERIALISE_SLAB_ROWS = 512
 
     def _materialise_if_repaid(self) -> Tensor | None:
         """A0 once the columns formed from the factors have cost about as much as forming it (else None)."""

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -193,27 +194,24 @@ class StreamedCheckpoint:
         first block's inputs needed them, and `finish` reads them from the shards again (pruning never changes
         them). A Llama-3.2-1B's tied embeddings are 0.5 GB of bf16, four bf16 blocks. Tied weights stay tied;
         buffers (rotary tables, position ids: small, and some not in the checkpoint) stay."""
-        released: dict[int, nn.Parameter] = {}
+        self._released = self._replace_rest(meta=False, make=lambda p: p.to("meta")) or self._released
+
+    def _replace_rest(self, meta: bool, make: Callable[[Tensor], Tensor]) -> int:
+        """Replace each parameter outside the blocks that is (`meta`) or is not on the meta device by a new one
+        made from it, once per tensor, so that tied weights stay tied; returns how many were replaced."""
+        new: dict[int, nn.Parameter] = {}
         for name, param in list(self.model.named_parameters(remove_duplicate=False)):
-            if name.startswith(self.prefix) or param.is_meta:
+            if name.startswith(self.prefix) or param.is_meta != meta:
                 continue
-            if id(param) not in released:
-                released[id(param)] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if id(param) not in new:
+                new[id(param)] = nn.Parameter(make(param), requires_grad=param.requires_grad)
             owner, attr = owner_of(self.model, name)
-            owner._parameters[attr] = released[id(param)]
-        self._released = bool(released) or self._released
+            owner._parameters[attr] = new[id(param)]
+        return len(new)
 
     def _restore_rest(self) -> None:
         """What `release_rest` released, read from the shards again into CPU tensors of its dtype."""
-        restored: dict[int, nn.Parameter] = {}
-        for name, param in list(self.model.named_parameters(remove_duplicate=False)):
-            if name.startswith(self.prefix) or not param.is_meta:
-                continue
-            if id(param) not in restored:
-                restored[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"),
-                                                   requires_grad=param.requires_grad)
-            owner, attr = owner_of(self.model, name)
-            owner._parameters[attr] = restored[id(param)]
+        self._replace_rest(meta=True, make=lambda p: torch.empty_like(p, device="cpu"))
         self._load_rest()
         self._released = False
 

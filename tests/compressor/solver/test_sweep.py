@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from compressor.solver import sweep
 from compressor.solver.bookkeeping import ColumnCache, MoveStack
 from compressor.solver.osscar import OsscarConfig, OsscarSolver, _batched_swap_delta, _joint_sweep_trace
 from compressor.solver.problem import LayerProblem, group_rows, host_index
@@ -207,7 +208,7 @@ def test_materialised_state_and_exchanges_match_direct(problem):
 def test_materialised_by_slabs_of_rows_matches_direct(problem, monkeypatch):
     """A0_KK formed a few rows at a time (slabs that do not divide the kept rows) is the same matrix."""
     H, G, g = problem
-    monkeypatch.setattr(SwapState, "MATERIALISE_SLAB_ROWS", 7)
+    monkeypatch.setattr(sweep, "SLAB_ROWS", 7)
     nested = NestedState(H, G, g, capacity=16)
     nested.prune(torch.tensor([1, 4, 7, 2, 11]))
     state = nested.to_swap()
