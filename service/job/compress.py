@@ -34,7 +34,7 @@ from exporters.runtime import Latency, RuntimeFailure, default_provider, measure
 
 from ..files import file_sha256, follow_umask, write_text_atomically
 from .kinds import ConvJob, ModelJob, Say, open_job
-from .pacing import Pace
+from .pacing import Pace, StageClock
 from .progress import render
 from .report import Report
 from .report_html import write_html
@@ -121,7 +121,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             warnings.append(record.message)
         emit(record)
 
-    enter = stage or (lambda name, index: None)
+    enter = StageClock(stage)  # times each stage, and forwards it to `stage`
     start = time.perf_counter()
     enter("loading", 0)
     job = open_job(request, say)
@@ -261,11 +261,13 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         assert report.measured is not None
         report.measured.warnings = warnings
         report.measured.onnx_graph = graphs
+        report.stages = enter.times()
         write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
+        report.stages = enter.times()
         for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
             (out / name).unlink(missing_ok=True)
         write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
@@ -274,6 +276,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     except _EvaluationFailed as failure:
         report = evaluation_failed_report(request, job, failure.stage, failure.index, failure.detail, failure.layers,
                                           rounds, baseline_metric, provider, start)
+        report.stages = enter.times()
         for name in EXPORT_FILES:  # as for parity_failed: nothing an unchecked model left may seem vouched for
             (out / name).unlink(missing_ok=True)
         write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))

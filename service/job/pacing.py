@@ -12,8 +12,11 @@ it left, and the steps its fits ran.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .report import StageTime
 
 # of the budget, what the job plans to use: saving the artifacts, report.html and the worker's start come after
 USABLE = 0.9
@@ -60,3 +63,35 @@ class Pace:
                 "that, keeping the best weights seen")
         return {"time_budget_s": self.budget, "rule": rule,
                 "rounds": [{**r, **fits.get(r["round"], {})} for r in self.rounds]}
+
+
+class StageClock:
+    """Each stage's wall time, timed where the job announces it (`compress`'s `stage(name, round)` hook, which
+    it forwards): a stage ends where the next begins, so the times add up to the job's up to the report.
+    What a user asks of a slow job first is where its time went; report.json's `stages` says."""
+
+    def __init__(self, forward: Callable[[str, int], None] | None = None) -> None:
+        self._forward = forward
+        self._done: list[StageTime] = []
+        self._running: tuple[str, int, float] | None = None
+
+    def __call__(self, stage: str, index: int) -> None:
+        if self._running is not None and self._running[:2] == (stage, index):
+            # entered again (target mode enters `allocate` at each latency probe): the same stage runs on
+            if self._forward is not None:
+                self._forward(stage, index)
+            return
+        now = time.perf_counter()
+        if self._running is not None:
+            name, at, since = self._running
+            self._done.append(StageTime(name, at, now - since))
+        self._running = (stage, index, now)
+        if self._forward is not None:
+            self._forward(stage, index)
+
+    def times(self) -> list[StageTime]:
+        """The stages so far, the running one up to now (it keeps running)."""
+        if self._running is None:
+            return list(self._done)
+        name, at, since = self._running
+        return [*self._done, StageTime(name, at, time.perf_counter() - since)]

@@ -168,6 +168,13 @@ class EvaluationFailure:
 
 
 @dataclass
+class StageTime:
+    stage: str  # a stage as `compress` enters it: loading | baseline | statistics | allocate | prune | measure | save
+    round: int  # the prune-measure round it belongs to (0 before the first)
+    seconds: float  # from its start to the next stage's (the last one's: to the report)
+
+
+@dataclass
 class Report:
     status: str  # a row of service.core.outcomes.OUTCOMES from the report
     message: str  # the outcome in one line, with the numbers
@@ -194,6 +201,8 @@ class Report:
     evaluation_failure: EvaluationFailure | None = field(default=None, metadata=OPTIONAL)  # status evaluation_failed
     references: dict[str, str] | None = field(default=None, metadata=OPTIONAL)  # the references as the user gave them
     pacing: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # the time budget's pacing (`pacing.Pace`)
+    # where the job's time went, stage by stage in the order they ran (reports of earlier releases: None)
+    stages: list[StageTime] | None = field(default=None, metadata=OPTIONAL)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -406,10 +406,21 @@ def _settings(report: Report) -> list[tuple[str, Any]]:
     if kind.samples is not None:
         steps = f", {kind.refine_steps} reconstruction steps" if kind.refine_steps is not None else ""
         rows.append(("calibration", _e(f"{kind.samples} images{steps}")))
-    rows.append(("time", _e(f"{report.elapsed_s:.0f} s")))
+    rows.append(("time", _e(f"{report.elapsed_s:.0f} s" + (f": {_stage_words(report)}" if report.stages else ""))))
     if report.versions:
         rows.append(("versions", _e(", ".join(f"{k} {v}" for k, v in report.versions.items()))))
     return rows
+
+
+def _stage_words(report: Report) -> str:
+    """Where the time went: each stage's seconds summed over its rounds, in the order the stages first ran."""
+    total: dict[str, float] = {}
+    rounds: dict[str, set[int]] = {}
+    for t in report.stages or []:
+        total[t.stage] = total.get(t.stage, 0.0) + t.seconds
+        rounds.setdefault(t.stage, set()).add(t.round)
+    return ", ".join(f"{name} {seconds:,.0f} s" + (f" ({len(rounds[name])} rounds)" if len(rounds[name]) > 1 else "")
+                     for name, seconds in total.items())
 
 
 def depth_section(report: Report) -> str:

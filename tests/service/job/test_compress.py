@@ -63,6 +63,11 @@ def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
     assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # the stream, then the blocks
     assert {"name", "kind", "width_before", "width_after", "objective"} <= set(report["layers"][0])
     assert report["elapsed_s"] > 0
+    # where the time went: every stage the job entered, in order, adding up to the job's time up to the report
+    assert [(t["stage"], t["round"]) for t in report["stages"]] == [("loading", 0), ("baseline", 0), ("prune", 0),
+                                                                    ("measure", 0), ("save", 0)]
+    assert all(t["seconds"] >= 0 for t in report["stages"])
+    assert 0.5 * report["elapsed_s"] < sum(t["seconds"] for t in report["stages"]) <= report["elapsed_s"] + 1
     session = ort.InferenceSession(str(out / "model.onnx"))
     assert [i.name for i in session.get_inputs()] == ["x"]
     assert session.get_outputs()[0].name == "logits"
@@ -354,6 +359,7 @@ def test_a_dense_export_beyond_the_parity_tolerance_fails_the_job(model_and_data
     assert parity["tolerance"] == {"peak": -1.0, "aggregate": -1.0}
     assert parity["mismatches"][0]["output"] == "logits" and parity["mismatches"][0]["peak_error"] >= 0
     assert report["rounds"] == [] and report["layers"] == [] and report["metric"]["baseline"] is None
+    assert [t["stage"] for t in report["stages"]] == ["loading", "baseline"]  # how far it got, and how long
 
 
 def test_a_round_whose_export_fails_parity_ends_the_job_with_that_round(model_and_data, tmp_path, monkeypatch,

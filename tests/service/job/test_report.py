@@ -7,20 +7,22 @@ import json
 
 import pytest
 
-from service.job.report import SCHEMA_VERSION, KindFields, Report
+from service.job.report import SCHEMA_VERSION, KindFields, Report, StageTime
 
 from .reports import measured, report
 
 
 def test_a_report_writes_flat_json_and_reads_back_equal():
     original = report(kind=KindFields(widths={"model.layers.0.mlp.down_proj": 32}, removed_layers=["model.layers.3"],
-                                      depth={"rule": "r", "options": []}))
+                                      depth={"rule": "r", "options": []}),
+                      stages=[StageTime("loading", 0, 0.5), StageTime("prune", 1, 20.0)])
     data = json.loads(json.dumps(original.to_json()))
     # the returned model's measurements and the kind's fields at the top level, as report.json always had them
     assert data["measured_speedup"] == 1.5 and data["params_after"] == 600
     assert data["removed_layers"] == ["model.layers.3"]
     assert data["accuracy_budget"]["bound"] == "cosine >= 0.9000" and data["layers"][1]["kept"] == list(range(32))
     assert data["schema_version"] == SCHEMA_VERSION
+    assert data["stages"][1] == {"stage": "prune", "round": 1, "seconds": 20.0}
     # optional fields that are None are left out; required ones that are None are written as null
     assert "parity" not in data and "onnx_output" not in data and "refine" not in data["layers"][0]
     assert data["uniform_ratio"] is None and data["eval"] is None
@@ -39,6 +41,7 @@ def test_every_field_of_the_record_is_in_its_json():
     """A new field is one field: declared, it is written (and read back) with nothing else to change."""
     full = report(kind=KindFields(**{f.name: 1 for f in dataclasses.fields(KindFields)}),
                   references={"model": "embedded:m"}, pacing={"time_budget_s": 60.0, "rounds": []},
+                  stages=[StageTime("baseline", 0, 1.5)],
                   measured=measured(onnx_graph={"dense": {"fusions": {}, "fallback": None}}))
     data = full.to_json()
     for record in (Report, KindFields, type(full.measured)):

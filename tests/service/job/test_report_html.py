@@ -89,6 +89,15 @@ def test_the_page_says_how_long_the_blocks_fits_ran():
     assert "50 steps per block; kept in 6 of 6 blocks" in render(sample_report(block_reconstruction=older))
 
 
+def test_the_page_says_where_the_time_went():
+    stages = [{"stage": "loading", "round": 0, "seconds": 2.0}, {"stage": "baseline", "round": 0, "seconds": 30.0},
+              {"stage": "prune", "round": 0, "seconds": 1500.0}, {"stage": "measure", "round": 0, "seconds": 40.0},
+              {"stage": "prune", "round": 1, "seconds": 1000.4}, {"stage": "measure", "round": 1, "seconds": 41.0}]
+    page = render(sample_report(stages=stages, elapsed_s=2614.0))
+    assert "2614 s: loading 2 s, baseline 30 s, prune 2,500 s (2 rounds), measure 81 s (2 rounds)" in page
+    assert "131 s</td>" in render(sample_report())  # a report of an earlier release: no stages, the total alone
+
+
 def test_the_page_says_which_fused_graphs_were_timed_and_the_speedup_as_exported():
     graph = {"dense": {"fusions": {"attention": 6, "skip_layer_normalization": 12}, "fallback": None},
              "compressed": {"fusions": {}, "fallback": "the fused graph failed its check: peak error 0.5"},
