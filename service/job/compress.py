@@ -261,25 +261,22 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         assert report.measured is not None
         report.measured.warnings = warnings
         report.measured.onnx_graph = graphs
-        report.stages = enter.times()
-        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
+        _write_report(report, out, enter)
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
-        report.stages = enter.times()
         for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
             (out / name).unlink(missing_ok=True)
-        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
+        _write_report(report, out, enter)
         say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
     except _EvaluationFailed as failure:
         report = evaluation_failed_report(request, job, failure.stage, failure.index, failure.detail, failure.layers,
                                           rounds, baseline_metric, provider, start)
-        report.stages = enter.times()
         for name in EXPORT_FILES:  # as for parity_failed: nothing an unchecked model left may seem vouched for
             (out / name).unlink(missing_ok=True)
-        write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
+        _write_report(report, out, enter)
         say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
     finally:
@@ -288,6 +285,12 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         f"{report.metric.baseline:.4f} -> {report.metric.compressed:.4f}, params "
         f"{report.params_before} -> {report.measured.params_after}; wrote {out} in {report.elapsed_s:.1f}s")
     return report
+
+
+def _write_report(report: Report, out: Path, clock: StageClock) -> None:
+    """report.json, with where the job's time went up to now (every path that ends a job writes it here)."""
+    report.stages = clock.times()
+    write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
 
 
 def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) -> dict[str, int]:

@@ -76,16 +76,13 @@ class StageClock:
         self._running: tuple[str, int, float] | None = None
 
     def __call__(self, stage: str, index: int) -> None:
-        if self._running is not None and self._running[:2] == (stage, index):
-            # entered again (target mode enters `allocate` at each latency probe): the same stage runs on
-            if self._forward is not None:
-                self._forward(stage, index)
-            return
-        now = time.perf_counter()
-        if self._running is not None:
-            name, at, since = self._running
-            self._done.append(StageTime(name, at, now - since))
-        self._running = (stage, index, now)
+        # a stage entered again (target mode enters `allocate` at each latency probe) runs on as one
+        if self._running is None or self._running[:2] != (stage, index):
+            now = time.perf_counter()
+            if self._running is not None:
+                name, at, since = self._running
+                self._done.append(StageTime(name, at, now - since))
+            self._running = (stage, index, now)
         if self._forward is not None:
             self._forward(stage, index)
 
