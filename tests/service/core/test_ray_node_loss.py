@@ -12,7 +12,14 @@ from google.rpc import code_pb2
 from service.api import compression_pb2 as pb
 from service.api.wire import unpack_metadata
 from tests.compressor.cnn.conv_models import write_conv_job
-from tests.service.core.ray_helpers import paths, start_cluster, start_server, succeeded, wait_until
+from tests.service.core.ray_helpers import (
+    add_node,
+    paths,
+    start_cluster,
+    start_server,
+    succeeded,
+    wait_until,
+)
 
 pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
 
@@ -35,14 +42,14 @@ def test_a_lost_node_requeues_the_job_then_fails_it_node_lost(tmp_path, data):
         cluster.remove_node(node)
 
     try:
-        node = cluster.add_node(num_cpus=1)
+        node = add_node(cluster, num_cpus=1)
         server = start_server(tmp_path / "home", cluster, data, "--max-attempts", "2")
         # a lost node re-queues the job (no slot is left, so it waits QUEUED); on a new node it runs to the end
         first = server.compression.Compress(paths(data, repeats=100), timeout=30).name
         lose(node, first)
         wait_until(lambda: state(first).state == pb.QUEUED, 60, "the re-queue")
         assert state(first).attempt == 1 and "left the cluster during attempt 1" in state(first).message
-        node = cluster.add_node(num_cpus=1)
+        node = add_node(cluster, num_cpus=1)
         done = server.wait_done(first, timeout=180)
         assert succeeded(done) and unpack_metadata(done).attempt == 2
         names = [a.name for a in unpack_metadata(done).artifacts]  # one set: nothing of attempt 1 was recorded
@@ -51,7 +58,7 @@ def test_a_lost_node_requeues_the_job_then_fails_it_node_lost(tmp_path, data):
         second = server.compression.Compress(paths(data, repeats=300), timeout=30).name
         lose(node, second)
         wait_until(lambda: state(second).state == pb.QUEUED, 60, "the re-queue")
-        node = cluster.add_node(num_cpus=1)
+        node = add_node(cluster, num_cpus=1)
         wait_until(lambda: state(second).attempt == 2, 60, "the second attempt")
         lose(node, second)
         final = server.wait_done(second, timeout=60)
