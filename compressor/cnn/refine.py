@@ -11,9 +11,11 @@ when that is no better than the solve's (`compressor.refine.Reconstruction`).
 A few hundred calibration images are soon fitted by heart: a long fit then stops improving on the
 held-out ones. Fitting on flipped and shifted views of the images instead, each step's targets the
 dense graph's outputs on that step's views (`flip_and_shift`), gives the fit new inputs to match the
-dense graph on at every step; the held-out images stay as they are, so the judge is unchanged. Off by
-default (`RefineConfig.augment`): measured mixed (bench/RESULTS.md, 2026-11-25: ResNet-20 +1.2 to +2.2
-points of top-1 with 1,000-1,500 steps, nothing at the default 300; ResNet-56 at 2.18x -1.6 points).
+dense graph on at every step; the held-out images stay as they are, so the judge is unchanged. On for
+long fits only (`graph_config`, from AUGMENT_FROM steps): it pays off once the fit has fitted the images
+themselves (bench/RESULTS.md: ResNet-20 +1.2 to +2.2 points of top-1 with 1,000-1,500 steps, nothing at
+300; ResNet-56 without 6 blocks at 3,000 steps on 5,085 images +1.6; channels alone, 2,000 images and
+1,500 steps -1.6).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from .graph import BATCH_NORM_OPS, CONV_OPS, LINEAR_OPS
 # the default steps of a job (ResNet-20: ~15 s on 2 CPU cores, against ~40 s for the rest of the job;
 # its held-out error stops improving by ~300 steps)
 DEFAULT_STEPS = 300
+# fits of at least this many steps run on flipped and shifted views of the images (`flip_and_shift`)
+AUGMENT_FROM = 1000
+# steps between held-out checks: each check is a forward pass over the held-out tenth of the images, which
+# every 10 steps took a quarter of a ResNet-56 fit's time (3,000 steps: 711 s -> 541 s every 25, held-out
+# error 0.207 -> 0.194, top-1 82.8 -> 83.0 %; bench/RESULTS.md, 2026-11-29)
+CHECK_EVERY = 25
 
 
 def graph_config(steps: int) -> RefineConfig:
@@ -36,8 +44,11 @@ def graph_config(steps: int) -> RefineConfig:
     mostly noise), a first step of 0.005 x RMS, halved (not quartered) after a worse held-out check, and
     a check within 5 % of the best is noise, not divergence. Measured on ResNet-20 at 1.64x (2,000
     calibration images, 300 steps; bench/RESULTS.md): top-1 72.8 -> 82.6 % with these, 79.9 % with the
-    transformer blocks' settings (first step 0.02, quartered at any worse check: it stalls by step 200)."""
-    return RefineConfig(steps=steps, sequences=32, lr=0.005, backoff=0.5, slack=0.05)
+    transformer blocks' settings (first step 0.02, quartered at any worse check: it stalls by step 200).
+    A long fit (AUGMENT_FROM steps or more) fits views of the images: ResNet-56 without 6 blocks, 3,000 steps
+    from the same solve, 83.0 -> 84.6 % top-1 (held-out 0.194 -> 0.188) in 541 -> 723 s."""
+    return RefineConfig(steps=steps, sequences=32, lr=0.005, backoff=0.5, slack=0.05, check_every=CHECK_EVERY,
+                        augment=steps >= AUGMENT_FROM)
 
 
 def fitted_parameters(gm: fx.GraphModule, norms: bool = False) -> list[nn.Parameter]:
@@ -78,7 +89,7 @@ def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
                       device: torch.device, batch_size: int = 100) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
-    step (with `config.augment`, flipped and shifted views of them, seeded), `config.held_out` of them
+    step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded), `config.held_out` of them
     held out as they are (seeded); returns the held-out errors before and after."""
     pruned.to(device)
     dense.to(device)
@@ -89,8 +100,9 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     with torch.no_grad():
         targets = torch.cat([graph_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
     k = config.sequences
+    views_wanted = config.augment and images.dim() == 4  # views are of 2-D images (N, C, H, W) only
     # a fitting batch without targets: they are the dense outputs on that step's views
-    train = [(images[fit[i:i + k]], None if config.augment else targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
+    train = [(images[fit[i:i + k]], None if views_wanted else targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
     held_out = [(images[judge[i:i + batch_size]], targets[judge[i:i + batch_size]])
                 for i in range(0, len(judge), batch_size)]
     views = torch.Generator().manual_seed(config.seed + 1)
