@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from service.api import compression_pb2 as pb
@@ -26,7 +27,7 @@ def start_cluster(head_cpus: int):
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=False)
-    _started(lambda: cluster.add_node(num_cpus=head_cpus, include_dashboard=False, object_store_memory=200 << 20))
+    add_node(cluster, num_cpus=head_cpus, include_dashboard=False, object_store_memory=200 << 20)  # the head
     return cluster
 
 
@@ -58,16 +59,19 @@ def _started(start):
 
 def _children() -> set[int]:
     """PIDs of this process's direct children (Ray starts its GCS, raylet and helpers as such)."""
-    me, found = os.getpid(), set()
+    me = os.getpid()
+    # the parent is field 4 of stat, the second after the parenthesised name
+    return {pid for pid, stat in _proc_files("stat") if int(stat.rsplit(b")", 1)[1].split()[1]) == me}
+
+
+def _proc_files(name: str) -> Iterator[tuple[int, bytes]]:
+    """(pid, /proc/<pid>/<name>) of every process still there when read."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                yield int(entry.name), (entry / name).read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4, after the parenthesised name
-                found.add(int(entry.name))
-    return found
 
 
 def start_server(home: Path, cluster, data: Path, *extra: str) -> ServerProcess:
@@ -91,15 +95,7 @@ def paths(data: Path, repeats: int = 15) -> pb.CompressRequest:
 
 def runner_pids() -> list[int]:
     """Processes of live job actors on this machine (Ray names them `ray::JobRunner...`)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::JobRunner"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    return [pid for pid, cmdline in _proc_files("cmdline") if cmdline.startswith(b"ray::JobRunner")]
 
 
 def watch(server: ServerProcess, name: str, into: list) -> None:
