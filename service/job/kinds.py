@@ -46,9 +46,9 @@ from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
 from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
-from compressor.progress import SOLVE, STATISTICS, Progress, warning
+from compressor.progress import RECONSTRUCTION, SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
-from compressor.reports import LayerReport
+from compressor.reports import LayerReport, RefineReport, fit_numbers
 from compressor.transformer.adapters import adapter_for, block_path, check_config, dims, layers, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
@@ -62,6 +62,7 @@ from compressor.transformer.pipeline import (
 )
 from compressor.transformer.refine import DEFAULT_STEPS as BLOCK_STEPS
 from compressor.transformer.refine import default_config as block_refine
+from compressor.transformer.refine import model_config, reconstruct_model
 from compressor.transformer.remote import MODULE as REMOTE_MODULE
 from compressor.transformer.sensitivity import Sensitivity, output_sensitivity
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
@@ -453,6 +454,11 @@ class _TransformerJob:
     planning_samples: int | None = None  # what the planning passes read at most (None: every calibration sample)
 
     causal = False
+    # after the block fits, the whole model fitted to the dense model's last hidden states (`reconstruct_model`):
+    # on for text encoders (measured: all-MiniLM-L6-v2); off for decoders, where SmolLM2-135M's perplexity got
+    # no better from it and a pass over its windows costs a third of the job (bench/RESULTS.md, session 14), and
+    # for vision transformers (no real weights here to measure it on)
+    model_fit = False
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         if request.remove_blocks:
@@ -631,7 +637,21 @@ class _TransformerJob:
                 shutil.rmtree(work, ignore_errors=True)
         pruned, layers = prune_transformer(self.dense, batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
+        fitted = sum(r.refine.seconds for r in layers if r.refine is not None)  # the block fits' seconds
+        config = self._model_refine(statistics, fitted, None if fit_seconds is None else fit_seconds - fitted)
+        if config.steps and (self.removed_blocks or any(r.width_after < r.width_before for r in layers)):
+            fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device))
+            pruned.osscar_model_fit = fit  # report.json `model_reconstruction`
+            progress(Progress(RECONSTRUCTION, "model", numbers=fit_numbers(fit)))
         return pruned.cpu().eval(), layers
+
+    def _model_refine(self, statistics: bool, block_fits: float, budget: float | None) -> RefineConfig:
+        """The whole-model fit after the block fits: off in a statistics pass, for kinds without it (`model_fit`)
+        and where the request turned reconstruction off (--refine-steps 0); else `model_config` after block fits
+        of `block_fits` seconds, within what the time budget left the round's fits (`budget`)."""
+        if statistics or not self.model_fit or not self.request.refine_steps_or(BLOCK_STEPS):
+            return RefineConfig(steps=0)
+        return model_config(block_fits, budget)
 
     def _refine(self, statistics: bool, fit_seconds: float | None) -> RefineConfig:
         """Each block's fit: none in a statistics pass or for a method that keeps the dense weights, the steps the
@@ -682,9 +702,11 @@ class _TransformerJob:
         return None
 
     def report_fields(self, module: nn.Module) -> KindFields:
+        fit: RefineReport | None = getattr(module, "osscar_model_fit", None)
         return KindFields(widths=widths(module), onnx_inputs=list(self.loaded.input_names),
                           onnx_output=self.loaded.output_name,
-                          removed_layers=list(getattr(module, "osscar_removed_layers", [])), depth=self.depth)
+                          removed_layers=list(getattr(module, "osscar_removed_layers", [])), depth=self.depth,
+                          model_reconstruction=None if fit is None else dataclasses.asdict(fit))
 
 
 class TextJob(_TransformerJob):
@@ -694,6 +716,7 @@ class TextJob(_TransformerJob):
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.causal
+        self.model_fit = not self.causal
         # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
         self.classifier = self.loaded.output_name == "logits" and not self.causal
         if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):

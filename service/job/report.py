@@ -144,6 +144,9 @@ class KindFields:
     # transformer layers removed whole ("model.layers.7"), and attentions / FFNs removed alone, named by their output
     # projection ("model.layers.7.self_attn.o_proj")
     removed_layers: list[str] | None = field(default=None, metadata=OPTIONAL)
+    # a transformer's whole-model fit after its block fits (compressor.reports.RefineReport: before, after, kept,
+    # steps, seconds), when it ran
+    model_reconstruction: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     sequences: int | None = field(default=None, metadata=OPTIONAL)  # text calibration windows
     sequence_length: int | None = field(default=None, metadata=OPTIONAL)
     min_sequence_length: int | None = field(default=None, metadata=OPTIONAL)

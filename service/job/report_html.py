@@ -403,6 +403,11 @@ def _settings(report: Report) -> list[tuple[str, Any]]:
         steps = f"{recon['steps']}" if fewest == recon["steps"] else f"{fewest}-{recon['steps']}"
         rows.append(("block reconstruction", _e(f"{steps} steps per block; kept in {recon['blocks_kept']} of "
                                                 f"{recon['blocks']} blocks ({recon['seconds']:.0f} s)")))
+    whole = kind.model_reconstruction
+    if whole:
+        outcome = "kept" if whole["kept"] else "not kept (no better on the held-out windows)"
+        rows.append(("whole-model fit", _e(f"{whole['steps']} steps, held-out error {whole['before']:.4f} -> "
+                                           f"{whole['after']:.4f}, {outcome} ({whole['seconds']:.0f} s)")))
     if kind.samples is not None:
         steps = f", {kind.refine_steps} reconstruction steps" if kind.refine_steps is not None else ""
         rows.append(("calibration", _e(f"{kind.samples} images{steps}")))

@@ -194,6 +194,7 @@ def test_an_encoder_is_calibrated_on_many_windows_of_spread_lengths_and_a_decode
     assert "2048 calibration sequences of 16-32 tokens" in capsys.readouterr().err
     report = json.loads((tmp_path / "default" / "report.json").read_text())
     assert (report["sequences"], report["min_sequence_length"], report["sequence_length"]) == (2048, 16, 32)
+    assert "model_reconstruction" not in report  # --refine-steps 0: no block fit, no whole-model fit
     given = ["--sequences", "40", "--min-sequence-length", "32"]
     assert cli.main([*common, "--out", str(tmp_path / "given"), *given]) == 0
     assert "40 calibration sequences of <= 32 tokens" in capsys.readouterr().err
@@ -738,6 +739,12 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     assert report["pacing"]["time_budget_s"] == 600
     assert report["pacing"]["rounds"][0]["fit_steps"] == recon["steps_min"] + recon["steps"]
     assert report["artifacts"]["parity"]["peak_error"] < 2e-3
+    # an encoder's whole model is fitted after its blocks, for at most as long as they took; a decoder's is not
+    whole = report.get("model_reconstruction")
+    assert (whole is not None) == (family == "modernbert")
+    if whole is not None:
+        assert whole["steps"] >= 100 and whole["kept"] == (whole["after"] < whole["before"])
+        assert whole["seconds"] <= recon["seconds"] + 60  # it stops at its first check past the block fits' time
 
 
 def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):

@@ -89,6 +89,15 @@ def test_the_page_says_how_long_the_blocks_fits_ran():
     assert "50 steps per block; kept in 6 of 6 blocks" in render(sample_report(block_reconstruction=older))
 
 
+def test_the_page_says_what_the_whole_model_fit_did():
+    kept = {"before": 0.0611, "after": 0.0502, "kept": True, "steps": 1000, "seconds": 111.4}
+    assert "1000 steps, held-out error 0.0611 -&gt; 0.0502, kept (111 s)" in render(sample_report(
+        model_reconstruction=kept))
+    dropped = {**kept, "after": 0.0611, "kept": False, "steps": 100}
+    assert "not kept (no better on the held-out windows)" in render(sample_report(model_reconstruction=dropped))
+    assert "whole-model fit" not in render(sample_report())
+
+
 def test_the_page_says_where_the_time_went():
     stages = [{"stage": "loading", "round": 0, "seconds": 2.0}, {"stage": "baseline", "round": 0, "seconds": 30.0},
               {"stage": "prune", "round": 0, "seconds": 1500.0}, {"stage": "measure", "round": 0, "seconds": 40.0},
