@@ -203,13 +203,17 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     slices = [_cut(b, slice(i, i + k)) for b in batches for i in range(0, len(next(iter(b.values()))), k)]
     assert slices, "no calibration windows to fit on"
     pruned.to(device)
+    home = next(dense.parameters()).device  # the caller's dense model goes back where it was (a job keeps it)
     dense.to(device)
     windows = []
-    with torch.no_grad():
-        for inputs in slices:
-            mask = inputs.get("attention_mask")
-            target = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
-            windows.append(Windows(inputs, target, None if mask is None else mask.bool()))
+    try:
+        with torch.no_grad():
+            for inputs in slices:
+                mask = inputs.get("attention_mask")
+                target = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
+                windows.append(Windows(inputs, target, None if mask is None else mask.bool()))
+    finally:
+        dense.to(home)
     count = min(len(windows) - 1, max(1, round(config.held_out * len(windows))))
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(config.seed)).tolist()
     held_out, train = [windows[i] for i in order[:count]], [windows[i] for i in order[count:]]
