@@ -67,6 +67,14 @@ def check_method(config: RefineConfig, method: str) -> None:
                          "calibration data)")
 
 
+def held_out_draw(total: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """(held-out, fitting) indices of `total` samples: a seeded `fraction` of them (at least one, and at least
+    one left to fit when there are two or more) judge a fit, the rest are fitted."""
+    count = min(total - 1, max(1, round(fraction * total)))
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    return order[:count], order[count:]
+
+
 Loss = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]  # (module, batch) -> (squared errors, squared targets)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, fx, nn
 
-from ..refine import Reconstruction, RefineConfig
+from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .graph import BATCH_NORM_OPS, CONV_OPS, LINEAR_OPS
 
@@ -94,9 +94,7 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     pruned.to(device)
     dense.to(device)
     n = len(images)
-    count = min(n - 1, max(1, round(config.held_out * n)))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))
-    judge, fit = order[:count], order[count:]
+    judge, fit = held_out_draw(n, config.held_out, config.seed)
     with torch.no_grad():
         targets = torch.cat([graph_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
     k = config.sequences

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..refine import Reconstruction, RefineConfig
+from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
 from .surgery import is_projection
@@ -97,10 +97,8 @@ def split(batches: Sequence[Sequences], held_out: float, seed: int) -> tuple[lis
     total = sum(sizes)
     if total < 2:
         return [], list(batches)
-    count = min(total - 1, max(1, round(held_out * total)))
-    generator = torch.Generator().manual_seed(seed)
     chosen = torch.zeros(total, dtype=torch.bool)
-    chosen[torch.randperm(total, generator=generator)[:count]] = True
+    chosen[held_out_draw(total, held_out, seed)[0]] = True
     fit, judge, offset = [], [], 0
     for batch, size in zip(batches, sizes, strict=True):
         mine = chosen[offset:offset + size]
@@ -118,8 +116,8 @@ def split(batches: Sequence[Sequences], held_out: float, seed: int) -> tuple[lis
 Run = Callable[[nn.Module, Sequences], Tensor]  # block(x, *args, **kwargs) on the compute device -> output
 
 
-def _squared_error(out: Tensor, batch: Sequences) -> tuple[Tensor, Tensor]:
-    """(sum of squared errors, sum of squared targets) over the counted tokens."""
+def _squared_error(out: Tensor, batch: Sequences | Windows) -> tuple[Tensor, Tensor]:
+    """(sum of squared errors, sum of squared targets) over the counted tokens (a block's, or the whole model's)."""
     target = batch.target.to(out.device, out.dtype)
     error = (out - target).square().sum(-1)  # (batch, seq)
     energy = target.square().sum(-1)
@@ -214,19 +212,12 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
                 windows.append(Windows(inputs, target, None if mask is None else mask.bool()))
     finally:
         dense.to(home)
-    count = min(len(windows) - 1, max(1, round(config.held_out * len(windows))))
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    held_out, train = [windows[i] for i in order[:count]], [windows[i] for i in order[count:]]
+    judge, fit = held_out_draw(len(windows), config.held_out, config.seed)
+    held_out, train = [windows[i] for i in judge.tolist()], [windows[i] for i in fit.tolist()]
     parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
                   for p in m.parameters(recurse=False)]
 
     def loss(model: nn.Module, batch: Windows) -> tuple[Tensor, Tensor]:
-        out = _last_hidden(model, batch.inputs, device).float()
-        target = batch.target.to(device)
-        error, energy = (out - target).square().sum(-1), target.square().sum(-1)  # (windows, seq)
-        if batch.mask is not None:
-            mask = batch.mask.to(device, out.dtype)
-            error, energy = error * mask, energy * mask
-        return error.sum(), energy.sum()
+        return _squared_error(_last_hidden(model, batch.inputs, device).float(), batch)
 
     return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
