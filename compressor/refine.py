@@ -11,6 +11,7 @@ What a module is depends on the model kind: one transformer block fed the pruned
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class RefineConfig:
     norms: bool = False  # also fit the norms' weights (default: the norms stay as the dense model has them)
     augment: bool = False  # conv graphs: fit on flipped and shifted views of the images, their targets the
     # dense graph's outputs on those views (more inputs to match the dense model on than images drawn)
+    anneal: bool = False  # the step size follows a half cosine from lr to 0 over `steps` (on top of any back-off):
+    # a long fit's last steps then settle into a minimum instead of circling it at the first step size
     seed: int = 0  # the order of the fitting batches
     # wall-clock allowance of one fit (a job's time budget, `service/job/pacing.py`): the fit stops at its first
     # held-out check past it, with the best weights seen; None: the steps alone bound it. A pipeline fitting
@@ -73,6 +76,13 @@ def held_out_draw(total: int, fraction: float, seed: int) -> tuple[Tensor, Tenso
     count = min(total - 1, max(1, round(fraction * total)))
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     return order[:count], order[count:]
+
+
+def annealed(step: int, steps: int) -> float:
+    """The step size's factor at `step` (1-based) of `steps` under `RefineConfig.anneal`: a half cosine from 1
+    at the first step down towards 0 at the last (never 0: the last step still moves)."""
+    assert 1 <= step <= steps, f"step {step} outside 1..{steps}"
+    return 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
 
 
 Loss = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]  # (module, batch) -> (squared errors, squared targets)
@@ -122,6 +132,10 @@ class Reconstruction:
                 if not order:  # a new pass over the fitting batches, in a seeded order
                     order = torch.randperm(len(train), generator=generator).tolist()
                 batch = train[order.pop()]
+                if self.config.anneal:
+                    factor = annealed(step, self.config.steps)
+                    for group, scale in zip(optimizer.param_groups, scales, strict=True):
+                        group["lr"] = lr * scale * factor
                 with torch.enable_grad():
                     error, energy = loss(self.module, batch)
                     relative = error / energy.clamp_min(1e-30)  # batches weigh alike
