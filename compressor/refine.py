@@ -38,8 +38,9 @@ class RefineConfig:
     norms: bool = False  # also fit the norms' weights (default: the norms stay as the dense model has them)
     augment: bool = False  # conv graphs: fit on flipped and shifted views of the images, their targets the
     # dense graph's outputs on those views (more inputs to match the dense model on than images drawn)
-    anneal: bool = False  # the step size follows a half cosine from lr to 0 over `steps` (on top of any back-off):
-    # a long fit's last steps then settle into a minimum instead of circling it at the first step size
+    anneal: bool = False  # the step size follows a half cosine from lr towards 0 over the fit (its `steps`, or its
+    # `seconds` when those run out first; on top of any back-off): a long fit's last steps then settle into a
+    # minimum instead of circling it at the first step size
     seed: int = 0  # the order of the fitting batches
     # wall-clock allowance of one fit (a job's time budget, `service/job/pacing.py`): the fit stops at its first
     # held-out check past it, with the best weights seen; None: the steps alone bound it. A pipeline fitting
@@ -61,6 +62,8 @@ class RefineConfig:
         assert self.seconds is None or self.seconds >= 0, f"refine seconds must be >= 0 (got {self.seconds})"
         assert self.per_solve is None or self.per_solve > 0, f"per-solve share must be > 0 (got {self.per_solve})"
         assert 0 <= self.min_steps <= self.steps, f"min steps must be in [0, steps] (got {self.min_steps})"
+        # an annealed fit's length is its steps or its seconds; a floor of steps past the seconds would run at ~0
+        assert not (self.anneal and self.min_steps), "an annealed fit takes no min_steps"
 
 
 def check_method(config: RefineConfig, method: str) -> None:
@@ -78,11 +81,11 @@ def held_out_draw(total: int, fraction: float, seed: int) -> tuple[Tensor, Tenso
     return order[:count], order[count:]
 
 
-def annealed(step: int, steps: int) -> float:
-    """The step size's factor at `step` (1-based) of `steps` under `RefineConfig.anneal`: a half cosine from 1
-    at the first step down towards 0 at the last (never 0: the last step still moves)."""
-    assert 1 <= step <= steps, f"step {step} outside 1..{steps}"
-    return 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+def annealed(progress: float) -> float:
+    """The step size's factor under `RefineConfig.anneal` at `progress` in [0, 1] through a fit: a half cosine
+    from 1 at the start down to 0 at the end (a fit's last step, at progress (steps - 1) / steps, still moves)."""
+    assert 0 <= progress <= 1, f"progress {progress} outside [0, 1]"
+    return 0.5 * (1 + math.cos(math.pi * progress))
 
 
 Loss = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]  # (module, batch) -> (squared errors, squared targets)
@@ -132,10 +135,12 @@ class Reconstruction:
                 if not order:  # a new pass over the fitting batches, in a seeded order
                     order = torch.randperm(len(train), generator=generator).tolist()
                 batch = train[order.pop()]
-                if self.config.anneal:
-                    factor = annealed(step, self.config.steps)
+                if self.config.anneal:  # through the fit by steps, or by seconds when those will run out first
+                    progress = (step - 1) / self.config.steps
+                    if self.config.seconds:
+                        progress = max(progress, min(1.0, (time.perf_counter() - start) / self.config.seconds))
                     for group, scale in zip(optimizer.param_groups, scales, strict=True):
-                        group["lr"] = lr * scale * factor
+                        group["lr"] = lr * scale * annealed(progress)
                 with torch.enable_grad():
                     error, energy = loss(self.module, batch)
                     relative = error / energy.clamp_min(1e-30)  # batches weigh alike

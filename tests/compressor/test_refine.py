@@ -1,45 +1,103 @@
-"""The shared reconstruction loop (`compressor.refine`): the annealed step size."""
+"""The shared reconstruction loop (`compressor.refine`): the annealed step size, with the back-off and when a
+fit's seconds run out before its steps."""
 
 import itertools
-import math
+import types
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+from compressor import refine
 from compressor.refine import Reconstruction, RefineConfig, annealed
 
+LR = 0.01
 
-def test_the_annealed_factor_is_a_half_cosine_that_never_stops_the_last_step():
+
+def test_the_annealed_factor_is_a_half_cosine():
     steps = 3000
-    factors = [annealed(s, steps) for s in range(1, steps + 1)]
-    assert factors[0] == 1.0
-    assert factors[steps // 2] == pytest.approx(0.5, abs=1e-3)
+    factors = [annealed((s - 1) / steps) for s in range(1, steps + 1)]
+    assert factors[0] == 1.0 and annealed(0.5) == pytest.approx(0.5) and annealed(1.0) == 0.0
     assert all(a > b for a, b in itertools.pairwise(factors))  # strictly decreasing
-    assert 0 < factors[-1] < 1e-5
+    assert 0 < factors[-1] < 1e-5  # the last step still moves
     with pytest.raises(AssertionError):
-        annealed(0, steps)
+        annealed(1.5)
+    with pytest.raises(AssertionError, match="min_steps"):
+        RefineConfig(steps=10, min_steps=5, anneal=True)
+
+
+class Weight(nn.Module):
+    """One weight of RMS 1 and a linear error: a constant gradient makes Adam move the weight by exactly its
+    step size (lr x the weight's RMS x the annealed factor), so the moves read off the step sizes used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.seen: list[float] = []  # the weight before each fitting step
+
+    def value(self) -> float:
+        return float(self.w.detach())
+
+
+def fit(module: Weight, config: RefineConfig, held_out: list[float] | None = None,
+        tick: Callable[[], None] = lambda: None):
+    """Fit `module`; the held-out judge reads `held_out` in turn (the error before, then at each check), else
+    the fitting error itself. `tick` runs at each fitting step, after the step size is set."""
+    judged = iter(held_out or [])
+
+    def loss(m: Weight, _batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled():
+            tick()
+            m.seen.append(m.value())
+            return m.w + 10.0, torch.ones(())  # d(error)/dw = 1 everywhere
+        return (torch.tensor(next(judged)) if held_out else m.w.detach() + 10.0), torch.ones(())
+
+    return Reconstruction(module, [module.w], config).fit([None], [None], loss)
+
+
+def moves(module: Weight) -> list[float]:
+    return [a - b for a, b in itertools.pairwise([*module.seen, module.value()])]
 
 
 @pytest.mark.parametrize("anneal", [False, True])
 def test_an_annealed_fit_moves_each_weight_by_the_annealed_step(anneal):
-    """A constant gradient makes Adam move a weight by exactly its step size: the moves read off the
-    step sizes the fit used (lr x the weight's RMS, 1 here, x the annealed factor)."""
-    module = nn.Module()
-    module.w = nn.Parameter(torch.ones(()))
-    seen: list[float] = []
-
-    def loss(m: nn.Module, _batch: object) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled():
-            seen.append(float(m.w.detach()))
-        return m.w + 10.0, torch.ones(())  # d(error)/dw = 1 everywhere, and the error always falls
-
-    steps, lr = 8, 0.01
-    config = RefineConfig(steps=steps, lr=lr, check_every=steps, anneal=anneal)
-    report = Reconstruction(module, [module.w], config).fit([None], [None], loss)
+    steps = 8
+    module = Weight()
+    report = fit(module, RefineConfig(steps=steps, lr=LR, check_every=steps, anneal=anneal))
     assert report.kept and report.steps == steps
-    final = float(module.w.detach())
-    moves = [a - b for a, b in zip(seen, [*seen[1:], final], strict=True)]
-    expected = [lr * (annealed(s, steps) if anneal else 1.0) for s in range(1, steps + 1)]
-    assert moves == pytest.approx(expected, rel=1e-3)
-    assert math.isclose(sum(moves), 1.0 - final, rel_tol=1e-6)
+    expected = [LR * (annealed((s - 1) / steps) if anneal else 1.0) for s in range(1, steps + 1)]
+    assert moves(module) == pytest.approx(expected, rel=1e-3)
+    assert module.value() == pytest.approx(1.0 - sum(expected), rel=1e-4)
+
+
+def test_a_back_off_goes_back_to_the_best_weights_and_anneals_the_smaller_step():
+    """Checks at steps 4, 8 and 12: the second is worse, so steps 9-12 start from step 4's weights with half the
+    step, still on the fit's cosine."""
+    steps = 12
+    module = Weight()
+    report = fit(module, RefineConfig(steps=steps, lr=LR, check_every=4, backoff=0.5, anneal=True),
+                 held_out=[1.0, 0.5, 0.9, 0.3])
+    assert report.kept and report.after == pytest.approx(0.3)
+    factor = [annealed((s - 1) / steps) for s in range(1, steps + 1)]
+    after_4 = 1.0 - LR * sum(factor[:4])
+    assert module.seen[8] == pytest.approx(after_4, rel=1e-5)  # step 9 starts from the best (step 4) weights
+    assert moves(module)[8:] == pytest.approx([0.5 * LR * f for f in factor[8:]], rel=1e-3)
+    assert module.value() == pytest.approx(after_4 - 0.5 * LR * sum(factor[8:]), rel=1e-5)
+
+
+def test_a_paced_fit_anneals_over_its_seconds_when_they_end_before_its_steps(monkeypatch):
+    """A clock that ticks once a fitting step: 4 seconds for 100 steps, so the step size reaches 0 at the 4th
+    second; the fit stops at its first check past them (step 6)."""
+    clock = [0.0]
+    monkeypatch.setattr(refine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    module = Weight()
+
+    def tick() -> None:
+        clock[0] += 1.0
+
+    report = fit(module, RefineConfig(steps=100, lr=LR, check_every=2, anneal=True, seconds=4.0), tick=tick)
+    assert report.steps == 6
+    expected = [LR * annealed(min(1.0, s / 4)) for s in range(6)]  # step s + 1 starts s seconds in
+    assert moves(module) == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    assert expected[4] == expected[5] == 0.0
