@@ -139,8 +139,9 @@ class Reconstruction:
                     progress = (step - 1) / self.config.steps
                     if self.config.seconds:
                         progress = max(progress, min(1.0, (time.perf_counter() - start) / self.config.seconds))
+                    factor = annealed(progress)
                     for group, scale in zip(optimizer.param_groups, scales, strict=True):
-                        group["lr"] = lr * scale * annealed(progress)
+                        group["lr"] = lr * scale * factor
                 with torch.enable_grad():
                     error, energy = loss(self.module, batch)
                     relative = error / energy.clamp_min(1e-30)  # batches weigh alike

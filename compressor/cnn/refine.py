@@ -36,7 +36,7 @@ AUGMENT_FROM = 1000
 # every 10 steps took a quarter of a ResNet-56 fit's time (3,000 steps: 711 s -> 541 s every 25, held-out
 # error 0.207 -> 0.194, top-1 82.8 -> 83.0 %; bench/RESULTS.md, 2026-11-29)
 CHECK_EVERY = 25
-# a long fit's first step (x each weight's RMS), annealed to 0 over its steps (`RefineConfig.anneal`): twice a
+# a long fit's first step (x each weight's RMS), annealed towards 0 over the fit (`RefineConfig.anneal`): twice a
 # short fit's, since the half cosine takes half of it away on average and a long fit is still improving at its end
 LONG_LR = 0.01
 
@@ -49,7 +49,7 @@ def graph_config(steps: int) -> RefineConfig:
     calibration images, 300 steps; bench/RESULTS.md): top-1 72.8 -> 82.6 % with these, 79.9 % with the
     transformer blocks' settings (first step 0.02, quartered at any worse check: it stalls by step 200).
     A long fit (AUGMENT_FROM steps or more) fits views of the images, with a first step of LONG_LR annealed
-    to 0 over its steps. ResNet-56 without 6 blocks, 3,000 steps from the same solve (top-1 on 1,017 test
+    towards 0 over the fit. ResNet-56 without 6 blocks, 3,000 steps from the same solve (top-1 on 1,017 test
     images; bench/RESULTS.md): 83.0 % without views, 84.6 % with them (held-out error 0.194 -> 0.188), 85.1 %
     (0.182) with them and the annealed 0.01; annealed from 0.005 it fell to 82.8 % (0.209). Measured at 3,000
     steps only."""
