@@ -139,6 +139,29 @@ def test_probes_without_a_width_in_the_window_run_the_least_pruning_that_met_the
     assert choose(request, rounds, Metric("cosine", True), 1.0)[1] == "ok"
 
 
+def test_a_round_measured_slower_than_its_probe_prunes_further():
+    """A probe measures widths at 2.07x (inside the window at 2x), the round at the same widths 1.90x (timing
+    noise): one latency measured twice. The loop takes their mean as the point there and asks for more
+    pruning, instead of reading a probe above the aim and a round below it at one saving as a bracket
+    pointing back at the same widths (and stopping, not met)."""
+    staircase = [(0.05, 1.141), (0.3, 1.35), (0.55, 1.63), (0.7, 1.90), (0.76, 2.0)]
+    layer_curves, run_round, probe, probes = stepped_latency(staircase)
+
+    def optimistic_probe(plan, index):  # every probe reads 9 % faster than the round at its widths
+        latency = probe(plan, index)
+        speedup = latency.speedup * 1.09
+        return Latency(100.0, 100.0 / speedup, 101.0, 100.0 / speedup + 1, speedup, "cpu", 2, "test", 5)
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, no_accuracy_budget=True)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, run_round, Metric("cosine", True), 1.0, messages.append,
+                         probe=optimistic_probe)
+    assert rounds[0].plan in probes and rounds[0].latency.speedup == pytest.approx(1.90)  # the probed 2.071x
+    assert len(rounds) == 2 and rounds[1].latency.speedup == pytest.approx(2.0)
+    assert not any("already measured" in m for m in messages)
+    assert choose(request, rounds, Metric("cosine", True), 1.0)[1] == "ok"
+
+
 @pytest.mark.parametrize("measured,aim,share,expected", [
     ([], 0.3, 0.6, 0.5),  # nothing measured: the share model
     ([(0.4, 0.2)], 0.3, 0.5, 0.6),  # one side only: the corrected share
