@@ -87,14 +87,30 @@ def test_a_fit_on_views_lowers_the_error_on_unseen_images_and_keeps_the_held_out
     assert relative_error(pruned, gm, unseen) < before
 
 
-def test_only_long_fits_run_on_views_with_an_annealed_step():
+def test_only_long_fits_run_on_views_with_an_annealed_step_and_fit_the_norms():
     """Views pay off once a fit has fitted the images themselves (ResNet-20 at 1,000+ steps, ResNet-56 without 6
     blocks at 3,000); at a few hundred steps they only cost a dense forward pass per step. A long fit's step
     size starts at LONG_LR and is annealed; a short one keeps its constant 0.005 (ResNet-20's measured default)."""
     short, long = graph_config(AUGMENT_FROM - 1), graph_config(AUGMENT_FROM)
     assert not graph_config(300).augment and not short.augment and not short.anneal and short.lr == 0.005
     assert long.augment and graph_config(3000).augment and long.anneal and long.lr == LONG_LR > short.lr
+    assert long.norms and not short.norms  # the norms' affine parameters: fitted in long fits only
     assert graph_config(3000).check_every > 10  # the held-out checks must not dominate a long fit's time
+
+
+def test_a_long_fit_moves_the_norms_affine_parameters_and_leaves_their_statistics():
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    norms = {n: p.detach().clone() for n, p in pruned.named_parameters() if "bn" in n}
+    running = {n: b.clone() for n, b in pruned.named_buffers() if "running" in n}
+    assert norms and running
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=60, sequences=16, check_every=10)
+    fit = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    assert fit.kept and fit.after < fit.before
+    after = dict(pruned.named_parameters())
+    assert all(not torch.equal(after[n], before) for n, before in norms.items())
+    assert all(torch.equal(b, running[n]) for n, b in pruned.named_buffers() if n in running)
 
 
 def test_views_are_asked_of_image_batches_alone():
