@@ -255,12 +255,12 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     Each round aims at AIM_AT x target; its saving (fraction of the prunable cost removed) comes from
     `next_saving`: the latency model's prunable share until two points are measured, then a curve
     through the measured points (latency depends on the widths alone, so every measurement is a point
-    of one monotone curve of the saving). With `probe`, up to `request.latency_probes` latency-only
-    measurements of planned widths (cheap: no solve, no evaluation) search that curve before each
-    round, so the round's solve runs at widths already measured within the window. `base_speedup`: what
-    the graph measured before any width was narrowed (its removed blocks); the latency model describes
-    the widths' part of the speedup, the measured speedup over it. `first_round`: the number of the
-    loop's first round (a job that re-plans runs the loop again after rounds of its own)."""
+    of one monotone curve of the saving; widths measured twice, the mean of both). With `probe`, up to
+    `request.latency_probes` latency-only measurements of planned widths (cheap: no solve, no evaluation)
+    search that curve before each round, so the round's solve runs at widths already measured within the
+    window. `base_speedup`: what the graph measured before any width was narrowed (its removed blocks); the
+    latency model describes the widths' part of the speedup, the measured speedup over it. `first_round`: the
+    number of the loop's first round (a job that re-plans runs the loop again after rounds of its own)."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
     target = request.target_speedup
