@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +69,16 @@ class LayerCurve:
         return self.widths[0]
 
 
-def _greedy_steps(curves: Sequence[LayerCurve]) -> Iterator[tuple[str, float, float]]:
-    """The steps of the greedy on marginal loss per saved cost, cheapest first: (layer, cost saved, loss added).
+def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
+    """Kept width per layer saving at least `saving` cost units, by a greedy on the marginal loss per
+    saved cost.
 
-    Each step moves one layer to its next allowed width: the layer whose step has the smallest loss increase
-    per unit of cost saved."""
+    Each step moves one layer to its next allowed width: the layer whose step has the smallest loss
+    increase per unit of cost saved. Steps stop once the cost saved reaches `saving` (the last step
+    may overshoot it) or every layer is at its narrowest allowed width (then the saving falls short).
+    When every curve is convex in saved cost, this is a greedy on the Lagrangian: each allocation it
+    passes through has the least total loss for the cost it saves. Otherwise it is a heuristic.
+    """
     position = {c.name: 0 for c in curves}
     order = {c.name: i for i, c in enumerate(curves)}
     heap: list[tuple[float, int, str]] = []
@@ -90,56 +95,15 @@ def _greedy_steps(curves: Sequence[LayerCurve]) -> Iterator[tuple[str, float, fl
     by_name = {c.name: c for c in curves}
     for curve in curves:
         push(curve)
-    while heap:
+    done = 0.0
+    while done < saving and heap:
         _, _, name = heapq.heappop(heap)
         curve = by_name[name]
         k = position[name]
+        done += curve.cost * (curve.widths[k] - curve.widths[k + 1])
         position[name] = k + 1
-        yield name, curve.cost * (curve.widths[k] - curve.widths[k + 1]), curve.loss[k + 1] - curve.loss[k]
         push(curve)
-
-
-def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
-    """Kept width per layer saving at least `saving` cost units, by a greedy on the marginal loss per
-    saved cost (`_greedy_steps`).
-
-    Steps stop once the cost saved reaches `saving` (the last step may overshoot it) or every layer is at
-    its narrowest allowed width (then the saving falls short). When every curve is convex in saved cost,
-    this is a greedy on the Lagrangian: each allocation it passes through has the least total loss for the
-    cost it saves. Otherwise it is a heuristic.
-    """
-    widths = {c.name: c.groups for c in curves}
-    index = {c.name: 0 for c in curves}
-    by_name = {c.name: c for c in curves}
-    done = 0.0
-    steps = _greedy_steps(curves)
-    while done < saving:
-        step = next(steps, None)
-        if step is None:
-            break
-        name, saved, _ = step
-        done += saved
-        index[name] += 1
-        widths[name] = by_name[name].widths[index[name]]
-    return widths
-
-
-def planned_loss(curves: Sequence[LayerCurve], saving: float) -> float:
-    """The loss of the greedy's allocation at exactly `saving` cost units: its steps' losses up to there, the
-    step that crosses `saving` in proportion to the part of its cost saving needs.
-
-    What depth planning compares options by. The allocation itself (`allocate`) overshoots to whole steps, and
-    one step of a wide layer can save a few per cent of the cost: its loss then jumps where the saving crosses
-    that step's start, and the depth speedups measured for two options, a per cent apart from one run to the
-    next (timing noise), moved a ResNet-56 plan across such a jump (4 blocks planned at 0.608 in one run, 0.532
-    in the next; the loss curve between is flat, then steps by 0.07). In proportion, the loss is continuous
-    and nondecreasing in the saving. `saving` beyond every step: the loss of all of them."""
-    done, loss = 0.0, 0.0
-    for _, saved, added in _greedy_steps(curves):
-        if done + saved >= saving:
-            return loss + added * (max(0.0, saving - done) / saved if saved > 0 else 1.0)
-        done, loss = done + saved, loss + added
-    return loss
+    return {c.name: c.widths[position[c.name]] for c in curves}
 
 
 def total_cost(curves: Sequence[LayerCurve], widths: dict[str, int] | None = None) -> float:
@@ -167,7 +131,7 @@ class DepthOption:
     depth_loss: float  # their summed removal losses
     depth_speedup: float  # measured: the dense graph without them, against the dense graph
     width_saving: float  # fraction of the remaining prunable cost the widths must still remove
-    width_loss: float  # the greedy's loss at that saving (`planned_loss`; inf: the minimum widths cannot reach it)
+    width_loss: float  # the allocation's loss for that saving (inf: the minimum widths cannot reach it)
 
     @property
     def loss(self) -> float:
@@ -189,5 +153,5 @@ def depth_option(blocks: Sequence[str], depth_loss: float, depth_speedup: float,
     saving = (1 - 1 / rest) / share
     if saving > max_saving(curves):
         return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, math.inf)
-    width_loss = planned_loss(curves, saving * total_cost(curves))
-    return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, width_loss)
+    widths = allocate(curves, saving * total_cost(curves))
+    return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, curve_loss(curves, widths))

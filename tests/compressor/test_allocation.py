@@ -13,7 +13,6 @@ from compressor.allocation import (
     curve_loss,
     depth_option,
     loss_path,
-    planned_loss,
     total_cost,
 )
 from compressor.solver.synthetic import correlated_problem
@@ -68,26 +67,10 @@ def test_a_depth_option_adds_the_widths_loss_for_the_speedup_still_missing():
     assert none.width_loss == pytest.approx(0.3) and none.loss == pytest.approx(0.3)  # both layers 8 -> 4
     some = depth_option(("blk",), 0.05, 1.6, curves, target=2.0, share=1.0)
     assert some.width_saving == pytest.approx(1 - 1.6 / 2.0)
-    # the cheaper layer's step (4 units, loss 0.1) in proportion to the 3.2 units still needed
-    assert some.width_loss == pytest.approx(0.1 * 3.2 / 4)
-    assert some.loss == pytest.approx(0.13) and some.loss < none.loss
+    assert some.width_loss == pytest.approx(0.1)  # one step suffices: the cheaper layer
+    assert some.loss == pytest.approx(0.15) and some.loss < none.loss
     enough = depth_option(("blk", "blk2"), 0.5, 2.1, curves, target=2.0, share=1.0)
     assert enough.width_saving == 0.0 and enough.width_loss == 0.0 and enough.loss == 0.5
-
-
-def test_the_planned_loss_follows_the_allocation_at_whole_steps_and_is_continuous_between():
-    curves = _curves()  # the greedy's steps: a 8 -> 4 (4 units, +0.1), b 8 -> 4 (4, +0.2), b 4 -> 2 (2, +0.1), a 4 -> 2
-    for units in (0.0, 4.0, 8.0, 10.0, 12.0):
-        assert planned_loss(curves, units) == pytest.approx(curve_loss(curves, allocate(curves, units)))
-    # just past a step's start the allocation takes the whole step; the planned loss only a sliver of it, so
-    # a saving measured a hair either side of that start plans nearly the same loss
-    below, above = planned_loss(curves, 4.0 - 1e-6), planned_loss(curves, 4.0 + 1e-6)
-    assert above - below == pytest.approx(0.0, abs=1e-6)
-    assert curve_loss(curves, allocate(curves, 4.0 + 1e-6)) == pytest.approx(0.3)
-    assert planned_loss(curves, 6.0) == pytest.approx(0.2)  # halfway through b's first step
-    samples = [planned_loss(curves, u / 10) for u in range(0, 121)]
-    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(samples))  # nondecreasing
-    assert planned_loss(curves, 1e9) == pytest.approx(0.7)  # beyond every step: all of them
 
 
 def test_a_depth_option_the_minimum_widths_cannot_reach_is_infinitely_lossy():
