@@ -245,7 +245,7 @@ class Latency:
     provider: str
     threads: int
     device: str
-    repeats: int
+    repeats: int  # samples taken of each model (fewer than asked when long runs hit TIMING_SECONDS)
     runs_per_sample: int = 1  # back-to-back runs in each timed sample (MIN_SAMPLE_MS)
     # With I/O binding (the default on CUDA) the figures above keep inputs and outputs on the device, as a
     # server does; these are the same runs timed with the inputs uploaded and outputs copied to the host.
@@ -259,6 +259,14 @@ class Latency:
 # back-to-back runs (n from the warm-up), so one scheduler hiccup on a shared machine is a small part of
 # a sample rather than most of it.
 MIN_SAMPLE_MS = 20.0
+# A large model's runs are long (a 1.2 B-parameter decoder: 8.4 s for 1 x 512 tokens on 2 CPU cores), and a pair
+# of them sampled 20 times took 5 of every 6 minutes of a latency probe: its samples stop once they have
+# taken TIMING_SECONDS and number at least MIN_REPEATS (a run that long averages out the scheduler's hiccups
+# that many short samples are for), and its warm-up after the second pair (the first run allocates, the
+# second is steady). Models that run in well under a second a pair are timed as before.
+TIMING_SECONDS = 60.0
+MIN_REPEATS = 5
+SLOW_PAIR_S = 1.0  # warm-up pairs at least this long: two warm-ups are enough
 
 
 def _bound(session, feed: dict[str, np.ndarray], provider: str) -> Callable[[], None]:
@@ -288,28 +296,36 @@ def _unbound(session, feed: dict[str, np.ndarray]) -> Callable[[], None]:
 
 
 def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
-                    warmup: int, repeats: int, io_binding: bool = False) -> tuple[list[float], ...]:
+                    warmup: int, repeats: int, io_binding: bool = False,
+                    seconds: float | None = TIMING_SECONDS) -> tuple[list[float], ...]:
     """Per-run milliseconds of each timed sample of both models, alternating, and the runs per sample;
-    with `io_binding` each sample is timed both ways (bound first, then with host copies)."""
+    with `io_binding` each sample is timed both ways (bound first, then with host copies). At most `repeats`
+    samples each; fewer (never under MIN_REPEATS) once the samples have taken `seconds` (None: no limit)."""
     sessions = [_session(baseline, provider, threads), _session(compressed, provider, threads)]
     host = [_unbound(s, _feed(s, feed)) for s in sessions]
     ways = [[_bound(s, _feed(s, feed), provider) for s in sessions], host] if io_binding else [host]
     last = [MIN_SAMPLE_MS, MIN_SAMPLE_MS]  # without a warm-up: one run per sample
-    for _ in range(warmup):
+    for done in range(1, warmup + 1):
+        pair = time.perf_counter()
         for runners in ways:
             for k, run in enumerate(runners):
                 start = time.perf_counter()
                 run()
                 last[k] = 1000 * (time.perf_counter() - start)
+        if done >= 2 and time.perf_counter() - pair >= SLOW_PAIR_S:
+            break
     runs = max(1, math.ceil(MIN_SAMPLE_MS / max(max(last), 1e-3)))  # the slower model's last warm-up run
     times: list[list[float]] = [[] for _ in range(2 * len(ways))]
-    for _ in range(repeats):  # alternate, so a noisy neighbour slows both alike
+    began = time.perf_counter()
+    for done in range(1, repeats + 1):  # alternate, so a noisy neighbour slows both alike
         for w, runners in enumerate(ways):
             for k, run in enumerate(runners):
                 start = time.perf_counter()
                 for _ in range(runs):
                     run()
                 times[2 * w + k].append(1000 * (time.perf_counter() - start) / runs)
+        if seconds is not None and done >= MIN_REPEATS and time.perf_counter() - began >= seconds:
+            break
     return (*times, runs)
 
 
@@ -339,10 +355,12 @@ def measurement_turn() -> Iterator[None]:
 
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
-                    repeats: int = 20, io_binding: bool | None = None) -> Latency:
+                    repeats: int = 20, io_binding: bool | None = None,
+                    seconds: float | None = TIMING_SECONDS) -> Latency:
     """Median and p90 latency of two models on one input, samples alternating in one subprocess, and the
     speedup (median of the paired ratios). Each sample is the mean of enough back-to-back runs to last
-    MIN_SAMPLE_MS (one run for most models).
+    MIN_SAMPLE_MS (one run for most models). `repeats` samples of each, or as many as `seconds` allow
+    (at least MIN_REPEATS; the Latency's `repeats` says how many were taken).
 
     `io_binding` (default: on for CUDA) times runs with the inputs on the device and the outputs left there:
     on a GPU, copying a decoder's fp32 logits back was half of every run (21 -> 19.5 ms, 1.08x, against
@@ -353,7 +371,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
     bind = provider == "cuda" if io_binding is None else io_binding
     with measurement_turn() if provider == "cpu" else contextlib.nullcontext():  # a GPU is its job's alone
         *times, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
-                             repeats, bind)
+                             repeats, bind, seconds)
 
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))
@@ -369,4 +387,4 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         host = {"host_baseline_ms": statistics.median(times[2]), "host_compressed_ms": statistics.median(times[3]),
                 "host_speedup": paired(times[2], times[3])}
     return Latency(statistics.median(base), statistics.median(comp), p90(base), p90(comp), paired(base, comp),
-                   provider, threads, device_name(provider), repeats, runs, io_binding=bind, **host)
+                   provider, threads, device_name(provider), len(base), runs, io_binding=bind, **host)

@@ -144,7 +144,8 @@ class CompressRequest:
                                       cli=False)
     back_off: bool = option(False, "return the largest measured speedup within the accuracy budget (the default "
                             "one too)")
-    repeats: int = option(20, "latency runs per model (median and p90)")
+    repeats: int = option(20, "latency samples per model (median and p90); fewer, at least 5, once a "
+                         "model's samples have taken a minute (exporters.runtime.TIMING_SECONDS)")
     opset: int = option(18, "ONNX opset of the exports")
     precision: str = option("fp32", "compute precision of the exports, dense baseline included; inputs and outputs "
                             "stay float32", choices=("fp32", "fp16"))

@@ -28,6 +28,50 @@ def test_a_fast_model_is_timed_in_blocks_of_runs(tmp_path):
     assert latency.repeats == 5 and latency.speedup > 0
 
 
+def test_long_runs_are_sampled_for_a_time_not_a_count(tmp_path):
+    from exporters import runtime
+
+    _matmul_model(tmp_path / "a.onnx", 256)
+    feed = {"x": np.ones((64, 256), np.float32)}
+    path = str(tmp_path / "a.onnx")
+    # no time left after each sample: the fewest samples allowed, however many were asked for
+    base, comp, _ = runtime._latency_worker(path, path, feed, "cpu", 1, 1, 50, False, 0.0)
+    assert len(base) == len(comp) == runtime.MIN_REPEATS
+    # no limit: every sample asked for
+    base, comp, _ = runtime._latency_worker(path, path, feed, "cpu", 1, 1, 12, False, None)
+    assert len(base) == len(comp) == 12
+    # fewer asked for than the floor: what was asked
+    base, _, _ = runtime._latency_worker(path, path, feed, "cpu", 1, 1, 3, False, 0.0)
+    assert len(base) == 3
+    # and the Latency reports the samples it took
+    latency = measure_latency(tmp_path / "a.onnx", tmp_path / "a.onnx", feed, threads=1, repeats=40, seconds=0.0)
+    assert latency.repeats == runtime.MIN_REPEATS
+
+
+def test_slow_warm_up_pairs_stop_after_two(tmp_path, monkeypatch):
+    from exporters import runtime
+
+    _matmul_model(tmp_path / "a.onnx", 64)
+    feed = {"x": np.ones((4, 64), np.float32)}
+    path = str(tmp_path / "a.onnx")
+    calls = []
+    real = runtime._unbound
+
+    def counted(session, feed):
+        run = real(session, feed)
+        return lambda: calls.append(1) or run()
+
+    monkeypatch.setattr(runtime, "_unbound", counted)
+    monkeypatch.setattr(runtime, "MIN_SAMPLE_MS", 0.0)  # one run a sample: calls = 2 x (warm-ups + samples)
+    monkeypatch.setattr(runtime, "SLOW_PAIR_S", 0.0)  # every pair counts as slow
+    runtime._latency_worker(path, path, feed, "cpu", 1, 10, 5, False, None)
+    assert len(calls) == 2 * (2 + 5)
+    monkeypatch.setattr(runtime, "SLOW_PAIR_S", 1e9)  # no pair is slow: every warm-up asked for
+    calls.clear()
+    runtime._latency_worker(path, path, feed, "cpu", 1, 10, 5, False, None)
+    assert len(calls) == 2 * (10 + 5)
+
+
 def test_io_binding_times_bound_runs_and_reports_the_host_copy_figures_beside_them(tmp_path):
     _matmul_model(tmp_path / "a.onnx", 512)
     _matmul_model(tmp_path / "c.onnx", 256)
