@@ -128,13 +128,17 @@ def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
         mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64))[..., None].astype(np.float64)
         return (output * mask).sum(1) / np.maximum(mask.sum(1), 1)
     if kind == "nll":  # causal LM: summed next-token NLL and token count (padding excluded)
-        logits = output[:, :-1].astype(np.float64)
         target = feed["input_ids"][:, 1:]
         mask = feed.get("attention_mask", np.ones_like(feed["input_ids"]))[:, 1:].astype(bool)
-        logits -= logits.max(-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        picked = np.take_along_axis(logp, target[..., None], -1)[..., 0]
-        return float(-(picked * mask).sum()), int(mask.sum())
+        total = 0.0
+        # one window at a time: float64 temporaries of a whole batch's logits (16 x 128 tokens x a 128,256
+        # vocabulary: 2.1 GB each, three of them) took the subprocess of a 1B decoder's job from 7.7 to 11 GB
+        for row, ids, keep in zip(output, target, mask, strict=True):
+            logits = row[:-1].astype(np.float64)  # (sequence - 1, vocabulary)
+            logits -= logits.max(-1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            total -= float(logp[np.arange(len(ids)), ids][keep].sum())
+        return total, int(mask.sum())
     raise ValueError(f"unknown reduction {kind!r}")
 
 

@@ -192,3 +192,21 @@ def test_a_child_that_dies_or_raises_is_a_runtime_failure_with_its_cause():
         _call(np.linalg.inv, np.zeros((2, 3)))
     assert type(raised.value.__cause__).__name__ == "LinAlgError"
     assert _call(np.add, np.ones(3), 1).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_nll_reduction_is_the_summed_cross_entropy_of_the_real_tokens():
+    import torch
+
+    from exporters.runtime import _reduce
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((3, 7, 11)) * 4).astype(np.float32)
+    ids = rng.integers(0, 11, size=(3, 7))
+    mask = np.ones_like(ids)
+    mask[1, 5:] = 0  # a padded window
+    total, count = _reduce("nll", logits, {"input_ids": ids, "attention_mask": mask})
+    each = torch.nn.functional.cross_entropy(torch.from_numpy(logits[:, :-1]).double().reshape(-1, 11),
+                                             torch.from_numpy(ids[:, 1:]).reshape(-1), reduction="none")
+    expected = float((each * torch.from_numpy(mask[:, 1:]).reshape(-1)).sum())
+    assert count == 3 * 6 - 2
+    assert abs(total - expected) < 1e-9 * expected

@@ -191,3 +191,63 @@ def test_a_request_decides_whether_bias_free_projections_gain_a_bias(method, add
                    for i in range(2)]
     pruned, reports = job.prune(0.25)
     assert reports and bool(widths(pruned).get("biases")) == biased
+
+
+def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_and_its_float32_copy_is_freed(tmp_path,
+                                                                                                  monkeypatch):
+    """A bf16 decoder exports as float32 through a copy: the check reads at most OUTPUT_VALUES logits (a 1B
+    decoder's 16 windows of a 128,256 vocabulary were 1 GB, held twice), and the copy's memory is back before
+    the fused graph is checked; the job's own bf16 model is untouched."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+
+    from service.job import kinds
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    job = TextJob.__new__(TextJob)
+    job.dense = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    job.loaded = SimpleNamespace(input_names=("input_ids", "attention_mask"), output_name="logits")
+    ids = torch.randint(0, 64, (6, 10))
+    job.batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    job.request = CompressRequest(model="m", calibration=tmp_path / "c.txt", out_dir=tmp_path, uniform_ratio=0.5,
+                                  execution_provider="cpu")
+    job.say = print
+    before = {k: v.clone() for k, v in job.dense.state_dict().items()}
+    monkeypatch.setattr(kinds, "OUTPUT_VALUES", 3 * 10 * 64 + 5)
+    checked, copies = [], []
+    real_check, real_precision = kinds.check_hf_outputs, kinds.in_precision
+
+    def check(graph, inputs, expected, **options):
+        checked.append(len(inputs["input_ids"]))
+        gc.collect()
+        assert all(r() is None for r in copies)  # the float32 copy is gone before ONNX Runtime loads the export
+        return real_check(graph, inputs, expected, **options)
+
+    def in_precision(model, precision):
+        exported = real_precision(model, precision)
+        assert exported is not model and exported.lm_head.weight.dtype == torch.float32
+        copies.extend(weakref.ref(t) for t in exported.parameters())
+        return exported
+
+    monkeypatch.setattr(kinds, "check_hf_outputs", check)
+    monkeypatch.setattr(kinds, "in_precision", in_precision)
+    parity = job.export(job.dense, tmp_path / "model.onnx")
+    assert parity.peak_error < 1e-4 and checked == [3] and copies
+    # the evaluation runs a batch in slices within OUTPUT_VALUES: the same perplexity
+    from service.job.budgets import PERPLEXITY
+
+    job.causal, job.classifier, job.metric = True, False, PERPLEXITY
+    held = torch.randint(0, 64, (5, 10))
+    job.eval_batches = [{"input_ids": held, "attention_mask": torch.ones_like(held)}]
+    sliced = job.outputs(tmp_path / "model.onnx")
+    monkeypatch.setattr(kinds, "OUTPUT_VALUES", 1 << 30)
+    whole = job.outputs(tmp_path / "model.onnx")
+    assert len(sliced) == 2 and len(whole) == 1
+    assert job.score(sliced, sliced) == pytest.approx(job.score(whole, whole), rel=1e-9)
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in job.dense.state_dict().items())
