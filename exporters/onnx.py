@@ -145,8 +145,10 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
     size = sum(p.numel() * p.element_size() for p in weights.parameters())
-    program.save(str(path), external_data=size >= EXTERNAL_DATA_BYTES)
-    _drop_constants(program.model.graph)
+    try:
+        program.save(str(path), external_data=size >= EXTERNAL_DATA_BYTES)
+    finally:
+        _drop_constants(program.model.graph)
     return path
 
 
@@ -156,7 +158,7 @@ def _drop_constants(graph: Any) -> None:
     that was ever one of its inputs (onnx_ir counts them, and keeps those counted down to zero: the parameters,
     lifted to initializers), each with the module's tensor as its constant. A 1.2 B decoder's float32 copy
     (4.9 GB) outlived its export until the next one, beside the next model's."""
-    former_inputs = getattr(graph.inputs, "_ref_counter", {})  # onnx_ir 0.1's count of the inputs
+    former_inputs = getattr(graph.inputs, "_ref_counter", {})  # onnx_ir 1.1's count of the inputs
     for value in itertools.chain(graph.initializers.values(), graph.inputs, former_inputs):
         value.const_value = None
 

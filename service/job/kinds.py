@@ -707,7 +707,8 @@ class _TransformerJob:
         if ids.ndim != 2 or not str(ids.dtype).removeprefix("torch.").startswith(("int", "uint")):
             return len(ids)
         config = self.dense.config
-        width = getattr(config, "vocab_size", 0) if self.loaded.output_name == "logits" else 0
+        # a decoder's logits span the vocabulary; a classifier's are one row of labels a window
+        width = getattr(config, "vocab_size", 0) if getattr(self, "causal", False) else 0
         width = max(width, getattr(config, "hidden_size", 0), 1)
         return max(1, min(len(ids), OUTPUT_VALUES // (ids.shape[1] * width)))
 

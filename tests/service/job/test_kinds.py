@@ -218,6 +218,7 @@ def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_and_its_fl
     job.request = CompressRequest(model="m", calibration=tmp_path / "c.txt", out_dir=tmp_path, uniform_ratio=0.5,
                                   execution_provider="cpu")
     job.say = print
+    job.causal = True
     before = {k: v.clone() for k, v in job.dense.state_dict().items()}
     monkeypatch.setattr(kinds, "OUTPUT_VALUES", 3 * 10 * 64 + 5)
     checked, copies = [], []
@@ -239,6 +240,8 @@ def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_and_its_fl
     monkeypatch.setattr(kinds, "in_precision", in_precision)
     parity = job.export(job.dense, tmp_path / "model.onnx")
     assert parity.peak_error < 1e-4 and checked == [3] and copies
+    job.causal = False  # a classifier's logits are a row of labels a window, not a vocabulary: every window fits
+    assert len(job._parity_inputs()["input_ids"]) == 6
     # the evaluation runs a batch in slices within OUTPUT_VALUES: the same perplexity
     from service.job.budgets import PERPLEXITY
 
