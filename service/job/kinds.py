@@ -700,11 +700,11 @@ class _TransformerJob:
         batch = {k: self.batches[0][k] for k in self.loaded.input_names}
         return {k: v[:self._rows_within(batch)] for k, v in batch.items()}
 
-    def _rows_within(self, batch: dict) -> int:
+    def _rows_within(self, batch: dict[str, torch.Tensor]) -> int:
         """How many windows of `batch` (token inputs) give at most OUTPUT_VALUES outputs (at least one); images'
         batches whole (a class or a patch per output row, not a vocabulary)."""
-        ids = batch[self.loaded.input_names[0]]  # a tensor, or an array (the evaluation's feeds)
-        if ids.ndim != 2 or not str(ids.dtype).removeprefix("torch.").startswith(("int", "uint")):
+        ids = batch[self.loaded.input_names[0]]
+        if ids.dim() != 2 or ids.is_floating_point():
             return len(ids)
         config = self.dense.config
         # a decoder's logits span the vocabulary; a classifier's are one row of labels a window
@@ -822,12 +822,12 @@ class TextJob(_TransformerJob):
         return feed
 
     def outputs(self, path: Path) -> list:
-        batches = [{k: v.numpy() for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
+        batches = [{k: v for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
         reduce = "nll" if self.causal else "raw" if self.classifier else "mean_pool"
         if reduce == "nll":  # summed: slices of a batch score as the batch
             batches = [{k: v[i:i + rows] for k, v in b.items()} for b in batches
                        for rows in [self._rows_within(b)] for i in range(0, len(b["input_ids"]), rows)]
-        return run_outputs(path, batches, reduce=reduce)
+        return run_outputs(path, [{k: v.numpy() for k, v in b.items()} for b in batches], reduce=reduce)
 
     def secondary(self, outputs: list, reference: list) -> dict[str, float]:
         return {COSINE.name: cosine(outputs, reference)} if self.classifier else {}
