@@ -51,6 +51,10 @@ class RefineConfig:
     # reconstruction at most doubles a pruning pass; `steps` still caps it
     per_solve: float | None = None
     min_steps: int = 0  # steps that run whatever `seconds` says (a floor under the per-solve allowance)
+    # the weights judged and returned are an exponential moving average of the fitted ones with this decay per
+    # step (None: the fitted weights themselves): the average of a noisy fit's last few hundred steps sits nearer
+    # the minimum they circle than any one of them
+    average: float | None = None
 
     def __post_init__(self) -> None:
         assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
@@ -64,6 +68,7 @@ class RefineConfig:
         assert 0 <= self.min_steps <= self.steps, f"min steps must be in [0, steps] (got {self.min_steps})"
         # an annealed fit's length is its steps or its seconds; a floor of steps past the seconds would run at ~0
         assert not (self.anneal and self.min_steps), "an annealed fit takes no min_steps"
+        assert self.average is None or 0 < self.average < 1, f"average decay must be in (0, 1) (got {self.average})"
 
 
 def check_method(config: RefineConfig, method: str) -> None:
@@ -110,14 +115,15 @@ class Reconstruction:
 
     def fit(self, train: Sequence[Any], held_out: Sequence[Any], loss: Loss) -> RefineReport:
         """Fit in place, one `train` batch per step in a seeded order; the module ends with the weights of
-        the lowest held-out error seen (checked every `config.check_every` steps), or its own weights when
-        no fit beat them."""
+        the lowest held-out error seen (checked every `config.check_every` steps; with `config.average`, the
+        moving average's), or its own weights when no fit beat them."""
         start = time.perf_counter()
         before = self.error(held_out, loss)
         if not train or self.config.steps == 0 or before == 0.0 or self.config.seconds == 0:  # nothing to fit,
             # nothing to fix (a block left whole on a stream still equal to the dense one), or no time to
             return RefineReport(before, before, False, 0, time.perf_counter() - start)
         best, best_weights = before, [p.detach().clone() for p in self.parameters]
+        averaged = [p.detach().clone() for p in self.parameters] if self.config.average else None
         trainable = {id(p): p.requires_grad for p in self.module.parameters()}
         for p in self.module.parameters():
             p.requires_grad_(False)
@@ -148,20 +154,26 @@ class Reconstruction:
                     optimizer.zero_grad(set_to_none=True)
                     relative.backward()
                 optimizer.step()
+                if averaged is not None:
+                    with torch.no_grad():
+                        for mean, p in zip(averaged, self.parameters, strict=True):
+                            mean.lerp_(p, 1 - self.config.average)
                 if step % self.config.check_every and step != self.config.steps:
                     continue
                 # the held-out judge doubles as the step-size control: a step size that suits one model
                 # diverges on another (SmolLM2's outlier features), so a check that got worse goes back
                 # to the best weights and goes on with smaller steps
-                current = self.error(held_out, loss)
+                current = self._judge(held_out, loss, averaged)
                 with torch.no_grad():
                     if current < best:
                         best = current
-                        for saved, p in zip(best_weights, self.parameters, strict=True):
-                            saved.copy_(p)
+                        for saved, mean in zip(best_weights, averaged or self.parameters, strict=True):
+                            saved.copy_(mean)
                     elif current > best * (1 + self.config.slack):
-                        for saved, p in zip(best_weights, self.parameters, strict=True):
+                        for saved, p, mean in zip(best_weights, self.parameters, averaged or self.parameters,
+                                                  strict=True):
                             p.copy_(saved)
+                            mean.copy_(saved)
                         lr *= self.config.backoff
                         optimizer = self._adam(scales, lr)
                 if (self.config.seconds is not None and step >= self.config.min_steps
@@ -175,6 +187,21 @@ class Reconstruction:
             for saved, p in zip(best_weights, self.parameters, strict=True):
                 p.copy_(saved)
         return RefineReport(before, best, best < before, step, time.perf_counter() - start)
+
+    def _judge(self, held_out: Sequence[Any], loss: Loss, averaged: list[Tensor] | None) -> float:
+        """The held-out error of the weights a check would keep: the fitted ones, or their average (swapped in
+        for the check and out again)."""
+        if averaged is None:
+            return self.error(held_out, loss)
+        with torch.no_grad():
+            for mean, p in zip(averaged, self.parameters, strict=True):
+                mean.data, p.data = p.data, mean.data
+        try:
+            return self.error(held_out, loss)
+        finally:
+            with torch.no_grad():
+                for mean, p in zip(averaged, self.parameters, strict=True):
+                    mean.data, p.data = p.data, mean.data
 
     def _adam(self, scales: Sequence[float], lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam([{"params": [p], "lr": lr * scale} for p, scale in zip(self.parameters, scales,

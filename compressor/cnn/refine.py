@@ -39,6 +39,11 @@ CHECK_EVERY = 25
 # a long fit's first step (x each weight's RMS), annealed towards 0 over the fit (`RefineConfig.anneal`): twice a
 # short fit's, since the half cosine takes half of it away on average and a long fit is still improving at its end
 LONG_LR = 0.01
+# a long fit returns the moving average of its weights over about this many steps (`RefineConfig.average`, decay
+# 1 - 1 / AVERAGE_STEPS): ResNet-56 without 6 blocks, 3,000 steps from one solve, held-out error 0.182 -> 0.139-0.141
+# and top-1 84.5 -> 87.5 % averaged over 200 or 500 steps; ResNet-20, 1,500 steps, 0.138 -> 0.121-0.122 over 100 or
+# 250 (bench/RESULTS.md, session 23). A short fit (300 steps, constant step size) gained nothing from it: off there
+AVERAGE_STEPS = 200
 
 
 def graph_config(steps: int) -> RefineConfig:
@@ -52,11 +57,12 @@ def graph_config(steps: int) -> RefineConfig:
     towards 0 over the fit, and BatchNorm's affine parameters too. ResNet-56 without 6 blocks, 3,000 steps from
     the same solve (top-1 on 1,017 test images; bench/RESULTS.md): 83.0 % without views, 84.6 % with them
     (held-out error 0.194 -> 0.188), 85.1 % (0.182) with them and the annealed 0.01, 85.3 % (0.166) with the
-    norms as well; annealed from 0.005 it fell to 82.8 % (0.209), mixed pairs of views 82.8 % (0.206).
-    Measured at 3,000 steps only."""
+    norms as well; annealed from 0.005 it fell to 82.8 % (0.209), mixed pairs of views 82.8 % (0.206). A long fit
+    also returns the moving average of its weights (AVERAGE_STEPS)."""
     long = steps >= AUGMENT_FROM
     return RefineConfig(steps=steps, sequences=32, lr=LONG_LR if long else 0.005, backoff=0.5, slack=0.05,
-                        check_every=CHECK_EVERY, augment=long, anneal=long, norms=long)
+                        check_every=CHECK_EVERY, augment=long, anneal=long, norms=long,
+                        average=1 - 1 / AVERAGE_STEPS if long else None)
 
 
 def fitted_parameters(gm: fx.GraphModule, norms: bool = False) -> list[nn.Parameter]:

@@ -101,3 +101,21 @@ def test_a_paced_fit_anneals_over_its_seconds_when_they_end_before_its_steps(mon
     expected = [LR * annealed(min(1.0, s / 4)) for s in range(6)]  # step s + 1 starts s seconds in
     assert moves(module) == pytest.approx(expected, rel=1e-3, abs=1e-9)
     assert expected[4] == expected[5] == 0.0
+
+
+def test_an_averaged_fit_judges_and_returns_the_moving_average_of_its_weights():
+    """With `average`, every step moves the average by (1 - decay) of the way to the fitted weight; the check
+    judges the average (the judge reads the weight it sees), the fit goes on from its own weights, and the
+    average is what comes back."""
+    steps, decay = 8, 0.75
+    module = Weight()
+    report = fit(module, RefineConfig(steps=steps, lr=LR, check_every=steps, average=decay))
+    assert module.seen == pytest.approx([1.0 - LR * s for s in range(steps)], rel=1e-4)  # the fit's own path
+    mean = 1.0
+    for s in range(1, steps + 1):
+        mean = decay * mean + (1 - decay) * (1.0 - LR * s)
+    assert module.value() == pytest.approx(mean, rel=1e-5)
+    assert mean > 1.0 - LR * steps  # the average lags the fit: not the last weight
+    assert report.kept and report.after == pytest.approx(mean + 10.0, rel=1e-6)
+    with pytest.raises(AssertionError, match="average"):
+        RefineConfig(steps=10, average=1.0)

@@ -10,6 +10,7 @@ import torch
 from compressor.cnn.pipeline import prune_conv_graph
 from compressor.cnn.refine import (
     AUGMENT_FROM,
+    AVERAGE_STEPS,
     LONG_LR,
     fitted_parameters,
     flip_and_shift,
@@ -87,7 +88,7 @@ def test_a_fit_on_views_lowers_the_error_on_unseen_images_and_keeps_the_held_out
     assert relative_error(pruned, gm, unseen) < before
 
 
-def test_only_long_fits_run_on_views_with_an_annealed_step_and_fit_the_norms():
+def test_only_long_fits_run_on_views_with_an_annealed_step_fit_the_norms_and_return_an_average():
     """Views pay off once a fit has fitted the images themselves (ResNet-20 at 1,000+ steps, ResNet-56 without 6
     blocks at 3,000); at a few hundred steps they only cost a dense forward pass per step. A long fit's step
     size starts at LONG_LR and is annealed; a short one keeps its constant 0.005 (ResNet-20's measured default)."""
@@ -95,6 +96,7 @@ def test_only_long_fits_run_on_views_with_an_annealed_step_and_fit_the_norms():
     assert not graph_config(300).augment and not short.augment and not short.anneal and short.lr == 0.005
     assert long.augment and graph_config(3000).augment and long.anneal and long.lr == LONG_LR > short.lr
     assert long.norms and not short.norms  # the norms' affine parameters: fitted in long fits only
+    assert long.average == 1 - 1 / AVERAGE_STEPS and short.average is None  # the weights' average: long fits only
     assert graph_config(3000).check_every > 10  # the held-out checks must not dominate a long fit's time
 
 
