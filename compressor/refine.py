@@ -124,6 +124,7 @@ class Reconstruction:
             return RefineReport(before, before, False, 0, time.perf_counter() - start)
         best, best_weights = before, [p.detach().clone() for p in self.parameters]
         averaged = [p.detach().clone() for p in self.parameters] if self.config.average else None
+        judged = averaged or self.parameters  # the weights a check judges and keeps
         trainable = {id(p): p.requires_grad for p in self.module.parameters()}
         for p in self.module.parameters():
             p.requires_grad_(False)
@@ -167,13 +168,14 @@ class Reconstruction:
                 with torch.no_grad():
                     if current < best:
                         best = current
-                        for saved, mean in zip(best_weights, averaged or self.parameters, strict=True):
-                            saved.copy_(mean)
+                        for saved, weight in zip(best_weights, judged, strict=True):
+                            saved.copy_(weight)
                     elif current > best * (1 + self.config.slack):
-                        for saved, p, mean in zip(best_weights, self.parameters, averaged or self.parameters,
-                                                  strict=True):
+                        for saved, p in zip(best_weights, self.parameters, strict=True):
                             p.copy_(saved)
-                            mean.copy_(saved)
+                        if averaged is not None:  # the average restarts from the best weights too
+                            for saved, mean in zip(best_weights, averaged, strict=True):
+                                mean.copy_(saved)
                         lr *= self.config.backoff
                         optimizer = self._adam(scales, lr)
                 if (self.config.seconds is not None and step >= self.config.min_steps
@@ -193,15 +195,16 @@ class Reconstruction:
         for the check and out again)."""
         if averaged is None:
             return self.error(held_out, loss)
-        with torch.no_grad():
+
+        def swap() -> None:
             for mean, p in zip(averaged, self.parameters, strict=True):
                 mean.data, p.data = p.data, mean.data
+
+        swap()
         try:
             return self.error(held_out, loss)
         finally:
-            with torch.no_grad():
-                for mean, p in zip(averaged, self.parameters, strict=True):
-                    mean.data, p.data = p.data, mean.data
+            swap()
 
     def _adam(self, scales: Sequence[float], lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam([{"params": [p], "lr": lr * scale} for p, scale in zip(self.parameters, scales,
