@@ -69,7 +69,7 @@ class LayerCurve:
         return self.widths[0]
 
 
-def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
+def allocate(curves: Sequence[LayerCurve], saving: float, *, fill: bool = False) -> dict[str, int]:
     """Kept width per layer saving at least `saving` cost units, by a greedy on the marginal loss per
     saved cost.
 
@@ -78,6 +78,13 @@ def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
     may overshoot it) or every layer is at its narrowest allowed width (then the saving falls short).
     When every curve is convex in saved cost, this is a greedy on the Lagrangian: each allocation it
     passes through has the least total loss for the cost it saves. Otherwise it is a heuristic.
+
+    `fill`: a step that would carry the saving past `saving` is skipped (its layer stays where it is) while
+    smaller steps of other layers can still reach it; when none can, the smallest skipped step is taken.
+    The saving then lands closer to the asked one where a layer's coarse step (a residual stream of 16
+    channels at a multiple of 8 halves at once) makes the plain greedy jump past it: slightly more loss for
+    the saving, a saving between the greedy path's points. When the filled widths save more than the
+    greedy's (the coarse step was needed after all), the greedy's are returned.
     """
     position = {c.name: 0 for c in curves}
     order = {c.name: i for i, c in enumerate(curves)}
@@ -95,15 +102,28 @@ def allocate(curves: Sequence[LayerCurve], saving: float) -> dict[str, int]:
     by_name = {c.name: c for c in curves}
     for curve in curves:
         push(curve)
+
+    def step(name: str) -> float:
+        curve, k = by_name[name], position[name]
+        return curve.cost * (curve.widths[k] - curve.widths[k + 1])
+
     done = 0.0
+    skipped: list[str] = []
     while done < saving and heap:
         _, _, name = heapq.heappop(heap)
-        curve = by_name[name]
-        k = position[name]
-        done += curve.cost * (curve.widths[k] - curve.widths[k + 1])
-        position[name] = k + 1
-        push(curve)
-    return {c.name: c.widths[position[c.name]] for c in curves}
+        if fill and done + step(name) > saving:
+            skipped.append(name)
+            continue
+        done += step(name)
+        position[name] += 1
+        push(by_name[name])
+    if done < saving and skipped:  # fill: every step left overshoots; the smallest overshoots least
+        position[min(skipped, key=step)] += 1
+    widths = {c.name: c.widths[position[c.name]] for c in curves}
+    if fill:  # small steps spent before a coarse one became unavoidable: the greedy's widths save less
+        greedy = allocate(curves, saving)
+        return greedy if total_cost(curves, greedy) > total_cost(curves, widths) else widths
+    return widths
 
 
 def total_cost(curves: Sequence[LayerCurve], widths: dict[str, int] | None = None) -> float:

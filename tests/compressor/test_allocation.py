@@ -55,6 +55,24 @@ def test_allocate_prunes_where_loss_per_saved_cost_is_smallest():
     assert everything == {"cheap": 2, "dear": 2, "costly": 1}
 
 
+
+def test_a_filled_allocation_lands_between_the_greedy_paths_coarse_steps():
+    """A residual stream halves in one step (16 -> 8 channels at a multiple of 8): the greedy takes that step
+    first (least loss per saved cost) and saves 80 where 10 were asked; filled, it skips the step while the
+    fine layer's steps of 1 can reach 10, and saves exactly 10."""
+    stream = LayerCurve("stream", "conv_channels", [16, 8], [0.0, 0.01], cost=10.0)
+    fine = LayerCurve("fine", "conv_channels", list(range(16, 0, -1)), [0.1 * k for k in range(16)], cost=1.0)
+    curves = [stream, fine]
+    assert allocate(curves, 10.0) == {"stream": 8, "fine": 16}
+    filled = allocate(curves, 10.0, fill=True)
+    assert filled == {"stream": 16, "fine": 6}
+    assert total_cost(curves) - total_cost(curves, filled) == 10.0
+    # no smaller step can reach the saving: the smallest overshooting step is taken, so it is still reached
+    assert allocate([stream], 10.0, fill=True) == {"stream": 8}
+    # the fine steps alone fall short of 20 (15): filling would save 95, the greedy's widths save 80
+    assert allocate(curves, 20.0, fill=True) == {"stream": 8, "fine": 16}
+    assert allocate(curves, 1e9, fill=True) == allocate(curves, 1e9)  # out of reach: every layer at its minimum
+
 def _curves() -> list[LayerCurve]:
     return [LayerCurve("a", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.4], cost=1.0),
             LayerCurve("b", "conv_channels", [8, 4, 2], [0.0, 0.2, 0.3], cost=1.0)]
