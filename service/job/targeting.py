@@ -340,6 +340,10 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     meet the target (a solve is too dear to spend on a guess); else the curve's latest proposal."""
     probes: list[tuple[Widths, Probe]] = []
     seen = [r.plan for r in rounds]
+
+    def sure(p: Probe) -> bool:  # in the window with room for the round's own noise
+        return target <= p.latency.speedup <= AIM * target
+
     for _ in range(request.latency_probes):
         if plan in seen:
             break
@@ -351,7 +355,7 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
         record(saved, latency.speedup)
         say(f"round {index}: latency probe {len(probes)}: removing {saved:.1%} of the prunable cost measures "
             f"{latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> {latency.compressed_ms:.1f} ms)")
-        if target <= latency.speedup <= AIM * target:  # in the window with room for the round's own noise
+        if sure(probes[-1][1]):
             break
         plan, saved = planned()
         if plan in seen:
@@ -360,11 +364,10 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     def distance(p: Probe) -> float:
         return abs(math.log(p.latency.speedup / (AIM_AT * target)))
 
-    sure = [(w, p) for w, p in probes if target <= p.latency.speedup <= AIM * target]
     inside = [(w, p) for w, p in probes if MET * target <= p.latency.speedup <= AIM * target]
     met = [(w, p) for w, p in probes if p.latency.speedup >= MET * target]
-    if sure or inside:
-        plan, chosen = min(sure or inside, key=lambda item: distance(item[1]))
+    if inside:
+        plan, chosen = min([item for item in inside if sure(item[1])] or inside, key=lambda item: distance(item[1]))
     elif met:
         plan, chosen = min(met, key=lambda item: item[1].latency.speedup)
     else:

@@ -55,7 +55,6 @@ def test_allocate_prunes_where_loss_per_saved_cost_is_smallest():
     assert everything == {"cheap": 2, "dear": 2, "costly": 1}
 
 
-
 def test_a_filled_allocation_lands_between_the_greedy_paths_coarse_steps():
     """A residual stream halves in one step (16 -> 8 channels at a multiple of 8): the greedy takes that step
     first (least loss per saved cost) and saves 80 where 10 were asked; filled, it skips the step while the
@@ -72,6 +71,7 @@ def test_a_filled_allocation_lands_between_the_greedy_paths_coarse_steps():
     # the fine steps alone fall short of 20 (15): filling would save 95, the greedy's widths save 80
     assert allocate(curves, 20.0, fill=True) == {"stream": 8, "fine": 16}
     assert allocate(curves, 1e9, fill=True) == allocate(curves, 1e9)  # out of reach: every layer at its minimum
+
 
 def _curves() -> list[LayerCurve]:
     return [LayerCurve("a", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.4], cost=1.0),

@@ -175,6 +175,7 @@ def test_a_probe_fills_the_saving_when_the_greedy_path_jumps_past_the_window():
     assert all(s > 1.98 for s in speedups[:-1])  # the greedy's widths: past the window
     assert rounds[0].plan["stream"] == 64 and 0.98 * 1.8 <= rounds[0].latency.speedup <= 1.10 * 1.8
 
+
 def test_a_round_measured_slower_than_its_probe_prunes_further():
     """A probe measures widths at 2.07x (inside the window at 2x), the round at the same widths 1.90x (timing
     noise): one latency measured twice. The loop takes their mean as the point there and asks for more
