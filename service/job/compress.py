@@ -33,7 +33,7 @@ from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import file_sha256, follow_umask, write_text_atomically
-from .kinds import ConvJob, ModelJob, Say, open_job
+from .kinds import ConvJob, ModelJob, Say, Solved, open_job
 from .pacing import Pace, StageClock
 from .progress import render
 from .report import Report
@@ -169,9 +169,10 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             return parity, measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
                                            repeats=request.repeats)
 
-        def run_round(plan: Widths, index: int, predicted: float | None = None) -> Round:
+        def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
+                      ) -> Round:
             enter("prune", index)
-            module, layers = job.prune(plan, fit_seconds=pace.fit_seconds(index))
+            module, layers = job.prune(plan, fit_seconds=pace.fit_seconds(index), solved=solved)
             enter("measure", index)
             # one folder per round: the file keeps its final name, so the external data it references over
             # 2 GB (model.onnx.data) stays valid when moved
@@ -216,9 +217,26 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         def probe(plan: Widths, index: int) -> Latency:
             return probe_model(job.resize(plan), index)
 
+        def trial(plan: Widths, index: int, predicted: float | None = None) -> Round:
+            """A depth trial: the widths solved without the fit, exported, timed and scored; never a round of the
+            job (its export goes once scored). The solved model stays with it where the kind can fit it later
+            (`refits_solved`): the round that follows the best trial then skips the solves."""
+            module, layers = job.prune(plan, fit=False)
+            path = work / f"trial{index}" / "model.onnx"
+            path.parent.mkdir()
+            try:
+                parity, latency = export_and_time(module, path)
+                value = job.score(job.outputs(path), reference)
+            except EXPORT_FAILURES as err:
+                raise _ExportFailed("trial", index, err, layers) from err
+            finally:
+                shutil.rmtree(path.parent, ignore_errors=True)
+            kept = module if getattr(job, "refits_solved", False) else None
+            return Round(plan, kept, layers, None, parity, latency, value, predicted)
+
         if request.target_speedup is not None:  # fills `rounds`
-            run_target(request, job, Measure(run_round, probe, probe_model), rounds, baseline_metric, say, enter,
-                       version())
+            run_target(request, job, Measure(run_round, probe, probe_model, trial), rounds, baseline_metric, say,
+                       enter, version())
         elif request.widths_from is not None:
             removed = removed_of(request.widths_from)
             if removed and not request.remove_blocks:  # the same structure: its blocks or layers go too

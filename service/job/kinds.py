@@ -40,7 +40,7 @@ from compressor.cnn.depth import choose_blocks, greedy_blocks, remove_blocks, re
 from compressor.cnn.depth import removal_losses as block_removal_losses
 from compressor.cnn.graph import analyse
 from compressor.cnn.models import load_model, save_program
-from compressor.cnn.pipeline import prune_conv_graph, resize_conv_graph
+from compressor.cnn.pipeline import fit_conv_graph, prune_conv_graph, resize_conv_graph
 from compressor.cnn.refine import DEFAULT_STEPS as GRAPH_STEPS
 from compressor.cnn.refine import graph_config
 from compressor.errors import CalibrationError, InputError
@@ -91,6 +91,7 @@ from .request import CompressRequest
 
 Say = Callable[[str | Progress], None]  # a line of text, or a pipeline's record
 Observe = Callable[[LayerObservation], None]
+Solved = tuple[nn.Module, list[LayerReport]]  # a prune without the fit: the solved model and its layers' reports
 DEPTH_IMAGES = 256  # calibration images that judge which residual blocks to remove (a forward pass per candidate)
 # reconstruction steps of a conv graph without some of its blocks, fitted to the dense graph: ResNet-56 at 2x
 # with 6 blocks removed measured 73.6 % top-1 fitted for 300 steps to its own outputs, 82.0 % for 3,000 to the
@@ -139,11 +140,13 @@ class ModelJob(Protocol):
     params_before: int
     held_out: HeldOut  # how the evaluation inputs were set apart from the calibration inputs
 
-    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
-              ) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
+              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
         """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
         layer's statistics before its solve (the dense curves pass prunes nothing); `fit_seconds`: what the
-        reconstruction may spend in all (a time budget's pacing; None: its steps alone bound it)."""
+        reconstruction may spend in all (a time budget's pacing; None: its steps alone bound it); `fit`: False
+        solves the layers without any reconstruction after them (a depth trial's); `solved`: such a prune of
+        the same plan, whose solves are kept and fitted (kinds with `refits_solved` only)."""
         ...
 
     def resize(self, plan: Widths) -> nn.Module:
@@ -323,6 +326,7 @@ def _classifier(model: nn.Module, example: torch.Tensor) -> bool:
 class ConvJob:
     causal = False
     plans_depth = True  # target mode weighs removing whole residual blocks (`targeting.plan_depth`)
+    refits_solved = True  # the fit follows every solve, so a prune without it can be fitted later (`prune(solved=)`)
     EVAL_IMAGES = 256  # held-out images scored (at most)
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
@@ -353,16 +357,21 @@ class ConvJob:
         say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
             f"images, method {request.method}")
 
-    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
-              ) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
+              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: nothing to reconstruct either
         progress = _relay(statistics, self.say)
-        refine = dataclasses.replace(graph_config(0 if statistics else self.refine_steps), seconds=fit_seconds)
+        steps = self.refine_steps if fit and not statistics else 0
+        refine = dataclasses.replace(graph_config(steps), seconds=fit_seconds)
+        teacher = self.dense if self.removed_blocks else None
+        if solved is not None:  # a depth trial's solves of this plan: only the fit is left
+            module, layers = solved
+            return fit_conv_graph(module, layers, self.graph, self.images, refine, teacher=teacher,
+                                  device=self.request.device, batch_size=self.request.batch_size, progress=progress)
         # the statistics (curves and solves) from the first STATISTICS_IMAGES of the draw, the fit from all
         return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observe,
-                                refine=refine, teacher=self.dense if self.removed_blocks else None,
-                                solve_images=STATISTICS_IMAGES)
+                                refine=refine, teacher=teacher, solve_images=STATISTICS_IMAGES)
 
     @property
     def refine_steps(self) -> int:
@@ -459,6 +468,7 @@ class _TransformerJob:
     """What text and vision transformers share: the block pipeline, HF exports and saving."""
 
     planning_samples: int | None = None  # what the planning passes read at most (None: every calibration sample)
+    refits_solved = False  # each block's fit runs before the next block's solves: no prune is fitted later
 
     causal = False
     # after the block fits, the whole model fitted to the dense model's last hidden states (`reconstruct_model`):
@@ -620,16 +630,19 @@ class _TransformerJob:
         samples = sum(len(next(iter(b.values()))) for b in self.batches)
         return self.batches[::max(1, math.ceil(samples / self.planning_samples))]
 
-    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None
-              ) -> tuple[nn.Module, list[LayerReport]]:
+    def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
+              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
+        if solved is not None:
+            raise ValueError("a transformer's block fits run between its solves: its solves cannot be fitted later")
         request = self.request
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: no block to reconstruct either
+        solve_only = statistics or not fit
         batches = self.planning_batches() if statistics else self.batches
         progress = _relay(statistics, self.say)
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": self._refine(statistics, fit_seconds),
+                   "refine": self._refine(solve_only, fit_seconds),
                    "add_bias": {"auto": None, "yes": True, "no": False}[request.add_bias]}
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
@@ -645,25 +658,27 @@ class _TransformerJob:
         pruned, layers = prune_transformer(self.dense, batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         fitted = sum(r.refine.seconds for r in layers if r.refine is not None)  # the block fits' seconds
-        config = self._model_refine(statistics, fitted, None if fit_seconds is None else fit_seconds - fitted)
+        config = self._model_refine(solve_only, fitted, None if fit_seconds is None else fit_seconds - fitted)
         if config.steps and (self.removed_blocks or any(r.width_after < r.width_before for r in layers)):
-            fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device))
-            pruned.osscar_model_fit = fit  # report.json `model_reconstruction`
-            progress(Progress(RECONSTRUCTION, "model", numbers=fit_numbers(fit)))
+            model_fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device))
+            pruned.osscar_model_fit = model_fit  # report.json `model_reconstruction`
+            progress(Progress(RECONSTRUCTION, "model", numbers=fit_numbers(model_fit)))
         return pruned.cpu().eval(), layers
 
-    def _model_refine(self, statistics: bool, block_fits: float, budget: float | None) -> RefineConfig:
-        """The whole-model fit after the block fits: off in a statistics pass, for kinds without it (`model_fit`)
-        and where the request turned reconstruction off (--refine-steps 0); else `model_config` after block fits
-        of `block_fits` seconds, within what the time budget left the round's fits (`budget`)."""
-        if statistics or not self.model_fit or not self.request.refine_steps_or(BLOCK_STEPS):
+    def _model_refine(self, solve_only: bool, block_fits: float, budget: float | None) -> RefineConfig:
+        """The whole-model fit after the block fits: off in a statistics pass or a solve without the fit, for kinds
+        without it (`model_fit`) and where the request turned reconstruction off (--refine-steps 0); else
+        `model_config` after block fits of `block_fits` seconds, within what the time budget left the round's fits
+        (`budget`)."""
+        if solve_only or not self.model_fit or not self.request.refine_steps_or(BLOCK_STEPS):
             return RefineConfig(steps=0)
         return model_config(block_fits, budget)
 
-    def _refine(self, statistics: bool, fit_seconds: float | None) -> RefineConfig:
-        """Each block's fit: none in a statistics pass or for a method that keeps the dense weights, the steps the
-        request gave, else as long as the block's own solves took (`compressor.transformer.refine`)."""
-        if statistics or not self.request.refine_steps_or(BLOCK_STEPS):
+    def _refine(self, solve_only: bool, fit_seconds: float | None) -> RefineConfig:
+        """Each block's fit: none in a statistics pass, a solve without the fit or for a method that keeps the dense
+        weights, the steps the request gave, else as long as the block's own solves took
+        (`compressor.transformer.refine`)."""
+        if solve_only or not self.request.refine_steps_or(BLOCK_STEPS):
             return RefineConfig(steps=0)
         return dataclasses.replace(block_refine(self.request.refine_steps), seconds=fit_seconds)
 

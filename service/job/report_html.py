@@ -449,9 +449,14 @@ def depth_section(report: Report) -> str:
     tried = depth.get("tried") or []
     replanned = (f" The rounds tried {', then '.join(map(str, tried))} blocks removed: the rounds of a plan that all "
                  "fell below the accuracy budget made the next plan by planned loss run." if len(tried) > 1 else "")
+    trials = depth.get("trials") or []
+    tie = ("" if not trials else f" Options planned within {depth['tie']:.0%} of each other were each solved without "
+           "the fit and scored, the best first: " + "; ".join(
+               f"{t['blocks']} blocks, {t['measured_speedup']:.3f}x, {_num(t['metric'])}"
+               + (" (run first)" if t["chosen"] else "") for t in trials) + ".")
     gone = ", ".join(removed or []) or "none"
     return (f"<h2>Depth</h2><p>Blocks removed: {_e(gone)}. How: {_e(depth['rule'])}"
-            f" (planned for {depth['aim']:.3f}x).{_e(replanned)}</p><div class='scroll'><table><tr>"
+            f" (planned for {depth['aim']:.3f}x).{_e(tie)}{_e(replanned)}</p><div class='scroll'><table><tr>"
             "<th>blocks removed</th><th>last block</th><th>measured speedup without them</th>"
             "<th>widths still remove</th>"
             f"<th>depth loss</th><th>width loss</th><th>planned loss</th></tr>{rows}</table></div>")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.cnn.pipeline import prune_conv_graph
+from compressor.cnn.pipeline import fit_conv_graph, prune_conv_graph
 from compressor.cnn.refine import (
     AUGMENT_FROM,
     AVERAGE_STEPS,
@@ -177,3 +177,24 @@ def test_the_pipeline_reports_the_fit_and_refuses_it_for_magnitude_pruning():
     assert [(r.unit, r.numbers["steps"]) for r in fits] == [("graph", 30)]
     with pytest.raises(InputError, match="does not apply to method 'mp'"):
         prune_conv_graph(gm, x, 0.5, method="mp", refine=RefineConfig(steps=5))
+
+
+def test_a_solve_fitted_later_equals_the_pipelines_solve_and_fit():
+    """A depth trial's solves (no fit) fitted afterwards by `fit_conv_graph` give the weights and reports that
+    `prune_conv_graph` gives with the fit: the round after a trial skips the solves and loses nothing."""
+    gm = exported("bottleneck")
+    x = images(64)
+    refine = RefineConfig(steps=30, sequences=16)
+    torch.manual_seed(0)
+    whole, whole_reports = prune_conv_graph(gm, x, 0.5, batch_size=64, refine=refine)
+    solved, solved_reports = prune_conv_graph(gm, x, 0.5, batch_size=64)
+    assert solved_reports[-1].refine is None
+    torch.manual_seed(0)
+    later, later_reports = fit_conv_graph(solved, solved_reports, gm, x, refine, batch_size=64)
+    assert later is solved and later_reports[-1].refine is not None and later_reports[-1].refine.steps == 30
+    assert later_reports[-1].refine.after == whole_reports[-1].refine.after
+    assert all(torch.equal(v, later.state_dict()[k]) for k, v in whole.state_dict().items())
+    assert [r.width_after for r in later_reports] == [r.width_after for r in whole_reports]
+    # nothing narrowed and no block removed: nothing to fit
+    dense, dense_reports = prune_conv_graph(gm, x, 0.0, batch_size=64)
+    assert fit_conv_graph(dense, dense_reports, gm, x, refine, batch_size=64)[1][-1].refine is None

@@ -411,8 +411,8 @@ def _damaging(monkeypatch) -> None:
 
     real = kinds.ConvJob.prune
 
-    def prune(self, plan, observe=None, fit_seconds=None):
-        module, layers = real(self, plan, observe, fit_seconds)
+    def prune(self, plan, observe=None, fit_seconds=None, fit=True, solved=None):
+        module, layers = real(self, plan, observe, fit_seconds, fit, solved)
         if observe is None:  # a round, not the dense statistics pass
             gen = torch.Generator().manual_seed(0)
             with torch.no_grad():

@@ -254,3 +254,27 @@ def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_and_its_fl
     assert len(sliced) == 2 and len(whole) == 1
     assert job.score(sliced, sliced) == pytest.approx(job.score(whole, whole), rel=1e-9)
     assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in job.dense.state_dict().items())
+
+
+def test_a_transformer_prune_without_the_fit_solves_only_and_refuses_to_fit_solves_later():
+    """A depth trial's prune (`fit=False`) runs no block fit where the default prune fits every pruned block; a
+    transformer's fits run between its solves, so a solved model handed back to be fitted is refused."""
+    from pathlib import Path
+
+    import torch
+
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens, job.removed_blocks, job.stream = tiny_llama().eval(), 16, [], False
+    job.say = lambda *_args, **_kwargs: None
+    job.request = CompressRequest(model="m", calibration=Path("c"), out_dir=Path("o"), uniform_ratio=0.25,
+                                  refine_steps=5, device="cpu")
+    job.batches = [{"input_ids": torch.randint(3, 50, (4, 16), generator=torch.Generator().manual_seed(i))}
+                   for i in range(2)]
+    _, fitted = job.prune(0.25)
+    solved, bare = job.prune(0.25, fit=False)
+    assert any(r.refine is not None for r in fitted) and all(r.refine is None for r in bare)
+    assert [r.width_after for r in bare] == [r.width_after for r in fitted]
+    with pytest.raises(ValueError, match="cannot be fitted later"):
+        job.prune(0.25, solved=(solved, bare))

@@ -453,3 +453,93 @@ def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned():
     assert any("re-planning with 1 blocks removed" in line for line in lines)
     chosen, status = choose(request, rounds, Job.metric, 0.92)
     assert chosen is rounds[1] and status == "ok"
+
+
+class TrialJob:
+    """A conv graph's job for depth_and_width: b0..b2 own the layers b<i>.conv; `remove` records each structure."""
+
+    metric = Metric("top1", True)
+    depth = None
+
+    def __init__(self, curves):
+        self.curves, self.removed, self.analysis = curves, [], None
+
+    def remove(self, blocks):
+        from types import SimpleNamespace
+
+        self.removed.append(tuple(blocks))
+        self.analysis = SimpleNamespace(units=[SimpleNamespace(name=c.name) for c in self.curves
+                                               if not any(c.name.startswith(f"{b}.") for b in blocks)])
+
+
+def trial_setup(losses):
+    """(job, curves, plan, measure, rounds, calls) for depth_and_width: options none / b0 / b0+b1 planned at `losses`;
+    every width measures 1.5x against the dense graph (inside the window of target 1.5); a trial (no fit) and a
+    round (fitted) score 0.80 / 0.85 with b0 removed, 0.75 / 0.80 otherwise; `calls` lists ("probe" | "trial" |
+    "round", blocks removed, widths, the solves a round was handed)."""
+    from compressor.allocation import DepthOption
+    from service.job.targeting import DepthPlan, Measure
+
+    curves = [LayerCurve(f"b{i}.conv", "conv_channels", [8, 6, 4, 2], [0.0, 0.05, 0.1, 0.5], cost=1.0)
+              for i in range(3)]
+    job, rounds, calls = TrialJob(curves), [], []
+    latency = Latency(100.0, 100 / 1.5, 101.0, 101 / 1.5, 1.5, "cpu", 2, "test", 5)
+
+    def scored(kind, fitted):
+        def run(plan, index, predicted=None, solved=None):
+            calls.append((kind, job.removed[-1], plan, solved))
+            top1 = (0.80 if job.removed[-1] == ("b0",) else 0.75) + (0.05 if fitted else 0.0)
+            # a trial's model: what a kind that refits its solves hands to the round after it
+            result = Round(plan, None if fitted else f"solved {job.removed[-1]}", [], None, None, latency, top1,
+                           predicted)
+            if fitted:  # the job's run_round fills its list of rounds
+                rounds.append(result)
+            return result
+        return run
+
+    def probe(plan, index):
+        calls.append(("probe", job.removed[-1], plan, None))
+        return latency
+
+    options = [DepthOption(blocks, loss, speedup, 0.3, 0.2) for blocks, loss, speedup in
+               zip([(), ("b0",), ("b0", "b1")], losses, [1.0, 1.1, 1.2], strict=True)]
+    chosen = min(options, key=lambda o: o.loss)
+    plan = DepthPlan(chosen, options, aim=1.545, share=0.85)
+    measure = Measure(scored("round", True), probe, lambda m, i: None, scored("trial", False))
+    return job, curves, plan, measure, rounds, calls
+
+
+def test_options_planned_within_the_tie_are_tried_without_the_fit_and_the_best_runs_first():
+    """None and one block are planned 0.500 and 0.505 (within TIE): each is probed and solved without the fit;
+    one block's trial scores best, so its round runs first, at the trial's widths and from its solves, without
+    probing them again; report.json `depth` lists both trials. (ResNet-56 at 2x: 3 and 6 blocks planned 0.7497
+    and 0.7514.)"""
+    from service.job.targeting import depth_and_width
+
+    job, curves, plan, measure, rounds, calls = trial_setup([0.500, 0.505, 0.9])
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5)
+    lines = []
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None, measure, "test")
+    trials = [c for c in calls if c[0] == "trial"]
+    assert [t[1] for t in trials] == [(), ("b0",)]
+    assert [c[0] for c in calls] == ["probe", "trial", "probe", "trial", "round"]
+    # the best trial's widths and solves, fitted
+    assert len(rounds) == 1 and calls[-1] == ("round", ("b0",), trials[1][2], ("solved ('b0',)", []))
+    assert rounds[0].metric == pytest.approx(0.85) and job.removed[-1] == ("b0",)
+    assert [(t["blocks"], t["metric"], t["chosen"]) for t in job.depth["trials"]] == [(1, 0.80, True), (0, 0.75, False)]
+    assert job.depth["planned"] == [] and job.depth["tried"] == [1]  # the plan's choice, and what ran
+    assert any("within 3% of each other" in line for line in lines)
+    assert lines[-1].startswith("round 0: removing")  # numbered as the job's rounds, after "depth trial" lines
+    assert any(line.startswith("depth trial 2: 1 blocks removed, measured 1.500x") for line in lines)
+
+
+def test_options_planned_apart_run_without_trials():
+    """0.500 and 0.530 are not a tie: no trial; the least planned runs first, and its round below the budget
+    (0.80 < 0.92 - 10 points) costs a re-plan."""
+    from service.job.targeting import depth_and_width
+
+    job, curves, plan, measure, rounds, calls = trial_setup([0.500, 0.530, 0.9])
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5)
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lambda m: None, lambda name, i: None, measure, "test")
+    assert [c[0] for c in calls] == ["probe", "round", "probe", "round"] and job.removed == [(), ("b0",)]
+    assert job.depth["trials"] == [] and job.depth["tried"] == [0, 1] and len(rounds) == 2

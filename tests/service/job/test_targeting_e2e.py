@@ -2,6 +2,7 @@
 report contract, fp16 exports, reused widths and cached curves) on small conv graphs and tiny decoders."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -57,6 +58,36 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert meta["osscar.method"] == "osscar" and len(meta["osscar.calibration_sha256"]) == 64
     assert json.loads(meta["osscar.widths"]) == {r["name"]: r["width_after"] for r in report["layers"]}
     assert json.loads(meta["osscar.preprocessing"])["mean"] == [0.485, 0.456, 0.406]
+
+
+def test_depth_options_planned_as_a_tie_are_solved_and_scored_before_the_rounds(tmp_path, monkeypatch):
+    """Every option a tie (TIE raised; at 1.1x no block and one block are both planned finite): both are probed,
+    solved without the fit, exported, timed and scored through the job's own stages; the best trial's blocks are
+    the first round's, and no trial's files stay."""
+    import torch
+
+    from compressor.cnn.models import save_program
+    from service.job import targeting
+    from tests.compressor.cnn.conv_models import exported
+
+    monkeypatch.setattr(targeting, "TIE", math.inf)
+    save_program(exported("bottleneck"), tmp_path / "model.pt2", torch.randn(2, 3, 16, 16))
+    x = np.random.default_rng(0).integers(0, 256, size=(120, 16, 16, 3), dtype=np.uint8)
+    np.savez(tmp_path / "cal.npz", x=x[:40])
+    np.savez(tmp_path / "eval.npz", x=x[40:], y=np.arange(80) % 5)
+    out, lines = tmp_path / "out", []
+    report = compress(CompressRequest(model=tmp_path / "model.pt2", calibration=tmp_path / "cal.npz",
+                                      eval=tmp_path / "eval.npz", out_dir=out, target_speedup=1.1, samples=40,
+                                      repeats=5, shape={"batch": 16}, max_rounds=1, refine_steps=20),
+                      progress=lambda record: lines.append(render(record)))
+    depth = report.kind.depth
+    trials = depth["trials"]
+    assert sorted(t["blocks"] for t in trials) == [0, 1] and [t["chosen"] for t in trials] == [True, False]
+    assert all(t["measured_speedup"] > 0 and 0 <= t["metric"] <= 1 for t in trials)
+    assert depth["tried"] == [trials[0]["blocks"]] and len(report.kind.removed_blocks) == trials[0]["blocks"]
+    assert any(line.startswith("depth trial 2: ") and "without the fit" in line for line in lines)
+    assert "solved without the fit and scored" in (out / "report.html").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 def test_bad_target_arguments_are_refused(tmp_path, capsys):
