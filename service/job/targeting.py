@@ -504,27 +504,30 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
         tried.append(option)
         job.depth = plan.to_dict(tried, trials)
         trial = by_option.get(id(option))
-        if trial is not None:  # the trial's widths again (its solves too, where the kind keeps them), fitted
-            job.remove(option.blocks)
-            kept, first = trial.curves, trial.round.plan
+        first: Widths | None = None
+        solved: Solved | None = None
+        if trial is None:
+            kept, known = _without(job, option, curves, request, say, version), []
+        else:  # the trial's measurements seed the loop; inside the window its widths (and solves, where the kind
+            job.remove(option.blocks)  # keeps them) are the first round's, fitted
+            kept, widths = trial.curves, trial.round.plan
             known = [(p.saving, p.latency.speedup) for p in trial.round.probes]
-            known.append((1 - total_cost(kept, first) / total_cost(kept), trial.round.latency.speedup))
-        else:
-            kept, first, known = _without(job, option, curves, request, say, version), None, []
-        again = _in_window(trial, request)
-        solved = (trial.round.module, trial.round.layers) if again and trial.round.module is not None else None
+            known.append((1 - total_cost(kept, widths) / total_cost(kept), trial.round.latency.speedup))
+            if _in_window(trial, request):
+                first = widths
+                solved = None if trial.round.module is None else (trial.round.module, trial.round.layers)
         target_loop(replace(request, max_rounds=left), kept, measure.run_round, job.metric, baseline_metric, say,
                     enter, probe=measure.probe, base_speedup=option.depth_speedup, first_round=len(rounds),
-                    first=first if again else None, known=known, solved=solved)
+                    first=first, known=known, solved=solved)
         if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
             return
 
 
-def _in_window(trial: Trial | None, request: CompressRequest) -> bool:
+def _in_window(trial: Trial, request: CompressRequest) -> bool:
     """Whether a trial's widths measured within [1, AIM] x target, where a probe ends the search (a round measures
     them again): then the round runs at them without another probe."""
     assert request.target_speedup is not None
-    return trial is not None and 1 <= trial.round.latency.speedup / request.target_speedup <= AIM
+    return 1 <= trial.round.latency.speedup / request.target_speedup <= AIM
 
 
 def _trials(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[LayerCurve], baseline_metric: float,
