@@ -20,12 +20,16 @@ themselves (bench/RESULTS.md: ResNet-20 +1.2 to +2.2 points of top-1 with 1,000-
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, fx, nn
 
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .graph import BATCH_NORM_OPS, CONV_OPS, LINEAR_OPS
+
+log = logging.getLogger(__name__)
 
 # the default steps of a job (ResNet-20: ~15 s on 2 CPU cores, against ~40 s for the rest of the job;
 # its held-out error stops improving by ~300 steps)
@@ -101,16 +105,50 @@ def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
-                      device: torch.device, batch_size: int = 100) -> RefineReport:
+                      device: torch.device, batch_size: int = 100, channels_last: bool = True) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
     step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded), `config.held_out` of them
-    held out as they are (seeded); returns the held-out errors before and after."""
-    pruned.to(device)
-    dense.to(device)
+    held out as they are (seeded); returns the held-out errors before and after. Both graphs run channels-last
+    during the fit where they take it (`_layout`; `channels_last=False`: as they are, a benchmark's baseline) and
+    leave in standard strides."""
+    layout = _layout(pruned, dense, images[:2], device) if channels_last else torch.contiguous_format
+    pruned.to(device, memory_format=layout)
+    dense.to(device, memory_format=layout)
+    try:
+        return _reconstruct(pruned, dense, images, config, device, batch_size, layout)
+    finally:  # the graphs leave as they came in: later solves, exports and saves expect standard strides
+        pruned.to(memory_format=torch.contiguous_format)
+        dense.to(memory_format=torch.contiguous_format)
+
+
+def _layout(pruned: fx.GraphModule, dense: fx.GraphModule, sample: Tensor, device: torch.device) -> torch.memory_format:
+    """The memory format a fit runs its graphs in: channels-last for 2-D images where both graphs take it (oneDNN's
+    and cuDNN's convolutions run it natively: a dense ResNet-56 forward of 32 images on 2 CPU cores 218 -> 116 ms,
+    bench/RESULTS.md session 26), else the standard one (a graph that `view`s a feature map as a flat vector
+    refuses channels-last strides; its fit runs as before)."""
+    if sample.dim() != 4:
+        return torch.contiguous_format
+    last = torch.channels_last
+    try:
+        with torch.no_grad():
+            for gm in (dense, pruned):
+                gm.to(device, memory_format=last)(sample.to(device, memory_format=last))
+    except RuntimeError as err:
+        log.info("the fit runs in the standard memory format: a graph refuses channels-last (%s)", err)
+        return torch.contiguous_format
+    finally:
+        for gm in (dense, pruned):
+            gm.to(memory_format=torch.contiguous_format)
+    return last
+
+
+def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
+                 device: torch.device, batch_size: int, layout: torch.memory_format) -> RefineReport:
     n = len(images)
     judge, fit = held_out_draw(n, config.held_out, config.seed)
     with torch.no_grad():
-        targets = torch.cat([graph_output(dense(x.to(device))).cpu() for x in images.split(batch_size)])
+        targets = torch.cat([graph_output(dense(x.to(device, memory_format=layout))).cpu()
+                             for x in images.split(batch_size)])
     k = config.sequences
     views_wanted = config.augment and images.dim() == 4  # views are of 2-D images (N, C, H, W) only
     # a fitting batch without targets: they are the dense outputs on that step's views
@@ -121,9 +159,9 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
 
     def loss(module: nn.Module, batch: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
         x, target = batch
-        x = x.to(device)
+        x = x.to(device, memory_format=layout)
         if target is None:
-            x = flip_and_shift(x, views)
+            x = flip_and_shift(x, views).contiguous(memory_format=layout)  # stacked views come out standard
             with torch.no_grad():
                 target = graph_output(dense(x))
         out = graph_output(module(x))

@@ -115,6 +115,54 @@ def test_a_long_fit_moves_the_norms_affine_parameters_and_leaves_their_statistic
     assert all(torch.equal(b, running[n]) for n, b in pruned.named_buffers() if n in running)
 
 
+def _inputs_seen(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    gm.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    return seen
+
+
+def test_a_fit_runs_channels_last_and_hands_the_graphs_back_in_standard_strides():
+    """oneDNN's and cuDNN's convolutions run channels-last natively (faster); the graphs leave as they came in."""
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    dense_inputs, pruned_inputs = _inputs_seen(gm), _inputs_seen(pruned)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
+    fit = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    assert fit.kept and fit.after < fit.before
+    assert len(dense_inputs) > 30 and len(pruned_inputs) > 30  # targets, views' targets, steps and checks
+    assert all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+               for t in dense_inputs + pruned_inputs)
+    four_d = [p for g in (gm, pruned) for p in g.parameters() if p.dim() == 4]
+    assert four_d and all(p.is_contiguous() for p in four_d)
+
+
+def test_a_graph_that_refuses_channels_last_is_fitted_in_standard_strides():
+    """A flat `view` of a feature map needs standard strides: the fit runs the graphs as they are."""
+    torch.manual_seed(0)
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Linear(4 * 16 * 16, 5)
+
+        def forward(self, x):
+            y = torch.relu(self.conv(x))
+            return self.fc(y.view(y.shape[0], -1))
+
+    x = images(64)
+    gm, pruned = (torch.export.export(Flat().eval(), (x[:2],), dynamic_shapes=({0: torch.export.Dim("batch")},))
+                  .module() for _ in range(2))  # two draws of weights: the second is fitted to the first
+    with pytest.raises(RuntimeError):  # the premise: channels-last strides break this graph
+        pruned.to(memory_format=torch.channels_last)(x[:2].contiguous(memory_format=torch.channels_last))
+    pruned.to(memory_format=torch.contiguous_format)
+    seen = _inputs_seen(pruned)
+    fit = reconstruct_graph(pruned, gm, x, dataclasses.replace(graph_config(100), sequences=16), CPU)
+    assert fit.kept and fit.after < fit.before
+    assert seen and all(t.is_contiguous() for t in seen)
+    assert all(p.is_contiguous() for p in pruned.parameters())
+
+
 def test_views_are_asked_of_image_batches_alone():
     """A graph fed other than (N, C, H, W) images (here a Linear stack on vectors) fits its inputs as they are."""
     torch.manual_seed(0)
