@@ -1,9 +1,9 @@
 """The conv graph's long fit (`compressor.cnn.refine.reconstruct_graph`), timed in both memory layouts: a solved
 ResNet-56 (a job's `model.pt2` solved without the fit, e.g. `osscar compress resnet56.pt2 --calibration
 train_prefix_5085.npz --eval test_first1017.npz --target-speedup 2 --remove-blocks 6 --refine-steps 0`) fitted
-to the dense graph for `--steps`
-steps of the job's long-fit settings (`graph_config(3000)`: 32 flipped and shifted views a step, checks every 25),
-on all 5,085 calibration images, channels-last and standard strides alternating, each fit in a fresh process.
+to the dense graph for `--steps` steps of the job's long-fit settings (`graph_config(3000)`: 32 flipped and shifted
+views a step, checks every 25), on all 5,085 calibration images, channels-last and standard strides alternating,
+each fit in a fresh process.
 Prints one JSON line per fit (seconds, held-out errors, top-1 on `test_first1017`, dense 92.72 %).
 
     .venv/bin/python bench/conv_fit.py --solved <pruned model.pt2> [--steps 200] [--repeats 2]

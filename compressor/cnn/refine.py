@@ -109,11 +109,9 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
     step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded), `config.held_out` of them
     held out as they are (seeded); returns the held-out errors before and after. Both graphs run channels-last
-    during the fit where they take it (`_layout`; `channels_last=False`: as they are, a benchmark's baseline) and
-    leave in standard strides."""
-    layout = _layout(pruned, dense, images[:2], device) if channels_last else torch.contiguous_format
-    pruned.to(device, memory_format=layout)
-    dense.to(device, memory_format=layout)
+    during the fit where they take it (`_to_layout`; `channels_last=False`: standard strides, a benchmark's
+    baseline) and leave in standard strides."""
+    layout = _to_layout(pruned, dense, images[:2], device, channels_last)
     try:
         return _reconstruct(pruned, dense, images, config, device, batch_size, layout)
     finally:  # the graphs leave as they came in: later solves, exports and saves expect standard strides
@@ -121,25 +119,25 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
         dense.to(memory_format=torch.contiguous_format)
 
 
-def _layout(pruned: fx.GraphModule, dense: fx.GraphModule, sample: Tensor, device: torch.device) -> torch.memory_format:
-    """The memory format a fit runs its graphs in: channels-last for 2-D images where both graphs take it (oneDNN's
-    and cuDNN's convolutions run it natively: a dense ResNet-56 forward of 32 images on 2 CPU cores 218 -> 116 ms,
-    bench/RESULTS.md session 26), else the standard one (a graph that `view`s a feature map as a flat vector
-    refuses channels-last strides; its fit runs as before)."""
-    if sample.dim() != 4:
-        return torch.contiguous_format
-    last = torch.channels_last
-    try:
-        with torch.no_grad():
-            for gm in (dense, pruned):
-                gm.to(device, memory_format=last)(sample.to(device, memory_format=last))
-    except RuntimeError as err:
-        log.info("the fit runs in the standard memory format: a graph refuses channels-last (%s)", err)
-        return torch.contiguous_format
-    finally:
-        for gm in (dense, pruned):
-            gm.to(memory_format=torch.contiguous_format)
-    return last
+def _to_layout(pruned: fx.GraphModule, dense: fx.GraphModule, sample: Tensor, device: torch.device,
+               channels_last: bool) -> torch.memory_format:
+    """Both graphs moved to `device` in the memory format their fit runs in, returned: channels-last for 2-D images
+    where both graphs take it (oneDNN's and cuDNN's convolutions run it natively: a dense ResNet-56 forward of 32
+    images on 2 CPU cores 218 -> 116 ms, bench/RESULTS.md session 26), else the standard one (a graph that `view`s
+    a feature map as a flat vector refuses channels-last strides; its fit runs as before)."""
+    graphs = (dense, pruned)
+    if channels_last and sample.dim() == 4:
+        last = torch.channels_last
+        try:
+            with torch.no_grad():
+                for gm in graphs:
+                    gm.to(device, memory_format=last)(sample.to(device, memory_format=last))
+            return last
+        except RuntimeError as err:
+            log.info("the fit runs in the standard memory format: a graph refuses channels-last (%s)", err)
+    for gm in graphs:
+        gm.to(device, memory_format=torch.contiguous_format)
+    return torch.contiguous_format
 
 
 def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
