@@ -1,12 +1,13 @@
-"""The conv graph's long fit (`compressor.cnn.refine.reconstruct_graph`), timed in both memory layouts: a solved
+"""The conv graph's long fit (`compressor.cnn.refine.reconstruct_graph`), timed in variants: a solved
 ResNet-56 (a job's `model.pt2` solved without the fit, e.g. `osscar compress resnet56.pt2 --calibration
 train_prefix_5085.npz --eval test_first1017.npz --target-speedup 2 --remove-blocks 6 --refine-steps 0`) fitted
 to the dense graph for `--steps` steps of the job's long-fit settings (`graph_config(3000)`: 32 flipped and shifted
-views a step, checks every 25), on all 5,085 calibration images, channels-last and standard strides alternating,
-each fit in a fresh process.
+views a step, checks every 25), on all 5,085 calibration images, the variants alternating, each fit in a fresh
+process. A variant is `last` (channels-last, the default), `std` (standard strides) or `uses=N` (channels-last,
+each view drawn about N times: `view_uses`; 1 is a new view at every draw).
 Prints one JSON line per fit (seconds, held-out errors, top-1 on `test_first1017`, dense 92.72 %).
 
-    .venv/bin/python bench/conv_fit.py --solved <pruned model.pt2> [--steps 200] [--repeats 2]
+    .venv/bin/python bench/conv_fit.py --solved <pruned model.pt2> [--steps 200] [--repeats 2] [--variants std,last]
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 
 
-def _fit(solved: Path, steps: int, layout: str) -> dict:
+def _fit(solved: Path, steps: int, variant: str) -> dict:
     import numpy as np
     import torch
 
     from compressor.calibration import load_images
     from compressor.cnn.models import load_model
-    from compressor.cnn.refine import graph_config, reconstruct_graph
+    from compressor.cnn.refine import VIEW_USES, graph_config, reconstruct_graph
 
     dense = load_model(str(DATA / "resnet-cifar10" / "resnet56.pt2")).module
     pruned = load_model(str(solved)).module
@@ -44,8 +45,10 @@ def _fit(solved: Path, steps: int, layout: str) -> dict:
     before = top1()
     config = dataclasses.replace(graph_config(3000), steps=steps)
     start = time.perf_counter()
-    fit = reconstruct_graph(pruned, dense, images, config, torch.device("cpu"), channels_last=layout == "last")
-    return {"layout": layout, "steps": fit.steps, "fit_s": round(fit.seconds, 1),
+    uses = int(variant.removeprefix("uses=")) if variant.startswith("uses=") else VIEW_USES
+    fit = reconstruct_graph(pruned, dense, images, config, torch.device("cpu"), channels_last=variant != "std",
+                            view_uses=uses)
+    return {"variant": variant, "view_uses": uses, "steps": fit.steps, "fit_s": round(fit.seconds, 1),
             "call_s": round(time.perf_counter() - start, 1), "held_out_before": fit.before, "held_out_after": fit.after,
             "top1_before": before, "top1_after": top1(), "threads": torch.get_num_threads()}
 
@@ -55,16 +58,22 @@ def main() -> None:
     parser.add_argument("--solved", type=Path, required=True, help="a pruned ResNet-56 program, not fitted")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--one", choices=["last", "std"], help=argparse.SUPPRESS)  # a child: one fit
+    parser.add_argument("--variants", default="std,last", help="comma-separated: std, last, uses=N")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one fit of one variant
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    for variant in variants:
+        if not (variant in ("std", "last") or (variant.startswith("uses=") and variant[5:].isdigit()
+                                               and int(variant[5:]) >= 1)):
+            parser.error(f"unknown variant {variant!r}: std, last or uses=N (N >= 1)")
     sys.path.insert(0, str(ROOT))
     if args.one:
         print(json.dumps(_fit(args.solved, args.steps, args.one)), flush=True)
         return
     for _ in range(args.repeats):
-        for layout in ("std", "last"):
+        for variant in variants:
             subprocess.run([sys.executable, __file__, "--solved", str(args.solved), "--steps", str(args.steps),
-                            "--one", layout], cwd=ROOT, check=True)
+                            "--one", variant], cwd=ROOT, check=True)
 
 
 if __name__ == "__main__":

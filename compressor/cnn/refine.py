@@ -9,18 +9,22 @@ calibration images is held out: the fit keeps the weights of its lowest held-out
 when that is no better than the solve's (`compressor.refine.Reconstruction`).
 
 A few hundred calibration images are soon fitted by heart: a long fit then stops improving on the
-held-out ones. Fitting on flipped and shifted views of the images instead, each step's targets the
-dense graph's outputs on that step's views (`flip_and_shift`), gives the fit new inputs to match the
-dense graph on at every step; the held-out images stay as they are, so the judge is unchanged. On for
-long fits only (`graph_config`, from AUGMENT_FROM steps): it pays off once the fit has fitted the images
-themselves (bench/RESULTS.md: ResNet-20 +1.2 to +2.2 points of top-1 with 1,000-1,500 steps, nothing at
-300; ResNet-56 without 6 blocks at 3,000 steps on 5,085 images +1.6; channels alone, 2,000 images and
-1,500 steps -1.6).
+held-out ones. Fitting on flipped and shifted views of the images instead, their targets the dense graph's
+outputs on the views (`Views`, drawn with those outputs before the fit, each drawn about VIEW_USES times),
+gives the fit many more inputs to match the dense graph on than images; the held-out images stay as they
+are, so the judge is unchanged. On for long fits only (`graph_config`, from AUGMENT_FROM steps): it pays
+off once the fit has fitted the images themselves (bench/RESULTS.md: ResNet-20 +1.2 to +2.2 points of top-1
+with 1,000-1,500 steps, nothing at 300; ResNet-56 without 6 blocks at 3,000 steps on 5,085 images +1.6;
+channels alone, 2,000 images and 1,500 steps -1.6).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx, nn
@@ -48,6 +52,13 @@ LONG_LR = 0.01
 # and top-1 84.5 -> 87.5 % averaged over 200 or 500 steps; ResNet-20, 1,500 steps, 0.138 -> 0.121-0.122 over 100 or
 # 250 (bench/RESULTS.md, session 23). A short fit (300 steps, constant step size) gained nothing from it: off there
 AVERAGE_STEPS = 200
+# a fit on views draws its views, and the dense outputs on them, before its steps: enough views for each to be
+# drawn about this many times over the fit (1: a new view at every draw). Their dense outputs then cost a pass in
+# batches of `batch_size` over a 1 / VIEW_USES share of the draws, where new views at every step cost a dense
+# forward pass per step (a third of a ResNet-56 step)
+VIEW_USES = 4
+# the most values of dense outputs a fit on views holds (float32: 256 MiB): fewer views, each drawn more often, past it
+VIEW_VALUES = 64 << 20
 
 
 def graph_config(steps: int) -> RefineConfig:
@@ -91,21 +102,54 @@ def graph_output(out: object) -> Tensor:
     return out
 
 
-def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
-    """Views of images (N, C, H, W): each flipped left-right with probability 1/2 and shifted by up to an
-    eighth of its size each way (zero padding: the mean of normalised images). Distillation needs no
-    label to survive them: the dense graph's output on the view is the target."""
-    n, _, h, w = x.shape
+@dataclass(frozen=True)
+class Views:
+    """Flipped and shifted views of images, as what makes them (each a flip or not and a crop of the image padded
+    by an eighth of its size each way), so that many of them cost no memory until a batch of them is made."""
+
+    index: Tensor  # (V,) int64: each view's image
+    flip: Tensor  # (V,) bool
+    dy: Tensor  # (V,) int64: the crop's corner in the padded image
+    dx: Tensor
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, which: Tensor | slice) -> Views:
+        return Views(self.index[which], self.flip[which], self.dy[which], self.dx[which])
+
+
+def draw_views(index: Tensor, size: tuple[int, int], generator: torch.Generator) -> Views:
+    """A view of each image `index` names, of images of `size` (H, W): flipped left-right with probability 1/2
+    and shifted by up to an eighth of its size each way."""
+    (h, w), n = size, len(index)
     pad_h, pad_w = max(1, h // 8), max(1, w // 8)
-    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
+    flip = torch.rand(n, generator=generator) < 0.5
+    return Views(index, flip, torch.randint(0, 2 * pad_h + 1, (n,), generator=generator),
+                 torch.randint(0, 2 * pad_w + 1, (n,), generator=generator))
+
+
+def view_images(images: Tensor, views: Views) -> Tensor:
+    """The views' images (V, C, H, W) of `images` (N, C, H, W), zero-padded where shifted (zero: the mean of
+    normalised images), on `images`' device."""
+    h, w = images.shape[-2:]
+    pad_h, pad_w = max(1, h // 8), max(1, w // 8)
+    x = images[views.index.to(images.device)]
+    flip = views.flip.to(x.device).view(-1, 1, 1, 1)
     padded = nn.functional.pad(torch.where(flip, x.flip(-1), x), (pad_w, pad_w, pad_h, pad_h))
-    dy = torch.randint(0, 2 * pad_h + 1, (n,), generator=generator).tolist()
-    dx = torch.randint(0, 2 * pad_w + 1, (n,), generator=generator).tolist()
-    return torch.stack([padded[i, :, a:a + h, b:b + w] for i, (a, b) in enumerate(zip(dy, dx, strict=True))])
+    return torch.stack([padded[i, :, a:a + h, b:b + w]
+                        for i, (a, b) in enumerate(zip(views.dy.tolist(), views.dx.tolist(), strict=True))])
+
+
+def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
+    """A view of each image of `x` (N, C, H, W) (`draw_views`). Distillation needs no label to survive them: the
+    dense graph's output on the view is the target."""
+    return view_images(x, draw_views(torch.arange(len(x)), tuple(x.shape[-2:]), generator))
 
 
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
-                      device: torch.device, batch_size: int = 100, channels_last: bool = True) -> RefineReport:
+                      device: torch.device, batch_size: int = 100, channels_last: bool = True,
+                      view_uses: int = VIEW_USES) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
     step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded), `config.held_out` of them
     held out as they are (seeded); returns the held-out errors before and after. Both graphs run channels-last
@@ -113,7 +157,7 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     baseline) and leave in standard strides."""
     layout = _to_layout(pruned, dense, images[:2], device, channels_last)
     try:
-        return _reconstruct(pruned, dense, images, config, device, batch_size, layout)
+        return _reconstruct(pruned, dense, images, config, device, batch_size, layout, view_uses)
     finally:  # the graphs leave as they came in: later solves, exports and saves expect standard strides
         pruned.to(memory_format=torch.contiguous_format)
         dense.to(memory_format=torch.contiguous_format)
@@ -140,29 +184,45 @@ def _to_layout(pruned: fx.GraphModule, dense: fx.GraphModule, sample: Tensor, de
     return torch.contiguous_format
 
 
+def _batch(images: Tensor, inputs: Tensor | Views, device: torch.device, layout: torch.memory_format) -> Tensor:
+    """The images `inputs` names (indices into `images`, or views of them) on `device`, in `layout`."""
+    x = images[inputs] if isinstance(inputs, Tensor) else view_images(images, inputs)
+    return x.to(device).contiguous(memory_format=layout)  # stacked views come out standard
+
+
 def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
-                 device: torch.device, batch_size: int, layout: torch.memory_format) -> RefineReport:
-    n = len(images)
-    judge, fit = held_out_draw(n, config.held_out, config.seed)
-    with torch.no_grad():
-        targets = torch.cat([graph_output(dense(x.to(device, memory_format=layout))).cpu()
-                             for x in images.split(batch_size)])
+                 device: torch.device, batch_size: int, layout: torch.memory_format, view_uses: int) -> RefineReport:
+    judge, fit = held_out_draw(len(images), config.held_out, config.seed)
     k = config.sequences
     views_wanted = config.augment and images.dim() == 4  # views are of 2-D images (N, C, H, W) only
-    # a fitting batch without targets: they are the dense outputs on that step's views
-    train = [(images[fit[i:i + k]], None if views_wanted else targets[fit[i:i + k]]) for i in range(0, len(fit), k)]
-    held_out = [(images[judge[i:i + batch_size]], targets[judge[i:i + batch_size]])
-                for i in range(0, len(judge), batch_size)]
-    views = torch.Generator().manual_seed(config.seed + 1)
 
-    def loss(module: nn.Module, batch: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
-        x, target = batch
-        x = x.to(device, memory_format=layout)
-        if target is None:
-            x = flip_and_shift(x, views).contiguous(memory_format=layout)  # stacked views come out standard
-            with torch.no_grad():
-                target = graph_output(dense(x))
-        out = graph_output(module(x))
+    def dense_outputs(inputs: Tensor | Views) -> Tensor:
+        with torch.no_grad():
+            return torch.cat([graph_output(dense(_batch(images, inputs[i:i + batch_size], device, layout))).cpu()
+                              for i in range(0, len(inputs), batch_size)])
+
+    # the dense outputs once, in batches of `batch_size`: on the held-out images, and on the fitted images or their
+    # views; a fit with an allowance of seconds has spent them on that pass too
+    start = time.perf_counter()
+    judge_targets = dense_outputs(judge)
+    fitted: Tensor | Views = fit
+    if views_wanted:
+        # each fitting image's views, enough for `view_uses` draws of each over the fit's steps, as many as
+        # VIEW_VALUES of dense outputs hold (a graph whose output is a feature map, not a row of logits)
+        per_image = max(1, math.ceil(config.steps * k / (len(fit) * view_uses)))
+        per_image = min(per_image, max(1, VIEW_VALUES // (len(fit) * judge_targets[0].numel())))
+        size = tuple(images.shape[-2:])
+        fitted = draw_views(fit.repeat(per_image), size, torch.Generator().manual_seed(config.seed + 1))
+        fitted = fitted[torch.randperm(len(fitted), generator=torch.Generator().manual_seed(config.seed + 2))]
+    fit_targets = dense_outputs(fitted)
+    if config.seconds is not None:
+        config = dataclasses.replace(config, seconds=max(0.0, config.seconds - (time.perf_counter() - start)))
+    train = [(fitted[i:i + k], fit_targets[i:i + k]) for i in range(0, len(fitted), k)]
+    held_out = [(judge[i:i + batch_size], judge_targets[i:i + batch_size]) for i in range(0, len(judge), batch_size)]
+
+    def loss(module: nn.Module, batch: tuple[Tensor | Views, Tensor]) -> tuple[Tensor, Tensor]:
+        inputs, target = batch
+        out = graph_output(module(_batch(images, inputs, device, layout)))
         target = target.to(device)
         return (out - target).square().sum(), target.square().sum()
 

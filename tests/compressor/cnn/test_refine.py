@@ -2,16 +2,19 @@
 held-out images (or is dropped), and its place in the pipeline."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from compressor.cnn import refine
 from compressor.cnn.pipeline import fit_conv_graph, prune_conv_graph
 from compressor.cnn.refine import (
     AUGMENT_FROM,
     AVERAGE_STEPS,
     LONG_LR,
+    VIEW_USES,
     fitted_parameters,
     flip_and_shift,
     graph_config,
@@ -19,7 +22,7 @@ from compressor.cnn.refine import (
 )
 from compressor.errors import InputError
 from compressor.progress import RECONSTRUCTION, Progress
-from compressor.refine import RefineConfig
+from compressor.refine import RefineConfig, held_out_draw
 
 from .conv_models import exported
 
@@ -130,11 +133,68 @@ def test_a_fit_runs_channels_last_and_hands_the_graphs_back_in_standard_strides(
     config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
     fit = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
     assert fit.kept and fit.after < fit.before
-    assert len(dense_inputs) > 30 and len(pruned_inputs) > 30  # targets, views' targets, steps and checks
+    assert len(dense_inputs) > 2 and len(pruned_inputs) > 30  # targets of views and held-out images; steps, checks
     assert all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
                for t in dense_inputs + pruned_inputs)
     four_d = [p for g in (gm, pruned) for p in g.parameters() if p.dim() == 4]
     assert four_d and all(p.is_contiguous() for p in four_d)
+
+
+@pytest.mark.parametrize("uses", [1, VIEW_USES])
+def test_a_fit_on_views_runs_the_dense_graph_once_before_its_steps(uses):
+    """The views and their dense outputs are drawn before the fit, enough for each view to be drawn about `uses`
+    times: the dense graph then runs on the held-out images and on the views, in batches, and never in a step."""
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
+    judge, fit = held_out_draw(len(x), config.held_out, config.seed)
+    dense_inputs, pruned_inputs = _inputs_seen(gm), _inputs_seen(pruned)
+    report = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48, view_uses=uses)
+    assert report.kept and report.steps == 30
+    views = math.ceil(30 * 16 / (len(fit) * uses)) * len(fit)  # whole rounds of views of the fitting images
+    # the layout's 2-image probe, the held-out images, the views: in batches of at most 48
+    assert sum(len(t) for t in dense_inputs) == 2 + len(judge) + views
+    assert max(len(t) for t in dense_inputs) == 48
+    # the fitting batches (16 views, the last of a round fewer: 12 or 4 here), not the layout's probe (2 images) or
+    # the held-out batch (10)
+    steps = [t for t in pruned_inputs if len(t) not in (2, len(judge))]
+    assert len(steps) == 30
+    assert not all(any(torch.equal(view, image) for image in x) for view in steps[0])  # views, not the images
+
+
+def test_the_views_dense_outputs_are_held_within_their_cap(monkeypatch):
+    """A graph whose output is a feature map would hold its dense outputs on every view: past VIEW_VALUES, fewer
+    views are drawn (here one a fitting image, the least), each drawn more often."""
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
+    judge, fit = held_out_draw(len(x), config.held_out, config.seed)
+    outputs = int(gm(x[:1]).numel())
+    monkeypatch.setattr(refine, "VIEW_VALUES", 2 * len(fit) * outputs - 1)  # room for less than 2 views an image
+    dense_inputs = _inputs_seen(gm)
+    assert reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48, view_uses=1).steps == 30
+    assert sum(len(t) for t in dense_inputs) == 2 + len(judge) + len(fit)
+
+
+def test_a_paced_fit_spends_part_of_its_seconds_on_the_views_dense_outputs(monkeypatch):
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    allowed: list[float] = []
+
+    class Fit:
+        def __init__(self, module, parameters, config):
+            allowed.append(config.seconds)
+
+        def fit(self, train, held_out, loss):
+            return None
+
+    monkeypatch.setattr(refine, "Reconstruction", Fit)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, seconds=60.0)
+    reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    assert len(allowed) == 1 and 0 < allowed[0] < 60.0
 
 
 def test_a_graph_that_refuses_channels_last_is_fitted_in_standard_strides():
