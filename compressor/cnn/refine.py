@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # the default steps of a job (ResNet-20: ~15 s on 2 CPU cores, against ~40 s for the rest of the job;
 # its held-out error stops improving by ~300 steps)
 DEFAULT_STEPS = 300
-# fits of at least this many steps run on flipped and shifted views of the images (`flip_and_shift`)
+# fits of at least this many steps run on flipped and shifted views of the images (`draw_views`)
 AUGMENT_FROM = 1000
 # steps between held-out checks: each check is a forward pass over the held-out tenth of the images, which
 # every 10 steps took a quarter of a ResNet-56 fit's time (3,000 steps: 711 s -> 541 s every 25, held-out
@@ -131,7 +131,8 @@ def draw_views(index: Tensor, size: tuple[int, int], generator: torch.Generator)
 
 def view_images(images: Tensor, views: Views) -> Tensor:
     """The views' images (V, C, H, W) of `images` (N, C, H, W), zero-padded where shifted (zero: the mean of
-    normalised images), on `images`' device."""
+    normalised images), on `images`' device. Distillation needs no label to survive them: the dense graph's output
+    on a view is its target."""
     h, w = images.shape[-2:]
     pad_h, pad_w = max(1, h // 8), max(1, w // 8)
     x = images[views.index.to(images.device)]
@@ -141,20 +142,16 @@ def view_images(images: Tensor, views: Views) -> Tensor:
                         for i, (a, b) in enumerate(zip(views.dy.tolist(), views.dx.tolist(), strict=True))])
 
 
-def flip_and_shift(x: Tensor, generator: torch.Generator) -> Tensor:
-    """A view of each image of `x` (N, C, H, W) (`draw_views`). Distillation needs no label to survive them: the
-    dense graph's output on the view is the target."""
-    return view_images(x, draw_views(torch.arange(len(x)), tuple(x.shape[-2:]), generator))
-
-
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
                       device: torch.device, batch_size: int = 100, channels_last: bool = True,
                       view_uses: int = VIEW_USES) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
-    step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded), `config.held_out` of them
-    held out as they are (seeded); returns the held-out errors before and after. Both graphs run channels-last
-    during the fit where they take it (`_to_layout`; `channels_last=False`: standard strides, a benchmark's
-    baseline) and leave in standard strides."""
+    step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded, each drawn about
+    `view_uses` times), `config.held_out` of them held out as they are (seeded); returns the held-out errors before
+    and after, and the seconds of the fit with its pass of dense outputs. Both graphs run channels-last during the
+    fit where they take it (`_to_layout`; `channels_last=False`: standard strides, a benchmark's baseline) and
+    leave in standard strides."""
+    assert view_uses >= 1, f"each view is drawn at least once (got view_uses={view_uses})"
     layout = _to_layout(pruned, dense, images[:2], device, channels_last)
     try:
         return _reconstruct(pruned, dense, images, config, device, batch_size, layout, view_uses)
@@ -197,20 +194,29 @@ def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, 
     views_wanted = config.augment and images.dim() == 4  # views are of 2-D images (N, C, H, W) only
 
     def dense_outputs(inputs: Tensor | Views) -> Tensor:
+        if not len(inputs):  # a single calibration image: none held out
+            return torch.empty(0)
         with torch.no_grad():
             return torch.cat([graph_output(dense(_batch(images, inputs[i:i + batch_size], device, layout))).cpu()
                               for i in range(0, len(inputs), batch_size)])
 
     # the dense outputs once, in batches of `batch_size`: on the held-out images, and on the fitted images or their
-    # views; a fit with an allowance of seconds has spent them on that pass too
+    # views; a fit with an allowance of seconds (fits on views or not) has spent them on that pass too
     start = time.perf_counter()
     judge_targets = dense_outputs(judge)
-    fitted: Tensor | Views = fit
-    if views_wanted:
+    # no steps, no time, or no held-out image to judge by: nothing is fitted, so nothing to compute targets for
+    fitted: Tensor | Views = fit if config.steps and config.seconds != 0 and len(judge) else fit[:0]
+    if views_wanted and len(fitted):
         # each fitting image's views, enough for `view_uses` draws of each over the fit's steps, as many as
-        # VIEW_VALUES of dense outputs hold (a graph whose output is a feature map, not a row of logits)
-        per_image = max(1, math.ceil(config.steps * k / (len(fit) * view_uses)))
-        per_image = min(per_image, max(1, VIEW_VALUES // (len(fit) * judge_targets[0].numel())))
+        # VIEW_VALUES of dense outputs hold (a graph whose output is a feature map, not a row of logits), and for a
+        # paced fit as many as a 1 / (1 + 3 view_uses) share of its seconds computes at the held-out pass's rate (a
+        # fitting step's forward and backward cost about three dense forwards an image)
+        per_image = math.ceil(config.steps * k / (len(fit) * view_uses))
+        most = VIEW_VALUES // judge_targets[0].numel()  # views
+        if config.seconds is not None:
+            per_view = (time.perf_counter() - start) / len(judge)
+            most = min(most, int(config.seconds / (1 + 3 * view_uses) / max(per_view, 1e-9)))
+        per_image = max(1, min(per_image, most // len(fit)))
         size = tuple(images.shape[-2:])
         fitted = draw_views(fit.repeat(per_image), size, torch.Generator().manual_seed(config.seed + 1))
         fitted = fitted[torch.randperm(len(fitted), generator=torch.Generator().manual_seed(config.seed + 2))]
@@ -226,4 +232,6 @@ def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, 
         target = target.to(device)
         return (out - target).square().sum(), target.square().sum()
 
-    return Reconstruction(pruned, fitted_parameters(pruned, config.norms), config).fit(train, held_out, loss)
+    dense_pass = time.perf_counter() - start
+    report = Reconstruction(pruned, fitted_parameters(pruned, config.norms), config).fit(train, held_out, loss)
+    return dataclasses.replace(report, seconds=report.seconds + dense_pass)  # a paced fit's time includes the pass

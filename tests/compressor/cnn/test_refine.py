@@ -15,14 +15,16 @@ from compressor.cnn.refine import (
     AVERAGE_STEPS,
     LONG_LR,
     VIEW_USES,
+    draw_views,
     fitted_parameters,
-    flip_and_shift,
     graph_config,
     reconstruct_graph,
+    view_images,
 )
 from compressor.errors import InputError
 from compressor.progress import RECONSTRUCTION, Progress
 from compressor.refine import RefineConfig, held_out_draw
+from compressor.reports import RefineReport
 
 from .conv_models import exported
 
@@ -64,8 +66,11 @@ def test_the_fit_lowers_the_error_to_the_dense_outputs_on_unseen_images(method):
 
 def test_views_are_seeded_flips_and_shifts_of_at_most_an_eighth():
     x = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 1, 16, 16).repeat(20, 3, 1, 1) + 1  # no zeros
-    a = flip_and_shift(x, torch.Generator().manual_seed(0))
-    assert a.shape == x.shape and torch.equal(a, flip_and_shift(x, torch.Generator().manual_seed(0)))
+    def flip_and_shift(seed: int) -> torch.Tensor:  # a view of each image
+        return view_images(x, draw_views(torch.arange(len(x)), (16, 16), torch.Generator().manual_seed(seed)))
+
+    a = flip_and_shift(0)
+    assert a.shape == x.shape and torch.equal(a, flip_and_shift(0))
     flipped = shifted = 0
     for view, image in zip(a, x, strict=True):
         # find the view's offset: some (dy, dx) in [-2, 2]^2 and a flip reproduce its non-padded part
@@ -93,7 +98,7 @@ def test_a_fit_on_views_lowers_the_error_on_unseen_images_and_keeps_the_held_out
 
 def test_only_long_fits_run_on_views_with_an_annealed_step_fit_the_norms_and_return_an_average():
     """Views pay off once a fit has fitted the images themselves (ResNet-20 at 1,000+ steps, ResNet-56 without 6
-    blocks at 3,000); at a few hundred steps they only cost a dense forward pass per step. A long fit's step
+    blocks at 3,000); at a few hundred steps they only cost the dense outputs on them. A long fit's step
     size starts at LONG_LR and is annealed; a short one keeps its constant 0.005 (ResNet-20's measured default)."""
     short, long = graph_config(AUGMENT_FROM - 1), graph_config(AUGMENT_FROM)
     assert not graph_config(300).augment and not short.augment and not short.anneal and short.lr == 0.005
@@ -133,7 +138,7 @@ def test_a_fit_runs_channels_last_and_hands_the_graphs_back_in_standard_strides(
     config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
     fit = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
     assert fit.kept and fit.after < fit.before
-    assert len(dense_inputs) > 2 and len(pruned_inputs) > 30  # targets of views and held-out images; steps, checks
+    assert dense_inputs and len(pruned_inputs) > 30  # the dense outputs (a pass before the steps); steps and checks
     assert all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
                for t in dense_inputs + pruned_inputs)
     four_d = [p for g in (gm, pruned) for p in g.parameters() if p.dim() == 4]
@@ -149,18 +154,46 @@ def test_a_fit_on_views_runs_the_dense_graph_once_before_its_steps(uses):
     pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
     config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, check_every=10)
     judge, fit = held_out_draw(len(x), config.held_out, config.seed)
-    dense_inputs, pruned_inputs = _inputs_seen(gm), _inputs_seen(pruned)
+    dense_inputs = _inputs_seen(gm)
     report = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48, view_uses=uses)
     assert report.kept and report.steps == 30
     views = math.ceil(30 * 16 / (len(fit) * uses)) * len(fit)  # whole rounds of views of the fitting images
-    # the layout's 2-image probe, the held-out images, the views: in batches of at most 48
+    # the layout's 2-image probe, the held-out images, the views: in batches of at most 48, none during the steps
     assert sum(len(t) for t in dense_inputs) == 2 + len(judge) + views
     assert max(len(t) for t in dense_inputs) == 48
-    # the fitting batches (16 views, the last of a round fewer: 12 or 4 here), not the layout's probe (2 images) or
-    # the held-out batch (10)
-    steps = [t for t in pruned_inputs if len(t) not in (2, len(judge))]
-    assert len(steps) == 30
-    assert not all(any(torch.equal(view, image) for image in x) for view in steps[0])  # views, not the images
+
+
+def test_each_fitting_batch_is_views_and_the_dense_outputs_on_them(monkeypatch):
+    """The views are shuffled after they are drawn: each fitting batch's targets must still be the dense outputs
+    on that batch's views (the dense graph itself scores zero error on every batch), and they are views, not the
+    images."""
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    seen: dict[str, object] = {}
+
+    class Capture:
+        def __init__(self, module, parameters, config):
+            pass
+
+        def fit(self, train, held_out, loss):
+            seen.update(train=train, held_out=held_out, loss=loss)
+            return RefineReport(1.0, 1.0, False, 0, 0.0)
+
+    monkeypatch.setattr(refine, "Reconstruction", Capture)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16)
+    reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    train, held_out, loss = seen["train"], seen["held_out"], seen["loss"]
+    assert len(train) > 6 and held_out
+    images_seen = fresh = 0
+    for batch in [*train, *held_out]:
+        error, energy = loss(gm, batch)
+        assert float(error) <= 1e-10 * float(energy)
+    for batch in train:
+        views = view_images(x, batch[0])
+        images_seen += sum(any(torch.equal(view, image) for image in x) for view in views)
+        fresh += len(views)
+    assert images_seen < fresh / 4  # about 1 in 50 views is the image unflipped and unshifted
 
 
 def test_the_views_dense_outputs_are_held_within_their_cap(monkeypatch):
@@ -178,6 +211,24 @@ def test_the_views_dense_outputs_are_held_within_their_cap(monkeypatch):
     assert sum(len(t) for t in dense_inputs) == 2 + len(judge) + len(fit)
 
 
+@pytest.mark.parametrize("case", ["one image", "no time"])
+def test_a_fit_with_nothing_to_fit_computes_no_targets_for_it(case):
+    """One calibration image leaves none to judge by, and a paced fit with no seconds left runs no step: neither
+    draws views or runs the dense graph on the fitting images; both end as fits that did nothing."""
+    gm = exported("option_a")
+    x = images(96, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.75, method="mp+", batch_size=48)
+    config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16)
+    if case == "no time":
+        config = dataclasses.replace(config, seconds=0.0)
+    fed = x[:1] if case == "one image" else x
+    judged = len(held_out_draw(len(fed), config.held_out, config.seed)[0])
+    dense_inputs = _inputs_seen(gm)
+    report = reconstruct_graph(pruned, gm, fed, config, CPU, batch_size=48)
+    assert report.steps == 0 and not report.kept
+    assert sum(len(t) for t in dense_inputs) == min(2, len(fed)) + judged  # the layout's probe, the judge's images
+
+
 def test_a_paced_fit_spends_part_of_its_seconds_on_the_views_dense_outputs(monkeypatch):
     gm = exported("option_a")
     x = images(96, seed=0)
@@ -189,12 +240,13 @@ def test_a_paced_fit_spends_part_of_its_seconds_on_the_views_dense_outputs(monke
             allowed.append(config.seconds)
 
         def fit(self, train, held_out, loss):
-            return None
+            return RefineReport(1.0, 1.0, False, 0, 0.0)
 
     monkeypatch.setattr(refine, "Reconstruction", Fit)
     config = dataclasses.replace(graph_config(AUGMENT_FROM), steps=30, sequences=16, seconds=60.0)
-    reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
+    report = reconstruct_graph(pruned, gm, x, config, CPU, batch_size=48)
     assert len(allowed) == 1 and 0 < allowed[0] < 60.0
+    assert report.seconds == pytest.approx(60.0 - allowed[0], abs=0.05)  # the pass, reported as the fit's time
 
 
 def test_a_graph_that_refuses_channels_last_is_fitted_in_standard_strides():
