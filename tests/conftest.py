@@ -22,3 +22,26 @@ def osscar_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("osscar-home")
     monkeypatch.setenv("OSSCAR_HOME", str(home))
     return home
+
+
+# most tests are single-threaded Python (exports, the service); each worker may hold a few GB
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, each worker gets its own share of the cores (children inherit it): two workers
+    each running 2-thread torch and ONNX Runtime on 2 cores would oversubscribe them and slow both, and
+    the tests that time ONNX Runtime would time the other worker's load."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    count, index = int(workerinput["workercount"]), int(workerinput["workerid"].removeprefix("gw"))
+    share = len(cores) // count
+    if share >= 1:
+        os.sched_setaffinity(0, cores[index * share:(index + 1) * share])

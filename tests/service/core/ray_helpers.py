@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +22,18 @@ logger = logging.getLogger(__name__)
 
 
 STARTUP_ATTEMPTS = 3  # Ray waits a fixed 30 s for a new raylet to register; a loaded 2-core CI box can miss it
+
+
+@contextlib.contextmanager
+def one_cluster_at_a_time() -> Iterator[None]:
+    """Held while a module's cluster lives: local Ray clusters on one host share /tmp/ray (the address file
+    that `ray.init("auto")` reads, `session_latest`), so test workers side by side (pytest-xdist) take turns."""
+    with open(Path(tempfile.gettempdir()) / "osscar-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def start_cluster(head_cpus: int):

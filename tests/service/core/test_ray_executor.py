@@ -23,6 +23,7 @@ from service.api.wire import error_details, unpack_metadata
 from service.client.transport import RemoteCompressor
 from tests.compressor.cnn.conv_models import write_conv_job
 from tests.service.core.ray_helpers import (
+    one_cluster_at_a_time,
     paths,
     request,
     runner_pids,
@@ -34,6 +35,12 @@ from tests.service.core.ray_helpers import (
 )
 
 pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cluster_at_a_time():
+    with one_cluster_at_a_time():
+        yield
 
 
 @pytest.fixture(scope="module")

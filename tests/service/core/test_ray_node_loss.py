@@ -14,6 +14,7 @@ from service.api.wire import unpack_metadata
 from tests.compressor.cnn.conv_models import write_conv_job
 from tests.service.core.ray_helpers import (
     add_node,
+    one_cluster_at_a_time,
     paths,
     start_cluster,
     start_server,
@@ -22,6 +23,12 @@ from tests.service.core.ray_helpers import (
 )
 
 pytest.importorskip("ray", reason="ray is not installed (pip install '.[ray]')")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cluster_at_a_time():
+    with one_cluster_at_a_time():
+        yield
 
 
 @pytest.fixture(scope="module")
