@@ -473,8 +473,9 @@ class _TransformerJob:
     causal = False
     # after the block fits, the whole model fitted to the dense model's last hidden states (`reconstruct_model`):
     # on for text encoders (measured: all-MiniLM-L6-v2); off for decoders, where SmolLM2-135M's perplexity gained
-    # 1.3 % for half again its prune's time (bench/RESULTS.md, session 17), and for vision transformers (no real
-    # weights here to measure it on)
+    # 1.3 % for half again its prune's time (bench/RESULTS.md, session 17; the fit of the next-token distributions,
+    # `target="logits"`, gained 8.1 % for 1.05x its prune's time in session 28: the candidate, to be measured in a
+    # target job before it is one), and for vision transformers (no real weights here to measure it on)
     model_fit = False
 
     def __init__(self, request: CompressRequest, say: Say) -> None:

@@ -17,6 +17,7 @@ from compressor.transformer.refine import (
     RefineConfig,
     Sequences,
     _cut,
+    _next_token_kl,
     default_config,
     model_config,
     reconstruct_model,
@@ -261,6 +262,49 @@ def test_a_whole_model_fit_that_does_not_help_on_held_out_windows_is_discarded()
     assert not fit.kept and fit.after == fit.before
     for name, value in pruned.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_whole_model_fit_of_the_next_token_distributions_lowers_their_kl(name):
+    """target="logits": every block's projections fitted at once to the dense model's next-token distributions;
+    the held-out KL falls, only projections move, and the dense model is left as it was, where it was."""
+    model = MODELS[name]()
+    data = batches(model, n=6, batch=8)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    before, dense = {k: v.clone() for k, v in pruned.state_dict().items()}, copy.deepcopy(model.state_dict())
+    fit = reconstruct_model(pruned, model, data, RefineConfig(steps=60, lr=0.01), CPU, target="logits")
+    assert fit.kept and fit.steps == 60 and fit.after < 0.97 * fit.before
+    moved = {k for k, v in pruned.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and moved <= _fitted_names(pruned)
+    assert all(torch.equal(v, dense[k]) for k, v in model.state_dict().items())
+    assert next(model.parameters()).device == CPU and all(p.grad is None for p in pruned.parameters())
+
+
+def test_the_next_token_kl_is_the_mean_over_the_tokens_that_count():
+    model = MODELS["llama"]()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    inputs = example_inputs(model, batch=3, length=7)  # the first row half padding
+    kl, count = _next_token_kl(other, model, inputs, CPU)
+    with torch.no_grad():
+        p, q = (torch.log_softmax(m(**inputs).logits, -1) for m in (model, other))
+    per_token = (p.exp() * (p - q)).sum(-1)  # (3, 7)
+    mask = inputs["attention_mask"].bool()
+    assert int(count) == int(mask.sum()) < mask.numel()
+    torch.testing.assert_close(kl, per_token[mask].sum(), rtol=1e-5, atol=1e-7)
+    assert float(kl.detach()) > 0 and float(_next_token_kl(model, model, inputs, CPU)[0].detach()) == 0
+
+
+def test_a_whole_model_fit_of_logits_needs_a_causal_lm_and_a_known_target():
+    model = MODELS["bert"]()
+    data = batches(model)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    with pytest.raises(ValueError, match="no next-token logits to fit"):
+        reconstruct_model(pruned, model, data, RefineConfig(steps=5), CPU, target="logits")
+    with pytest.raises(ValueError, match="target must be"):
+        reconstruct_model(pruned, model, data, RefineConfig(steps=5), CPU, target="tokens")
 
 
 def test_a_dense_model_has_nothing_for_the_whole_model_fit_to_fix():
