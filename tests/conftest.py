@@ -37,6 +37,8 @@ def pytest_configure(config) -> None:
     """Under pytest-xdist, each worker gets its own share of the cores (children inherit it): two workers
     each running 2-thread torch and ONNX Runtime on 2 cores would oversubscribe them and slow both, and
     the tests that time ONNX Runtime would time the other worker's load."""
+    # not `service.core.executor.share_cores`: importing the project here loads torch and numpy, whose thread pools
+    # are sized by the affinity they find at load, before the worker is pinned
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None or not hasattr(os, "sched_setaffinity"):
         return

@@ -212,12 +212,15 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
                   for p in m.parameters(recurse=False)]
     judge, fit = held_out_draw(len(slices), config.held_out, config.seed)
+
+    def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
+        held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]
+        return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
+
     dense.to(device)
     try:
         if target == "logits":
-            held_out, train = [slices[i] for i in judge.tolist()], [slices[i] for i in fit.tolist()]
-            return Reconstruction(pruned, parameters, config).fit(
-                train, held_out, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
+            return run(slices, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
         with torch.no_grad():
             windows = []
             for inputs in slices:
@@ -226,12 +229,7 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
                 windows.append(Windows(inputs, hidden, None if mask is None else mask.bool()))
     finally:
         dense.to(home)
-    held_out, train = [windows[i] for i in judge.tolist()], [windows[i] for i in fit.tolist()]
-
-    def loss(model: nn.Module, batch: Windows) -> tuple[Tensor, Tensor]:
-        return _squared_error(_last_hidden(model, batch.inputs, device).float(), batch)
-
-    return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
+    return run(windows, lambda model, batch: _squared_error(_last_hidden(model, batch.inputs, device).float(), batch))
 
 
 def _next_token_kl(model: nn.Module, dense: nn.Module, inputs: dict[str, Tensor],
