@@ -11,7 +11,9 @@ when the held-out error improves, so it cannot make a block worse on data it did
 Each block is fitted to its own dense output, fed the pruned stream: what the blocks' fits leave still adds
 up through the model. `reconstruct_model` then fits every block's projections at once to the dense model's
 last hidden states (an encoder job's default, `model_config`): all-MiniLM-L6-v2 at 1.54x, WikiText-2
-embedding cosine 0.9177 -> 0.9252 in 1,000 steps (111 s on 2 CPU cores; bench/RESULTS.md, 2026-11-29).
+embedding cosine 0.9177 -> 0.9252 in 1,000 steps (111 s on 2 CPU cores; bench/RESULTS.md, 2026-11-29); or to a
+causal LM's next-token distributions (a decoder job's): SmolLM2-135M at 1.29x, WikiText-2 perplexity 87.5 -> 80.6
+in 80 steps (386 s; session 29).
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ MODEL_STEPS = 1000
 MODEL_LR = 2e-4
 MODEL_CHECK_EVERY = 100
 MODEL_PER_BLOCK_FITS = 1.0
+# a causal LM's fit of its next-token distributions (target "logits"): a step runs the dense model beside the pruned
+# one and a softmax over the vocabulary at every token (SmolLM2-135M, 4 windows of 256 tokens: ~12 s on 2 CPU
+# cores, against ~5 s for the hidden states'), so the held-out checks come every LOGITS_CHECK_EVERY steps for the
+# seconds to bind, and it runs LOGITS_PER_PRUNE x as long as the pruning pass (solves and block fits) took:
+# SmolLM2-135M at 0.2 went 78.03 -> 71.69 in 60 steps, 1.05x its prune (bench/RESULTS.md, session 28)
+LOGITS_CHECK_EVERY = 20
+LOGITS_PER_PRUNE = 1.0
 
 
 def default_config(steps: int | None) -> RefineConfig:
@@ -154,12 +163,19 @@ def _loss(run: Run) -> Callable[[nn.Module, Sequences], tuple[Tensor, Tensor]]:
     return lambda block, batch: _squared_error(run(block, batch), batch)
 
 
-def model_config(block_fits: float, budget: float | None = None) -> RefineConfig:
-    """The whole-model fit's settings (`reconstruct_model`): MODEL_STEPS steps of 4 windows at most, for
-    MODEL_PER_BLOCK_FITS x the seconds the block fits took (`block_fits`), or what a time budget left
-    (`budget`) when that is less; the fit stops at its first held-out check past its seconds."""
-    seconds = MODEL_PER_BLOCK_FITS * block_fits
-    return RefineConfig(steps=MODEL_STEPS, lr=MODEL_LR, check_every=MODEL_CHECK_EVERY,
+def model_config(block_fits: float, budget: float | None = None, *, solves: float = 0.0,
+                 target: str = "hidden") -> RefineConfig:
+    """The whole-model fit's settings (`reconstruct_model` with `target`): MODEL_STEPS steps of 4 windows at most,
+    for MODEL_PER_BLOCK_FITS x the seconds the block fits took (`block_fits`; "logits": LOGITS_PER_PRUNE x those
+    and the solves' `solves` seconds), or what a time budget left (`budget`) when that is less; the fit stops at its
+    first held-out check past its seconds."""
+    if target == "logits":
+        seconds, check_every = LOGITS_PER_PRUNE * (solves + block_fits), LOGITS_CHECK_EVERY
+    elif target == "hidden":
+        seconds, check_every = MODEL_PER_BLOCK_FITS * block_fits, MODEL_CHECK_EVERY
+    else:
+        raise ValueError(f"target must be 'hidden' or 'logits' (got {target!r})")
+    return RefineConfig(steps=MODEL_STEPS, lr=MODEL_LR, check_every=check_every,
                         seconds=max(0.0, seconds if budget is None else min(seconds, budget)))
 
 
@@ -209,27 +225,49 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     assert slices, "no calibration windows to fit on"
     pruned.to(device)
     home = next(dense.parameters()).device  # the caller's dense model goes back where it was (a job keeps it)
-    parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
-                  for p in m.parameters(recurse=False)]
     judge, fit = held_out_draw(len(slices), config.held_out, config.seed)
-
-    def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
-        held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]
-        return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
-
-    dense.to(device)
+    # Adam's relative steps (2e-4) are below half precision's resolution (bf16: 2^-8): a half-precision model is
+    # fitted in float32 and its fitted weights round once, at the end
+    restore = _in_float32(pruned)
     try:
-        if target == "logits":
-            return run(slices, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
-        with torch.no_grad():
-            windows = []
-            for inputs in slices:
-                mask = inputs.get("attention_mask")
-                hidden = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
-                windows.append(Windows(inputs, hidden, None if mask is None else mask.bool()))
+        parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
+                      for p in m.parameters(recurse=False)]
+
+        def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
+            held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]
+            return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
+
+        dense.to(device)
+        try:
+            if target == "logits":
+                return run(slices, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
+            with torch.no_grad():
+                windows = []
+                for inputs in slices:
+                    mask = inputs.get("attention_mask")
+                    hidden = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
+                    windows.append(Windows(inputs, hidden, None if mask is None else mask.bool()))
+        finally:
+            dense.to(home)
+        return run(windows, lambda model, batch: _squared_error(_last_hidden(model, batch.inputs, device).float(),
+                                                                batch))
     finally:
-        dense.to(home)
-    return run(windows, lambda model, batch: _squared_error(_last_hidden(model, batch.inputs, device).float(), batch))
+        restore()
+
+
+def _in_float32(model: nn.Module) -> Callable[[], None]:
+    """Cast `model`'s half-precision parameters and buffers to float32, in place; the returned call casts each back
+    to the dtype it had."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    half = {name: t.dtype for name, t in tensors if t.dtype in (torch.float16, torch.bfloat16)}
+
+    def cast(dtypes: dict[str, torch.dtype]) -> None:
+        for name, t in tensors:
+            if name in dtypes:
+                t.data = t.data.to(dtypes[name])
+
+    cast(dict.fromkeys(half, torch.float32))
+    return lambda: cast(half)
 
 
 def _next_token_kl(model: nn.Module, dense: nn.Module, inputs: dict[str, Tensor],

@@ -471,11 +471,10 @@ class _TransformerJob:
     refits_solved = False  # each block's fit runs before the next block's solves: no prune is fitted later
 
     causal = False
-    # after the block fits, the whole model fitted to the dense model's last hidden states (`reconstruct_model`):
-    # on for text encoders (measured: all-MiniLM-L6-v2); off for decoders, where SmolLM2-135M's perplexity gained
-    # 1.3 % for half again its prune's time (bench/RESULTS.md, session 17; the fit of the next-token distributions,
-    # `target="logits"`, gained 8.1 % for 1.05x its prune's time in session 28: the candidate, to be measured in a
-    # target job before it is one), and for vision transformers (no real weights here to measure it on)
+    # after the block fits, the whole model fitted to the dense model's outputs (`reconstruct_model`): on for text
+    # models (measured: all-MiniLM-L6-v2 on its last hidden states; SmolLM2-135M on its next-token distributions,
+    # `target="logits"`, where the hidden states' fit gained 1.3 % perplexity: bench/RESULTS.md, sessions 17, 28
+    # and 29); off for vision transformers (no real weights here to measure it on)
     model_fit = False
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
@@ -659,21 +658,30 @@ class _TransformerJob:
         pruned, layers = prune_transformer(self.dense, batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         fitted = sum(r.refine.seconds for r in layers if r.refine is not None)  # the block fits' seconds
-        config = self._model_refine(solve_only, fitted, None if fit_seconds is None else fit_seconds - fitted)
+        config = self._model_refine(solve_only, fitted, None if fit_seconds is None else fit_seconds - fitted,
+                                    solves=sum(r.seconds for r in layers))
         if config.steps and (self.removed_blocks or any(r.width_after < r.width_before for r in layers)):
-            model_fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device))
+            model_fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device),
+                                          target=self.model_target)
             pruned.osscar_model_fit = model_fit  # report.json `model_reconstruction`
             progress(Progress(RECONSTRUCTION, "model", numbers=fit_numbers(model_fit)))
         return pruned.cpu().eval(), layers
 
-    def _model_refine(self, solve_only: bool, block_fits: float, budget: float | None) -> RefineConfig:
+    @property
+    def model_target(self) -> str:
+        """What the whole-model fit reproduces: a causal LM's next-token distributions, else the last hidden
+        states."""
+        return "logits" if self.causal else "hidden"
+
+    def _model_refine(self, solve_only: bool, block_fits: float, budget: float | None,
+                      solves: float = 0.0) -> RefineConfig:
         """The whole-model fit after the block fits: off in a statistics pass or a solve without the fit, for kinds
         without it (`model_fit`) and where the request turned reconstruction off (--refine-steps 0); else
-        `model_config` after block fits of `block_fits` seconds, within what the time budget left the round's fits
-        (`budget`)."""
+        `model_config` after solves of `solves` and block fits of `block_fits` seconds, within what the time budget
+        left the round's fits (`budget`)."""
         if solve_only or not self.model_fit or not self.request.refine_steps_or(BLOCK_STEPS):
             return RefineConfig(steps=0)
-        return model_config(block_fits, budget)
+        return model_config(block_fits, budget, solves=solves, target=self.model_target)
 
     def _refine(self, solve_only: bool, fit_seconds: float | None) -> RefineConfig:
         """Each block's fit: none in a statistics pass, a solve without the fit or for a method that keeps the dense
@@ -759,7 +767,7 @@ class TextJob(_TransformerJob):
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.causal
-        self.model_fit = not self.causal
+        self.model_fit = True
         # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
         self.classifier = self.loaded.output_name == "logits" and not self.causal
         if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):

@@ -334,3 +334,31 @@ def test_the_whole_model_fit_lasts_as_long_as_the_block_fits_or_what_a_budget_le
     assert model_config(40.0, budget=10.0).seconds == pytest.approx(10.0)
     assert model_config(40.0, budget=100.0).seconds == pytest.approx(40.0)
     assert model_config(40.0, budget=-3.0).seconds == 0.0  # the block fits overran the budget: no time left
+
+
+def test_the_next_token_fit_lasts_as_long_as_the_pruning_pass_and_checks_more_often():
+    hidden = model_config(block_fits=40.0, solves=100.0)
+    logits = model_config(block_fits=40.0, solves=100.0, target="logits")
+    assert hidden.seconds == pytest.approx(40.0) and logits.seconds == pytest.approx(140.0)
+    assert logits.check_every < hidden.check_every  # its steps cost more: its seconds bind sooner
+    assert model_config(40.0, budget=50.0, solves=100.0, target="logits").seconds == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="target must be"):
+        model_config(40.0, target="tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_fitted_in_float32_and_keeps_its_dtype(dtype):
+    """Adam's small relative steps are below half precision's resolution: the fit runs on float32 copies, and the
+    pruned model comes back in its own dtype (parameters and buffers alike), with the fitted weights."""
+    model = MODELS["llama"]()
+    data = batches(model, n=6, batch=8)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    pruned.to(dtype)
+    dtypes = {k: v.dtype for k, v in pruned.state_dict().items()}
+    before = {k: v.clone() for k, v in pruned.state_dict().items()}
+    fit = reconstruct_model(pruned, model, data, RefineConfig(steps=40, lr=2e-3, check_every=20), CPU,
+                            target="logits")
+    assert fit.kept and fit.after < fit.before
+    assert {k: v.dtype for k, v in pruned.state_dict().items()} == dtypes
+    moved = {k for k, v in pruned.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and moved <= _fitted_names(pruned)
