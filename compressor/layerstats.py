@@ -24,6 +24,10 @@ from .solver.problem import group_rows
 log = logging.getLogger(__name__)
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+COMPUTE_DTYPE = torch.float32  # what a half-precision checkpoint's weights compute in (solves and fits)
+
+
 def compute_device(device: str | torch.device | None) -> torch.device:
     """The requested device, else CUDA when available, else the CPU."""
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

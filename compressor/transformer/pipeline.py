@@ -35,6 +35,8 @@ from torch import Tensor, nn
 
 from ..errors import CalibrationError, InputError, UnsupportedArchitecture
 from ..layerstats import (
+    COMPUTE_DTYPE,
+    HALF_DTYPES,
     KeptSolution,
     LayerObservation,
     LayerStatistics,
@@ -157,10 +159,6 @@ def _offload(x: Tensor, dtype: torch.dtype) -> Tensor:
     if x.device.type != "cuda":
         return x.to("cpu", dtype)
     return x.to(dtype).to("cpu", non_blocking=True)
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-COMPUTE_DTYPE = torch.float32  # what a half-precision checkpoint's blocks compute in on the device
 
 
 def stored_dtype(module: nn.Module) -> torch.dtype:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
@@ -59,6 +60,7 @@ MODEL_PER_BLOCK_FITS = 1.0
 # SmolLM2-135M at 0.2 went 78.03 -> 71.69 in 60 steps, 1.05x its prune (bench/RESULTS.md, session 28)
 LOGITS_CHECK_EVERY = 20
 LOGITS_PER_PRUNE = 1.0
+TARGETS = ("hidden", "logits")  # what `reconstruct_model` fits: last hidden states, or next-token distributions
 
 
 def default_config(steps: int | None) -> RefineConfig:
@@ -169,12 +171,11 @@ def model_config(block_fits: float, budget: float | None = None, *, solves: floa
     for MODEL_PER_BLOCK_FITS x the seconds the block fits took (`block_fits`; "logits": LOGITS_PER_PRUNE x those
     and the solves' `solves` seconds), or what a time budget left (`budget`) when that is less; the fit stops at its
     first held-out check past its seconds."""
+    _check_target(target)
     if target == "logits":
         seconds, check_every = LOGITS_PER_PRUNE * (solves + block_fits), LOGITS_CHECK_EVERY
-    elif target == "hidden":
-        seconds, check_every = MODEL_PER_BLOCK_FITS * block_fits, MODEL_CHECK_EVERY
     else:
-        raise ValueError(f"target must be 'hidden' or 'logits' (got {target!r})")
+        seconds, check_every = MODEL_PER_BLOCK_FITS * block_fits, MODEL_CHECK_EVERY
     return RefineConfig(steps=MODEL_STEPS, lr=MODEL_LR, check_every=check_every,
                         seconds=max(0.0, seconds if budget is None else min(seconds, budget)))
 
@@ -218,8 +219,7 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     dense model runs beside the fit, since distributions over a vocabulary at every calibration token would not
     fit in memory): SmolLM2-135M pruned at 0.2, WikiText-2 perplexity 78.03 -> 71.69 in 60 steps, where the
     hidden states' fit gave 76.99 (bench/RESULTS.md, session 28)."""
-    if target not in ("hidden", "logits"):
-        raise ValueError(f"target must be 'hidden' or 'logits' (got {target!r})")
+    _check_target(target)
     k = config.sequences
     slices = [_cut(b, slice(i, i + k)) for b in batches for i in range(0, len(next(iter(b.values()))), k)]
     assert slices, "no calibration windows to fit on"
@@ -255,18 +255,24 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
         restore()
 
 
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)} (got {target!r})")
+
+
 def _in_float32(model: nn.Module) -> Callable[[], None]:
     """Cast `model`'s half-precision parameters and buffers to float32, in place; the returned call casts each back
-    to the dtype it had."""
+    to the dtype it had. Not the pipeline's `block.to(dtype=...)` round trip: a whole model's float32 buffers (its
+    rotary frequencies) would come back rounded to the half dtype."""
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    half = {name: t.dtype for name, t in tensors if t.dtype in (torch.float16, torch.bfloat16)}
+    half = {name: t.dtype for name, t in tensors if t.dtype in HALF_DTYPES}
 
     def cast(dtypes: dict[str, torch.dtype]) -> None:
         for name, t in tensors:
             if name in dtypes:
                 t.data = t.data.to(dtypes[name])
 
-    cast(dict.fromkeys(half, torch.float32))
+    cast(dict.fromkeys(half, COMPUTE_DTYPE))
     return lambda: cast(half)
 
 

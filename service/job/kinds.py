@@ -674,7 +674,7 @@ class _TransformerJob:
         return "logits" if self.causal else "hidden"
 
     def _model_refine(self, solve_only: bool, block_fits: float, budget: float | None,
-                      solves: float = 0.0) -> RefineConfig:
+                      solves: float) -> RefineConfig:
         """The whole-model fit after the block fits: off in a statistics pass or a solve without the fit, for kinds
         without it (`model_fit`) and where the request turned reconstruction off (--refine-steps 0); else
         `model_config` after solves of `solves` and block fits of `block_fits` seconds, within what the time budget
@@ -763,11 +763,11 @@ class _TransformerJob:
 class TextJob(_TransformerJob):
     EVAL_SEQUENCES = 64  # evaluation windows (at most)
     planning_samples = PLANNING_SEQUENCES
+    model_fit = True
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
         self.causal = self.loaded.causal
-        self.model_fit = True
         # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
         self.classifier = self.loaded.output_name == "logits" and not self.causal
         if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):
