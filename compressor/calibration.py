@@ -234,11 +234,7 @@ def split_text(
     to a calibration window (a text that repeats itself) is dropped. The held-out part is at most half the
     text; whether it is enough is the caller's to check (`HeldOut.check`)."""
     shortest = _check_windows(sequences, length, min_length)
-    path = Path(path)
-    documents = _documents(path, tokenizer)
-    total = sum(len(d) for d in documents)
-    held = min(max(MIN_HELD_OUT_TOKENS, math.ceil(HELD_OUT_TOKEN_SHARE * total)), total // 2)
-    first, second = _cut(documents, total - held)
+    first, second = _held_out_cut(_documents(Path(path), tokenizer))
     calibration = _windows(first, sequences, length, shortest, seed)
     evaluation = _windows(second, eval_sequences, length, shortest, seed + 1)
     kept, dropped = unseen_windows(evaluation, calibration)
@@ -246,6 +242,35 @@ def split_text(
                    tokens=sum(len(d) for d in second) if kept else 0)
     return (_batches(calibration, batch_size, shortest < length), _batches(kept, batch_size, shortest < length),
             info)
+
+
+def more_windows(
+    path: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    sequences: int,
+    length: int = 128,
+    seed: int = 0,
+    batch_size: int = 16,
+    min_length: int | None = None,
+    held_out: bool = True,
+) -> list[dict[str, torch.Tensor]]:
+    """`sequences` more windows of a calibration text, drawn alike (`load_text`'s windows and batches) from the part
+    the calibration draws from: without the end that `split_text` holds out when `held_out`, else the whole text.
+    For a fit that steps through more text than the solves read; draw it with a seed of its own (the calibration's
+    would repeat its windows)."""
+    shortest = _check_windows(sequences, length, min_length)
+    documents = _documents(Path(path), tokenizer)
+    if held_out:
+        documents = _held_out_cut(documents)[0]
+    return _batches(_windows(documents, sequences, length, shortest, seed), batch_size, shortest < length)
+
+
+def _held_out_cut(documents: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(calibration part, held-out end) of a text as `split_text` cuts it."""
+    total = sum(len(d) for d in documents)
+    held = min(max(MIN_HELD_OUT_TOKENS, math.ceil(HELD_OUT_TOKEN_SHARE * total)), total // 2)
+    return _cut(documents, total - held)
 
 
 def count_tokens(path: str | Path, tokenizer: Tokenizer | None = None) -> int:
@@ -266,6 +291,13 @@ def unseen_batches(batches: list[dict[str, torch.Tensor]], seen: list[dict[str, 
     and how many were dropped."""
     kept, dropped = unseen_windows(_windows_of(batches), _windows_of(seen))
     return _batches(kept, batch_size, by_length=False), dropped
+
+
+def unseen_rows(batch: dict[str, torch.Tensor], seen: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Which windows of a token `batch` (a bool mask over its rows) are not identical to a window of `seen`'s
+    batches (padding aside)."""
+    known = {_digest(w) for w in _windows_of(seen)}
+    return torch.tensor([_digest(w) not in known for w in _windows_of([batch])], dtype=torch.bool)
 
 
 def _windows_of(batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ class RefineReport:
     kept: bool  # the fit is kept only when it lowered the held-out error
     steps: int
     seconds: float
+    windows: int | None = None  # the calibration windows a whole-model fit stepped through (None: not counted)
 
 
 def fit_numbers(fit: RefineReport) -> dict[str, float]:

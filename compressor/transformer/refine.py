@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..calibration import unseen_rows
 from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
@@ -209,10 +210,13 @@ def _cut(batch: dict[str, Tensor], rows: slice) -> dict[str, Tensor]:
 
 
 def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dict[str, Tensor]],
-                      config: RefineConfig, device: torch.device, target: str = "hidden") -> RefineReport:
+                      config: RefineConfig, device: torch.device, target: str = "hidden",
+                      pool: Sequence[dict[str, Tensor]] = ()) -> RefineReport:
     """Fit every block's projections (weights and biases) of `pruned`, in place, so that its outputs reproduce
     `dense`'s on the calibration `batches`, `config.sequences` windows per step; a seeded `config.held_out` of them
-    judge the fit, which is kept only when it lowers their error (`compressor.refine.Reconstruction`).
+    judge the fit, which is kept only when it lowers their error (`compressor.refine.Reconstruction`). `pool`: more
+    windows to step through beside the calibration's, never judged (those identical to a judged window are left
+    out), so that a fit of many steps does not go over the same few windows again and again.
 
     `target` "hidden": the last hidden states (relative squared error over the tokens that count). "logits": a
     causal LM's next-token distributions (the KL divergence from the dense model's, per token that counts; the
@@ -221,11 +225,17 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     hidden states' fit gave 76.99 (bench/RESULTS.md, session 28)."""
     _check_target(target)
     k = config.sequences
-    slices = [_cut(b, slice(i, i + k)) for b in batches for i in range(0, len(next(iter(b.values()))), k)]
+    slices = _slices(batches, k)
     assert slices, "no calibration windows to fit on"
     pruned.to(device)
     home = next(dense.parameters()).device  # the caller's dense model goes back where it was (a job keeps it)
     judge, fit = held_out_draw(len(slices), config.held_out, config.seed)
+    judged = [slices[i] for i in judge.tolist()]
+    extra = _slices([{name: v[rows] for name, v in b.items()} for b in pool
+                     for rows in [unseen_rows(b, judged)] if rows.any()], k)
+    slices += extra  # fitted, never judged: their indices are past the draw's
+    fit = torch.cat([fit, torch.arange(len(slices) - len(extra), len(slices))])
+    fitted = sum(len(next(iter(slices[i].values()))) for i in fit.tolist())  # windows stepped through
     # Adam's relative steps (2e-4) are below half precision's resolution (bf16: 2^-8): a half-precision model is
     # fitted in float32 and its fitted weights round once, at the end
     restore = _in_float32(pruned)
@@ -235,7 +245,8 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
 
         def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
             held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]
-            return Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
+            report = Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
+            return replace(report, windows=fitted)
 
         dense.to(device)
         try:
@@ -253,6 +264,11 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
                                                                 batch))
     finally:
         restore()
+
+
+def _slices(batches: Sequence[dict[str, Tensor]], k: int) -> list[dict[str, Tensor]]:
+    """The batches in steps of `k` windows (`_cut`)."""
+    return [_cut(b, slice(i, i + k)) for b in batches for i in range(0, len(next(iter(b.values()))), k)]
 
 
 def _check_target(target: str) -> None:

@@ -32,9 +32,11 @@ from compressor.calibration import (
     drop_seen,
     load_images,
     load_text,
+    more_windows,
     split_images,
     split_text,
     unseen_batches,
+    unseen_rows,
 )
 from compressor.cnn.depth import choose_blocks, greedy_blocks, remove_blocks, residual_blocks
 from compressor.cnn.depth import removal_losses as block_removal_losses
@@ -110,6 +112,12 @@ PLANNING_SEQUENCES = 1024
 # export is checked on the first calibration batch cut to this (hundreds of tokens still), an evaluation runs its
 # batches in slices within it (a perplexity sums them)
 OUTPUT_VALUES = 64 << 20
+# the windows a decoder's whole-model fit of its next-token distributions steps through (the calibration's and more
+# of the same text): on the calibration's 128 alone SmolLM2-135M's fit saturates (session 29: a returned model fitted
+# on for 30 steps of fresh windows went 80.64 -> 74.79, then no further on those), while a step costs the same
+# whatever the pool; 1,024 cover the ~60-250 steps of 4 windows that a job's allowance runs to without a repeat. A
+# SmolLM2-135M 1.25x job with them: WikiText-2 78.8 at 1.32x, against 80.6 at 1.26x without (bench/RESULTS.md, 30)
+FIT_SEQUENCES = 1024
 
 
 def _statistics_pass(plan: Widths, observe: Observe | None) -> bool:
@@ -662,10 +670,15 @@ class _TransformerJob:
                                     solves=sum(r.seconds for r in layers))
         if config.steps and (self.removed_blocks or any(r.width_after < r.width_before for r in layers)):
             model_fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device),
-                                          target=self.model_target)
+                                          target=self.model_target, pool=self.fit_pool())
             pruned.osscar_model_fit = model_fit  # report.json `model_reconstruction`
             progress(Progress(RECONSTRUCTION, "model", numbers=fit_numbers(model_fit)))
         return pruned.cpu().eval(), layers
+
+    def fit_pool(self) -> list[dict[str, torch.Tensor]]:
+        """More windows the whole-model fit steps through beside the calibration's (`reconstruct_model`'s `pool`):
+        none here."""
+        return []
 
     @property
     def model_target(self) -> str:
@@ -790,6 +803,7 @@ class TextJob(_TransformerJob):
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
+        self._pool: list[dict[str, torch.Tensor]] | None = None  # drawn for the first whole-model fit
         self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier else COSINE
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         limit = max_sequence(self.dense)
@@ -805,6 +819,23 @@ class TextJob(_TransformerJob):
                    else f"<= {self.draw.length}")
         say(f"{request.model}: {type(self.dense).__name__}, {self.draw.sequences} calibration sequences of "
             f"{lengths} tokens, method {request.method}")
+
+    def fit_pool(self) -> list[dict[str, torch.Tensor]]:
+        """A decoder's fit of its next-token distributions steps through FIT_SEQUENCES windows in all: the calibration's
+        and more drawn alike from the same text (a seed of their own; without any window identical to an
+        evaluation window). An encoder's fit of its hidden states keeps the calibration's (2,048 windows already,
+        whose targets it holds)."""
+        if self.model_target != "logits" or self.draw.sequences >= FIT_SEQUENCES:
+            return []
+        if self._pool is None:
+            request = self.request
+            drawn = more_windows(request.calibration, tokenizer=self.loaded.tokenizer,
+                                 sequences=FIT_SEQUENCES - self.draw.sequences,
+                                 length=self.draw.length, min_length=self.draw.min_length, seed=request.seed + 2,
+                                 held_out=request.eval is None)
+            self._pool = [{k: v[rows] for k, v in b.items()} for b in self._typed(drawn)
+                          for rows in [unseen_rows(b, self.eval_batches)] if rows.any()]
+        return self._pool
 
     def _typed(self, batches: list[dict]) -> list[dict]:
         if "token_type_ids" in self.loaded.input_names:

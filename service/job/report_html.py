@@ -406,8 +406,9 @@ def _settings(report: Report) -> list[tuple[str, Any]]:
     whole = kind.model_reconstruction
     if whole:
         outcome = "kept" if whole["kept"] else "not kept (no better on the held-out windows)"
-        rows.append(("whole-model fit", _e(f"{whole['steps']} steps, held-out error {whole['before']:.4f} -> "
-                                           f"{whole['after']:.4f}, {outcome} ({whole['seconds']:.0f} s)")))
+        windows = f" through {whole['windows']} windows" if whole.get("windows") else ""
+        rows.append(("whole-model fit", _e(f"{whole['steps']} steps{windows}, held-out error {whole['before']:.4f} "
+                                           f"-> {whole['after']:.4f}, {outcome} ({whole['seconds']:.0f} s)")))
     if kind.samples is not None:
         steps = f", {kind.refine_steps} reconstruction steps" if kind.refine_steps is not None else ""
         rows.append(("calibration", _e(f"{kind.samples} images{steps}")))

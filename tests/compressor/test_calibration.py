@@ -118,6 +118,28 @@ def test_held_out_images_are_never_calibration_images(tmp_path):
         info.check(tmp_path / "small.npz")
 
 
+def test_more_windows_come_from_where_the_calibration_draws_never_the_held_out_end(tmp_path):
+    """`more_windows`: the calibration's kind of windows, of the text `split_text` calibrates on (its end held out),
+    or of all of it when an evaluation file holds the evaluation windows; `unseen_rows` picks a batch's windows
+    that repeat none of another's."""
+    from compressor.calibration import more_windows, split_text, unseen_rows
+
+    ids = np.arange(6000)  # token = position
+    np.savez(tmp_path / "ids.npz", ids=ids, offsets=np.array([0, 2500, 6000]))
+    _, held, _ = split_text(tmp_path / "ids.npz", sequences=40, length=64, eval_sequences=20)
+    cut = min(int(b["input_ids"][b["attention_mask"].bool()].min()) for b in held)  # the earliest held-out token
+    pool = more_windows(tmp_path / "ids.npz", sequences=300, length=64, seed=2)
+    tokens = torch.cat([b["input_ids"][b["attention_mask"].bool()] for b in pool])
+    assert sum(len(b["input_ids"]) for b in pool) == 300 and all(b["input_ids"].shape[1] == 64 for b in pool)
+    assert int(tokens.max()) < 5400 <= cut  # 10 % of 6,000 tokens held out
+    whole = more_windows(tmp_path / "ids.npz", sequences=300, length=64, seed=2, held_out=False)
+    assert max(int(b["input_ids"].max()) for b in whole) >= cut
+    assert torch.equal(pool[0]["input_ids"], more_windows(tmp_path / "ids.npz", sequences=300, length=64,
+                                                          seed=2)[0]["input_ids"])
+    batch = {k: torch.cat([held[0][k][:2], pool[0][k][:3]]) for k in ("input_ids", "attention_mask")}
+    assert unseen_rows(batch, held).tolist() == [False, False, True, True, True]
+
+
 def test_held_out_text_is_the_texts_end_and_never_a_calibration_window(tmp_path):
     """The last 10 % of the tokens (at least 512; a straddling document split) is where the evaluation
     windows come from; a window that repeats a calibration window is dropped."""

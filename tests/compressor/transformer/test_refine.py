@@ -280,6 +280,23 @@ def test_a_whole_model_fit_of_the_next_token_distributions_lowers_their_kl(name)
     assert next(model.parameters()).device == CPU and all(p.grad is None for p in pruned.parameters())
 
 
+def test_a_pool_of_more_windows_is_fitted_on_and_never_judged():
+    """`pool`: windows the fit steps through beside the calibration's fitting ones, never among the judged ones (the
+    held-out error before the fit is the calibration's alone), without those identical to a judged window."""
+    model = MODELS["llama"]()
+    data = batches(model, n=4, batch=5)  # 20 windows: 5 steps of 4, one step (4 windows) judged
+    pruned, _ = prune_transformer(model, data, 0.5)
+    config = RefineConfig(steps=4, lr=0.01, check_every=2)
+    alone = reconstruct_model(copy.deepcopy(pruned), model, data, config, CPU, target="logits")
+    fresh = [example_inputs(model, batch=5, length=12, seed=100 + i) for i in range(2)]  # 10 new windows
+    pool = fresh + data  # and every calibration window again: the judged ones are left out, the fitted ones not
+    pooled = reconstruct_model(copy.deepcopy(pruned), model, data, config, CPU, target="logits", pool=pool)
+    assert alone.windows == 16 and pooled.windows == 16 + 10 + 16
+    assert pooled.before == alone.before
+    with pytest.raises(AssertionError, match="no calibration windows"):
+        reconstruct_model(pruned, model, [], config, CPU, target="logits", pool=fresh)
+
+
 def test_the_next_token_kl_is_the_mean_over_the_tokens_that_count():
     model = MODELS["llama"]()
     other = copy.deepcopy(model)

@@ -93,6 +93,8 @@ def test_the_page_says_what_the_whole_model_fit_did():
     kept = {"before": 0.0611, "after": 0.0502, "kept": True, "steps": 1000, "seconds": 111.4}
     assert "1000 steps, held-out error 0.0611 -&gt; 0.0502, kept (111 s)" in render(sample_report(
         model_reconstruction=kept))
+    pooled = {**kept, "windows": 1014}
+    assert "1000 steps through 1014 windows, held-out" in render(sample_report(model_reconstruction=pooled))
     dropped = {**kept, "after": 0.0611, "kept": False, "steps": 100}
     assert "not kept (no better on the held-out windows)" in render(sample_report(model_reconstruction=dropped))
     assert "whole-model fit" not in render(sample_report())
