@@ -116,7 +116,7 @@ OUTPUT_VALUES = 64 << 20
 # of the same text): on the calibration's 128 alone SmolLM2-135M's fit saturates (session 29: a returned model fitted
 # on for 30 steps of fresh windows went 80.64 -> 74.79, then no further on those), while a step costs the same
 # whatever the pool; 1,024 cover the ~60-250 steps of 4 windows that a job's allowance runs to without a repeat. A
-# SmolLM2-135M 1.25x job with them: WikiText-2 78.8 at 1.32x, against 80.6 at 1.26x without (bench/RESULTS.md, 30)
+# SmolLM2-135M 1.25x job with them: WikiText-2 78.8 at 1.32x, 84.5 on the same structure without (RESULTS, session 30)
 FIT_SEQUENCES = 1024
 
 
