@@ -296,7 +296,20 @@ def unseen_batches(batches: list[dict[str, torch.Tensor]], seen: list[dict[str, 
 def unseen_rows(batch: dict[str, torch.Tensor], seen: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """Which windows of a token `batch` (a bool mask over its rows) are not identical to a window of `seen`'s
     batches (padding aside)."""
+    return _unseen_mask(batch, {_digest(w) for w in _windows_of(seen)})
+
+
+def without_seen(batches: list[dict[str, torch.Tensor]],
+                 seen: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """`batches` without their windows identical to a window of `seen` (`unseen_rows`), every input kept and nothing
+    rebatched; a batch left empty is dropped."""
+    if not batches:  # nothing to compare: `seen` may be other inputs than token windows (images)
+        return []
     known = {_digest(w) for w in _windows_of(seen)}
+    return [{k: v[rows] for k, v in b.items()} for b in batches for rows in [_unseen_mask(b, known)] if rows.any()]
+
+
+def _unseen_mask(batch: dict[str, torch.Tensor], known: set[bytes]) -> torch.Tensor:
     return torch.tensor([_digest(w) not in known for w in _windows_of([batch])], dtype=torch.bool)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..calibration import unseen_rows
+from ..calibration import without_seen
 from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
@@ -231,8 +231,7 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     home = next(dense.parameters()).device  # the caller's dense model goes back where it was (a job keeps it)
     judge, fit = held_out_draw(len(slices), config.held_out, config.seed)
     judged = [slices[i] for i in judge.tolist()]
-    extra = _slices([{name: v[rows] for name, v in b.items()} for b in pool
-                     for rows in [unseen_rows(b, judged)] if rows.any()], k)
+    extra = _slices(without_seen(list(pool), judged), k)
     slices += extra  # fitted, never judged: their indices are past the draw's
     fit = torch.cat([fit, torch.arange(len(slices) - len(extra), len(slices))])
     fitted = sum(len(next(iter(slices[i].values()))) for i in fit.tolist())  # windows stepped through

@@ -36,7 +36,7 @@ from compressor.calibration import (
     split_images,
     split_text,
     unseen_batches,
-    unseen_rows,
+    without_seen,
 )
 from compressor.cnn.depth import choose_blocks, greedy_blocks, remove_blocks, residual_blocks
 from compressor.cnn.depth import removal_losses as block_removal_losses
@@ -833,8 +833,7 @@ class TextJob(_TransformerJob):
                                  sequences=FIT_SEQUENCES - self.draw.sequences,
                                  length=self.draw.length, min_length=self.draw.min_length, seed=request.seed + 2,
                                  held_out=request.eval is None)
-            self._pool = [{k: v[rows] for k, v in b.items()} for b in self._typed(drawn)
-                          for rows in [unseen_rows(b, self.eval_batches)] if rows.any()]
+            self._pool = without_seen(self._typed(drawn), self.eval_batches)
         return self._pool
 
     def _typed(self, batches: list[dict]) -> list[dict]:
