@@ -144,14 +144,16 @@ def curve_loss(curves: Sequence[LayerCurve], widths: dict[str, int]) -> float:
 
 @dataclass(frozen=True)
 class DepthOption:
-    """One mix of depth and width for a speedup: some whole blocks removed (measured), the rest from widths
-    (modelled), with the loss of each part in the curves' currency (errors relative to the residual stream)."""
+    """One mix of depth and width for a speedup: some whole blocks removed (measured, or modelled from what they
+    cost), the rest from widths (modelled), with the loss of each part in the curves' currency (errors relative to
+    the residual stream)."""
 
     blocks: tuple[str, ...]  # the residual blocks removed
     depth_loss: float  # their summed removal losses
-    depth_speedup: float  # measured: the dense graph without them, against the dense graph
+    depth_speedup: float  # the dense graph without them, against the dense graph
     width_saving: float  # fraction of the remaining prunable cost the widths must still remove
     width_loss: float  # the allocation's loss for that saving (inf: the minimum widths cannot reach it)
+    measured: bool = True  # depth_speedup measured by a latency probe (False: modelled from the blocks' cost)
 
     @property
     def loss(self) -> float:
@@ -159,9 +161,9 @@ class DepthOption:
 
 
 def depth_option(blocks: Sequence[str], depth_loss: float, depth_speedup: float, curves: Sequence[LayerCurve],
-                 target: float, share: float) -> DepthOption:
-    """What reaching `target` costs with `blocks` removed (measured at `depth_speedup`) and the layers left
-    (`curves`, the removed blocks' layers already left out) narrowed by `allocate` for the rest.
+                 target: float, share: float, measured: bool = True) -> DepthOption:
+    """What reaching `target` costs with `blocks` removed (at `depth_speedup`, `measured` or modelled) and the
+    layers left (`curves`, the removed blocks' layers already left out) narrowed by `allocate` for the rest.
 
     The rest: the speedup still missing, target / depth_speedup, as a fraction of the remaining latency,
     over `share` (the latency model's fraction of latency per fraction of prunable cost removed)."""
@@ -169,9 +171,9 @@ def depth_option(blocks: Sequence[str], depth_loss: float, depth_speedup: float,
         raise ValueError(f"need a positive depth speedup and share (got {depth_speedup}, {share})")
     rest = target / depth_speedup
     if rest <= 1:
-        return DepthOption(tuple(blocks), depth_loss, depth_speedup, 0.0, 0.0)
+        return DepthOption(tuple(blocks), depth_loss, depth_speedup, 0.0, 0.0, measured)
     saving = (1 - 1 / rest) / share
     if saving > max_saving(curves):
-        return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, math.inf)
+        return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, math.inf, measured)
     widths = allocate(curves, saving * total_cost(curves))
-    return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, curve_loss(curves, widths))
+    return DepthOption(tuple(blocks), depth_loss, depth_speedup, saving, curve_loss(curves, widths), measured)

@@ -403,6 +403,11 @@ class ConvJob:
         """Conv graphs price errors relative to the stream they join (no output sensitivity yet)."""
         return None
 
+    def removed_cost(self, blocks: Sequence[str]) -> None:
+        """None: a conv graph's blocks run at different resolutions and widths, so each depth option's speedup is
+        measured (`targeting.plan_depth`), not modelled from its multiply-adds."""
+        return None
+
     def without(self, blocks: Sequence[str]) -> fx.GraphModule:
         """The dense graph without `blocks`."""
         return remove_blocks(self.dense, list(blocks))
@@ -590,6 +595,16 @@ class _TransformerJob:
             sublayer = {ATTENTION: attention, FFN: ffn}
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs
+
+    def removed_cost(self, blocks: Sequence[str]) -> float:
+        """The share of the prunable multiply-adds that removing `blocks` (depth units) saves. A transformer's layers
+        all run at one sequence length and width, so a layer's or sub-layer's share of the latency is its share of
+        the multiply-adds times the latency model's share (`targeting.plan_depth` models its options so)."""
+        costs, units = self._unit_costs(), self._units()
+        total = sum(costs[name] for name, (_, kind) in units.items() if kind is None)
+        unknown = [b for b in blocks if b not in costs]
+        assert not unknown, f"not depth units of this model: {unknown}"
+        return sum(costs[b] for b in blocks) / total
 
     def _split(self, names: Sequence[str]) -> tuple[list[int], list[tuple[int, str]]]:
         """(layers removed whole, (layer, kind) of the sub-layers removed alone) of depth unit names, in the dense

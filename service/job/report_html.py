@@ -443,7 +443,8 @@ def depth_section(report: Report) -> str:
         return f"<h2>Depth</h2><p>Blocks removed: {_e(', '.join(removed) or 'none')} ({_e(why)}).</p>"
     rows = "".join(
         f"<tr><td>{o['blocks']}</td><td>{_e(o['last'] or '')}</td>"
-        f"<td>{_num(o['depth_speedup'], 3)}x</td><td>{o['width_saving']:.1%}</td><td>{_num(o['depth_loss'])}</td>"
+        f"<td>{_num(o['depth_speedup'], 3)}x{'' if o.get('measured', True) else ' (modelled)'}</td>"
+        f"<td>{o['width_saving']:.1%}</td><td>{_num(o['depth_loss'])}</td>"
         f"<td>{_num(o['width_loss'])}</td><td>{_num(o['loss'])}{' <strong>(chosen)</strong>' if o['chosen'] else ''}"
         "</td></tr>"
         for o in depth["options"])
@@ -458,7 +459,7 @@ def depth_section(report: Report) -> str:
     gone = ", ".join(removed or []) or "none"
     return (f"<h2>Depth</h2><p>Blocks removed: {_e(gone)}. How: {_e(depth['rule'])}"
             f" (planned for {depth['aim']:.3f}x).{_e(tie)}{_e(replanned)}</p><div class='scroll'><table><tr>"
-            "<th>blocks removed</th><th>last block</th><th>measured speedup without them</th>"
+            "<th>blocks removed</th><th>last block</th><th>speedup without them</th>"
             "<th>widths still remove</th>"
             f"<th>depth loss</th><th>width loss</th><th>planned loss</th></tr>{rows}</table></div>")
 

@@ -59,6 +59,14 @@ MAX_DEPTH_SHARE = 0.5
 # CPU cores) cost a dozen probes, not 45
 DEPTH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEPTH_PATIENCE = 2
+# a kind whose depth units' latency is their share of the multiply-adds (`removed_cost`: transformers, every layer at
+# one sequence length) has its options' speedups modelled, and a probe measures the best option only once it
+# removes at least DEPTH_PROBE_MIN of the modelled latency: SmolLM2-135M's options of 1-4 units (1-6 % of its
+# latency) measured 1.009x, 1.039x, 1.034x, 1.066x where their multiply-adds say 1.010x, 1.020x, 1.030x, 1.059x, the
+# 2-core VM's timing noise deciding between them at a minute or more a probe (bench/RESULTS.md, session 31). Each
+# probe corrects the model's share; at most MAX_DEPTH_PROBES of them
+DEPTH_PROBE_MIN = 0.05
+MAX_DEPTH_PROBES = 3
 # depth options planned within TIE of the least loss are a tie the planned losses cannot break: ResNet-56 at 2x
 # planned its 3-block option at 0.740-0.759 from run to run (2.5 %), 3 and 6 blocks 0.2-2.5 % apart, and every
 # 6-block round measured more top-1 than the 3-block ones (bench/RESULTS.md, sessions 24-25). The first TRIALS of
@@ -105,6 +113,7 @@ class DepthJob(Protocol):
     def removal_losses(self) -> dict[str, float]: ...
     def currency(self) -> Callable[..., float] | None: ...
     def without(self, blocks: Sequence[str]) -> nn.Module: ...
+    def removed_cost(self, blocks: Sequence[str]) -> float | None: ...
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 
 def _fingerprint(path: str | Path) -> list:
@@ -182,18 +191,22 @@ class DepthPlan:
     share: float  # the latency model's share that turned the missing speedup into a width saving
     losses: dict[str, float] = field(default_factory=dict)  # every removable unit's removal loss (the why)
     currency: str = "stream"  # what the losses are: "stream" (relative to it) or "output" (the change they predict)
+    modelled: bool = False  # the options' depth speedups modelled from their multiply-adds (`removed_cost`)
 
     def to_dict(self, tried: Sequence[DepthOption] = (), trials: Sequence[Trial] = ()) -> dict:
         """The plan as report.json's `depth`; `tried`: the options whose rounds ran, in order (re-plans);
         `trials`: the tied options' solves without the fit that ordered them."""
+        how = (f"its speedup modelled from the multiply-adds it saves (the latency model's share, corrected by "
+               f"probes of the best option once it removes {DEPTH_PROBE_MIN:.0%} of the latency or more)"
+               if self.modelled else "its speedup measured")
         rule = ("each prefix of the greedy block order (the block whose removal changes the outputs least, one at "
                 "a time; a transformer's layers and their attentions and FFNs alone, by that change per multiply-add "
-                "saved) removed and its speedup measured, the widths planned for the rest of the aim from the "
+                f"saved) removed and {how}, the widths planned for the rest of the aim from the "
                 "dense loss curves; the option with the least loss (removal losses plus width losses, both "
                 f"{CURRENCIES[self.currency]}) is taken")
         return {"rule": rule, "aim": self.aim, "share": self.share, "planned": list(self.chosen.blocks),
                 "options": [{"blocks": len(o.blocks), "last": o.blocks[-1] if o.blocks else None,
-                             "depth_speedup": o.depth_speedup, "depth_loss": o.depth_loss,
+                             "depth_speedup": o.depth_speedup, "measured": o.measured, "depth_loss": o.depth_loss,
                              "width_saving": o.width_saving,
                              "width_loss": o.width_loss if math.isfinite(o.width_loss) else None,
                              "loss": o.loss if math.isfinite(o.loss) else None,
@@ -234,8 +247,9 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
     """How many residual blocks to remove before the widths: one allocation over depth and width.
 
     Every option is a prefix of the greedy block order (of the lengths in DEPTH_SIZES): its speedup is
-    measured (the dense graph without the blocks, exported and timed), the widths for the speedup still
-    missing are allocated on the remaining layers' dense curves with the latency model's initial share,
+    measured (the dense graph without the blocks, exported and timed), or modelled where the kind's units cost
+    latency in proportion to their multiply-adds (`_modelled_options`), the widths for the speedup still
+    missing are allocated on the remaining layers' dense curves with the latency model's share,
     and the option's loss is the blocks' removal
     losses plus that allocation's loss: both in the currency in which `allocate` already trades one layer's
     width against another's (`ModelJob.currency`: errors relative to the residual stream, or the output change
@@ -243,12 +257,29 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
     assert request.target_speedup is not None
     aim = AIM_AT * request.target_speedup
     losses = job.removal_losses()
-    options = [depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)]
-    best, worse = options[0], 0
-    say(f"depth: {len(losses)} removable residual blocks or sub-layers; none removed: widths remove "
-        f"{options[0].width_saving:.1%} of the prunable cost, planned loss {options[0].loss:.4f}")
+    order = itertools.islice(job.depth_order(), int(MAX_DEPTH_SHARE * len(losses)))
+    currency = "stream" if job.currency() is None else "output"
+
+    def say_none(none: DepthOption) -> None:
+        say(f"depth: {len(losses)} removable residual blocks or sub-layers; none removed: widths remove "
+            f"{none.width_saving:.1%} of the prunable cost, planned loss {none.loss:.4f}")
+
+    if job.removed_cost(()) is not None:
+        options, best, share = _modelled_options(job, [b for b, _ in order], curves, losses, aim, probe, say)
+        say_none(options[0])
+        for o in options[1:]:
+            say(f"depth: {len(o.blocks)} units removed (last {o.blocks[-1]}): "
+                f"{'measured' if o.measured else 'modelled'} {o.depth_speedup:.3f}x; widths then remove "
+                f"{o.width_saving:.1%} of the remaining prunable cost; planned loss {o.depth_loss:.4f} depth + "
+                f"{o.width_loss:.4f} width = {o.loss:.4f}")
+        say(f"depth: removing {len(best.blocks)} units ({', '.join(best.blocks) or 'none'}): the least planned loss")
+        return DepthPlan(best, options, aim, share, dict(losses), currency, modelled=True)
+    none = depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)
+    say_none(none)
+    options = [none]
+    best, worse = none, 0
     chosen: list[str] = []
-    for block, _ in itertools.islice(job.depth_order(), int(MAX_DEPTH_SHARE * len(losses))):
+    for block, _ in order:
         chosen.append(block)
         if len(chosen) not in DEPTH_SIZES:
             continue
@@ -259,14 +290,61 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         say(f"depth: {len(chosen)} blocks removed (last {block}): measured {latency.speedup:.3f}x; widths then "
             f"remove {option.width_saving:.1%} of the remaining prunable cost; planned loss {option.depth_loss:.4f} "
             f"depth + {option.width_loss:.4f} width = {option.loss:.4f}")
-        if option.loss < best.loss:
-            best, worse = option, 0
-        else:
-            worse += 1
-        if option.width_saving == 0 or worse >= DEPTH_PATIENCE:
+        best, worse, stop = _searched(option, best, worse)
+        if stop:
             break
     say(f"depth: removing {len(best.blocks)} blocks ({', '.join(best.blocks) or 'none'}): the least planned loss")
-    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), "stream" if job.currency() is None else "output")
+    return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), currency)
+
+
+def _searched(option: DepthOption, best: DepthOption, worse: int) -> tuple[DepthOption, int, bool]:
+    """The depth search after weighing `option`: (the best option so far, how many in a row planned no better,
+    whether to stop: DEPTH_PATIENCE of those, or blocks alone reaching the aim)."""
+    best, worse = (option, 0) if option.loss < best.loss else (best, worse + 1)
+    return best, worse, option.width_saving == 0 or worse >= DEPTH_PATIENCE
+
+
+def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve], losses: dict[str, float],
+                      aim: float, probe: ProbeGraph, say: Say) -> tuple[list[DepthOption], DepthOption, float]:
+    """(options, the least loss's, the latency share they were planned with) of a kind whose depth units cost
+    latency in proportion to their multiply-adds: prefix n's speedup is 1 / (1 - share x removed_cost(prefix)),
+    with share the latency model's (INITIAL_SHARE) corrected by what probes measured (removed latency over removed
+    cost, summed over the probes: the larger removals weigh more, their timing noise being the smaller part). The
+    options are weighed as the measured search weighs them (prefixes of DEPTH_SIZES until DEPTH_PATIENCE in a row
+    plan no better); the best is probed when it removes DEPTH_PROBE_MIN of the latency or more and was not
+    probed yet, and the options are planned again with the corrected share (at most MAX_DEPTH_PROBES probes)."""
+    measured: dict[int, float] = {}  # prefix length -> measured speedup
+    share = INITIAL_SHARE
+
+    def weigh() -> tuple[list[DepthOption], DepthOption]:
+        options = [depth_option((), 0.0, 1.0, curves, aim, share)]
+        best, worse = options[0], 0
+        for n in (n for n in DEPTH_SIZES if n <= len(order)):
+            blocks = order[:n]
+            cost = job.removed_cost(blocks)
+            assert cost is not None and 0 < cost < 1, (blocks, cost)
+            speedup = measured.get(n, 1 / (1 - min(share * cost, 0.95)))
+            kept = [c for c in curves if not in_blocks(c.name, blocks)]
+            option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, share, n in measured)
+            options.append(option)
+            best, worse, stop = _searched(option, best, worse)
+            if stop:
+                break
+        return options, best
+
+    options, best = weigh()
+    while len(measured) < MAX_DEPTH_PROBES:
+        n = len(best.blocks)
+        cost = job.removed_cost(best.blocks) or 0.0
+        if n == 0 or n in measured or 1 - 1 / best.depth_speedup < DEPTH_PROBE_MIN:
+            break
+        measured[n] = probe(job.without(order[:n])).speedup
+        say(f"depth: {n} units removed measured {measured[n]:.3f}x (modelled {best.depth_speedup:.3f}x from "
+            f"{cost:.1%} of the prunable multiply-adds)")
+        removed = sum(1 - 1 / s for s in measured.values())
+        share = min(MAX_SHARE, max(0.05, removed / sum(job.removed_cost(order[:m]) or 0.0 for m in measured)))
+        options, best = weigh()
+    return options, best, share
 
 
 def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: RunRound, metric: Metric,

@@ -8,7 +8,7 @@ import pytest
 
 from compressor.errors import InputError
 from compressor.progress import SOLVE, STATISTICS, Progress
-from service.job.kinds import TextJob, _relay, _statistics_pass
+from service.job.kinds import ConvJob, TextJob, _relay, _statistics_pass
 from service.job.progress import render
 from service.job.request import CompressRequest
 
@@ -51,7 +51,7 @@ def test_agreement_with_a_dense_model_that_predicts_one_class_is_flagged():
     from types import SimpleNamespace
 
     from service.job.budgets import Metric
-    from service.job.kinds import ConvJob, agreement
+    from service.job.kinds import agreement
 
     job = SimpleNamespace(metric=Metric("agreement", True))
     one_class = np.tile([0.1, 3.0, 0.2], (100, 1))
@@ -82,6 +82,27 @@ def test_the_depth_order_never_removes_every_layer():
     assert len([n for n in order if n.startswith("model.layers.0.")]) == 1  # the second would empty the model
     whole, _ = job._split(order)
     assert len(whole) < 2
+
+
+def test_a_transformers_depth_units_cost_their_share_of_the_multiply_adds():
+    """What a depth plan models a transformer's options by (`removed_cost`): each layer its equal share, a layer's
+    attention and FFN together the layer's, and the attention's share growing with the measured sequence length
+    (its scores and weighted sum are per pair of tokens)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64)
+    job = TextJob.__new__(TextJob)
+    job.dense = transformers.LlamaForCausalLM(config).eval()
+    attention, ffn = "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"
+    job.tokens = 16
+    assert job.removed_cost(["model.layers.1"]) == pytest.approx(0.5)
+    assert job.removed_cost([attention]) + job.removed_cost([ffn]) == pytest.approx(0.5)
+    assert job.removed_cost(["model.layers.1", attention, ffn]) == pytest.approx(1.0)
+    short = job.removed_cost([attention])
+    job.tokens = 512
+    assert job.removed_cost([attention]) > short
+    assert ConvJob.removed_cost(None, ["layer1.0"]) is None  # a conv graph's blocks are measured
 
 
 def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():

@@ -82,6 +82,17 @@ def test_the_page_names_the_residual_blocks_a_conv_job_removed():
     assert "residual blocks removed" not in render(sample_report(removed_blocks=[]))
 
 
+def test_the_depth_table_says_which_speedups_were_modelled():
+    """A transformer's depth options are modelled from their multiply-adds unless probed: the table says which."""
+    option = {"blocks": 2, "last": "model.layers.14.self_attn.o_proj", "depth_speedup": 1.02, "depth_loss": 1e-4,
+              "width_saving": 0.23, "width_loss": 1e-3, "loss": 1.1e-3, "chosen": True}
+    depth = {"rule": "modelled", "aim": 1.2875, "options": [{**option, "measured": False},
+                                                            {**option, "blocks": 8, "chosen": False}]}
+    page = render(sample_report(depth=depth, removed_layers=["model.layers.12.self_attn.o_proj"]))
+    assert "<td>1.02x (modelled)</td>" in page
+    assert page.count("(modelled)") == 1  # an option without the field (an older report's) was measured
+
+
 def test_the_page_says_how_long_the_blocks_fits_ran():
     fits = {"steps": 240, "steps_min": 50, "blocks": 6, "blocks_kept": 5, "seconds": 61.0}
     assert "50-240 steps per block; kept in 5 of 6 blocks (61 s)" in render(sample_report(block_reconstruction=fits))

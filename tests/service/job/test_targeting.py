@@ -347,6 +347,9 @@ class FakeDepthJob:
     def currency(self):
         return None  # a conv graph's: relative to the stream
 
+    def removed_cost(self, blocks):
+        return None  # a conv graph's: every option's speedup measured
+
 
 def fake_depth_curves():
     return [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.2 * (i + 1), 2.0], cost=1.0)
@@ -401,6 +404,75 @@ def test_long_depth_orders_are_weighed_at_prefix_lengths_about_1_5x_apart():
     plan = plan_depth(ManyUnits(0.0), curves, request, probe, lambda m: None)
     assert probed == [1, 2, 3, 4, 6, 8, 12, 16]
     assert [len(o.blocks) for o in plan.options] == [0, *probed]
+
+
+class CostedUnits(FakeDepthJob):
+    """A transformer's depth units: 40 of them, each 2 % of the prunable multiply-adds, removed in order; each
+    removal after the first `cheap` costs 10.0 (else nothing)."""
+
+    def __init__(self, cheap: int) -> None:
+        super().__init__(0.0)
+        self.cheap = cheap
+
+    def depth_order(self):
+        for i in range(40):
+            yield f"b{i}", 0.0
+
+    def removal_losses(self):
+        return {f"b{i}": 0.0 if i < self.cheap else 10.0 for i in range(40)}
+
+    def removed_cost(self, blocks):
+        return 0.02 * len(blocks)
+
+
+def _fine_curves():
+    # each unit of width removed costs more than the one before: a little depth always spares some width loss
+    return [LayerCurve(f"c{i}.conv", "conv_channels", list(range(64, 0, -1)), [0.01 * k * k for k in range(64)],
+                       cost=1.0) for i in range(6)]
+
+
+def test_a_transformers_small_depth_options_are_modelled_not_probed():
+    """Units whose latency is their share of the multiply-adds (`removed_cost`): options removing less than
+    DEPTH_PROBE_MIN of the latency are planned from the model alone (their probes would measure timing noise)."""
+    from service.job.targeting import DEPTH_PROBE_MIN, INITIAL_SHARE
+
+    probed = []
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.3)
+    plan = plan_depth(CostedUnits(cheap=2), _fine_curves(), request, lambda b: probed.append(b) or depth_probe(b),
+                      lambda m: None)
+    assert [len(b) for b in probed] == []
+    assert len(plan.chosen.blocks) == 2 and not plan.chosen.measured
+    assert 1 - 1 / plan.chosen.depth_speedup < DEPTH_PROBE_MIN
+    assert plan.chosen.depth_speedup == pytest.approx(1 / (1 - INITIAL_SHARE * 0.04))
+    assert plan.share == INITIAL_SHARE
+    report = plan.to_dict()
+    assert not any(o["measured"] for o in report["options"][1:])  # removing none is 1.0x, nothing to model
+    assert "modelled from the multiply-adds" in report["rule"]
+
+
+def test_a_transformers_large_depth_option_is_probed_and_corrects_the_share():
+    """The best option removes more than DEPTH_PROBE_MIN of the modelled latency: it is probed, the probe's
+    latency per removed cost becomes the model's share, and the options are planned again with it."""
+    from service.job.targeting import MAX_DEPTH_PROBES
+
+    probed = []
+
+    def probe(blocks):  # the latency falls by half the removed cost: the model's 0.85 is too high
+        probed.append(len(blocks))
+        speedup = 1 / (1 - 0.5 * 0.02 * len(blocks))
+        return Latency(100.0, 100 / speedup, 101.0, 101 / speedup, speedup, "cpu", 2, "test", 5)
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.3)
+    lines = []
+    plan = plan_depth(CostedUnits(cheap=40), _fine_curves(), request, probe, lines.append)
+    assert 1 <= len(probed) <= MAX_DEPTH_PROBES
+    assert len(probed) == len(set(probed))  # never the same option twice
+    assert plan.chosen.measured and len(plan.chosen.blocks) == probed[-1]
+    assert plan.chosen.depth_speedup == pytest.approx(1 / (1 - 0.01 * probed[-1]))
+    assert plan.share == pytest.approx(0.5)
+    unmeasured = [o for o in plan.options[1:] if not o.measured]
+    assert all(o.depth_speedup == pytest.approx(1 / (1 - 0.5 * 0.02 * len(o.blocks))) for o in unmeasured)
+    assert any(line.startswith(f"depth: {probed[0]} units removed measured") for line in lines)
 
 
 def test_depth_search_stops_once_blocks_alone_reach_the_aim():
