@@ -315,14 +315,14 @@ def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve],
     probed yet, and the options are planned again with the corrected share (at most MAX_DEPTH_PROBES probes)."""
     measured: dict[int, float] = {}  # prefix length -> measured speedup
     share = INITIAL_SHARE
+    costs = {n: job.removed_cost(order[:n]) for n in DEPTH_SIZES if n <= len(order)}  # prefix length -> its cost
+    assert all(c is not None and 0 < c < 1 for c in costs.values()), costs
 
     def weigh() -> tuple[list[DepthOption], DepthOption]:
         options = [depth_option((), 0.0, 1.0, curves, aim, share)]
         best, worse = options[0], 0
-        for n in (n for n in DEPTH_SIZES if n <= len(order)):
+        for n, cost in costs.items():
             blocks = order[:n]
-            cost = job.removed_cost(blocks)
-            assert cost is not None and 0 < cost < 1, (blocks, cost)
             speedup = measured.get(n, 1 / (1 - min(share * cost, 0.95)))
             kept = [c for c in curves if not in_blocks(c.name, blocks)]
             option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, share, n in measured)
@@ -335,14 +335,13 @@ def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve],
     options, best = weigh()
     while len(measured) < MAX_DEPTH_PROBES:
         n = len(best.blocks)
-        cost = job.removed_cost(best.blocks) or 0.0
         if n == 0 or n in measured or 1 - 1 / best.depth_speedup < DEPTH_PROBE_MIN:
             break
         measured[n] = probe(job.without(order[:n])).speedup
         say(f"depth: {n} units removed measured {measured[n]:.3f}x (modelled {best.depth_speedup:.3f}x from "
-            f"{cost:.1%} of the prunable multiply-adds)")
+            f"{costs[n]:.1%} of the prunable multiply-adds)")
         removed = sum(1 - 1 / s for s in measured.values())
-        share = min(MAX_SHARE, max(0.05, removed / sum(job.removed_cost(order[:m]) or 0.0 for m in measured)))
+        share = min(MAX_SHARE, max(0.05, removed / sum(costs[m] for m in measured)))
         options, best = weigh()
     return options, best, share
 
