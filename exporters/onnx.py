@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,12 +147,128 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     _mark_eval(module)
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
-    size = sum(p.numel() * p.element_size() for p in weights.parameters())
+    upcast = _upcast_initializers(program.model.graph)
+    # the size as saved: a half-precision weight read through `float32_view` is written in float32
+    size = sum(p.numel() * (4 if upcast else p.element_size()) for p in weights.parameters())
     try:
         program.save(str(path), external_data=size >= EXTERNAL_DATA_BYTES)
     finally:
         _drop_constants(program.model.graph)
     return path
+
+
+class _Upcast(torch.nn.Module):
+    """A parametrization that reads a half-precision weight as float32 (a new tensor at each access)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.float()
+
+
+@contextlib.contextmanager
+def float32_view(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` computing in float32 without a float32 copy of it: every half-precision parameter is read through
+    an upcast (`_Upcast`) and its floating buffers (rotary frequencies) are float32 until the block ends, when
+    the same parameter and buffer objects are back. A 1.2 B bf16 decoder's float32 copy was 4.9 GB beside its
+    2.4 GB (bench/RESULTS.md, session 32); here one layer's weights are float32 at a time, and the forward is the
+    copy's to the last bit (bf16 -> float32 is exact). An export traces each upcast as a Cast of the bf16
+    initializer, which `_upcast_initializers` turns back into a float32 initializer written one tensor at a time."""
+    from torch.nn.utils import parametrize
+
+    half = [(module, name) for module in model.modules() for name, p in module._parameters.items()
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32]
+    buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items()
+               if b is not None and b.is_floating_point() and b.dtype != torch.float32]
+    done: list[tuple[torch.nn.Module, str]] = []
+    try:
+        for module, name in half:
+            # unsafe: the upcast changes the dtype, which parametrize refuses to check otherwise
+            parametrize.register_parametrization(module, name, _Upcast(), unsafe=True)
+            done.append((module, name))
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.float()
+        yield model
+    finally:
+        for module, name in reversed(done):
+            parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+
+
+def _upcast_initializers(graph: Any) -> bool:
+    """Turn every half-precision initializer that is only read through Casts to float32 (a `float32_view`
+    export) into a float32 initializer without them, its bytes made from the module's tensor when the graph
+    is saved (`onnx_ir.LazyTensor`: one tensor at a time). A linear layer's weight read through a Transpose
+    becomes the transposed initializer, as the exporter's constant folding makes it of a float32 weight (the
+    Cast kept it from folding here), so the graph is the one a float32 copy exports. Returns whether any was."""
+    import onnx_ir as ir
+
+    half = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+    # a tied weight (embeddings and LM head) read through two parametrizations is two initializers of one
+    # tensor: one again, as the float32 copy's single parameter is
+    first: dict[tuple, Any] = {}
+    for value in list(graph.initializers.values()):
+        raw = getattr(value.const_value, "raw", None)
+        if value.dtype not in half or not isinstance(raw, torch.Tensor):
+            continue
+        key = (raw.untyped_storage().data_ptr(), raw.storage_offset(), tuple(raw.shape), raw.stride(), raw.dtype)
+        if key not in first:
+            first[key] = value
+            continue
+        ir.convenience.replace_all_uses_with(value, first[key])
+        graph.initializers.pop(value.name)
+    changed = False
+    for value in list(graph.initializers.values()):
+        casts = [node for node, _ in value.uses()]
+        if value.dtype not in half or value.const_value is None or not casts:
+            continue
+        if any(node.op_type != "Cast" or node.attributes["to"].as_int() != ir.DataType.FLOAT for node in casts):
+            continue
+        # parametrize's names ("...parametrizations.weight.original") back to the module's own
+        name = (value.name or "").replace(".parametrizations.", ".").removesuffix(".original")
+        raw = getattr(value.const_value, "raw", None)  # the exporter's TorchTensor: the module's own tensor
+        tensor = raw.detach() if isinstance(raw, torch.Tensor) else torch.from_numpy(
+            value.const_value.numpy().astype(np.float32))
+        value.name = name
+        value.const_value = _lazy_float32(tensor, name, transpose=False)
+        value.dtype = ir.DataType.FLOAT
+        for cast in casts:
+            ir.convenience.replace_all_uses_with(cast.outputs[0], value)
+            graph.remove(cast, safe=True)
+        transposes = [node for node, _ in value.uses()]
+        if tensor.dim() == 2 and all(_swaps_two_axes(node) for node in transposes):
+            # only ever read transposed (a linear layer's weight): stored so, as folding a float32 weight stores
+            # it; a weight read both ways (tied embeddings and LM head) keeps its Transpose, as it does there
+            value.name = f"{name}.T"
+            value.shape = ir.Shape(list(reversed(tensor.shape)))
+            value.const_value = _lazy_float32(tensor, value.name, transpose=True)
+            for node in transposes:
+                ir.convenience.replace_all_uses_with(node.outputs[0], value)
+                graph.remove(node, safe=True)
+        changed = True
+    if changed:  # the exporter's record of the program's signature names the parameters as parametrize does
+        props = getattr(graph, "metadata_props", {})
+        for key, text in list(props.items()):
+            text = re.sub(r"\.parametrizations\.(\w+)\.original\b", r".\1", text)
+            props[key] = re.sub(r"_parametrizations_(\w+?)_original\b", r"_\1", text)
+    return changed
+
+
+def _swaps_two_axes(node: Any) -> bool:
+    perm = node.attributes.get("perm")
+    return node.op_type == "Transpose" and (perm is None or list(perm.as_ints()) == [1, 0])
+
+
+def _lazy_float32(tensor: torch.Tensor, name: str, *, transpose: bool) -> Any:
+    """`tensor` (half precision, the module's own) as float32, transposed or not, made when the graph is saved."""
+    import onnx_ir as ir
+
+    shape = list(reversed(tensor.shape)) if transpose else list(tensor.shape)
+
+    def made() -> Any:  # one float32 allocation, laid out as stored
+        source = tensor.t() if transpose else tensor
+        return ir.Tensor(source.to(torch.float32, memory_format=torch.contiguous_format).numpy(), name=name)
+
+    return ir.LazyTensor(made, ir.DataType.FLOAT, ir.Shape(shape), name=name)
 
 
 def _drop_constants(graph: Any) -> None:
@@ -233,6 +352,19 @@ def in_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     import copy
 
     return copy.deepcopy(model).float().eval()
+
+
+@contextlib.contextmanager
+def exported_in(model: torch.nn.Module, precision: str) -> Iterator[torch.nn.Module]:
+    """The module to export and check for `precision` while the block runs: `Float16` for fp16; for fp32 the
+    model itself, read through `float32_view` when it is half precision (no float32 copy of it)."""
+    if precision == "fp16":
+        yield Float16(model)
+        return
+    if precision != "fp32":
+        raise ValueError(f"precision must be fp32 or fp16, not {precision!r}")
+    with float32_view(model) as view:
+        yield view
 
 
 class _NamedInputs(torch.nn.Module):

@@ -81,6 +81,7 @@ from exporters.onnx import (
     export_decode_step,
     export_hf_onnx,
     export_onnx,
+    exported_in,
     hf_reference,
     in_precision,
 )
@@ -732,12 +733,12 @@ class _TransformerJob:
         names = self.loaded.input_names
         example = {name: self.batches[0][name][:2].clone() for name in names}
         inputs = self._parity_inputs()
-        # the float32 copy of a half-precision model (4.9 GB at 1.2 B parameters) is gone before the fusion and the
-        # checks load the export: the job held both while ONNX Runtime held the export's weights
-        exported = in_precision(module, self.request.precision)
-        export_hf_onnx(exported, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
-        expected = hf_reference(exported, inputs, self.loaded.output_name)
-        del exported
+        # a half-precision model is exported and its reference computed in float32 without a float32 copy of it
+        # (4.9 GB at 1.2 B parameters: exporters.onnx.float32_view), and the outputs are computed before the
+        # fusion and the checks load the export into ONNX Runtime
+        with exported_in(module, self.request.precision) as exported:
+            export_hf_onnx(exported, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
+            expected = hf_reference(exported, inputs, self.loaded.output_name)
         # ONNX Runtime's fused attention / skip-LayerNorm / GELU kernels, for the dense baseline and every
         # round alike: the speedup is measured between the fastest graphs of both (exporters.fusion)
         parity, fusion = fuse_checked(path, lambda graph: check_hf_outputs(graph, inputs, expected,
@@ -860,15 +861,15 @@ class TextJob(_TransformerJob):
         if not self.causal:
             return _no_decode_step(module, path)
         ids = self.batches[0]["input_ids"][:2, :8].clone()
-        module = in_precision(module, "fp32")  # the decode step computes in float32 (a bf16 model upcast)
-        export_decode_step(module, ids, path, opset=self.request.opset)
+        with exported_in(module, "fp32") as view:  # the decode step computes in float32 (a bf16 model upcast)
+            export_decode_step(view, ids, path, opset=self.request.opset)
 
-        def check(graph: Path) -> Parity:
-            # a step of one token after a cache, and a prompt's prefill from an empty one: how generation runs it
-            step, prefill = check_decode_parity(module, graph, ids), check_decode_parity(module, graph, ids, new=8)
-            return max(step, prefill, key=lambda parity: parity.max_abs_error)
+            def check(graph: Path) -> Parity:
+                # a step of one token after a cache, and a prompt's prefill from an empty one: how generation runs
+                step, prefill = check_decode_parity(view, graph, ids), check_decode_parity(view, graph, ids, new=8)
+                return max(step, prefill, key=lambda parity: parity.max_abs_error)
 
-        parity, fusion = fuse_checked(path, check, self.provider)
+            parity, fusion = fuse_checked(path, check, self.provider)
         shutil.rmtree(unfused_path(path).parent, ignore_errors=True)  # beside decode.onnx: nothing times it
         if fusion.rejected:
             self.say(warning(f"decode.onnx ships as exported, without ONNX Runtime's fused kernels: {fusion.fallback}"))

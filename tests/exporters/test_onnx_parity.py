@@ -12,6 +12,7 @@ from exporters.onnx import (
     _NamedInputs,
     check_hf_parity,
     export_hf_onnx,
+    exported_in,
     in_precision,
     output_errors,
 )
@@ -152,6 +153,44 @@ def test_an_export_keeps_no_reference_to_the_module_it_exported(tmp_path):
     del copy
     gc.collect()
     assert [r for r in alive if r() is not None] == []
+
+
+def test_a_half_precision_model_exports_in_float32_without_a_copy_of_it(tmp_path):
+    """`exported_in(..., "fp32")` reads a bf16 model's weights as float32 one layer at a time: the forward and the
+    export are the float32 copy's (to the bit in ONNX Runtime), the graph holds float32 weights under the module's
+    names and no Cast of them, and the model keeps its own bf16 parameters, tied ones still tied."""
+    import onnx_ir as ir
+
+    # weights of more than 8,192 values: the exporter's constant folding leaves their Casts to the rewrite
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    before = dict(model.named_parameters())
+    ids = torch.randint(0, 256, (2, 8))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    copy = in_precision(model, "fp32")
+    export_hf_onnx(copy, inputs, tmp_path / "copy.onnx", output_name="logits")
+    with exported_in(model, "fp32") as view, torch.no_grad():
+        torch.testing.assert_close(view(**inputs).logits, copy(**inputs).logits, rtol=0, atol=0)
+        export_hf_onnx(view, inputs, tmp_path / "view.onnx", output_name="logits")
+    assert dict(model.named_parameters()).keys() == before.keys()
+    assert all(p is before[name] and p.dtype == torch.bfloat16 for name, p in model.named_parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert {b.dtype for b in model.buffers()} == {torch.bfloat16}
+
+    graph = ir.load(str(tmp_path / "view.onnx")).graph
+    floating = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+    assert {v.dtype for v in graph.initializers.values() if v.dtype in floating} == {ir.DataType.FLOAT}
+    assert not [n for n in graph if n.op_type == "Cast" and n.inputs[0] in graph.initializers.values()]
+    assert graph.initializers["model.model.layers.0.mlp.down_proj.weight.T"].shape == [192, 64]  # stored transposed
+    assert not [name for name in graph.initializers if "parametrizations" in name]
+    # the tied embeddings and LM head: one tensor, read by the Gather and through a Transpose, as in the copy's
+    assert [list(v.shape) for v in graph.initializers.values() if 256 in v.shape] == [[256, 64]]
+    assert not [key for key, text in graph.metadata_props.items() if "parametrizations" in text]
+    feed = {k: v.numpy() for k, v in inputs.items()}
+    [got], [expected] = (run_outputs(tmp_path / f"{name}.onnx", [feed], reduce="raw") for name in ("view", "copy"))
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_errors_computed_in_chunks_are_those_of_the_whole_arrays(monkeypatch):
