@@ -207,8 +207,8 @@ def _upcast_initializers(graph: Any) -> bool:
     # tensor: one again, as the float32 copy's single parameter is
     first: dict[tuple, Any] = {}
     for value in list(graph.initializers.values()):
-        raw = getattr(value.const_value, "raw", None)
-        if value.dtype not in half or not isinstance(raw, torch.Tensor):
+        raw = _module_tensor(value)
+        if value.dtype not in half or raw is None:
             continue
         key = (raw.untyped_storage().data_ptr(), raw.storage_offset(), tuple(raw.shape), raw.stride(), raw.dtype)
         if key not in first:
@@ -225,9 +225,9 @@ def _upcast_initializers(graph: Any) -> bool:
             continue
         # parametrize's names ("...parametrizations.weight.original") back to the module's own
         name = (value.name or "").replace(".parametrizations.", ".").removesuffix(".original")
-        raw = getattr(value.const_value, "raw", None)  # the exporter's TorchTensor: the module's own tensor
-        tensor = raw.detach() if isinstance(raw, torch.Tensor) else torch.from_numpy(
-            value.const_value.numpy().astype(np.float32))
+        tensor = _module_tensor(value)
+        if tensor is None:  # a constant the exporter made (numpy), not one of the module's tensors
+            tensor = torch.from_numpy(value.const_value.numpy().astype(np.float32))
         value.name = name
         value.const_value = _lazy_float32(tensor, name, transpose=False)
         value.dtype = ir.DataType.FLOAT
@@ -251,6 +251,12 @@ def _upcast_initializers(graph: Any) -> bool:
             text = re.sub(r"\.parametrizations\.(\w+)\.original\b", r".\1", text)
             props[key] = re.sub(r"_parametrizations_(\w+?)_original\b", r"_\1", text)
     return changed
+
+
+def _module_tensor(value: Any) -> torch.Tensor | None:
+    """The module's own tensor behind an initializer (the exporter's TorchTensor wraps it), if it is one."""
+    raw = getattr(value.const_value, "raw", None)
+    return raw.detach() if isinstance(raw, torch.Tensor) else None
 
 
 def _swaps_two_axes(node: Any) -> bool:
@@ -358,11 +364,9 @@ def in_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 def exported_in(model: torch.nn.Module, precision: str) -> Iterator[torch.nn.Module]:
     """The module to export and check for `precision` while the block runs: `Float16` for fp16; for fp32 the
     model itself, read through `float32_view` when it is half precision (no float32 copy of it)."""
-    if precision == "fp16":
-        yield Float16(model)
+    if precision != "fp32":  # fp16's wrapper, or in_precision's error
+        yield in_precision(model, precision)
         return
-    if precision != "fp32":
-        raise ValueError(f"precision must be fp32 or fp16, not {precision!r}")
     with float32_view(model) as view:
         yield view
 
