@@ -60,6 +60,8 @@ class TextFormatter(logging.Formatter):
         return f"{text} [{operation}]" if operation else text
 
 
+OURS = ("service", "compressor", "exporters")  # the packages whose loggers say what a job does
+
 # Third-party records that say nothing about a job, each with why it is dropped here rather than fixed at
 # its source: (logger, the start of the message).
 IRRELEVANT = (
@@ -117,5 +119,5 @@ def configure(log_format: str = "json", *, ours: int = logging.INFO, others: int
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(others)
-    for name in ("service", "compressor", "exporters"):
+    for name in OURS:
         logging.getLogger(name).setLevel(ours)

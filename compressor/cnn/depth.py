@@ -128,10 +128,22 @@ def remove_blocks(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
                                       f"{sorted(known) or 'none'})")
     out = copy.deepcopy(gm)
     nodes = {node.name: node for node in out.graph.nodes}
+    stands_for: dict[str, fx.Node] = {}  # a removed add -> the node that replaced it
+
+    def live(name: str) -> fx.Node:
+        node = nodes[name]
+        while node.name in stands_for:
+            node = stands_for[node.name]
+        return node
+
     for name in names:
         block = known[name]
         add = nodes[block.add]
-        add.replace_all_uses_with(nodes[block.shortcut])
+        # chained blocks without an op between them (HF MobileNetV2): a block's shortcut can be the add of one
+        # removed before it, whose own shortcut then stands in
+        shortcut = live(block.shortcut)
+        add.replace_all_uses_with(shortcut)
+        stands_for[add.name] = shortcut
         out.graph.erase_node(add)
     out.graph.eliminate_dead_code()
     # the removed ops' parameters, and what else their modules hold that the graph never reads (a

@@ -290,14 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(verbose: bool) -> None:
+    """Warnings of every library on stderr; with -v, our packages' progress too. Third-party loggers stay at
+    WARNING: at INFO the exporter's passes wrote 15,000 lines (some with stack traces) into a SmolLM2 job's
+    progress (bench/RESULTS.md, session 33)."""
+    from ..logs import OURS, drop_irrelevant
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in OURS:
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    drop_irrelevant()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    from ..logs import drop_irrelevant
-
-    drop_irrelevant()
+    _configure_logging(args.verbose)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C where no command said more: one line, the shell's 128 + SIGINT

@@ -53,6 +53,22 @@ def test_a_removed_block_is_its_shortcut_and_its_parameters_are_gone(name, block
     assert count_parameters(gm) == count_parameters(model)  # the original is untouched
 
 
+@pytest.mark.parametrize("order", [["ir1", "ir2"], ["ir2", "ir1"]])
+def test_chained_blocks_are_removed_together_in_either_order(order):
+    """ir2's shortcut is ir1's add itself (no op between them, as in HF MobileNetV2): removing both leaves the
+    stem's output where both adds were."""
+    torch.manual_seed(0)
+    model = randomize_batch_norms(MODELS["mobilenet"]()).eval()
+    gm = export_module(model, torch.randn(2, 3, 16, 16))
+    removed = remove_blocks(gm, order)
+    reference = copy.deepcopy(model)
+    reference.ir1, reference.ir2 = torch.nn.Identity(), torch.nn.Identity()
+    x = torch.randn(5, 3, 16, 16)
+    torch.testing.assert_close(removed(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert count_parameters(removed) == count_parameters(reference) < count_parameters(gm)
+    assert residual_blocks(removed) == []
+
+
 def test_unknown_blocks_and_too_many_are_refused_naming_the_known_ones():
     gm = exported("option_a")
     with pytest.raises(UnsupportedArchitecture, match=r"\['layer2.0'\].*layer1.0"):

@@ -1,5 +1,7 @@
 """The `osscar` CLI and its demo on the embedded real model (all-MiniLM-L6-v2 from PyPI)."""
 
+import logging
+
 import pytest
 
 from service.client import cli
@@ -129,3 +131,24 @@ def test_written_outputs_takes_back_new_and_changed_job_outputs_only(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "other.txt", "report.json"]
     assert (out / "report.json").read_text() == "old"
     assert message == f"removed what this run wrote in {out} (.osscar-work-x, model, model.onnx, report.html)"
+
+
+def test_verbose_shows_our_progress_and_only_the_warnings_of_other_libraries():
+    from service.logs import OURS
+
+    names = ("", *OURS, "onnx_ir", "onnxscript")
+    levels = {name: logging.getLogger(name).level for name in names}
+    try:
+        cli._configure_logging(True)
+        assert logging.getLogger("compressor.transformer.pipeline").isEnabledFor(logging.INFO)
+        assert logging.getLogger("service.job.compress").isEnabledFor(logging.INFO)
+        # the exporter's passes log every rewrite at INFO, some with a stack trace
+        assert not logging.getLogger("onnx_ir.passes.common.unused_removal").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("onnxscript.rewriter").isEnabledFor(logging.INFO)
+        assert logging.getLogger("onnxscript.rewriter").isEnabledFor(logging.WARNING)
+        cli._configure_logging(False)
+        assert not logging.getLogger("compressor.transformer.pipeline").isEnabledFor(logging.INFO)
+        assert logging.getLogger("exporters.onnx").isEnabledFor(logging.WARNING)
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
