@@ -116,8 +116,12 @@ def configure(log_format: str = "json", *, ours: int = logging.INFO, others: int
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(_OperationFilter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(others)
+    logging.getLogger().handlers[:] = [handler]
+    set_levels(ours=ours, others=others)
+
+
+def set_levels(*, ours: int, others: int) -> None:
+    """Our packages' loggers at `ours`, every other library's (through the root logger) at `others`."""
+    logging.getLogger().setLevel(others)
     for name in OURS:
         logging.getLogger(name).setLevel(ours)

@@ -294,12 +294,10 @@ def _configure_logging(verbose: bool) -> None:
     """Warnings of every library on stderr; with -v, our packages' progress too. Third-party loggers stay at
     WARNING: at INFO the exporter's passes wrote 15,000 lines (some with stack traces) into a SmolLM2 job's
     progress (bench/RESULTS.md, session 33)."""
-    from ..logs import OURS, drop_irrelevant
+    from ..logs import drop_irrelevant, set_levels
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    logging.getLogger().setLevel(logging.WARNING)
-    for name in OURS:
-        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    set_levels(ours=logging.INFO if verbose else logging.WARNING, others=logging.WARNING)
     drop_irrelevant()
 
 
