@@ -4,6 +4,7 @@
     python bench/memory.py --layers 4 --hidden 1024 --intermediate 2816   # a quick run
     python bench/memory.py --intermediate 8192 --vocab 128256 --heads 32 --kv-heads 8 --tie \
         --dtype bfloat16 --modes streamed      # Llama-3.2-1B's shape, bf16 safetensors
+    python bench/memory.py ... --device cuda --refine-steps 50   # solved (and fitted) on a GPU: its peak memory too
 
 Builds (once, cached in --workdir) a random-init decoder saved as safetensors shards, then prunes it
 in two fresh processes, one after the other: `streamed` (StreamedCheckpoint: blocks read one at a
@@ -59,13 +60,18 @@ def _calibration(vocab: int, sequences: int, length: int) -> list:
 
 
 def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, length: int,
-           method: str = "osscar") -> dict:
+           method: str = "osscar", device: str | None = None, refine_steps: int = 0) -> dict:
     sys.path.insert(0, str(ROOT))
+    import torch
+
+    from compressor.refine import RefineConfig
     from compressor.transformer.models import load_transformer
     from compressor.transformer.offload import StreamedCheckpoint
     from compressor.transformer.pipeline import prune_blocks, prune_transformer
     from compressor.transformer.surgery import save_pruned
 
+    refine = RefineConfig(steps=refine_steps) if refine_steps else None
+    cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
     start = time.perf_counter()
     marks: list[tuple[str, float]] = []  # (stage, time it ended)
 
@@ -87,7 +93,7 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
 
         checkpoint.load, checkpoint.store = timed_load, timed_store
         batches = _calibration(checkpoint.model.config.vocab_size, sequences, length)
-        prune_blocks(checkpoint, batches, ratio, method=method)
+        prune_blocks(checkpoint, batches, ratio, method=method, device=device, refine=refine)
         mark("blocks")
         checkpoint.finish()
         mark("finish")
@@ -95,7 +101,7 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
         model = load_transformer(source).model
         mark("load")
         batches = _calibration(model.config.vocab_size, sequences, length)
-        pruned, _ = prune_transformer(model, batches, ratio, method=method)
+        pruned, _ = prune_transformer(model, batches, ratio, method=method, device=device, refine=refine)
         mark("prune")
         save_pruned(pruned, out)
         mark("save")
@@ -104,8 +110,11 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
         stages[stage] = round(end - previous, 2)
         previous = end
     blocks = [v for k, v in stages.items() if k.startswith("block ") and "between" not in k]
-    return {"mode": mode, "method": method, "seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(),
-            "stages": stages, "block_seconds_median": sorted(blocks)[len(blocks) // 2] if blocks else None}
+    return {"mode": mode, "method": method, "refine_steps": refine_steps, "seconds": time.perf_counter() - start,
+            "peak_rss_mb": _peak_rss_mb(),
+            "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "stages": stages,
+            "block_seconds_median": sorted(blocks)[len(blocks) // 2] if blocks else None}
 
 
 def main() -> None:
@@ -124,6 +133,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--modes", default="streamed,in-memory")
     parser.add_argument("--methods", default="osscar", help="layer solvers, comma-separated (osscar, mp+)")
+    parser.add_argument("--device", default=None, help="where blocks are solved (default: cuda when available)")
+    parser.add_argument("--refine-steps", type=int, default=0, help="block reconstruction's Adam steps (0: off)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/osscar-memory-bench"))
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("memory_results.json"))
     args = parser.parse_args()
@@ -146,7 +157,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:  # a fresh process: its own peak RSS
             row = pool.submit(_prune, mode, str(source), str(out), args.ratio, args.sequences, args.length,
-                              method).result()
+                              method, args.device, args.refine_steps).result()
         row["pruned_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
         rows.append(row)
         log.info("%s %s: peak RSS %.0f MB for a %.0f MB checkpoint (%.2fx), %.0f s", mode, method,

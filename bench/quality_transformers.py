@@ -21,6 +21,8 @@ all-MiniLM-L6-v2: calibrate on C4 validation documents as a job does for an enco
 16-128 tokens; `minilm-128x128`: the first protocol's 128 windows of <= 128 tokens); mean cosine
 similarity of mean-pooled embeddings to the dense model's on 1,000 WikiText-2 test sentences.
 Uniform ratios of heads and FFN neurons, sequential, dense-output/pruned-input objective.
+`--methods osscar-support`: osscar's support with the dense weight's kept rows, no refit (an ablation of the
+refit; any solver method is accepted, e.g. `flap` with `--refine-steps 50`).
 Each (model, ratio, method) runs in a fresh process: prune time and that process's peak RSS.
 """
 

@@ -39,12 +39,20 @@ def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     if func in _INDEXING_OPS:  # a boolean mask index is a nonzero in disguise
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices if i is not None)
-    if func in (aten._to_copy.default, aten.copy_.default):  # device -> host copies
-        src = args[1] if func is aten.copy_.default else args[0]
-        dst_device = args[0].device if func is aten.copy_.default else kwargs.get("device")
-        return (isinstance(src, torch.Tensor) and src.device.type != "cpu"
-                and dst_device is not None and torch.device(dst_device).type == "cpu")
+    # device -> host copies, unless asynchronous: a non-blocking `.to("cpu")` from a GPU lands in pinned memory
+    # (`_to_copy` pins its output) and the host goes on; a non-blocking `copy_` only when its target is pinned
+    if func is aten._to_copy.default:
+        return _to_host(args[0], kwargs.get("device")) and not kwargs.get("non_blocking", False)
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return _to_host(src, dst.device) and not (non_blocking and dst.is_pinned())
     return False
+
+
+def _to_host(src: object, dst_device: object) -> bool:
+    return (isinstance(src, torch.Tensor) and src.device.type != "cpu"
+            and dst_device is not None and torch.device(dst_device).type == "cpu")
 
 
 class OpCounter(TorchDispatchMode):

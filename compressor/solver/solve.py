@@ -144,10 +144,22 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
     return state
 
 
+def _osscar_support(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
+    """osscar's search (and its MP+ guard) chooses the support; the dense weight's kept rows stay as they are, as
+    the retraining-free baselines keep them: what the least-squares refit adds, measured apart from the support
+    (bench/RESULTS.md, session 34: on SmolLM2-135M the refit on 128 C4 windows costs more than it gains)."""
+    if pb.dense_weight is None:
+        raise ValueError("method 'osscar-support' needs dense_weight (the layer's dense weight W_hat)")
+    searched = _osscar(pb, options)
+    W = pb.dense_weight.clone()
+    W[group_rows(searched.pruned, pb.group_size)] = 0
+    return MethodResult(searched.pruned, W, {**searched.stats, "weight": "dense rows"})
+
+
 # what a layer falls back to when its method cannot factorise H even at the largest damping (an H whose scales
 # span more than float64 resolves, or statistics at rounding level): MP+'s support and refit, which the search
 # would have had to beat; then the magnitude support with the dense weights as they are, which needs no H
-FALLBACKS = {"osscar": ("mp+", "mp"), "mp+": ("mp",)}
+FALLBACKS = {"osscar": ("mp+", "mp"), "mp+": ("mp",), "osscar-support": ("mp",)}
 
 
 def _fall_back(pb: LayerProblem, method: str, err: IllConditioned) -> MethodResult:
@@ -176,12 +188,17 @@ METHODS: dict[str, Method] = {
     "thinet": _refit_method("thinet", thinet_support),
     "exact": _refit_method("exact", exact_support),
     "osscar": _osscar,
+    # a benchmark ablation, not a user-facing method: osscar's support with the dense rows (no refit)
+    "osscar-support": _osscar_support,
 }
 
 
-DENSE_WEIGHT_METHODS = ("mp", "mp+", "wanda-sp", "flap")  # what they score or keep is the dense weight
+DENSE_WEIGHT_METHODS = ("mp", "mp+", "wanda-sp", "flap", "osscar-support")  # they score or keep the dense weight
 # methods that keep the dense weight's rows as they are: no calibration-fitted weights, so no reconstruction
 NO_REFIT_METHODS = ("mp", "wanda-sp", "flap")
+# every method whose weight is the dense weight's kept rows (osscar-support's search sees the norm-scaled weight
+# that osscar's does, so it is not among the scores on raw weights above)
+DENSE_ROWS_METHODS = (*NO_REFIT_METHODS, "osscar-support")
 
 
 def solve_layer(
@@ -202,7 +219,7 @@ def solve_layer(
         G: d1 x d2, X^T X_hat W_hat.
         group_size: rows per group (1: neurons, kH*kW: conv channels, head_dim: heads).
         num_prune: how many groups to remove, 0 <= num_prune <= d1 / group_size.
-        method: one of "osscar", "mp", "mp+", "thinet", "exact", "wanda-sp", "flap".
+        method: one of "osscar", "mp", "mp+", "thinet", "exact", "wanda-sp", "flap", "osscar-support".
         dense_weight: W_hat (d1 x d2); required by "mp" and "mp+".
         rank: an upper bound on rank(H), e.g. the calibration rows behind it (one fewer once centred);
             factorisations of more rows than that skip the undamped attempt (see `problem.factorize`).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,13 +65,32 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     return transformers.AutoModel, False
 
 
-def build_hf_model(cls: type, config: PretrainedConfig) -> torch.nn.Module:
+def build_hf_model(cls: type, config: PretrainedConfig, *, init_weights: bool = True) -> torch.nn.Module:
     """An untrained model of `cls` (a concrete class, or AutoModel) for `config`, on the current default
     device (use `with torch.device("meta")` for shapes without memory), in the config's dtype: a bf16 / fp16
-    checkpoint's model is built in it, never in float32 first."""
+    checkpoint's model is built in it, never in float32 first. `init_weights=False`: parameters allocated but
+    never drawn, for a model whose weights are loaded next (drawing a 128k-token embedding alone takes ~10 s on
+    two cores); buffers computed from the config (rotary tables) are still real."""
     import transformers
 
-    return (cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)).eval()
+    with nullcontext() if init_weights else _no_init_weights():
+        model = cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)
+    if not init_weights:
+        model.tie_weights()  # skipped with the draws: `init_weights` is where transformers ties them
+    return model.eval()
+
+
+def _no_init_weights() -> AbstractContextManager:
+    """transformers' switch that skips the draws (torch's and its own `init_weights`), where this release has it;
+    otherwise nothing is skipped: slower, never wrong."""
+    import importlib
+
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return importlib.import_module(module).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return nullcontext()
 
 
 def load_transformer(reference: str, *, trust_remote_code: bool = False, weights: bool = True) -> LoadedTransformer:

@@ -90,7 +90,7 @@ class StreamedCheckpoint:
                     self.where[key] = name
         # the blocks as meta tensors: shapes without memory
         with torch.device("meta"):
-            skeleton = build_hf_model(cls, config)
+            skeleton = build_hf_model(cls, config, init_weights=False)
         if adapter_for(skeleton).stage_blocks is not None:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
                                           "streamed (it is pruned in memory: compress without --stream)")
@@ -98,7 +98,7 @@ class StreamedCheckpoint:
         # a one-block model; its block is the template for those buffers
         small_config = copy.deepcopy(config)
         small_config.num_hidden_layers = 1
-        self.model = build_hf_model(cls, small_config)
+        self.model = build_hf_model(cls, small_config, init_weights=False)  # every weight is read next
         self._template = layers(self.model)[0]
         owner, name = owner_of(self.model, layers_path(self.model))
         setattr(owner, name, layers(skeleton))

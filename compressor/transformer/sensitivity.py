@@ -61,8 +61,12 @@ def _draw_target(out: object, generator: torch.Generator) -> Tensor:
     logits = getattr(out, "logits", None)
     if logits is not None:
         log_p = torch.log_softmax(logits.float(), dim=-1)
-        labels = torch.multinomial(log_p.detach().exp().reshape(-1, log_p.shape[-1]), 1, generator=generator)
-        return log_p.reshape(-1, log_p.shape[-1]).gather(1, labels.to(log_p.device)).sum()
+        # inverse-CDF sampling with uniforms from the CPU generator: the same labels on any device, and no
+        # generator of the logits' device needed (`multinomial` takes only one of the probabilities' device)
+        cdf = log_p.detach().exp().reshape(-1, log_p.shape[-1]).cumsum(-1)  # (tokens, vocab)
+        u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+        labels = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)  # (tokens, 1)
+        return log_p.reshape(-1, log_p.shape[-1]).gather(1, labels).sum()
     y = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0] if isinstance(out, tuple) else out
     v = torch.randn(y.shape, generator=generator, dtype=torch.float32).to(y.device)
     return (y.float() * v).sum()

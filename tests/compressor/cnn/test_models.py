@@ -30,13 +30,27 @@ class Tiny(torch.nn.Module):
     (lambda p: str(p / "missing.pt2"), "no such torch.export program"),
     (lambda p: str(p / "nothing-here"), "no such file"),
     (lambda p: "", "empty model reference"),
-    (lambda p: "torchvision:resnet18", "torchvision"),
     (lambda p: (p / "empty").mkdir() or str(p / "empty"), "without config.json"),
     (lambda p: (p / "weights.txt").write_text("x") and str(p / "weights.txt"), "unsupported file type"),
 ])
 def test_bad_references_are_refused_with_what_was_expected(tmp_path, make, words):
     with pytest.raises(ModelReferenceError, match=words):
         load_model(make(tmp_path))
+
+
+def test_torchvision_references_load_where_torchvision_imports_and_are_refused_with_why_elsewhere():
+    """torchvision is supported, never required: next to the CPU torch wheel it does not import (its ops need a
+    CUDA torch) and the reference is refused with the reason; where it imports (a GPU node) the model loads."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        with pytest.raises(ModelReferenceError, match="torchvision does not import"):
+            load_model("torchvision:resnet18")
+        return
+    loaded = load_model("torchvision:resnet18")
+    assert loaded.kind == "torchvision" and loaded.input_shape == (3, 224, 224)
+    with pytest.raises(ModelReferenceError, match="unknown torchvision model 'resnet-9000'"):
+        load_model("torchvision:resnet-9000")
 
 
 def test_pickles_are_refused(tmp_path):

@@ -4,7 +4,7 @@ per round, whatever the number of exchanges in it."""
 import pytest
 import torch
 
-from compressor.solver.counting import OpCounter
+from compressor.solver.counting import OpCounter, _is_sync
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
 from compressor.solver.synthetic import correlated_problem
@@ -22,6 +22,23 @@ def test_counter_sees_every_kind_of_synchronisation():
         assert c.syncs == 1, sync
     assert y.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]  # the wrappers are gone afterwards
     assert torch.Tensor.tolist.__name__ == "tolist"
+
+
+def test_a_copy_to_the_host_waits_unless_it_is_asynchronous():
+    """Told apart on tensors of a device that is not the CPU ("meta" stands in for a GPU here): a blocking copy to
+    the host is a synchronisation, a non-blocking `.to("cpu")` is not (it lands in pinned memory), and a non-blocking
+    `copy_` is one only when its target is pageable; nothing that stays on one side is."""
+    aten = torch.ops.aten
+    gpu, host = torch.empty(3, device="meta"), torch.empty(3)
+    assert _is_sync(aten._to_copy.default, (gpu,), {"device": torch.device("cpu")})
+    assert not _is_sync(aten._to_copy.default, (gpu,), {"device": torch.device("cpu"), "non_blocking": True})
+    assert not _is_sync(aten._to_copy.default, (host,), {"device": torch.device("meta")})
+    assert not _is_sync(aten._to_copy.default, (gpu,), {"dtype": torch.float64})  # a cast where it is
+    assert _is_sync(aten.copy_.default, (host, gpu), {})
+    assert _is_sync(aten.copy_.default, (host, gpu, True), {})  # pageable target: the host waits
+    assert not _is_sync(aten.copy_.default, (gpu, host, True), {})
+    if torch.cuda.is_available():  # pinning needs a GPU runtime
+        assert not _is_sync(aten.copy_.default, (host.pin_memory(), gpu, True), {})
 
 
 @pytest.mark.parametrize("g", [1, 4])

@@ -13,7 +13,7 @@ from compressor.solver import solve as solve_module
 from compressor.solver.baselines import flap_allocation, magnitude_support
 from compressor.solver.osscar import OsscarConfig, OsscarSolver
 from compressor.solver.problem import LayerProblem
-from compressor.solver.solve import NO_REFIT_METHODS
+from compressor.solver.solve import DENSE_ROWS_METHODS
 from compressor.solver.sweep import SwapState
 from compressor.solver.synthetic import correlated_problem
 
@@ -59,7 +59,7 @@ def test_contract_of_every_method(method, g):
     assert torch.count_nonzero(sol.weight[rows]) == 0  # pruned rows exactly zero
     # the reported objective is the objective of the returned weight, with the caller's H
     assert sol.objective == pytest.approx(literal_objective(pb.H, pb.G, sol.weight), rel=1e-9)
-    if method in NO_REFIT_METHODS:  # the dense weight's kept rows as they are
+    if method in DENSE_ROWS_METHODS:  # the dense weight's kept rows as they are
         expected = pb.dense_weight.clone()
         expected[rows] = 0
         assert torch.equal(sol.weight, expected)
@@ -69,6 +69,16 @@ def test_contract_of_every_method(method, g):
         residual = pb.H[kept][:, kept] @ sol.weight[kept] - pb.G[kept]
         assert float(residual.abs().max()) < 1e-8 * float(pb.G.abs().max())
     assert sol.objective <= 0
+
+
+def test_osscar_support_keeps_osscars_choice_with_the_dense_rows():
+    pb = correlated_problem(48, 8, 4, seed=9)
+    searched = solve_layer(pb.H, pb.G, 4, 5, "osscar", dense_weight=pb.dense_weight)
+    kept = solve_layer(pb.H, pb.G, 4, 5, "osscar-support", dense_weight=pb.dense_weight)
+    assert kept.pruned == searched.pruned
+    assert kept.objective >= searched.objective  # the refit is optimal on that support; the dense rows are not
+    with pytest.raises(ValueError, match="needs dense_weight"):
+        solve_layer(pb.H, pb.G, 4, 5, "osscar-support")
 
 
 def test_osscar_never_worse_than_mp_plus_on_random_structured_problems():

@@ -39,6 +39,33 @@ def test_streamed_pruning_equals_in_memory_pruning(name, tmp_path):
     assert not list(out.glob(".*"))  # no temporary shard left behind
 
 
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "opt"])  # rotary tables; position ids; causal masks
+def test_opening_draws_no_weights_and_holds_the_checkpoints_own(name, tmp_path, monkeypatch):
+    """The one-block model that carries the weights outside the blocks is built without drawing random weights
+    (every one is read from the shards next; at a 128k vocabulary the draw alone took ~10 s on this VM), and it
+    holds the checkpoint's weights and the buffers a built model computes from its config."""
+    model = MODELS[name]()
+    model.save_pretrained(tmp_path / "src")
+    drawn = []
+    for fn in ("normal_", "uniform_"):
+        def spy(self, *args, _original=getattr(torch.Tensor, fn), **kwargs):
+            if self.device.type != "meta":
+                drawn.append(tuple(self.shape))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, fn, spy)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    monkeypatch.undo()
+    assert drawn == []
+    outside = {n: t for n, t in checkpoint.model.state_dict().items() if not n.startswith(checkpoint.prefix)}
+    expected = model.state_dict()
+    assert outside and all(torch.equal(t, expected[n]) for n, t in outside.items()), sorted(outside)
+    buffers = dict(model.named_buffers())
+    for n, b in checkpoint.model.named_buffers():
+        if not n.startswith(checkpoint.prefix):
+            assert torch.equal(b, buffers[n]), n
+
+
 @pytest.mark.parametrize("add_bias", [False, True])  # True: output projections gain a bias, stored in the dtype too
 def test_one_block_at_a_time_and_source_dtype_kept(add_bias, tmp_path):
     model = MODELS["llama"]().half()

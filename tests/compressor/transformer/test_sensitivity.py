@@ -115,3 +115,20 @@ def test_long_vocabularies_run_in_parts_of_whole_sequences(monkeypatch):
 def test_no_batches_is_refused():
     with pytest.raises(ValueError, match="no calibration batches"):
         output_sensitivity(tiny_llama(), [])
+
+
+def test_the_drawn_labels_follow_the_models_own_distribution_and_the_seed():
+    """A decoder's target is the log-likelihood of labels drawn from its own next-token distribution, with the
+    CPU generator whatever the logits' device (a GPU's `multinomial` refuses a CPU generator): 3 in 4 labels
+    of a 1:3 distribution, the same draw for the same seed."""
+    from types import SimpleNamespace
+
+    tokens = 4000
+    logits = torch.log(torch.tensor([0.25, 0.75])).expand(1, tokens, 2).clone().requires_grad_()
+    total = sens._draw_target(SimpleNamespace(logits=logits), torch.Generator().manual_seed(0))
+    likely = (float(total) - tokens * math.log(0.25)) / (math.log(0.75) - math.log(0.25))  # labels of class 1
+    assert abs(likely / tokens - 0.75) < 0.03, likely
+    again = sens._draw_target(SimpleNamespace(logits=logits), torch.Generator().manual_seed(0))
+    assert float(again) == float(total)
+    total.backward()  # the gradient of the drawn labels' log-likelihood reaches the logits
+    assert logits.grad is not None and bool(logits.grad.abs().sum() > 0)

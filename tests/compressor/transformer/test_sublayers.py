@@ -87,7 +87,8 @@ def test_removed_attentions_keep_no_kv_cache_and_the_rest_are_renumbered():
         cache = model(input_ids=ids, use_cache=True).past_key_values
         full = model(input_ids=ids).logits
         # generation through the cache: the next token's logits equal a pass over the whole sequence
-        step = model(input_ids=ids[:, -1:], cache=model(input_ids=ids[:, :-1], use_cache=True).past_key_values).logits
+        step = model(input_ids=ids[:, -1:],  # the name transformers 5.x takes throughout (5.2x also `cache`)
+                         past_key_values=model(input_ids=ids[:, :-1], use_cache=True).past_key_values).logits
     assert [layer.keys is not None for layer in cache.layers[:2]] == [True, True]
     torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
 
