@@ -147,9 +147,8 @@ def _guard_mp(pb: LayerProblem, solver: OsscarSolver, state: SwapState,
 def _osscar_support(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
     """osscar's search (and its MP+ guard) chooses the support; the dense weight's kept rows stay as they are, as
     the retraining-free baselines keep them: what the least-squares refit adds, measured apart from the support
-    (bench/RESULTS.md, session 34: on SmolLM2-135M the refit on 128 C4 windows costs more than it gains)."""
-    if pb.dense_weight is None:
-        raise ValueError("method 'osscar-support' needs dense_weight (the layer's dense weight W_hat)")
+    (bench/RESULTS.md, session 34: on SmolLM2-135M the refit on 128 C4 windows costs more than it gains).
+    `solve_layer` has checked that a dense weight was given (DENSE_WEIGHT_METHODS)."""
     searched = _osscar(pb, options)
     W = pb.dense_weight.clone()
     W[group_rows(searched.pruned, pb.group_size)] = 0
