@@ -240,7 +240,7 @@ def _minilm(ratio: float, method: str, fixed_windows: bool = False, **options) -
 
 
 def _run(model, batches, ratio, method, metric, evaluate, prune, refine_steps=0, refine_lr=0.02, refine_norms=False,
-         refine_sequences=4, onnx=False, onnx_score=None, **options) -> dict:
+         refine_sequences=4, fit_token_cap=None, onnx=False, onnx_score=None, **options) -> dict:
     from compressor.modules import count_parameters
     from compressor.transformer.refine import RefineConfig
 
@@ -249,7 +249,8 @@ def _run(model, batches, ratio, method, metric, evaluate, prune, refine_steps=0,
         return {"metric": metric, "value": evaluate(model), "params": count_parameters(model), "prune_s": 0.0,
                 "peak_rss_mb": _peak_rss_mb(), **exported}
     start = time.perf_counter()
-    refine = RefineConfig(steps=refine_steps, lr=refine_lr, norms=refine_norms, sequences=refine_sequences)
+    refine = RefineConfig(steps=refine_steps, lr=refine_lr, norms=refine_norms, sequences=refine_sequences,
+                          token_cap=fit_token_cap)
     pruned, layers = prune(model, batches, ratio, method=method, refine=refine, **options)
     seconds = time.perf_counter() - start
     fits = [r.refine for r in layers if r.refine is not None]
@@ -257,7 +258,8 @@ def _run(model, batches, ratio, method, metric, evaluate, prune, refine_steps=0,
     return {**exported, "metric": metric, "value": evaluate(pruned), "params": count_parameters(pruned),
             "prune_s": seconds, "peak_rss_mb": _peak_rss_mb(), "refine_steps": refine_steps, "refine_lr": refine_lr,
             "refine_norms": refine_norms, "refine_s": sum(f.seconds for f in fits),
-            "refine_kept": sum(f.kept for f in fits), "refine_blocks": len(fits)}
+            "refine_kept": sum(f.kept for f in fits), "refine_blocks": len(fits),
+            "dense_rows": [r.name for r in layers if r.rows == "dense"]}
 
 
 def _peak_rss_mb() -> float:
@@ -302,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
                         "their intercept (default: the method's own choice: FLAP does)")
     parser.add_argument("--token-cap", type=float, help="weigh a token at most this many median tokens in the "
                         "solves (`layerstats.token_weights`; default: every token alike)")
+    parser.add_argument("--choose-rows", action="store_true", help="each block keeps, per output projection, the "
+                        "refit or the dense rows, whichever the held-out block error prefers (`choose_rows`)")
+    parser.add_argument("--fit-token-cap", type=float, help="weigh a token at most this many median tokens in the "
+                        "block fits' loss (`RefineConfig.token_cap`; default: every token alike)")
     parser.add_argument("--onnx", action="store_true", help="also score the exported ONNX in ONNX Runtime "
                         "(smollm2 rows: onnx_value)")
     parser.add_argument("--score-artifact", type=Path, action="append", default=[], metavar="DIR",
@@ -323,7 +329,9 @@ def main(argv: list[str] | None = None) -> None:
                                        "refine_norms": args.refine_norms,
                                        "refine_sequences": args.refine_sequences, "onnx": args.onnx,
                                        **({} if args.add_bias is None else {"add_bias": args.add_bias == "yes"}),
-                                       **({} if args.token_cap is None else {"token_cap": args.token_cap})})
+                                       **({} if args.token_cap is None else {"token_cap": args.token_cap}),
+                                       **({} if args.fit_token_cap is None else {"fit_token_cap": args.fit_token_cap}),
+                                       **({"choose_rows": True} if args.choose_rows else {})})
                  for r in args.ratios.split(",") for m in args.methods.split(",")
                  for steps in args.refine_steps.split(",") if not (m == "mp" and int(steps))]
     rows = []

@@ -79,8 +79,16 @@ def token_weights(rows: Tensor, cap: float) -> Tensor:
     then cap x median / ||row||^2, so that no row weighs more than `cap` median rows. A language model carries
     a few tokens of massive activation (SmolLM2: one token ~31,000x the median's squared norm from layer 12 on);
     unweighted, they decide a refit weight and a mean, and the other tokens pay for it. Stays on the device."""
-    energy = rows.square().sum(1)
-    reference = energy.median()
+    return energy_weights(rows.square().sum(1), cap)
+
+
+def energy_weights(energy: Tensor, cap: float, counted: Tensor | None = None) -> Tensor:
+    """`token_weights` from the tokens' squared norms (any shape): min(1, cap x median / energy), the median over
+    the tokens where the bool `counted` (same shape) is set, or over all."""
+    chosen = energy if counted is None else energy[counted]
+    if chosen.numel() == 0:  # nothing counted: nothing to weigh
+        return torch.ones_like(energy)
+    reference = chosen.median()
     reference = torch.where(reference > 0, reference, energy.mean())  # mostly zero rows: their mean
     return (cap * reference / energy.clamp_min(torch.finfo(energy.dtype).tiny)).clamp(max=1.0)
 

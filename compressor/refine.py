@@ -55,6 +55,12 @@ class RefineConfig:
     # step (None: the fitted weights themselves): the average of a noisy fit's last few hundred steps sits nearer
     # the minimum they circle than any one of them
     average: float | None = None
+    # a transformer block's fit weighs each token at most this many median tokens of its target (the dense block's
+    # output; `layerstats.token_weights`), None: every token alike (the default). SmolLM2 carries one token per window
+    # whose residual stream is ~31,000x the median's squared norm, ~99 % of a block's loss; yet capping it at one
+    # median token took SmolLM2 at 0.2 from perplexity 78.03 to 150.6 (bench/RESULTS.md, session 36): that token's
+    # output is what the later layers read, and fitting it is what the block fits are for
+    token_cap: float | None = None
 
     def __post_init__(self) -> None:
         assert self.steps >= 0, f"refine steps must be >= 0 (got {self.steps})"
@@ -69,6 +75,7 @@ class RefineConfig:
         # an annealed fit's length is its steps or its seconds; a floor of steps past the seconds would run at ~0
         assert not (self.anneal and self.min_steps), "an annealed fit takes no min_steps"
         assert self.average is None or 0 < self.average < 1, f"average decay must be in (0, 1) (got {self.average})"
+        assert self.token_cap is None or self.token_cap > 0, f"token cap must be > 0 (got {self.token_cap})"
 
 
 def check_method(config: RefineConfig, method: str) -> None:

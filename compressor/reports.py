@@ -36,6 +36,7 @@ class LayerReport:
     seconds: float
     kept: tuple[int, ...] = ()  # indices of the kept groups, in the layer's original numbering (provenance)
     refine: RefineReport | None = None  # on a block's last layer: the block's reconstruction, when it ran
+    rows: str | None = None  # with `choose_rows`: the rows kept, "refit" (the solve's) or "dense" (the dense weight's)
 
     @classmethod
     def measure(cls, name: str, kind: str, before: int, after: int, objective: float, energy: float,

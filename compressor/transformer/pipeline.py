@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import itertools
 import logging
 import sys
 import time
@@ -37,6 +38,7 @@ from ..errors import CalibrationError, InputError, UnsupportedArchitecture
 from ..layerstats import (
     COMPUTE_DTYPE,
     HALF_DTYPES,
+    FinishedStatistics,
     KeptSolution,
     LayerObservation,
     LayerStatistics,
@@ -51,7 +53,8 @@ from ..modules import owner_of
 from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warning
 from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
-from ..solver.solve import NO_REFIT_METHODS
+from ..solver.problem import group_rows
+from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
@@ -66,6 +69,7 @@ from .surgery import (
     prune_query_heads,
     query_heads,
     remove_layers,
+    set_weight,
 )
 
 log = logging.getLogger(__name__)
@@ -376,6 +380,7 @@ def prune_blocks(
     sublayers: Collection[tuple[int, str]] = (),
     add_bias: bool | None = None,
     token_cap: float | None = None,
+    choose_rows: bool = False,
 ) -> list[LayerReport]:
     """Prune the heads and FFN neurons of every block of `source`, in place (`ratio`: a uniform ratio,
     or the kept groups of each projection by name). Under grouped-query attention the head unit is a
@@ -395,7 +400,10 @@ def prune_blocks(
     `add_bias`: whether a bias-free output projection gets a bias for its intercept (`surgery.add_bias`; with
     `bias_correction`, for the methods that compensate); None: the method's own choice (`ADDS_BIAS`).
     `token_cap`: each projection's least squares, intercept and a removed sub-layer's mean weigh a token at most
-    `token_cap` median tokens (`layerstats.token_weights`; None: every token alike, the paper's objective)."""
+    `token_cap` median tokens (`layerstats.token_weights`; None: every token alike, the paper's objective).
+    `choose_rows` (methods that refit): each block keeps, per output projection, the refit rows or the dense
+    weight's rows on the same support (with their own intercept), whichever combination gives the lower block
+    error on the held-out calibration sequences, before its fit (`_choose_rows`); the choice is reported."""
     check_plan(ratio)
     add_bias = method in ADDS_BIAS if add_bias is None else add_bias
     if (skip or sublayers) and not isinstance(source, InMemoryBlocks):
@@ -405,6 +413,7 @@ def prune_blocks(
     check_gqa(gqa)
     refine = refine or RefineConfig()
     check_method(refine, method)
+    choosing = choose_rows and method not in DENSE_ROWS_METHODS  # the others keep the dense rows anyway
     if not batches:
         raise CalibrationError("no calibration batches")
     device = compute_device(device)
@@ -438,6 +447,7 @@ def prune_blocks(
         stream_energy = 0.5 * float(sum(_rows(s.hidden, s).square().sum() for s in streams))  # CPU tensors
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         solved = False  # whether a projection of this block was solved (what a reconstruction fits)
+        choices: list[_Rows] = []  # with `choosing`: each solved projection's two sets of rows
         for kind, path, norm in ((ATTENTION, adapter.o, adapter.o_norm), (FFN, adapter.down, adapter.down_norm)):
             if (i, kind) in sublayers:  # removed alone: its update becomes a constant, nothing is solved
                 compensate = bias_correction and method not in UNCOMPENSATED
@@ -485,13 +495,24 @@ def prune_blocks(
                         "so the solve cannot rank supports beyond its damping; calibrate on more tokens than a "
                         "projection keeps inputs (further such layers are not reported)")
                 emit(progress, warning(flat), log)  # a job's warnings also go to its report
+            apply = functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by)
+            if choosing:
+                apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, proj, W_hat, scale, finished,
+                                          g, center)
             report = prune_layer(
                 name, kind, finished, g, num_prune, method, dense_weight=W_hat, scale=scale,
-                apply=functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by),
+                apply=apply,
                 position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
                 costs=functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy))
             reports.append(report)
             del finished, stats, W_hat
+        if choices:
+            _host_ready(device)
+            picked = _choose_rows(block, choices, streams, refine, device)
+            reports = _report_rows(reports, picked)
+            log.info("%s: rows kept %s", here, ", ".join(f"{c.name[len(here) + 1:]} {p}"
+                                                      for c, p in zip(choices, picked, strict=True)))
+            del choices
         if refine.steps and solved:
             _host_ready(device)
             share = _fit_allowance(refine, time.perf_counter() - solving, fitted, d.layers - i)
@@ -533,6 +554,80 @@ def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: b
         add_bias(proj)
         proj.bias.data += kept.shift.to(proj.bias)
     (prune_heads_by if kind == ATTENTION else prune_ffn)(model, index, kept.keep, new_weight)
+
+
+REFIT_ROWS, DENSE_ROWS = "refit", "dense"  # a projection's kept rows under `choose_rows`
+
+
+@dataclass
+class _Rows:
+    """A solved projection's kept rows two ways, each with its bias: the refit the surgery installed, and the dense
+    weight's rows on the same support with their own intercept (`choose_rows`)."""
+
+    name: str
+    proj: nn.Module
+    refit: tuple[Tensor, Tensor | None]  # (kept x out weight as `dense_weight` gives it, bias or None)
+    dense: tuple[Tensor, Tensor | None]
+
+    def install(self, which: str) -> None:
+        weight, bias = self.refit if which == REFIT_ROWS else self.dense
+        set_weight(self.proj, weight)
+        if bias is not None:
+            self.proj.bias.data.copy_(bias)
+
+
+def _surgery_and_dense_rows(surgery: Callable[[KeptSolution], None], choices: list[_Rows], name: str,
+                            proj: nn.Module, W_hat: Tensor, scale: Tensor | None, stats: FinishedStatistics,
+                            group_size: int, center: bool, kept: KeptSolution) -> None:
+    """`surgery` of the refit solution, and the same support's dense rows beside it in `choices` (W_hat: the
+    solver's d1 x d2 dense weight, columns scaled by `scale`; their intercept nu - mu_kept W_hat_kept)."""
+    surgery(kept)
+    rows = group_rows(torch.tensor(kept.keep, dtype=torch.long, device=W_hat.device), group_size)
+    weight = W_hat.index_select(0, rows)  # kept x d2
+    shift = stats.mean_y - stats.mean_x.index_select(0, rows.to(stats.mean_x.device)) @ weight.to(stats.mean_x)
+    if scale is not None:
+        weight, shift = weight / scale.to(weight), shift / scale.to(shift)
+    refit_bias = None if proj.bias is None else proj.bias.detach().clone()
+    dense_bias = None
+    if center:  # the surgery's bias holds the refit's intercept: swap it for the dense rows'
+        dense_bias = (refit_bias - kept.shift.to(refit_bias) + shift.to(refit_bias))
+    installed = dense_weight(proj)
+    choices.append(_Rows(name, proj, (installed.clone(), refit_bias), (weight.to(installed), dense_bias)))
+
+
+def _choose_rows(block: nn.Module, choices: Sequence[_Rows], streams: Sequence[_Stream], config: RefineConfig,
+                 device: torch.device) -> list[str]:
+    """Install, of every combination of refit and dense rows of the block's solved projections, the one with the
+    lowest error of the block fed the pruned stream against the dense block's output, on the held-out sequences
+    of its fit (`refine.split`: the same ones, so the fit's held-out error starts from it). The layer solves cannot
+    make this choice: on their own calibration least squares the refit is optimal by construction; a model whose
+    few tokens of massive activation dominate that least squares (SmolLM2) can still lose by it downstream."""
+    sequences = [Sequences(s.pruned, s.hidden, s.args, s.kwargs, s.mask) for s in streams]
+    held_out = split(sequences, config.held_out, config.seed)[1]
+    judge = BlockReconstruction(block, config)
+
+    def run(b: nn.Module, seqs: Sequences) -> Tensor:
+        return _run(b, seqs.x, seqs, device)
+
+    best, lowest = None, float("inf")
+    for combination in itertools.product((REFIT_ROWS, DENSE_ROWS), repeat=len(choices)):
+        for rows, which in zip(choices, combination, strict=True):
+            rows.install(which)
+        error = judge.error(held_out, run)
+        log.debug("%s: held-out block error %.6g", dict(zip([c.name for c in choices], combination, strict=True)),
+                  error)
+        if error < lowest:
+            best, lowest = combination, error
+    assert best is not None, "no combination of rows had a finite held-out error"
+    for rows, which in zip(choices, best, strict=True):
+        rows.install(which)
+    return list(best)
+
+
+def _report_rows(reports: list[LayerReport], picked: Sequence[str]) -> list[LayerReport]:
+    """The last len(picked) reports (the block's solved projections, in order) with the rows each kept."""
+    start = len(reports) - len(picked)
+    return reports[:start] + [dataclasses.replace(r, rows=p) for r, p in zip(reports[start:], picked, strict=True)]
 
 
 def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device: torch.device, last: bool,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..calibration import without_seen
-from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES
+from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES, energy_weights
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
@@ -128,14 +128,18 @@ def split(batches: Sequence[Sequences], held_out: float, seed: int) -> tuple[lis
 Run = Callable[[nn.Module, Sequences], Tensor]  # block(x, *args, **kwargs) on the compute device -> output
 
 
-def _squared_error(out: Tensor, batch: Sequences | Windows) -> tuple[Tensor, Tensor]:
-    """(sum of squared errors, sum of squared targets) over the counted tokens (a block's, or the whole model's)."""
+def _squared_error(out: Tensor, batch: Sequences | Windows, token_cap: float | None = None) -> tuple[Tensor, Tensor]:
+    """(sum of squared errors, sum of squared targets) over the counted tokens (a block's, or the whole model's);
+    with `token_cap`, each token's terms weighted by `energy_weights` of its target over the batch's counted tokens."""
     target = batch.target.to(out.device, out.dtype)
     error = (out - target).square().sum(-1)  # (batch, seq)
     energy = target.square().sum(-1)
-    if batch.mask is not None:
-        mask = batch.mask.to(out.device, out.dtype)
-        error, energy = error * mask, energy * mask
+    weight = None if batch.mask is None else batch.mask.to(out.device, out.dtype)  # (batch, seq)
+    if token_cap is not None:  # the target's weights: no gradient flows through them
+        capped = energy_weights(energy.detach(), token_cap, None if weight is None else weight > 0)
+        weight = capped if weight is None else weight * capped
+    if weight is not None:
+        error, energy = error * weight, energy * weight
     return error.sum(), energy.sum()
 
 
@@ -152,18 +156,18 @@ class BlockReconstruction:
         self.reconstruction = Reconstruction(block, self.parameters, config)
 
     def error(self, batches: Sequence[Sequences], run: Run) -> float:
-        return self.reconstruction.error(batches, _loss(run))
+        return self.reconstruction.error(batches, _loss(run, self.config.token_cap))
 
     def fit(self, train: Sequence[Sequences], held_out: Sequence[Sequences], run: Run) -> RefineReport:
         """Fit in place on steps of `config.sequences` sequences; the block ends with the weights of the
         lowest held-out error seen, or its own weights when no fit beat them."""
         k = self.config.sequences
         steps = [b.select(slice(i, i + k)) for b in train for i in range(0, b.x.shape[0], k)]
-        return self.reconstruction.fit(steps, held_out, _loss(run))
+        return self.reconstruction.fit(steps, held_out, _loss(run, self.config.token_cap))
 
 
-def _loss(run: Run) -> Callable[[nn.Module, Sequences], tuple[Tensor, Tensor]]:
-    return lambda block, batch: _squared_error(run(block, batch), batch)
+def _loss(run: Run, token_cap: float | None = None) -> Callable[[nn.Module, Sequences], tuple[Tensor, Tensor]]:
+    return lambda block, batch: _squared_error(run(block, batch), batch, token_cap)
 
 
 def model_config(block_fits: float, budget: float | None = None, *, solves: float = 0.0,

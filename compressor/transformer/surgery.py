@@ -65,6 +65,15 @@ def dense_weight(proj: nn.Module) -> Tensor:
     return proj.weight.detach() if _is_conv1d(proj) else proj.weight.detach().T
 
 
+def set_weight(proj: nn.Module, weight: Tensor) -> None:
+    """Replace a projection's weight values by `weight` (in x out, as `dense_weight` gives it), in the projection's
+    own layout, dtype and device (the same parameter object: an optimiser or a view of it still sees it)."""
+    expected = (in_features(proj), out_features(proj))
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"new weight has shape {tuple(weight.shape)}, expected {expected}")
+    proj.weight.data.copy_(weight if _is_conv1d(proj) else weight.T)
+
+
 def add_bias(proj: nn.Module) -> None:
     """Give a bias-free projection a zero bias (its output's intercept: FLAP's bias compensation on Llama-style
     layers), in the weight's dtype and device; a projection with a bias keeps it."""

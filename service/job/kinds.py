@@ -667,7 +667,10 @@ class _TransformerJob:
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
                    "refine": self._refine(solve_only, fit_seconds),
-                   "add_bias": {"auto": None, "yes": True, "no": False}[request.add_bias]}
+                   "add_bias": {"auto": None, "yes": True, "no": False}[request.add_bias],
+                   # per projection, the refit or the dense rows, by the block's held-out error: SmolLM2-135M at 0.2
+                   # with 50-step fits went 78.03 -> 66.87 WikiText-2 perplexity (bench/RESULTS.md, session 36)
+                   "choose_rows": not statistics}
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:

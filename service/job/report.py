@@ -66,6 +66,8 @@ class LayerResult:
     kept: list[int]  # the kept groups, in the dense numbering
     # on a block's last layer: its reconstruction (RefineReport)
     refine: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    # a transformer's output projection: the rows it kept, "refit" (the solve's) or "dense" (the dense weight's)
+    rows: str | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

@@ -485,7 +485,7 @@ def render(report: Report) -> str:
     layers = "".join(
         f"<tr><td>{_e(r.name)}</td><td>{_e(UNIT_WORDS.get(r.kind, r.kind))}</td>"
         f"<td>{r.width_before}</td><td>{r.width_after}</td><td>{_num(r.relative_error)}</td>"
-        f"<td>{_num(r.objective, 6)}</td></tr>" for r in report.layers)
+        f"<td>{_num(r.objective, 6)}</td><td>{_e(r.rows or '')}</td></tr>" for r in report.layers)
     figure = "<figure><figcaption>{}</figcaption>{}</figure>".format
     charts = (figure("Rounds: modelled and measured speedup", rounds_chart(report)) +
               figure("Quality against measured speedup", quality_chart(report)) +
@@ -504,7 +504,8 @@ def render(report: Report) -> str:
 {figure("Kept width", '<div class="scroll">' + width_chart(report) + "</div>")}
 {figure("Relative error", '<div class="scroll">' + error_chart(report) + "</div>")}</div>
 <h2>Layers</h2><div class="scroll">
-<table><tr><th>layer</th><th>unit</th><th>before</th><th>after</th><th>relative error</th><th>objective</th></tr>
+<table><tr><th>layer</th><th>unit</th><th>before</th><th>after</th><th>relative error</th><th>objective</th>
+<th>rows kept</th></tr>
 {layers}</table></div></body></html>
 """
 

@@ -3,7 +3,7 @@
 import torch
 
 from compressor import solve_layer
-from compressor.layerstats import LayerStatistics, kept_solution, token_weights
+from compressor.layerstats import LayerStatistics, energy_weights, kept_solution, token_weights
 
 
 def _statistics(seed=0, n=64, d1=6, d2=3):
@@ -60,6 +60,15 @@ def test_token_weights_cap_a_row_at_cap_medians_and_leave_the_rest_alone():
     zeros = torch.zeros(3, 2, dtype=torch.float64)
     zeros[0, 0] = 3.0  # a zero median: weighed against the mean (3), never against 0
     torch.testing.assert_close(token_weights(zeros, 1.0), torch.tensor([1 / 3, 1, 1], dtype=torch.float64))
+
+
+def test_energy_weights_take_the_median_of_the_counted_tokens_only():
+    energy = torch.tensor([[1.0, 1.0, 10_000.0], [4.0, 4.0, 4.0]])
+    counted = torch.tensor([[True, True, True], [False, False, True]])  # 1, 1, 10,000, 4: median 1 (the lower)
+    torch.testing.assert_close(energy_weights(energy, 2.0, counted), torch.tensor([[1, 1, 2e-4], [0.5, 0.5, 0.5]]))
+    torch.testing.assert_close(energy_weights(energy, 2.0), torch.tensor([[1, 1, 8e-4], [1, 1, 1]]))  # median 4
+    nothing = torch.zeros_like(counted)
+    torch.testing.assert_close(energy_weights(energy, 2.0, nothing), torch.ones_like(energy))
 
 
 def test_capped_statistics_are_the_weighted_least_squares_with_a_weighted_intercept():

@@ -342,3 +342,54 @@ def test_a_token_cap_weighs_the_solves_and_a_cap_no_token_reaches_changes_nothin
     assert torch.isfinite(first_output(capped, inputs)).all()
     update = layers(capped)[1].mlp.update
     assert not torch.allclose(update, layers(plain)[1].mlp.update)
+
+
+def _rows_problem():
+    """Block 0 of a tiny Llama, its streams' targets the dense block's outputs, and a copy of the block to choose
+    rows in: each output projection offered its dense weight and a halved one."""
+    model = MODELS["llama"]().eval()
+    streams = capture_block_inputs(model, [example_inputs(model, batch=5, length=12, seed=s) for s in range(4)],
+                                   torch.device("cpu"), torch.float32)
+    dense = layers(model)[0]
+    with torch.no_grad():
+        for s in streams:
+            s.hidden = _run(dense, s.hidden, s, torch.device("cpu"))
+    block = copy.deepcopy(dense)
+    o, down = block.self_attn.o_proj, block.mlp.down_proj
+    exact = {p: pipeline.dense_weight(p).clone() for p in (o, down)}
+    return block, streams, o, down, exact
+
+
+@pytest.mark.parametrize("good", [("refit", "dense"), ("dense", "refit"), ("dense", "dense")])
+def test_the_combination_of_rows_with_the_lowest_held_out_block_error_is_installed(good):
+    block, streams, o, down, exact = _rows_problem()
+    choices = []
+    for proj, which in zip((o, down), good, strict=True):
+        right, wrong = (exact[proj], None), (0.5 * exact[proj], None)
+        choices.append(pipeline._Rows(f"x.{which}", proj, *((right, wrong) if which == "refit" else (wrong, right))))
+    picked = pipeline._choose_rows(block, choices, streams, RefineConfig(), torch.device("cpu"))
+    assert picked == list(good)
+    for proj in (o, down):  # the right weights are the ones left installed
+        torch.testing.assert_close(pipeline.dense_weight(proj), exact[proj], rtol=0, atol=0)
+
+
+def test_chosen_rows_are_the_solves_refit_or_the_dense_weights_kept_rows_and_are_reported():
+    model = MODELS["llama"]().eval()
+    data = [example_inputs(model, batch=5, length=12, seed=s) for s in range(4)]
+    refit, plain = prune_transformer(model, data, 0.5, add_bias=True)
+    chosen, reports = prune_transformer(model, data, 0.5, add_bias=True, choose_rows=True)
+    assert [r.rows for r in plain] == [None] * len(plain)
+    assert {r.rows for r in reports} <= {"refit", "dense"} and all(r.rows for r in reports)
+    first = reports[0]  # block 0's attention: the same problem and support in both runs
+    assert first.kept == plain[0].kept
+    o = layers(chosen)[0].self_attn.o_proj
+    if first.rows == "refit":
+        torch.testing.assert_close(o.weight, layers(refit)[0].self_attn.o_proj.weight)
+    else:
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        cols = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in first.kept])
+        torch.testing.assert_close(o.weight, layers(model)[0].self_attn.o_proj.weight[:, cols])
+    assert torch.isfinite(first_output(chosen)).all()
+    # methods that keep the dense rows anyway have nothing to choose
+    _, flap = prune_transformer(model, data, 0.5, method="flap", choose_rows=True)
+    assert [r.rows for r in flap] == [None] * len(flap)

@@ -18,6 +18,7 @@ from compressor.transformer.refine import (
     Sequences,
     _cut,
     _next_token_kl,
+    _squared_error,
     default_config,
     model_config,
     reconstruct_model,
@@ -86,6 +87,31 @@ def _block_problem(steps: int, lr: float = 0.05):
 
 def run(block, seqs):
     return _run(block, seqs.x, seqs, CPU)
+
+
+def test_a_token_cap_weighs_a_massive_tokens_error_as_at_most_cap_median_tokens():
+    target = torch.ones(2, 4, 3)
+    target[0, 0] = 100.0  # a token of massive activation: 10,000x the others' squared norm
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 3] = False  # padding: neither counted nor weighed
+    out = target.clone()
+    out[0, 0] += 1.0  # an error of 3 on the massive token
+    out[1, 1] += 1.0  # and of 3 on an ordinary one
+    batch = Sequences(torch.zeros(2, 4, 3), target, (), {}, mask)
+    error, energy = _squared_error(out, batch)
+    assert float(error) == pytest.approx(6.0) and float(energy) == pytest.approx(30_000 + 6 * 3)
+    error, energy = _squared_error(out, batch, token_cap=1.0)
+    w = 3.0 / 30_000  # the massive token weighs one median token (squared norm 3)
+    assert float(error) == pytest.approx(3.0 + 3.0 * w) and float(energy) == pytest.approx(3.0 + 6 * 3)
+    with pytest.raises(AssertionError, match="token cap"):
+        RefineConfig(steps=1, token_cap=0.0)
+
+
+def test_a_capped_fit_lowers_its_held_out_error_too():
+    block, fit, judge, config = _block_problem(steps=60)
+    capped = dataclasses.replace(config, token_cap=1.0)
+    result = BlockReconstruction(block, capped).fit(fit, judge, run)
+    assert result.kept and result.after < 0.5 * result.before
 
 
 def test_the_fit_lowers_the_held_out_error_and_only_touches_the_block_weights():

@@ -212,6 +212,9 @@ def test_a_request_decides_whether_bias_free_projections_gain_a_bias(method, add
                    for i in range(2)]
     pruned, reports = job.prune(0.25)
     assert reports and bool(widths(pruned).get("biases")) == biased
+    # a refitting method's rows are chosen per projection (osscar's refit or the dense rows), FLAP keeps the dense ones
+    assert all(r.rows in ("refit", "dense") for r in reports) if method == "osscar" else all(r.rows is None
+                                                                                             for r in reports)
 
 
 def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_without_a_float32_copy(tmp_path, monkeypatch):
