@@ -497,8 +497,8 @@ def prune_blocks(
                 emit(progress, warning(flat), log)  # a job's warnings also go to its report
             apply = functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by)
             if choosing:
-                apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, proj, W_hat, scale, finished,
-                                          g, center)
+                apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, block, path, W_hat, scale,
+                                          finished, g, center)
             report = prune_layer(
                 name, kind, finished, g, num_prune, method, dense_weight=W_hat, scale=scale,
                 apply=apply,
@@ -577,11 +577,12 @@ class _Rows:
 
 
 def _surgery_and_dense_rows(surgery: Callable[[KeptSolution], None], choices: list[_Rows], name: str,
-                            proj: nn.Module, W_hat: Tensor, scale: Tensor | None, stats: FinishedStatistics,
-                            group_size: int, center: bool, kept: KeptSolution) -> None:
+                            block: nn.Module, path: str, W_hat: Tensor, scale: Tensor | None,
+                            stats: FinishedStatistics, group_size: int, center: bool, kept: KeptSolution) -> None:
     """`surgery` of the refit solution, and the same support's dense rows beside it in `choices` (W_hat: the
     solver's d1 x d2 dense weight, columns scaled by `scale`; their intercept nu - mu_kept W_hat_kept)."""
     surgery(kept)
+    proj = projection(block, path)  # as the surgery left it
     rows = group_rows(torch.tensor(kept.keep, dtype=torch.long, device=W_hat.device), group_size)
     weight = W_hat.index_select(0, rows)  # kept x d2
     shift = stats.mean_y - stats.mean_x.index_select(0, rows.to(stats.mean_x.device)) @ weight.to(stats.mean_x)

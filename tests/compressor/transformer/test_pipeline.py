@@ -393,3 +393,13 @@ def test_chosen_rows_are_the_solves_refit_or_the_dense_weights_kept_rows_and_are
     # methods that keep the dense rows anyway have nothing to choose
     _, flap = prune_transformer(model, data, 0.5, method="flap", choose_rows=True)
     assert [r.rows for r in flap] == [None] * len(flap)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_family_chooses_its_rows_and_runs(name):
+    """Fused projections, Conv1D (GPT-2), post-norm column scaling (BERT): each family's choice installs weights of
+    its projections' own layout, and the pruned model runs."""
+    model = MODELS[name]().eval()
+    pruned, reports = prune_transformer(model, batches(model), 0.25, choose_rows=True)
+    assert reports and all(r.rows in ("refit", "dense") for r in reports)
+    assert torch.isfinite(first_output(pruned)).all()
