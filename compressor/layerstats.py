@@ -176,10 +176,16 @@ def kept_solution(sol: LayerSolution, group_size: int, scale: Tensor | None,
     undone (`stats`: what the problem was solved from)."""
     pruned = set(sol.pruned)
     groups = sol.weight.shape[0] // group_size
-    keep = [j for j in range(groups) if j not in pruned]
-    rows = group_rows(torch.tensor(keep, dtype=torch.long, device=sol.weight.device), group_size)
-    W = sol.weight.index_select(0, rows)
-    shift = stats.mean_y - stats.mean_x @ sol.weight.to(stats.mean_x)
+    return kept_rows(sol.weight, [j for j in range(groups) if j not in pruned], group_size, scale, stats)
+
+
+def kept_rows(weight: Tensor, keep: list[int], group_size: int, scale: Tensor | None,
+              stats: FinishedStatistics) -> KeptSolution:
+    """Groups `keep` (sorted) of a d1 x d2 `weight` in the solver's column space (a solve's, or the dense W_hat:
+    its other rows are ignored) and their intercept nu - mu_kept W_kept, with column scaling undone."""
+    rows = group_rows(torch.tensor(keep, dtype=torch.long, device=weight.device), group_size)
+    W = weight.index_select(0, rows)  # kept x d2
+    shift = stats.mean_y - stats.mean_x.index_select(0, rows.to(stats.mean_x.device)) @ W.to(stats.mean_x)
     if scale is not None:
         W, shift = W / scale.to(W), shift / scale.to(shift)
     return KeptSolution(keep, W, shift)

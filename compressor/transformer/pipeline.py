@@ -45,6 +45,7 @@ from ..layerstats import (
     Widths,
     check_plan,
     compute_device,
+    kept_rows,
     planned_prune,
     prune_layer,
     token_weights,
@@ -53,7 +54,6 @@ from ..modules import owner_of
 from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warning
 from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
-from ..solver.problem import group_rows
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
@@ -583,17 +583,13 @@ def _surgery_and_dense_rows(surgery: Callable[[KeptSolution], None], choices: li
     solver's d1 x d2 dense weight, columns scaled by `scale`; their intercept nu - mu_kept W_hat_kept)."""
     surgery(kept)
     proj = projection(block, path)  # as the surgery left it
-    rows = group_rows(torch.tensor(kept.keep, dtype=torch.long, device=W_hat.device), group_size)
-    weight = W_hat.index_select(0, rows)  # kept x d2
-    shift = stats.mean_y - stats.mean_x.index_select(0, rows.to(stats.mean_x.device)) @ weight.to(stats.mean_x)
-    if scale is not None:
-        weight, shift = weight / scale.to(weight), shift / scale.to(shift)
+    dense = kept_rows(W_hat, kept.keep, group_size, scale, stats)
     refit_bias = None if proj.bias is None else proj.bias.detach().clone()
     dense_bias = None
     if center:  # the surgery's bias holds the refit's intercept: swap it for the dense rows'
-        dense_bias = (refit_bias - kept.shift.to(refit_bias) + shift.to(refit_bias))
+        dense_bias = refit_bias - kept.shift.to(refit_bias) + dense.shift.to(refit_bias)
     installed = dense_weight(proj)
-    choices.append(_Rows(name, proj, (installed.clone(), refit_bias), (weight.to(installed), dense_bias)))
+    choices.append(_Rows(name, proj, (installed.clone(), refit_bias), (dense.weight.to(installed), dense_bias)))
 
 
 def _choose_rows(block: nn.Module, choices: Sequence[_Rows], streams: Sequence[_Stream], config: RefineConfig,
