@@ -1,5 +1,6 @@
 """ONNX Runtime, always in a spawned subprocess: outputs for the parity gate and evaluation, and
-latency of a baseline and a compressed model measured alternately in one process.
+latency of a baseline and a compressed model measured alternately in one process (in turns, one session at
+a time, when the host cannot hold both).
 
 A crashing or hanging session (a bad kernel, an out-of-memory provider) ends the subprocess, not
 the caller: it surfaces as `RuntimeFailure`.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -257,6 +259,8 @@ class Latency:
     host_baseline_ms: float | None = None
     host_compressed_ms: float | None = None
     host_speedup: float | None = None
+    # why the two sessions were timed one at a time, in turns (None: paired, both in one process at once)
+    in_turn: str | None = None
 
 
 # A timed sample lasts at least this long: a model that runs in a millisecond or two is timed as n
@@ -333,6 +337,94 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
     return (*times, runs)
 
 
+# When the host cannot hold both sessions (`sessions_fit`), they are timed one at a time in IN_TURN_LOADS turns that
+# alternate, baseline first: the first and last turn take k samples, the others 2k, so that every sample is paired
+# with one of the other model's in the adjacent turn and a steady drift of the host's speed cancels in the pairs.
+IN_TURN_LOADS = 4
+# A session's host memory per byte of its ONNX file and weights (ONNX Runtime's prepacked weights and their
+# arena; a 1.2 B float32 decoder: 4.94 GB of weights, 6.19 GB at its peak on 1 x 512 tokens), plus a floor for the
+# activations, and the share of the available memory a pair may take before it is timed in turn.
+SESSION_BYTES_PER_FILE_BYTE = 1.3
+SESSION_ACTIVATIONS = 512 << 20
+PAIR_SHARE = 0.8
+
+
+def session_bytes(path: str | Path) -> int:
+    """Host memory a CPU session of `path` (and its `<name>.data` external weights) is expected to hold."""
+    path = Path(path)
+    files = [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
+    return int(SESSION_BYTES_PER_FILE_BYTE * sum(p.stat().st_size for p in files)) + SESSION_ACTIVATIONS
+
+
+def sessions_fit(baseline: str | Path, compressed: str | Path, provider: str = "cpu") -> tuple[bool, int, int]:
+    """Whether both sessions fit in PAIR_SHARE of the host's available memory at once, the bytes they need and
+    the bytes available. A CUDA pair lives in the device's memory: always True there."""
+    from compressor.transformer.offload import available_memory
+
+    needed, available = session_bytes(baseline) + session_bytes(compressed), available_memory()
+    return provider != "cpu" or needed <= PAIR_SHARE * available, needed, available
+
+
+def _turn(path: str, feed: dict[str, np.ndarray], provider: str, threads: int, warmup: int, io_binding: bool,
+          plan: Callable[[float], tuple[int, int]]) -> list[list[float]]:
+    """One turn of `_in_turn_worker`: a session of `path` opened, warmed up, sampled and gone on return (nothing
+    outlives the call: a loop variable holding its last runner would keep it beside the next turn's).
+    `plan(ms of a warm run)` gives the runs per sample and the samples; per-run milliseconds per way."""
+    session = _session(path, provider, threads)
+    runners = ([_bound(session, _feed(session, feed), provider)] if io_binding else []) \
+        + [_unbound(session, _feed(session, feed))]
+    last = MIN_SAMPLE_MS
+    for done in range(1, warmup + 1):
+        start = time.perf_counter()
+        for run in runners:
+            run()
+        last = 1000 * (time.perf_counter() - start) / len(runners)
+        if done >= 2 and last / 1000 * len(runners) >= SLOW_PAIR_S / 2:
+            break
+    runs, samples = plan(last)
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(samples):
+        for w, run in enumerate(runners):
+            start = time.perf_counter()
+            for _ in range(runs):
+                run()
+            times[w].append(1000 * (time.perf_counter() - start) / runs)
+    return times
+
+
+def _in_turn_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
+                    warmup: int, repeats: int, io_binding: bool = False, seconds: float | None = TIMING_SECONDS,
+                    loads: int = IN_TURN_LOADS) -> tuple[list[float], ...]:
+    """`_latency_worker`'s samples with one session in memory at a time: `loads` turns alternating baseline and
+    compressed (an even number), k samples in the first and last turn and 2k in the others, so both models get
+    (loads - 1) k samples and zipping the two lists pairs each sample with one of the adjacent turn. k follows
+    from `repeats`, or from `seconds` and the first turn's warm-up runs (never under MIN_REPEATS in all)."""
+    assert loads >= 2 and loads % 2 == 0, f"need an even number of turns (got {loads})"
+    ways = 2 if io_binding else 1
+    times: list[list[float]] = [[] for _ in range(2 * ways)]
+    chosen: list[int] = []  # runs per sample and samples per turn, set by the baseline's first warm-up
+
+    def plan(turn: int) -> Callable[[float], tuple[int, int]]:
+        def of(last_ms: float) -> tuple[int, int]:
+            if not chosen:
+                runs = max(1, math.ceil(MIN_SAMPLE_MS / max(last_ms, 1e-3)))
+                wanted = repeats
+                if seconds is not None:  # as many samples of both as `seconds` allow, at least MIN_REPEATS
+                    affordable = int(seconds / max(2 * ways * runs * last_ms / 1000, 1e-9))
+                    wanted = min(repeats, max(MIN_REPEATS, affordable))
+                chosen.extend((runs, max(1, math.ceil(wanted / (loads - 1)))))
+            runs, k = chosen
+            return runs, k if turn in (0, loads - 1) else 2 * k
+        return of
+
+    for turn in range(loads):
+        for w, samples in enumerate(_turn((baseline, compressed)[turn % 2], feed, provider, threads, warmup,
+                                          io_binding, plan(turn))):
+            times[2 * w + turn % 2].extend(samples)
+        gc.collect()  # the turn's session is gone before the next one opens
+    return (*times, chosen[0])
+
+
 @contextlib.contextmanager
 def measurement_turn() -> Iterator[None]:
     """Hold the machine's latency lock, when OSSCAR_LATENCY_LOCK names one, while timing on the CPU: jobs
@@ -360,7 +452,7 @@ def measurement_turn() -> Iterator[None]:
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
                     repeats: int = 20, io_binding: bool | None = None,
-                    seconds: float | None = TIMING_SECONDS) -> Latency:
+                    seconds: float | None = TIMING_SECONDS, together: bool | None = None) -> Latency:
     """Median and p90 latency of two models on one input, samples alternating in one subprocess, and the
     speedup (median of the paired ratios). Each sample is the mean of enough back-to-back runs to last
     MIN_SAMPLE_MS (one run for most models). `repeats` samples of each, or as many as `seconds` allow
@@ -368,14 +460,27 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
 
     `io_binding` (default: on for CUDA) times runs with the inputs on the device and the outputs left there:
     on a GPU, copying a decoder's fp32 logits back was half of every run (21 -> 19.5 ms, 1.08x, against
-    11.0 -> 8.8 ms, 1.25x, bound). Those figures are the Latency's; the host-copy ones come beside them."""
+    11.0 -> 8.8 ms, 1.25x, bound). Those figures are the Latency's; the host-copy ones come beside them.
+
+    `together` (default: when `sessions_fit`) holds both sessions at once; otherwise they are timed in turn
+    (`_in_turn_worker`) and the Latency's `in_turn` says why: a host that cannot hold two float32 sessions of a
+    large model gets a measurement with more of the host's drift in it instead of a subprocess killed for memory."""
     if provider not in PROVIDERS:
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
     bind = provider == "cuda" if io_binding is None else io_binding
+    why = None
+    if together is None:
+        fits, needed, available = sessions_fit(baseline, compressed, provider)
+        if not fits:
+            why = (f"the two ONNX Runtime sessions would need ~{needed / 2**30:.1f} GiB of the host's "
+                   f"{available / 2**30:.1f} GiB available")
+    elif not together:
+        why = "asked to time one session at a time"
+    worker = _latency_worker if why is None else _in_turn_worker
     with measurement_turn() if provider == "cpu" else contextlib.nullcontext():  # a GPU is its job's alone
-        *times, runs = _call(_latency_worker, str(baseline), str(compressed), feed, provider, threads, warmup,
-                             repeats, bind, seconds)
+        *times, runs = _call(worker, str(baseline), str(compressed), feed, provider, threads, warmup, repeats, bind,
+                             seconds)
 
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))
@@ -391,4 +496,4 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         host = {"host_baseline_ms": statistics.median(times[2]), "host_compressed_ms": statistics.median(times[3]),
                 "host_speedup": paired(times[2], times[3])}
     return Latency(statistics.median(base), statistics.median(comp), p90(base), p90(comp), paired(base, comp),
-                   provider, threads, device_name(provider), len(base), runs, io_binding=bind, **host)
+                   provider, threads, device_name(provider), len(base), runs, io_binding=bind, in_turn=why, **host)

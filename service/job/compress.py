@@ -166,8 +166,13 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
             """Export (parity-checked) and time against the dense export: a round's or a probe's model."""
             parity = job.export(module, path)
-            return parity, measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
-                                           repeats=request.repeats)
+            latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
+                                      repeats=request.repeats)
+            if latency.in_turn:
+                say(warning(f"timed the dense and the compressed model one at a time ({latency.in_turn}): a change "
+                            "of the host's speed between turns is not cancelled as in paired timing, so the measured "
+                            "speedup is less certain (a few percent on a busy host)"))
+            return parity, latency
 
         def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
                       ) -> Round:

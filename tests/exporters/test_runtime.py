@@ -83,6 +83,63 @@ def test_io_binding_times_bound_runs_and_reports_the_host_copy_figures_beside_th
     assert not plain.io_binding and plain.host_speedup is None  # the CPU default: host memory anyway
 
 
+def test_in_turn_timing_holds_one_session_at_a_time_and_pairs_adjacent_turns(tmp_path, monkeypatch):
+    from exporters import runtime
+
+    _matmul_model(tmp_path / "a.onnx", 128)
+    _matmul_model(tmp_path / "c.onnx", 128)
+    feed = {"x": np.ones((16, 128), np.float32)}
+    opened, alive, most = [], set(), []
+    real = runtime._session
+
+    class Counted:  # a session that says when it is gone
+        def __init__(self, path, provider, threads):
+            self.inner, self.path = real(path, provider, threads), path
+            opened.append(path)
+            alive.add(id(self))
+            most.append(len(alive))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __del__(self):
+            alive.discard(id(self))
+
+    monkeypatch.setattr(runtime, "_session", Counted)
+    monkeypatch.setattr(runtime, "MIN_SAMPLE_MS", 0.0)  # one run a sample
+    a, c = str(tmp_path / "a.onnx"), str(tmp_path / "c.onnx")
+    base, comp, runs = runtime._in_turn_worker(a, c, feed, "cpu", 1, 2, 12, False, None)
+    # four turns, dense first; k = 12 / 3 = 4 samples in the first and last, 8 in the middle two
+    assert opened == [a, c, a, c] and max(most) == 1 and runs == 1
+    assert len(base) == len(comp) == 12
+    # no time left: the fewest samples allowed, rounded up to whole turns
+    base, comp, _ = runtime._in_turn_worker(a, c, feed, "cpu", 1, 1, 50, False, 0.0)
+    assert len(base) == len(comp) == 3 * -(-runtime.MIN_REPEATS // 3)
+    # both ways of timing a run (I/O binding): four lists of equal length
+    *times, _ = runtime._in_turn_worker(a, a, feed, "cpu", 1, 1, 3, True, None)
+    assert len(times) == 4 and {len(t) for t in times} == {3}
+
+
+def test_a_pair_the_host_cannot_hold_is_timed_in_turn_and_says_why(tmp_path, monkeypatch):
+    from compressor.transformer import offload
+    from exporters import runtime
+
+    _matmul_model(tmp_path / "a.onnx", 256)  # 256 KiB of weights: ~1.3 GiB needed with the activations' floor
+    feed = {"x": np.ones((8, 256), np.float32)}
+    a = tmp_path / "a.onnx"
+    _, needed, _ = runtime.sessions_fit(a, a)
+    assert needed == 2 * runtime.session_bytes(a) > 2 * runtime.SESSION_ACTIVATIONS
+    monkeypatch.setattr(offload, "available_memory", lambda: needed)  # 80 % of it is not enough
+    assert not runtime.sessions_fit(a, a)[0] and runtime.sessions_fit(a, a, "cuda")[0]  # a GPU holds its own
+    latency = measure_latency(a, a, feed, threads=1, repeats=6)
+    assert latency.in_turn and "would need ~" in latency.in_turn and latency.repeats == 6
+    assert 0.5 < latency.speedup < 2  # one model against itself
+    monkeypatch.setattr(offload, "available_memory", lambda: 2 * needed)
+    assert measure_latency(a, a, feed, threads=1, repeats=3).in_turn is None
+    assert measure_latency(a, a, feed, threads=1, repeats=3, together=False).in_turn == \
+        "asked to time one session at a time"
+
+
 def test_a_provider_that_does_not_load_is_refused_not_replaced_by_the_cpu(tmp_path, monkeypatch):
     import onnxruntime as ort
     import pytest

@@ -64,6 +64,7 @@ def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
     assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # the stream, then the blocks
     assert {"name", "kind", "width_before", "width_after", "objective"} <= set(report["layers"][0])
     assert report["elapsed_s"] > 0
+    assert report["latency_samples"]["sessions_at_once"] == 2  # paired: this host holds both
     # where the time went: every stage the job entered, in order, adding up to the job's time up to the report
     assert [(t["stage"], t["round"]) for t in report["stages"]] == [("loading", 0), ("baseline", 0), ("prune", 0),
                                                                     ("measure", 0), ("save", 0)]
@@ -647,6 +648,19 @@ def test_a_model_measured_slower_than_dense_is_not_ok(model_and_data, tmp_path, 
     assert report["status"] == "slower_than_dense" and report["measured_speedup"] == pytest.approx(0.72)
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file()
     assert any("unrounded uniform widths (4, 6)" in w and "--round-to 8" in w for w in report["warnings"])
+
+
+def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(model_and_data, tmp_path, monkeypatch):
+    from compressor.transformer import offload
+
+    monkeypatch.setattr(offload, "available_memory", lambda: 1 << 30)  # two sessions' floor alone are 1 GiB
+    out = tmp_path / "out"
+    assert cli.main(_conv_args(model_and_data, out)) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "ok" and report["latency_samples"]["sessions_at_once"] == 1
+    assert report["latency_samples"]["repeats"] == 3 and report["measured_speedup"] > 0
+    (warned,) = [w for w in report["warnings"] if "one at a time" in w]
+    assert "would need ~" in warned and "1.0 GiB available" in warned
 
 
 def test_removed_blocks_leave_the_graph_before_its_channels_are_pruned(model_and_data, tmp_path, capsys):
