@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .onnx import EXTERNAL_DATA_BYTES, Parity, ParityError, stamp_metadata
-from .runtime import RuntimeFailure
+from .runtime import RuntimeFailure, files_of
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -65,11 +65,6 @@ def unfused_path(path: str | Path) -> Path:
     """Where `fuse_checked` keeps the plain export of `path` (same file name: external data keep resolving)."""
     path = Path(path)
     return path.parent / UNFUSED / path.name
-
-
-def _files_of(path: Path) -> list[Path]:
-    """The .onnx file and its external weights (`<name>.data`, as `exporters.onnx._export` saves them)."""
-    return [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
 
 
 SKIP_AS_SUM = "skip_layer_normalization_as_sum"  # Fusion.counts: skip-LayerNorms split again (CPU graphs)
@@ -138,7 +133,7 @@ def fuse_checked(path: str | Path, check: Callable[[Path], Parity], provider: st
     path = Path(path)
     plain = unfused_path(path)
     plain.parent.mkdir(exist_ok=True)
-    for file in _files_of(path):
+    for file in files_of(path):
         file.replace(plain.parent / file.name)
     reason = None
     try:
@@ -154,9 +149,9 @@ def fuse_checked(path: str | Path, check: Callable[[Path], Parity], provider: st
         except (ParityError, RuntimeFailure) as err:
             log.warning("the fused graph of %s fails its check (%s); it ships as exported", path, err)
             reason = f"the fused graph failed its check: {str(err)[:200]}"
-    for file in _files_of(path):
+    for file in files_of(path):
         file.unlink()
-    for file in _files_of(plain):
+    for file in files_of(plain):
         shutil.copy2(file, path.parent / file.name)
     parity = check(path)
     fusion = Fusion({}, reason)

@@ -277,6 +277,14 @@ MIN_REPEATS = 5
 SLOW_PAIR_S = 1.0  # warm-up pairs at least this long: two warm-ups are enough
 
 
+def _timed(run: Callable[[], None], runs: int = 1) -> float:
+    """Milliseconds per run of `runs` back-to-back runs."""
+    start = time.perf_counter()
+    for _ in range(runs):
+        run()
+    return 1000 * (time.perf_counter() - start) / runs
+
+
 def _bound(session, feed: dict[str, np.ndarray], provider: str) -> Callable[[], None]:
     """A run of `session` on `feed` with I/O binding: inputs uploaded to the provider's device once,
     outputs left there (what a server that keeps its tensors on the GPU pays per request)."""
@@ -317,9 +325,7 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
         pair = time.perf_counter()
         for runners in ways:
             for k, run in enumerate(runners):
-                start = time.perf_counter()
-                run()
-                last[k] = 1000 * (time.perf_counter() - start)
+                last[k] = _timed(run)
         if done >= 2 and time.perf_counter() - pair >= SLOW_PAIR_S:
             break
     runs = max(1, math.ceil(MIN_SAMPLE_MS / max(max(last), 1e-3)))  # the slower model's last warm-up run
@@ -328,10 +334,7 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
     for done in range(1, repeats + 1):  # alternate, so a noisy neighbour slows both alike
         for w, runners in enumerate(ways):
             for k, run in enumerate(runners):
-                start = time.perf_counter()
-                for _ in range(runs):
-                    run()
-                times[2 * w + k].append(1000 * (time.perf_counter() - start) / runs)
+                times[2 * w + k].append(_timed(run, runs))
         if seconds is not None and done >= MIN_REPEATS and time.perf_counter() - began >= seconds:
             break
     return (*times, runs)
@@ -349,11 +352,15 @@ SESSION_ACTIVATIONS = 512 << 20
 PAIR_SHARE = 0.8
 
 
+def files_of(path: str | Path) -> list[Path]:
+    """The .onnx file and its external weights (`<name>.data`, as `exporters.onnx._export` saves them)."""
+    path = Path(path)
+    return [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
+
+
 def session_bytes(path: str | Path) -> int:
     """Host memory a CPU session of `path` (and its `<name>.data` external weights) is expected to hold."""
-    path = Path(path)
-    files = [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
-    return int(SESSION_BYTES_PER_FILE_BYTE * sum(p.stat().st_size for p in files)) + SESSION_ACTIVATIONS
+    return int(SESSION_BYTES_PER_FILE_BYTE * sum(p.stat().st_size for p in files_of(path))) + SESSION_ACTIVATIONS
 
 
 def sessions_fit(baseline: str | Path, compressed: str | Path, provider: str = "cpu") -> tuple[bool, int, int]:
@@ -375,20 +382,14 @@ def _turn(path: str, feed: dict[str, np.ndarray], provider: str, threads: int, w
         + [_unbound(session, _feed(session, feed))]
     last = MIN_SAMPLE_MS
     for done in range(1, warmup + 1):
-        start = time.perf_counter()
-        for run in runners:
-            run()
-        last = 1000 * (time.perf_counter() - start) / len(runners)
+        last = sum(_timed(run) for run in runners) / len(runners)
         if done >= 2 and last / 1000 * len(runners) >= SLOW_PAIR_S / 2:
             break
     runs, samples = plan(last)
     times: list[list[float]] = [[] for _ in runners]
     for _ in range(samples):
         for w, run in enumerate(runners):
-            start = time.perf_counter()
-            for _ in range(runs):
-                run()
-            times[w].append(1000 * (time.perf_counter() - start) / runs)
+            times[w].append(_timed(run, runs))
     return times
 
 
@@ -404,22 +405,20 @@ def _in_turn_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
     times: list[list[float]] = [[] for _ in range(2 * ways)]
     chosen: list[int] = []  # runs per sample and samples per turn, set by the baseline's first warm-up
 
-    def plan(turn: int) -> Callable[[float], tuple[int, int]]:
-        def of(last_ms: float) -> tuple[int, int]:
-            if not chosen:
-                runs = max(1, math.ceil(MIN_SAMPLE_MS / max(last_ms, 1e-3)))
-                wanted = repeats
-                if seconds is not None:  # as many samples of both as `seconds` allow, at least MIN_REPEATS
-                    affordable = int(seconds / max(2 * ways * runs * last_ms / 1000, 1e-9))
-                    wanted = min(repeats, max(MIN_REPEATS, affordable))
-                chosen.extend((runs, max(1, math.ceil(wanted / (loads - 1)))))
-            runs, k = chosen
-            return runs, k if turn in (0, loads - 1) else 2 * k
-        return of
+    def plan(turn: int, last_ms: float) -> tuple[int, int]:
+        if not chosen:
+            runs = max(1, math.ceil(MIN_SAMPLE_MS / max(last_ms, 1e-3)))
+            wanted = repeats
+            if seconds is not None:  # as many samples of both as `seconds` allow, at least MIN_REPEATS
+                affordable = int(seconds / max(2 * ways * runs * last_ms / 1000, 1e-9))
+                wanted = min(repeats, max(MIN_REPEATS, affordable))
+            chosen.extend((runs, max(1, math.ceil(wanted / (loads - 1)))))
+        runs, k = chosen
+        return runs, k if turn in (0, loads - 1) else 2 * k
 
     for turn in range(loads):
         for w, samples in enumerate(_turn((baseline, compressed)[turn % 2], feed, provider, threads, warmup,
-                                          io_binding, plan(turn))):
+                                          io_binding, functools.partial(plan, turn))):
             times[2 * w + turn % 2].extend(samples)
         gc.collect()  # the turn's session is gone before the next one opens
     return (*times, chosen[0])
