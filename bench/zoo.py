@@ -12,6 +12,9 @@ compresses end to end or is refused in one line.
 `--real-sizes`: the vision CNN families at their published shapes instead (ResNet-50, MobileNetV2 1.0,
 EfficientNet-B0, ConvNeXt-T; random init, 224 x 224, the job's default batch), where a toy's timing
 says nothing: does pruning a quarter of the channels make them faster in ONNX Runtime?
+
+`--keep DIR`: the work stays in DIR (each family's directory, each job's `--out` with its report.json, and
+`job.log`, the job's verbose log), so a row can be read back: which units went, how the rounds converged.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -50,7 +54,10 @@ def _lm(cls: str, config: str, **fields) -> Callable[[], object]:
 def _live_norms(build: Callable[[], object]) -> Callable[[], object]:
     """A builder whose BatchNorms get random scales and shifts: HF EfficientNet's initialisation makes its
     pooled features exactly 0 for every input (so a pruned model's outputs equal the dense one's and the
-    accuracy check refuses to compare them), which no trained checkpoint does."""
+    accuracy check refuses to compare them), which no trained checkpoint does. ConvNeXt's layer scales too:
+    initialised at 1e-6, every block's branch adds ~nothing to its stream, so removing blocks is free (removal
+    losses ~1e-15) and a target job's depth plan removed blocks until they alone passed the target, never
+    reaching the widths (bench/RESULTS.md, session 39)."""
     def live():
         import torch
 
@@ -61,6 +68,9 @@ def _live_norms(build: Callable[[], object]) -> Callable[[], object]:
                 if isinstance(module, torch.nn.BatchNorm2d):
                     module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
                     module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+            for name, parameter in model.named_parameters():
+                if name.endswith("layer_scale_parameter"):  # ConvNeXt's; trained ones are ~0.1-1
+                    parameter.copy_(0.1 + 0.5 * torch.rand(parameter.shape, generator=generator))
         return model
 
     return live
@@ -141,6 +151,17 @@ def _data(root: Path) -> dict[str, Path]:
             "real224": root / "images224.npz"}
 
 
+class _Stderr:
+    """Whatever sys.stderr is at each write: the jobs' log lines follow each job's redirection (the CLI's
+    `logging.basicConfig` would otherwise bind the first job's stream for every job after it)."""
+
+    def write(self, text: str) -> None:
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def run(family: str, build: Callable[[], object], kind: str, mode: str, root: Path, data: dict[str, Path]) -> dict:
     from service.client import cli
 
@@ -152,7 +173,7 @@ def run(family: str, build: Callable[[], object], kind: str, mode: str, root: Pa
             return {"family": family, "mode": mode, "result": f"not built: {type(exc).__name__}: {str(exc)[:100]}",
                     "seconds": 0.0}
     out = root / f"{family}-{mode}"
-    args = ["compress", str(directory), *MODES[mode], "--calibration", str(data[kind]), "--out", str(out),
+    args = ["-v", "compress", str(directory), *MODES[mode], "--calibration", str(data[kind]), "--out", str(out),
             "--accuracy-budget", "none", "--samples", "64", "--refine-steps", "0", *KIND_FLAGS[kind]]
     err = io.StringIO()
     start = time.perf_counter()
@@ -163,7 +184,10 @@ def run(family: str, build: Callable[[], object], kind: str, mode: str, root: Pa
         return {"family": family, "mode": mode, "result": f"traceback: {type(exc).__name__}: {str(exc)[:120]}",
                 "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
-    last = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
+    if out.is_dir():  # the verbose log beside the report (--keep reads it back)
+        (out / "job.log").write_text(err.getvalue())
+    lines = [line for line in err.getvalue().strip().splitlines() if not line.startswith(("[", "20"))]
+    last = lines[-1] if lines else ""
     report_path = out / "report.json"
     if not report_path.is_file():
         return {"family": family, "mode": mode, "result": f"refused (exit {code}): {last[:200]}", "seconds": seconds}
@@ -180,11 +204,17 @@ def main() -> None:
     parser.add_argument("--modes", default="uniform,target")
     parser.add_argument("--real-sizes", action="store_true",
                         help="the vision CNNs at their published shapes instead of the tiny families")
+    parser.add_argument("--keep", type=Path, help="keep the work (models, reports, job logs) in this directory")
     args = parser.parse_args()
     chosen = set(filter(None, args.families.split(",")))
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s", stream=_Stderr())
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            root = args.keep
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         data = _data(root)
         for family, build, kind in REAL_SIZES if args.real_sizes else FAMILIES:
             if chosen and family not in chosen:

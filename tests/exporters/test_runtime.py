@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -109,15 +111,43 @@ def test_in_turn_timing_holds_one_session_at_a_time_and_pairs_adjacent_turns(tmp
     monkeypatch.setattr(runtime, "MIN_SAMPLE_MS", 0.0)  # one run a sample
     a, c = str(tmp_path / "a.onnx"), str(tmp_path / "c.onnx")
     base, comp, runs = runtime._in_turn_worker(a, c, feed, "cpu", 1, 2, 12, False, None)
-    # four turns, dense first; k = 12 / 3 = 4 samples in the first and last, 8 in the middle two
-    assert opened == [a, c, a, c] and max(most) == 1 and runs == 1
+    # five turns, dense first and last; k = 12 / 4 = 3 samples in the first and last, 6 in the middle three
+    assert opened == [a, c, a, c, a] and max(most) == 1 and runs == 1
     assert len(base) == len(comp) == 12
     # no time left: the fewest samples allowed, rounded up to whole turns
     base, comp, _ = runtime._in_turn_worker(a, c, feed, "cpu", 1, 1, 50, False, 0.0)
-    assert len(base) == len(comp) == 3 * -(-runtime.MIN_REPEATS // 3)
+    assert len(base) == len(comp) == 4 * -(-runtime.MIN_REPEATS // 4)
     # both ways of timing a run (I/O binding): four lists of equal length
-    *times, _ = runtime._in_turn_worker(a, a, feed, "cpu", 1, 1, 3, True, None)
-    assert len(times) == 4 and {len(t) for t in times} == {3}
+    *times, _ = runtime._in_turn_worker(a, a, feed, "cpu", 1, 1, 4, True, None)
+    assert len(times) == 4 and {len(t) for t in times} == {4}
+
+
+def test_in_turn_pairs_cancel_a_steady_drift_of_the_host(monkeypatch):
+    """One model against itself on a host that slows down steadily (each run 0.1 % slower than the one before):
+    the pairs' median must read 1.0. Five turns put the second model's sample later in half of the pairs and
+    earlier in the other half; four turns (k, 2k, 2k, k, session 38's) put it later in two pairs of three, and
+    the median reads the drift as a slower second model."""
+    from exporters import runtime
+
+    clock = iter(range(10**6))
+
+    def timed(run, runs=1) -> float:  # every run, warm-ups included, advances the host's drift
+        return sum(1.0 + 1e-3 * next(clock) for _ in range(runs)) / runs
+
+    monkeypatch.setattr(runtime, "_session", lambda path, provider, threads: object())
+    monkeypatch.setattr(runtime, "_feed", lambda session, feed: feed)
+    monkeypatch.setattr(runtime, "_timed", timed)
+    monkeypatch.setattr(runtime, "MIN_SAMPLE_MS", 0.0)
+
+    def speedup(loads: int) -> float:
+        base, comp, _ = runtime._in_turn_worker("m.onnx", "m.onnx", {}, "cpu", 1, 2, 40, False, None, loads)
+        return statistics.median(x / y for x, y in zip(base, comp, strict=True))
+
+    assert runtime.IN_TURN_LOADS % 2 == 1
+    balanced = speedup(runtime.IN_TURN_LOADS)
+    assert abs(balanced - 1) < 2e-3, balanced
+    unbalanced = speedup(4)  # the second model's samples ~15 runs later in two pairs of three: ~1.4 % slower
+    assert unbalanced < 1 - 1e-2, unbalanced
 
 
 def test_a_pair_the_host_cannot_hold_is_timed_in_turn_and_says_why(tmp_path, monkeypatch):
@@ -131,8 +161,8 @@ def test_a_pair_the_host_cannot_hold_is_timed_in_turn_and_says_why(tmp_path, mon
     assert needed == 2 * runtime.session_bytes(a) > 2 * runtime.SESSION_ACTIVATIONS
     monkeypatch.setattr(offload, "available_memory", lambda: needed)  # 80 % of it is not enough
     assert not runtime.sessions_fit(a, a)[0] and runtime.sessions_fit(a, a, "cuda")[0]  # a GPU holds its own
-    latency = measure_latency(a, a, feed, threads=1, repeats=6)
-    assert latency.in_turn and "would need ~" in latency.in_turn and latency.repeats == 6
+    latency = measure_latency(a, a, feed, threads=1, repeats=8)
+    assert latency.in_turn and "would need ~" in latency.in_turn and latency.repeats == 8
     assert 0.5 < latency.speedup < 2  # one model against itself
     monkeypatch.setattr(offload, "available_memory", lambda: 2 * needed)
     assert measure_latency(a, a, feed, threads=1, repeats=3).in_turn is None
