@@ -19,7 +19,7 @@ OPT-style decoder with random weights (batch 1 x seq 512; speed only). Results a
 (JSON lines) as they come. FLAP also runs with its own allocation of widths across layers (`flap-global`,
 near the osscar job's speedup rather than at its structure). `--reuse`: a model's osscar job already in
 --work is not run again (its report and job time are read back), so the baselines can be added to an
-earlier run.
+earlier run. Each job's verbose log is kept beside its report.json (`job.log` in --work).
 """
 
 from __future__ import annotations
@@ -105,9 +105,11 @@ def wikitext_perplexity(out: Path) -> float:
 
 def run(args: list[str]) -> tuple[dict, float, int]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "service.client.cli", "compress", *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "service.client.cli", "-v", "compress", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = Path(args[args.index("--out") + 1])
+    if out.is_dir():  # the job's verbose log beside its report: how its probes and rounds went (session 38 had none)
+        (out / "job.log").write_text(proc.stderr)
     if not (out / "report.json").is_file():
         raise RuntimeError(f"compress failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads((out / "report.json").read_text()), time.perf_counter() - start, proc.returncode
