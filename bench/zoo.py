@@ -51,7 +51,7 @@ def _lm(cls: str, config: str, **fields) -> Callable[[], object]:
     return build
 
 
-def _live_norms(build: Callable[[], object]) -> Callable[[], object]:
+def _live_scales(build: Callable[[], object]) -> Callable[[], object]:
     """A builder whose BatchNorms get random scales and shifts: HF EfficientNet's initialisation makes its
     pooled features exactly 0 for every input (so a pruned model's outputs equal the dense one's and the
     accuracy check refuses to compare them), which no trained checkpoint does. ConvNeXt's layer scales too:
@@ -115,7 +115,7 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                    depths=[1, 1], num_labels=10, num_channels=3), "image224"),
     ("mobilenet_v2", _lm("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
                          num_labels=10, **IMAGE), "image"),
-    ("efficientnet", _live_norms(_lm("EfficientNetForImageClassification", "EfficientNetConfig",
+    ("efficientnet", _live_scales(_lm("EfficientNetForImageClassification", "EfficientNetConfig",
                                      width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, num_labels=10,
                                      **IMAGE)), "image"),
     ("convnext", _lm("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[16, 32], depths=[1, 1],
@@ -124,13 +124,13 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
 # the vision CNNs at their published shapes (`--real-sizes`): each builder is the family's HF config with the
 # shape's fields (HF's default EfficientNetConfig is B7, its default ResNetConfig is ResNet-50)
 REAL_SIZES: list[tuple[str, Callable[[], object], str]] = [
-    ("resnet-50", _live_norms(_lm("ResNetForImageClassification", "ResNetConfig", num_labels=1000)), "real224"),
-    ("mobilenet_v2-1.0", _live_norms(_lm("MobileNetV2ForImageClassification", "MobileNetV2Config", num_labels=1001)),
+    ("resnet-50", _live_scales(_lm("ResNetForImageClassification", "ResNetConfig", num_labels=1000)), "real224"),
+    ("mobilenet_v2-1.0", _live_scales(_lm("MobileNetV2ForImageClassification", "MobileNetV2Config", num_labels=1001)),
      "real224"),
-    ("efficientnet-b0", _live_norms(_lm("EfficientNetForImageClassification", "EfficientNetConfig",
+    ("efficientnet-b0", _live_scales(_lm("EfficientNetForImageClassification", "EfficientNetConfig",
                                         width_coefficient=1.0, depth_coefficient=1.0, image_size=224,
                                         hidden_dim=1280, num_labels=1000)), "real224"),
-    ("convnext-t", _live_norms(_lm("ConvNextForImageClassification", "ConvNextConfig", num_labels=1000)), "real224"),
+    ("convnext-t", _live_scales(_lm("ConvNextForImageClassification", "ConvNextConfig", num_labels=1000)), "real224"),
 ]
 # each input kind's own flags: toys are timed with more repeats (their milliseconds are noise), a real size with
 # the job's defaults
