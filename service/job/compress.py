@@ -222,6 +222,15 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         def probe(plan: Widths, index: int) -> Latency:
             return probe_model(job.resize(plan), index)
 
+        def retime(done: Round, index: int) -> Latency:
+            assert done.onnx is not None
+            say(f"round {index}: timing its export again")
+            try:
+                return measure_latency(dense_onnx, done.onnx, feed, provider=provider, threads=request.threads,
+                                       repeats=request.repeats)
+            except EXPORT_FAILURES as err:
+                raise _ExportFailed("round", index, err, done.layers) from err
+
         def trial(plan: Widths, index: int, predicted: float | None = None) -> Round:
             """A depth trial: the widths solved without the fit, exported, timed and scored; never a round of the
             job (its export goes once scored). The solved model stays with it where the kind can fit it later
@@ -240,8 +249,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             return Round(plan, kept, layers, None, parity, latency, value, predicted)
 
         if request.target_speedup is not None:  # fills `rounds`
-            run_target(request, job, Measure(run_round, probe, probe_model, trial), rounds, baseline_metric, say,
-                       enter, version())
+            run_target(request, job, Measure(run_round, probe, probe_model, trial, retime), rounds, baseline_metric,
+                       say, enter, version())
         elif request.widths_from is not None:
             removed = removed_of(request.widths_from)
             if removed and not request.remove_blocks:  # the same structure: its blocks or layers go too

@@ -85,6 +85,9 @@ class RoundResult:
     metric: float
     secondary: dict[str, float]
     latency_probes: list[ProbeResult]
+    # every speedup measured of the round's widths (its probe's, its own, a second look's) when they disagreed on
+    # the window; measured_speedup is then their median
+    timings: list[float] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

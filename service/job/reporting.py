@@ -99,7 +99,7 @@ def _evaluation(job: ModelJob) -> dict:
 def _rounds(rounds: list[Round]) -> list[RoundResult]:
     return [RoundResult(r.latency.speedup, r.predicted_speedup, r.metric, r.secondary,
                         [ProbeResult(p.saving, p.latency.speedup, p.latency.baseline_ms, p.latency.compressed_ms)
-                         for p in r.probes])
+                         for p in r.probes], r.timings or None)
             for r in rounds]
 
 

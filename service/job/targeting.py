@@ -41,6 +41,10 @@ from .request import REFERENCES, CompressRequest, statistics_fields
 MET = 0.98  # a measured speedup >= 0.98 x target counts as met (measurement noise)
 AIM = 1.10  # and the loop aims at <= 1.10 x target
 AIM_AT = 1.03  # each round asks for 1.03 x target: inside [MET, AIM], with room for noise on both sides
+# a probe in [SURE] x target ends the search. Not [1, AIM]: a first probe at 1.085 x target (the share model's
+# usual overshoot) ended it, and its round, timed again, read above AIM one time in three at 3 % timing noise
+# (bench/targeting_noise.py); in [1, 1.07] the round has room for its own noise on both sides of the aim
+SURE = (1.0, 1.07)
 # what a cached curve file was computed with: conv graphs' coupled channel groups (residual adds) are layers
 # since version 2 (3: option-A shortcuts count in their groups' losses; 4: in-block groups normalised by the
 # residual stream they join; 5: calibration draws leave the accuracy check's held-out inputs out; 6: conv
@@ -91,6 +95,9 @@ class Round:
     probes: list[Probe] = field(default_factory=list)  # the latency probes that chose its widths
     secondary: dict[str, float] = field(default_factory=dict)  # other metrics beside `metric` (not budgeted)
     scored_sha256: str = ""  # digest of the ONNX file whose outputs `metric` scored
+    # every speedup measured of its widths (its probes', its own, a second look's) when they disagreed on the window,
+    # `latency` then being their median (empty: its own measurement alone)
+    timings: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class DepthJob(Protocol):
     def without(self, blocks: Sequence[str]) -> nn.Module: ...
     def removed_cost(self, blocks: Sequence[str]) -> float | None: ...
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
+Retime = Callable[["Round", int], Latency]  # (a round, its number) -> its export timed again against the dense one
 
 def _fingerprint(path: str | Path) -> list:
     """What identifies a model or data reference without reading gigabytes: each file's name, size and
@@ -351,7 +359,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
                 enter: Callable[[str, int], None] | None = None, probe: ProbeWidths | None = None,
                 base_speedup: float = 1.0, first_round: int = 0, first: Widths | None = None,
                 known: Sequence[tuple[float, float]] = (), label: str = "round", solved: Solved | None = None,
-                ) -> list[Round]:
+                retime: Retime | None = None, first_latency: Latency | None = None) -> list[Round]:
     """Allocate -> (probe) -> prune -> measure -> choose the next saving, until a round is within
     [MET, AIM] x target.
 
@@ -366,7 +374,8 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
     number of the loop's first round (a job that re-plans runs the loop again after rounds of its own). `first`:
     widths already measured inside the window (a depth trial's) for the first round, which then runs without
     probes (and from `solved`, its solves, when given: only the fit is left); `known`: (saving, measured
-    speedup) of widths measured before, the latency model's first points.
+    speedup) of widths measured before, the latency model's first points. `retime`: times a round's export again
+    (`_second_look`: a round and its probe that disagree on the window).
     `label` names the rounds in the lines said ("depth trial" for a trial's)."""
     full = total_cost(curves)
     rule = accuracy_rule(request, metric)
@@ -422,8 +431,12 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             result = run_round(plan, index, AIM_AT * target)
         result.probes = [p for _, p in probes]
         rounds.append(result)
+        record(saved, result.latency.speedup)
+        if first is not None and index == first_round and first_latency is not None:
+            probes = [(first, Probe(saved, first_latency))]  # the trial's timing of the same widths
+        if retime is not None and probes:
+            _second_look(request, result, probes, saved, index, retime, record, say, label)
         speedup = result.latency.speedup
-        record(saved, speedup)
         blown = rule is not None and not rule.allows(baseline_metric, result.metric)
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
@@ -450,15 +463,15 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     without 6 blocks at 2x measured 1.948x and 2.223x on the two sides of one such step, and the round took
     the 2.223x (83.4 % top-1) where a saving between them was left untried.
 
-    The round takes the probed widths closest to the aim within the window, those at or above the target
-    first; when none is (a model
+    The round takes the probed widths closest to the aim within the window, those in [SURE] x target first, then
+    those at or above the target; when none is (a model
     whose widths move in coarse steps can have no allocation inside it), the least pruning measured to
     meet the target (a solve is too dear to spend on a guess); else the curve's latest proposal."""
     probes: list[tuple[Widths, Probe]] = []
     seen = [r.plan for r in rounds]
 
     def sure(p: Probe) -> bool:  # in the window with room for the round's own noise
-        return target <= p.latency.speedup <= AIM * target
+        return SURE[0] * target <= p.latency.speedup <= SURE[1] * target
 
     for _ in range(request.latency_probes):
         if plan in seen:
@@ -483,12 +496,45 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     inside = [(w, p) for w, p in probes if MET * target <= p.latency.speedup <= AIM * target]
     met = [(w, p) for w, p in probes if p.latency.speedup >= MET * target]
     if inside:
-        plan, chosen = min([item for item in inside if sure(item[1])] or inside, key=lambda item: distance(item[1]))
+        above = [item for item in inside if item[1].latency.speedup >= SURE[0] * target]
+        plan, chosen = min([item for item in inside if sure(item[1])] or above or inside,
+                           key=lambda item: distance(item[1]))
     elif met:
         plan, chosen = min(met, key=lambda item: item[1].latency.speedup)
     else:
         return plan, saved, probes
     return plan, chosen.saving, probes
+
+
+def _second_look(request: CompressRequest, result: Round, probes: list[tuple[Widths, Probe]], saved: float,
+                 index: int, retime: Retime,
+                 record: Callable[[float, float], None], say: Say, label: str) -> None:
+    """A round measured outside [MET, AIM] x target at widths one of its probes measured inside: its export timed
+    once more (a probe's cost, not a round's), and the round's latency becomes the median of the three.
+
+    One latency measured twice that disagrees on the window is a coin toss between a round met and a round
+    more (a solve and a fit: ~300 s for all-MiniLM-L6-v2 at 2x, where a timing is ~10 s); the median of three
+    timings is robust to one of them taken in a slow or fast spell of the host, and two of the three time the
+    round's own export, so a probe that reads its sliced graph differently does not decide alone. Every timing
+    is reported."""
+    target = request.target_speedup
+    assert target is not None
+
+    def inside(speedup: float) -> bool:
+        return MET * target <= speedup <= AIM * target
+
+    own = result.latency
+    agreeing = [p.latency for plan, p in probes if plan == result.plan and inside(p.latency.speedup)]
+    if inside(own.speedup) or not agreeing:
+        return
+    again = retime(result, index)
+    record(saved, again.speedup)
+    first = min(agreeing, key=lambda latency: abs(math.log(latency.speedup / (AIM_AT * target))))
+    median = sorted([first, own, again], key=lambda latency: latency.speedup)[1]
+    result.timings = [first.speedup, own.speedup, again.speedup]
+    result.latency = median
+    say(f"{label} {index}: measured {own.speedup:.3f}x where its probe measured {first.speedup:.3f}x; timed again: "
+        f"{again.speedup:.3f}x, the median {median.speedup:.3f}x is the round's")
 
 
 def next_saving(measured: list[tuple[float, float]], aim: float, share: float) -> float:
@@ -531,6 +577,7 @@ class Measure:
     # (widths, trial, predicted) -> a depth trial: the widths solved without the fit, exported, timed and scored,
     # never one of the job's rounds (None: ties of planned losses stay broken by the planned loss)
     trial: RunRound | None = None
+    retime: Retime | None = None  # a round's export timed again (None: each round timed once)
 
 
 def run_target(request: CompressRequest, job: ModelJob, measure: Measure, rounds: list[Round],
@@ -546,7 +593,8 @@ def run_target(request: CompressRequest, job: ModelJob, measure: Measure, rounds
         plan = plan_depth(job, curves, request, lambda module: measure.probe_model(module, 0), say)
         depth_and_width(request, job, plan, curves, rounds, baseline_metric, say, enter, measure, version)
     else:
-        target_loop(request, curves, measure.run_round, job.metric, baseline_metric, say, enter, probe=measure.probe)
+        target_loop(request, curves, measure.run_round, job.metric, baseline_metric, say, enter, probe=measure.probe,
+                    retime=measure.retime)
 
 
 # depth options a job tries after the planned one when every round misses the budget: each costs a round's
@@ -582,6 +630,7 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
         job.depth = plan.to_dict(tried, trials)
         trial = by_option.get(id(option))
         first: Widths | None = None
+        first_latency: Latency | None = None
         solved: Solved | None = None
         if trial is None:
             kept, known = _without(job, option, curves, request, say, version), []
@@ -591,11 +640,11 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
             known = [(p.saving, p.latency.speedup) for p in trial.round.probes]
             known.append((1 - total_cost(kept, widths) / total_cost(kept), trial.round.latency.speedup))
             if _in_window(trial, request):
-                first = widths
+                first, first_latency = widths, trial.round.latency
                 solved = None if trial.round.module is None else (trial.round.module, trial.round.layers)
         target_loop(replace(request, max_rounds=left), kept, measure.run_round, job.metric, baseline_metric, say,
                     enter, probe=measure.probe, base_speedup=option.depth_speedup, first_round=len(rounds),
-                    first=first, known=known, solved=solved)
+                    first=first, known=known, solved=solved, retime=measure.retime, first_latency=first_latency)
         if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
             return
 
@@ -614,7 +663,8 @@ def _trials(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[La
     solved without the fit, exported, timed and scored. The plan sums each layer's loss on the dense stream and
     prices the widths' latency with one share for all options; a trial measures the composed loss at the speedup
     itself (ResNet-56 at 2x, solved without the fit: 3 blocks 77.48 % top-1 at 2.027x, 6 blocks 79.06 % at
-    2.123x; fitted, 82.20 % and 84.76-85.64 %)."""
+    2.123x; fitted, 82.20 % and 84.76-85.64 %). A trial timed outside the window at widths its probe measured inside
+    gets the rounds' second look, by a probe of its widths (its export is gone once scored)."""
     contenders = plan.contenders()
     if len(contenders) < 2 or measure.trial is None:
         return []
@@ -627,7 +677,7 @@ def _trials(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[La
         [measured] = target_loop(replace(request, max_rounds=1, back_off=False), kept, measure.trial, job.metric,
                                  baseline_metric, say, lambda stage, index: enter("allocate", 0),
                                  probe=measure.probe, base_speedup=option.depth_speedup, first_round=number,
-                                 label="depth trial")
+                                 label="depth trial", retime=lambda done, index: measure.probe(done.plan, index))
         trials.append(Trial(option, kept, measured))
         say(f"depth trial {number}: {len(option.blocks)} blocks removed, measured {measured.latency.speedup:.3f}x, "
             f"{job.metric.name} {baseline_metric:.4f} -> {measured.metric:.4f} without the fit")

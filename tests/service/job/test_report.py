@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.job.report import SCHEMA_VERSION, KindFields, Report, StageTime
+from service.job.report import SCHEMA_VERSION, KindFields, Report, RoundResult, StageTime
 
 from .reports import measured, report
 
@@ -26,6 +26,14 @@ def test_a_report_writes_flat_json_and_reads_back_equal():
     # optional fields that are None are left out; required ones that are None are written as null
     assert "parity" not in data and "onnx_output" not in data and "refine" not in data["layers"][0]
     assert data["uniform_ratio"] is None and data["eval"] is None
+    assert Report.from_json(data) == original
+
+
+def test_a_rounds_timings_are_written_only_when_it_was_timed_again():
+    retimed = RoundResult(2.1, 2.06, 0.86, {}, [], timings=[2.1, 2.45, 2.08])
+    original = report(rounds=[RoundResult(1.5, 1.45, 0.95, {}, []), retimed])
+    data = json.loads(json.dumps(original.to_json()))
+    assert "timings" not in data["rounds"][0] and data["rounds"][1]["timings"] == [2.1, 2.45, 2.08]
     assert Report.from_json(data) == original
 
 
