@@ -341,11 +341,11 @@ def _latency_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
 
 
 # When the host cannot hold both sessions (`sessions_fit`), they are timed one at a time in IN_TURN_LOADS turns that
-# alternate, baseline first and last: the first and last turn take k samples, the others 2k, so that every sample is
-# paired with one of the other model's in an adjacent turn, the compressed sample later in half of the pairs and
-# earlier in the other half, and a steady drift of the host's speed cancels in the pairs' median. An even number of
-# turns cannot balance them: session 38's four (k, 2k, 2k, k) put the compressed sample later in two pairs of three,
-# so the median read a drift as a slower compressed model (tests/exporters/test_runtime.py measures both).
+# alternate, baseline first and last (`turn_samples`), so that every sample is paired with one of the other model's
+# in an adjacent turn, the compressed sample later in half of the pairs and earlier in the other half, and a steady
+# drift of the host's speed cancels in the pairs' median. An even number of turns cannot balance them: session 38's
+# four (k, 2k, 2k, k) put the compressed sample later in two pairs of three, so the median read a drift as a slower
+# compressed model (tests/exporters/test_runtime.py measures both).
 IN_TURN_LOADS = 5
 # A session's host memory per byte of its ONNX file and weights (ONNX Runtime's prepacked weights and their
 # arena; a 1.2 B float32 decoder: 4.94 GB of weights, 6.19 GB at its peak on 1 x 512 tokens), plus a floor for the
@@ -396,18 +396,43 @@ def _turn(path: str, feed: dict[str, np.ndarray], provider: str, threads: int, w
     return times
 
 
+def turn_samples(wanted: int, loads: int) -> list[int]:
+    """Samples in each of `loads` turns, baseline first, so that both models get the same number, `wanted` or
+    the next even number (at least one a turn).
+
+    An odd number of turns, 2m + 1: the baseline's are [a, c, ..., c, a], the compressed model's [a + c/2, c, ...,
+    c, c/2 + a] with c even. Zipping the two lists pairs the baseline's first turn with the start of the
+    compressed model's first, each middle baseline turn's halves with the end of the turn before and the start
+    of the turn after, and its last turn with the end of the compressed model's last: the compressed sample is
+    the later one in a + (m - 1) c / 2 pairs and the earlier one in as many. Multiples of k, 2k, ..., 2k, k only
+    (the scheme before) took 8 samples where 5 were wanted: on a 1.2 B decoder, ~7 s a run, ~40 s a measurement
+    more. An even number of turns (for comparison only) keeps k, 2k, ..., 2k, k."""
+    assert loads >= 2 and wanted >= 1, f"need two turns and a sample at least (got {loads}, {wanted})"
+    if loads % 2 == 0:
+        k = math.ceil(wanted / (loads - 1))
+        return [k if turn in (0, loads - 1) else 2 * k for turn in range(loads)]
+    m = loads // 2  # the compressed model's turns
+    n = max(2 * m, wanted + wanted % 2)  # samples of each model
+    c = 2 * max(1, n // (2 * m))
+    a = (n - (m - 1) * c) // 2
+    baseline = [a] + [c] * (m - 1) + [a]
+    compressed = [n] if m == 1 else [a + c // 2] + [c] * (m - 2) + [c // 2 + a]
+    assert sum(baseline) == sum(compressed) == n and min(baseline + compressed) >= 1, (baseline, compressed)
+    return [(baseline if turn % 2 == 0 else compressed)[turn // 2] for turn in range(loads)]
+
+
 def _in_turn_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
                     warmup: int, repeats: int, io_binding: bool = False, seconds: float | None = TIMING_SECONDS,
                     loads: int = IN_TURN_LOADS) -> tuple[list[float], ...]:
     """`_latency_worker`'s samples with one session in memory at a time: `loads` turns alternating baseline and
-    compressed, k samples in the first and last turn and 2k in the others, so both models get (loads - 1) k
-    samples and zipping the two lists pairs each sample with one of an adjacent turn. An odd number of turns
-    (baseline first and last) balances the pairs (IN_TURN_LOADS); an even one is allowed for comparison. k follows
-    from `repeats`, or from `seconds` and the first turn's warm-up runs (never under MIN_REPEATS in all)."""
+    compressed, `turn_samples` in each, so both models get as many samples and zipping the two lists pairs each
+    sample with one of an adjacent turn. An odd number of turns (baseline first and last) balances the pairs
+    (IN_TURN_LOADS); an even one is allowed for comparison. The samples wanted follow from `repeats`, or from
+    `seconds` and the first turn's warm-up runs (never under MIN_REPEATS)."""
     assert loads >= 2, f"need two turns at least (got {loads})"
     ways = 2 if io_binding else 1
     times: list[list[float]] = [[] for _ in range(2 * ways)]
-    chosen: list[int] = []  # runs per sample and samples per turn, set by the baseline's first warm-up
+    chosen: list[int] = []  # runs per sample, then the samples of each turn, set by the baseline's first warm-up
 
     def plan(turn: int, last_ms: float) -> tuple[int, int]:
         if not chosen:
@@ -416,9 +441,8 @@ def _in_turn_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray],
             if seconds is not None:  # as many samples of both as `seconds` allow, at least MIN_REPEATS
                 affordable = int(seconds / max(2 * ways * runs * last_ms / 1000, 1e-9))
                 wanted = min(repeats, max(MIN_REPEATS, affordable))
-            chosen.extend((runs, max(1, math.ceil(wanted / (loads - 1)))))
-        runs, k = chosen
-        return runs, k if turn in (0, loads - 1) else 2 * k
+            chosen.extend((runs, *turn_samples(wanted, loads)))
+        return chosen[0], chosen[1 + turn]
 
     for turn in range(loads):
         for w, samples in enumerate(_turn((baseline, compressed)[turn % 2], feed, provider, threads, warmup,

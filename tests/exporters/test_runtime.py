@@ -6,6 +6,7 @@ import statistics
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from exporters.runtime import MIN_SAMPLE_MS, measure_latency
@@ -114,9 +115,9 @@ def test_in_turn_timing_holds_one_session_at_a_time_and_pairs_adjacent_turns(tmp
     # five turns, dense first and last; k = 12 / 4 = 3 samples in the first and last, 6 in the middle three
     assert opened == [a, c, a, c, a] and max(most) == 1 and runs == 1
     assert len(base) == len(comp) == 12
-    # no time left: the fewest samples allowed, rounded up to whole turns
+    # no time left: the fewest samples allowed (5), rounded up to an even count, not to a multiple of four
     base, comp, _ = runtime._in_turn_worker(a, c, feed, "cpu", 1, 1, 50, False, 0.0)
-    assert len(base) == len(comp) == 4 * -(-runtime.MIN_REPEATS // 4)
+    assert len(base) == len(comp) == runtime.MIN_REPEATS + runtime.MIN_REPEATS % 2 == 6
     # both ways of timing a run (I/O binding): four lists of equal length
     *times, _ = runtime._in_turn_worker(a, a, feed, "cpu", 1, 1, 4, True, None)
     assert len(times) == 4 and {len(t) for t in times} == {4}
@@ -139,15 +140,32 @@ def test_in_turn_pairs_cancel_a_steady_drift_of_the_host(monkeypatch):
     monkeypatch.setattr(runtime, "_timed", timed)
     monkeypatch.setattr(runtime, "MIN_SAMPLE_MS", 0.0)
 
-    def speedup(loads: int) -> float:
-        base, comp, _ = runtime._in_turn_worker("m.onnx", "m.onnx", {}, "cpu", 1, 2, 40, False, None, loads)
+    def speedup(loads: int, repeats: int = 40) -> float:
+        base, comp, _ = runtime._in_turn_worker("m.onnx", "m.onnx", {}, "cpu", 1, 2, repeats, False, None, loads)
         return statistics.median(x / y for x, y in zip(base, comp, strict=True))
 
     assert runtime.IN_TURN_LOADS % 2 == 1
     balanced = speedup(runtime.IN_TURN_LOADS)
     assert abs(balanced - 1) < 2e-3, balanced
+    for repeats in (5, 6, 10):  # counts that are no multiple of four: turns of unequal halves, still balanced
+        assert abs(speedup(runtime.IN_TURN_LOADS, repeats) - 1) < 2e-3, repeats
     unbalanced = speedup(4)  # the second model's samples ~15 runs later in two pairs of three: ~1.4 % slower
     assert unbalanced < 1 - 1e-2, unbalanced
+
+
+@pytest.mark.parametrize("loads", [3, 5, 7])
+def test_turn_samples_give_both_models_as_many_pairs_later_as_earlier(loads):
+    from exporters.runtime import turn_samples
+
+    for wanted in range(1, 41):
+        sizes = turn_samples(wanted, loads)
+        turn_of = [[t for t in range(loads) if t % 2 == side for _ in range(sizes[t])] for side in (0, 1)]
+        n = len(turn_of[0])
+        assert n == len(turn_of[1]) == max(wanted + wanted % 2, loads - 1) and min(sizes) >= 1, (wanted, sizes)
+        later = sum(t1 > t0 for t0, t1 in zip(*turn_of, strict=True))
+        assert all(abs(t1 - t0) == 1 for t0, t1 in zip(*turn_of, strict=True))  # adjacent turns
+        assert 2 * later == n, (wanted, sizes)
+    assert turn_samples(5, 5) == [2, 3, 2, 3, 2] and turn_samples(8, 5) == [2, 4, 4, 4, 2]
 
 
 def test_a_pair_the_host_cannot_hold_is_timed_in_turn_and_says_why(tmp_path, monkeypatch):
@@ -172,7 +190,6 @@ def test_a_pair_the_host_cannot_hold_is_timed_in_turn_and_says_why(tmp_path, mon
 
 def test_a_provider_that_does_not_load_is_refused_not_replaced_by_the_cpu(tmp_path, monkeypatch):
     import onnxruntime as ort
-    import pytest
 
     from exporters import runtime
 
@@ -268,8 +285,6 @@ def test_the_subprocess_never_imports_the_callers_main_and_needs_no_guard(tmp_pa
 
 def test_a_child_that_dies_or_raises_is_a_runtime_failure_with_its_cause():
     import os
-
-    import pytest
 
     from exporters.runtime import RuntimeFailure, _call
 

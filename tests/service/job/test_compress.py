@@ -658,7 +658,7 @@ def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(mode
     assert cli.main(_conv_args(model_and_data, out)) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "ok" and report["latency_samples"]["sessions_at_once"] == 1
-    # --repeats 3 rounded up to whole turns: one sample in each end turn, two in the three between
+    # --repeats 3 rounded up to an even count: one sample in each end turn, two in the three between
     assert report["latency_samples"]["repeats"] == 4 and report["measured_speedup"] > 0
     (warned,) = [w for w in report["warnings"] if "one at a time" in w]
     assert "would need ~" in warned and "1.0 GiB available" in warned
