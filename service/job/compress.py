@@ -51,6 +51,7 @@ from .targeting import (
     run_target,
     widths_of,
 )
+from .timing import QuietTimer
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +163,12 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         for text in job.baseline_warnings(reference):
             say(warning(text))
         feed = job.latency_feed()
+        timer = QuietTimer(dense_onnx, feed, provider, request.threads, request.repeats, say)
 
         def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
             """Export (parity-checked) and time against the dense export: a round's or a probe's model."""
             parity = job.export(module, path)
-            latency = measure_latency(dense_onnx, path, feed, provider=provider, threads=request.threads,
-                                      repeats=request.repeats)
+            latency = timer(path)
             if latency.in_turn:
                 say(warning(f"timed the dense and the compressed model one at a time ({latency.in_turn}): a change "
                             "of the host's speed between turns is not cancelled as in paired timing, so the measured "
@@ -226,8 +227,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             assert done.onnx is not None
             say(f"round {index}: timing its export again")
             try:
-                return measure_latency(dense_onnx, done.onnx, feed, provider=provider, threads=request.threads,
-                                       repeats=request.repeats)
+                return timer(done.onnx)
             except EXPORT_FAILURES as err:
                 raise _ExportFailed("round", index, err, done.layers) from err
 

@@ -265,7 +265,7 @@ def test_a_round_timed_in_a_fast_spell_of_the_host_is_timed_again(tmp_path, monk
         timed.append(str(compressed))
         return runtime.Latency(10.0, 10.0 / speedup, 11.0, 11.0 / speedup, speedup, "cpu", 1, "cpu", 5)
 
-    monkeypatch.setattr(importlib.import_module("service.job.compress"), "measure_latency", by_bytes)
+    monkeypatch.setattr(importlib.import_module("service.job.timing"), "measure_latency", by_bytes)
     tiny_llama().save_pretrained(tmp_path / "llama")
     lengths = [300, 250, 400, 330]
     np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=sum(lengths)),

@@ -1,0 +1,57 @@
+"""A job's latency measurements of its pruned graphs against the dense one, timed again in a slow spell of the host.
+
+Pairing the dense and the pruned samples cancels a host that is uniformly slower, not one that is busy: on the
+2-core VM the same ResNet-56 pair (2.1x) measured 1.91-2.17x over 24 measurements (sigma of the log 3.3 %), the low
+readings with the dense graph at 78-82 ms against its usual 74-75 ms and the pruned one 17-19 % slower where the
+dense one was 8 % (bench/RESULTS.md, session 40): a busy host slows the smaller graph more in proportion. The dense
+graph is timed in every measurement, so its median against its quietest one in the job says when the host is
+busy: then the pair is timed again (at most SLOW_RETRIES times) and the quietest measurement is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporters.runtime import Latency, measure_latency
+
+from .kinds import Say
+
+SLOW_HOST = 1.04  # the dense graph's median this much above its quietest in the job: a busy host
+SLOW_RETRIES = 2  # measurements more, at most, when the host is busy
+
+
+@dataclass
+class QuietTimer:
+    """Times pruned graphs against the job's dense export (`measure_latency`), each measured again while the
+    dense graph runs more than SLOW_HOST x its quietest median so far; the measurement with the quietest dense
+    median is kept. A pair timed in turn (too large to hold both sessions, minutes a measurement) is timed once."""
+
+    dense: Path
+    feed: dict[str, np.ndarray]
+    provider: str
+    threads: int | None
+    repeats: int
+    say: Say
+    quietest_ms: float = math.inf  # the dense graph's quietest median in this job
+    retimed: int = 0  # measurements taken again for a busy host
+
+    def __call__(self, compressed: Path) -> Latency:
+        best: Latency | None = None
+        for attempt in range(1 + SLOW_RETRIES):
+            latency = measure_latency(self.dense, compressed, self.feed, provider=self.provider, threads=self.threads,
+                                      repeats=self.repeats)
+            if best is None or latency.baseline_ms < best.baseline_ms:
+                best = latency
+            self.quietest_ms = min(self.quietest_ms, latency.baseline_ms)
+            slower = latency.baseline_ms / self.quietest_ms
+            if latency.in_turn or slower <= SLOW_HOST or attempt == SLOW_RETRIES:
+                break
+            self.retimed += 1
+            self.say(f"the dense model ran {slower - 1:.0%} slower than its quietest timing in this job "
+                     f"({latency.baseline_ms:.1f} against {self.quietest_ms:.1f} ms): a busy host; timing again")
+        assert best is not None
+        return best
