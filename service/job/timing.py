@@ -5,12 +5,14 @@ Pairing the dense and the pruned samples cancels a host that is uniformly slower
 readings with the dense graph at 78-82 ms against its usual 74-75 ms and the pruned one 17-19 % slower where the
 dense one was 8 % (bench/RESULTS.md, session 40): a busy host slows the smaller graph more in proportion. The dense
 graph is timed in every measurement, so its median against its quietest one in the job says when the host is
-busy: then the pair is timed again (at most SLOW_RETRIES times) and the quietest measurement is kept.
+busy: then the pair is timed again (at most len(SLOW_WAITS) times, each after a pause that lets a short spell pass)
+and the quietest measurement is kept.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +23,19 @@ from exporters.runtime import Latency, measure_latency
 from .kinds import Say
 
 SLOW_HOST = 1.04  # the dense graph's median this much above its quietest in the job: a busy host
-SLOW_RETRIES = 2  # measurements more, at most, when the host is busy
+# the pause before each measurement more while the host is busy, in multiples of the time the measurement took (at
+# most this many more): all-MiniLM-L6-v2 at 2x, 2026-12-05, had its dense graph 12-15 % slower for seven measurements
+# in a row, about a minute, taken back to back, and ran a round more (~300 s); a pause of a measurement or a few lets
+# such a spell pass at a measurement's scale of cost (a toy model's second, a 120 ms encoder pair's ~8 s)
+SLOW_WAITS = (1.0, 3.0)
 
 
 @dataclass
 class QuietTimer:
-    """Times pruned graphs against the job's dense export (`measure_latency`), each measured again while the
-    dense graph runs more than SLOW_HOST x its quietest median so far; the measurement with the quietest dense
-    median is kept. A pair timed in turn (too large to hold both sessions, minutes a measurement) is timed once."""
+    """Times pruned graphs against the job's dense export (`measure_latency`), each measured again (after pauses
+    of SLOW_WAITS times the measurement's own duration) while the dense graph runs more than SLOW_HOST x its
+    quietest median so far; the measurement with the quietest dense median is kept. A pair timed in turn (too
+    large to hold both sessions, minutes a measurement) is timed once."""
 
     dense: Path
     feed: dict[str, np.ndarray]
@@ -41,17 +48,22 @@ class QuietTimer:
 
     def __call__(self, compressed: Path) -> Latency:
         best: Latency | None = None
-        for attempt in range(1 + SLOW_RETRIES):
+        for attempt in range(1 + len(SLOW_WAITS)):
+            start = time.perf_counter()
             latency = measure_latency(self.dense, compressed, self.feed, provider=self.provider, threads=self.threads,
                                       repeats=self.repeats)
+            took = time.perf_counter() - start
             if best is None or latency.baseline_ms < best.baseline_ms:
                 best = latency
             self.quietest_ms = min(self.quietest_ms, latency.baseline_ms)
             slower = latency.baseline_ms / self.quietest_ms
-            if latency.in_turn or slower <= SLOW_HOST or attempt == SLOW_RETRIES:
+            if latency.in_turn or slower <= SLOW_HOST or attempt == len(SLOW_WAITS):
                 break
             self.retimed += 1
+            wait = SLOW_WAITS[attempt] * took
             self.say(f"the dense model ran {slower - 1:.0%} slower than its quietest timing in this job "
-                     f"({latency.baseline_ms:.1f} against {self.quietest_ms:.1f} ms): a busy host; timing again")
+                     f"({latency.baseline_ms:.1f} against {self.quietest_ms:.1f} ms): a busy host; timing again in "
+                     f"{wait:.0f} s")
+            time.sleep(wait)
         assert best is not None
         return best
