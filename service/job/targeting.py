@@ -124,6 +124,11 @@ class DepthJob(Protocol):
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 Retime = Callable[["Round", int], Latency]  # (a round, its number) -> its export timed again against the dense one
 
+def _inside(speedup: float, target: float) -> bool:
+    """Whether a measured speedup is inside the loop's window, [MET, AIM] x target."""
+    return MET * target <= speedup <= AIM * target
+
+
 def _fingerprint(path: str | Path) -> list:
     """What identifies a model or data reference without reading gigabytes: each file's name, size and
     modification time (a content digest for files under 64 MB)."""
@@ -441,7 +446,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
             say(f"{label} {index}: accuracy budget exceeded; backing off to {target:.3f}x")
-        elif MET * request.target_speedup <= speedup <= AIM * request.target_speedup:
+        elif _inside(speedup, request.target_speedup):
             break
         if saved >= 1 - 1e-9 or (speedup < MET * target and saved >= max_saving(curves) - 1e-9):
             say("the minimum widths allow no more pruning")
@@ -493,7 +498,7 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     def distance(p: Probe) -> float:
         return abs(math.log(p.latency.speedup / (AIM_AT * target)))
 
-    inside = [(w, p) for w, p in probes if MET * target <= p.latency.speedup <= AIM * target]
+    inside = [(w, p) for w, p in probes if _inside(p.latency.speedup, target)]
     met = [(w, p) for w, p in probes if p.latency.speedup >= MET * target]
     if inside:
         above = [item for item in inside if item[1].latency.speedup >= SURE[0] * target]
@@ -519,13 +524,9 @@ def _second_look(request: CompressRequest, result: Round, probes: list[tuple[Wid
     is reported."""
     target = request.target_speedup
     assert target is not None
-
-    def inside(speedup: float) -> bool:
-        return MET * target <= speedup <= AIM * target
-
     own = result.latency
-    agreeing = [p.latency for plan, p in probes if plan == result.plan and inside(p.latency.speedup)]
-    if inside(own.speedup) or not agreeing:
+    agreeing = [p.latency for plan, p in probes if plan == result.plan and _inside(p.latency.speedup, target)]
+    if _inside(own.speedup, target) or not agreeing:
         return
     again = retime(result, index)
     record(saved, again.speedup)
