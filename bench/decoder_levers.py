@@ -161,12 +161,6 @@ def samples(dense, tokenizer, count: int, length: int, work: Path | None) -> tor
     return ids
 
 
-def load_c4(c4: Path, tokenizer, sequences: int, length: int) -> list[dict[str, torch.Tensor]]:
-    from compressor.calibration import load_text
-
-    return load_text(c4, tokenizer=tokenizer, sequences=sequences, length=length, seed=0)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("lever", choices=("slice", "fit", "block-steps"))
@@ -181,10 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     tokenizer, dense, calibration, held, wikitext, c4 = _setup()
+    from compressor.calibration import load_text, without_seen  # importable once _setup put the root on the path
+
     _say("dense", dense, wikitext, held)
     if args.lever == "slice":
         start = time.perf_counter()
-        q = rotation(dense, load_c4(c4, tokenizer, 32, 256))
+        q = rotation(dense, load_text(c4, tokenizer=tokenizer, sequences=32, length=256, seed=0))
         print(f"rotation: {time.perf_counter() - start:.0f} s", flush=True)
         for width in (int(w) for w in args.widths.split(",")):
             _say(f"hidden {width}", sliced(dense, q, width), wikitext, held)
@@ -193,7 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     _say(f"osscar {args.ratio}, {args.block_steps} block-fit steps", pruned, wikitext, held)
     if args.lever == "block-steps":
         return
-    from compressor.calibration import load_text, without_seen
     from compressor.refine import RefineConfig
     from compressor.transformer.refine import LOGITS_CHECK_EVERY, reconstruct_model
 

@@ -124,9 +124,15 @@ class DepthJob(Protocol):
 ProbeWidths = Callable[[Widths, int], Latency]  # (plan, round) -> dense and resized latency
 Retime = Callable[["Round", int], Latency]  # (a round, its number) -> its export timed again against the dense one
 
+
 def _inside(speedup: float, target: float) -> bool:
     """Whether a measured speedup is inside the loop's window, [MET, AIM] x target."""
     return MET * target <= speedup <= AIM * target
+
+
+def _from_aim(speedup: float, target: float) -> float:
+    """How far a measured speedup is from what each round asks for (AIM_AT x target), in log terms."""
+    return abs(math.log(speedup / (AIM_AT * target)))
 
 
 def _fingerprint(path: str | Path) -> list:
@@ -496,7 +502,7 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
             plan, saved = planned(fill=True)
 
     def distance(p: Probe) -> float:
-        return abs(math.log(p.latency.speedup / (AIM_AT * target)))
+        return _from_aim(p.latency.speedup, target)
 
     inside = [(w, p) for w, p in probes if _inside(p.latency.speedup, target)]
     met = [(w, p) for w, p in probes if p.latency.speedup >= MET * target]
@@ -530,7 +536,7 @@ def _second_look(request: CompressRequest, result: Round, probes: list[tuple[Wid
         return
     again = retime(result, index)
     record(saved, again.speedup)
-    first = min(agreeing, key=lambda latency: abs(math.log(latency.speedup / (AIM_AT * target))))
+    first = min(agreeing, key=lambda latency: _from_aim(latency.speedup, target))
     median = sorted([first, own, again], key=lambda latency: latency.speedup)[1]
     result.timings = [first.speedup, own.speedup, again.speedup]
     result.latency = median
