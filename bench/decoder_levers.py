@@ -10,7 +10,7 @@ window; calibration 128 C4 windows of 128 tokens, as a job draws them):
   into the projections that read them, the kept directions' coordinates everywhere.
 - `fit`: the whole-model fit of the next-token distributions (`reconstruct_model`, target "logits") from the same
   osscar model at uniform `--ratio` with block fits, stepping through more C4 windows (a job's pool) or through the
-  dense model's own samples, at one or more step sizes.
+  dense model's own samples, at one or more step sizes; `--norms` fits the norms' weights too.
 - `block-steps`: osscar at uniform `--ratio` with a fixed number of block-fit steps per block.
 - `kl-alloc`: an allocation of widths from measured end-to-end sensitivities: every layer's attention and FFN pruned
   alone (osscar's solve on the dense model's statistics) to a few widths, the next-token KL from the dense model on
@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lrs", default="2e-4", help="fit: step sizes relative to each weight's RMS")
     parser.add_argument("--steps", type=int, default=60, help="fit: Adam steps of 4 windows")
     parser.add_argument("--samples", type=int, default=512, help="fit: pool windows (C4's or the dense model's)")
+    parser.add_argument("--norms", action="store_true", help="fit: the norms' weights too")
     parser.add_argument("--work", type=Path, help="keeps the pruned model and the samples between runs")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, pool in pools.items():
         for lr in (float(x) for x in args.lrs.split(",")):
             model, start = copy.deepcopy(pruned), time.perf_counter()
-            config = RefineConfig(steps=args.steps, lr=lr, check_every=LOGITS_CHECK_EVERY)
+            config = RefineConfig(steps=args.steps, lr=lr, check_every=LOGITS_CHECK_EVERY, norms=args.norms)
             report = reconstruct_model(model, dense, calibration, config, torch.device("cpu"), target="logits",
                                        pool=pool)
             print(f"fit on {name}, step {lr:g}: held-out KL {report.before:.4f} -> {report.after:.4f} "

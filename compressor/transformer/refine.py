@@ -216,11 +216,12 @@ def _cut(batch: dict[str, Tensor], rows: slice) -> dict[str, Tensor]:
 def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dict[str, Tensor]],
                       config: RefineConfig, device: torch.device, target: str = "hidden",
                       pool: Sequence[dict[str, Tensor]] = ()) -> RefineReport:
-    """Fit every block's projections (weights and biases) of `pruned`, in place, so that its outputs reproduce
-    `dense`'s on the calibration `batches`, `config.sequences` windows per step; a seeded `config.held_out` of them
-    judge the fit, which is kept only when it lowers their error (`compressor.refine.Reconstruction`). `pool`: more
-    windows to step through beside the calibration's, never judged (those identical to a judged window are left
-    out), so that a fit of many steps does not go over the same few windows again and again.
+    """Fit every block's projections (weights and biases; with `config.norms` every norm's weights too) of `pruned`,
+    in place, so that its outputs reproduce `dense`'s on the calibration `batches`, `config.sequences` windows per
+    step; a seeded `config.held_out` of them judge the fit, which is kept only when it lowers their error
+    (`compressor.refine.Reconstruction`). `pool`: more windows to step through beside the calibration's, never
+    judged (those identical to a judged window are left out), so that a fit of many steps does not go over the same
+    few windows again and again.
 
     `target` "hidden": the last hidden states (relative squared error over the tokens that count). "logits": a
     causal LM's next-token distributions (the KL divergence from the dense model's, per token that counts; the
@@ -245,6 +246,9 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     try:
         parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
                       for p in m.parameters(recurse=False)]
+        if config.norms:  # every norm the blocks' outputs pass through, the final one's too
+            parameters += [p for m in pruned.modules() if "norm" in type(m).__name__.lower()
+                           for p in m.parameters(recurse=False)]
 
         def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
             held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]

@@ -306,6 +306,21 @@ def test_a_whole_model_fit_of_the_next_token_distributions_lowers_their_kl(name)
     assert next(model.parameters()).device == CPU and all(p.grad is None for p in pruned.parameters())
 
 
+def test_the_whole_model_fit_moves_the_norms_only_when_asked():
+    """`RefineConfig.norms`: the blocks' norms and the final one join the fitted projections; by default they stay."""
+    model = MODELS["llama"]()
+    data = batches(model, n=6, batch=8)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    norms = {k for k in pruned.state_dict() if "norm" in k}
+    for asked in (False, True):
+        fitted, before = copy.deepcopy(pruned), copy.deepcopy(pruned.state_dict())
+        fit = reconstruct_model(fitted, model, data, RefineConfig(steps=30, lr=0.01, norms=asked), CPU,
+                                target="logits")
+        moved = {k for k, v in fitted.state_dict().items() if not torch.equal(v, before[k])}
+        assert fit.kept and moved - norms and moved <= _fitted_names(fitted) | norms
+        assert (moved & norms == norms) if asked else not moved & norms  # the final norm's included
+
+
 def test_a_pool_of_more_windows_is_fitted_on_and_never_judged():
     """`pool`: windows the fit steps through beside the calibration's fitting ones, never among the judged ones (the
     held-out error before the fit is the calibration's alone), without those identical to a judged window."""
