@@ -261,6 +261,9 @@ class Latency:
     host_speedup: float | None = None
     # why the two sessions were timed one at a time, in turns (None: paired, both in one process at once)
     in_turn: str | None = None
+    # the measurement's own wall time (its subprocess, sessions and warm-ups included), not the wait for the
+    # machine's latency lock before it: what a caller pausing "a measurement's time" should scale by
+    seconds: float | None = None
 
 
 # A timed sample lasts at least this long: a model that runs in a millisecond or two is timed as n
@@ -506,8 +509,10 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         why = "asked to time one session at a time"
     worker = _latency_worker if why is None else _in_turn_worker
     with measurement_turn() if provider == "cpu" else contextlib.nullcontext():  # a GPU is its job's alone
+        start = time.perf_counter()
         *times, runs = _call(worker, str(baseline), str(compressed), feed, provider, threads, warmup, repeats, bind,
                              seconds)
+        took = time.perf_counter() - start
 
     def p90(values: list[float]) -> float:
         return float(np.percentile(values, 90))
@@ -523,4 +528,5 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         host = {"host_baseline_ms": statistics.median(times[2]), "host_compressed_ms": statistics.median(times[3]),
                 "host_speedup": paired(times[2], times[3])}
     return Latency(statistics.median(base), statistics.median(comp), p90(base), p90(comp), paired(base, comp),
-                   provider, threads, device_name(provider), len(base), runs, io_binding=bind, in_turn=why, **host)
+                   provider, threads, device_name(provider), len(base), runs, io_binding=bind, in_turn=why,
+                   seconds=took, **host)

@@ -259,6 +259,26 @@ def test_jobs_sharing_a_machine_take_turns_at_timing(tmp_path, monkeypatch):
         holder.close()
 
 
+def test_a_measurements_own_seconds_leave_out_its_wait_for_the_machines_lock(tmp_path, monkeypatch):
+    """`Latency.seconds` is the measurement's time, not its turn's wait: a job pausing "a measurement's time"
+    after a busy reading must not pause for as long as another job held the lock."""
+    import fcntl
+    import threading
+    import time
+
+    _matmul_model(tmp_path / "a.onnx", 64)
+    feed = {"x": np.ones((4, 64), np.float32)}
+    lock = tmp_path / "latency.lock"
+    monkeypatch.setenv("OSSCAR_LATENCY_LOCK", str(lock))
+    holder = open(lock, "a")  # noqa: SIM115 (another job's turn, released from a timer thread)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(3.0, holder.close).start()  # closing the file releases its lock
+    start = time.perf_counter()
+    latency = measure_latency(tmp_path / "a.onnx", tmp_path / "a.onnx", feed, threads=1, repeats=3)
+    waited = time.perf_counter() - start
+    assert waited >= 3.0 and latency.seconds is not None and 0 < latency.seconds <= waited - 2.9
+
+
 def test_the_subprocess_never_imports_the_callers_main_and_needs_no_guard(tmp_path):
     """A script without `if __name__ == "__main__":` that runs ONNX Runtime: its body runs once (spawn would run it
     again in the child, importing whatever the caller imported: the CLI's torch and transformers)."""

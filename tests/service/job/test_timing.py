@@ -3,6 +3,7 @@ in the job) is taken again after a pause, and the quietest kept."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_a_busy_host_is_timed_again_and_the_quietest_measurement_kept(monkeypatc
     quiet = time(Path("c.onnx"))  # 80 ms is 6.7 % over 75: again, 74.8 ms
     assert quiet.baseline_ms == 74.8 and quiet.speedup == pytest.approx(2.0) and len(calls) == 4
     assert time.retimed == 1 and "7% slower" in lines[0] and "80.0 against 75.0 ms" in lines[0]
-    assert lines[0].endswith(f"timing again in {2 * timing.SLOW_WAITS[0]:.0f} s")
+    assert lines[0].endswith(f"timing again in {2 * timing.SLOW_WAITS[0]:.1f} s")
     busy = time(Path("d.onnx"))  # 82, 81, 83 ms: busy throughout, the most measurements more, the quietest kept
     assert len(calls) == 4 + 1 + len(timing.SLOW_WAITS) and calls[-3:] == [Path("d.onnx")] * 3
     assert busy.baseline_ms == 81.0 and time.retimed == 3 and time.quietest_ms == 74.8
@@ -67,3 +68,32 @@ def test_the_quietest_dense_timing_is_the_reference_whichever_graph_gave_it(monk
     assert time(Path("a.onnx")).baseline_ms == 80.0 and time(Path("b.onnx")).baseline_ms == 76.0
     assert time(Path("c.onnx")).baseline_ms == 76.1 and time.retimed == 1  # 79.5 is 4.6 % over 76.0
     assert time.quietest_ms == 76.0
+
+
+def test_the_pause_scales_with_the_measurements_own_seconds_not_its_wait_for_the_lock(monkeypatch):
+    """A measurement that waited minutes for another job's turn (the timer's clock: 2 s a call) but took 0.5 s
+    itself pauses 1x and 3x those 0.5 s."""
+    calls, waits = scripted(monkeypatch, [75.0, 80.0, 81.0, 82.0])
+    measured = timing.measure_latency
+    monkeypatch.setattr(timing, "measure_latency",
+                        lambda *a, **k: dataclasses.replace(measured(*a, **k), seconds=0.5))
+    lines: list[str] = []
+    time = timer(lines)
+    time(Path("a.onnx"))
+    time(Path("b.onnx"))  # 80, 81, 82 ms: busy throughout
+    assert len(calls) == 4 and waits == [0.5 * w for w in timing.SLOW_WAITS]
+    assert lines[0].endswith("timing again in 0.5 s")
+
+
+def test_a_dense_session_timed_alone_is_no_reference_for_paired_timings(monkeypatch):
+    """An in-turn timing (the dense session alone in its process) neither is timed again nor sets the quietest
+    median that later paired timings are judged against."""
+    calls, waits = scripted(monkeypatch, [70.0, 75.0, 75.5])
+    measured = timing.measure_latency
+    turns = iter(["the pair would need ~12 GB", None, None])
+    monkeypatch.setattr(timing, "measure_latency",
+                        lambda *a, **k: dataclasses.replace(measured(*a, **k), in_turn=next(turns)))
+    time = timer([])
+    assert time(Path("a.onnx")).in_turn and time.quietest_ms == float("inf")
+    assert time(Path("b.onnx")).baseline_ms == 75.0 and time(Path("c.onnx")).baseline_ms == 75.5
+    assert time.quietest_ms == 75.0 and time.retimed == 0 and len(calls) == 3 and not waits
