@@ -426,6 +426,8 @@ def prune_blocks(
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     fitted = 0.0  # seconds the blocks' reconstructions took so far (of `refine.seconds`)
+    # the blocks that will be fitted: not removed whole, not both sub-layers removed (they share the allowance)
+    fitting = [j for j in range(d.layers) if j not in skip and not {(j, ATTENTION), (j, FFN)} <= set(sublayers)]
     for i in range(d.layers):
         block = source.load(i).eval()
         stored = _to_compute(block, device)
@@ -515,7 +517,7 @@ def prune_blocks(
             del choices
         if refine.steps and solved:
             _host_ready(device)
-            share = _fit_allowance(refine, time.perf_counter() - solving, fitted, d.layers - i)
+            share = _fit_allowance(refine, time.perf_counter() - solving, fitted, sum(j >= i for j in fitting))
             fit = _refine(block, streams, share, device)
             fitted += fit.seconds
             reports[-1] = dataclasses.replace(reports[-1], refine=fit)

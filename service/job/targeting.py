@@ -446,14 +446,18 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         if first is not None and index == first_round and first_latency is not None:
             probes = [(first, Probe(saved, first_latency))]  # the trial's timing of the same widths
         if retime is not None and probes:
-            _second_look(request, result, probes, saved, index, retime, record, say, label)
+            _second_look(result, probes, saved, index, retime, record, say, label, target)
         speedup = result.latency.speedup
         blown = rule is not None and not rule.allows(baseline_metric, result.metric)
         if blown and request.back_off:
             target = max(1.0 + 1e-3, 1 + (min(speedup, target) - 1) * 0.7)  # ask for less
             say(f"{label} {index}: accuracy budget exceeded; backing off to {target:.3f}x")
-        elif _inside(speedup, request.target_speedup):
-            break
+            if AIM_AT * target <= base_speedup:  # the removed blocks alone are past it: no widths can back off
+                say(f"{label} {index}: the removed blocks alone measure {base_speedup:.3f}x: the widths cannot back "
+                    "off further")
+                break
+        elif _inside(speedup, target) or (target < request.target_speedup and speedup >= MET * target):
+            break  # met; or, backed off, within the budget at least as fast as the lowered target asks
         if saved >= 1 - 1e-9 or (speedup < MET * target and saved >= max_saving(curves) - 1e-9):
             say("the minimum widths allow no more pruning")
             break
@@ -517,10 +521,10 @@ def _search_widths(request: CompressRequest, plan: Widths, saved: float, target:
     return plan, chosen.saving, probes
 
 
-def _second_look(request: CompressRequest, result: Round, probes: list[tuple[Widths, Probe]], saved: float,
-                 index: int, retime: Retime,
-                 record: Callable[[float, float], None], say: Say, label: str) -> None:
-    """A round measured outside [MET, AIM] x target at widths one of its probes measured inside: its export timed
+def _second_look(result: Round, probes: list[tuple[Widths, Probe]], saved: float, index: int, retime: Retime,
+                 record: Callable[[float, float], None], say: Say, label: str, target: float) -> None:
+    """A round measured outside [MET, AIM] x target (the loop's, lowered by a back-off) at widths one of its probes
+    measured inside: its export timed
     once more (a probe's cost, not a round's), and the round's latency becomes the median of the three.
 
     One latency measured twice that disagrees on the window is a coin toss between a round met and a round
@@ -528,8 +532,6 @@ def _second_look(request: CompressRequest, result: Round, probes: list[tuple[Wid
     timings is robust to one of them taken in a slow or fast spell of the host, and two of the three time the
     round's own export, so a probe that reads its sliced graph differently does not decide alone. Every timing
     is reported."""
-    target = request.target_speedup
-    assert target is not None
     own = result.latency
     agreeing = [p.latency for plan, p in probes if plan == result.plan and _inside(p.latency.speedup, target)]
     if _inside(own.speedup, target) or not agreeing:
@@ -652,7 +654,9 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
         target_loop(replace(request, max_rounds=left), kept, measure.run_round, job.metric, baseline_metric, say,
                     enter, probe=measure.probe, base_speedup=option.depth_speedup, first_round=len(rounds),
                     first=first, known=known, solved=solved, retime=measure.retime, first_latency=first_latency)
-        if rule is None or request.back_off or any(rule.allows(baseline_metric, r.metric) for r in rounds):
+        # backing off lowers the widths' speedup, never the depth's: a round within the budget ends the options, and
+        # without one the next option (other blocks, or fewer) is tried as without --back-off
+        if rule is None or any(rule.allows(baseline_metric, r.metric) for r in rounds):
             return
 
 

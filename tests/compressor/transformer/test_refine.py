@@ -150,6 +150,24 @@ def test_a_pipelines_allowance_is_shared_by_its_blocks():
     assert [r.refine.steps for r in ample[1::2]] == [10, 10]
 
 
+def test_blocks_removed_whole_leave_their_share_of_the_allowance_to_the_fitted_ones(monkeypatch):
+    """With block 1 removed, block 0 is the only one fitted and gets all of `seconds` (it got half)."""
+    from compressor.transformer import pipeline
+
+    model = MODELS["llama"]()
+    assert len(model.model.layers) == 2
+    given: list[float | None] = []
+    fit = pipeline._refine
+
+    def recording(block, streams, share, device):
+        given.append(share.seconds)
+        return fit(block, streams, share, device)
+
+    monkeypatch.setattr(pipeline, "_refine", recording)
+    prune_transformer(model, batches(model), 0.5, refine=RefineConfig(steps=5, seconds=60.0), skip={1})
+    assert given == [60.0]
+
+
 def test_a_floor_of_steps_runs_whatever_the_allowance_says():
     """`min_steps` run even when `seconds` ran out at the first check; past them the allowance binds again."""
     block, fit, judge, _ = _block_problem(steps=100_000)

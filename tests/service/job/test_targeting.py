@@ -362,6 +362,44 @@ def test_a_broken_model_is_not_ok_by_default():
     assert choose(_request(), [_measured(90.0)], perplexity, 51.68)[1] == "ok"
 
 
+def test_a_round_within_the_budget_after_a_back_off_ends_the_loop():
+    """Backed off from 3x to 2.3x, a round within the budget that measures at least what the lowered target asks
+    (2.57x: 5 % over the model of its widths, timing noise) is the last: the loop does not plan another, slower
+    round at the lowered target (it did, solving a third round only to return the second)."""
+    layer_curves, run_round = fake_rounds(0.8)
+    noise = iter([1.0, 1.05, 0.97, 1.02])
+
+    def noisy(plan, index, predicted=None):
+        done = run_round(plan, index, predicted)
+        done.latency = replace(done.latency, speedup=done.latency.speedup * next(noise))
+        return done
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=3.0, back_off=True,
+                              max_rounds=4)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, noisy, Metric("cosine", True), 1.0, messages.append)
+    assert [r.metric >= 0.9 for r in rounds] == [False, True] and rounds[1].latency.speedup > 2.3
+    assert "backing off to 2.300x" in messages[1]
+    assert choose(request, rounds, Metric("cosine", True), 1.0)[0] is rounds[1]
+
+
+def test_no_back_off_below_what_the_removed_blocks_alone_measure():
+    """Removed blocks alone measure 2.0x; every round misses the budget; once the lowered target asks for less
+    than the blocks give, no widths can back off further and the loop stops (it planned near-dense widths)."""
+    layer_curves, _ = fake_rounds(0.8)
+
+    def blown(plan, index, predicted=None):
+        latency = Latency(100.0, 100 / 2.4, 101.0, 101 / 2.4, 2.4, "cpu", 2, "test", 5)
+        return Round(plan, None, [], None, None, latency, 0.5, predicted)
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.5, back_off=True,
+                              max_rounds=6, latency_probes=0)
+    messages: list[str] = []
+    rounds = target_loop(request, layer_curves, blown, Metric("cosine", True), 1.0, messages.append,
+                         base_speedup=2.0)
+    assert len(rounds) == 2 and "cannot back off further" in messages[-1]
+
+
 def test_back_off_works_against_the_default_budget():
     """The loop backs off while a round is below the default cosine floor (0.9) and returns the fastest
     round above it."""
@@ -556,9 +594,11 @@ def test_depth_search_stops_once_blocks_alone_reach_the_aim():
     assert len(plan.chosen.blocks) == 2  # 1/0.9 = 1.11x >= 1.03 x 1.05; one block (1.053x) falls short
 
 
-def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned():
+@pytest.mark.parametrize("back_off", [False, True])
+def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned(back_off):
     """Every round with no block removed lands below the default top-1 budget: the next option by planned
-    loss (one block removed) gets the rounds left, and its round is the one within the budget."""
+    loss (one block removed) gets the rounds left, and its round is the one within the budget. With --back-off
+    too: backing off narrows less, and where no round of an option gets within the budget the next one is tried."""
     from types import SimpleNamespace
 
     from compressor.allocation import DepthOption
@@ -591,10 +631,12 @@ def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned():
     one = DepthOption(("b0",), 0.1, 1.2, 0.2, 0.2)
     never = DepthOption(("b0", "b1"), 0.3, 1.3, 0.9, math.inf)
     plan = DepthPlan(none, [none, one, never], aim=1.5, share=0.85)
-    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0,
+                              back_off=back_off)
     depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
                     Measure(run_round, lambda p, i: None, lambda m, i: None), "test")
-    assert job.removed == [(), ("b0",)] and len(rounds) == 2
+    assert job.removed == [(), ("b0",)] and rounds[-1].metric == 0.85
+    assert len(rounds) == 2 and rounds[0].metric == 0.5
     assert job.depth["tried"] == [0, 1] and job.depth["planned"] == []
     assert any("re-planning with 1 blocks removed" in line for line in lines)
     chosen, status = choose(request, rounds, Job.metric, 0.92)
