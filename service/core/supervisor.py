@@ -102,6 +102,8 @@ class Supervisor:
             log.info("draining: waiting up to %.0fs for %d running job(s)", grace_s, len(pending))
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         for name, running in list(self.running.items()):
+            if running.stop_reason is not None:  # a cancel or a deadline already on its way stays what it is
+                continue
             with operation_context(name):
                 log.info("stopped by shutdown; it runs again at the next start")
             running.stop("shutdown")
@@ -139,12 +141,24 @@ class Supervisor:
         with operation_context(record.name):  # every record logged while supervising names the job
             try:
                 await self._supervise(record, running)
-            except Exception:  # e.g. no space for the scratch directory: the job runs again after a restart
+            except Exception:  # e.g. no space for the scratch directory, an executor that could not make the run
                 log.exception("supervising the job failed")
+                self._unstick(record.name)
             finally:
                 if self.running.get(record.name) is running:  # the slot is free again, whatever happened
                     del self.running[record.name]
                 self._wake.set()
+
+    def _unstick(self, name: str) -> None:
+        """A job whose supervision failed outside its worker ends FAILED (internal) rather than staying QUEUED or
+        RUNNING in the store with nothing running it: off the queue, it would wait for a restart and count
+        against `max_queue` until then, and its waiters would never hear of it."""
+        try:
+            record = self.store.get(name)
+            if record is not None and record.state not in FINISHED:
+                self.finish(name, JobError.of("internal", INTERNAL_MESSAGE))
+        except Exception:  # the store itself failed: a restart's recovery is what is left
+            log.exception("the job could not be ended either; it is recovered at the next start")
 
     async def _supervise(self, record: JobRecord, running: _Running) -> None:
         name, attempt, slot = record.name, record.attempt + 1, running.slot
@@ -191,7 +205,8 @@ class Supervisor:
                     else:
                         outcome = running.outcome = (kind, payload)
         except TimeoutError:
-            running.stop(running.stop_reason or "deadline")
+            if running.outcome is None:  # a result already in is the job's, however long its worker takes to exit
+                running.stop(running.stop_reason or "deadline")
         except Exception:
             log.exception("supervising the worker failed")
         finally:

@@ -33,7 +33,8 @@ class ServerSettings(BaseSettings):
     tokens: SecretStr | None = Field(None, description="comma-separated bearer tokens accepted in `authorization` "
                                                        "metadata (health is exempt)")
     tokens_file: Path | None = Field(None, description="file with one bearer token per line (# comments)")
-    max_message_mb: int = Field(8, ge=1, le=64, description="largest gRPC message accepted (uploads are chunked)")
+    # at least 2: a download's or an upload's chunk is 1 MiB of data plus its message's framing
+    max_message_mb: int = Field(8, ge=2, le=64, description="largest gRPC message accepted (uploads are chunked)")
     max_concurrent_rpcs: int = Field(1000, ge=1, description="RPCs in flight before RESOURCE_EXHAUSTED")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on the same "
                                                                        "host (unset: off; 0: a free one)")

@@ -186,3 +186,79 @@ def test_a_cancel_after_the_result_arrived_leaves_the_job_its_result(tmp_path):
     running.outcome = None
     jobs.supervisor.cancel("operations/r")
     assert running.stop_reason == "cancel" and stopped == [True]
+
+
+def _queued(jobs: JobService, name: str = "operations/q", **fields) -> JobRecord:
+    jobs.store.insert(JobRecord(name=name, body_sha256="x", request=b"", spec={"resolved": {}, "references": {}},
+                                **fields))
+    return jobs.store.get(name)
+
+
+def test_a_job_whose_supervision_fails_before_its_worker_ends_failed_not_stuck(tmp_path):
+    """No scratch directory can be made (here: a file where the work folder goes): the job ends FAILED INTERNAL
+    and its slot is free, instead of staying QUEUED off the queue until a restart."""
+    from service.core.executor import Slot
+    from service.core.outcomes import INTERNAL_MESSAGE
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    record = _queued(jobs)
+    (tmp_path / "home" / "work").write_text("not a folder")
+    running = jobs.supervisor.running[record.name] = _Running(Slot("cpu", "cpu"))
+    asyncio.run(jobs.supervisor._run(record, running))
+    final = jobs.get(record.name)
+    assert final.state == FAILED and (final.error.code, final.error.message) == ("INTERNAL", INTERNAL_MESSAGE)
+    assert record.name not in jobs.supervisor.running
+
+
+def test_a_result_that_arrived_before_the_time_budget_ran_out_is_the_jobs(tmp_path, monkeypatch):
+    """The worker sent its result, then took past the budget to exit (its clean-up): the job ends with the
+    result, not TIME_BUDGET_EXCEEDED with its artifacts deleted; a worker with no result by then still times out."""
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    artifact = _artifact(jobs, b"the compressed model")
+
+    class SlowToExit:
+        def __init__(self, result):
+            self.result, self.stopped = result, False
+
+        where = "here"
+
+        async def start(self):
+            pass
+
+        async def messages(self):
+            if self.result is not None:
+                yield self.result
+            await asyncio.sleep(3600)  # still exiting when the budget runs out
+
+        def stop(self):
+            self.stopped = True
+
+        async def end(self):
+            return Ended(-9 if self.stopped else 0)
+
+    done = ("done", {"report": REPORT, "artifacts": [artifact]})
+    for name, result, state in (("operations/a", done, SUCCEEDED), ("operations/b", None, FAILED)):
+        monkeypatch.setattr(jobs.executor, "attempt", lambda args, slot, result=result: SlowToExit(result))
+        record = _queued(jobs, name, time_budget_s=0.2)
+        running = jobs.supervisor.running[name] = _Running(Slot("cpu", "cpu"))
+        asyncio.run(jobs.supervisor._run(record, running))
+        final = jobs.get(name)
+        assert final.state == state
+        if state == SUCCEEDED:
+            assert [a.sha256 for a in final.artifacts] == [artifact["sha256"]] and jobs.blobs.exists(artifact["sha256"])
+        else:
+            assert final.error.reason == "TIME_BUDGET_EXCEEDED"
+
+
+def test_a_shutdown_leaves_a_pending_cancel_a_cancel(tmp_path):
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    running = jobs.supervisor.running["operations/c"] = _Running(Slot("cpu", "cpu"), stop_reason="cancel")
+    asyncio.run(jobs.supervisor.drain(0.0))
+    assert running.stop_reason == "cancel"
