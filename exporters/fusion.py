@@ -83,8 +83,14 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
     if provider == "cpu" and (split := split_skip_layer_norms(model)):
         counts[SKIP_AS_SUM] = split
     model.metadata_props[FUSIONS_KEY] = json.dumps(Fusion(counts).to_json(), sort_keys=True)
-    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    ir.save(model, str(target), external_data=f"{target.name}.data" if size >= EXTERNAL_DATA_BYTES else None)
+    weights = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    # torch's exporter writes external data from 1.5 GB on: a graph read from one keeps its weights in a file of its
+    # own too (saved as read, they would point at the source's file, which `fuse_checked` moves away)
+    external = any(isinstance(w, ir.ExternalTensor) for w in weights)
+    if external or sum(w.nbytes for w in weights) >= EXTERNAL_DATA_BYTES:
+        ir.save(model, str(target), external_data=f"{target.name}.data")
+    else:
+        ir.save(model, str(target))
     return counts
 
 
