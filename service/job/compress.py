@@ -275,6 +275,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                 raise _ExportFailed("decode_step", None, err, chosen.layers) from err
         enter("save", len(rounds) - 1)
         say("saving the pruned model and model.onnx")
+        for name in EXPORT_FILES:  # an earlier job's in a reused --out (its decode step, its weights file) would
+            (out / name).unlink(missing_ok=True)  # otherwise sit beside this model as if they were its own
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)

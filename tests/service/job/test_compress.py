@@ -652,6 +652,19 @@ def test_a_model_measured_slower_than_dense_is_not_ok(model_and_data, tmp_path, 
     assert any("unrounded uniform widths (4, 6)" in w and "--round-to 8" in w for w in report["warnings"])
 
 
+def test_an_earlier_jobs_exports_in_a_reused_out_do_not_outlive_a_new_model(model_and_data, tmp_path):
+    """A causal LM's job with its decode step, then a conv model's into the same folder: the earlier decode.onnx,
+    genai_config.json and external weights go (ONNX Runtime GenAI would generate with the earlier model)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = ("decode.onnx", "decode.onnx.data", "genai_config.json", "model.onnx.data")
+    for name in stale:
+        (out / name).write_bytes(b"an earlier job's")
+    assert cli.main(_conv_args(model_and_data, out)) in (0, 2)
+    assert (out / "model.onnx").is_file() and not any((out / name).exists() for name in stale)
+    assert json.loads((out / "report.json").read_text())["artifacts"].get("decode_step") is None
+
+
 def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(model_and_data, tmp_path, monkeypatch):
     from compressor.transformer import offload
 
