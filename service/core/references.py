@@ -56,3 +56,9 @@ def resolve(reference: str, field: str, resource: str, blobs: BlobStore | None, 
                                                      "absolute path, blob:sha256:<hex>/<name> or embedded:<name>")])
     policy.require_scheme("path", field)
     return policy.check_path(reference, field, resource)
+
+
+def upload_of(reference: str) -> tuple[str, str] | None:
+    """(digest, file name) of the upload a `blob:sha256:<digest>/<name>` reference names; None for any other."""
+    match = _BLOB.match(reference)
+    return None if match is None else (match.group(1), match.group(2))

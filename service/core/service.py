@@ -36,7 +36,8 @@ from .config import ServiceConfig
 from .executor import Executor, LocalExecutor
 from .feeds import Feeds
 from .metrics import Metrics
-from .outcomes import CANCELLED, QUEUED
+from .outcomes import CANCELLED, QUEUED, RUNNING
+from .references import upload_of
 from .store import ArtifactRecord, JobRecord, JobStore
 from .submission import SubmitRequest, check_request_id, validate
 from .supervisor import Supervisor, detect_devices
@@ -279,6 +280,10 @@ class JobService:
     def sweep(self, now: float | None = None) -> int:
         """Forget finished operations and unused uploads older than the retention period."""
         cutoff = (now or time.time()) - self.config.retention_s
+        for record in self.store.in_states([QUEUED, RUNNING]):  # a job still to run keeps its uploads, however
+            for reference in record.spec.get("references", {}).values():  # long it waited (a server down a while)
+                if (upload := upload_of(reference)) is not None:
+                    self.store.touch_upload(*upload)
         names = self.store.finished_before(cutoff)
         for name in names:
             for digest in self.store.delete(name):

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from .blobs import BlobStore
 from .policy import ReferencePolicy
-from .references import resolve
+from .references import resolve, upload_of
 from .store import LABEL_KEY, JobStore
 
 REQUIRED = ("model", "calibration")
@@ -73,9 +73,8 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, store: Job
         references[key] = reference
         try:
             spec[key] = str(resolve(reference, key, REFERENCES[key], blobs, home, policy))
-            if reference.startswith("blob:"):
-                digest, name = reference.split(":", 2)[2].split("/", 1)
-                store.touch_upload(digest, name)
+            if (upload := upload_of(reference)) is not None:
+                store.touch_upload(*upload)
         except InvalidArgument as err:
             violations += err.violations
             spec[key] = None  # refused: not looked at again

@@ -36,3 +36,26 @@ def test_a_queued_job_cancels_at_once_with_the_cancelled_error(tmp_path):
     assert record.state == CANCELLED and record.error == JobError.cancelled() and record.attempt == 0
     assert list(jobs.supervisor.queue) == []
     assert operation_of(record).error.code == code_pb2.CANCELLED
+
+
+def test_retention_keeps_the_uploads_of_jobs_still_to_run(tmp_path, monkeypatch):
+    """An upload unused for longer than the retention period is forgotten, unless a queued or running job names
+    it (a job queued before a long outage would otherwise fail INPUT_NOT_FOUND when it starts)."""
+    from service.core.outcomes import QUEUED
+
+    jobs = service(tmp_path, retention_s=3600)
+    digests = []
+    for content in (b"the queued job's model", b"nobody's"):
+        writer = jobs.blobs.writer()
+        writer.write(content)
+        digests.append(writer.commit()[0])
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 7200)  # both uploads last used two hours ago
+    for digest in digests:
+        jobs.store.record_upload(digest, "model.pt2", False, 10)
+    monkeypatch.undo()
+    jobs.store.insert(JobRecord(name="operations/q", body_sha256="x", request=b"", state=QUEUED,
+                                spec={"references": {"model": f"blob:sha256:{digests[0]}/model.pt2"}}))
+    jobs.sweep(now)
+    assert jobs.blobs.exists(digests[0]) and not jobs.blobs.exists(digests[1])
+    assert jobs.store.referenced(digests[0]) and not jobs.store.referenced(digests[1])
