@@ -4,8 +4,9 @@ The scheduler starts the next queued job when a slot is free, persisting RUNNING
 the worker's result or error, a cancel, the job's time budget, a crashed worker or a lost node end it
 (`conclude`, with the `JobError` of its row of `service.core.outcomes.OUTCOMES`). After a restart, jobs that
 were RUNNING are queued again (artifacts are content-addressed, so a re-run is safe) until `max_attempts`,
-then fail INTERRUPTED; a job whose node left the cluster is queued again the same way (then NODE_LOST); a
-shutdown stops running jobs and leaves them QUEUED without counting an attempt.
+then fail INTERRUPTED; a job whose node left the cluster is queued again the same way (then NODE_LOST), and so is
+one whose artifacts were deleted before it ended (an identical operation's blobs; then INTERNAL); a shutdown stops
+running jobs and leaves them QUEUED without counting an attempt.
 """
 
 from __future__ import annotations
@@ -262,6 +263,18 @@ class Supervisor:
                 log.exception("the job's report does not read as a report")
                 error = JobError.of("internal", INTERNAL_MESSAGE)
         kept = error.outcome.artifacts if error else True
+        gone = [a.name for a in artifacts if kept and not self.blobs.exists(a.sha256)]
+        if gone:  # an identical artifact's operation was deleted while this job ran, and its blob with it
+            if attempt < self.config.max_attempts:  # content-addressed: a re-run writes it again
+                self.store.update(name, state=QUEUED, progress={
+                    "stage": "queued", "round": 0, "layer": 0, "layers": 0,
+                    "message": f"re-queued: its artifacts ({', '.join(gone)}) were deleted before attempt {attempt} "
+                               "ended (an identical operation's, deleted meanwhile)"})
+                log.warning("re-queued: artifacts %s of attempt %d were deleted before it ended", gone, attempt)
+                self.enqueue(name)
+                self.observe()
+                return
+            error, kept = JobError.of("internal", INTERNAL_MESSAGE), False
         if kept and artifacts:
             self.store.set_artifacts(name, artifacts)
         else:  # published by the worker, then not wanted: nothing may keep them

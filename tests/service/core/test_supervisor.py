@@ -262,3 +262,22 @@ def test_a_shutdown_leaves_a_pending_cancel_a_cancel(tmp_path):
     running = jobs.supervisor.running["operations/c"] = _Running(Slot("cpu", "cpu"), stop_reason="cancel")
     asyncio.run(jobs.supervisor.drain(0.0))
     assert running.stop_reason == "cancel"
+
+
+def test_a_result_whose_artifact_was_deleted_meanwhile_runs_again(tmp_path):
+    """The worker's artifact matched a blob that an identical operation's deletion removed before the job ended:
+    the job is queued again (a re-run writes the blob again) while attempts remain, never SUCCEEDED with an
+    artifact that cannot be downloaded; out of attempts it fails INTERNAL."""
+    jobs = service(tmp_path, max_attempts=2)
+    artifact = _artifact(jobs, b"a model an identical operation also returned")
+    jobs.blobs.delete(artifact["sha256"])  # that operation deleted, its blob referenced by nobody else
+    done = ("done", {"report": REPORT, "artifacts": [artifact]})
+    record = running_record(jobs)
+    jobs.supervisor.conclude(record, 1, None, Ended(0), done)
+    again = jobs.get(record.name)
+    assert again.state == QUEUED and "model.onnx" in again.progress["message"] and not again.artifacts
+    assert list(jobs.supervisor.queue) == [record.name]
+    jobs.store.update(record.name, state=RUNNING, attempt=2)
+    jobs.supervisor.conclude(jobs.get(record.name), 2, None, Ended(0), done)
+    final = jobs.get(record.name)
+    assert final.state == FAILED and final.error.code == "INTERNAL" and not final.artifacts
