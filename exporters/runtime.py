@@ -2,8 +2,9 @@
 latency of a baseline and a compressed model measured alternately in one process (in turns, one session at
 a time, when the host cannot hold both).
 
-A crashing or hanging session (a bad kernel, an out-of-memory provider) ends the subprocess, not
-the caller: it surfaces as `RuntimeFailure`.
+A crashing session (a bad kernel, an out-of-memory provider) ends the subprocess, not the caller: it
+surfaces as `RuntimeFailure`. A hanging one is not timed out here (a large model's measurement takes
+minutes): a server's job time budget ends its worker, and the subprocess with it.
 """
 
 from __future__ import annotations
