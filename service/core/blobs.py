@@ -67,8 +67,9 @@ class BlobWriter:
         digest = self.hash.hexdigest()
         final = self.store.path(digest)
         final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists():  # same content already stored
+        if final.exists():  # same content already stored: written again now, as far as retention is concerned
             self.tmp.unlink()
+            os.utime(final)
         else:
             os.replace(self.tmp, final)
         return digest, self.size
@@ -98,6 +99,11 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         assert valid_digest(digest), f"not a sha256 hex digest: {digest!r}"
         return self.blobs / digest[:2] / digest
+
+    def written_before(self, cutoff: float) -> list[str]:
+        """Digests of the blobs last written (or written again, `BlobWriter.commit`) before `cutoff` (epoch s)."""
+        return [p.name for p in self.blobs.glob("??/*")
+                if valid_digest(p.name) and p.is_file() and p.stat().st_mtime < cutoff]
 
     def exists(self, digest: str) -> bool:
         return valid_digest(digest) and self.path(digest).is_file()

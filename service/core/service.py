@@ -116,6 +116,10 @@ class JobService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.executor.close()
+
+    def close(self) -> None:
+        """Close the store, once the transport answers no more calls (after `drain`): a wait that runs out while
+        the server stops still reads its operation."""
         self.store.close()
 
     # ---- operations ------------------------------------------------------------------------------
@@ -278,7 +282,7 @@ class JobService:
             await asyncio.sleep(3600)
 
     def sweep(self, now: float | None = None) -> int:
-        """Forget finished operations and unused uploads older than the retention period."""
+        """Forget finished operations, unused uploads and blobs nothing names, older than the retention period."""
         cutoff = (now or time.time()) - self.config.retention_s
         for record in self.store.in_states([QUEUED, RUNNING]):  # a job still to run keeps its uploads, however
             for reference in record.spec.get("references", {}).values():  # long it waited (a server down a while)
@@ -289,6 +293,11 @@ class JobService:
             for digest in self.store.delete(name):
                 self.blobs.delete(digest)
         for digest, _ in self.store.forget_uploads_before(cutoff):
+            if not self.store.referenced(digest):
+                self.blobs.delete(digest)
+        # blobs no operation or upload names: a worker stopped between writing its artifacts and reporting them
+        # (a cancel, a deadline, a crash) leaves them; no job runs for the retention period, so none still writes them
+        for digest in self.blobs.written_before(cutoff):
             if not self.store.referenced(digest):
                 self.blobs.delete(digest)
         return len(names)

@@ -124,6 +124,7 @@ class Server:
         await self.server.stop(grace=5)
         if self.health_server is not None:
             await self.health_server.stop(grace=1)
+        self.jobs.close()  # after the calls in flight: a wait that ends during the stop still reads the store
 
     async def run_until_signalled(self, ready: Callable[[Server], None] | None = None) -> None:
         await self.start()

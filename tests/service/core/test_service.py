@@ -59,3 +59,40 @@ def test_retention_keeps_the_uploads_of_jobs_still_to_run(tmp_path, monkeypatch)
     jobs.sweep(now)
     assert jobs.blobs.exists(digests[0]) and not jobs.blobs.exists(digests[1])
     assert jobs.store.referenced(digests[0]) and not jobs.store.referenced(digests[1])
+
+
+def test_a_drained_service_still_reads_its_operations_until_closed(tmp_path):
+    """Shutdown drains the jobs before the transport stops: a wait that runs out meanwhile reads its operation
+    (it got INTERNAL from a closed store); the store closes only with `close`, after the transport."""
+    jobs = service(tmp_path)
+    jobs.store.insert(JobRecord(name="operations/q", body_sha256="x", request=b"", spec={}))
+    asyncio.run(jobs.drain(0.0))
+    assert not jobs.accepting and jobs.get("operations/q").name == "operations/q"
+    jobs.close()
+    assert not jobs.store.ping()
+
+
+def test_retention_removes_blobs_nothing_names_once_old(tmp_path):
+    """A worker stopped between writing its artifact and reporting it leaves a blob that no operation or upload
+    names: it goes once older than the retention period. A named old blob stays, and so does an unnamed recent
+    one (a running job's, not reported yet); writing old content again makes it recent."""
+    import os
+
+    jobs = service(tmp_path, retention_s=3600)
+    digests = {}
+    for label in ("orphan", "artifact", "recent", "written again"):
+        writer = jobs.blobs.writer()
+        writer.write(label.encode())
+        digests[label] = writer.commit()[0]
+    now = time.time()
+    for label in ("orphan", "artifact", "written again"):
+        os.utime(jobs.blobs.path(digests[label]), (now - 7200, now - 7200))
+    jobs.store.insert(JobRecord(name="operations/done", body_sha256="x", request=b"", spec={}, state=SUCCEEDED,
+                                end_time=now - 60))
+    jobs.store.set_artifacts("operations/done", [ArtifactRecord("model.onnx", digests["artifact"], 8, "x")])
+    writer = jobs.blobs.writer()
+    writer.write(b"written again")
+    writer.commit()
+    jobs.sweep(now)
+    assert {label for label, digest in digests.items() if jobs.blobs.exists(digest)} == \
+        {"artifact", "recent", "written again"}

@@ -171,7 +171,7 @@ def hostile(tmp_path_factory, data):
     (allowed / "weights.pt").write_bytes(pickle.dumps(Evil()))
     os.mkfifo(allowed / "fifo.npz")
     server = ServerProcess(root / "home", "--allowed-roots", str(allowed), "--allowed-schemes", "path,blob",
-                           "--max-upload-mb", "1", "--max-message-mb", "1").start()
+                           "--max-upload-mb", "1", "--max-message-mb", "2").start()
     yield server, allowed, marker
     assert server.stop() == 0
 
@@ -211,7 +211,7 @@ HOSTILE = [
     ("nan target", dict(target_speedup=float("nan")), "INVALID_ARGUMENT"),
     ("infinite target", dict(target_speedup=float("inf")), "INVALID_ARGUMENT"),
     ("too many labels", dict(labels={f"k{i}": "v" for i in range(100)}), "INVALID_ARGUMENT"),
-    ("message over the limit", dict(eval="/" + "b" * (2 << 20)), "RESOURCE_EXHAUSTED"),
+    ("message over the limit", dict(eval="/" + "b" * (3 << 20)), "RESOURCE_EXHAUSTED"),
 ]
 
 
