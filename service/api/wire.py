@@ -76,13 +76,17 @@ def spec_to_proto(spec: dict[str, Any], request: pb.CompressRequest | None = Non
         if name not in top | options:
             raise ValueError(f"{name!r} does not travel on the wire")
         message = request if name in top else request.options
-        if isinstance(value, dict):
-            for key, item in value.items():
-                setattr(getattr(message, name), key, item)
-        elif isinstance(value, list | tuple):
-            getattr(message, name).extend(value)
-        else:
-            setattr(message, name, str(value) if isinstance(value, Path) else value)
+        try:
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    setattr(getattr(message, name), key, item)
+            elif isinstance(value, list | tuple):
+                getattr(message, name).extend(value)
+            else:
+                setattr(message, name, str(value) if isinstance(value, Path) else value)
+        except (ValueError, TypeError) as err:  # e.g. an int32 field given 3,000,000,000
+            raise ValueError(f"--{name.replace('_', '-')} {value!r} does not fit the request's {api_field(name)} "
+                             f"field: {err}") from None
     return request
 
 

@@ -38,6 +38,10 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
         return str(path.resolve())
 
     options = {k: v for k, v in compress_options(args).items() if k not in LOCAL_ONLY}
+    try:  # every value fits its field before anything is uploaded
+        spec_to_proto(options)
+    except ValueError as err:
+        raise ClientError(str(err)) from None
     for name in REFERENCES:
         if name in options:
             options[name] = reference(options[name])

@@ -238,7 +238,8 @@ class CompressRequest:
               f"{self.sequence_length}] (got {self.min_sequence_length})")
         check(self.round_to is None or 1 <= self.round_to <= 4096, "round_to",
               f"--round-to must be in [1, 4096] (got {self.round_to})")
-        check(-2**63 <= self.seed < 2**63, "seed", f"--seed must fit in 64 bits (got {self.seed})")
+        # the API's seed is an int32: a seed the local CLI takes is one a server takes too
+        check(-2**31 <= self.seed < 2**31, "seed", f"--seed must be in [-2^31, 2^31 - 1] (got {self.seed})")
         for name, value in self._choices():
             allowed = _field(name).metadata["choices"]
             check(value in allowed, name, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} "

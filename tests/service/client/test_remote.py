@@ -155,3 +155,13 @@ def test_operations_on_an_unknown_name_exit_2_with_not_found(server, capsys):
 def test_operations_without_a_server_say_so(capsys):
     assert cli.main(["operations", "list", "--server", "127.0.0.1:9", "--connect-timeout", "1"]) == 2
     assert "cannot reach an osscar server at 127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_a_value_that_does_not_fit_the_wire_is_one_line_before_anything_is_uploaded(server, data, tmp_path, capsys):
+    """`--seed 3000000000` (the API's seed is an int32) with `--upload`: exit 2 with one line naming the flag,
+    no traceback, and no upload sent first."""
+    args = [*compress_args(data, tmp_path / "out", 3), "--seed", "3000000000", "--upload", "--server", server.address]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--seed 3000000000 does not fit the request's options.seed field" in err and "Traceback" not in err
+    assert "uploading" not in err

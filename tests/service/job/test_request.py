@@ -98,6 +98,17 @@ def test_local_only_fields_never_go_on_the_wire():
             spec_to_proto({name: "x"})
 
 
+def test_a_value_too_large_for_its_wire_field_is_named_and_a_local_seed_fits_the_wire():
+    """A seed the local CLI takes is one the server takes (the API's seed is an int32); a value that does not fit
+    its field says which flag and field, not protobuf's bare "Value out of range"."""
+    with pytest.raises(ValueError, match=r"--seed 3000000000 does not fit the request's options\.seed field"):
+        spec_to_proto({"seed": 3_000_000_000})
+    base = {"model": "/m", "calibration": Path("/c"), "out_dir": Path("/o"), "uniform_ratio": 0.5}
+    assert [f for f, _ in CompressRequest(**base, seed=2**31).violations()] == ["seed"]
+    assert not CompressRequest(**base, seed=2**31 - 1).violations()
+    assert spec_to_proto({"seed": 2**31 - 1}).options.seed == 2**31 - 1
+
+
 def test_api_field_paths_follow_the_proto():
     assert api_field("samples") == "options.samples" and api_field("uniform_ratio") == "uniform_ratio"
 
