@@ -158,7 +158,7 @@ def _osscar_support(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
 # what a layer falls back to when its method cannot factorise H even at the largest damping (an H whose scales
 # span more than float64 resolves, or statistics at rounding level): MP+'s support and refit, which the search
 # would have had to beat; then the magnitude support with the dense weights as they are, which needs no H
-FALLBACKS = {"osscar": ("mp+", "mp"), "mp+": ("mp",), "osscar-support": ("mp",)}
+FALLBACKS = {"osscar": ("mp+", "mp"), "mp+": ("mp",), "thinet": ("mp",), "osscar-support": ("mp",)}
 
 
 def _fall_back(pb: LayerProblem, method: str, err: IllConditioned) -> MethodResult:

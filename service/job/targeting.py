@@ -30,6 +30,8 @@ from compressor.errors import InputError
 from compressor.layerstats import LayerObservation, Widths
 from compressor.progress import warning
 from compressor.reports import LayerReport
+from compressor.solver.problem import IllConditioned
+from compressor.solver.sweep import PivotError
 from exporters.onnx import Parity
 from exporters.runtime import Latency
 
@@ -173,26 +175,35 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str
     curves: list[LayerCurve] = []
     convert = job.currency()
 
-    def observe(obs: LayerObservation) -> None:
-        groups = obs.H.shape[0] // obs.group_size
-        # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
-        multiple = 1 if obs.kind == "attention_heads" else request.round_to or ROUND_TO
-        minimum = max(1, math.ceil(request.min_width * groups))
-        allowed = allowed_widths(groups, multiple, minimum)
-        losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
-        # a layer's loss counts relative to what its error adds to: the residual stream when there is one
-        norm = obs.stream_energy if request.normalise != "layer" and obs.stream_energy else obs.energy
-        norm = norm if norm > 0 else 1.0
-        relative = [v / norm for v in losses]
-        if convert is not None and obs.stream_energy:  # priced by the output change they predict
-            relative = [convert(obs.name, v, "input") for v in relative]
-        curves.append(LayerCurve(obs.name, obs.kind, allowed, relative, obs.cost))
-
-    job.prune(0.0, observe=observe)
+    job.prune(0.0, observe=lambda obs: curves.append(layer_curve(obs, request, convert, say)))
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(cache, json.dumps([asdict(c) for c in curves], indent=2))
     return curves
+
+
+def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callable[..., float] | None,
+                say: Say) -> LayerCurve:
+    """One layer's loss at each width it may take (`loss_path`), relative to what its error adds to. A layer whose
+    statistics no damping factorises (an H at rounding level: an EfficientNet squeeze-excite conv fed ~zero inputs)
+    has no curve to plan with: the allocation keeps it whole, and says so (the job used to end in a traceback)."""
+    groups = obs.H.shape[0] // obs.group_size
+    # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
+    multiple = 1 if obs.kind == "attention_heads" else request.round_to or ROUND_TO
+    minimum = max(1, math.ceil(request.min_width * groups))
+    allowed = allowed_widths(groups, multiple, minimum)
+    try:
+        losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
+    except (IllConditioned, PivotError) as err:
+        say(warning(f"{obs.name}: no loss curve ({err}); the allocation keeps it whole"))
+        return LayerCurve(obs.name, obs.kind, [groups], [0.0], obs.cost)
+    # a layer's loss counts relative to what its error adds to: the residual stream when there is one
+    norm = obs.stream_energy if request.normalise != "layer" and obs.stream_energy else obs.energy
+    norm = norm if norm > 0 else 1.0
+    relative = [v / norm for v in losses]
+    if convert is not None and obs.stream_energy:  # priced by the output change they predict
+        relative = [convert(obs.name, v, "input") for v in relative]
+    return LayerCurve(obs.name, obs.kind, allowed, relative, obs.cost)
 
 
 CURRENCIES = {"stream": "relative to the residual stream they join",

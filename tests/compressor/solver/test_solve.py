@@ -434,6 +434,8 @@ def test_statistics_at_rounding_level_fall_back_to_the_magnitude_support():
     assert sol.pruned == magnitude.pruned == [1]  # the smallest row
     assert sol.stats["fallback"].startswith("mp (H on the kept rows is not positive semi-definite")
     torch.testing.assert_close(sol.weight[[0, 2]], W_hat[[0, 2]])
+    thinet = solve_layer(H, H @ W_hat, 1, 1, "thinet", dense_weight=W_hat)  # a refit too: the same fallback
+    assert thinet.pruned == [1] and thinet.stats["fallback"].startswith("mp ")
 
 
 def test_flaps_allocation_keeps_the_best_standardized_units_up_to_the_kept_weight():

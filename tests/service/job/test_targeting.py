@@ -751,3 +751,26 @@ def test_options_planned_apart_run_without_trials():
     depth_and_width(request, job, plan, curves, rounds, 0.92, lambda m: None, lambda name, i: None, measure, "test")
     assert [c[0] for c in calls] == ["probe", "round", "probe", "round"] and job.removed == [(), ("b0",)]
     assert job.depth["trials"] == [] and job.depth["tried"] == [0, 1] and len(rounds) == 2
+
+
+def test_a_layer_whose_statistics_no_damping_factorises_is_kept_whole_by_the_allocation():
+    """Its loss path cannot be computed (an H at rounding level, every 2 x 2 block indefinite): the layer's curve
+    is its dense width alone, with a warning, where the dense statistics pass used to end the job in a traceback."""
+    import torch
+
+    from compressor.layerstats import LayerObservation
+    from service.job.targeting import layer_curve
+
+    H = torch.tensor([[1.0, 2.0, 2.0], [2.0, 1.0, 2.0], [2.0, 2.0, 1.0]], dtype=torch.float64) * 1e-20
+    W_hat = torch.tensor([[3.0, 1.0], [0.1, 0.2], [-2.0, 0.5]], dtype=torch.float64)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, round_to=1)
+    said: list[str] = []
+    observed = LayerObservation("se.conv", "conv_channels", H, H @ W_hat, 1, 1e-20, 2.0)
+    curve = layer_curve(observed, request, None, said.append)
+    assert (curve.widths, curve.loss, curve.cost) == ([3], [0.0], 2.0)
+    (warned,) = said
+    assert warned.stage == WARNING and "se.conv: no loss curve" in warned.message and "keeps it whole" in warned.message
+    healthy = LayerObservation("fc", "conv_channels", torch.eye(3, dtype=torch.float64),
+                               W_hat.clone(), 1, 1.0, 2.0)
+    assert layer_curve(healthy, request, None, said.append).widths == [3, 2, 1] and len(said) == 1
+
