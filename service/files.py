@@ -68,13 +68,19 @@ class ArchiveError(ValueError):
     """A tar upload that is not a plain directory of regular files."""
 
 
-def write_tar(directory: Path, out: Path) -> None:
+def write_tar(directory: Path, out: Path, follow_symlinks: bool = False) -> None:
+    """`directory`'s regular files and folders as a tar with fixed metadata (the same content, the same bytes).
+    Symbolic links are left out, or with `follow_symlinks` (a user's upload: a Hugging Face cache snapshot is
+    links into its blobs) stored as the files they point to; a link that points nowhere is then an error."""
     directory = Path(directory)
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(directory.rglob("*")):
-            if not (path.is_file() or path.is_dir()) or path.is_symlink():
+            if path.is_symlink() and follow_symlinks and not path.exists():
+                raise ArchiveError(f"{path} is a symbolic link to nothing ({os.readlink(path)})")
+            if not (path.is_file() or path.is_dir()) or (path.is_symlink() and not follow_symlinks):
                 continue
-            info = tar.gettarinfo(str(path), arcname=path.relative_to(directory).as_posix())
+            info = tar.gettarinfo(str(path.resolve() if follow_symlinks else path),
+                                  arcname=path.relative_to(directory).as_posix())
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             info.mtime = 0

@@ -21,7 +21,7 @@ from ..api.wire import (
     error_details,
     unpack_metadata,
 )
-from ..files import extract_tar, file_sha256, follow_umask, write_tar
+from ..files import ArchiveError, extract_tar, file_sha256, follow_umask, write_tar
 
 UPLOAD_CHUNK = 1 << 20
 
@@ -82,8 +82,12 @@ class RemoteCompressor:
             source, archive = path, False
             if path.is_dir():
                 source, archive = Path(tmp) / "upload.tar", True
-                write_tar(path, source)
-            header = pb.BlobHeader(filename=path.name, archive=archive, size_bytes=source.stat().st_size,
+                try:
+                    write_tar(path, source, follow_symlinks=True)  # a Hugging Face snapshot's files are links
+                except ArchiveError as err:
+                    raise ClientError(f"--upload {path}: {err}") from None
+            # `.` or `dir/..` name no file: the folder's own name does
+            header = pb.BlobHeader(filename=path.resolve().name, archive=archive, size_bytes=source.stat().st_size,
                                    sha256=file_sha256(source))
 
             def messages():

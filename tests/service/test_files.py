@@ -57,3 +57,27 @@ def test_a_hard_link_travels_as_a_file_of_its_own(tmp_path):
     extract_tar(tmp_path / "job.tar", tmp_path / "back")
     assert (tmp_path / "back" / "model" / "onnx" / "model.onnx").read_bytes() == b"graph bytes"
     assert (tmp_path / "back" / "model.onnx").read_bytes() == b"graph bytes"
+
+
+def test_an_upload_follows_symbolic_links_where_a_job_archive_leaves_them_out(tmp_path):
+    """A Hugging Face cache snapshot is links into its blobs: uploaded, the archive holds the files they point to
+    (it held nothing); a job's own archive still leaves links out, and a link to nothing is an error."""
+    import pytest
+
+    from service.files import ArchiveError
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    (blobs / "abc").write_bytes(b"weights")
+    (snapshot / "model.safetensors").symlink_to(blobs / "abc")
+    write_tar(snapshot, tmp_path / "up.tar", follow_symlinks=True)
+    extract_tar(tmp_path / "up.tar", tmp_path / "back")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == b"weights"
+    assert not (tmp_path / "back" / "model.safetensors").is_symlink()
+    write_tar(snapshot, tmp_path / "job.tar")
+    extract_tar(tmp_path / "job.tar", tmp_path / "job")
+    assert list((tmp_path / "job").iterdir()) == []
+    (snapshot / "config.json").symlink_to(blobs / "gone")
+    with pytest.raises(ArchiveError, match=r"config\.json is a symbolic link to nothing"):
+        write_tar(snapshot, tmp_path / "broken.tar", follow_symlinks=True)
