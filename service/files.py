@@ -64,6 +64,15 @@ def write_text_atomically(path: Path, text: str) -> None:
         raise
 
 
+# what a job writes into its --out (service.job.compress, the model kinds' `save`; a server's artifacts, `model/` as
+# `model.tar`): what a Ctrl-C takes back and what a remote job's download replaces
+JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "genai_config.json", "model.pt2",
+               "model", "report.json", "report.html")
+# those a remote job's download clears when its operation does not return them: not the pruned model itself (an
+# earlier job's model.pt2 or model/ may be this job's input: `compress out/model.pt2 --out out`)
+JOB_EXPORTS = tuple(name for name in JOB_OUTPUTS if name not in ("model.pt2", "model"))
+
+
 class ArchiveError(ValueError):
     """A tar upload that is not a plain directory of regular files."""
 

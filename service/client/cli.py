@@ -13,6 +13,7 @@ from typing import Any
 
 from compressor.errors import InputError
 
+from ..files import JOB_OUTPUTS
 from .options import add_connection_flags, add_request_flags, compress_options, label_flag
 from .terminal import JobProgress, ignoring_interrupts
 
@@ -29,10 +30,6 @@ def _demo(args: argparse.Namespace) -> int:
     print(format_table(run_demo(args.ratio, args.model)))
     return 0
 
-
-# what a local job writes into --out (service.job.compress and the model kinds' `save`), and its scratch
-JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "model.pt2", "model",
-               "report.json", "report.html")
 
 
 SCRATCH_PREFIX = ".osscar-work-"

@@ -1,0 +1,32 @@
+"""The remote client's delivery of a finished operation into --out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from google.longrunning import operations_pb2
+
+from service.client import transport
+
+
+def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, monkeypatch):
+    """A decoder's job with its decode step, then one that returns model.onnx and its report only: the earlier
+    decode.onnx, genai_config.json and report.html go; files that are no job's output stay, and so does an earlier
+    pruned model (model/, model.pt2: it may be this job's input)."""
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    for name in ("decode.onnx", "genai_config.json", "report.html", "model.onnx", "notes.txt"):
+        (out / name).write_text("earlier")
+    (out / "model" / "config.json").write_text("earlier")
+    artifacts = [SimpleNamespace(name="model.onnx"), SimpleNamespace(name="report.json")]
+    monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=artifacts))
+
+    class Client:
+        def download(self, name: str, artifact, into: Path) -> Path:
+            (into / artifact.name).write_text("this job's")
+            return into / artifact.name
+
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/b", done=True), out)
+    assert sorted(p.name for p in out.iterdir()) == ["model", "model.onnx", "notes.txt", "report.json"]
+    assert (out / "model.onnx").read_text() == "this job's"
