@@ -77,11 +77,24 @@ class WrittenOutputs:
             f"nothing of this run was left in {self.out}"
 
 
+# flags that only mean something with --server (their defaults: not given)
+REMOTE_ONLY = {"upload": False, "request_id": None, "label": None, "cancel_on_interrupt": False, "tls_ca": None,
+               "tls_cert": None, "tls_key": None, "token_file": None}
+
+
 def _compress(args: argparse.Namespace) -> int:
     if args.server:
         from .remote import remote_compress
 
         return remote_compress(args)
+    given = [f"--{name.replace('_', '-')}" for name, default in REMOTE_ONLY.items() if getattr(args, name) != default]
+    if given:  # silently running locally would, e.g., read the paths an --upload was meant to send
+        print(f"osscar: error: {', '.join(given)} only with --server (this job would run here)", file=sys.stderr)
+        return 2
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        print(f"osscar: error: --out {out} is a file; give a folder (new or one of an earlier job's)", file=sys.stderr)
+        return 2
     from ..core.outcomes import JobError, out_of_memory
     from ..embedded import embedded
     from ..files import default_home

@@ -287,7 +287,9 @@ def _mode_words(report: Report) -> str:
 def summary_sentence(report: Report) -> str:
     status, metric, m = report.status, report.metric, report.measured
     name = metric.name
-    text = (f"<strong>{_e(STATUS_WORDS.get(status, status))}.</strong> {_e(_given(report, 'model'))} was pruned "
+    # "ok" without a target (a uniform ratio, another report's widths) met no target: it ran and held its checks
+    words = "Done" if status == "ok" and report.target_speedup is None else STATUS_WORDS.get(status, status)
+    text = (f"<strong>{_e(words)}.</strong> {_e(_given(report, 'model'))} was pruned "
             f"with {_e(report.method)} asking for {_e(_mode_words(report))}")
     if m is not None:
         text += (f"; in ONNX Runtime it runs <strong>{m.measured_speedup:.2f}x</strong> as fast as the dense "

@@ -152,3 +152,16 @@ def test_verbose_shows_our_progress_and_only_the_warnings_of_other_libraries():
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_flags_a_local_job_cannot_honour_are_one_line_before_anything_runs(tmp_path, capsys):
+    """--upload, --label, ... without --server, and an --out that is a file: exit 2 with one line each (the first
+    ran the job locally, ignoring them; the second ended in a traceback)."""
+    base = ["compress", str(tmp_path / "m.pt2"), "--uniform-ratio", "0.5", "--calibration", str(tmp_path / "c.npz")]
+    assert cli.main([*base, "--out", str(tmp_path / "o"), "--upload", "--label", "team=a"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "osscar: error: --upload, --label only with --server (this job would run here)"
+    (tmp_path / "a-file").write_text("")
+    assert cli.main([*base, "--out", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("osscar: error: --out ") and "is a file" in err and "\n" not in err

@@ -74,6 +74,9 @@ def test_the_page_names_the_reference_as_given_and_says_everything_in_words():
     last = sample_report().rounds[2]
     uniform = render(sample_report(target_speedup=None, uniform_ratio=0.25, rounds=[dataclasses.asdict(last)]))
     assert "25% of every layer" in uniform and "None" not in uniform
+    # a uniform job that ended ok met no target: it is "Done", where a target job's ok is "Target met"
+    assert "<strong>Done.</strong>" in uniform and "Target met" not in uniform
+    assert sample_report().status == "ok" and "<strong>Target met.</strong>" in page
 
 
 def test_the_page_names_the_residual_blocks_a_conv_job_removed():
