@@ -44,7 +44,7 @@ def remote_compress(args: argparse.Namespace) -> int:
         print(f"osscar: error: {err}", file=sys.stderr)
         return 2
     args.request_id = args.request_id or str(uuid.uuid4())  # known before submitting: said if interrupted
-    name = None
+    name, ended = None, False
     try:
         try:
             request = build_request(args, client)
@@ -61,10 +61,20 @@ def remote_compress(args: argparse.Namespace) -> int:
             bar.lines.end()
         if not final.done:
             final = client._call(client.operations.GetOperation, operations_pb2.GetOperationRequest(name=op.name))
-        out = deliver(client, final, Path(args.out_dir))
+        ended = final.done
+        try:
+            out = deliver(client, final, Path(args.out_dir))
+        except grpc.RpcError as err:  # the job has ended on the server: only its copy here failed
+            print(f"osscar: error: {final.name} has ended, but downloading its artifacts failed "
+                  f"({describe_error(err)}); {download_command(final.name, args)}", file=sys.stderr)
+            return 2
         print(format_report(unpack_response(final).report, out))
         return 0
     except KeyboardInterrupt:
+        if ended and name is not None:  # nothing runs on the server any more: only the download was cut short
+            print(f"osscar: interrupted during the download; {name} has ended; {download_command(name, args)}",
+                  file=sys.stderr)
+            return 130
         return interrupted(client, name, args)
     except (ClientError, grpc.RpcError) as err:
         return failed(err)
@@ -94,3 +104,6 @@ def interrupted(client: RemoteCompressor, name: str | None, args: argparse.Names
     return 130
 
 
+def download_command(name: str, args: argparse.Namespace) -> str:
+    """What fetches a finished job's artifacts again, in words."""
+    return f"download it with: osscar operations download {name} {server_flags(args)} --out {args.out_dir}"

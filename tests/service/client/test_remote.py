@@ -165,3 +165,32 @@ def test_a_value_that_does_not_fit_the_wire_is_one_line_before_anything_is_uploa
     err = capsys.readouterr().err
     assert "--seed 3000000000 does not fit the request's options.seed field" in err and "Traceback" not in err
     assert "uploading" not in err
+
+
+def test_a_download_that_fails_after_the_job_ended_says_how_to_download_it_again(server, data, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """The server went away during the download of a finished job: exit 2 with one line that says the job has
+    ended and the command that fetches its artifacts, not the bare UNAVAILABLE of a call."""
+    import grpc
+
+    from service.client import remote
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection reset"
+
+        def trailing_metadata(self):
+            return ()
+
+    def cut(*args):
+        raise Unavailable()
+
+    monkeypatch.setattr(remote, "deliver", cut)
+    out = tmp_path / "out"
+    assert cli.main([*compress_args(data, out, 3), "--server", server.address]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("osscar: error:")]
+    assert "has ended, but downloading its artifacts failed (UNAVAILABLE: connection reset)" in line
+    assert "osscar operations download operations/" in line and f"--server {server.address} --out {out}" in line
