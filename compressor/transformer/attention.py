@@ -38,9 +38,33 @@ def gathered_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=bool(is_causal),
-                                         dropout_p=dropout if module.training else 0.0)
+    dropout = dropout if module.training else 0.0
+    softcap = kwargs.get("softcap")
+    if softcap:  # Gemma 2 caps its scores (tanh) before the softmax, which SDPA cannot: the scores are made here
+        out = _capped_attention(query, key, value, mask, scaling, bool(is_causal), dropout, float(softcap))
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             is_causal=bool(is_causal), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _capped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
+                      is_causal: bool, dropout: float, softcap: float) -> Tensor:
+    """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v, as Gemma 2's eager attention computes it."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-1, -2)) * scale  # (batch, heads, q_len, k_len)
+    scores = torch.tanh(scores / softcap) * softcap
+    # masked scores at the dtype's minimum, as the eager attention adds them: a padding query that sees no key
+    # then averages them all instead of turning NaN
+    low = torch.finfo(scores.dtype).min
+    if mask is not None:  # the registry's sdpa masks: boolean (True: attend) or additive
+        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+    elif is_causal:
+        q_len, k_len = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device)
+                                    .tril(k_len - q_len).logical_not(), low)
+    weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), p=dropout)
+    return weights @ value  # (batch, heads, q_len, head_dim)
 
 
 def register() -> None:

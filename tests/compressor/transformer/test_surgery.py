@@ -168,6 +168,21 @@ def test_single_query_heads_equal_the_dense_model_with_those_heads_zeroed(name):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_gemma2s_soft_capped_scores_survive_single_query_heads():
+    """Gemma 2 caps its attention scores (tanh, `attn_logit_softcapping`); pruned one query head at a time it runs
+    the gathered attention, which dropped the cap (0.34 off at a cap of 0.5): it equals the dense model with those
+    heads zeroed, padding queries included."""
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=20, max_position_embeddings=32, sliding_window=4,
+        attn_logit_softcapping=0.5)).eval()
+    adapter, d = adapter_for(model), dims(model)
+    reference = zero_inputs(model, 0, adapter.o, _query_rows([0, 1, 3], d.head_dim))
+    prune_query_heads(model, 0, [0, 1, 3])
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+
+
 def test_query_head_widths_save_and_reload(tmp_path):
     model = tiny_llama()
     prune_query_heads(model, 0, [0, 2, 3, 7])
