@@ -60,6 +60,10 @@ class FamilyAdapter:
     # every output channel of the projection before anything else sees it)
     o_norm: str | None = None
     down_norm: str | None = None
+    # each sub-layer's output is normed before the residual add (Gemma 2 and 3: post_attention_layernorm,
+    # post_feedforward_layernorm): a removed sub-layer's constant update would be normed into a full-size vector
+    # added to every token, so an attention or an FFN alone is not removed (whole layers are)
+    normed_updates: bool = False
     # decoder-only language models: a checkpoint that does not name its class (no `architectures`, common
     # in converted checkpoints) is still loaded with its LM head
     causal: bool = False
@@ -135,6 +139,8 @@ GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value"
 LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                            v="self_attn.v_proj", o="self_attn.o_proj", up=("mlp.up_proj", "mlp.gate_proj"),
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
+# Gemma 2 and 3: Llama's names, a norm after each sub-layer as well as before it
+GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -199,8 +205,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen2": LLAMA_LIKE,
     "qwen3": LLAMA_LIKE,
     "gemma": LLAMA_LIKE,
-    "gemma2": LLAMA_LIKE,
-    "gemma3_text": LLAMA_LIKE,
+    "gemma2": GEMMA2_LIKE,
+    "gemma3_text": GEMMA2_LIKE,
     "phi3": PHI3,
 }
 

@@ -49,6 +49,12 @@ def test_a_removed_sublayer_adds_its_constant_update_and_the_model_saves_and_rel
     c_attention, c_ffn = torch.randn(hidden, generator=gen), torch.randn(hidden, generator=gen)
     reference = _constant_update(_constant_update(model, 0, adapter.o, c_attention), 1, adapter.down, c_ffn)
     before = count_parameters(model)
+    if adapter.normed_updates:  # Gemma 2 and 3 norm each sub-layer's output: neither kind is removed alone
+        for index, kind in ((0, ATTENTION), (1, FFN)):
+            with pytest.raises(UnsupportedArchitecture, match="norms each sub-layer's output"):
+                remove_sublayer(model, index, kind, c_ffn)
+        torch.testing.assert_close(first_output(model), first_output(MODELS[name]()))  # left as it was
+        return
     if adapter.causal and len(set(getattr(model.config, "layer_types", None) or ())) > 1:
         with pytest.raises(UnsupportedArchitecture, match="laid out by kind"):
             remove_sublayer(model, 0, ATTENTION, c_attention)
@@ -107,6 +113,11 @@ def test_bad_sublayer_removals_are_refused():
     with pytest.raises(ValueError, match="no neurons to keep"):
         prune_ffn(model, 0, [0])
     assert is_removed(model, 0, FFN) and not is_removed(model, 1, FFN)
-    gemma = tiny_gemma2()  # sliding-window and global layers: its cache is laid out by kind
-    with pytest.raises(UnsupportedArchitecture, match="sliding_attention"):
+    gemma = tiny_gemma2()  # its sub-layers' outputs are normed (and its cache laid out by kind)
+    with pytest.raises(UnsupportedArchitecture, match="norms each sub-layer's output"):
         remove_sublayer(gemma, 0, ATTENTION)
+    mixed = tiny_llama()  # a causal LM of sliding-window and global layers (Qwen2 with max_window_layers)
+    mixed.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedArchitecture, match="laid out by kind"):
+        check_removable(mixed, 0, ATTENTION)
+    check_removable(mixed, 0, FFN)  # its FFNs are removed alone
