@@ -21,6 +21,7 @@ channels alone, 2,000 images and 1,500 steps -1.6).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -152,12 +153,18 @@ def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Ten
     fit where they take it (`_to_layout`; `channels_last=False`: standard strides, a benchmark's baseline) and
     leave in standard strides."""
     assert view_uses >= 1, f"each view is drawn at least once (got view_uses={view_uses})"
+    homes = [_device_of(gm) for gm in (pruned, dense)]
     layout = _to_layout(pruned, dense, images[:2], device, channels_last)
     try:
         return _reconstruct(pruned, dense, images, config, device, batch_size, layout, view_uses)
-    finally:  # the graphs leave as they came in: later solves, exports and saves expect standard strides
-        pruned.to(memory_format=torch.contiguous_format)
-        dense.to(memory_format=torch.contiguous_format)
+    finally:  # the graphs leave as they came in, where they came from (a GPU fit's graph is exported on the host
+        # with host images) and in standard strides (later solves, exports and saves expect them)
+        for gm, home in zip((pruned, dense), homes, strict=True):
+            gm.to(home, memory_format=torch.contiguous_format)
+
+
+def _device_of(gm: nn.Module) -> torch.device:
+    return next((t.device for t in itertools.chain(gm.parameters(), gm.buffers())), torch.device("cpu"))
 
 
 def _to_layout(pruned: fx.GraphModule, dense: fx.GraphModule, sample: Tensor, device: torch.device,

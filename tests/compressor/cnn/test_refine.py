@@ -64,6 +64,21 @@ def test_the_fit_lowers_the_error_to_the_dense_outputs_on_unseen_images(method):
     assert relative_error(pruned, gm, unseen) < before  # images neither fitted nor judged on
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graph_fitted_on_the_gpu_comes_back_where_it_came_from():
+    """The fit runs on the device; the graphs leave on the host they came from, as the job's export (host images)
+    and save need (a CUDA job's first round failed on a device mismatch there)."""
+    gm = exported("option_a")
+    x = images(64, seed=0)
+    pruned, _ = prune_conv_graph(gm, x, 0.5, batch_size=32, device="cpu")
+    fit = reconstruct_graph(pruned, gm, x, dataclasses.replace(graph_config(5), sequences=16), torch.device("cuda"),
+                            batch_size=32)
+    assert fit.steps == 5
+    assert {t.device.type for t in [*pruned.parameters(), *pruned.buffers(), *gm.parameters()]} == {"cpu"}
+    with torch.no_grad():
+        pruned(x[:2])  # host images, as the export feeds them
+
+
 def test_views_are_seeded_flips_and_shifts_of_at_most_an_eighth():
     x = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 1, 16, 16).repeat(20, 3, 1, 1) + 1  # no zeros
     def flip_and_shift(seed: int) -> torch.Tensor:  # a view of each image
