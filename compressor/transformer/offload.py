@@ -38,19 +38,47 @@ STREAM_SHARE = 0.5
 
 
 def checkpoint_bytes(directory: str | Path) -> int:
-    """Bytes of a HF directory's safetensors weights (as stored: a bf16 checkpoint counts 2 bytes a weight)."""
-    return sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+    """Bytes of a HF directory's safetensors weights (as stored: a bf16 checkpoint counts 2 bytes a weight): the
+    shards its index names where it has one (a Mistral download also holds consolidated.safetensors, the same
+    weights again), else every safetensors file."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return sum((directory / name).stat().st_size for name in shards if (directory / name).is_file())
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
-def available_memory() -> int:
-    """Bytes the host can still give this process (MemAvailable; total physical memory where it is not known)."""
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes the host can still give this process: MemAvailable (total physical memory where it is not known), or
+    less where the process's memory cgroup is limited (a container capped at 16 GiB on a 512 GiB node is killed at
+    its limit, whatever the node has free)."""
+    host = None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                host = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host is None:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    container = _cgroup_available(cgroup)
+    return host if container is None else min(host, container)
+
+
+def _cgroup_available(root: Path) -> int | None:
+    """The memory cgroup's limit less its usage (v2: memory.max / memory.current; v1: memory/limit_in_bytes and
+    usage_in_bytes); None where there is no limit or no cgroup to read."""
+    for limit, usage in ((root / "memory.max", root / "memory.current"),
+                         (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes")):
+        try:
+            text = limit.read_text().strip()
+            if text == "max" or int(text) >= 2**60:  # v2's "max", v1's page-rounded 2^63: no limit
+                return None
+            return max(0, int(text) - int(usage.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def needs_streaming(directory: str | Path, share: float = STREAM_SHARE) -> bool:

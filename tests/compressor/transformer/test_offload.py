@@ -152,3 +152,39 @@ def test_a_model_in_stages_is_refused_in_one_line(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match=r"blocks sit in stages.*compress without --stream"):
         StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_available_memory_is_the_containers_where_its_cgroup_is_limited(tmp_path):
+    """A container capped at 16 GiB (12 used) on a node with 400 GiB available has 4 GiB to give, under cgroup v2 and
+    v1 alike; without a limit (v2 "max", v1's 2^63) or a cgroup to read, the node's MemAvailable stands."""
+    from compressor.transformer.offload import available_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {512 * 2**20} kB\nMemAvailable: {400 * 2**20} kB\n")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{16 * 2**30}\n")
+    (v2 / "memory.current").write_text(f"{12 * 2**30}\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{16 * 2**30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{12 * 2**30}\n")
+    assert available_memory(meminfo, v2) == available_memory(meminfo, v1) == 4 * 2**30
+    (v2 / "memory.max").write_text("max\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert available_memory(meminfo, v2) == available_memory(meminfo, v1) == 400 * 2**30
+    assert available_memory(meminfo, tmp_path / "none") == 400 * 2**30
+
+
+def test_checkpoint_bytes_count_the_shards_the_index_names(tmp_path):
+    """A Mistral download holds its weights twice (consolidated.safetensors beside the indexed shards): only the
+    shards count, or streaming would turn on at half the size it should."""
+    from compressor.transformer.offload import checkpoint_bytes
+
+    for name, size in (("model-00001-of-00002.safetensors", 300), ("model-00002-of-00002.safetensors", 200),
+                       ("consolidated.safetensors", 500)):
+        (tmp_path / name).write_bytes(b"\0" * size)
+    assert checkpoint_bytes(tmp_path) == 1000  # no index: every file
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+        "c": "model-00001-of-00002.safetensors"}}))
+    assert checkpoint_bytes(tmp_path) == 500
