@@ -71,6 +71,19 @@ def _say(tag: str, model: torch.nn.Module, wikitext: list, held: list) -> None:
     print(f"{tag}: WikiText-2 {perplexity(model, wikitext):.2f}, C4 {perplexity(model, held):.2f}", flush=True)
 
 
+def _run_hooked(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], hooks: list,
+                mask: dict[str, torch.Tensor]) -> None:
+    """`model` over `batches` with `hooks` in place (removed after), `mask["m"]` each batch's counted tokens."""
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask["m"] = batch["attention_mask"].bool()
+                model(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def rotation(dense: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """(hidden, hidden) orthogonal, columns by descending energy of the unit-norm tokens every norm reads."""
     d = dense.config.hidden_size
@@ -83,15 +96,7 @@ def rotation(dense: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> 
         energy.add_(x.T @ x)
 
     norms = [n for layer in dense.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    hooks = [n.register_forward_pre_hook(read) for n in [*norms, dense.model.norm]]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                mask["m"] = batch["attention_mask"].bool()
-                dense(**batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    _run_hooked(dense, batches, [n.register_forward_pre_hook(read) for n in [*norms, dense.model.norm]], mask)
     values, vectors = torch.linalg.eigh(energy)
     return vectors[:, torch.argsort(values, descending=True)].float()
 
@@ -201,14 +206,7 @@ def _hessians(dense: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) ->
     for i, layer in enumerate(dense.model.layers):
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(hook(f"model.layers.{i}.self_attn.o_proj")))
         hooks.append(layer.mlp.down_proj.register_forward_pre_hook(hook(f"model.layers.{i}.mlp.down_proj")))
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                mask["m"] = batch["attention_mask"].bool()
-                dense(**batch)
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_hooked(dense, batches, hooks, mask)
     return H
 
 

@@ -235,12 +235,8 @@ class Supervisor:
             return
         if ended.node_lost and outcome is None and stop_reason is None:
             if attempt < self.config.max_attempts:  # as after a server restart: the job runs again
-                self.store.update(name, state=QUEUED, progress={
-                    "stage": "queued", "round": 0, "layer": 0, "layers": 0,
-                    "message": f"re-queued: its node left the cluster during attempt {attempt}"})
+                self._requeue(name, f"re-queued: its node left the cluster during attempt {attempt}")
                 log.warning("re-queued: the node of attempt %d left the cluster (%s)", attempt, ended.detail)
-                self.enqueue(name)
-                self.observe()
                 return
             self.finish(name, JobError.node_lost(attempt, ended.detail))
             return
@@ -266,13 +262,9 @@ class Supervisor:
         gone = [a.name for a in artifacts if kept and not self.blobs.exists(a.sha256)]
         if gone:  # an identical artifact's operation was deleted while this job ran, and its blob with it
             if attempt < self.config.max_attempts:  # content-addressed: a re-run writes it again
-                self.store.update(name, state=QUEUED, progress={
-                    "stage": "queued", "round": 0, "layer": 0, "layers": 0,
-                    "message": f"re-queued: its artifacts ({', '.join(gone)}) were deleted before attempt {attempt} "
-                               "ended (an identical operation's, deleted meanwhile)"})
+                self._requeue(name, f"re-queued: its artifacts ({', '.join(gone)}) were deleted before attempt "
+                              f"{attempt} ended (an identical operation's, deleted meanwhile)")
                 log.warning("re-queued: artifacts %s of attempt %d were deleted before it ended", gone, attempt)
-                self.enqueue(name)
-                self.observe()
                 return
             error, kept = JobError.of("internal", INTERNAL_MESSAGE), False
         if kept and artifacts:
@@ -282,6 +274,13 @@ class Supervisor:
                 if not self.store.referenced(artifact.sha256):
                     self.blobs.delete(artifact.sha256)
         self.finish(name, error, report=report if kept else None)
+
+    def _requeue(self, name: str, message: str) -> None:
+        """Back in the queue for another attempt (the attempt just ended counts), saying why."""
+        self.store.update(name, state=QUEUED, progress={"stage": "queued", "round": 0, "layer": 0, "layers": 0,
+                                                        "message": message})
+        self.enqueue(name)
+        self.observe()
 
     def finish(self, name: str, error: JobError | None, report: dict | None = None) -> None:
         """The final state: SUCCEEDED without an error, else its outcome's state (FAILED or CANCELLED)."""
