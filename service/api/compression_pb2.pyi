@@ -314,12 +314,14 @@ class Blob(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class DownloadArtifactRequest(_message.Message):
-    __slots__ = ("name", "artifact")
+    __slots__ = ("name", "artifact", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     artifact: str
-    def __init__(self, name: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., artifact: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ArtifactChunk(_message.Message):
     __slots__ = ("data", "offset", "artifact")

@@ -124,24 +124,42 @@ class RemoteCompressor:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    def download(self, name: str, artifact: pb.Artifact, out: Path) -> Path:
-        """One artifact into `out`, written under a temporary name and renamed once its sha256 matches."""
+    def download(self, name: str, artifact: pb.Artifact, out: Path, attempts: int = 5) -> Path:
+        """One artifact into `out`, written under a temporary name and renamed once its sha256 matches. A
+        stream cut by UNAVAILABLE or a deadline resumes from the bytes already received (up to `attempts`
+        streams): a multi-GB model is not fetched again from its first byte."""
         target = out / artifact.name
         fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{artifact.name}.")
         digest, size, expected = hashlib.sha256(), 0, None
         try:
             with os.fdopen(fd, "wb") as f:
-                stream = self.stub.DownloadArtifact(pb.DownloadArtifactRequest(name=name, artifact=artifact.name),
-                                                    timeout=max(self.timeout, 3600), wait_for_ready=True,
-                                                    metadata=self.metadata)
-                for chunk in stream:
-                    if chunk.HasField("artifact"):
-                        expected = chunk.artifact
-                    if chunk.offset != size:
-                        raise ClientError(f"{artifact.name}: chunk at offset {chunk.offset}, expected {size}")
-                    f.write(chunk.data)
-                    digest.update(chunk.data)
-                    size += len(chunk.data)
+                for attempt in range(attempts):
+                    try:
+                        first = True
+                        for chunk in self.stub.DownloadArtifact(
+                                pb.DownloadArtifactRequest(name=name, artifact=artifact.name, offset=size),
+                                timeout=max(self.timeout, 3600), wait_for_ready=True, metadata=self.metadata):
+                            if first and size and chunk.offset == 0:  # a server that cannot resume: start over
+                                f.seek(0)
+                                f.truncate()
+                                digest, size = hashlib.sha256(), 0
+                            first = False
+                            if chunk.HasField("artifact"):
+                                if expected is not None and chunk.artifact != expected:
+                                    raise ClientError(f"{artifact.name} changed on the server while downloading")
+                                expected = chunk.artifact
+                            if chunk.offset != size:
+                                raise ClientError(f"{artifact.name}: chunk at offset {chunk.offset}, expected {size}")
+                            f.write(chunk.data)
+                            digest.update(chunk.data)
+                            size += len(chunk.data)
+                        break
+                    except grpc.RpcError as err:
+                        if err.code() not in RETRYABLE or attempt == attempts - 1:
+                            raise
+                        print(f"osscar: {artifact.name}: download interrupted at {size} bytes "
+                              f"({err.code().name}); resuming", file=sys.stderr)
+                        time.sleep(min(2.0 ** attempt, 10.0))
             if expected is None or digest.hexdigest() != expected.sha256 or size != expected.size_bytes or \
                     expected.sha256 != artifact.sha256:
                 raise ClientError(f"{artifact.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "

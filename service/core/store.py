@@ -171,12 +171,28 @@ class JobStore:
         row = self.db.execute("SELECT * FROM operations WHERE request_id = ?", (request_id,)).fetchone()
         return self._record(row) if row else None
 
-    def update(self, name: str, **fields: Any) -> None:
+    def update(self, name: str, artifacts: Sequence[ArtifactRecord] | None = None, **fields: Any) -> None:
+        """Set columns of an operation; with `artifacts`, replace its artifacts in the same transaction (a
+        job's final state and the artifacts it vouches for are one change: a crash between two would leave
+        a running job naming artifacts, or a finished one naming none)."""
         bad = set(fields) - set(_COLUMNS[1:])
         assert not bad, f"not operation columns: {sorted(bad)}"
+        values = [*(_encode(c, v) for c, v in fields.items()), name]
         sets = ", ".join(f"{c} = ?" for c in fields)
-        self.db.execute(f"UPDATE operations SET {sets} WHERE name = ?",
-                        [*(_encode(c, v) for c, v in fields.items()), name])
+        if artifacts is None:
+            self.db.execute(f"UPDATE operations SET {sets} WHERE name = ?", values)
+            return
+        self.db.execute("BEGIN")
+        try:
+            if fields:
+                self.db.execute(f"UPDATE operations SET {sets} WHERE name = ?", values)
+            self.db.execute("DELETE FROM artifacts WHERE operation = ?", (name,))
+            self.db.executemany("INSERT INTO artifacts VALUES (?, ?, ?, ?, ?)",
+                                [(name, a.name, a.sha256, a.size_bytes, a.media_type) for a in artifacts])
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
 
     def in_states(self, states: Iterable[str]) -> list[JobRecord]:
         states = list(states)
@@ -237,15 +253,7 @@ class JobStore:
     # ---- artifacts and uploads ----------------------------------------------------------------------
 
     def set_artifacts(self, name: str, artifacts: Sequence[ArtifactRecord]) -> None:
-        self.db.execute("BEGIN")
-        try:
-            self.db.execute("DELETE FROM artifacts WHERE operation = ?", (name,))
-            self.db.executemany("INSERT INTO artifacts VALUES (?, ?, ?, ?, ?)",
-                                [(name, a.name, a.sha256, a.size_bytes, a.media_type) for a in artifacts])
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
+        self.update(name, artifacts=artifacts)
 
     def referenced(self, digest: str) -> bool:
         hit = self.db.execute("SELECT 1 FROM artifacts WHERE sha256 = ? UNION ALL SELECT 1 FROM uploads WHERE "

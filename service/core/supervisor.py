@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,13 +268,11 @@ class Supervisor:
                 log.warning("re-queued: artifacts %s of attempt %d were deleted before it ended", gone, attempt)
                 return
             error, kept = JobError.of("internal", INTERNAL_MESSAGE), False
-        if kept and artifacts:
-            self.store.set_artifacts(name, artifacts)
-        else:  # published by the worker, then not wanted: nothing may keep them
+        if not (kept and artifacts):  # published by the worker, then not wanted: nothing may keep them
             for artifact in artifacts:
                 if not self.store.referenced(artifact.sha256):
                     self.blobs.delete(artifact.sha256)
-        self.finish(name, error, report=report if kept else None)
+        self.finish(name, error, report=report if kept else None, artifacts=artifacts if kept and artifacts else None)
 
     def _requeue(self, name: str, message: str) -> None:
         """Back in the queue for another attempt (the attempt just ended counts), saying why."""
@@ -282,15 +281,18 @@ class Supervisor:
         self.enqueue(name)
         self.observe()
 
-    def finish(self, name: str, error: JobError | None, report: dict | None = None) -> None:
-        """The final state: SUCCEEDED without an error, else its outcome's state (FAILED or CANCELLED)."""
+    def finish(self, name: str, error: JobError | None, report: dict | None = None,
+               artifacts: Sequence[ArtifactRecord] | None = None) -> None:
+        """The final state: SUCCEEDED without an error, else its outcome's state (FAILED or CANCELLED), and
+        the artifacts it keeps, recorded in one transaction."""
         state = error.state if error else SUCCEEDED
         assert state in FINISHED
         record = self.store.get(name)
         progress = {**(record.progress if record else {}), "stage": "done",
                     "message": error.message if error else "done"}
         end = time.time()
-        self.store.update(name, state=state, error=error, report=report, end_time=end, progress=progress)
+        self.store.update(name, artifacts=artifacts, state=state, error=error, report=report, end_time=end,
+                          progress=progress)
         with operation_context(name):
             log.info("%s%s", state, f" ({error.code}: {error.message})" if error else "")
         self.feeds.publish(name, state, progress, done=True)

@@ -70,8 +70,12 @@ class CompressionServicer(pb_grpc.CompressionServicer):
 
     async def DownloadArtifact(self, request: pb.DownloadArtifactRequest, context) -> AsyncIterator[pb.ArtifactChunk]:
         artifact, path = self.jobs.artifact(request.name, request.artifact)
-        offset, first = 0, True
+        if not 0 <= request.offset <= artifact.size_bytes:
+            raise errors.InvalidArgument([errors.FieldViolation(
+                "offset", f"{request.offset} is outside {artifact.name}'s {artifact.size_bytes} bytes")])
+        offset, first = request.offset, True
         with open(path, "rb") as f:
+            f.seek(offset)
             while True:
                 data = await asyncio.to_thread(f.read, DOWNLOAD_CHUNK)
                 if not data and not first:

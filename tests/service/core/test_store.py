@@ -143,3 +143,17 @@ def test_errors_are_stored_as_the_json_of_earlier_releases(tmp_path):
                                                            "reason": "CANCELLED"}
     older = store.get("operations/older").error
     assert (older.code, older.reason, older.metadata) == ("INTERNAL", "INTERNAL", {})
+
+
+def test_a_final_state_and_its_artifacts_are_one_transaction(tmp_path):
+    # a report that cannot be written (here not JSON) must not leave the artifacts recorded without the state
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.insert(record("operations/a", 1.0))
+    artifact = ArtifactRecord("model.onnx", "1" * 64, 1, "application/onnx")
+    with pytest.raises(TypeError):
+        store.update("operations/a", artifacts=[artifact], state=SUCCEEDED, report={"x": object()})
+    kept = store.get("operations/a")
+    assert kept.state == QUEUED and kept.artifacts == [] and not store.referenced(artifact.sha256)
+    store.update("operations/a", artifacts=[artifact], state=SUCCEEDED, report={"x": 1})
+    done = store.get("operations/a")
+    assert done.state == SUCCEEDED and done.report == {"x": 1} and done.artifacts == [artifact]

@@ -207,6 +207,55 @@ def test_a_corrupted_download_is_refused_and_leaves_no_file(server, data, tmp_pa
     client.close()
 
 
+class _Cut(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset"
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path, capsys):
+    op = server.wait_done(server.compression.Compress(tiny_request(data), timeout=30).name)
+    artifact = next(a for a in unpack_metadata(op).artifacts if a.name == "model.onnx")
+    client = RemoteCompressor(server.address)
+    real, offsets = client.stub.DownloadArtifact, []
+
+    def cut_once(request, **kwargs):  # the first stream drops after half of its first chunk
+        offsets.append(request.offset)
+        stream = real(request, **kwargs)
+        if len(offsets) > 1:
+            yield from stream
+            return
+        chunk = next(stream)
+        chunk.data = chunk.data[:len(chunk.data) // 2]
+        yield chunk
+        stream.cancel()
+        raise _Cut()
+
+    client.stub.DownloadArtifact = cut_once
+    assert sha256(client.download(op.name, artifact, tmp_path)) == artifact.sha256
+    assert offsets[0] == 0 and 0 < offsets[1] < artifact.size_bytes  # resumed, not fetched again
+    assert "download interrupted" in capsys.readouterr().err and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+
+    def ignores_offset(request, **kwargs):  # a server of an older release sends everything again
+        offsets.append(request.offset)
+        return real(pb.DownloadArtifactRequest(name=request.name, artifact=request.artifact), **kwargs)
+
+    offsets.clear()
+    client.stub.DownloadArtifact = lambda request, **kwargs: (
+        cut_once(request, **kwargs) if not offsets else ignores_offset(request, **kwargs))
+    again = tmp_path / "again"
+    again.mkdir()
+    assert sha256(client.download(op.name, artifact, again)) == artifact.sha256 and offsets[1] > 0
+    with pytest.raises(grpc.RpcError) as err:  # an offset past the end is the caller's error
+        list(real(pb.DownloadArtifactRequest(name=op.name, artifact="model.onnx", offset=artifact.size_bytes + 1),
+                  timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_details(err.value)["bad_request"].field_violations[0].field == "offset"
+    client.close()
+
+
 # ---- cancel, crash, queue ----------------------------------------------------------------------------
 
 
