@@ -41,7 +41,7 @@ class Sensitivity:
     layer: list[float]  # at the layer's output (after its residual adds)
     stream_in: list[float]  # mean ||h_t||^2 of the layer's input stream
     stream_out: list[float]  # mean ||h_t||^2 of the layer's output stream
-    tokens: int  # counted tokens the means are over
+    tokens: int  # counted tokens at the first layer's input (each layer's means are over its own)
 
     def of(self, index: int, kind: str | None) -> float:
         """The sensitivity where an error of a sub-layer `kind` (None: the whole layer) of layer `index` lands."""
@@ -55,9 +55,11 @@ class Sensitivity:
         return relative * stream * self.of(index, kind)
 
 
-def _draw_target(out: object, generator: torch.Generator) -> Tensor:
+def _draw_target(out: object, generator: torch.Generator, mask: Tensor | None = None) -> Tensor:
     """The scalar whose gradient is one sample of g: log-likelihood of labels drawn from the model's own
-    logits, or <v, y> for Gaussian v on its first output."""
+    logits, or <v, y> for Gaussian v on its first output, over the tokens `mask` counts (a (batch, seq)
+    attention mask; all tokens without one). A padding position still attends to the real tokens before it,
+    so its term would send gradient into their streams."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         log_p = torch.log_softmax(logits.float(), dim=-1)
@@ -66,9 +68,14 @@ def _draw_target(out: object, generator: torch.Generator) -> Tensor:
         cdf = log_p.detach().exp().reshape(-1, log_p.shape[-1]).cumsum(-1)  # (tokens, vocab)
         u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
         labels = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)  # (tokens, 1)
-        return log_p.reshape(-1, log_p.shape[-1]).gather(1, labels).sum()
+        ll = log_p.reshape(-1, log_p.shape[-1]).gather(1, labels)  # (tokens, 1)
+        if mask is not None and mask.shape == logits.shape[:-1]:
+            ll = ll * mask.reshape(-1, 1).to(ll)
+        return ll.sum()
     y = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0] if isinstance(out, tuple) else out
     v = torch.randn(y.shape, generator=generator, dtype=torch.float32).to(y.device)
+    if mask is not None and mask.shape == y.shape[:-1]:
+        v = v * mask[..., None].to(v)
     return (y.float() * v).sum()
 
 
@@ -83,7 +90,7 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
     n = len(blocks)
     sums = {key: [0.0] * n for key in ("attention", "ffn", "layer", "stream_in", "stream_out")}
     generator = torch.Generator().manual_seed(seed)
-    tokens = 0  # counted tokens at the first layer's input
+    tokens = [0] * n  # counted tokens at each layer's input (Swin's patch merging leaves later stages fewer)
     mask: Tensor | None = None  # the batch part's attention mask, when it has one
     hooks = []
 
@@ -100,16 +107,14 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
             d = x.shape[-1]
             x.register_hook(lambda g: add(key, i, g.detach().float().square().sum(-1) / d))
 
-    def count(x: Tensor) -> None:
-        nonlocal tokens
+    def count(i: int, x: Tensor) -> None:
         counted = mask is not None and mask.shape == x.shape[:-1]
-        tokens += int(mask.sum()) if counted else x[..., 0].numel()
+        tokens[i] += int(mask.sum()) if counted else x[..., 0].numel()
 
     for i, block in enumerate(blocks):
         def before_block(_m, args, kwargs, i=i):
             h = args[0] if args else kwargs["hidden_states"]
-            if i == 0:
-                count(h)
+            count(i, h)
             energy("stream_in", i, h)
 
         def after_block(_m, _args, out, i=i):
@@ -136,15 +141,15 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
             for part in _parts(batch, width):
                 part = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in part.items()}
                 mask = part.get("attention_mask")
-                _draw_target(model(**part), generator).backward()
+                _draw_target(model(**part), generator, mask).backward()
     finally:
         for h in hooks:
             h.remove()
         for p, flag in stored.items():
             p.requires_grad_(flag)
         model.train(was_training).to(original_device)
-    mean = {key: [v / max(tokens, 1) for v in values] for key, values in sums.items()}
-    return Sensitivity(mean["attention"], mean["ffn"], mean["layer"], mean["stream_in"], mean["stream_out"], tokens)
+    mean = {key: [v / max(t, 1) for v, t in zip(values, tokens, strict=True)] for key, values in sums.items()}
+    return Sensitivity(mean["attention"], mean["ffn"], mean["layer"], mean["stream_in"], mean["stream_out"], tokens[0])
 
 
 LOGIT_ELEMENTS = 1 << 25  # a forward's logits at most (float32: 128 MiB, its log-softmax and gradient as much again)

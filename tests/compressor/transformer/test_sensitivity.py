@@ -132,3 +132,37 @@ def test_the_drawn_labels_follow_the_models_own_distribution_and_the_seed():
     assert float(again) == float(total)
     total.backward()  # the gradient of the drawn labels' log-likelihood reaches the logits
     assert logits.grad is not None and bool(logits.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_bert])
+def test_padding_moves_no_sensitivity(build):
+    """A padded position attends to the real tokens (before it, or all of them): its drawn target must not send
+    gradient into their streams. A sequence padded after 4 tokens gets the sensitivities of those 4 tokens
+    alone (the same draws: labels and Gaussians for the first positions come first from the generator)."""
+    model = build().eval()
+    ids = example_inputs(model, batch=1, length=9, seed=3)["input_ids"]
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 4 + [0] * 5])}
+    alone = {"input_ids": ids[:, :4], "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    a, b = output_sensitivity(model, [padded], seed=5), output_sensitivity(model, [alone], seed=5)
+    assert a.tokens == b.tokens == 4
+    for key in ("attention", "ffn", "layer", "stream_in", "stream_out"):
+        assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4), key
+
+
+def test_each_layer_is_averaged_over_its_own_tokens():
+    """Swin's patch merging leaves a later stage a quarter of the tokens: its means are over those."""
+    from .transformer_models import tiny_swin
+
+    model = tiny_swin().eval()
+    batch = example_inputs(model, batch=2)
+    s = output_sensitivity(model, [batch])
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda _m, a, k: seen.append((a[0] if a else k["hidden_states"]).detach()),
+                                         with_kwargs=True) for b in layers(model)]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    assert len({h.shape[1] for h in seen}) > 1  # the stages differ in tokens
+    for i, h in enumerate(seen):
+        assert s.stream_in[i] == pytest.approx(float(h.float().square().sum(-1).mean()), rel=1e-4), i
