@@ -329,6 +329,8 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
                                       "never removed whole")
     gone = set(indices)
     kept = [block for i, block in enumerate(blocks) if i not in gone]
+    for new, (old, block) in enumerate((i, b) for i, b in enumerate(blocks) if i not in gone):
+        _keep_inverse_layer_scaling(block, old, new)
     config = model.config
     for key in PER_LAYER_CONFIG:
         values = getattr(config, key, None)
@@ -338,6 +340,24 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     setattr(owner, name, nn.ModuleList(kept))
     config.num_hidden_layers = len(kept)
     renumber_caches(model)
+
+
+def _keep_inverse_layer_scaling(block: nn.Module, old: int, new: int) -> None:
+    """GPT-2 with `scale_attn_by_inverse_layer_idx` divides a layer's attention scores by its index + 1, computed
+    from the index when the model is built: a block moved from `old` to `new` would be scaled by 1 / (new + 1)
+    once rebuilt from the config. The ratio is folded into its queries (and its `scaling` set to what a rebuilt
+    block computes), so the pruned model in memory, its export and its reload are one model."""
+    if old == new:
+        return
+    for module in block.modules():
+        if getattr(module, "scale_attn_by_inverse_layer_idx", False) and hasattr(module, "c_attn"):
+            factor = (new + 1) / (old + 1)
+            q = module.split_size  # c_attn's outputs are [q | k | v], each split_size wide (Conv1D: (in, out))
+            with torch.no_grad():
+                module.c_attn.weight[:, :q] *= factor
+                if module.c_attn.bias is not None:
+                    module.c_attn.bias[:q] *= factor
+            module.scaling = module.scaling * (old + 1) / (new + 1)
 
 
 def _set_attr(layer: nn.Module, path: str, value: int) -> None:

@@ -280,3 +280,19 @@ def test_mpnet_layers_read_the_shared_bias_rows_of_the_heads_they_kept(tmp_path)
     assert widths(model)["bias_rows"] == [[1, 3], [0, 1, 2, 3]]
     save_pruned(model, tmp_path / "m")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model))
+
+
+def test_a_gpt2_scaled_by_inverse_layer_index_keeps_its_scaling_when_layers_move(tmp_path):
+    """With `scale_attn_by_inverse_layer_idx` a GPT-2 block divides its scores by its index + 1, computed when
+    the model is built: a block moved down by a removed layer must reload as the model in memory is."""
+    from .transformer_models import VOCAB, _seeded
+
+    model = _seeded(transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_inner=24, n_positions=32, bos_token_id=0,
+        eos_token_id=0, scale_attn_by_inverse_layer_idx=True))
+    prune_heads(model, 2, [0, 2])  # a narrower block: its queries are the first half of c_attn's outputs
+    reference = _identity_at(model, 0)
+    remove_layers(model, [0])
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+    save_pruned(model, tmp_path / "m")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model), rtol=1e-5, atol=1e-6)
