@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -138,6 +139,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _streaming(self, behaviour: Callable, method: str) -> Callable:
+        if not inspect.isasyncgenfunction(behaviour):  # a coroutine that sends with context.write (Health.Watch)
+            @functools.wraps(behaviour)
+            async def writes(request, context):
+                try:
+                    return await behaviour(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except BaseException as err:
+                    await _abort(context, method, err, self.metrics)
+
+            return writes
+
         @functools.wraps(behaviour)
         async def wrapped(request, context):
             try:

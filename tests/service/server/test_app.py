@@ -599,3 +599,13 @@ def test_started_jobs_have_timestamps_in_order(server):
         meta = unpack_metadata(op)
         assert meta.create_time.ToNanoseconds() <= meta.start_time.ToNanoseconds() <= meta.end_time.ToNanoseconds()
         assert meta.end_time.ToNanoseconds() <= time.time_ns()
+
+
+def test_health_watch_streams_the_status_on_the_main_port(server):
+    """gRPC client-side health checking (gRFC A17) watches; the error interceptor wraps Watch too, which sends
+    with context.write instead of yielding."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    watch = health_pb2_grpc.HealthStub(server.channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watch).status == SERVING
+    watch.cancel()
