@@ -131,7 +131,12 @@ class Supervisor:
                 if not free:
                     break
                 name = self.queue.popleft()
-                record = self.store.get(name)
+                try:
+                    record = self.store.get(name)
+                except Exception:  # the store cannot answer now (a full disk, a lock): the job waits its turn again
+                    log.exception("the job store could not read %s; trying again at the next pass", name)
+                    self.queue.appendleft(name)
+                    break
                 if record is None or record.state != QUEUED:
                     continue
                 running = self.running[name] = _Running(free[0])  # the slot is taken before the task runs

@@ -281,3 +281,39 @@ def test_a_result_whose_artifact_was_deleted_meanwhile_runs_again(tmp_path):
     jobs.supervisor.conclude(jobs.get(record.name), 2, None, Ended(0), done)
     final = jobs.get(record.name)
     assert final.state == FAILED and final.error.code == "INTERNAL" and not final.artifacts
+
+
+def test_a_store_error_while_picking_a_job_leaves_it_queued_and_the_scheduler_running(tmp_path, monkeypatch):
+    import sqlite3
+
+    from service.core import supervisor as sup
+
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    store.insert(JobRecord(name="operations/0", body_sha256="x", request=b"", spec={}, create_time=0.0))
+    store.close()
+    jobs = service(tmp_path)
+    started, failures = [], [sqlite3.OperationalError("disk I/O error")]
+    real_get = jobs.store.get
+
+    def flaky_get(name):
+        if failures:
+            raise failures.pop()
+        return real_get(name)
+
+    async def fake_run(record, running):
+        started.append(record.name)
+        await asyncio.sleep(3600)
+
+    async def main():
+        monkeypatch.setattr(jobs.store, "get", flaky_get)
+        monkeypatch.setattr(jobs.supervisor, "_run", fake_run)
+        monkeypatch.setattr(sup, "RESCHEDULE_S", 0.02)
+        scheduler = asyncio.create_task(jobs.supervisor.schedule())
+        await asyncio.sleep(0.2)
+        alive = not scheduler.done()
+        for task in [scheduler, *jobs.supervisor.tasks]:
+            task.cancel()
+        return alive
+
+    assert asyncio.run(main())
+    assert started == ["operations/0"]  # picked at the next pass
