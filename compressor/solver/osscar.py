@@ -156,7 +156,12 @@ class OsscarSolver:
         steps = 0
         while (remaining := self.problem.num_prune - int((~state.kept).sum())) > 0:
             t = min(remaining, max(1, math.ceil(self.config.step_fraction * remaining)))
-            groups = torch.topk(state.scores(), t, largest=False).indices
+            try:
+                scores = state.scores()
+            except PivotError:  # a pivot lost since the last step: the same support, one damping rung up
+                state = self._refactorise(state)
+                scores = state.scores()
+            groups = torch.topk(scores, t, largest=False).indices
             state = self._guarded(state, lambda s, q=groups: s.prune(q))
             steps += 1
         self._count("greedy_steps", steps)
@@ -521,7 +526,8 @@ def _accept_in_turn(state: SwapState, rows: Tensor, B: Tensor, valid: Tensor, th
     Q = z @ z.T
     pair = torch.arange(n_pairs, device=rows.device).repeat_interleave(g).repeat(2)  # (m,): pair of each row
     members = pair == torch.arange(n_pairs, device=rows.device).unsqueeze(1)  # (n, m): rows of each pair
-    sign = torch.cat([torch.ones(n_pairs * g), -torch.ones(n_pairs * g)]).to(B)  # pivots: restore +, prune -
+    sign = B.new_ones(2 * n_pairs * g)  # pivots: restore +, prune - (made on B's device: no host copy)
+    sign[n_pairs * g:] = -1
     # a trial's block: B on the trial's rows, the sign of the pivot on the other rows' diagonal, 0 elsewhere
     # (a gather, so B's entries stay exact whatever their scale)
     D = torch.diag(sign)

@@ -237,6 +237,8 @@ def factorize(M: Tensor, mean_diag: float, what: str = "H", floor: float = 0.0,
         if lam < floor or (singular and not lam):  # M known singular: rung 0 would fail (or pass by rounding)
             continue
         factor = cholesky(M, damping_delta(lam, mean_diag) if lam else 0.0)
+        if factor is not None and not lam and _rank_deficient(factor, M):
+            factor = None  # passed on rounding-level pivots: its inverse and f would be noise
         if factor is not None:
             if lam:
                 log.debug("factorised %s with damping %.0e * mean(diag H)", what, lam)
@@ -244,12 +246,23 @@ def factorize(M: Tensor, mean_diag: float, what: str = "H", floor: float = 0.0,
     raise IllConditioned(f"{what} is not positive semi-definite (Cholesky fails even with damping)")
 
 
+def _rank_deficient(factor: Cholesky, M: Tensor) -> bool:
+    """Whether an undamped factor of M has a pivot at rounding level: smallest pivot^2 below n eps max(diag M),
+    LAPACK's rank tolerance (pstrf). An exactly singular M (an input that copies or combines others, which a
+    rank bound from the calibration rows cannot see) factorises by rounding and its solves are noise."""
+    n = M.shape[0]
+    if not n:
+        return False
+    smallest = float(factor.data.diagonal().abs().min()) ** 2
+    return smallest <= n * torch.finfo(M.dtype).eps * float(M.diagonal().max())
+
+
 @dataclass
 class LayerSolution:
     """What `solve_layer` returns."""
 
     pruned: list[int]  # sorted pruned group indices, len == num_prune
-    weight: Tensor  # d1 x d2, optimal for the support (except method "mp"); pruned rows exactly 0
+    weight: Tensor  # d1 x d2, optimal for the support (except the dense-row methods: DENSE_ROWS_METHODS); pruned rows 0
     objective: float  # 1/2 Tr(W^T H W) - Tr(G^T W) for `weight` and the caller's H
     method: str
     stats: dict[str, float | int | str] = field(default_factory=dict)  # timings, rounds, damping

@@ -15,7 +15,7 @@ from torch import Tensor
 from .baselines import exact_support, flap_support, magnitude_support, thinet_support, wanda_sp_support
 from .osscar import OsscarConfig, OsscarSolver
 from .problem import IllConditioned, LayerProblem, LayerSolution, group_rows
-from .sweep import SwapState
+from .sweep import PivotError, SwapState
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,10 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
         raise ValueError(f"unknown osscar options {unknown}; valid: {sorted(known)}")
     config = OsscarConfig(**options)
     solver = OsscarSolver(pb, config)
-    state = solver.search()
+    try:
+        state = solver.search()
+    except PivotError as err:  # lost again right after refactorising: the fallbacks decide this layer
+        raise IllConditioned(f"the search lost a pivot after refactorising ({err})") from err
     stats: dict[str, Any] = {"source": "osscar"}
     # A singular H searched as H + delta I: the tracked f drifts from the caller's (~1e-6 relative on an
     # FFN projection calibrated on fewer tokens than it has features), so the weight's objective is
@@ -90,7 +93,10 @@ def _osscar(pb: LayerProblem, options: dict[str, Any]) -> MethodResult:
         tracked = drift <= MAX_DRIFT * abs(evaluated)
     if config.guard_mp and pb.dense_weight is not None and pb.num_prune > 0:
         start = time.perf_counter()
-        state = _guard_mp(pb, solver, state, stats, drift if tracked else None)
+        try:
+            state = _guard_mp(pb, solver, state, stats, drift if tracked else None)
+        except PivotError as err:  # the searched state may be released by now: the fallbacks decide
+            raise IllConditioned(f"improving MP+'s support lost a pivot ({err})") from err
         stats["guard_s"] = time.perf_counter() - start
         # improving MP+'s support may have refactorised one damping rung up: its state is then another problem's
         tracked = tracked and solver.damping == damping
@@ -219,7 +225,8 @@ def solve_layer(
         group_size: rows per group (1: neurons, kH*kW: conv channels, head_dim: heads).
         num_prune: how many groups to remove, 0 <= num_prune <= d1 / group_size.
         method: one of "osscar", "mp", "mp+", "thinet", "exact", "wanda-sp", "flap", "osscar-support".
-        dense_weight: W_hat (d1 x d2); required by "mp" and "mp+".
+        dense_weight: W_hat (d1 x d2); required by the methods of DENSE_WEIGHT_METHODS (mp, mp+, wanda-sp,
+            flap, osscar-support).
         rank: an upper bound on rank(H), e.g. the calibration rows behind it (one fewer once centred);
             factorisations of more rows than that skip the undamped attempt (see `problem.factorize`).
         **options: method options (see `OsscarConfig` for "osscar").

@@ -56,7 +56,8 @@ def block_scores(blocks: Tensor, gram: Tensor) -> Tensor:
     """
     p, g = blocks.shape[0], blocks.shape[1]
     if g == 1:
-        return 0.5 * gram.view(p) / blocks.view(p)
+        pivots = blocks.view(p)
+        return torch.where(pivots > 0, 0.5 * gram.view(p) / pivots, torch.nan)
     chol, info = torch.linalg.cholesky_ex(blocks)
     traces = torch.cholesky_solve(gram, chol).diagonal(dim1=1, dim2=2).sum(1)
     return torch.where(info == 0, 0.5 * traces, torch.nan)

@@ -457,3 +457,45 @@ def test_flaps_allocation_keeps_the_best_standardized_units_up_to_the_kept_weigh
     flat[0] = 100.0
     _, spread_vs_flat = flap_allocation(attention, [torch.linspace(0, 1, 10), flat], 2, 3.0, 0.6)
     assert spread_vs_flat[1] < spread_vs_flat[0]
+
+
+def _dependent_feature_problem(seed: int, combo: bool):
+    """512 calibration rows of 64 features, one an exact copy (or combination) of others: H is singular although
+    the rank bound from the rows (511) cannot say so."""
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(512, 64, generator=gen, dtype=torch.float64)
+    X *= torch.exp(3 * torch.rand(64, generator=gen, dtype=torch.float64))
+    X[:, 5] = X[:, 3] + 0.5 * X[:, 7] if combo else X[:, 3]
+    W = torch.randn(64, 16, generator=gen, dtype=torch.float64)
+    H = X.T @ X
+    H = 0.5 * (H + H.T)
+    return X, H, H @ W, W
+
+
+def test_an_exactly_singular_h_the_rank_bound_cannot_see_is_damped_not_trusted():
+    """Its undamped Cholesky passes on rounding-level pivots: the search's weight and f were noise (a loss of
+    -15,784 reported for a weight whose loss is 190,699, 39 % above the optimum on its own support)."""
+    X, H, G, W = _dependent_feature_problem(6, combo=True)
+    sol = solve_layer(H, G, 1, 16, dense_weight=W, rank=511)
+    kept = [j for j in range(64) if j not in set(sol.pruned)]
+    target = X @ W
+    best = torch.linalg.lstsq(X[:, kept], target, driver="gelsd").solution
+    loss = lambda w: 0.5 * float((target - X @ w).square().sum())  # noqa: E731
+    optimum = loss(torch.zeros_like(W).index_copy_(0, torch.tensor(kept), best))
+    assert loss(sol.weight) == pytest.approx(optimum, rel=1e-6)
+    assert sol.objective + 0.5 * float((W * (H @ W)).sum()) == pytest.approx(optimum, rel=1e-6)
+
+
+def test_a_pivot_lost_in_the_greedy_is_recovered_not_raised():
+    X, H, G, W = _dependent_feature_problem(5, combo=False)
+    sol = solve_layer(H, G, 4, 4, dense_weight=W, rank=511)
+    assert len(sol.pruned) == 4
+    assert sol.objective == pytest.approx(float(0.5 * (sol.weight * (H @ sol.weight)).sum() - (G * sol.weight).sum()),
+                                          rel=1e-6)
+
+
+def test_a_single_row_block_that_is_not_positive_scores_nan():
+    from compressor.solver.sweep import block_scores
+
+    scores = block_scores(torch.tensor([[[2.0]], [[-4.0]], [[0.0]]]), torch.tensor([[[1.0]], [[1.0]], [[1.0]]]))
+    assert scores[0] == 0.25 and scores[1:].isnan().all()
