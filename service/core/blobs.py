@@ -138,6 +138,16 @@ class BlobStore:
             self.path(digest).unlink(missing_ok=True)
             shutil.rmtree(self.files / digest, ignore_errors=True)
 
+    def delete_view(self, digest: str, filename: str) -> None:
+        """Remove `files/<hex>/<filename>` (an upload forgotten while its content lives on as an artifact: a
+        reference to it must not resolve to a view nothing keeps)."""
+        if valid_digest(digest) and valid_filename(filename):
+            target = self.files / digest / filename
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
+
     def view(self, digest: str, filename: str, archive: bool) -> Path:
         """`files/<hex>/<filename>`: the blob under its name, or the tar extracted as that directory."""
         assert valid_filename(filename), filename

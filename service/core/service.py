@@ -249,13 +249,16 @@ class JobService:
         except BaseException:
             writer.abort()
             raise
+        # recorded before the view is built (in a thread): a delete or retention sweep meanwhile sees the blob in
+        # use, instead of removing it under an upload about to answer OK
+        self.store.record_upload(digest, header.filename, header.archive, size)
         try:
             await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
         except ArchiveError as err:
+            self.store.forget_upload(digest, header.filename)
             if not self.store.referenced(digest):
                 self.blobs.delete(digest)
             raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
-        self.store.record_upload(digest, header.filename, header.archive, size)
         return f"blob:sha256:{digest}/{header.filename}", digest, size
 
     def artifact(self, name: str, artifact: str) -> tuple[ArtifactRecord, Path]:
@@ -292,9 +295,11 @@ class JobService:
         for name in names:
             for digest in self.store.delete(name):
                 self.blobs.delete(digest)
-        for digest, _ in self.store.forget_uploads_before(cutoff):
+        for digest, filename in self.store.forget_uploads_before(cutoff):
             if not self.store.referenced(digest):
                 self.blobs.delete(digest)
+            else:  # the content lives on as an artifact: its upload's view goes, so no new job can name it
+                self.blobs.delete_view(digest, filename)
         # blobs no operation or upload names: a worker stopped between writing its artifacts and reporting them
         # (a cancel, a deadline, a crash) leaves them; no job runs for the retention period, so none still writes them
         for digest in self.blobs.written_before(cutoff):

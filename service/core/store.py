@@ -264,6 +264,9 @@ class JobStore:
         self.db.execute("INSERT INTO uploads VALUES (?, ?, ?, ?, ?) ON CONFLICT (sha256, filename) DO UPDATE SET "
                         "last_used = excluded.last_used", (digest, filename, int(archive), size, time.time()))
 
+    def forget_upload(self, digest: str, filename: str) -> None:
+        self.db.execute("DELETE FROM uploads WHERE sha256 = ? AND filename = ?", (digest, filename))
+
     def touch_upload(self, digest: str, filename: str) -> None:
         self.db.execute("UPDATE uploads SET last_used = ? WHERE sha256 = ? AND filename = ?",
                         (time.time(), digest, filename))

@@ -3,6 +3,7 @@
 import asyncio
 import time
 
+import pytest
 from google.rpc import code_pb2
 
 from service.api.wire import operation_of
@@ -96,3 +97,50 @@ def test_retention_removes_blobs_nothing_names_once_old(tmp_path):
     jobs.sweep(now)
     assert {label for label, digest in digests.items() if jobs.blobs.exists(digest)} == \
         {"artifact", "recent", "written again"}
+
+
+async def _chunks(*parts: bytes):
+    for part in parts:
+        yield part
+
+
+def test_an_upload_is_recorded_before_its_view_is_built(tmp_path, monkeypatch):
+    """The view (a tar's extraction: seconds) is built in a thread: a delete of an operation whose artifact has
+    the same bytes must meanwhile see the blob in use, not remove it under an upload about to answer OK."""
+    from service.core import UploadHeader
+
+    jobs = service(tmp_path)
+    real_view, seen = jobs.blobs.view, []
+
+    def view(digest, filename, archive):
+        seen.append(jobs.store.referenced(digest))
+        return real_view(digest, filename, archive)
+
+    monkeypatch.setattr(jobs.blobs, "view", view)
+    reference, digest, _ = asyncio.run(jobs.upload(UploadHeader("model.pt2"), _chunks(b"pt2 bytes")))
+    assert seen == [True] and jobs.blobs.exists(digest) and reference.endswith("/model.pt2")
+    # an archive that does not extract leaves no upload row and no blob
+    from service.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        asyncio.run(jobs.upload(UploadHeader("m", archive=True), _chunks(b"not a tar")))
+    assert jobs.store.db.execute("SELECT COUNT(*) FROM uploads").fetchone()[0] == 1
+
+
+def test_a_forgotten_upload_whose_content_is_an_artifact_loses_its_view(tmp_path, monkeypatch):
+    """Retention forgets an old upload; an operation's artifact with the same bytes keeps the blob. Its view must
+    go too: a new job naming the upload would otherwise be accepted with nothing keeping the blob for it."""
+    from service.core import UploadHeader
+
+    jobs = service(tmp_path, retention_s=3600)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 7200)
+    _, digest, size = asyncio.run(jobs.upload(UploadHeader("model.pt2"), _chunks(b"pt2 bytes")))
+    monkeypatch.undo()
+    jobs.store.insert(JobRecord(name="operations/a", body_sha256="x", request=b"", spec={}, state=SUCCEEDED,
+                                end_time=now))
+    jobs.store.set_artifacts("operations/a", [ArtifactRecord("model.pt2", digest, size, "application/zip")])
+    view = jobs.blobs.files / digest / "model.pt2"
+    assert view.exists()
+    jobs.sweep(now)
+    assert jobs.blobs.exists(digest) and not view.exists()
