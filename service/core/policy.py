@@ -68,26 +68,34 @@ class ReferencePolicy:
                                                             "server reads from")
 
     def _check_tree(self, real: Path, reference: str, field: str) -> None:
-        count = 0
-        for directory, dirs, files in os.walk(real, followlinks=False):
-            for name in dirs + files:
-                count += 1
-                if count > MAX_DIRECTORY_FILES:
-                    raise InvalidArgument([FieldViolation(field, f"{reference!r} holds more than "
-                                                                 f"{MAX_DIRECTORY_FILES} entries")])
-                entry = Path(directory) / name
-                target = entry.resolve()
-                if entry.is_symlink():  # a link may not lead out of the allowed roots
-                    self._inside(target, f"{reference} (symlink {entry.relative_to(real)})", field)
-                if name in files:
-                    try:
-                        mode = target.stat().st_mode
-                    except OSError:
-                        raise InvalidArgument([FieldViolation(field, f"{entry.relative_to(real)} in {reference!r} "
-                                                                     "is a dangling link")]) from None
-                    if not stat.S_ISREG(mode):
-                        raise InvalidArgument([FieldViolation(field, f"{entry.relative_to(real)} in {reference!r} "
-                                                                     "is not a regular file")])
+        """Every entry under `real`, and under every directory a link in it leads to (a link inside a linked
+        folder may lead anywhere a job would then read from), at most MAX_DIRECTORY_FILES in all."""
+        count, trees, seen = 0, [real], {real}
+        while trees:
+            tree = trees.pop()
+            for directory, dirs, files in os.walk(tree, followlinks=False):
+                for name in dirs + files:
+                    count += 1
+                    if count > MAX_DIRECTORY_FILES:
+                        raise InvalidArgument([FieldViolation(field, f"{reference!r} holds more than "
+                                                                     f"{MAX_DIRECTORY_FILES} entries")])
+                    entry = Path(directory) / name
+                    shown = entry.relative_to(tree) if tree == real else f"{tree}/{entry.relative_to(tree)}"
+                    target = entry.resolve()
+                    if entry.is_symlink():  # a link may not lead out of the allowed roots
+                        self._inside(target, f"{reference} (symlink {shown})", field)
+                        if name in dirs and target not in seen:
+                            seen.add(target)
+                            trees.append(target)
+                    if name in files:
+                        try:
+                            mode = target.stat().st_mode
+                        except OSError:
+                            raise InvalidArgument([FieldViolation(field, f"{shown} in {reference!r} is a dangling "
+                                                                         "link")]) from None
+                        if not stat.S_ISREG(mode):
+                            raise InvalidArgument([FieldViolation(field, f"{shown} in {reference!r} is not a "
+                                                                         "regular file")])
 
     def trusts_code(self, real: Path) -> bool:
         return any(real == root or root in real.parents for root in self.trusted_code)
