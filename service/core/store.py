@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FieldViolation, InvalidArgument
+from ..job.request import DEFAULT_METHOD
 from .outcomes import FINISHED, QUEUED, STATES, JobError
 
 LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -304,7 +305,7 @@ def parse_filter(text: str) -> list[tuple[str, Any]]:
     where: list[tuple[str, Any]] = []
     if not text.strip():
         return where
-    for term in re.split(r"\s+AND\s+", text.strip()):
+    for term in _filter_terms(text.strip()):
         match = _FILTER_TERM.match(term)
         if not match:
             raise InvalidArgument([FieldViolation("filter", f"cannot parse {term!r}; expected key = value terms "
@@ -321,14 +322,26 @@ def parse_filter(text: str) -> list[tuple[str, Any]]:
             where.append((f"(state IN ({finished})) = ?", int(value == "true")))
         elif key in ("model", "calibration"):
             where.append((f"json_extract(spec, '$.references.{key}') = ?", value))
-        elif key == "method":
-            where.append(("json_extract(spec, '$.resolved.method') = ?", value))
+        elif key == "method":  # a request that named none ran the default
+            where.append((f"COALESCE(json_extract(spec, '$.resolved.method'), '{DEFAULT_METHOD}') = ?", value))
         elif key.startswith("labels.") and LABEL_KEY.match(key[7:]):
             where.append((f"json_extract(labels, '$.\"{key[7:]}\"') = ?", value))
         else:
             raise InvalidArgument([FieldViolation("filter", f"unknown filter field {key!r}; known: state, done, "
                                                             "model, calibration, method, labels.<key>")])
     return where
+
+
+def _filter_terms(text: str) -> list[str]:
+    """The terms of `text` joined by AND outside double quotes (a quoted label value may hold " AND ")."""
+    terms, start, quoted = [], 0, False
+    for match in re.finditer(r'"|\s+AND\s+', text):
+        if match.group() == '"':
+            quoted = not quoted
+        elif not quoted:
+            terms.append(text[start:match.start()])
+            start = match.end()
+    return [*terms, text[start:]]
 
 
 def encode_page_token(last: JobRecord, fingerprint: str) -> str:

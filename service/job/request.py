@@ -28,6 +28,7 @@ from .budgets import default_budgets_text
 
 # "exact" only solves single small layers; wanda-sp and flap are the retraining-free LLM baselines
 PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar", "wanda-sp", "flap")
+DEFAULT_METHOD = "osscar"  # what a request that names no method runs
 MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
 SHAPE_KEYS = ("batch", "sequence")
 
@@ -100,7 +101,7 @@ class CompressRequest:
                                "calibrated on (top-1 agreement with the dense model for classifiers, cosine to "
                                "the dense outputs, perplexity); without it the calibration keeps what is not "
                                "held out, so it changes the statistics", statistics=True)
-    method: str = option("osscar", "layer solver", choices=PRUNING_METHODS)
+    method: str = option(DEFAULT_METHOD, "layer solver", choices=PRUNING_METHODS)
     samples: int | None = option(help="calibration images drawn (seeded); default: every image the file gives "
                                  "(less the held-out ones) up to 256 MiB of float32 images, and at least 500",
                                  statistics=True)

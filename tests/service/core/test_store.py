@@ -157,3 +157,19 @@ def test_a_final_state_and_its_artifacts_are_one_transaction(tmp_path):
     store.update("operations/a", artifacts=[artifact], state=SUCCEEDED, report={"x": 1})
     done = store.get("operations/a")
     assert done.state == SUCCEEDED and done.report == {"x": 1} and done.artifacts == [artifact]
+
+
+def test_a_filter_on_the_method_counts_jobs_that_ran_the_default_and_quoted_values_may_hold_and(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.insert(JobRecord(name="operations/named", body_sha256="b" * 64, request=b"", labels={"team": "x AND y"},
+                           spec={"resolved": {"method": "osscar"}}, create_time=1.0))
+    store.insert(JobRecord(name="operations/default", body_sha256="b" * 64, request=b"", spec={"resolved": {}},
+                           create_time=2.0))
+    store.insert(JobRecord(name="operations/mp", body_sha256="b" * 64, request=b"",
+                           spec={"resolved": {"method": "mp"}}, create_time=3.0))
+    found, _ = store.search("method = osscar", 10, "")
+    assert [r.name for r in found] == ["operations/named", "operations/default"]
+    found, _ = store.search('labels.team = "x AND y" AND method = osscar', 10, "")
+    assert [r.name for r in found] == ["operations/named"]
+    with pytest.raises(InvalidArgument, match="cannot parse"):
+        store.search('labels.team = "x AND', 10, "")
