@@ -88,8 +88,36 @@ def _load_pt2(path: Path, ref: str) -> LoadedModel:
     except Exception as err:  # a corrupt or foreign file: say what it is, not a traceback
         raise ModelReferenceError(f"{path} is not a loadable torch.export program: {err}") from err
     gm = program.module()
+    to_inference_mode(gm, ref)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return LoadedModel(gm, _input_shape(gm), "pt2", placeholders[0] if placeholders else "x")
+
+
+def _is_batch_counter(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr" and str(node.target).endswith("num_batches_tracked")
+
+
+# (op, index of its training flag): an exported graph holds its mode as a constant, which `.eval()` cannot change
+_TRAINING_FLAGS = {torch.ops.aten.batch_norm.default: 5, torch.ops.aten.dropout.default: 2}
+
+
+def to_inference_mode(gm: fx.GraphModule, ref: str = "the program") -> int:
+    """Set the training flags of a program exported in training mode to False, in place: its BatchNorms would
+    normalise by each batch's statistics (and move their running statistics at every calibration pass), its
+    dropouts drop at random. Returns how many it changed (logged: a user should export in eval mode)."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        index = _TRAINING_FLAGS.get(node.target)
+        if index is not None and len(node.args) > index and node.args[index] is True:
+            node.args = (*node.args[:index], False, *node.args[index + 1:])
+            changed += 1
+        elif node.target == torch.ops.aten.add_.Tensor and not node.users and _is_batch_counter(node.args[0]):
+            gm.graph.erase_node(node)  # a training BatchNorm's num_batches_tracked += 1
+    if changed:
+        gm.recompile()
+        log.warning("%s was exported in training mode: %d BatchNorm/dropout ops set to inference (export it after "
+                    "model.eval())", ref, changed)
+    return changed
 
 
 def _refuse_pickle(path: Path) -> None:

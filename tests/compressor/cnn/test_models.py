@@ -100,3 +100,30 @@ def test_a_program_whose_weights_are_views_saves_without_a_warning(tmp_path):
         warnings.simplefilter("error")
         save_program(gm, tmp_path / "m.pt2", x)
     torch.testing.assert_close(load_model(str(tmp_path / "m.pt2")).module(x), gm(x))
+
+
+def test_a_program_exported_in_training_mode_is_loaded_for_inference(tmp_path, caplog):
+    """Its BatchNorms would normalise by each batch (and move their running statistics), its dropout drop at
+    random: the flags are constants in the graph, which .eval() cannot change."""
+    from .conv_models import MobileNetV2
+
+    torch.manual_seed(0)
+    model = MobileNetV2()
+    with torch.no_grad():  # running statistics away from their initial 0 / 1
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    program = torch.export.export(model.train(), (torch.randn(2, 3, 32, 32),),
+                                  dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    torch.export.save(program, str(tmp_path / "train.pt2"))
+    loaded = load_model(str(tmp_path / "train.pt2"))
+    assert "exported in training mode" in caplog.text
+    gm, x = loaded.module, torch.randn(4, 3, 32, 32)
+    running = {k: v.clone() for k, v in gm.state_dict().items()}
+    with torch.no_grad():
+        out = gm(x)
+        torch.testing.assert_close(out, gm(x), rtol=0, atol=0)  # no dropout
+        torch.testing.assert_close(out[:1], gm(x[:1]), rtol=1e-5, atol=1e-5)  # no batch statistics
+        torch.testing.assert_close(out, model.eval()(x), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(v, gm.state_dict()[k]) for k, v in running.items())
