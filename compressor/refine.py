@@ -85,11 +85,18 @@ def check_method(config: RefineConfig, method: str) -> None:
                          "calibration data)")
 
 
-def held_out_draw(total: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+def held_out_draw(total: int, fraction: float, seed: int, unseen_from: int = 0) -> tuple[Tensor, Tensor]:
     """(held-out, fitting) indices of `total` samples: a seeded `fraction` of them (at least one, and at least
-    one left to fit when there are two or more) judge a fit, the rest are fitted."""
+    one left to fit when there are two or more) judge a fit, the rest are fitted. `unseen_from`: the samples
+    before it fed the solves a fit starts from; the judge is drawn after it when enough samples are there (its
+    "before" error would otherwise be partly in-sample for the solves, biased low against the fit)."""
     count = min(total - 1, max(1, round(fraction * total)))
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    if unseen_from > 0 and total - unseen_from >= count:
+        judge = order[order >= unseen_from][:count]
+        fitted = torch.ones(total, dtype=torch.bool)
+        fitted[judge] = False
+        return judge, order[fitted[order]]
     return order[:count], order[count:]
 
 

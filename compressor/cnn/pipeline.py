@@ -289,20 +289,23 @@ def prune_conv_graph(
         pruned, reports = _prune_conv_graph(gm, images[:solve_images], ratio, method, device, batch_size,
                                             weight_by_next_bn, bias_correction, progress, observe)
     return fit_conv_graph(pruned, reports, gm, images, refine, teacher=teacher, device=device,
-                          batch_size=batch_size, progress=progress)
+                          batch_size=batch_size, progress=progress, solve_images=solve_images)
 
 
 def fit_conv_graph(pruned: fx.GraphModule, reports: list[LayerReport], gm: fx.GraphModule, images: Tensor,
                    refine: RefineConfig, *, teacher: fx.GraphModule | None = None,
                    device: str | torch.device | None = None, batch_size: int = 100,
-                   progress: ProgressFn | None = None) -> tuple[fx.GraphModule, list[LayerReport]]:
-    """The fit of `prune_conv_graph` alone: `pruned`, the solves of `gm` (their `reports`), fitted in place to the
+                   progress: ProgressFn | None = None, solve_images: int | None = None,
+                   ) -> tuple[fx.GraphModule, list[LayerReport]]:
+    """The fit of `prune_conv_graph` alone: `pruned`, the solves of `gm` (their `reports`, from the first
+    `solve_images` images: the judge of the fit is drawn among the others where it can be), fitted in place to the
     outputs of `teacher` (`gm` when None; the original graph when `gm` lacks some blocks), as `prune_conv_graph`
     does after its solves; nothing to fit when `refine` has no steps, or when nothing was narrowed and the
     teacher is `gm` itself. Returns (pruned, reports), the last report carrying the fit's held-out errors."""
     if refine.steps and (teacher is not None or any(r.width_after < r.width_before for r in reports)):
         target = copy.deepcopy(gm if teacher is None else teacher).eval()
-        fit = reconstruct_graph(pruned, target, images, refine, compute_device(device), batch_size)
+        solved = len(images) if solve_images is None else min(solve_images, len(images))
+        fit = reconstruct_graph(pruned, target, images, refine, compute_device(device), batch_size, solved=solved)
         reports = [*reports[:-1], dataclasses.replace(reports[-1], refine=fit)]
         emit(progress, Progress(RECONSTRUCTION, "graph", numbers=fit_numbers(fit)), log)
     return pruned, reports

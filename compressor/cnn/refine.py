@@ -145,18 +145,19 @@ def view_images(images: Tensor, views: Views) -> Tensor:
 
 def reconstruct_graph(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
                       device: torch.device, batch_size: int = 100, channels_last: bool = True,
-                      view_uses: int = VIEW_USES) -> RefineReport:
+                      view_uses: int = VIEW_USES, solved: int = 0) -> RefineReport:
     """Fit `pruned` in place to `dense`'s outputs on `images` (N, C, H, W), `config.sequences` images per
     step (with `config.augment` and 2-D images, flipped and shifted views of them, seeded, each drawn about
     `view_uses` times), `config.held_out` of them held out as they are (seeded); returns the held-out errors before
     and after, and the seconds of the fit with its pass of dense outputs. Both graphs run channels-last during the
     fit where they take it (`_to_layout`; `channels_last=False`: standard strides, a benchmark's baseline) and
-    leave in standard strides."""
+    leave in standard strides. `solved`: the leading images the solves were computed from; the judge is drawn
+    after them where there are enough (`held_out_draw`)."""
     assert view_uses >= 1, f"each view is drawn at least once (got view_uses={view_uses})"
     homes = [_device_of(gm) for gm in (pruned, dense)]
     layout = _to_layout(pruned, dense, images[:2], device, channels_last)
     try:
-        return _reconstruct(pruned, dense, images, config, device, batch_size, layout, view_uses)
+        return _reconstruct(pruned, dense, images, config, device, batch_size, layout, view_uses, solved)
     finally:  # the graphs leave as they came in, where they came from (a GPU fit's graph is exported on the host
         # with host images) and in standard strides (later solves, exports and saves expect them)
         for gm, home in zip((pruned, dense), homes, strict=True):
@@ -195,8 +196,9 @@ def _batch(images: Tensor, inputs: Tensor | Views, device: torch.device, layout:
 
 
 def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, config: RefineConfig,
-                 device: torch.device, batch_size: int, layout: torch.memory_format, view_uses: int) -> RefineReport:
-    judge, fit = held_out_draw(len(images), config.held_out, config.seed)
+                 device: torch.device, batch_size: int, layout: torch.memory_format, view_uses: int,
+                 solved: int = 0) -> RefineReport:
+    judge, fit = held_out_draw(len(images), config.held_out, config.seed, unseen_from=solved)
     k = config.sequences
     views_wanted = config.augment and images.dim() == 4  # views are of 2-D images (N, C, H, W) only
 

@@ -376,7 +376,8 @@ class ConvJob:
         if solved is not None:  # a depth trial's solves of this plan: only the fit is left
             module, layers = solved
             return fit_conv_graph(module, layers, self.graph, self.images, refine, teacher=teacher,
-                                  device=self.request.device, batch_size=self.request.batch_size, progress=progress)
+                                  device=self.request.device, batch_size=self.request.batch_size, progress=progress,
+                                  solve_images=STATISTICS_IMAGES)
         # the statistics (curves and solves) from the first STATISTICS_IMAGES of the draw, the fit from all
         return prune_conv_graph(self.graph, self.images, plan, method=self.request.method, device=self.request.device,
                                 batch_size=self.request.batch_size, progress=progress, observe=observe,

@@ -119,3 +119,33 @@ def test_an_averaged_fit_judges_and_returns_the_moving_average_of_its_weights():
     assert report.kept and report.after == pytest.approx(mean + 10.0, rel=1e-6)
     with pytest.raises(AssertionError, match="average"):
         RefineConfig(steps=10, average=1.0)
+
+
+def test_the_judge_is_drawn_from_samples_the_solves_never_saw_where_there_are_enough():
+    judge, fit = refine.held_out_draw(100, 0.1, 3, unseen_from=60)
+    assert len(judge) == 10 and bool((judge >= 60).all())
+    assert sorted(torch.cat([judge, fit]).tolist()) == list(range(100))
+    # without solves to avoid, or too few unseen samples, the draw is the plain one
+    plain = refine.held_out_draw(100, 0.1, 3)
+    for unseen_from in (0, 95):
+        assert all(torch.equal(a, b) for a, b in zip(refine.held_out_draw(100, 0.1, 3, unseen_from), plain,
+                                                     strict=True))
+
+
+def test_a_conv_fit_judges_on_images_the_solves_did_not_use(monkeypatch):
+    from compressor.cnn import pipeline
+    from compressor.cnn import refine as cnn_refine
+    from tests.compressor.cnn.conv_models import exported
+
+    seen = []
+    real = cnn_refine.held_out_draw
+
+    def spy(total, fraction, seed, unseen_from=0):
+        seen.append((total, unseen_from))
+        return real(total, fraction, seed, unseen_from)
+
+    monkeypatch.setattr(cnn_refine, "held_out_draw", spy)
+    gm = exported("folded_pad")
+    images = torch.randn(40, 3, 16, 16)
+    pipeline.prune_conv_graph(gm, images, 0.5, refine=RefineConfig(steps=2), solve_images=24)
+    assert seen == [(40, 24)]
