@@ -8,6 +8,7 @@ indices and lists every bad one. `prune_group` removes a channel group through a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -213,7 +214,11 @@ def add_output_shift(gm: fx.GraphModule, conv: ConvSpec | LinearSpec, shift: Ten
         return
     owner, _ = owner_of(gm, conv.weight)
     owner_path = conv.weight.rpartition(".")[0]
-    name = "bias" if not hasattr(owner, "bias") else "output_shift"
+    name = "bias"
+    for i in itertools.count(1):  # a free name: convs whose weights one module holds must not share one bias
+        if not hasattr(owner, name):
+            break
+        name = "output_shift" if i == 1 else f"output_shift_{i}"
     owner.register_parameter(name, nn.Parameter(shift.to(w).clone(), requires_grad=False))
     target = f"{owner_path}.{name}" if owner_path else name
     with gm.graph.inserting_before(conv.node):

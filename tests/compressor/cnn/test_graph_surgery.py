@@ -257,3 +257,34 @@ def test_pointwise_ops_are_recognised_by_rule_and_unknown_ops_are_refused_by_nam
     other = torch.rand(1, 1, 8, 8)
     refused = analyse(export_module(Ops(lambda y: y * torch.cat([other] * 8, 1).flip(3)), x)).refused["b"]
     assert "neither a scalar nor per-channel" in refused or "computed constant" in refused
+
+
+class _RootConvs(torch.nn.Module):
+    """Bias-free convs whose weights the root module holds (F.conv2d), no BatchNorm after them."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(8, 3, 3, 3, generator=g) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(8, 8, 3, 3, generator=g) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(8, 8, 3, 3, generator=g) * 0.2)
+        self.w4 = torch.nn.Parameter(torch.randn(8, 8, 3, 3, generator=g) * 0.2)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for w in (self.w1, self.w2, self.w3, self.w4):
+            x = torch.nn.functional.relu(torch.nn.functional.conv2d(x, w, padding=1))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_each_conv_given_an_intercept_gets_its_own_parameter():
+    """The intercepts of convs one module holds the weights of were all named `output_shift`: the last one
+    registered replaced the others', which two convs then read."""
+    from compressor.cnn.models import export_module
+    from compressor.cnn.pipeline import prune_conv_graph
+
+    gm = export_module(_RootConvs().eval(), torch.randn(2, 3, 8, 8))
+    pruned, _ = prune_conv_graph(gm, torch.randn(64, 3, 8, 8), 0.5, method="osscar")
+    biases = [n.args[2].target for n in pruned.graph.nodes if n.target == torch.ops.aten.conv2d.default
+              and len(n.args) > 2 and n.args[2] is not None]
+    assert len(biases) >= 3 and len(set(biases)) == len(biases), biases
