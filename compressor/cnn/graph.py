@@ -228,16 +228,19 @@ def _channel_pad(node: fx.Node) -> tuple[int, int] | str | None:
     pads = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
     if not isinstance(pads, (list, tuple)) or not all(isinstance(p, int) for p in pads):
         return "pads that are not constants"
-    if len(pads) <= 4:
+    # pairs pad the last dims first: the channels (dim 1) are pair rank - 2 (a 4-D map's third, a vector's first)
+    shape = _shape(node.args[0])
+    channel_pair = len(shape) - 2 if shape is not None and len(shape) >= 2 else 2
+    if len(pads) <= 2 * channel_pair:
         return None
     mode = node.args[2] if node.target is aten.pad.default and len(node.args) > 2 else "constant"
     value = node.args[-1] if node.target is aten.pad.default and len(node.args) > 3 else \
         node.args[2] if node.target is aten.constant_pad_nd.default and len(node.args) > 2 else 0
-    if len(pads) > 6 or mode != "constant" or (value or 0) != 0 or min(pads) < 0:
+    if len(pads) > 2 * channel_pair + 2 or mode != "constant" or (value or 0) != 0 or min(pads) < 0:
         return "a pad of the batch, a non-zero or non-constant channel pad, or a crop"
-    if any(pads[:4]):
+    if any(pads[:2 * channel_pair]):
         return "a pad of channels and space at once"
-    return (pads[4], pads[5])
+    return (pads[2 * channel_pair], pads[2 * channel_pair + 1])
 
 
 class _Spaces:

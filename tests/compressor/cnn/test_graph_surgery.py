@@ -288,3 +288,29 @@ def test_each_conv_given_an_intercept_gets_its_own_parameter():
     biases = [n.args[2].target for n in pruned.graph.nodes if n.target == torch.ops.aten.conv2d.default
               and len(n.args) > 2 and n.args[2] is not None]
     assert len(biases) >= 3 and len(set(biases)) == len(biases), biases
+
+
+class _PaddedFeatures(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(10, 4)
+
+    def forward(self, x):
+        features = torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3))  # (N, 8)
+        return self.fc(torch.nn.functional.pad(features, (1, 1)))  # (N, 10): the pad is of the channels
+
+
+def test_a_two_number_pad_of_a_feature_vector_pads_its_channels():
+    """Pads pair with the last dims first: (1, 1) on (N, C) pads C, not space (the group took fc to read 8
+    channels where it reads 10, shifted by one, and surgery broke the model)."""
+    from compressor.cnn.models import export_module
+    from compressor.cnn.pipeline import prune_conv_graph
+
+    torch.manual_seed(0)
+    gm = export_module(_PaddedFeatures().eval(), torch.randn(2, 3, 8, 8))
+    # what fc reads is written by the pad alone, no conv: not a group (c2's channels reach fc only through it)
+    assert not [u for u in analyse(gm).units if any(c.name == "fc" for c in u.consumers)]
+    pruned, reports = prune_conv_graph(gm, torch.randn(32, 3, 8, 8), 0.5, method="osscar")
+    assert any(r.width_after < r.width_before for r in reports)  # c1's channels, which c2 reads
+    assert pruned(torch.randn(2, 3, 8, 8)).shape == (2, 4) and pruned.fc.weight.shape == (4, 10)
