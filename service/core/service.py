@@ -30,6 +30,7 @@ from ..errors import (
     Unavailable,
 )
 from ..files import ArchiveError
+from ..job.request import REFERENCES
 from ..logs import operation_context
 from .blobs import BlobStore, valid_digest, valid_filename
 from .config import ServiceConfig
@@ -37,7 +38,7 @@ from .executor import Executor, LocalExecutor
 from .feeds import Feeds
 from .metrics import Metrics
 from .outcomes import CANCELLED, QUEUED, RUNNING
-from .references import upload_of
+from .references import resolve, upload_of
 from .store import ArtifactRecord, JobRecord, JobStore
 from .submission import SubmitRequest, check_request_id, validate
 from .supervisor import Supervisor, detect_devices
@@ -135,7 +136,20 @@ class JobService:
                     raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for "
                                         f"a different request ({earlier.name}); use a new request_id")
                 return earlier
-        accepted = validate(request, home=self.home, blobs=self.blobs, store=self.store, policy=self.config.policy)
+        accepted = await asyncio.to_thread(validate, request, home=self.home, blobs=self.blobs,
+                                           policy=self.config.policy)
+        # from here on the event loop's alone (no await up to the insert): what the thread could not see
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry against another instance or later")
+        if request.request_id and (earlier := self.store.by_request_id(request.request_id)) is not None:
+            if earlier.body_sha256 != request.body_sha256:  # the same request_id submitted twice at once
+                raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for "
+                                    f"a different request ({earlier.name}); use a new request_id")
+            return earlier
+        for field, reference in accepted.references.items():
+            if (upload := upload_of(reference)) is not None:  # a delete or sweep meanwhile may have removed it
+                resolve(reference, field, REFERENCES[field], self.blobs, self.home, self.config.policy)
+                self.store.touch_upload(*upload)
         refused = self.executor.refusals(accepted.resolved, accepted.references)
         if refused:
             raise InvalidArgument(refused)

@@ -18,8 +18,8 @@ from typing import Any
 from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from .blobs import BlobStore
 from .policy import ReferencePolicy
-from .references import resolve, upload_of
-from .store import LABEL_KEY, JobStore
+from .references import resolve
+from .store import LABEL_KEY
 
 REQUIRED = ("model", "calibration")
 MAX_LABELS = 64
@@ -54,9 +54,10 @@ def check_request_id(request_id: str) -> None:
                               ) from None
 
 
-def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, store: JobStore,
-             policy: ReferencePolicy) -> Accepted:
-    """Every check of a submission; raises the first kind of refusal with all of its violations."""
+def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: ReferencePolicy) -> Accepted:
+    """Every check of a submission; raises the first kind of refusal with all of its violations. Reads files
+    only (the service runs it in a thread: a directory's walk, the first embedded text's build take seconds),
+    never the job store."""
     from ..job.request import REFERENCES, request_from_spec
 
     violations: list[FieldViolation] = []
@@ -73,8 +74,6 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, store: Job
         references[key] = reference
         try:
             spec[key] = str(resolve(reference, key, REFERENCES[key], blobs, home, policy))
-            if (upload := upload_of(reference)) is not None:
-                store.touch_upload(*upload)
         except InvalidArgument as err:
             violations += err.violations
             spec[key] = None  # refused: not looked at again

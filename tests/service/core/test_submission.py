@@ -52,3 +52,43 @@ def test_the_model_check_uses_the_compressors_architecture_rules(tmp_path, confi
     (tmp_path / "model.safetensors").write_bytes(b"")
     if refusal == "safetensors":
         check_model(tmp_path, "the-model")  # now acceptable
+
+
+def test_validation_runs_off_the_event_loop_and_one_request_id_stays_one_job(tmp_path, monkeypatch):
+    """A directory's walk or the first embedded text's build takes seconds: health checks, watches and the
+    scheduler keep answering meanwhile. Two calls with one request_id at once still make one operation."""
+    import time
+
+    from service.core import service as service_module
+
+    jobs = service(tmp_path)
+    model = tmp_path / "model.pt2"
+    model.write_bytes(b"x")
+    (tmp_path / "cal.txt").write_text("Some calibration text.\n")
+    real = service_module.validate
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "validate", slow)
+    request = SubmitRequest(spec={"uniform_ratio": 0.5, "model": str(model), "calibration": str(tmp_path / "cal.txt")},
+                            body=b"", body_sha256="x", request_id="3f2b5c1e-0000-4000-8000-000000000001")
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        first, second = await asyncio.gather(jobs.submit(request), jobs.submit(request))
+        ticker.cancel()
+        return first, second, ticks
+
+    first, second, ticks = asyncio.run(main())
+    assert ticks >= 10  # the loop ran while both validated
+    assert first.name == second.name and jobs.store.count("QUEUED") == 1
