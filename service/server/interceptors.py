@@ -139,7 +139,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _streaming(self, behaviour: Callable, method: str) -> Callable:
-        if not inspect.isasyncgenfunction(behaviour):  # a coroutine that sends with context.write (Health.Watch)
+        # a coroutine that sends with context.write (Health.Watch), not an async generator
+        if not inspect.isasyncgenfunction(inspect.unwrap(behaviour)):
             @functools.wraps(behaviour)
             async def writes(request, context):
                 try:
@@ -189,6 +190,7 @@ def _refuse_malformed(message) -> None:
 
 def _checked(behaviour: Callable, streaming_request: bool) -> Callable:
     if not streaming_request:
+        @functools.wraps(behaviour)  # __wrapped__: whether the servicer's method yields or writes stays visible
         def unary(request, context):
             _refuse_malformed(request)
             return behaviour(request, context)
@@ -200,6 +202,7 @@ def _checked(behaviour: Callable, streaming_request: bool) -> Callable:
             _refuse_malformed(message)
             yield message
 
+    @functools.wraps(behaviour)
     def streaming(request_iterator, context):
         return behaviour(messages(request_iterator), context)
 
