@@ -137,7 +137,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     work = Path(tempfile.mkdtemp(prefix=".osscar-work-", dir=out))
     rounds: list[Round] = []
     baseline_metric: float | None = None
-    pace = Pace(request.time_budget)  # started with the job: the budget counts from here
+    pace = Pace(request.time_budget, start=start)  # the budget counts from the job's start, loading included
     try:
         enter("baseline", 0)
         held = job.held_out
@@ -197,7 +197,11 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                                         f"model's on every held-out input although {len(narrowed)} layers were "
                                         f"narrowed ({narrowed[0]}, ...): the check would compare a model with "
                                         "itself", layers)
-            value = job.score(outputs, reference)
+            value = job.score(outputs, reference) if _finite(outputs) else math.nan
+            if not math.isfinite(value):  # parity passes when PyTorch and ONNX Runtime overflow alike
+                raise _EvaluationFailed("round", index, f"round {index}'s outputs on the held-out inputs are not "
+                                        "finite (NaN or infinity): the pruned model is broken and no metric can "
+                                        "vouch for it", layers)
             secondary = job.secondary(outputs, reference)
             also = "".join(f", {name} {baseline_secondary[name]:.4f} -> {v:.4f}" for name, v in secondary.items())
             say(f"round {index}: measured speedup {latency.speedup:.3f}x ({latency.baseline_ms:.1f} -> "
@@ -300,16 +304,14 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     except _ExportFailed as failure:
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
-        for name in EXPORT_FILES:  # an earlier job's, which this report would otherwise seem to describe
-            (out / name).unlink(missing_ok=True)
+        _clear_unvouched(out, request)  # an earlier job's, which this report would otherwise seem to describe
         _write_report(report, out, enter)
         say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
     except _EvaluationFailed as failure:
         report = evaluation_failed_report(request, job, failure.stage, failure.index, failure.detail, failure.layers,
                                           rounds, baseline_metric, provider, start)
-        for name in EXPORT_FILES:  # as for parity_failed: nothing an unchecked model left may seem vouched for
-            (out / name).unlink(missing_ok=True)
+        _clear_unvouched(out, request)  # as for parity_failed: nothing an unchecked model left may seem vouched for
         _write_report(report, out, enter)
         say(f"{report.message}; wrote {out / 'report.json'} (no model.onnx)")
         return report
@@ -329,7 +331,7 @@ def _write_report(report: Report, out: Path, clock: StageClock) -> None:
 
 def rounded_widths(units: list[tuple[str, int]], ratio: float, multiple: int) -> dict[str, int]:
     """Uniform-ratio widths rounded to the nearest multiple of `multiple` (at least one multiple, at most
-    the full width; a layer narrower than the multiple keeps its unrounded width)."""
+    the full width; a layer no wider than the multiple keeps its unrounded width)."""
     plan = {}
     for name, groups in units:
         kept = groups - num_to_prune(groups, ratio)
@@ -356,6 +358,8 @@ def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[
         say(warning(f"--round-to {request.round_to} is applied in uniform mode to conv graphs only; this model's "
             "widths are not rounded"))
     result = run_round(ratio, 0)
+    if units is None:  # --round-to rounds a conv graph's channels only: no advice to give a transformer
+        return
     odd = sorted({r.width_after for r in result.layers if r.width_after % ROUND_TO and r.width_after != r.width_before})
     if odd and result.latency.speedup < 1.0:
         say(warning(f"the unrounded uniform widths ({', '.join(map(str, odd[:6]))}{' ...' if len(odd) > 6 else ''}) "
@@ -392,14 +396,31 @@ def _graphs(dense_onnx: Path, chosen: Round, feed: dict, provider: str, request:
     return graphs
 
 
+def _clear_unvouched(out: Path, request: CompressRequest) -> None:
+    """A failed job's --out: no model.onnx, decode step or pruned model that its report would seem to vouch for
+    (this job's unchecked ones, or an earlier job's in a reused folder). A pruned model that is this job's own
+    input (`compress out/model.pt2 --out out`) stays."""
+    for name in EXPORT_FILES:
+        (out / name).unlink(missing_ok=True)
+    inputs = [Path(p).resolve() for p in (request.model, request.calibration, request.eval) if p]
+    for name in ("model.pt2", "model"):
+        path = (out / name).resolve()
+        if any(i == path or path in i.parents for i in inputs):
+            continue
+        if path.is_dir() and not (out / name).is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            (out / name).unlink(missing_ok=True)
+
+
 def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> str:
     """The chosen round's pruned model and model.onnx (with provenance) into `out`; returns the model's
-    artifact name."""
-    artifact = job.save(chosen.module, out)
+    artifact name. The ONNX graph is checked first: a mismatch leaves no pruned model written."""
     os.replace(chosen.onnx, out / "model.onnx")
     if file_sha256(out / "model.onnx") != chosen.scored_sha256:
         raise _EvaluationFailed("save", None, "the model.onnx about to be returned is not the file the accuracy "
                                 "check scored", chosen.layers)
+    artifact = job.save(chosen.module, out)
     for data in chosen.onnx.parent.glob("*.data"):  # external weights of a model over 2 GB
         os.replace(data, out / data.name)
     stamp_metadata(out / "model.onnx", {

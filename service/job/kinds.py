@@ -310,6 +310,9 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
     eval_x = load_images(request.eval, samples=10**9, **norm)
     eval_y = None
     if labels:
+        if Path(request.eval).suffix != ".npz":  # a .npy holds one array: no room for labels
+            raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1: an .npz with "
+                                   "x (images) and y (labels)")
         with np.load(request.eval, allow_pickle=False) as data:
             if "y" not in data:
                 raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
@@ -914,7 +917,7 @@ class TextJob(_TransformerJob):
     def score(self, outputs: list, reference: list) -> float:
         if self.metric == PERPLEXITY:
             nll, count = sum(o[0] for o in outputs), sum(o[1] for o in outputs)
-            return float(math.exp(nll / max(count, 1)))
+            return float(math.exp(min(nll / max(count, 1), 709.0)))  # a broken model's: huge, not an overflow
         if self.metric == AGREEMENT:  # logits (batch, classes) per evaluation batch
             return agreement(np.concatenate(outputs), np.concatenate(reference))
         return cosine(outputs, reference)

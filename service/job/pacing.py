@@ -55,7 +55,7 @@ class Pace:
 
     def to_dict(self, fits: dict[int, dict[str, float]]) -> dict[str, Any] | None:
         """report.json `pacing`: the budget, and per round its allowance and what its fits did (`fits`: round ->
-        {"steps": steps run in all, "seconds": seconds the fits took})."""
+        {"fit_steps": steps run in all, "fit_s": seconds the fits took}: `compress._fits`)."""
         if self.budget is None:
             return None
         rule = (f"each round's reconstruction may spend {FIT_SHARE:.0%} of the time left of {USABLE:.0%} of the "

@@ -160,7 +160,7 @@ class KindFields:
 
 @dataclass
 class ParityFailure:
-    stage: str  # baseline | round | probe | decode_step
+    stage: str  # baseline | round | probe | trial | decode_step
     round: int | None
     precision: str
     tolerance: dict[str, float]

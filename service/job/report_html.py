@@ -110,6 +110,7 @@ def _legend(items: list[tuple[str, str, str]]) -> str:
 
 
 def _span(values: list[float], pad: float = 0.08) -> tuple[float, float]:
+    values = [v for v in values if math.isfinite(v)] or [0.0, 1.0]  # an infinite perplexity has no place on an axis
     lo, hi = min(values), max(values)
     margin = (hi - lo) * pad or abs(hi) * pad or 1.0
     return lo - margin, hi + margin
@@ -164,7 +165,7 @@ def quality_chart(report: Report) -> str:
     metric = report.metric
     points = [(1.0, metric.baseline, "dense")] + \
         [(r.measured_speedup, r.metric, f"round {i}") for i, r in enumerate(report.rounds)]
-    points = [p for p in points if p[1] is not None]
+    points = [p for p in points if p[1] is not None and math.isfinite(p[1])]
     budget = report.measured.accuracy_budget if report.measured else None
     bound = budget.worst_allowed if budget else None
     ys = [p[1] for p in points] + ([bound] if bound is not None else [])

@@ -112,7 +112,8 @@ def _versions() -> dict:
 
 
 STAGES = {"baseline": "the dense model's export", "round": "the export of round {round}",
-          "probe": "a latency probe's export before round {round}", "decode_step": "the decode step's export"}
+          "probe": "a latency probe's export before round {round}", "trial": "a depth trial's export before round "
+          "{round}", "decode_step": "the decode step's export"}
 
 
 def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None,

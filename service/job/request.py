@@ -124,8 +124,9 @@ class CompressRequest:
                           "pruning in memory would take more than half of the available memory")
     activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
                                    "CPU between blocks", choices=("float32", "float16"), statistics=True)
-    shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: images batch=64; "
-                                   "encoders batch=8,sequence=128; decoders batch=1,sequence=512)", factory=dict,
+    shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: CNN images batch=64, "
+                                   "vision transformers batch=8; encoders batch=8,sequence=128; decoders "
+                                   "batch=1,sequence=512)", factory=dict,
                                    statistics=True)
     execution_provider: str | None = option(help="ONNX Runtime provider for measurement (default: cuda when "
                                             "available)", choices=PROVIDERS)
@@ -139,7 +140,8 @@ class CompressRequest:
     latency_probes: int = option(4, "target mode: latency probes per round at most: the planned widths with "
                                  "sliced, unsolved weights, exported and measured (never evaluated), to find "
                                  "widths that meet the target before a round pays for its solve; 0: off")
-    accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02), or none; "
+    accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02; a perplexity's "
+                                           "relative rise, so 1 allows 2x dense), or none; "
                                            f"default: {default_budgets_text()}", metavar="D|none")
     no_accuracy_budget: bool = option(False, "no accuracy budget, not even the default one (--accuracy-budget none)",
                                       cli=False)
@@ -262,8 +264,10 @@ class CompressRequest:
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
         check(self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0), "time_budget",
               f"--time-budget must be a positive number of seconds (got {self.time_budget})")
-        check(self.accuracy_budget is None or 0 < self.accuracy_budget < 1, "accuracy_budget",
-              f"--accuracy-budget must be in (0, 1) (got {self.accuracy_budget})")
+        # a relative rise of a perplexity may exceed 1 (1: the default 2x dense rule); an accuracy's drop beyond 1
+        # allows anything, as none does
+        check(self.accuracy_budget is None or (math.isfinite(self.accuracy_budget) and self.accuracy_budget > 0),
+              "accuracy_budget", f"--accuracy-budget must be a positive number (got {self.accuracy_budget})")
         check(not (self.no_accuracy_budget and self.accuracy_budget is not None), "accuracy_budget",
               f"--accuracy-budget is either a number or none (got {self.accuracy_budget} and none)")
         check(not (self.back_off and self.no_accuracy_budget), "back_off",

@@ -487,7 +487,7 @@ def test_an_exactly_singular_h_the_rank_bound_cannot_see_is_damped_not_trusted()
 
 
 def test_a_pivot_lost_in_the_greedy_is_recovered_not_raised():
-    X, H, G, W = _dependent_feature_problem(5, combo=False)
+    _, H, G, W = _dependent_feature_problem(5, combo=False)
     sol = solve_layer(H, G, 4, 4, dense_weight=W, rank=511)
     assert len(sol.pruned) == 4
     assert sol.objective == pytest.approx(float(0.5 * (sol.weight * (H @ sol.weight)).sum() - (G * sol.weight).sum()),

@@ -1,6 +1,7 @@
 """`osscar compress` and `service.job.compress` end to end."""
 
 import json
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -820,3 +821,60 @@ def test_a_decode_step_of_sliding_window_layers_is_refused_before_any_work(tmp_p
     err = capsys.readouterr().err
     assert "--decode-step: gemma2's sliding-window layers" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "model.onnx").exists()
+
+
+def test_a_round_with_outputs_that_are_not_finite_ends_evaluation_failed_and_leaves_no_model(model_and_data, tmp_path,
+                                                                                              monkeypatch, capsys):
+    """Parity passes when PyTorch and ONNX Runtime overflow alike; a NaN metric was 'ok' without a budget. The
+    job ends evaluation_failed, and a reused --out keeps no earlier pruned model beside the report."""
+    from service.job import kinds
+
+    real, calls = kinds.ConvJob.outputs, []
+
+    def outputs(self, path):
+        calls.append(path)
+        got = real(self, path)
+        return got if len(calls) == 1 else [np.full_like(np.asarray(o), np.nan) for o in got]
+
+    monkeypatch.setattr(kinds.ConvJob, "outputs", outputs)
+    out = tmp_path / "nan"
+    (out / "model").mkdir(parents=True)
+    (out / "model.pt2").write_bytes(b"an earlier job's")
+    assert cli.main([*_conv_args(model_and_data, out), "--accuracy-budget", "none"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("osscar: evaluation_failed") and "not finite" in line
+    assert {p.name for p in out.iterdir()} == {"report.json"}
+
+
+def test_every_stage_an_export_can_fail_in_has_words_in_the_report():
+    import importlib
+    import inspect
+    import re
+
+    from service.job.reporting import STAGES
+
+    compress = importlib.import_module("service.job.compress")  # the module (the package exports its function)
+    raised = set(re.findall(r'_ExportFailed\("(\w+)"', inspect.getsource(compress)))
+    assert raised and raised <= set(STAGES), raised - set(STAGES)
+
+
+def test_the_time_budget_counts_from_the_jobs_start_loading_included(model_and_data, tmp_path, monkeypatch):
+    import importlib
+
+    compress = importlib.import_module("service.job.compress")
+
+    moments, paces = {}, []
+    real_open, real_pace = compress.open_job, compress.Pace
+
+    def open_job(*args, **kwargs):
+        moments["open"] = time.perf_counter()
+        return real_open(*args, **kwargs)
+
+    def pace(*args, **kwargs):
+        paces.append(real_pace(*args, **kwargs))
+        return paces[-1]
+
+    monkeypatch.setattr(compress, "open_job", open_job)
+    monkeypatch.setattr(compress, "Pace", pace)
+    assert cli.main([*_conv_args(model_and_data, tmp_path / "out"), "--time-budget", "3600"]) == 0
+    assert paces and paces[0].start <= moments["open"]

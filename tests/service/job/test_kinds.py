@@ -298,3 +298,24 @@ def test_a_transformer_prune_without_the_fit_solves_only_and_refuses_to_fit_solv
     assert [r.width_after for r in bare] == [r.width_after for r in fitted]
     with pytest.raises(ValueError, match="cannot be fitted later"):
         job.prune(0.25, solved=(solved, bare))
+
+
+def test_a_perplexity_of_a_broken_model_is_huge_not_an_overflow():
+    from service.job.budgets import PERPLEXITY
+
+    job = object.__new__(TextJob)
+    job.metric = PERPLEXITY
+    assert job.score([(800.0 * 10, 10)], []) > 1e300
+
+
+def test_evaluation_images_without_room_for_labels_are_refused_in_one_line(tmp_path):
+    from compressor.errors import CalibrationError
+    from service.job.kinds import _images_and_held_out
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "cal.npy", rng.standard_normal((200, 3, 8, 8)).astype(np.float32))
+    np.save(tmp_path / "eval.npy", rng.standard_normal((100, 3, 8, 8)).astype(np.float32))
+    request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", eval=tmp_path / "eval.npy",
+                              out_dir=tmp_path / "out", uniform_ratio=0.5)
+    with pytest.raises(CalibrationError, match="labels 'y'"):
+        _images_and_held_out(request, 256, labels=True)

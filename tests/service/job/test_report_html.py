@@ -243,3 +243,14 @@ def test_the_screenshot_is_not_blank(chromium, tmp_path):
     ink = (pixels.min(axis=2) < 200).mean()  # anything but white-ish
     blue = (np.abs(pixels - np.array([0x3B, 0x6E, 0xA8])).max(axis=2) < 12).mean()  # the bars and points
     assert ink > 0.03 and blue > 0.002, (ink, blue)
+
+
+def test_an_infinite_perplexity_renders_off_the_chart():
+    """A broken round's perplexity may be infinite (a -inf logit): the page is still written, its chart without
+    that point."""
+    from service.job.report import MetricResult, RoundResult
+    from tests.service.job.reports import report as made
+
+    page = render(made(metric=MetricResult("perplexity", 20.0, 25.0, 0.25, {}),
+                       rounds=[RoundResult(1.7, 1.6, float("inf"), {}, []), RoundResult(1.5, 1.45, 25.0, {}, [])]))
+    assert "<svg" in page and "inf" not in re.findall(r'c[xy]="([^"]+)"', page)

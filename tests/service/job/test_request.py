@@ -177,3 +177,13 @@ def test_add_bias_is_refused_for_methods_without_an_intercept_and_travels_on_the
         "add_bias"]
     assert spec_from_proto(spec_to_proto({"add_bias": "no"}))["add_bias"] == "no"
     assert "add_bias" not in spec_from_proto(spec_to_proto({}))  # unset: the request's default (auto)
+
+
+def test_a_perplexity_budget_may_allow_more_than_twice_dense():
+    """A relative rise of a perplexity may exceed 1 (1.0: the default 2x rule stated explicitly); zero, negative
+    and non-finite budgets are refused."""
+    base = dict(model="/m", calibration=Path("/c"), out_dir=Path("/o"), uniform_ratio=0.5)
+    for budget in (1.0, 1.5):
+        assert "accuracy_budget" not in dict(CompressRequest(**base, accuracy_budget=budget).violations())
+    for budget in (0.0, -0.5, float("inf"), float("nan")):
+        assert "accuracy_budget" in dict(CompressRequest(**base, accuracy_budget=budget).violations())

@@ -499,7 +499,7 @@ BAD_REQUESTS = [
     ("activation dtype", _compress(**{"options.activation_dtype": "int8"}), "INVALID_ARGUMENT",
      "options.activation_dtype"),
     ("provider tpu", _compress(execution_provider="tpu"), "INVALID_ARGUMENT", "execution_provider"),
-    ("budget 2", _compress(accuracy_budget=2.0), "INVALID_ARGUMENT", "accuracy_budget"),
+    ("negative budget", _compress(accuracy_budget=-0.5), "INVALID_ARGUMENT", "accuracy_budget"),
     ("back off without a budget", _compress(back_off=True, no_accuracy_budget=True), "INVALID_ARGUMENT", "back_off"),
     ("budget and none", _compress(accuracy_budget=0.1, no_accuracy_budget=True), "INVALID_ARGUMENT",
      "accuracy_budget"),
