@@ -62,7 +62,7 @@ def _capped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
     elif is_causal:
         q_len, k_len = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device)
-                                    .tril(k_len - q_len).logical_not(), low)
+                                    .tril().logical_not(), low)  # top-left, as SDPA's is_causal
     weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), p=dropout)
     return weights @ value  # (batch, heads, q_len, head_dim)
 

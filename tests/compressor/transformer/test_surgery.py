@@ -181,6 +181,14 @@ def test_gemma2s_soft_capped_scores_survive_single_query_heads():
     reference = zero_inputs(model, 0, adapter.o, _query_rows([0, 1, 3], d.head_dim))
     prune_query_heads(model, 0, [0, 1, 3])
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+    # a prompt run into an empty static cache comes without a mask: causal from the first key, as SDPA's flag
+    # is (the cache's empty slots after the prompt are never seen)
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        torch.testing.assert_close(model(input_ids=ids, past_key_values=cache, use_cache=True).logits, plain,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_query_head_widths_save_and_reload(tmp_path):
