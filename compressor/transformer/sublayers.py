@@ -102,7 +102,8 @@ def is_removed(model: nn.Module, index: int, kind: str) -> bool:
 
 def check_removable(model: nn.Module, index: int, kind: str) -> None:
     """Refuse, in one line naming why, a sub-layer that cannot be removed: out of range, already removed, in a family
-    that norms each sub-layer's output (`FamilyAdapter.normed_updates`), or a causal LM's attention when its layers
+    that norms each sub-layer's output (`FamilyAdapter.normed_updates`), a causal LM's last attention, or a causal
+    LM's attention when its layers
     are of several kinds (sliding-window and global: a KV cache built
     from the config lays its layers out by kind, which renumbered attentions would no longer match)."""
     n = len(layers(model))
@@ -114,6 +115,10 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type} norms each sub-layer's output before the residual "
                                       "add, which would turn a removed sub-layer's constant into a full-size update: "
                                       "an attention or an FFN alone is not removed (whole layers are)")
+    if kind == ATTENTION and adapter_for(model).causal and kv_layers(model) == 1:
+        raise UnsupportedArchitecture(f"layer {index}'s attention is the last one left: a decoder without any would "
+                                      "read no context, and its KV cache (empty) would give every decoded token "
+                                      "position 0")
     kinds = set(getattr(model.config, "layer_types", None) or ())
     if kind == ATTENTION and adapter_for(model).causal and len(kinds) > 1:
         raise UnsupportedArchitecture(f"{model.config.model_type} mixes layer kinds ({', '.join(sorted(kinds))}): "

@@ -564,19 +564,24 @@ class _TransformerJob:
         """Whole layers and sub-layers by removal loss per multiply-add saved, least first (ShortGPT's order,
         in the curves' units, weighed by what each move saves: a layer's attention and its FFN cost unequally).
         A move overlapping an earlier one (a layer after one of its sub-layers, a sub-layer after its layer) is
-        left out; a layer's two sub-layers together are its removal (`_split`). The order ends before a move
-        that would leave no layer at all (a shallow model has its best moves in every layer)."""
+        left out; a layer's two sub-layers together are its removal (`_split`). A move that would leave no layer
+        at all (a shallow model has its best moves in every layer), or a decoder no attention, is left out."""
         costs = self._unit_costs()
         units = self._units()
-        whole, partial = set(), set()
+        n = dims(self.dense).layers
+        whole, partial, deaf = set(), set(), set()  # deaf: layers without their attention (a decoder keeps one)
         for name, loss in sorted(self.removal_losses().items(), key=lambda item: item[1] / costs[item[0]]):
             index, kind = units[name]
             if index in whole or (kind is None and index in partial):
                 continue
             gone = kind is None or index in partial  # the layer is then removed whole
-            if gone and len(whole) + 1 >= dims(self.dense).layers:
+            if gone and len(whole) + 1 >= n:
+                continue
+            if self.causal and kind != FFN and len(deaf | {index}) >= n:
                 continue
             (whole if gone else partial).add(index)
+            if kind != FFN:
+                deaf.add(index)
             yield name, loss
 
     def _units(self) -> dict[str, tuple[int, str | None]]:
@@ -648,6 +653,10 @@ class _TransformerJob:
                              "their place in a stage); name their attention and FFN alone")
         for index, kind in subs:
             check_removable(self.dense, index, kind)
+        attentions = set(range(len(layers(self.dense)))) - set(whole) - {i for i, k in subs if k == ATTENTION}
+        if self.causal and not attentions:
+            raise InputError(f"{', '.join(blocks)}: every attention would be gone; a decoder without any reads no "
+                             "context (keep at least one)")
         self.removed_blocks = list(blocks)
 
     def planning_batches(self) -> list[dict[str, torch.Tensor]]:

@@ -121,3 +121,19 @@ def test_bad_sublayer_removals_are_refused():
     with pytest.raises(UnsupportedArchitecture, match="laid out by kind"):
         check_removable(mixed, 0, ATTENTION)
     check_removable(mixed, 0, FFN)  # its FFNs are removed alone
+
+
+def test_a_decoders_last_attention_stays():
+    """Without any attention a decoder reads no context, and its empty KV cache gives every decoded token position
+    0 (GPT-2, OPT: their positions are embedded outside attention); an encoder may lose them all."""
+    from .transformer_models import tiny_bert, tiny_gpt2
+
+    model = tiny_gpt2()
+    remove_sublayer(model, 0, ATTENTION)
+    with pytest.raises(UnsupportedArchitecture, match="last one left"):
+        remove_sublayer(model, 1, ATTENTION)
+    assert kv_layers(model) == 1
+    encoder = tiny_bert()
+    for i in range(len(layers(encoder))):
+        remove_sublayer(encoder, i, ATTENTION)
+    assert kv_layers(encoder) == 0

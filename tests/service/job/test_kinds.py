@@ -84,6 +84,22 @@ def test_the_depth_order_never_removes_every_layer():
     assert len(whole) < 2
 
 
+def test_the_depth_order_leaves_a_decoder_one_attention():
+    """A decoder without any attention reads no context (and its empty cache gives decoded tokens position 0)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64)
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens, job.causal = transformers.LlamaForCausalLM(config).eval(), 16, True
+    job._removal_losses = {"model.layers.0.self_attn.o_proj": 0.1, "model.layers.1.self_attn.o_proj": 0.2,
+                           "model.layers.1": 0.3, "model.layers.0.mlp.down_proj": 0.4}
+    order = [name for name, _ in job.depth_order()]
+    assert order == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+    with pytest.raises(InputError, match="every attention would be gone"):
+        job.remove(["model.layers.0.self_attn.o_proj", "model.layers.1"])
+
+
 def test_a_transformers_depth_units_cost_their_share_of_the_multiply_adds():
     """What a depth plan models a transformer's options by (`removed_cost`): each layer its equal share, a layer's
     attention and FFN together the layer's, and the attention's share growing with the measured sequence length
