@@ -226,8 +226,18 @@ class LayerConfig:
 
 def head_groups(model: nn.Module, index: int) -> int:
     """Prunable head groups of block `index`: KV heads under GQA, heads otherwise."""
+    _check_whole_groups(model, index)
     d = dims(model)
     return _query_width(model, layers(model)[index]) // (d.head_dim * d.group)
+
+
+def _check_whole_groups(model: nn.Module, index: int) -> None:
+    """Groups are `group` query heads over one KV head each: not so once query heads were pruned one by one."""
+    mapping = getattr(_attention(model, layers(model)[index]), "kv_map", None)
+    group = dims(model).group
+    if mapping is not None and list(mapping) != [h // group for h in range(len(mapping))]:
+        raise ValueError(f"layer {index}'s query heads were pruned one by one (KV heads {list(mapping)}): its heads "
+                         "are no longer whole groups; prune them with prune_query_heads")
 
 
 def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tensor,
@@ -237,6 +247,7 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     layer, d = layers(model)[index], dims(model)
     if is_removed(model, index, ATTENTION):
         raise ValueError(f"layer {index}'s attention is removed: it has no heads to keep")
+    _check_whole_groups(model, index)
     width = _query_width(model, layer)
     keep = check_keep(keep_groups, width // (d.head_dim * d.group), f"layer {index} head groups")
     # a group is one KV head and the `group` query heads that share it (one without GQA)

@@ -304,3 +304,12 @@ def test_a_gpt2_scaled_by_inverse_layer_index_keeps_its_scaling_when_layers_move
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
     save_pruned(model, tmp_path / "m")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "m")), first_output(model), rtol=1e-5, atol=1e-6)
+
+
+def test_whole_head_groups_are_refused_once_query_heads_went_one_by_one():
+    model = tiny_llama()  # 8 query heads over 2 KV heads
+    prune_query_heads(model, 0, [0, 1, 4, 5])  # two of each KV head's four
+    with pytest.raises(ValueError, match="pruned one by one"):
+        prune_heads(model, 0, [0])
+    with pytest.raises(ValueError, match="pruned one by one"):
+        head_groups(model, 0)
