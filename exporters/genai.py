@@ -47,6 +47,8 @@ def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any
     kv_heads = len(set(kv_index(model, kept[0]).tolist())) if kept else d.kv_heads
     eos = _token_id(getattr(config, "eos_token_id", None))
     pad = _token_id(getattr(config, "pad_token_id", None))
+    if isinstance(pad, list):  # one id, as GenAI reads it
+        pad = pad[0] if pad else None
     context = int(getattr(config, "max_position_embeddings", 2048))
     decoder = {
         "filename": decode,
@@ -62,7 +64,9 @@ def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any
                     "present_value_names": "present.%d.value"},
     }
     tokens = {"bos_token_id": _token_id(getattr(config, "bos_token_id", None)), "eos_token_id": eos,
-              "pad_token_id": pad if pad is not None else eos}
+              # GenAI takes one pad id: a list of end tokens (Llama 3 Instruct's) lends its first
+              "pad_token_id": pad if pad is not None else eos[0] if isinstance(eos, list) and eos else
+              None if isinstance(eos, list) else eos}
     return {
         "model": {"type": kind, "decoder": decoder, "context_length": context, "vocab_size": int(config.vocab_size),
                   **{name: value for name, value in tokens.items() if value is not None}},

@@ -58,7 +58,8 @@ PARITY_TOLERANCES = {"fp32": ParityTolerance(peak=2e-3, aggregate=5e-4),
 
 @dataclass(frozen=True)
 class Parity:
-    """How close an export came to PyTorch: the worst output's errors (see ParityTolerance)."""
+    """How close an export came to PyTorch: each error field the largest over the outputs (they may come from
+    different outputs; each output is judged alone, see ParityTolerance)."""
 
     max_abs_error: float
     peak_error: float  # max |o - t| / (RMS(t) + |t|)
@@ -444,8 +445,8 @@ def check_parity(
     valid: torch.Tensor | None = None,
 ) -> Parity:
     """Run the ONNX file in ONNX Runtime (CPU, a spawned subprocess) and compare with `module`, each
-    output relative to its own scale (`ParityTolerance`); returns the worst output's errors. `valid`
-    (batch, sequence) bool: only those positions of outputs that start with (batch, sequence) are compared.
+    output relative to its own scale (`ParityTolerance`); returns each error field's largest over the outputs.
+    `valid` (batch, sequence) bool: only those positions of outputs that start with (batch, sequence) are compared.
 
     Raises ParityError listing every mismatch (output count, shape, errors beyond tolerance, with the
     numbers), and RuntimeFailure when ONNX Runtime cannot run the file.

@@ -82,30 +82,34 @@ def copy_sentence_files(source: Path, model_dir: Path, hidden: int) -> bool:
     modules = sentence_modules(source)
     if modules is None:
         return False
-    for name in SENTENCE_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, model_dir / name)
+    # every check before anything is copied: a refused layout leaves nothing of itself in model_dir
     bad = [str(m.get("path")) for m in modules
            if not isinstance(m.get("path", ""), str) or Path(m.get("path", "")).is_absolute()
            or ".." in Path(m.get("path", "")).parts]
     if bad:
         raise LayoutError(f"{source / MODULES}: module paths outside the model directory: {', '.join(bad)}")
+    folders = [m.get("path", "") for m in modules if m.get("path", "")]  # "": the Transformer, model_dir itself
     for module in modules:
         path = module.get("path", "")
-        if not path:  # the Transformer module: the pruned directory itself
-            continue
-        if (source / path).is_dir():
-            shutil.copytree(source / path, model_dir / path, dirs_exist_ok=True)
-        elif module["type"] == NORMALIZE:
-            (model_dir / path).mkdir(parents=True, exist_ok=True)
-        else:
+        if path and not (source / path).is_dir() and module["type"] != NORMALIZE:
             raise LayoutError(f"{source / MODULES}: module {module.get('name', path)!r} ({module['type']}) has no "
                               f"folder {path!r} in the source model")
-        pooling = model_dir / path / "config.json"
-        if pooling.is_file():
-            width = json.loads(pooling.read_text()).get("word_embedding_dimension")
+        pooling = source / path / "config.json" if path else None
+        if pooling is not None and pooling.is_file():
+            try:
+                width = json.loads(pooling.read_text()).get("word_embedding_dimension")
+            except (ValueError, AttributeError) as err:
+                raise LayoutError(f"{pooling} is not a JSON object") from err
             if width is not None and width != hidden:
                 raise LayoutError(f"{path}/config.json pools {width} channels, the model has {hidden}")
+    for name in SENTENCE_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, model_dir / name)
+    for path in folders:
+        if (source / path).is_dir():
+            shutil.copytree(source / path, model_dir / path, dirs_exist_ok=True)
+        else:  # a Normalize module: an empty folder
+            (model_dir / path).mkdir(parents=True, exist_ok=True)
     log.info("%s: sentence-transformers modules %s carried over", model_dir,
              ", ".join(m.get("path") or "(transformer)" for m in modules))
     return True

@@ -67,3 +67,11 @@ def test_the_decode_step_prefills_from_an_empty_cache_and_steps_several_tokens(t
 def test_families_genai_was_not_tested_with_are_refused():
     with pytest.raises(ValueError, match="not supported for 'gpt2'"):
         genai_config(MODELS["gpt2"]())
+
+
+def test_a_list_of_end_tokens_without_a_pad_token_lends_genai_one_pad_id():
+    """Llama 3 Instruct's config: three end tokens, no pad token. GenAI refuses a list as its pad id."""
+    model = MODELS["llama"]()
+    model.config.eos_token_id, model.config.pad_token_id = [48, 49], None
+    tokens = genai_config(model)["model"]
+    assert tokens["eos_token_id"] == [48, 49] and tokens["pad_token_id"] == 48

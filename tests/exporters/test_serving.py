@@ -120,9 +120,13 @@ def test_module_folders_outside_the_model_or_missing_are_refused(tmp_path):
     (source / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(LayoutError, match=r"outside the model directory: \.\./x, /etc"):
         copy_sentence_files(source, target, hidden=32)
-    (source / "modules.json").write_text(json.dumps([{**modules[1], "path": "2_Dense"}]))
+    (source / "1_Pooling").mkdir()
+    (source / "1_Pooling" / "config.json").write_text("{}")
+    (source / "modules.json").write_text(json.dumps([{**modules[1], "path": "1_Pooling"},
+                                                     {**modules[1], "path": "2_Dense"}]))
     with pytest.raises(LayoutError, match="has no folder '2_Dense'"):
         copy_sentence_files(source, target, hidden=32)
+    assert list(target.iterdir()) == []  # a refused layout leaves no modules.json naming what is not there
 
 
 def test_a_pooling_of_another_width_is_refused(tmp_path):
