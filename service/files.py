@@ -83,7 +83,7 @@ def write_tar(directory: Path, out: Path, follow_symlinks: bool = False) -> None
     links into its blobs) stored as the files they point to; a link that points nowhere is then an error."""
     directory = Path(directory)
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(directory.rglob("*")):
+        for path in _entries(directory, follow_symlinks):
             if path.is_symlink() and follow_symlinks and not path.exists():
                 raise ArchiveError(f"{path} is a symbolic link to nothing ({os.readlink(path)})")
             if not (path.is_file() or path.is_dir()) or (path.is_symlink() and not follow_symlinks):
@@ -102,6 +102,21 @@ def write_tar(directory: Path, out: Path, follow_symlinks: bool = False) -> None
                 tar.addfile(info)
 
 
+def _entries(directory: Path, follow_symlinks: bool) -> list[Path]:
+    """Every path under `directory`, sorted; with `follow_symlinks` also under linked folders (Path.rglob does not
+    enter them: their files would be missing from the tar), a folder reached twice refused."""
+    if not follow_symlinks:
+        return sorted(directory.rglob("*"))
+    found, seen = [], set()
+    for root, dirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # top-down: a link back to a folder it is in, or two links to one folder
+            raise ArchiveError(f"{root} reaches {real} again (a link loop, or two links to one folder)")
+        seen.add(real)
+        found += [Path(root) / name for name in dirs + files]
+    return sorted(found)
+
+
 def extract_tar(archive: Path, target: Path) -> None:
     """Regular files and directories only, every member inside `target`; anything else is refused with
     the list of offending members."""
@@ -117,5 +132,5 @@ def extract_tar(archive: Path, target: Path) -> None:
             tar.extractall(target, filter="data")
     except tarfile.TarError as err:
         raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
-    except OSError as err:  # members that contradict each other (a file `a`, then `a/b`)
-        raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as err:  # members that contradict each other
+        raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err  # (`a`, then `a/b`)

@@ -16,7 +16,7 @@ from ..api.wire import (
     unpack_response,
 )
 from .terminal import ProgressBar, format_report
-from .transport import ClientError, RemoteCompressor, connect, deliver, failed, server_flags
+from .transport import ClientError, RemoteCompressor, check_out, connect, deliver, failed, server_flags
 
 
 def _state(op: operations_pb2.Operation) -> str:
@@ -124,6 +124,7 @@ def cancel_operation(client: RemoteCompressor, args: argparse.Namespace) -> int:
 
 def download_operation(client: RemoteCompressor, args: argparse.Namespace) -> int:
     """The artifacts of an operation into --out (a running one is followed until it ends)."""
+    check_out(Path(args.out_dir))
     final = _follow(client, args.name)
     out = deliver(client, final, Path(args.out_dir))
     print(format_report(unpack_response(final).report, out))

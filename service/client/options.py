@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
 import typing
 import uuid
@@ -23,7 +25,7 @@ from .transport import ClientError, RemoteCompressor
 def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
     """The Compress request of the command's flags: the options it set (the server applies the same
     defaults to the rest), references made absolute or uploaded."""
-    from ..job.request import LOCAL_ONLY, REFERENCES, SHAPE_KEYS
+    from ..job.request import LOCAL_ONLY, MAX_TIME_BUDGET_S, REFERENCES, SHAPE_KEYS, request_from_spec
 
     def reference(value) -> str:
         text = str(value)
@@ -35,12 +37,22 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
                 raise ClientError(f"--upload: no such file or directory: {path}")
             print(f"uploading {path}", file=sys.stderr)
             return client.upload(path)
-        return str(path.resolve())
+        return os.path.abspath(path)  # not resolved: a link keeps its name (its target may have no extension)
 
+    budget = args.time_budget
+    if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TIME_BUDGET_S):
+        raise ClientError(f"--time-budget must be a positive number of seconds, at most {MAX_TIME_BUDGET_S:g} "
+                          f"(got {budget})")
     options = {k: v for k, v in compress_options(args).items() if k not in LOCAL_ONLY}
-    try:  # every value fits its field before anything is uploaded
+    # the checks a local run makes of the values (not of the files: the server resolves those), before anything
+    # is uploaded: a shape key misspelt, a budget that is not a number, a batch of 0 the wire would read as unset
+    found = request_from_spec(options, out_dir=Path("/nonexistent")).violations()
+    wrong = [message for name, message in found if name not in REFERENCES]
+    if wrong:
+        raise ClientError("; ".join(wrong))
+    try:  # every value fits its field
         spec_to_proto(options)
-    except ValueError as err:
+    except (ValueError, AttributeError) as err:
         raise ClientError(str(err)) from None
     for name in REFERENCES:
         if name in options:

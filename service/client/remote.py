@@ -24,7 +24,16 @@ from ..api.wire import (
 )
 from .options import build_request
 from .terminal import ProgressBar, format_report, ignoring_interrupts
-from .transport import ClientError, RemoteCompressor, connect, deliver, describe_error, failed, server_flags
+from .transport import (
+    ClientError,
+    RemoteCompressor,
+    check_out,
+    connect,
+    deliver,
+    describe_error,
+    failed,
+    server_flags,
+)
 
 
 def follow_up(name: str, args: argparse.Namespace) -> str:
@@ -39,6 +48,7 @@ def remote_compress(args: argparse.Namespace) -> int:
     try:
         if args.device is not None:
             raise ClientError("--device is chosen by the server (one job per device); drop it with --server")
+        check_out(Path(args.out_dir))  # before the job runs: not found hours later when its artifacts come
         client = connect(args)
     except ClientError as err:
         print(f"osscar: error: {err}", file=sys.stderr)
@@ -64,9 +74,10 @@ def remote_compress(args: argparse.Namespace) -> int:
         ended = final.done
         try:
             out = deliver(client, final, Path(args.out_dir))
-        except grpc.RpcError as err:  # the job has ended on the server: only its copy here failed
+        except (grpc.RpcError, OSError) as err:  # the job has ended on the server: only its copy here failed
+            why = describe_error(err) if isinstance(err, grpc.RpcError) else f"{type(err).__name__}: {err}"
             print(f"osscar: error: {final.name} has ended, but downloading its artifacts failed "
-                  f"({describe_error(err)}); {download_command(final.name, args)}", file=sys.stderr)
+                  f"({why}); {download_command(final.name, args)}", file=sys.stderr)
             return 2
         print(format_report(unpack_response(final).report, out))
         return 0

@@ -37,9 +37,9 @@ class RemoteCompressor:
     def __init__(self, target: str, timeout_s: float = 60.0, *, tls_ca: Path | None = None,
                  tls_cert: Path | None = None, tls_key: Path | None = None, token: str | None = None) -> None:
         options = [("grpc.max_receive_message_length", 8 << 20)]
+        if (tls_cert is None) != (tls_key is None):  # a key alone would otherwise connect in plain text
+            raise ClientError("--tls-cert and --tls-key go together")
         if tls_ca is not None or tls_cert is not None:
-            if (tls_cert is None) != (tls_key is None):
-                raise ClientError("--tls-cert and --tls-key go together")
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
                 private_key=Path(tls_key).read_bytes() if tls_key else None,
@@ -86,8 +86,10 @@ class RemoteCompressor:
                     write_tar(path, source, follow_symlinks=True)  # a Hugging Face snapshot's files are links
                 except ArchiveError as err:
                     raise ClientError(f"--upload {path}: {err}") from None
+            # the name as given (a link's target, a Hugging Face blob, has no extension to tell its format by);
             # `.` or `dir/..` name no file: the folder's own name does
-            header = pb.BlobHeader(filename=path.resolve().name, archive=archive, size_bytes=source.stat().st_size,
+            header = pb.BlobHeader(filename=Path(os.path.abspath(path)).name, archive=archive,
+                                   size_bytes=source.stat().st_size,
                                    sha256=file_sha256(source))
 
             def messages():
@@ -196,6 +198,15 @@ def connect(args: argparse.Namespace) -> RemoteCompressor:
         client.close()
         raise
     return client
+
+
+def check_out(out: Path) -> None:
+    """An --out a job's artifacts can be written into: a folder, new or existing and writable."""
+    if out.exists() and not out.is_dir():
+        raise ClientError(f"--out {out} is a file; give a folder (new or one of an earlier job's)")
+    parent = next((p for p in (out, *out.parents) if p.exists()), None)
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        raise ClientError(f"--out {out}: {parent} is not writable")
 
 
 def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from ..job.request import MAX_TIME_BUDGET_S
 from .blobs import BlobStore
 from .policy import ReferencePolicy
 from .references import resolve
@@ -23,7 +24,6 @@ from .store import LABEL_KEY
 
 REQUIRED = ("model", "calibration")
 MAX_LABELS = 64
-MAX_TIME_BUDGET_S = 7 * 86400
 
 
 @dataclass

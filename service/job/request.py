@@ -29,6 +29,7 @@ from .budgets import default_budgets_text
 # "exact" only solves single small layers; wanda-sp and flap are the retraining-free LLM baselines
 PRUNING_METHODS = ("mp", "mp+", "thinet", "osscar", "wanda-sp", "flap")
 DEFAULT_METHOD = "osscar"  # what a request that names no method runs
+MAX_TIME_BUDGET_S = 7 * 86400  # the longest time budget a server accepts (a week)
 MAX_MEASURED_ELEMENTS = 1 << 22  # batch x sequence of the measured shape (4M tokens)
 SHAPE_KEYS = ("batch", "sequence")
 

@@ -163,8 +163,30 @@ def test_a_value_that_does_not_fit_the_wire_is_one_line_before_anything_is_uploa
     args = [*compress_args(data, tmp_path / "out", 3), "--seed", "3000000000", "--upload", "--server", server.address]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert "--seed 3000000000 does not fit the request's options.seed field" in err and "Traceback" not in err
+    assert "--seed must be in [-2^31, 2^31 - 1] (got 3000000000)" in err and "Traceback" not in err
     assert "uploading" not in err
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--shape", "batc=8"], "--shape takes batch=N and sequence=N"),
+    (["--shape", "batch=0"], "--shape takes batch=N and sequence=N"),
+    (["--time-budget", "inf"], "--time-budget must be a positive number of seconds"),
+])
+def test_values_a_local_run_refuses_are_one_line_before_anything_is_uploaded(server, data, tmp_path, capsys, extra,
+                                                                             words):
+    """What a local run refuses in one line was a traceback (an unknown --shape key, an infinite budget) or was
+    silently ignored (batch=0 reads as unset on the wire) with --server."""
+    args = [*compress_args(data, tmp_path / "out", 3), *extra, "--upload", "--server", server.address]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "uploading" not in err
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_job_runs(server, data, tmp_path, capsys):
+    (tmp_path / "out").write_text("a file")
+    assert cli.main([*compress_args(data, tmp_path / "out", 3), "--server", server.address]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is a file" in err and "operations/" not in err  # nothing was submitted
 
 
 def test_a_download_that_fails_after_the_job_ended_says_how_to_download_it_again(server, data, tmp_path, capsys,

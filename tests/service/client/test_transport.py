@@ -30,3 +30,35 @@ def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, m
     transport.deliver(Client(), operations_pb2.Operation(name="operations/b", done=True), out)
     assert sorted(p.name for p in out.iterdir()) == ["model", "model.onnx", "notes.txt", "report.json"]
     assert (out / "model.onnx").read_text() == "this job's"
+
+
+def test_an_upload_of_a_folder_takes_the_files_of_its_linked_folders(tmp_path):
+    """A Hugging Face snapshot links files, and a user's folder may link folders: Path.rglob does not enter those,
+    whose files were missing from the tar; a folder reached twice (a loop) is refused."""
+    import tarfile
+
+    import pytest
+
+    from service.files import ArchiveError, write_tar
+
+    shared, model = tmp_path / "shared", tmp_path / "model"
+    (shared / "sub").mkdir(parents=True)
+    (shared / "sub" / "weights.bin").write_bytes(b"w")
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer").symlink_to(shared)
+    write_tar(model, tmp_path / "m.tar", follow_symlinks=True)
+    with tarfile.open(tmp_path / "m.tar") as tar:
+        assert "tokenizer/sub/weights.bin" in tar.getnames()
+    (shared / "back").symlink_to(model)
+    with pytest.raises(ArchiveError, match="again"):
+        write_tar(model, tmp_path / "loop.tar", follow_symlinks=True)
+
+
+def test_a_tls_key_without_its_certificate_is_refused(tmp_path):
+    import pytest
+
+    key = tmp_path / "client.key"
+    key.write_text("not used")
+    with pytest.raises(transport.ClientError, match="go together"):
+        transport.RemoteCompressor("127.0.0.1:1", tls_key=key)
