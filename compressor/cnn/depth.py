@@ -216,12 +216,14 @@ class _BranchEnergies(fx.Interpreter):
         self.stream = dict.fromkeys(self.shortcut, 0.0)
 
     def run_node(self, node: fx.Node) -> object:
+        if node.name not in self.shortcut:
+            return super().run_node(node)
+        branch = next(self.env[a] for a in node.args[:2]
+                      if isinstance(a, fx.Node) and a.name != self.shortcut[node.name])
+        # read before the add runs: an in-place one (`out += x`, HF ResNet's) writes the sum into the branch
+        self.branch[node.name] += float(branch.double().square().sum())
         out = super().run_node(node)
-        if node.name in self.shortcut:
-            branch = next(self.env[a] for a in node.args[:2]
-                          if isinstance(a, fx.Node) and a.name != self.shortcut[node.name])
-            self.branch[node.name] += float(branch.double().square().sum())
-            self.stream[node.name] += float(out.double().square().sum())
+        self.stream[node.name] += float(out.double().square().sum())
         return out
 
 

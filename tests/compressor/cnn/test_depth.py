@@ -139,3 +139,47 @@ def test_a_shallower_graph_is_channel_pruned_fitted_to_the_dense_one_and_exports
     path = tmp_path / "model.onnx"
     export_onnx(fitted, images[:2], path)
     assert check_parity(fitted, path, images[:4]).max_abs_error < 1e-4
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, channels: int, in_place: bool):
+        super().__init__()
+        self.in_place = in_place
+        self.c1, self.c2 = (torch.nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        self.b1, self.b2 = torch.nn.BatchNorm2d(channels), torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        out = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        if self.in_place:
+            out += x  # HF ResNet's `hidden_state += residual`
+        else:
+            out = out + x
+        return torch.relu(out)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = torch.nn.Sequential(_Block(8, in_place), _Block(8, in_place))
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.blocks(torch.relu(self.stem(x))).mean((2, 3)))
+
+
+def test_an_in_place_residual_add_is_priced_by_its_branch():
+    """`out += x` writes the sum into the branch's tensor: read after the add, every block's removal loss
+    was 1.0 (branch = stream), and depth was never chosen for such graphs."""
+    torch.manual_seed(0)
+    plain = _Net(in_place=False).eval()
+    in_place = _Net(in_place=True).eval()
+    in_place.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        for model in (plain, in_place):
+            for block in model.blocks:
+                block.b2.weight.mul_(0.1)
+    images = torch.randn(16, 3, 8, 8)
+    expected = removal_losses(export_module(plain, images[:2]), images, device=CPU)
+    got = removal_losses(export_module(in_place, images[:2]), images, device=CPU)
+    assert all(v < 0.5 for v in got.values()) and got == pytest.approx(expected, rel=1e-6)
