@@ -329,8 +329,13 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
 
 def _searched(option: DepthOption, best: DepthOption, worse: int) -> tuple[DepthOption, int, bool]:
     """The depth search after weighing `option`: (the best option so far, how many in a row planned no better,
-    whether to stop: DEPTH_PATIENCE of those, or blocks alone reaching the aim)."""
-    best, worse = (option, 0) if option.loss < best.loss else (best, worse + 1)
+    whether to stop: DEPTH_PATIENCE of those, or blocks alone reaching the aim). An option whose widths cannot reach
+    the aim (infinite loss) is better than another such when it leaves less for the widths to save: while widths
+    alone fall short, each deeper option comes closer, and two of them must not end the search."""
+    def rank(o: DepthOption) -> tuple[bool, float]:
+        return (math.isinf(o.loss), o.width_saving if math.isinf(o.loss) else o.loss)
+
+    best, worse = (option, 0) if rank(option) < rank(best) else (best, worse + 1)
     return best, worse, option.width_saving == 0 or worse >= DEPTH_PATIENCE
 
 

@@ -774,3 +774,23 @@ def test_a_layer_whose_statistics_no_damping_factorises_is_kept_whole_by_the_all
                                W_hat.clone(), 1, 1.0, 2.0)
     assert layer_curve(healthy, request, None, said.append).widths == [3, 2, 1] and len(said) == 1
 
+
+
+def test_the_depth_search_goes_on_while_deeper_options_come_closer_to_a_width_plan():
+    """Widths alone cannot reach the aim (infinite loss): two such options in a row ended the search, so a deeper
+    one that widths could complete was never weighed, and the job ended at minimum widths."""
+    from compressor.allocation import DepthOption
+    from service.job.targeting import _searched
+
+    none = DepthOption((), 0.0, 1.0, 0.9, math.inf)
+    best, worse = none, 0
+    for blocks, saving in ((("b0",), 0.85), (("b0", "b1"), 0.8)):
+        option = DepthOption(blocks, 0.1 * len(blocks), 1.0 + 0.1 * len(blocks), saving, math.inf)
+        best, worse, stop = _searched(option, best, worse)
+        assert not stop and best is option and worse == 0
+    feasible = DepthOption(("b0", "b1", "b2"), 0.3, 1.4, 0.5, 0.2)
+    best, worse, stop = _searched(feasible, best, worse)
+    assert best is feasible and not stop
+    farther = DepthOption(("b0", "b1", "b2", "b3"), 0.4, 1.5, 0.95, math.inf)  # a finite plan beats any infinite
+    best, worse, _ = _searched(farther, best, worse)
+    assert best is feasible and worse == 1
