@@ -95,9 +95,11 @@ def allocate(curves: Sequence[LayerCurve], saving: float, *, fill: bool = False)
         if k + 1 < len(curve.widths):
             saved = curve.cost * (curve.widths[k] - curve.widths[k + 1])
             dloss = max(0.0, curve.loss[k + 1] - curve.loss[k])  # f is monotone along a nested path: < 0 is rounding
-            # a step that saves nothing goes last instead of dividing by zero; equal ratios (common:
-            # many steps lose nothing) go in layer order, so the same curves give the same widths
-            heapq.heappush(heap, (dloss / max(saved, 1e-30), order[curve.name], curve.name))
+            # a step that saves nothing goes last (unless it loses nothing either: it then costs nothing to take);
+            # equal ratios (common: many steps lose nothing) go in layer order, so the same curves give the same
+            # widths
+            ratio = dloss / saved if saved > 0 else (math.inf if dloss > 0 else 0.0)
+            heapq.heappush(heap, (ratio, order[curve.name], curve.name))
 
     by_name = {c.name: c for c in curves}
     for curve in curves:

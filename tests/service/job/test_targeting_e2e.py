@@ -94,7 +94,7 @@ def test_bad_target_arguments_are_refused(tmp_path, capsys):
     base = ["compress", "m.pt2", "--calibration", "c.npz", "--out", str(tmp_path / "o")]
     for extra, words in ((["--target-speedup", "0.9"], "--target-speedup must be in (1, 20]"),
                          (["--target-speedup", "nan"], "--target-speedup must be in (1, 20]"),
-                         (["--target-speedup", "2", "--accuracy-budget", "1.5"], "--accuracy-budget"),
+                         (["--target-speedup", "2", "--accuracy-budget", "-0.5"], "--accuracy-budget"),
                          (["--target-speedup", "2", "--back-off", "--accuracy-budget", "none"],
                           "--back-off needs an accuracy budget"),
                          (["--target-speedup", "2", "--shape", "batch=0"], "--shape")):
