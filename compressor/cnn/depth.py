@@ -35,7 +35,7 @@ from torch import Tensor, fx
 
 from ..errors import UnsupportedArchitecture
 from ..progress import DEPTH, Progress, ProgressFn
-from .graph import ADD_OPS, CONV_OPS
+from .graph import ADD_OPS, CONV_OPS, LINEAR_OPS
 from .refine import graph_output
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,10 @@ def residual_blocks(gm: fx.GraphModule) -> list[ResidualBlock]:
             convs = [op for op in ops if op.target in CONV_OPS]
             if not convs:  # a branch of pointwise ops only: nothing worth removing
                 continue
-            weights = sorted(str(op.args[1].target) for op in convs if isinstance(op.args[1], fx.Node))
+            # named after every weight of the branch: a ConvNeXt block's one conv (its depthwise) and its Linears
+            # share the block's path, the conv alone names a module inside it
+            weighted = [op for op in ops if op.target in CONV_OPS or op.target in LINEAR_OPS]
+            weights = sorted(str(op.args[1].target) for op in weighted if isinstance(op.args[1], fx.Node))
             name = ".".join(_common_prefix([w.split(".")[:-1] for w in weights])) or node.name
             if name in {b.name for b in blocks}:  # blocks that share a module path: told apart by their add
                 name = f"{name}#{node.name}"

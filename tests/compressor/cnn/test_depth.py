@@ -183,3 +183,13 @@ def test_an_in_place_residual_add_is_priced_by_its_branch():
     expected = removal_losses(export_module(plain, images[:2]), images, device=CPU)
     got = removal_losses(export_module(in_place, images[:2]), images, device=CPU)
     assert all(v < 0.5 for v in got.values()) and got == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_block_of_one_conv_and_linears_is_named_after_all_its_weights():
+    """A ConvNeXt block's only conv is its depthwise one: named after it alone, the block was `blocks.0.dwconv`
+    and its MLP unit (`blocks.0.pwconv2`) did not count as inside it, so planning kept the removed blocks' widths."""
+    gm = exported("convnext")
+    names = [b.name for b in residual_blocks(gm)]
+    assert names == ["blocks.0", "blocks.1"]
+    units = [u.name for u in analyse(gm).units]
+    assert [u for u in units if u.startswith("blocks.0.")] == ["blocks.0.pwconv2"]  # inside its block
