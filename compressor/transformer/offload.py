@@ -1,6 +1,7 @@
-"""Prune a HF checkpoint larger than memory: blocks are read one at a time from its safetensors shards
-and written back pruned, so peak memory is one block (twice: dense copy and pruned) plus the
-calibration activations, whatever the model size.
+"""Prune a HF checkpoint block by block: blocks are read one at a time from its safetensors shards and
+written back pruned, so the pruning's peak memory is one block (twice: dense copy and pruned) plus the
+calibration activations, whatever the model size. (A service job still loads the dense model once, for its
+ONNX baseline and depth planning: streaming bounds the solve, not that load.)
 
 Life cycle: `StreamedCheckpoint(source_dir, out_dir)` builds the model with its blocks on the meta
 device (no memory) and everything else loaded; `prune_blocks(checkpoint, ...)` calls `load(i)` /
@@ -46,6 +47,8 @@ def checkpoint_bytes(directory: str | Path) -> int:
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
         return sum((directory / name).stat().st_size for name in shards if (directory / name).is_file())
+    if (directory / "model.safetensors").is_file():  # what a load reads, not a consolidated copy beside it
+        return (directory / "model.safetensors").stat().st_size
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
@@ -163,6 +166,8 @@ class StreamedCheckpoint:
                 name = pattern.sub(target, name)
             if name not in expected and base and f"{base}.{name}" in expected:
                 name = f"{base}.{name}"
+            elif name not in expected and base and name.startswith(f"{base}.") and name[len(base) + 1:] in expected:
+                name = name[len(base) + 1:]  # a task model's checkpoint (BertForMaskedLM's `bert.`) for its base
             self._source_name[name] = key
             out[name] = file
         return out
@@ -173,8 +178,8 @@ class StreamedCheckpoint:
 
         missing = [k for k in keys if k not in self.where]
         if missing:
-            raise KeyError(f"{self.source}: checkpoint lacks {len(missing)} tensors the model expects, e.g. "
-                           f"{missing[:5]}")
+            raise ModelReferenceError(f"{self.source}: the checkpoint lacks {len(missing)} tensors the model "
+                                      f"expects, e.g. {missing[:5]}")
         by_file: dict[str, list[str]] = defaultdict(list)
         for key in keys:
             by_file[self.where[key]].append(key)
@@ -258,6 +263,7 @@ class StreamedCheckpoint:
         for name in ("generation_config.json", *TOKENIZER_FILES):
             if (self.source / name).is_file():
                 shutil.copy(self.source / name, self.out_dir)
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": self._weight_map},
-                                                                             indent=1))
+        total = sum((self.out_dir / name).stat().st_size for name in set(self._weight_map.values()))
+        index = {"metadata": {"total_size": total}, "weight_map": self._weight_map}  # from_pretrained reads both
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         return self.out_dir

@@ -35,6 +35,8 @@ from .blobs import BlobStore
 from .worker import WorkerArgs
 from .worker import run as run_worker
 
+EXIT_GRACE_S = 5.0  # how long a worker whose pipe closed may take to exit on its own before it is killed
+
 Message = tuple[str, Any]  # ("progress", event) | ("done", {"report", "artifacts"}) | ("error", JobError)
 
 
@@ -164,6 +166,8 @@ class _LocalAttempt(Attempt):
             self.process.kill()
 
     async def end(self) -> Ended:
+        if self.process.pid is not None:  # a worker that closed its pipe is exiting: its own exit code, not -9
+            await asyncio.to_thread(self.process.join, EXIT_GRACE_S)
         self.stop()
         if self.process.pid is not None:
             await asyncio.to_thread(self.process.join)

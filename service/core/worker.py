@@ -15,10 +15,12 @@ machine take turns measuring latency: `execute` names a lock file (OSSCAR_LATENC
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,11 +74,28 @@ def pin(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
+def visible_device(device: str) -> str:
+    """A `cuda:N` slot as this process's only GPU (CUDA_VISIBLE_DEVICES, before CUDA starts): ONNX Runtime's CUDA
+    provider and its bound inputs take device 0, which would otherwise be slot 0's GPU whatever the slot. The
+    slot's N counts the GPUs the server sees (its own CUDA_VISIBLE_DEVICES, when set). Returns "cuda:0" for it."""
+    if not device.startswith("cuda:"):
+        return device
+    index = int(device.split(":", 1)[1])
+    seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    os.environ["CUDA_VISIBLE_DEVICES"] = seen[index] if index < len(seen) else str(index)
+    return "cuda:0"
+
+
 def run(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point (spawned)."""
     from .blobs import BlobStore
 
     die_with_parent(args.parent_pid)
+    # the server stops its workers itself (SIGKILL, after its drain re-queued the job): a Ctrl-C or SIGTERM sent to
+    # the server's whole process group (a terminal, systemd's control group) must not end a job as failed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    args = dataclasses.replace(args, device=visible_device(args.device))
     with contextlib.suppress(OSError):
         os.nice(10)
     from ..logs import configure, operation_id

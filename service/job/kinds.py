@@ -687,7 +687,9 @@ class _TransformerJob:
         if self.removed_blocks and not statistics:
             options["skip"], options["sublayers"] = self._split(self.removed_blocks)
         if self.stream:
-            work = Path(tempfile.mkdtemp(prefix="osscar-stream-"))
+            # in the job's folder (a server's scratch, removed with the job however its worker ends), not /tmp:
+            # a killed worker would leave a partial checkpoint of the model's size there
+            work = Path(tempfile.mkdtemp(prefix=".osscar-stream-", dir=request.out_dir))
             try:
                 checkpoint = StreamedCheckpoint(request.model, work / "model")
                 layers = prune_blocks(checkpoint, batches, plan, **options)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compressor.errors import UnsupportedArchitecture
+from compressor.errors import ModelReferenceError, UnsupportedArchitecture
 from compressor.transformer.adapters import layers
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer
@@ -141,7 +141,7 @@ def test_missing_weights_and_non_safetensors_are_refused(tmp_path):
     del state[next(k for k in state if "layer.1." in k and k.endswith("query.weight"))]
     save_file(state, str(tmp_path / "src" / "model.safetensors"))
     checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    with pytest.raises(KeyError, match="lacks 1 tensors"):
+    with pytest.raises(ModelReferenceError, match="lacks 1 tensors"):
         prune_blocks(checkpoint, data(model), 0.25)
 
 
@@ -188,3 +188,30 @@ def test_checkpoint_bytes_count_the_shards_the_index_names(tmp_path):
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
         "c": "model-00001-of-00002.safetensors"}}))
     assert checkpoint_bytes(tmp_path) == 500
+    (tmp_path / "model.safetensors.index.json").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 70)  # what a load reads; the consolidated copy is not
+    assert checkpoint_bytes(tmp_path) == 70
+
+
+def test_a_task_models_checkpoint_streams_into_its_base_model(tmp_path):
+    """A pretraining checkpoint's weights are named `bert.…`; an encoder job builds its base model (BertModel),
+    whose names lack the prefix: the in-memory load strips it, the streamed read did not (a bare KeyError). The
+    index the streamed output writes is one from_pretrained reads (it needs `metadata`)."""
+    import transformers
+
+    from .transformer_models import tiny_bert
+
+    base = tiny_bert()
+    task = transformers.BertForPreTraining(base.config)  # bert-base-uncased's weights: the base model's all there
+    task.bert.load_state_dict(base.state_dict(), strict=False)
+    task.save_pretrained(tmp_path / "src")
+    with safe_open(str(tmp_path / "src" / "model.safetensors"), "pt") as f:
+        names = f.keys()
+    assert any(k.startswith("bert.") for k in names)
+    expected, _ = prune_transformer(copy.deepcopy(task.bert), data(base), 0.5)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    prune_blocks(checkpoint, data(base), 0.5)
+    out = checkpoint.finish()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] > 0 and index["weight_map"]
+    torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)

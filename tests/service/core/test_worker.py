@@ -80,3 +80,44 @@ def test_a_pinned_worker_keeps_every_thread_on_its_cores():
     report = receiver.recv()
     process.join(30)
     assert report == {"main": [core], "thread": [core], "torch": 1}
+
+
+def test_a_gpu_slot_is_the_workers_only_visible_gpu(monkeypatch):
+    """ONNX Runtime's CUDA provider and its bound inputs take device 0: a worker on slot cuda:1 timed on slot 0's
+    GPU. The slot becomes the only visible GPU, counted among the server's own visible ones."""
+    from service.core.worker import visible_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_device("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_device("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert visible_device("cpu") == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def _closes_then_exits(sender) -> None:
+    import time
+
+    sender.close()
+    time.sleep(0.3)  # still exiting when the supervisor reads the end of its stream
+    raise SystemExit(3)
+
+
+def test_a_worker_that_closed_its_pipe_ends_with_its_own_exit_code():
+    """Ending an attempt killed the worker before joining it: one still exiting read as signal 9."""
+    import asyncio
+    import multiprocessing
+
+    from service.core.executor import _LocalAttempt
+
+    attempt = _LocalAttempt.__new__(_LocalAttempt)
+    context = multiprocessing.get_context("spawn")
+    attempt.receiver, sender = context.Pipe(duplex=False)
+    attempt.process = context.Process(target=_closes_then_exits, args=(sender,))
+    attempt.process.start()
+    sender.close()
+
+    async def main():
+        return [m async for m in attempt.messages()], await attempt.end()
+
+    messages, ended = asyncio.run(main())
+    assert messages == [] and ended.exitcode == 3

@@ -1,6 +1,7 @@
 """`osscar compress` and `service.job.compress` end to end."""
 
 import json
+import os
 import time
 
 import numpy as np
@@ -135,6 +136,17 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
     auto = request.node.callspec.id == "streamed-by-itself"
     if auto:  # 2 x the checkpoint's ~43 kB is more than half of this
         monkeypatch.setattr(offload, "available_memory", lambda: 64_000)
+    import tempfile
+
+    from service.job import kinds
+
+    scratch, real_mkdtemp = [], tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):  # the streamed shards go to the job's folder (removed with it), never /tmp
+        scratch.append(real_mkdtemp(*args, **kwargs))
+        return scratch[-1]
+
+    monkeypatch.setattr(kinds.tempfile, "mkdtemp", mkdtemp)
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     lengths = [300, 250, 400, 330]  # the text's end (512 tokens) is held out
@@ -145,6 +157,8 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
                      str(tmp_path / "ids.npz"), "--out", str(out), "--sequences", "8", "--sequence-length", "16",
                      *extra]) == 0
     assert "mlp.down_proj" in capsys.readouterr().err
+    streamed = [p for p in scratch if ".osscar-stream-" in p]
+    assert bool(streamed) == ("--stream" in extra or auto) and all(os.path.dirname(p) == str(out) for p in streamed)
     assert (out / "decode.onnx").is_file() == ("--decode-step" in extra)
     from service.files import umask
 

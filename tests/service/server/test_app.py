@@ -259,6 +259,21 @@ def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path
 # ---- cancel, crash, queue ----------------------------------------------------------------------------
 
 
+def test_a_ctrl_c_or_sigterm_reaching_a_worker_does_not_fail_its_job(server, shared_data):
+    """A terminal's Ctrl-C and systemd's SIGTERM reach the server's whole process group, workers included: a worker
+    ended its job FAILED (INTERNAL, or a crash) before the drain could re-queue it. Workers ignore both; the server
+    stops them itself."""
+    long = server.compression.Compress(long_request(shared_data, repeats=400), timeout=30)
+    server.wait_for_stage(long.name, ("prune", "measure"))
+    (worker,) = server.workers()
+    os.kill(worker, signal.SIGINT)
+    os.kill(worker, signal.SIGTERM)
+    time.sleep(2)
+    assert not server.get(long.name).done and server.workers() == [worker]
+    server.operations.CancelOperation(operations_pb2.CancelOperationRequest(name=long.name), timeout=40)
+    assert server.wait_done(long.name).error.code == code_pb2.CANCELLED
+
+
 def test_cancel_frees_the_device_and_a_full_queue_is_resource_exhausted(server, data, shared_data):
     long = server.compression.Compress(long_request(shared_data, repeats=400), timeout=30)
     server.wait_for_stage(long.name, ("prune", "measure"))
