@@ -427,7 +427,9 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             share = min(MAX_SHARE, max(0.05, statistics.fmean(removed) / saved))
 
     def planned(fill: bool = False) -> tuple[Widths, float]:
-        aim = max(1e-6, 1 - base_speedup / (AIM_AT * target))  # the latency fraction the widths must remove
+        aim = 1 - base_speedup / (AIM_AT * target)  # the latency fraction the widths must remove
+        if aim <= 0:  # the removed blocks alone reach the aim: no layer is narrowed
+            return allocate(curves, 0.0), 0.0
         points = [(s, statistics.fmean(ys)) for s, ys in measured.items()]
         plan = allocate(curves, next_saving(points, aim, share) * full, fill=fill)
         return plan, 1 - total_cost(curves, plan) / full
@@ -440,7 +442,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             plan, saved = first, 1 - total_cost(curves, first) / full
         else:
             plan, saved = planned()
-            if probe is not None and request.latency_probes:
+            if probe is not None and request.latency_probes and saved > 0:  # dense widths: measured as the base
                 plan, saved, probes = _search_widths(request, plan, saved, target, index, rounds, probe, planned,
                                                      record, say, enter, label)
         if any(r.plan == plan for r in rounds):

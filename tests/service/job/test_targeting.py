@@ -400,6 +400,22 @@ def test_no_back_off_below_what_the_removed_blocks_alone_measure():
     assert len(rounds) == 2 and "cannot back off further" in messages[-1]
 
 
+def test_blocks_that_alone_reach_the_aim_leave_every_width_dense():
+    """The aim was floored at 1e-6: depth alone at the aim still narrowed one layer one step in round 0."""
+    layer_curves, _ = fake_rounds(0.8)
+    plans = []
+
+    def depth_only(plan, index, predicted=None):
+        plans.append(plan)
+        latency = Latency(100.0, 100 / 2.05, 101.0, 101 / 2.05, 2.05, "cpu", 2, "test", 5)
+        return Round(plan, None, [], None, None, latency, 0.95, predicted)
+
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=2.0, max_rounds=2,
+                              latency_probes=0)
+    target_loop(request, layer_curves, depth_only, Metric("cosine", True), 1.0, lambda _: None, base_speedup=2.1)
+    assert plans and plans[0] == {c.name: c.widths[0] for c in layer_curves}
+
+
 def test_back_off_works_against_the_default_budget():
     """The loop backs off while a round is below the default cosine floor (0.9) and returns the fastest
     round above it."""

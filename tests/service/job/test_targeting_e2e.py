@@ -40,9 +40,12 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert all(layer["width_after"] % 8 == 0 or layer["width_after"] == layer["width_before"]
                or layer["width_before"] < 8 for layer in report["layers"])
     assert 1 <= len(report["rounds"]) <= 2
-    # the first round's widths were searched by latency probes (structure only), each one measured
+    # the first round's widths were searched by latency probes (structure only), each one measured; none when the
+    # removed block alone reached the aim (every width stays dense: the base measured them)
     probes = report["rounds"][0]["latency_probes"]
-    assert 1 <= len(probes) <= 4 and all(p["measured_speedup"] > 0 and 0 < p["saving"] < 1 for p in probes)
+    assert len(probes) <= 4 and all(p["measured_speedup"] > 0 and 0 < p["saving"] < 1 for p in probes)
+    assert probes or (report["removed_blocks"] and all(layer["width_after"] == layer["width_before"]
+                                                       for layer in report["layers"]))
     assert (out / "model.onnx").is_file() and (out / "model.pt2").is_file() and (out / "report.html").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no work files left behind
     # depth was planned: removing none, or block1 / block2 (one of the two weighed), each option measured
