@@ -74,6 +74,15 @@ class LayerObservation:
     stream_energy: float | None = None
 
 
+def floored_scale(scale: Tensor) -> Tensor:
+    """Output-column weights (a norm's gamma after the layer) kept away from 0: a column weighted by exactly 0 has a
+    zero G and refit column, and unscaling it is 0 / 0. Floored at 1e-6 of the largest weight, the column still weighs
+    nothing in the choice of support (1e-12 of the error), and its refit weights unscale to the column's own."""
+    magnitude = scale.abs()
+    floor = 1e-6 * float(magnitude.max()) if magnitude.numel() and float(magnitude.max()) > 0 else 1.0
+    return torch.where(magnitude < floor, torch.full_like(scale, floor), scale)
+
+
 def token_weights(rows: Tensor, cap: float) -> Tensor:
     """(n,) weights of rows (n x d) in a robust least squares: 1 up to `cap` x the median row's squared norm,
     then cap x median / ||row||^2, so that no row weighs more than `cap` median rows. A language model carries

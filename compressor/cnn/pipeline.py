@@ -59,6 +59,7 @@ from ..layerstats import (
     Widths,
     check_plan,
     compute_device,
+    floored_scale,
     planned_prune,
     prune_layer,
 )
@@ -90,7 +91,8 @@ def output_scale(gm: fx.GraphModule, consumer: fx.Node) -> Tensor | None:
     gamma = get_tensor(gm, bn.args[1].target) if isinstance(bn.args[1], fx.Node) else None
     var = get_tensor(gm, bn.args[4].target)
     scale = torch.rsqrt(var.double() + float(bn.args[eps_index]))
-    return scale * gamma.double() if gamma is not None else scale
+    # floored: a channel whose gamma is 0 (network slimming, zero-init residual BNs) would unscale to 0 / 0
+    return floored_scale(scale * gamma.double()) if gamma is not None else scale
 
 
 def _dense_matrix(consumer: Consumer, W_hat: Tensor, scale: Tensor | None, device: torch.device) -> Tensor:

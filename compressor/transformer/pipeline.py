@@ -45,6 +45,7 @@ from ..layerstats import (
     Widths,
     check_plan,
     compute_device,
+    floored_scale,
     kept_rows,
     planned_prune,
     prune_layer,
@@ -395,7 +396,8 @@ def prune_blocks(
     the removed block wrote included); they leave the model at the end (`surgery.remove_layers`).
     `sublayers`: (block, kind) of attentions ("attention_heads") and FFNs ("ffn_neurons") removed alone
     (`sublayers.remove_sublayer`), in-memory sources only: the sub-layer's update becomes its calibration mean
-    over the dense stream (with `bias_correction`, for the methods that refit; zeros otherwise), and the rest
+    over the dense stream (with `bias_correction`, for the methods that compensate: all but mp and wanda-sp,
+    `UNCOMPENSATED`; zeros otherwise), and the rest
     of the block is solved and fitted against the dense block.
     `add_bias`: whether a bias-free output projection gets a bias for its intercept (`surgery.add_bias`; with
     `bias_correction`, for the methods that compensate); None: the method's own choice (`ADDS_BIAS`).
@@ -467,7 +469,7 @@ def prune_blocks(
             if weight_by_norm and norm is not None and method not in NO_REFIT_METHODS:  # scores see raw weights
                 # post-norm: gamma_c scales output column c before anything reads it, so the error in
                 # column c is weighted by gamma_c^2 (undone after the solve)
-                scale = dense.get_submodule(norm).weight.detach().abs().double()
+                scale = floored_scale(dense.get_submodule(norm).weight.detach().abs().double())
                 W_hat = W_hat * scale
             stats = LayerStatistics(W_hat, token_cap)
             last = kind == FFN  # the dense block runs to its end once: the next dense input
@@ -507,7 +509,10 @@ def prune_blocks(
                 position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
                 costs=functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy))
             reports.append(report)
-            del finished, stats, W_hat
+            # every name that holds this projection's statistics (H: d1 x d1 float64), weights or last inputs (the
+            # partial holds H when choosing rows): freed before the next projection, the rows' choice and the fit
+            del finished, stats, W_hat, apply, x_store, x_hat_store, proj, proj_dense
+            out = None
         if choices:
             _host_ready(device)
             picked = _choose_rows(block, choices, streams, refine, device)

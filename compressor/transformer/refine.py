@@ -246,9 +246,13 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     try:
         parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
                       for p in m.parameters(recurse=False)]
-        if config.norms:  # every norm the blocks' outputs pass through, the final one's too
+        if config.norms:  # every norm the blocks' outputs pass through, the final one's too (not the embeddings')
+            embeddings = {id(m) for m in pruned.get_input_embeddings().modules()}
+            owner = getattr(getattr(pruned, "base_model", pruned), "embeddings", None)
+            if isinstance(owner, nn.Module):  # BERT's embeddings.LayerNorm sits beside the word embeddings
+                embeddings |= {id(m) for m in owner.modules()}
             parameters += [p for m in pruned.modules() if "norm" in type(m).__name__.lower()
-                           for p in m.parameters(recurse=False)]
+                           and id(m) not in embeddings for p in m.parameters(recurse=False)]
 
         def run(items: list[Any], loss: Callable[[nn.Module, Any], tuple[Tensor, Tensor]]) -> RefineReport:
             held_out, train = [items[i] for i in judge.tolist()], [items[i] for i in fit.tolist()]

@@ -193,3 +193,4 @@ def test_a_block_of_one_conv_and_linears_is_named_after_all_its_weights():
     assert names == ["blocks.0", "blocks.1"]
     units = [u.name for u in analyse(gm).units]
     assert [u for u in units if u.startswith("blocks.0.")] == ["blocks.0.pwconv2"]  # inside its block
+

@@ -214,3 +214,20 @@ def test_convnext_blocks_prune_their_inner_neurons_channels_last_and_export(tmp_
     torch.testing.assert_close(reloaded(images[:5]), pruned(images[:5]), rtol=1e-5, atol=1e-5)
     export_onnx(pruned, images[:2], tmp_path / "model.onnx")
     assert check_parity(pruned, tmp_path / "model.onnx", images[:7]).max_abs_error < 1e-4
+
+
+def test_a_batch_norm_gamma_of_zero_leaves_a_finite_pruned_graph():
+    """The channel solve weighs each output column by the next BatchNorm's gamma / sigma and unscales after: a gamma
+    of exactly 0 (network slimming, zero-init residual BNs) gave 0 / 0, NaN in every activation after it."""
+    gm = exported("option_a")
+    zeroed = 0
+    with torch.no_grad():
+        for name, parameter in gm.named_parameters():
+            if parameter.dim() == 1 and name.endswith(".weight") and "bn" in name:
+                parameter[0] = 0.0
+                zeroed += 1
+    assert zeroed
+    images = torch.randn(32, 3, 16, 16)
+    pruned, _ = prune_conv_graph(gm, images, 0.5)
+    assert all(torch.isfinite(t).all() for t in pruned.state_dict().values() if t.is_floating_point())
+    assert torch.isfinite(pruned(images[:4])).all()

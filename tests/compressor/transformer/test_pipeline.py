@@ -403,3 +403,18 @@ def test_every_family_chooses_its_rows_and_runs(name):
     pruned, reports = prune_transformer(model, batches(model), 0.25, choose_rows=True)
     assert reports and all(r.rows in ("refit", "dense") for r in reports)
     assert torch.isfinite(first_output(pruned)).all()
+
+
+def test_a_norm_weight_of_zero_leaves_finite_refit_weights():
+    """A post-norm model weighs each output column's error by its gamma^2 and unscales the refit weights after: a
+    gamma of exactly 0 gave 0 / 0 in that column."""
+    from .transformer_models import tiny_bert
+
+    model = tiny_bert()
+    with torch.no_grad():
+        for block in model.encoder.layer:
+            block.output.LayerNorm.weight[0] = 0.0
+            block.attention.output.LayerNorm.weight[1] = 0.0
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(3)]
+    pruned, _ = prune_transformer(model, data, 0.5)
+    assert all(torch.isfinite(p).all() for p in pruned.parameters())

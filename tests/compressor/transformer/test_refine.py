@@ -339,6 +339,28 @@ def test_the_whole_model_fit_moves_the_norms_only_when_asked():
         assert (moved & norms == norms) if asked else not moved & norms  # the final norm's included
 
 
+def test_the_whole_model_fit_leaves_the_embeddings_norm_as_it_was(monkeypatch):
+    """With `norms`, BERT's embeddings.LayerNorm (beside the word embeddings, before any block) is not fitted: the
+    blocks' norms are, the embeddings stay as they were."""
+    from compressor.transformer import refine as refine_module
+
+    model = MODELS["bert"]()
+    data = batches(model, n=6, batch=8)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    fitted, real = [], refine_module.Reconstruction
+
+    def spy(module, parameters, config):
+        fitted.extend(parameters)
+        return real(module, parameters, config)
+
+    monkeypatch.setattr(refine_module, "Reconstruction", spy)
+    reconstruct_model(pruned, model, data, RefineConfig(steps=5, lr=0.01, norms=True), CPU)
+    names = {id(p): n for n, p in pruned.named_parameters()}
+    chosen = {names[id(p)] for p in fitted}
+    assert any(n.startswith("encoder.") and "LayerNorm" in n for n in chosen)
+    assert not [n for n in chosen if n.startswith("embeddings.")]
+
+
 def test_a_pool_of_more_windows_is_fitted_on_and_never_judged():
     """`pool`: windows the fit steps through beside the calibration's fitting ones, never among the judged ones (the
     held-out error before the fit is the calibration's alone), without those identical to a judged window."""
