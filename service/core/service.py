@@ -126,25 +126,13 @@ class JobService:
     # ---- operations ------------------------------------------------------------------------------
 
     async def submit(self, request: SubmitRequest) -> JobRecord:
-        if self.draining:
-            raise Unavailable("the server is shutting down; retry against another instance or later")
-        if request.request_id:
-            check_request_id(request.request_id)
-            earlier = self.store.by_request_id(request.request_id)
-            if earlier is not None:
-                if earlier.body_sha256 != request.body_sha256:
-                    raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for "
-                                        f"a different request ({earlier.name}); use a new request_id")
-                return earlier
+        if (earlier := self._earlier(request)) is not None:
+            return earlier
         accepted = await asyncio.to_thread(validate, request, home=self.home, blobs=self.blobs,
                                            policy=self.config.policy)
-        # from here on the event loop's alone (no await up to the insert): what the thread could not see
-        if self.draining:
-            raise Unavailable("the server is shutting down; retry against another instance or later")
-        if request.request_id and (earlier := self.store.by_request_id(request.request_id)) is not None:
-            if earlier.body_sha256 != request.body_sha256:  # the same request_id submitted twice at once
-                raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for "
-                                    f"a different request ({earlier.name}); use a new request_id")
+        # from here on the event loop's alone (no await up to the insert): what the thread could not see (a drain,
+        # the same request_id submitted twice at once)
+        if (earlier := self._earlier(request)) is not None:
             return earlier
         for field, reference in accepted.references.items():
             if (upload := upload_of(reference)) is not None:  # a delete or sweep meanwhile may have removed it
@@ -167,6 +155,20 @@ class JobService:
             log.info("queued: %s", accepted.references.get("model"))
         self.supervisor.observe()
         return self.store.get(record.name)
+
+    def _earlier(self, request: SubmitRequest) -> JobRecord | None:
+        """The operation an earlier call with this request_id made (the same body: a retry), else None; refused
+        while draining, or when the request_id was used for another body."""
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry against another instance or later")
+        if not request.request_id:
+            return None
+        check_request_id(request.request_id)
+        earlier = self.store.by_request_id(request.request_id)
+        if earlier is not None and earlier.body_sha256 != request.body_sha256:
+            raise AlreadyExists("operation", earlier.name, f"request_id {request.request_id} was used for a "
+                                f"different request ({earlier.name}); use a new request_id")
+        return earlier
 
     def get(self, name: str) -> JobRecord:
         record = self.store.get(name) if name.startswith("operations/") else None

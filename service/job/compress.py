@@ -32,7 +32,7 @@ from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
-from ..files import file_sha256, follow_umask, write_text_atomically
+from ..files import JOB_EXPORTS, JOB_OUTPUTS, file_sha256, follow_umask, write_text_atomically
 from .kinds import ConvJob, ModelJob, Say, Solved, open_job
 from .pacing import Pace, StageClock
 from .progress import render
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # what an export that does not match PyTorch, or that ONNX Runtime cannot run, raises
 EXPORT_FAILURES = (ParityError, RuntimeFailure)
 # what a job writes into --out beside report.json; none of it may outlive a parity_failed job there
-EXPORT_FILES = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "genai_config.json", "report.html")
+EXPORT_FILES = tuple(name for name in JOB_EXPORTS if name != "report.json")  # report.json: written after
 
 
 class _ExportFailed(Exception):
@@ -403,7 +403,7 @@ def _clear_unvouched(out: Path, request: CompressRequest) -> None:
     for name in EXPORT_FILES:
         (out / name).unlink(missing_ok=True)
     inputs = [Path(p).resolve() for p in (request.model, request.calibration, request.eval) if p]
-    for name in ("model.pt2", "model"):
+    for name in sorted(set(JOB_OUTPUTS) - set(JOB_EXPORTS)):  # the pruned model: model.pt2 or model/
         path = (out / name).resolve()
         if any(i == path or path in i.parents for i in inputs):
             continue

@@ -122,7 +122,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(stream_stream=self._streaming(_checked(handler.stream_stream, True), method))
         return handler
 
-    def _unary(self, behaviour: Callable, method: str) -> Callable:
+    def _unary(self, behaviour: Callable, method: str, timed: bool = True) -> Callable:
+        """A handler awaited to its end (`timed`: its seconds go to the RPC metric; not a stream's)."""
         @functools.wraps(behaviour)
         async def wrapped(request, context):
             start = time.perf_counter()
@@ -133,24 +134,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except BaseException as err:
                 await _abort(context, method, err, self.metrics)
             finally:
-                if self.metrics:
+                if self.metrics and timed:
                     self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
         return wrapped
 
     def _streaming(self, behaviour: Callable, method: str) -> Callable:
-        # a coroutine that sends with context.write (Health.Watch), not an async generator
+        # a coroutine that sends with context.write (Health.Watch), not an async generator: awaited to its end
         if not inspect.isasyncgenfunction(inspect.unwrap(behaviour)):
-            @functools.wraps(behaviour)
-            async def writes(request, context):
-                try:
-                    return await behaviour(request, context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
-                    raise
-                except BaseException as err:
-                    await _abort(context, method, err, self.metrics)
-
-            return writes
+            return self._unary(behaviour, method, timed=False)
 
         @functools.wraps(behaviour)
         async def wrapped(request, context):
