@@ -715,7 +715,8 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
 
 @dataclass(frozen=True)
 class RemovalLoss:
-    """What removing a block, or one of its sub-layers, changes (relative to the stream it writes): `removal_losses`."""
+    """What removing a block, or one of its sub-layers, changes (relative to the stream the block reads, as a width
+    curve's loss is): `removal_losses`."""
 
     layer: float
     attention: float | None  # None: not removable alone (`sublayers.check_removable`)
@@ -726,16 +727,18 @@ class RemovalLoss:
 def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: str | torch.device | None = None,
                    activation_dtype: torch.dtype = torch.float32, sublayers: bool = True,
                    compensate: bool = True, token_cap: float | None = None) -> list[RemovalLoss]:
-    """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||block(h)||^2
-    over the counted tokens of the calibration batches (dense model, one pass); with `sublayers`, also its
-    attention's and its FFN's alone: ||block(h) - block'(h)||^2 / ||block(h)||^2, block' the block with that
-    sub-layer's update made its calibration mean (`compensate`; zeros otherwise; weighted by `token_cap`), as
-    `prune_blocks` removes it.
+    """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||h||^2 over the
+    counted tokens of the calibration batches (dense model, one pass); with `sublayers`, also its attention's
+    and its FFN's alone: ||block(h) - block'(h)||^2 / ||h||^2, block' the block with that sub-layer's update
+    made its calibration mean (`compensate`; zeros otherwise; weighted by `token_cap`), as `prune_blocks`
+    removes it.
 
-    Removing a block takes its whole update out of the residual stream it writes, and a width loss is an
-    error in a projection's output relative to that stream (`stream_energy`); so one allocation can weigh
-    the two. It is also ShortGPT's and SLEB's question (which layer changes the stream least), asked in
-    the units the widths are priced in."""
+    Removing a block takes its whole update out of the residual stream, and a width loss is an error in a
+    projection's output relative to the stream the block reads (`prune_blocks`' `stream_energy`, h's); over
+    the same denominator the two are error energies one allocation can add. Over the stream the block writes
+    (block(h)), where it grows (SmolLM2's massive activations: ~100x in one layer) a removal was priced that
+    much cheaper than the widths of the same layer. It is also ShortGPT's and SLEB's question (which layer
+    changes the stream least), asked in the units the widths are priced in."""
     device = compute_device(device)
     model = model.eval()
     adapter = adapter_for(model)
@@ -759,7 +762,7 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
         for s in streams:
             out = _run(block, s.hidden, s, device)
             update_energy += float(_rows(out - s.hidden.to(out), s).square().sum())
-            stream += float(_rows(out, s).square().sum())
+            stream += float(_rows(s.hidden, s).square().sum())
             outputs.append(_offload(out, activation_dtype))  # the next block's input; compared with below
         stream = max(stream, 1e-30)
         alone: dict[str, float] = {}

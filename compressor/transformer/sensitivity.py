@@ -49,7 +49,7 @@ class Sensitivity:
 
     def relative_to_output(self, index: int, kind: str | None, relative: float, against: str) -> float:
         """A loss relative to a stream (error energy over that stream's energy: the layer's `against` "input", as
-        the width curves measure a sub-layer's error, or its "output", as the removal losses do) as the predicted
+        the width curves and the removal losses measure it, or its "output") as the predicted
         output change per token of an error where `kind` of layer `index` (None: the whole layer) writes."""
         stream = {"input": self.stream_in, "output": self.stream_out}[against][index]
         return relative * stream * self.of(index, kind)

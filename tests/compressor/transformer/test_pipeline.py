@@ -245,26 +245,29 @@ def test_a_skipped_layer_leaves_the_pruned_model_and_the_rest_are_solved_against
         prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, skip=[0])
 
 
-def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_writes():
+def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_reads():
+    """The width curves' denominator (the block's input stream), not the stream it writes: a layer whose update
+    grows the stream (here 5x layer 0's output projections) would otherwise be priced cheaper than its widths."""
     model = MODELS["llama"]()
     adapter = adapter_for(model)
-    with torch.no_grad():  # layer 1 writes nothing to the stream
+    with torch.no_grad():  # layer 1 writes nothing to the stream; layer 0 writes much more than it reads
         projection(layers(model)[1], adapter.o).weight.zero_()
         projection(layers(model)[1], adapter.down).weight.zero_()
+        projection(layers(model)[0], adapter.o).weight.mul_(5)
+        projection(layers(model)[0], adapter.down).weight.mul_(5)
     data = batches(model, 2)
     losses = [loss.layer for loss in pipeline.removal_losses(model, data)]
-    assert len(losses) == 2 and losses[1] == pytest.approx(0.0, abs=1e-12) and 0 < losses[0] < 10
-    with torch.no_grad():  # layer 0 by hand, over the tokens that count (the attention mask's)
-        hidden = model(**data[0], output_hidden_states=True).hidden_states
-    mask = data[0]["attention_mask"].bool()
-    update = (hidden[1] - hidden[0])[mask].double().square().sum()
-    stream = hidden[1][mask].double().square().sum()
-    with torch.no_grad():
-        hidden = model(**data[1], output_hidden_states=True).hidden_states
-    mask = data[1]["attention_mask"].bool()
-    update += (hidden[1] - hidden[0])[mask].double().square().sum()
-    stream += hidden[1][mask].double().square().sum()
-    assert losses[0] == pytest.approx(float(update / stream), rel=1e-4)
+    assert len(losses) == 2 and losses[1] == pytest.approx(0.0, abs=1e-12) and losses[0] > 0
+    update = read = written = 0.0  # layer 0 by hand, over the tokens that count (the attention mask's)
+    for batch in data:
+        with torch.no_grad():
+            hidden = model(**batch, output_hidden_states=True).hidden_states
+        mask = batch["attention_mask"].bool()
+        update += float((hidden[1] - hidden[0])[mask].double().square().sum())
+        read += float(hidden[0][mask].double().square().sum())
+        written += float(hidden[1][mask].double().square().sum())
+    assert written > 2 * read  # the two denominators differ here
+    assert losses[0] == pytest.approx(update / read, rel=1e-4)
 
 
 def _mean_output(model, index, path, data):
@@ -285,7 +288,7 @@ def _mean_output(model, index, path, data):
 @pytest.mark.parametrize("kind", [ATTENTION, FFN])
 def test_a_sublayers_removal_loss_is_what_its_mean_in_its_place_changes(kind):
     """The loss of removing layer 0's attention (or FFN) alone: the change of the block's output when that
-    sub-layer adds its calibration mean instead, relative to the output, computed here by hand."""
+    sub-layer adds its calibration mean instead, relative to the block's input (the widths'), by hand."""
     model = MODELS["llama"]()
     path = adapter_for(model).o if kind == ATTENTION else adapter_for(model).down
     data = batches(model, 2)
@@ -297,10 +300,11 @@ def test_a_sublayers_removal_loss_is_what_its_mean_in_its_place_changes(kind):
     for batch in data:
         mask = batch["attention_mask"].bool()
         with torch.no_grad():
-            dense = model(**batch, output_hidden_states=True).hidden_states[1][mask].double()
+            hidden = model(**batch, output_hidden_states=True).hidden_states
+            dense = hidden[1][mask].double()
             cut = without(**batch, output_hidden_states=True).hidden_states[1][mask].double()
         change += float((dense - cut).square().sum())
-        stream += float(dense.square().sum())
+        stream += float(hidden[0][mask].double().square().sum())
     got = losses[0].attention if kind == ATTENTION else losses[0].ffn
     assert 0 < got < losses[0].layer * 10 and got == pytest.approx(change / stream, rel=1e-4)
 

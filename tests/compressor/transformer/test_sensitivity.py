@@ -35,8 +35,8 @@ def test_a_layer_output_is_as_sensitive_as_its_ffn_output_in_a_pre_norm_decoder(
     s = output_sensitivity(model, [example_inputs(model)])
     assert s.layer == pytest.approx(s.ffn, rel=1e-5)
     assert s.of(1, FFN) == s.ffn[1] and s.of(0, ATTENTION) == s.attention[0] and s.of(1, None) == s.layer[1]
-    # a relative loss priced by the stream it was measured against: a width curve's, the layer's input; a removal
-    # loss's, its output
+    # a relative loss priced by the stream it was measured against: the layer's input (a width curve's and a removal
+    # loss's) or its output
     assert s.relative_to_output(1, ATTENTION, 0.5, "input") == pytest.approx(0.5 * s.stream_in[1] * s.attention[1])
     assert s.relative_to_output(1, None, 0.5, "output") == pytest.approx(0.5 * s.stream_out[1] * s.layer[1])
     assert s.relative_to_output(0, FFN, 0.5, "output") == pytest.approx(0.5 * s.stream_out[0] * s.ffn[0])
