@@ -220,8 +220,8 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     in place, so that its outputs reproduce `dense`'s on the calibration `batches`, `config.sequences` windows per
     step; a seeded `config.held_out` of them judge the fit, which is kept only when it lowers their error
     (`compressor.refine.Reconstruction`). `pool`: more windows to step through beside the calibration's, never
-    judged (those identical to a judged window are left out), so that a fit of many steps does not go over the same
-    few windows again and again.
+    judged (those that repeat a judged window, `calibration._Seen`, are left out), so that a fit of many steps does
+    not go over the same few windows again and again.
 
     `target` "hidden": the last hidden states (relative squared error over the tokens that count). "logits": a
     causal LM's next-token distributions (the KL divergence from the dense model's, per token that counts; the

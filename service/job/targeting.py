@@ -116,7 +116,9 @@ ProbeGraph = Callable[[nn.Module], Latency]  # a model's latency against the den
 
 
 class DepthJob(Protocol):
-    """What depth planning needs of a model job (conv graphs: `kinds.ConvJob`)."""
+    """What depth planning needs of a model job (conv graphs: `kinds.ConvJob`). A kind whose units' costs change when
+    blocks go (a conv graph's residual stream runs through them) also has `unit_costs(blocks) -> {unit: cost per
+    group}` (`kept_curves`)."""
 
     def depth_order(self) -> Iterator[tuple[str, float]]: ...
     def removal_losses(self) -> dict[str, float]: ...
@@ -272,6 +274,18 @@ def in_blocks(layer: str, blocks: Sequence[str]) -> bool:
     return any(name == block or name.startswith(f"{block}.") for block in blocks)
 
 
+def kept_curves(job: Any, blocks: Sequence[str], curves: list[LayerCurve]) -> list[LayerCurve]:
+    """The curves of the layers left without `blocks`, each at its cost per group in the graph without them where
+    the kind says (`unit_costs`): the dense curves' costs would price the widths of the residual stream for the
+    blocks it no longer runs through."""
+    kept = [c for c in curves if not in_blocks(c.name, blocks)]
+    unit_costs = getattr(job, "unit_costs", None)
+    if not blocks or unit_costs is None:
+        return kept
+    costs = unit_costs(blocks)
+    return [replace(c, cost=costs[c.name]) if c.name in costs else c for c in kept]
+
+
 def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest, probe: ProbeGraph,
                say: Say) -> DepthPlan:
     """How many residual blocks to remove before the widths: one allocation over depth and width.
@@ -314,7 +328,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         if len(chosen) not in DEPTH_SIZES:
             continue
         latency = probe(job.without(chosen))
-        kept = [c for c in curves if not in_blocks(c.name, chosen)]
+        kept = kept_curves(job, chosen, curves)
         option = depth_option(chosen, sum(losses[b] for b in chosen), latency.speedup, kept, aim, INITIAL_SHARE)
         options.append(option)
         say(f"depth: {len(chosen)} blocks removed (last {block}): measured {latency.speedup:.3f}x; widths then "
@@ -359,7 +373,7 @@ def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve],
         for n, cost in costs.items():
             blocks = order[:n]
             speedup = measured.get(n, 1 / (1 - min(share * cost, 0.95)))
-            kept = [c for c in curves if not in_blocks(c.name, blocks)]
+            kept = kept_curves(job, blocks, curves)
             option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, share, n in measured)
             options.append(option)
             best, worse, stop = _searched(option, best, worse)
@@ -713,8 +727,11 @@ def _trials(request: CompressRequest, job: Any, plan: DepthPlan, curves: list[La
     assert request.target_speedup is not None
     met = MET * request.target_speedup  # a trial short of the target is not scored at the same speedup
 
-    def rank(t: Trial) -> tuple[bool, float]:
-        return t.round.latency.speedup < met, -t.round.metric if job.metric.higher_is_better else t.round.metric
+    def rank(t: Trial) -> tuple[bool, bool, float]:
+        # a score that is not a number (outputs gone to NaN) compares equal to every other: it ranks last
+        broken = not math.isfinite(t.round.metric)
+        score = 0.0 if broken else -t.round.metric if job.metric.higher_is_better else t.round.metric
+        return broken, t.round.latency.speedup < met, score
 
     trials.sort(key=rank)  # stable: equal trials keep the plan's order
     say(f"depth: removing {len(trials[0].option.blocks)} blocks first: the best trial"
@@ -726,10 +743,10 @@ def _without(job: Any, option: DepthOption, curves: list[LayerCurve], request: C
              version: str) -> list[LayerCurve]:
     """The job without the option's blocks; returns the curves of the layers left. The dense curves of
     those layers serve (their statistics were taken on the dense stream, which the pruned model is solved
-    and fitted against), unless a conv graph's analysis finds a unit without one: then the statistics pass
-    runs again on the shallower graph."""
+    and fitted against) at their costs in the shallower graph (`kept_curves`), unless a conv graph's analysis
+    finds a unit without one: then the statistics pass runs again on the shallower graph."""
     job.remove(option.blocks)
-    kept = [c for c in curves if not in_blocks(c.name, option.blocks)]
+    kept = kept_curves(job, option.blocks, curves)
     analysis = getattr(job, "analysis", None)
     if analysis is None:
         return kept

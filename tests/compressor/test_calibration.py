@@ -66,6 +66,17 @@ def test_text_calibration_from_jsonl_and_txt(tmp_path):
         assert int(batches[0]["input_ids"][0, 0]) == tokenizer.cls_token_id
     with pytest.raises(CalibrationError, match="needs the model's tokenizer"):
         load_text(tmp_path / "c.txt")
+    # empty and null texts are no documents (a third of WikiText-2's rows): tokenised, "" was a window of special
+    # tokens alone and null the word "None", each drawn as often as a real document
+    blanks = [json.dumps({"text": t}) for t in ("", "  \n", None)]
+    (tmp_path / "blanks.jsonl").write_text("\n".join(line for d in docs for line in (json.dumps({"text": d}),
+                                                                                       *blanks)))
+    windows = torch.cat([b["attention_mask"].sum(1) for b in load_text(tmp_path / "blanks.jsonl", tokenizer=tokenizer,
+                                                                        sequences=64, length=32)])
+    assert len(windows) == 64 and int(windows.min()) > 2
+    (tmp_path / "number.jsonl").write_text('{"text": 7}\n')
+    with pytest.raises(CalibrationError, match=r"number\.jsonl:1: 'text' must be a string \(got int\)"):
+        load_text(tmp_path / "number.jsonl", tokenizer=tokenizer)
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
     with pytest.raises(CalibrationError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
         load_text(tmp_path / "bad.jsonl", tokenizer=tokenizer)
@@ -111,6 +122,11 @@ def test_held_out_images_are_never_calibration_images(tmp_path):
     seen = {c.numpy().tobytes() for c in calibration}
     assert not any(h.numpy().tobytes() in seen for h in held)
     info.check(tmp_path / "c.npz")  # enough: no error
+    # 30 spare images: they are held out, and the calibration gives up only the 34 more of the 64 needed
+    calibration, held, info = split_images(tmp_path / "c.npz", samples=270, held_out=256)
+    assert (info.calibration, info.evaluation, info.taken_from_calibration) == (236, 64, 34)
+    seen = {c.numpy().tobytes() for c in calibration}
+    assert not any(h.numpy().tobytes() in seen for h in held)
     np.savez(tmp_path / "small.npz", x=x[:100])
     _, held, info = split_images(tmp_path / "small.npz", samples=500, held_out=256)
     assert (info.calibration, info.evaluation) == (50, 50) and not info.enough

@@ -177,10 +177,10 @@ def test_the_output_currency_prices_removal_losses_by_the_output_change_they_pre
     output = job.removal_losses()
     s = job._sensitivity
     assert sorted(output) == sorted(stream) and len(said) == 1
-    assert output["model.layers.1"] == pytest.approx(stream["model.layers.1"] * s.stream_out[1] * s.layer[1])
+    assert output["model.layers.1"] == pytest.approx(stream["model.layers.1"] * s.stream_in[1] * s.layer[1])
     attention = "model.layers.0.self_attn.o_proj"
-    # a removal loss is relative to the layer's output stream, a sub-layer's too
-    assert output[attention] == pytest.approx(stream[attention] * s.stream_out[0] * s.attention[0])
+    # a removal loss is relative to the layer's input stream (as its widths' losses are), a sub-layer's too
+    assert output[attention] == pytest.approx(stream[attention] * s.stream_in[0] * s.attention[0])
     assert job.currency()(attention, 0.5, "input") == pytest.approx(0.5 * s.stream_in[0] * s.attention[0])
     convert = job.currency()
     assert job._sensitivity is s and len(said) == 1  # made once
@@ -335,3 +335,61 @@ def test_evaluation_images_without_room_for_labels_are_refused_in_one_line(tmp_p
                               out_dir=tmp_path / "out", uniform_ratio=0.5)
     with pytest.raises(CalibrationError, match="labels 'y'"):
         _images_and_held_out(request, 256, labels=True)
+
+
+def test_evaluation_labels_are_class_indices_and_a_column_is_flattened(tmp_path):
+    """Keras' CIFAR-10 labels are an (N, 1) column: compared with the outputs' argmax it broadcast to N x N, and a
+    perfect model scored ~1 / classes (the dense one too, so every budget passed); one-hot rows are refused."""
+    from types import SimpleNamespace
+
+    from compressor.errors import CalibrationError
+    from service.job.budgets import TOP1
+    from service.job.kinds import _images_and_held_out
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "cal.npy", rng.standard_normal((200, 3, 8, 8)).astype(np.float32))
+    x = rng.integers(0, 256, (100, 8, 8, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 100)
+    request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", eval=tmp_path / "eval.npz",
+                              out_dir=tmp_path / "out", uniform_ratio=0.5)
+    np.savez(tmp_path / "eval.npz", x=x, y=labels[:, None])
+    _, eval_x, eval_y, _ = _images_and_held_out(request, 256, labels=True)
+    assert len(eval_x) == 100 and eval_y.shape == (100,) and np.array_equal(eval_y, labels)
+    perfect = np.eye(10)[eval_y]  # scores whose argmax is each label
+    assert ConvJob.score(SimpleNamespace(metric=TOP1, eval_y=eval_y), perfect, perfect) == 1.0
+    for y, words in ((np.eye(10)[labels], r"shape \(100, 10\)"), (labels + 0.5, "float64")):
+        np.savez(tmp_path / "eval.npz", x=x, y=y)
+        with pytest.raises(CalibrationError, match=f"labels 'y' must be class indices.*{words}"):
+            _images_and_held_out(request, 256, labels=True)
+
+
+def test_evaluation_images_of_another_size_are_refused_before_any_export(tmp_path):
+    import torch
+
+    from compressor.errors import CalibrationError
+    from service.job.kinds import _check_image_shapes
+
+    request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", eval=tmp_path / "eval.npz",
+                              out_dir=tmp_path / "out", uniform_ratio=0.5)
+    _check_image_shapes(torch.zeros(2, 3, 8, 8), torch.zeros(2, 3, 8, 8), (3, 8, 8), request)
+    with pytest.raises(CalibrationError, match=r"evaluation images \(.*eval\.npz\) have shape \(3, 16, 16\), the "
+                                               r"model expects \(3, 8, 8\)"):
+        _check_image_shapes(torch.zeros(2, 3, 8, 8), torch.zeros(2, 3, 16, 16), (3, 8, 8), request)
+
+
+def test_the_cosine_of_a_models_few_output_values_compares_each_over_the_samples():
+    """One score a sample (a regression head): the cosine of one number is the agreement of two signs, and scored a
+    pruned model's random positive scores 1.0 against the dense model's positive ones."""
+    from service.job.kinds import cosine
+
+    rng = np.random.default_rng(0)
+    dense = rng.uniform(1, 5, (256, 1)).astype(np.float32)
+    noise = rng.uniform(0.01, 100, (256, 1)).astype(np.float32)
+    assert cosine(dense, dense) == pytest.approx(1.0)
+    assert cosine(noise, dense) < 0.3
+    assert cosine(dense * 1.01 + 0.01, dense) > 0.99  # close outputs stay close
+    constant = np.full((8, 2), 3.0, np.float32)
+    assert cosine(constant, constant) == 1.0 and cosine(constant + rng.normal(size=(8, 2)), constant) == 0.0
+    wide = rng.normal(size=(16, 32)).astype(np.float32)  # enough values a sample: row by row, as before
+    rows = (wide * -wide).sum(1) / (np.linalg.norm(wide, axis=1) ** 2)
+    assert cosine(-wide, wide) == pytest.approx(float(rows.mean())) == pytest.approx(-1.0)

@@ -17,6 +17,7 @@ from service.job.targeting import (
     Round,
     at_minimum_widths,
     choose,
+    kept_curves,
     next_saving,
     plan_depth,
     target_loop,
@@ -507,6 +508,38 @@ def test_depth_is_chosen_by_the_least_planned_loss_of_depth_and_width(loss, remo
     assert "relative to the residual stream" in report["rule"]  # a job without an output currency says so
 
 
+def test_the_curves_left_without_blocks_are_priced_in_the_shallower_graph():
+    """A conv graph's residual stream (a coupled group) runs through every block: without one, each of its channels
+    costs less, and the widths of the options and of the rounds after them are priced so."""
+    from service.job.kinds import ConvJob
+    from tests.compressor.cnn.conv_models import exported
+
+    job = ConvJob.__new__(ConvJob)
+    job.dense = exported("bottleneck")
+    dense, shallow = job.unit_costs([]), job.unit_costs(["block1"])
+    coupled = [name for name in dense if name.startswith("coupled:")]
+    assert coupled and all(shallow[name] < dense[name] for name in coupled)
+    curves = [LayerCurve(name, "conv_channels", [8, 4], [0.0, 1.0], cost) for name, cost in dense.items()]
+    kept = kept_curves(job, ["block1"], curves)
+    assert [c.name for c in kept] == [c.name for c in curves if not c.name.startswith("block1.")] != \
+        [c.name for c in curves]
+    assert all(c.cost == shallow[c.name] for c in kept)
+    assert kept_curves(job, [], curves) == curves
+
+    class Priced(FakeDepthJob):
+        def unit_costs(self, blocks):
+            self.priced.append(list(blocks))
+            return {"b1.conv": 0.1}  # the cheapest curve to narrow saves ten times less once b0 is gone
+
+    priced = Priced(0.01)
+    priced.priced = []
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.3)
+    plan = plan_depth(priced, fake_depth_curves(), request, depth_probe, lambda line: None)
+    unpriced = plan_depth(FakeDepthJob(0.01), fake_depth_curves(), request, depth_probe, lambda line: None)
+    assert priced.priced == [["b0"], ["b0", "b1"], ["b0", "b1", "b2"]][: len(priced.priced)] and priced.priced
+    assert plan.options[1].width_loss > unpriced.options[1].width_loss  # the saving comes from dearer curves
+
+
 def test_long_depth_orders_are_weighed_at_prefix_lengths_about_1_5x_apart():
     """A transformer's depth order holds 3 units a layer: the prefixes weighed (each a probe) are those of
     DEPTH_SIZES, not every one."""
@@ -755,6 +788,29 @@ def test_a_trial_timed_in_a_fast_spell_is_timed_again_by_a_probe_of_its_widths()
     trials = [c for c in calls if c[0] == "trial"]
     assert len(rounds) == 1 and calls[-1] == ("round", ("b0",), trials[1][2], ("solved ('b0',)", []))
     assert [t["measured_speedup"] for t in job.depth["trials"]] == pytest.approx([1.5, 1.5])
+
+
+def test_a_trial_whose_outputs_went_to_nan_ranks_last():
+    """A NaN score compares equal to every other: sorted by it, the first trial (removing none, here NaN) stayed first
+    and its option ran; it ranks after every trial with a number now, those short of the target too."""
+    from service.job.targeting import depth_and_width
+
+    job, curves, plan, measure, rounds, calls = trial_setup([0.500, 0.505, 0.9])
+    trial = measure.trial
+    assert trial is not None
+
+    short = Latency(100.0, 100 / 1.4, 101.0, 101 / 1.4, 1.4, "cpu", 2, "test", 5)  # below 0.98 x the target
+
+    def broken_without_depth(*args, **kwargs):
+        done = trial(*args, **kwargs)
+        return replace(done, metric=math.nan) if job.removed[-1] == () else replace(done, latency=short)
+
+    measure = replace(measure, trial=broken_without_depth)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5)
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lambda line: None, lambda name, i: None, measure, "test")
+    assert [c[0] for c in calls][:4] == ["probe", "trial", "probe", "trial"]
+    assert calls[-1][:2] == ("round", ("b0",)) and {c[1] for c in calls[4:]} == {("b0",)}
+    assert [(t["blocks"], t["chosen"]) for t in job.depth["trials"]] == [(1, True), (0, False)]
 
 
 def test_options_planned_apart_run_without_trials():
