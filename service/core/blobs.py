@@ -1,10 +1,11 @@
 """The content-addressed blob store: uploads and artifacts under `sha256/<aa>/<hex>`.
 
 Every blob is written to `tmp/` beside the store, fsynced, and renamed into place (atomic on one
-filesystem), so no reader ever sees a partial file and a crash leaves at most a temporary file that the
-next start removes. Jobs read uploads through a view, `files/<hex>/<name>` (loaders need the file's name
-and extension; a directory uploaded as a tar is extracted there), built the same way: in `tmp/`, then
-renamed.
+filesystem; the directories fsynced too, so the rename outlives a power loss as the job's record of it does),
+so no reader ever sees a partial file and a crash leaves at most a temporary file that the next start removes
+(or the next sweep, once the process that wrote it is gone: `tmp/<kind>-<pid>-...`). Jobs read uploads
+through a view, `files/<hex>/<name>` (loaders need the file's name and extension; a directory uploaded as a tar
+is extracted there), built the same way: in `tmp/`, then renamed.
 """
 
 from __future__ import annotations
@@ -44,12 +45,36 @@ def tree_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _fsync_directory(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a file's own fsync does not cover its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_prefix(kind: str) -> str:
+    """`<kind>-<pid>-`: a temporary file names the process writing it, so a sweep can tell a dead one's leftovers."""
+    return f"{kind}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number: alive
+        return True
+    return True
+
+
 class BlobWriter:
     """Incremental write of one blob; `commit()` moves it into place and returns (digest, size)."""
 
     def __init__(self, store: BlobStore) -> None:
         self.store = store
-        fd, name = tempfile.mkstemp(dir=store.tmp, prefix="blob-")
+        fd, name = tempfile.mkstemp(dir=store.tmp, prefix=_tmp_prefix("blob"))
         self.tmp = Path(name)
         self.file: BinaryIO = os.fdopen(fd, "wb")
         self.hash = hashlib.sha256()
@@ -66,12 +91,16 @@ class BlobWriter:
         self.file.close()
         digest = self.hash.hexdigest()
         final = self.store.path(digest)
+        new_directory = not final.parent.is_dir()
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():  # same content already stored: written again now, as far as retention is concerned
             self.tmp.unlink()
             os.utime(final)
         else:
             os.replace(self.tmp, final)
+            _fsync_directory(final.parent)
+            if new_directory:
+                _fsync_directory(final.parent.parent)
         return digest, self.size
 
     def abort(self) -> None:
@@ -89,11 +118,17 @@ class BlobStore:
         for d in (self.blobs, self.files, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
 
-    def clean_tmp(self) -> int:
-        """Remove what an interrupted write left behind (only at start, when no write is in flight)."""
-        leftovers = list(self.tmp.iterdir())
-        for p in leftovers:
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    def clean_tmp(self, dead_only: bool = False) -> int:
+        """Remove what an interrupted write left behind: everything (at start, when no write is in flight), or with
+        `dead_only` what processes that are gone wrote (a worker killed by a cancel or a deadline in the middle of a
+        model-sized tar; the sweep's, while others write)."""
+        leftovers = []
+        for p in self.tmp.iterdir():
+            writer = p.name.split("-")
+            if dead_only and not (len(writer) > 2 and writer[1].isdigit() and not _alive(int(writer[1]))):
+                continue
+            leftovers.append(p)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         return len(leftovers)
 
     def path(self, digest: str) -> Path:
@@ -125,7 +160,7 @@ class BlobStore:
     def put_tree(self, directory: Path) -> tuple[str, int]:
         """A directory as an uncompressed tar blob (members relative to the directory, sorted, with fixed
         metadata so the same content gives the same digest)."""
-        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="tar-")
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix=_tmp_prefix("tar"))
         os.close(fd)
         try:
             write_tar(directory, Path(name))
@@ -157,7 +192,7 @@ class BlobStore:
                 raise ArchiveError(f"this content is already here as a {'directory' if target.is_dir() else 'file'} "
                                    f"named {filename!r}; upload it under another name")
             return target
-        staging = Path(tempfile.mkdtemp(dir=self.tmp, prefix="view-"))
+        staging = Path(tempfile.mkdtemp(dir=self.tmp, prefix=_tmp_prefix("view")))
         try:
             if archive:
                 extract_tar(self.path(digest), staging / filename)

@@ -443,12 +443,16 @@ class RayAttempt(Attempt):
                 batch, finished = await self.actor.events.remote(cursor, POLL_S)
                 unavailable_since = None
                 for seq, message in batch:
-                    cursor = seq
                     if message[0] == "inputs":  # the worker wrote them: the pieces may leave the object store
                         self.shipped = []
+                        cursor = seq
                         continue
                     if message[0] == "done":
                         message = await self._bring_back(message)
+                    # acknowledged once handled: the actor forgets what the next call's cursor covers, so a "done"
+                    # whose artifacts a transient outage interrupted is asked for again (it was lost, and a job
+                    # that had succeeded ended WORKER_CRASHED)
+                    cursor = seq
                     self.finished = self.finished or message[0] != "progress"
                     yield message
                 if finished and not batch:

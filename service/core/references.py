@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from compressor.errors import InputError
 
@@ -62,3 +64,32 @@ def upload_of(reference: str) -> tuple[str, str] | None:
     """(digest, file name) of the upload a `blob:sha256:<digest>/<name>` reference names; None for any other."""
     match = _BLOB.match(reference)
     return None if match is None else (match.group(1), match.group(2))
+
+
+def input_name(reference: str, resolved: str | Path) -> str:
+    """The file name a job reads an input's format from (`.pt2`, `.jsonl`, `.npz`...): a path reference's own, which
+    may be a link to a file named otherwise (a Hugging Face cache's snapshot links to a content-addressed blob without
+    an extension), else the resolved path's."""
+    if reference.startswith(("blob:", "embedded:")):
+        return Path(resolved).name
+    return Path(reference).name
+
+
+def named_inputs(spec: Mapping[str, Any], references: Mapping[str, str], directory: Path) -> dict[str, Any]:
+    """`spec` with each input whose resolved path lost the reference's name (`input_name`) given that name again: a
+    link `directory/<field>/<name>` to the path checked at submission (never to the reference, which could have been
+    pointed elsewhere since). The job's loaders then see the format the client named."""
+    out = dict(spec)
+    for field, reference in references.items():
+        if not out.get(field):
+            continue
+        resolved = Path(out[field])
+        name = input_name(reference, resolved)
+        if name in ("", resolved.name):
+            continue
+        link = directory / field / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)  # a retried attempt's
+        link.symlink_to(resolved, target_is_directory=resolved.is_dir())
+        out[field] = str(link)
+    return out

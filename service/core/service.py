@@ -267,13 +267,17 @@ class JobService:
             raise
         # recorded before the view is built (in a thread): a delete or retention sweep meanwhile sees the blob in
         # use, instead of removing it under an upload about to answer OK
+        earlier = self.store.has_upload(digest, header.filename)  # the same bytes and name, uploaded before
         self.store.record_upload(digest, header.filename, header.archive, size)
         try:
             await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
         except ArchiveError as err:
-            self.store.forget_upload(digest, header.filename)
-            if not self.store.referenced(digest):
-                self.blobs.delete(digest)
+            # refused; an earlier upload of these bytes under this name (the other archive flag) stays as it was:
+            # forgetting its row deleted its blob and view under the queued jobs that name it
+            if not earlier:
+                self.store.forget_upload(digest, header.filename)
+                if not self.store.referenced(digest):
+                    self.blobs.delete(digest)
             raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
         return f"blob:sha256:{digest}/{header.filename}", digest, size
 
@@ -321,4 +325,5 @@ class JobService:
         for digest in self.blobs.written_before(cutoff):
             if not self.store.referenced(digest):
                 self.blobs.delete(digest)
+        self.blobs.clean_tmp(dead_only=True)  # a killed worker's half-written blob or tar
         return len(names)

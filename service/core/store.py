@@ -265,6 +265,10 @@ class JobStore:
         self.db.execute("INSERT INTO uploads VALUES (?, ?, ?, ?, ?) ON CONFLICT (sha256, filename) DO UPDATE SET "
                         "last_used = excluded.last_used", (digest, filename, int(archive), size, time.time()))
 
+    def has_upload(self, digest: str, filename: str) -> bool:
+        return self.db.execute("SELECT 1 FROM uploads WHERE sha256 = ? AND filename = ?",
+                               (digest, filename)).fetchone() is not None
+
     def forget_upload(self, digest: str, filename: str) -> None:
         self.db.execute("DELETE FROM uploads WHERE sha256 = ? AND filename = ?", (digest, filename))
 

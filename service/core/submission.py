@@ -19,7 +19,7 @@ from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFou
 from ..job.request import MAX_TIME_BUDGET_S
 from .blobs import BlobStore
 from .policy import ReferencePolicy
-from .references import resolve
+from .references import input_name, resolve
 from .store import LABEL_KEY
 
 REQUIRED = ("model", "calibration")
@@ -111,15 +111,17 @@ def _label_violations(labels: dict[str, str]) -> list[FieldViolation]:
 
 def check_model(path: Path, reference: str) -> None:
     """A .pt2 program, or a Hugging Face directory with config.json of an architecture the compressor prunes
-    (`compressor.transformer.adapters.check_config`) and safetensors weights (pickles can run code)."""
+    (`compressor.transformer.adapters.check_config`) and safetensors weights (pickles can run code). `path`: the
+    resolved reference, `reference`: as the request gave it (a link's name is the one the job reads)."""
     from compressor.errors import UnsupportedArchitecture
     from compressor.transformer.adapters import check_config
 
     if path.is_file():
-        if path.suffix != ".pt2":
+        suffix = Path(input_name(reference, path)).suffix  # the name the job reads (`named_inputs`)
+        if suffix != ".pt2":
             raise InvalidArgument([FieldViolation("model", f"{reference}: expected a .pt2 torch.export program "
                                                            f"or a Hugging Face model directory, got a "
-                                                           f"{path.suffix or 'suffix-less'} file")])
+                                                           f"{suffix or 'suffix-less'} file")])
         return
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -211,6 +211,8 @@ class Supervisor:
                             stage, stage_start = payload.get("stage"), now
                     else:
                         outcome = running.outcome = (kind, payload)
+                        if self.metrics:  # the last stage ends with the result (no next stage to time it)
+                            self.metrics.stage_seconds.labels(stage).observe(time.time() - stage_start)
         except TimeoutError:
             if running.outcome is None:  # a result already in is the job's, however long its worker takes to exit
                 running.stop(running.stop_reason or "deadline")

@@ -135,9 +135,11 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
     from ..job.report_html import record_references
     from ..job.request import request_from_spec
     from .blobs import tree_sha256
+    from .references import named_inputs
 
     out = Path(args.work_dir) / "out"
-    request = request_from_spec(args.spec, out_dir=out, device=args.device, home=Path(args.home))
+    spec = named_inputs(args.spec, args.references, Path(args.work_dir) / "inputs")
+    request = request_from_spec(spec, out_dir=out, device=args.device, home=Path(args.home))
 
     def stage(name: str, index: int) -> None:
         current.update(stage=name, round=index)

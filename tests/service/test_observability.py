@@ -49,7 +49,7 @@ def test_metrics_count_jobs_stages_rpcs_and_errors(finished):
     assert _value(metrics, "osscar_jobs", state="RUNNING") == 0
     assert _value(metrics, "osscar_queue_depth") == 0
     assert _value(metrics, "osscar_jobs_finished_total", state="SUCCEEDED", code="OK") == 1
-    for stage in ("loading", "baseline", "prune", "measure"):
+    for stage in ("loading", "baseline", "prune", "measure", "save"):  # the last one too, timed by the result
         assert _value(metrics, "osscar_stage_seconds_count", stage=stage) == 1
     assert _value(metrics, "osscar_rpc_seconds_count", method="/osscar.compression.v1.Compression/Compress") == 1
     assert _value(metrics, "osscar_rpc_errors_total", method="/google.longrunning.Operations/GetOperation",

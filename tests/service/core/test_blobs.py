@@ -39,6 +39,28 @@ def test_an_aborted_or_interrupted_write_leaves_nothing_behind(tmp_path):
     assert list(store.tmp.iterdir()) == []
 
 
+def test_a_sweep_removes_what_dead_writers_left_and_nothing_a_live_one_writes(tmp_path):
+    """A worker killed in the middle of a model-sized tar left it in tmp/ until the server restarted; the sweep (while
+    other workers write) removes the temporary files whose writer is gone."""
+    import subprocess
+    import sys
+
+    store = BlobStore(tmp_path)
+    live = store.writer()  # this process's: alive
+    live.write(b"being written")
+    live.file.flush()
+    child = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
+    dead = int(child.communicate()[0])
+    (store.tmp / f"tar-{dead}-abc").write_bytes(b"half a tar")
+    (store.tmp / f"view-{dead}-def").mkdir()
+    (store.tmp / "stranger").write_bytes(b"no writer named")
+    assert store.clean_tmp(dead_only=True) == 2
+    assert sorted(p.name for p in store.tmp.iterdir()) == sorted([live.tmp.name, "stranger"])
+    assert live.tmp.name.startswith(f"blob-{os.getpid()}-")
+    digest, _ = live.commit()
+    assert store.path(digest).read_bytes() == b"being written"
+
+
 def test_directories_archive_deterministically_and_extract_to_the_same_tree(tmp_path):
     source = tmp_path / "model"
     (source / "sub").mkdir(parents=True)

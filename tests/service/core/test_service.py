@@ -127,6 +127,20 @@ def test_an_upload_is_recorded_before_its_view_is_built(tmp_path, monkeypatch):
     assert jobs.store.db.execute("SELECT COUNT(*) FROM uploads").fetchone()[0] == 1
 
 
+def test_an_upload_refused_for_its_archive_flag_leaves_the_earlier_upload_of_its_bytes(tmp_path):
+    """The same bytes and name uploaded as a file, then as an archive: the second is refused, and the first upload
+    (which queued jobs may name) keeps its row, blob and view; they were all deleted."""
+    from service.core import UploadHeader
+    from service.errors import InvalidArgument
+
+    jobs = service(tmp_path)
+    _, digest, _ = asyncio.run(jobs.upload(UploadHeader("m.bin"), _chunks(b"some bytes")))
+    with pytest.raises(InvalidArgument, match="already here as a file"):
+        asyncio.run(jobs.upload(UploadHeader("m.bin", archive=True), _chunks(b"some bytes")))
+    assert jobs.store.has_upload(digest, "m.bin") and jobs.blobs.exists(digest)
+    assert (jobs.blobs.files / digest / "m.bin").read_bytes() == b"some bytes"
+
+
 def test_a_forgotten_upload_whose_content_is_an_artifact_loses_its_view(tmp_path, monkeypatch):
     """Retention forgets an old upload; an operation's artifact with the same bytes keeps the blob. Its view must
     go too: a new job naming the upload would otherwise be accepted with nothing keeping the blob for it."""

@@ -3,6 +3,7 @@ compressor's architecture rules."""
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,37 @@ def test_submit_lists_every_violation_and_resolves_references(tmp_path):
     assert refused.value.reason == "UNSUPPORTED_ARCHITECTURE" and "post-norm OPT" in str(refused.value)
     built = list((jobs.home / "embedded").glob("calibration-stdlib-*.txt"))  # built once, on demand
     assert len(built) == 1 and built[0].read_text().count("\n\n") >= 200
+
+
+def test_a_linked_input_keeps_the_name_it_was_given_and_the_target_that_was_checked(tmp_path):
+    """A Hugging Face cache's snapshot links `model.pt2` to a blob without an extension: the submission accepts it by
+    the link's name (it refused a "suffix-less file"), and the job reads the checked target under that name, so the
+    link pointed elsewhere after the check leads nowhere new."""
+    from service.core.references import named_inputs
+
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "0a1b2c").write_bytes(b"program")
+    (blobs / "3d4e5f").write_text('{"text": "calibration"}\n')
+    snapshot = tmp_path / "hub" / "snapshots" / "main"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.pt2").symlink_to(blobs / "0a1b2c")
+    (snapshot / "calibration.jsonl").symlink_to(blobs / "3d4e5f")
+    jobs = service(tmp_path)
+    references = {"model": str(snapshot / "model.pt2"), "calibration": str(snapshot / "calibration.jsonl")}
+    request = SubmitRequest(spec={"uniform_ratio": 0.5, **references}, body=b"", body_sha256="x")
+    record = asyncio.run(jobs.submit(request))
+    resolved = record.spec["resolved"]
+    assert resolved["model"] == str(blobs / "0a1b2c") and record.spec["references"] == references
+    (snapshot / "model.pt2").unlink()
+    (snapshot / "model.pt2").symlink_to(tmp_path / "elsewhere.pt2")  # pointed away after the check
+    named = named_inputs(resolved, references, tmp_path / "work" / "inputs")
+    assert Path(named["model"]).name == "model.pt2" and Path(named["calibration"]).name == "calibration.jsonl"
+    assert Path(named["model"]).read_bytes() == b"program" and Path(named["model"]).resolve() == blobs / "0a1b2c"
+    assert named["uniform_ratio"] == 0.5 and resolved["model"] == str(blobs / "0a1b2c")  # the spec is left as it was
+    embedded = named_inputs({"calibration": str(blobs / "3d4e5f")}, {"calibration": "blob:sha256:ab/data.jsonl"},
+                            tmp_path / "w2")
+    assert embedded == {"calibration": str(blobs / "3d4e5f")}  # an upload's view already has its name
 
 
 @pytest.mark.parametrize("config, refusal", [

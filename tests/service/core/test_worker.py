@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from google.rpc import code_pb2
 
 from service.api.wire import operation_of
@@ -121,3 +122,31 @@ def test_a_worker_that_closed_its_pipe_ends_with_its_own_exit_code():
 
     messages, ended = asyncio.run(main())
     assert messages == [] and ended.exitcode == 3
+
+
+def test_a_job_reads_a_linked_input_by_the_name_the_client_gave_it(tmp_path, monkeypatch):
+    """The spec holds the checked target (a Hugging Face cache's blob has no extension); the job's request names it
+    as the reference did, so its loaders read the format."""
+    from pathlib import Path
+
+    from service import job
+    from service.core import worker
+
+    blob = tmp_path / "blobs" / "0a1b2c"
+    blob.parent.mkdir()
+    blob.write_bytes(b"program")
+    seen = {}
+
+    def compress(request, **_kwargs):
+        seen["model"] = Path(str(request.model))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(job, "compress", compress)
+    work = tmp_path / "work"
+    spec = {"model": str(blob), "calibration": "/data/c.jsonl", "uniform_ratio": 0.5}
+    args = worker.WorkerArgs("operations/n", spec, {"model": "/hub/snapshots/main/model.pt2",
+                                                    "calibration": "/data/c.jsonl"}, str(tmp_path), str(work), "cpu", 1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        worker._compress(args, lambda message: None, {"stage": "", "round": 0}, None)
+    assert seen["model"].name == "model.pt2" and seen["model"].resolve() == blob
+    assert seen["model"].parent.parent == work / "inputs"
