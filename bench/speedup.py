@@ -187,15 +187,18 @@ def flap_global(base: list[str], osscar: dict, work: Path) -> tuple[dict, float,
     kept parameters and is corrected once, by the speedup measured, toward the osscar job's speedup."""
     import torch
 
-    from compressor.calibration import load_text
+    from compressor.calibration import load_text, split_text
     from compressor.transformer.adapters import adapter_for, dims, layers
     from compressor.transformer.flap import flap_structure
     from compressor.transformer.models import load_transformer
     from compressor.transformer.surgery import in_features, projection
 
     loaded = load_transformer(base[0])
-    batches = load_text(base[base.index("--calibration") + 1], tokenizer=loaded.tokenizer, sequences=128,
-                        length=128, seed=0)
+    calibration = base[base.index("--calibration") + 1]
+    if "--eval" in base:  # the job scores another file: all of this one calibrates
+        batches = load_text(calibration, tokenizer=loaded.tokenizer, sequences=128, length=128, seed=0)
+    else:  # never the text's end, which the jobs hold out and score (C4 perplexity)
+        batches, _, _ = split_text(calibration, tokenizer=loaded.tokenizer, sequences=128, length=128, seed=0)
     if "token_type_ids" in loaded.input_names:
         batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
     d, adapter = dims(loaded.model), adapter_for(loaded.model)

@@ -70,6 +70,10 @@ CHUNK_BYTES = 32 << 20  # inputs and artifacts travel in pieces of this size (bo
 POLL_S = 1.0  # the longest an events() call waits for news
 SLOTS_TTL_S = 5.0  # the cluster's shape is asked again after this
 UNAVAILABLE_S = 30.0  # an actor Ray calls temporarily unavailable gets this long to answer again
+# an actor not placed (constructed on a node) within this long: the cluster shrank below the slots counted a moment
+# before, or cannot hold the ask; the job goes back to the queue and the slots are counted again (it waited for a
+# node forever, RUNNING, its slot held, when it had no time budget)
+PLACEMENT_S = 600.0
 NODE_GRACE_CHECKS = 3  # looks (a second apart) at Ray's node table before a dead actor's node counts as alive
 INPUT_FIELDS = ("model", "calibration", "eval", "widths_from")
 
@@ -411,6 +415,8 @@ class RayAttempt(Attempt):
             self._died(err)
         except ValueError as err:  # e.g. an actor option Ray refuses: not the job's input
             self._died(err, "job")
+        except TimeoutError:  # not placed: Ray's side, the job runs again once the slots are counted anew
+            self._died(TimeoutError(f"the job's actor was not placed on a node within {PLACEMENT_S:.0f} s"), "ray")
         if self.death is not None:
             self.where = f"nowhere: {type(self.death).__name__}"
 
@@ -427,10 +433,13 @@ class RayAttempt(Attempt):
         self.actor = self.executor.runner.options(**ask, max_restarts=0, max_task_retries=0, max_concurrency=4
                                                   ).remote(self.executor.config.ray_scratch, ask["num_cpus"],
                                                            self.args.log_format)
-        self.node = await self.actor.where.remote()  # placed and constructed
+        self.node = await asyncio.wait_for(self._placed(), PLACEMENT_S)  # placed and constructed
         self.running = self.actor.run.remote(self.args, self.shipped)
         self.where = (f"Ray actor pid {self.node['pid']} on node {self.node['node_id'][:12]} ({self.node['ip']}), "
                       f"cores {self.node['cores'] or 'unpinned'}, GPUs {self.node['gpus'] or 'none'}")
+
+    async def _placed(self) -> dict[str, Any]:
+        return await self.actor.where.remote()
 
     async def messages(self) -> AsyncIterator[Message]:
         import ray

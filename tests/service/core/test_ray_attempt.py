@@ -67,3 +67,28 @@ def test_a_result_whose_artifacts_an_outage_interrupted_is_asked_for_again(tmp_p
     got = asyncio.run(messages())
     assert [m[0] for m in got] == ["progress", "done"] and attempt.finished and attempt.death is None
     assert blobs.exists(DIGEST) and blobs.path(DIGEST).read_bytes() == DATA and attempt.actor.reads >= 2
+
+
+def test_an_actor_never_placed_gives_the_job_back_as_rays_failure(monkeypatch):
+    """The cluster shrank between the slots' count and the placement: the actor waited for a node forever and the
+    job stayed RUNNING, its slot held, when it had no time budget. Not placed within PLACEMENT_S, the attempt ends as
+    Ray's failure (the job runs again, the slots are counted anew)."""
+    from types import SimpleNamespace
+
+    from service.core import ray_executor
+
+    class Unplaced:
+        def __init__(self) -> None:
+            async def never():
+                await asyncio.Event().wait()
+
+            self.where = SimpleNamespace(remote=never)
+
+    runner = SimpleNamespace(options=lambda **ask: SimpleNamespace(remote=lambda *args: Unplaced()))
+    executor = SimpleNamespace(runner=runner, ask=lambda: {"num_cpus": 1}, config=SimpleNamespace(ray_scratch="/x"),
+                               _shared=lambda path: True)
+    monkeypatch.setattr(ray_executor, "PLACEMENT_S", 0.05)
+    attempt = ray_executor.RayAttempt(executor, SimpleNamespace(spec={}, log_format="json"))
+    asyncio.run(attempt.start())
+    assert attempt.kind == "ray" and isinstance(attempt.death, TimeoutError)
+    assert attempt.where == "nowhere: TimeoutError" and attempt.running is None
