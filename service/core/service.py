@@ -261,23 +261,34 @@ class JobService:
             if header.sha256 and writer.hash.hexdigest() != header.sha256:
                 raise InvalidArgument([FieldViolation("header.sha256", f"declared {header.sha256}, received content "
                                                                        f"has {writer.hash.hexdigest()}")])
-            digest, size = await asyncio.to_thread(writer.commit)
         except BaseException:
             writer.abort()
             raise
-        # recorded before the view is built (in a thread): a delete or retention sweep meanwhile sees the blob in
-        # use, instead of removing it under an upload about to answer OK
+        # recorded before the blob is committed and its view built (both in a thread): a delete or retention sweep
+        # meanwhile sees the blob in use, instead of removing it (a sweep that listed it old, before this upload
+        # wrote it again) under an upload about to answer OK
+        digest, size = writer.hash.hexdigest(), writer.size
         earlier = self.store.has_upload(digest, header.filename)  # the same bytes and name, uploaded before
-        self.store.record_upload(digest, header.filename, header.archive, size)
-        try:
-            await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
-        except ArchiveError as err:
-            # refused; an earlier upload of these bytes under this name (the other archive flag) stays as it was:
-            # forgetting its row deleted its blob and view under the queued jobs that name it
+
+        def refused() -> None:
+            """An earlier upload of these bytes under this name stays as it was: forgetting its row deleted its blob
+            and view under the queued jobs that name it."""
             if not earlier:
                 self.store.forget_upload(digest, header.filename)
                 if not self.store.referenced(digest):
                     self.blobs.delete(digest)
+
+        self.store.record_upload(digest, header.filename, header.archive, size)
+        try:
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            writer.abort()
+            refused()
+            raise
+        try:
+            await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
+        except ArchiveError as err:  # refused: this content is already here under the name, as the other kind
+            refused()
             raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
         return f"blob:sha256:{digest}/{header.filename}", digest, size
 

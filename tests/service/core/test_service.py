@@ -105,8 +105,9 @@ async def _chunks(*parts: bytes):
 
 
 def test_an_upload_is_recorded_before_its_view_is_built(tmp_path, monkeypatch):
-    """The view (a tar's extraction: seconds) is built in a thread: a delete of an operation whose artifact has
-    the same bytes must meanwhile see the blob in use, not remove it under an upload about to answer OK."""
+    """The blob's commit and view (a tar's extraction: seconds) run in a thread: a delete of an operation whose
+    artifact has the same bytes, or a sweep, must meanwhile see the blob in use, not remove it under an upload about
+    to answer OK."""
     from service.core import UploadHeader
 
     jobs = service(tmp_path)
@@ -117,8 +118,17 @@ def test_an_upload_is_recorded_before_its_view_is_built(tmp_path, monkeypatch):
         return real_view(digest, filename, archive)
 
     monkeypatch.setattr(jobs.blobs, "view", view)
+    real_writer = jobs.blobs.writer
+
+    def writer():  # a sweep that listed the blob old must see it in use once the upload writes it again
+        made = real_writer()
+        commit = made.commit
+        made.commit = lambda: (seen.append(jobs.store.referenced(made.hash.hexdigest())), commit())[1]
+        return made
+
+    monkeypatch.setattr(jobs.blobs, "writer", writer)
     reference, digest, _ = asyncio.run(jobs.upload(UploadHeader("model.pt2"), _chunks(b"pt2 bytes")))
-    assert seen == [True] and jobs.blobs.exists(digest) and reference.endswith("/model.pt2")
+    assert seen == [True, True] and jobs.blobs.exists(digest) and reference.endswith("/model.pt2")
     # an archive that does not extract leaves no upload row and no blob
     from service.errors import InvalidArgument
 
