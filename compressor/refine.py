@@ -42,14 +42,18 @@ class RefineConfig:
     # `seconds` when those run out first; on top of any back-off): a long fit's last steps then settle into a
     # minimum instead of circling it at the first step size
     seed: int = 0  # the order of the fitting batches
-    # wall-clock allowance of one fit (a job's time budget, `service/job/pacing.py`): the fit stops at its first
-    # held-out check past it, with the best weights seen; None: the steps alone bound it. A pipeline fitting
-    # several blocks shares it out among them
+    # wall-clock allowance of one fit (a job's time budget, `service/job/pacing.py`, or a default allowance): the
+    # fit stops at its first held-out check past it (`budgeted`: at once), with the best weights seen; None: the
+    # steps alone bound it. A pipeline fitting several blocks shares it out among them
     seconds: float | None = None
     # a transformer block's fit as long as its own solves took, times this (a job's default; None: off): the
     # pipeline turns it into `seconds` per block, so a block whose solves were costly gets a longer fit and the
     # reconstruction at most doubles a pruning pass; `steps` still caps it
     per_solve: float | None = None
+    # `seconds` is a time budget's share: past it the fit stops at once, its steps since the last check judged there
+    # (False: an allowance the fit may run past to its next held-out check, as the default per-solve and whole-model
+    # allowances do; under a budget a decoder's interval of 20 steps of ~12 s ran minutes past a second's share)
+    budgeted: bool = False
     min_steps: int = 0  # steps that run whatever `seconds` says (a floor under the per-solve allowance)
     # the weights judged and returned are an exponential moving average of the fitted ones with this decay per
     # step (None: the fitted weights themselves): the average of a noisy fit's last few hundred steps sits nearer
@@ -173,7 +177,10 @@ class Reconstruction:
                     with torch.no_grad():
                         for mean, p in zip(averaged, self.parameters, strict=True):
                             mean.lerp_(p, 1 - self.config.average)
-                if step % self.config.check_every and step != self.config.steps:
+                out_of_time = (self.config.seconds is not None and step >= self.config.min_steps
+                               and time.perf_counter() - start > self.config.seconds)
+                if (step % self.config.check_every and step != self.config.steps
+                        and not (out_of_time and self.config.budgeted)):
                     continue
                 # the held-out judge doubles as the step-size control: a step size that suits one model
                 # diverges on another (SmolLM2's outlier features), so a check that got worse goes back
@@ -192,9 +199,8 @@ class Reconstruction:
                                 mean.copy_(saved)
                         lr *= self.config.backoff
                         optimizer = self._adam(scales, lr)
-                if (self.config.seconds is not None and step >= self.config.min_steps
-                        and time.perf_counter() - start > self.config.seconds):
-                    break  # out of time: the steps run so far, judged
+                if out_of_time:
+                    break  # the steps run so far, judged
         finally:
             for p in self.module.parameters():
                 p.requires_grad_(trainable[id(p)])

@@ -42,10 +42,12 @@ def flap_support(problem: LayerProblem) -> Tensor:
     """FLAP's fluctuation metric (An et al. 2024, eq. 5): input row j scores the sample variance of X_j
     times ||W_j||^2, the output change its removal leaves once its mean is compensated in the bias. H's
     diagonal is N Var(X_j) when the statistics are centred (layers with a bias, where the pipeline also
-    folds the removed rows' mean into it: FLAP's bias compensation), else the second moment."""
+    folds the removed rows' mean into it: FLAP's bias compensation), else the second moment. A group of rows (a
+    head) scores the sum of their scores squared, as FLAP's code ranks heads (`flap_allocation`: squared,
+    standardized, averaged; within a layer the same order); one row's order is its score's."""
     if problem.dense_weight is None:
         raise ValueError("flap needs dense_weight (the layer's dense weight W_hat)")
-    return _by_score(problem, problem.H.diagonal().clamp_min(0) * problem.dense_weight.square().sum(1))
+    return _by_score(problem, (problem.H.diagonal().clamp_min(0) * problem.dense_weight.square().sum(1)).square())
 
 
 def thinet_support(problem: LayerProblem) -> Tensor:

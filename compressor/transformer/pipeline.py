@@ -547,9 +547,9 @@ def _fit_allowance(refine: RefineConfig, solve_seconds: float, fitted: float, bl
     paced = None if refine.seconds is None else max(0.0, refine.seconds - fitted) / blocks_left
     matched = None if refine.per_solve is None else refine.per_solve * solve_seconds
     if matched is None:
-        return refine if paced is None else dataclasses.replace(refine, seconds=paced)
+        return refine if paced is None else dataclasses.replace(refine, seconds=paced, budgeted=True)
     if paced is not None and paced < matched:
-        return dataclasses.replace(refine, seconds=paced, min_steps=0)
+        return dataclasses.replace(refine, seconds=paced, min_steps=0, budgeted=True)
     return dataclasses.replace(refine, seconds=matched)
 
 

@@ -175,14 +175,15 @@ def model_config(block_fits: float, budget: float | None = None, *, solves: floa
     """The whole-model fit's settings (`reconstruct_model` with `target`): MODEL_STEPS steps of 4 windows at most,
     for MODEL_PER_BLOCK_FITS x the seconds the block fits took (`block_fits`; "logits": LOGITS_PER_PRUNE x those
     and the solves' `solves` seconds), or what a time budget left (`budget`) when that is less; the fit stops at its
-    first held-out check past its seconds."""
+    first held-out check past its seconds (at once when the budget's are those: `RefineConfig.budgeted`)."""
     _check_target(target)
     if target == "logits":
         seconds, check_every = LOGITS_PER_PRUNE * (solves + block_fits), LOGITS_CHECK_EVERY
     else:
         seconds, check_every = MODEL_PER_BLOCK_FITS * block_fits, MODEL_CHECK_EVERY
     return RefineConfig(steps=MODEL_STEPS, lr=MODEL_LR, check_every=check_every,
-                        seconds=max(0.0, seconds if budget is None else min(seconds, budget)))
+                        seconds=max(0.0, seconds if budget is None else min(seconds, budget)),
+                        budgeted=budget is not None and budget < seconds)
 
 
 @dataclass

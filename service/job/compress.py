@@ -26,7 +26,7 @@ from torch import nn
 from compressor.errors import InputError
 from compressor.layerstats import Widths, num_to_prune
 from compressor.progress import WARNING, Progress, ProgressFn, note, warning
-from compressor.reports import LayerReport
+from compressor.reports import LayerReport, RefineReport
 from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import Parity, ParityError, stamp_metadata
@@ -285,7 +285,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)
         report.artifacts.serving = job.serving_files(out)
-        report.pacing = pace.to_dict({i: _fits(r.layers) for i, r in enumerate(rounds)})
+        report.pacing = pace.to_dict({i: _fits(r.layers, getattr(r.module, "osscar_model_fit", None))
+                                      for i, r in enumerate(rounds)})
         if decode is not None:
             for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
                 follow_umask(path)
@@ -367,9 +368,10 @@ def _uniform_round(request: CompressRequest, job: ModelJob, run_round: Callable[
             "hardware-friendly multiples"))
 
 
-def _fits(layers: list[LayerReport]) -> dict[str, float]:
-    """A round's reconstruction in sum: the steps its fits ran and the seconds they took."""
-    fits = [r.refine for r in layers if r.refine is not None]
+def _fits(layers: list[LayerReport], model_fit: RefineReport | None = None) -> dict[str, float]:
+    """A round's reconstruction in sum: the steps its fits ran and the seconds they took (the layers' or blocks',
+    and a transformer's whole-model fit after them: the allowance paid for both)."""
+    fits = [r.refine for r in layers if r.refine is not None] + ([model_fit] if model_fit is not None else [])
     return {"fit_steps": sum(f.steps for f in fits), "fit_s": round(sum(f.seconds for f in fits), 1)}
 
 

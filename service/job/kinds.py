@@ -408,7 +408,7 @@ class ConvJob:
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: nothing to reconstruct either
         progress = _relay(statistics, self.say)
         steps = self.refine_steps if fit and not statistics else 0
-        refine = dataclasses.replace(graph_config(steps), seconds=fit_seconds)
+        refine = dataclasses.replace(graph_config(steps), seconds=fit_seconds, budgeted=fit_seconds is not None)
         teacher = self.dense if self.removed_blocks else None
         if solved is not None:  # a depth trial's solves of this plan: only the fit is left
             module, layers = solved

@@ -103,6 +103,22 @@ def test_a_paced_fit_anneals_over_its_seconds_when_they_end_before_its_steps(mon
     assert expected[4] == expected[5] == 0.0
 
 
+def test_a_fit_paced_by_a_time_budget_stops_at_the_first_step_past_its_share(monkeypatch):
+    """`budgeted`: the same fit, its seconds a time budget's share, stops at step 5 (judged there) instead of running
+    on to its next check: a decoder's interval of 20 steps of ~12 s ran minutes past a second's share."""
+    clock = [0.0]
+    monkeypatch.setattr(refine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    module = Weight()
+
+    def tick() -> None:
+        clock[0] += 1.0
+
+    config = RefineConfig(steps=100, lr=LR, check_every=2, anneal=True, seconds=4.0, budgeted=True)
+    report = fit(module, config, tick=tick)
+    assert report.steps == 5
+    assert moves(module) == pytest.approx([LR * annealed(min(1.0, s / 4)) for s in range(5)], rel=1e-3, abs=1e-9)
+
+
 def test_an_averaged_fit_judges_and_returns_the_moving_average_of_its_weights():
     """With `average`, every step moves the average by (1 - decay) of the way to the fitted weight; the check
     judges the average (the judge reads the weight it sees), the fit goes on from its own weights, and the

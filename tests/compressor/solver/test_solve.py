@@ -423,6 +423,16 @@ def test_wanda_sp_and_flap_score_rows_by_input_size_and_weight():
             solve_layer(H, G, 1, 1, method)
 
 
+def test_flap_ranks_heads_by_their_rows_scores_squared_as_its_allocation_does():
+    """Head 0's rows score 1, 1, 1, 1 (sum 4), head 1's 0, 0, 0, 3.5 (sum 3.5): summed, head 1 went, where FLAP (and
+    `flap_allocation`: squared, standardized, averaged) keeps head 1 (12.25 against 4) and drops head 0."""
+    H = torch.diag(torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.5], dtype=torch.float64))
+    W = torch.zeros(8, 2, dtype=torch.float64)
+    W[:, 0] = 1.0
+    H = H + 1e-3 * torch.eye(8, dtype=torch.float64)
+    assert solve_layer(H, H @ W, 4, 1, "flap", dense_weight=W).pruned == [0]
+
+
 def test_statistics_at_rounding_level_fall_back_to_the_magnitude_support():
     """An H that no damping factorises (every 2 x 2 block indefinite at the 1e-20 scale of an EfficientNet
     squeeze-excite conv fed ~zero inputs): osscar and MP+'s refit both need a factor, so the layer keeps the

@@ -182,9 +182,10 @@ def test_the_per_solve_allowance_follows_each_blocks_solves_and_yields_to_a_time
     assert _fit_allowance(rule, 4.0, 0.0, 3) == dataclasses.replace(rule, seconds=4.0)
     assert _fit_allowance(dataclasses.replace(rule, per_solve=2.0), 4.0, 0.0, 3).seconds == 8.0
     paced = _fit_allowance(dataclasses.replace(rule, seconds=6.0), 4.0, 3.0, 3)  # (6 - 3) / 3 = 1 s < 4 s
-    assert paced.seconds == pytest.approx(1.0) and paced.min_steps == 0
+    assert paced.seconds == pytest.approx(1.0) and paced.min_steps == 0 and paced.budgeted  # stops at once
     roomy = _fit_allowance(dataclasses.replace(rule, seconds=600.0), 4.0, 0.0, 3)
-    assert roomy.seconds == 4.0 and roomy.min_steps == 50
+    assert roomy.seconds == 4.0 and roomy.min_steps == 50 and not roomy.budgeted  # runs on to its next check
+    assert _fit_allowance(RefineConfig(steps=50, seconds=6.0), 4.0, 0.0, 3).budgeted
     fixed = RefineConfig(steps=50)  # a user's --refine-steps: steps alone
     assert _fit_allowance(fixed, 4.0, 0.0, 3) == fixed
 
@@ -429,8 +430,9 @@ def test_the_whole_model_fit_lasts_as_long_as_the_block_fits_or_what_a_budget_le
     config = model_config(block_fits=40.0)
     assert config.steps == MODEL_STEPS and config.seconds == pytest.approx(40.0) and config.min_steps == 0
     assert config.lr < default_config(None).lr  # every block moves at once: smaller steps
-    assert model_config(40.0, budget=10.0).seconds == pytest.approx(10.0)
-    assert model_config(40.0, budget=100.0).seconds == pytest.approx(40.0)
+    assert model_config(40.0, budget=10.0).seconds == pytest.approx(10.0) and model_config(40.0, 10.0).budgeted
+    assert model_config(40.0, budget=100.0).seconds == pytest.approx(40.0) and not model_config(40.0, 100.0).budgeted
+    assert not config.budgeted
     assert model_config(40.0, budget=-3.0).seconds == 0.0  # the block fits overran the budget: no time left
 
 
