@@ -178,7 +178,11 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
                       ) -> Round:
             enter("prune", index)
-            module, layers = job.prune(plan, fit_seconds=pace.fit_seconds(index), solved=solved)
+            fit_seconds = pace.fit_seconds(index)
+            if fit_seconds == 0:
+                say(warning(f"round {index}: the time budget has no time left for the reconstruction; the round's "
+                            "solves go unfitted (a larger --time-budget fits them)"))
+            module, layers = job.prune(plan, fit_seconds=fit_seconds, solved=solved)
             enter("measure", index)
             # one folder per round: the file keeps its final name, so the external data it references over
             # 2 GB (model.onnx.data) stays valid when moved

@@ -59,8 +59,8 @@ class Pace:
         if self.budget is None:
             return None
         rule = (f"each round's reconstruction may spend {FIT_SHARE:.0%} of the time left of {USABLE:.0%} of the "
-                "budget when the round starts, shared among its blocks; it stops at its first held-out check past "
-                "that, keeping the best weights seen")
+                "budget when the round starts, shared among its blocks; it stops at the first step past that, "
+                "keeping the best weights seen")
         return {"time_budget_s": self.budget, "rule": rule,
                 "rounds": [{**r, **fits.get(r["round"], {})} for r in self.rounds]}
 

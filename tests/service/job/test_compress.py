@@ -894,3 +894,16 @@ def test_the_time_budget_counts_from_the_jobs_start_loading_included(model_and_d
     monkeypatch.setattr(compress, "Pace", pace)
     assert cli.main([*_conv_args(model_and_data, tmp_path / "out"), "--time-budget", "3600"]) == 0
     assert paces and paces[0].start <= moments["open"]
+
+
+def test_a_round_left_no_time_for_its_fit_says_so(model_and_data, tmp_path, monkeypatch):
+    """The statistics, depth plan or earlier rounds spent the usable budget: the round's fits run 0 steps, which only
+    `pacing.fit_allowance_s: 0` showed; the report's warnings say it now."""
+    from service.job.pacing import Pace
+
+    monkeypatch.setattr(Pace, "left", lambda self: -5.0)
+    out = tmp_path / "out"
+    cli.main([*_conv_args(model_and_data, out), "--time-budget", "3600", "--accuracy-budget", "none"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["pacing"]["rounds"][0]["fit_allowance_s"] == 0
+    assert any("no time left for the reconstruction" in w for w in report["warnings"])
