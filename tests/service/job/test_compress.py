@@ -794,13 +794,14 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
     assert whole["kept"] == (whole["after"] < whole["before"])
     solves = sum(layer["seconds"] for layer in report["layers"])
     # through the calibration's fitting windows (an encoder's) or more of the same text (a decoder's, FIT_SEQUENCES
-    # in all, less the few that repeat a judged window)
+    # in all, less those that repeat a judged window: on this text of 1,200 tokens a tenth share half their 8-token
+    # runs with one)
     if family == "modernbert":
         assert whole["steps"] >= 100 and whole["seconds"] <= recon["seconds"] + 60
         assert whole["windows"] < 16
     else:
         assert whole["steps"] >= 20 and whole["seconds"] <= solves + recon["seconds"] + 60
-        assert 0.95 * FIT_SEQUENCES < whole["windows"] < FIT_SEQUENCES
+        assert 0.8 * FIT_SEQUENCES < whole["windows"] < FIT_SEQUENCES
 
 
 def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
