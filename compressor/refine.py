@@ -54,6 +54,10 @@ class RefineConfig:
     # (False: an allowance the fit may run past to its next held-out check, as the default per-solve and whole-model
     # allowances do; under a budget a decoder's interval of 20 steps of ~12 s ran minutes past a second's share)
     budgeted: bool = False
+    # a time budget's end (an absolute `time.perf_counter()`, `service/job/pacing.py`): past it the fit ends at once
+    # whatever `seconds` and `min_steps` say, judged there; one that starts past it does not fit (the allowance is
+    # set when a round starts: solves that took the time left would otherwise still leave the fits their share)
+    deadline: float | None = None
     min_steps: int = 0  # steps that run whatever `seconds` says (a floor under the per-solve allowance)
     # the weights judged and returned are an exponential moving average of the fitted ones with this decay per
     # step (None: the fitted weights themselves): the average of a noisy fit's last few hundred steps sits nearer
@@ -137,8 +141,9 @@ class Reconstruction:
         moving average's), or its own weights when no fit beat them."""
         start = time.perf_counter()
         before = self.error(held_out, loss)
-        if not train or self.config.steps == 0 or before == 0.0 or self.config.seconds == 0:  # nothing to fit,
-            # nothing to fix (a block left whole on a stream still equal to the dense one), or no time to
+        late = self.config.deadline is not None and time.perf_counter() >= self.config.deadline
+        if not train or self.config.steps == 0 or before == 0.0 or self.config.seconds == 0 or late:  # nothing to
+            # fit, nothing to fix (a block left whole on a stream still equal to the dense one), or no time to
             return RefineReport(before, before, False, 0, time.perf_counter() - start)
         best, best_weights = before, [p.detach().clone() for p in self.parameters]
         averaged = [p.detach().clone() for p in self.parameters] if self.config.average else None
@@ -177,10 +182,12 @@ class Reconstruction:
                     with torch.no_grad():
                         for mean, p in zip(averaged, self.parameters, strict=True):
                             mean.lerp_(p, 1 - self.config.average)
-                out_of_time = (self.config.seconds is not None and step >= self.config.min_steps
-                               and time.perf_counter() - start > self.config.seconds)
+                now = time.perf_counter()
+                past_end = self.config.deadline is not None and now > self.config.deadline
+                out_of_time = past_end or (self.config.seconds is not None and step >= self.config.min_steps
+                                           and now - start > self.config.seconds)
                 if (step % self.config.check_every and step != self.config.steps
-                        and not (out_of_time and self.config.budgeted)):
+                        and not (out_of_time and (self.config.budgeted or past_end))):
                     continue
                 # the held-out judge doubles as the step-size control: a step size that suits one model
                 # diverges on another (SmolLM2's outlier features), so a check that got worse goes back

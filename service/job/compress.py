@@ -182,7 +182,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             if fit_seconds == 0:
                 say(warning(f"round {index}: the time budget has no time left for the reconstruction; the round's "
                             "solves go unfitted (a larger --time-budget fits them)"))
-            module, layers = job.prune(plan, fit_seconds=fit_seconds, solved=solved)
+            module, layers = job.prune(plan, fit_seconds=fit_seconds, solved=solved, fit_deadline=pace.end())
             enter("measure", index)
             # one folder per round: the file keeps its final name, so the external data it references over
             # 2 GB (model.onnx.data) stays valid when moved

@@ -150,10 +150,12 @@ class ModelJob(Protocol):
     held_out: HeldOut  # how the evaluation inputs were set apart from the calibration inputs
 
     def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
-              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
+              fit: bool = True, solved: Solved | None = None, fit_deadline: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         """Prune a copy of the dense model (`plan`: a ratio or {layer: kept width}); `observe` sees every
         layer's statistics before its solve (the dense curves pass prunes nothing); `fit_seconds`: what the
-        reconstruction may spend in all (a time budget's pacing; None: its steps alone bound it); `fit`: False
+        reconstruction may spend in all (a time budget's pacing; None: its steps alone bound it), and
+        `fit_deadline` when it must end whatever that left (the budget's end, `RefineConfig.deadline`); `fit`: False
         solves the layers without any reconstruction after them (a depth trial's); `solved`: such a prune of
         the same plan, whose solves are kept and fitted (kinds with `refits_solved` only)."""
         ...
@@ -404,11 +406,13 @@ class ConvJob:
             f"images, method {request.method}")
 
     def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
-              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
+              fit: bool = True, solved: Solved | None = None, fit_deadline: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         statistics = _statistics_pass(plan, observe)  # nothing is pruned: nothing to reconstruct either
         progress = _relay(statistics, self.say)
         steps = self.refine_steps if fit and not statistics else 0
-        refine = dataclasses.replace(graph_config(steps), seconds=fit_seconds, budgeted=fit_seconds is not None)
+        refine = dataclasses.replace(graph_config(steps), seconds=fit_seconds, budgeted=fit_seconds is not None,
+                                     deadline=fit_deadline)
         teacher = self.dense if self.removed_blocks else None
         if solved is not None:  # a depth trial's solves of this plan: only the fit is left
             module, layers = solved
@@ -709,7 +713,8 @@ class _TransformerJob:
         return self.batches[::max(1, math.ceil(samples / self.planning_samples))]
 
     def prune(self, plan: Widths, observe: Observe | None = None, fit_seconds: float | None = None,
-              fit: bool = True, solved: Solved | None = None) -> tuple[nn.Module, list[LayerReport]]:
+              fit: bool = True, solved: Solved | None = None, fit_deadline: float | None = None
+              ) -> tuple[nn.Module, list[LayerReport]]:
         if solved is not None:
             raise ValueError("a transformer's block fits run between its solves: its solves cannot be fitted later")
         request = self.request
@@ -720,7 +725,7 @@ class _TransformerJob:
         options = {"method": request.method, "device": request.device, "progress": progress, "observe": observe,
                    "activation_dtype": getattr(torch, request.activation_dtype),
                    "cost_sequence_length": self.tokens, "gqa": request.gqa,
-                   "refine": self._refine(solve_only, fit_seconds),
+                   "refine": dataclasses.replace(self._refine(solve_only, fit_seconds), deadline=fit_deadline),
                    "add_bias": {"auto": None, "yes": True, "no": False}[request.add_bias],
                    # per projection, the refit or the dense rows, by the block's held-out error: SmolLM2-135M at 0.2
                    # with 50-step fits went 78.03 -> 66.87 WikiText-2 perplexity (bench/RESULTS.md, session 36)
@@ -741,8 +746,9 @@ class _TransformerJob:
         pruned, layers = prune_transformer(self.dense, batches, plan, **options)
         pruned.osscar_removed_layers = list(self.removed_blocks)  # what report.json says of this round's model
         fitted = sum(r.refine.seconds for r in layers if r.refine is not None)  # the block fits' seconds
-        config = self._model_refine(solve_only, fitted, None if fit_seconds is None else fit_seconds - fitted,
-                                    solves=sum(r.seconds for r in layers))
+        config = dataclasses.replace(
+            self._model_refine(solve_only, fitted, None if fit_seconds is None else fit_seconds - fitted,
+                               solves=sum(r.seconds for r in layers)), deadline=fit_deadline)
         if config.steps and (self.removed_blocks or any(r.width_after < r.width_before for r in layers)):
             model_fit = reconstruct_model(pruned, self.dense, self.batches, config, compute_device(request.device),
                                           target=self.model_target, pool=self.fit_pool())

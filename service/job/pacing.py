@@ -43,6 +43,11 @@ class Pace:
             return None
         return USABLE * self.budget - (time.perf_counter() - self.start)
 
+    def end(self) -> float | None:
+        """When the usable budget ends (a `time.perf_counter()`): no fit runs past it (`RefineConfig.deadline`);
+        None without a budget."""
+        return None if self.budget is None else self.start + USABLE * self.budget
+
     def fit_seconds(self, index: int) -> float | None:
         """Round `index`'s reconstruction allowance (recorded for the report): FIT_SHARE of the time left, 0
         once none is; None without a budget."""

@@ -119,6 +119,26 @@ def test_a_fit_paced_by_a_time_budget_stops_at_the_first_step_past_its_share(mon
     assert moves(module) == pytest.approx([LR * annealed(min(1.0, s / 4)) for s in range(5)], rel=1e-3, abs=1e-9)
 
 
+def test_a_fit_ends_at_the_time_budgets_end_whatever_its_allowance_and_floor(monkeypatch):
+    """`deadline`: a round's solves took the time left, so its fits' share (set when the round started) would run
+    past the budget; the fit ends at the first step past the deadline (judged there), its floor of 50 steps and its
+    next check (every 10) notwithstanding, and one that starts past it does not fit."""
+    clock = [0.0]
+    monkeypatch.setattr(refine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def tick() -> None:
+        clock[0] += 1.0
+
+    module = Weight()
+    report = fit(module, RefineConfig(steps=100, lr=LR, check_every=10, seconds=1.0, min_steps=50, deadline=4.0),
+                 tick=tick)
+    assert report.steps == 5 and moves(module) == pytest.approx([LR] * 5, rel=1e-3)
+    late = Weight()
+    clock[0] = 10.0
+    report = fit(late, RefineConfig(steps=100, lr=LR, check_every=10, deadline=4.0), tick=tick)
+    assert report.steps == 0 and not report.kept and late.value() == 1.0
+
+
 def test_an_averaged_fit_judges_and_returns_the_moving_average_of_its_weights():
     """With `average`, every step moves the average by (1 - decay) of the way to the fitted weight; the check
     judges the average (the judge reads the weight it sees), the fit goes on from its own weights, and the

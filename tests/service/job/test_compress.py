@@ -429,7 +429,7 @@ def _damaging(monkeypatch) -> None:
 
     real = kinds.ConvJob.prune
 
-    def prune(self, plan, observe=None, fit_seconds=None, fit=True, solved=None):
+    def prune(self, plan, observe=None, fit_seconds=None, fit=True, solved=None, fit_deadline=None):
         module, layers = real(self, plan, observe, fit_seconds, fit, solved)
         if observe is None:  # a round, not the dense statistics pass
             gen = torch.Generator().manual_seed(0)
@@ -891,10 +891,21 @@ def test_the_time_budget_counts_from_the_jobs_start_loading_included(model_and_d
         paces.append(real_pace(*args, **kwargs))
         return paces[-1]
 
+    from service.job import kinds
+
+    deadlines, real_prune = [], kinds.ConvJob.prune
+
+    def prune(self, plan, observe=None, fit_seconds=None, fit=True, solved=None, fit_deadline=None):
+        deadlines.append(fit_deadline)
+        return real_prune(self, plan, observe, fit_seconds, fit, solved, fit_deadline)
+
     monkeypatch.setattr(compress, "open_job", open_job)
     monkeypatch.setattr(compress, "Pace", pace)
+    monkeypatch.setattr(kinds.ConvJob, "prune", prune)
     assert cli.main([*_conv_args(model_and_data, tmp_path / "out"), "--time-budget", "3600"]) == 0
     assert paces and paces[0].start <= moments["open"]
+    # the round's fits end by the usable budget's end, whatever the solves before them took
+    assert deadlines[-1] == paces[0].end() == pytest.approx(paces[0].start + 0.9 * 3600)
 
 
 def test_a_round_left_no_time_for_its_fit_says_so(model_and_data, tmp_path, monkeypatch):
