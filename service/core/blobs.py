@@ -207,6 +207,9 @@ class BlobStore:
             except OSError:
                 if not target.exists():  # lost a race to an identical view: fine; anything else is not
                     raise
+            if target.is_dir() != archive:  # lost it to a view of the other kind: this upload is refused
+                raise ArchiveError(f"this content is already here as a {'directory' if target.is_dir() else 'file'} "
+                                   f"named {filename!r}; upload it under another name")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target

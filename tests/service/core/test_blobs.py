@@ -98,3 +98,26 @@ def test_archives_with_escaping_or_special_members_are_refused(tmp_path, member)
 def test_file_names_are_plain():
     assert valid_filename("model.pt2") and valid_filename("stories260K")
     assert not any(valid_filename(n) for n in ("", ".", "..", "a/b", "../x", "a\\b" * 0 + "x/..", "\n"))
+
+
+def test_a_view_that_loses_its_race_to_the_other_kind_is_refused(tmp_path, monkeypatch):
+    """Two uploads of one content and name at once, one as a file and one as an archive: the file's view, built while
+    the archive's landed first, took the directory as its own and both answered OK."""
+    from service.core import blobs
+
+    store = BlobStore(tmp_path)
+    writer = store.writer()
+    writer.write(b"bytes")
+    digest, _ = writer.commit()
+    target = store.files / digest / "m.bin"
+    real_link = os.link
+
+    def link(source, destination):  # the other upload's directory lands between the check and the rename
+        target.mkdir(parents=True)
+        (target / "inside.txt").write_text("the archive's")
+        real_link(source, destination)
+
+    monkeypatch.setattr(blobs.os, "link", link)
+    with pytest.raises(ArchiveError, match="already here as a directory"):
+        store.view(digest, "m.bin", archive=False)
+    assert (target / "inside.txt").read_text() == "the archive's" and list(store.tmp.iterdir()) == []
