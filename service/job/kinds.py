@@ -211,8 +211,8 @@ class ModelJob(Protocol):
     def currency(self) -> Callable[..., float] | None:
         """How a layer's loss relative to the residual stream becomes the currency target mode allocates in:
         convert(unit name, loss, against) with `against` the stream it is relative to, the layer's "input" (a width
-        curve's) or "output" (a removal loss); None: the stream's own (the request's `normalise`, where the kind has
-        another)."""
+        curve's and a removal loss's) or "output"; None: the stream's own (the request's `normalise`, where the kind
+        has another)."""
         ...
 
 
