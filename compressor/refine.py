@@ -160,6 +160,10 @@ class Reconstruction:
         generator = torch.Generator().manual_seed(self.config.seed)
         order: list[int] = []
         step = 0
+        # the seconds the fit has, which the annealed step follows: its own, or less where the budget ends first
+        horizon = self.config.seconds
+        if self.config.deadline is not None:
+            horizon = min(horizon if horizon is not None else math.inf, max(self.config.deadline - start, 1e-9))
         try:
             for step in range(1, self.config.steps + 1):
                 if not order:  # a new pass over the fitting batches, in a seeded order
@@ -167,8 +171,8 @@ class Reconstruction:
                 batch = train[order.pop()]
                 if self.config.anneal:  # through the fit by steps, or by seconds when those will run out first
                     progress = (step - 1) / self.config.steps
-                    if self.config.seconds:
-                        progress = max(progress, min(1.0, (time.perf_counter() - start) / self.config.seconds))
+                    if horizon:
+                        progress = max(progress, min(1.0, (time.perf_counter() - start) / horizon))
                     factor = annealed(progress)
                     for group, scale in zip(optimizer.param_groups, scales, strict=True):
                         group["lr"] = lr * scale * factor

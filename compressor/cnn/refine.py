@@ -214,7 +214,8 @@ def _reconstruct(pruned: fx.GraphModule, dense: fx.GraphModule, images: Tensor, 
     start = time.perf_counter()
     judge_targets = dense_outputs(judge)
     # no steps, no time, or no held-out image to judge by: nothing is fitted, so nothing to compute targets for
-    fitted: Tensor | Views = fit if config.steps and config.seconds != 0 and len(judge) else fit[:0]
+    late = config.deadline is not None and time.perf_counter() >= config.deadline  # the budget's end has passed
+    fitted: Tensor | Views = fit if config.steps and config.seconds != 0 and len(judge) and not late else fit[:0]
     if views_wanted and len(fitted):
         # each fitting image's views, enough for `view_uses` draws of each over the fit's steps, as many as
         # VIEW_VALUES of dense outputs hold (a graph whose output is a feature map, not a row of logits), and for a

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,9 @@ class JobService:
         self.executor: Executor | None = None  # from `open`
         self.draining = False
         self._background: list[asyncio.Task] = []
+        # uploads under way by (digest, file name): a failed one forgets the upload's row only when it is the
+        # only one (two of one content and name at once share that row)
+        self._uploading: Counter[tuple[str, str]] = Counter()
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -268,28 +272,38 @@ class JobService:
         # meanwhile sees the blob in use, instead of removing it (a sweep that listed it old, before this upload
         # wrote it again) under an upload about to answer OK
         digest, size = writer.hash.hexdigest(), writer.size
-        earlier = self.store.has_upload(digest, header.filename)  # the same bytes and name, uploaded before
-
-        def refused() -> None:
-            """An earlier upload of these bytes under this name stays as it was: forgetting its row deleted its blob
-            and view under the queued jobs that name it."""
-            if not earlier:
-                self.store.forget_upload(digest, header.filename)
-                if not self.store.referenced(digest):
-                    self.blobs.delete(digest)
-
+        key = (digest, header.filename)
+        earlier = self.store.has_upload(*key)  # the same bytes and name, uploaded before
         self.store.record_upload(digest, header.filename, header.archive, size)
+        self._uploading[key] += 1
+
+        def alone() -> bool:
+            """Whether the row is this upload's alone: an earlier upload of these bytes and name, or one under way
+            beside it, keeps it (forgetting it deleted their blob and view under an OK)."""
+            return not earlier and self._uploading[key] == 1
+
         try:
-            await asyncio.to_thread(writer.commit)
-        except BaseException:
-            writer.abort()
-            refused()
-            raise
-        try:
-            await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
-        except ArchiveError as err:  # refused: this content is already here under the name, as the other kind
-            refused()
-            raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
+            try:
+                await asyncio.to_thread(writer.commit)
+            except BaseException:
+                writer.abort()
+                if alone() and not self.blobs.exists(digest):
+                    self.store.forget_upload(*key)
+                raise
+            try:
+                await asyncio.to_thread(self.blobs.view, digest, header.filename, header.archive)
+            except ArchiveError as err:
+                # a view of the other kind under the name (an earlier or a concurrent upload's: the row, blob and view
+                # stay theirs), or an archive that does not extract (this upload's alone: nothing of it stays)
+                if alone() and not (self.blobs.files / digest / header.filename).exists():
+                    self.store.forget_upload(*key)
+                    if not self.store.referenced(digest):
+                        self.blobs.delete(digest)
+                raise InvalidArgument([FieldViolation("header.archive", str(err))]) from None
+        finally:
+            self._uploading[key] -= 1
+            if not self._uploading[key]:
+                del self._uploading[key]
         return f"blob:sha256:{digest}/{header.filename}", digest, size
 
     def artifact(self, name: str, artifact: str) -> tuple[ArtifactRecord, Path]:

@@ -179,7 +179,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                       ) -> Round:
             enter("prune", index)
             fit_seconds = pace.fit_seconds(index)
-            if fit_seconds == 0:
+            if fit_seconds == 0 and request.refine_steps_or(1):  # a job that fits at all (not mp, wanda-sp, flap)
                 say(warning(f"round {index}: the time budget has no time left for the reconstruction; the round's "
                             "solves go unfitted (a larger --time-budget fits them)"))
             module, layers = job.prune(plan, fit_seconds=fit_seconds, solved=solved, fit_deadline=pace.end())

@@ -137,6 +137,14 @@ def test_a_fit_ends_at_the_time_budgets_end_whatever_its_allowance_and_floor(mon
     clock[0] = 10.0
     report = fit(late, RefineConfig(steps=100, lr=LR, check_every=10, deadline=4.0), tick=tick)
     assert report.steps == 0 and not report.kept and late.value() == 1.0
+    # an annealed fit anneals over the time to the deadline when that ends first (it stopped mid-anneal, at a step
+    # size its own seconds had left high)
+    clock[0] = 0.0
+    annealing = Weight()
+    report = fit(annealing, RefineConfig(steps=100, lr=LR, check_every=10, seconds=100.0, anneal=True, deadline=4.0),
+                 tick=tick)
+    assert report.steps == 5
+    assert moves(annealing) == pytest.approx([LR * annealed(min(1.0, s / 4)) for s in range(5)], rel=1e-3, abs=1e-9)
 
 
 def test_an_averaged_fit_judges_and_returns_the_moving_average_of_its_weights():

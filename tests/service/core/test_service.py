@@ -151,6 +151,44 @@ def test_an_upload_refused_for_its_archive_flag_leaves_the_earlier_upload_of_its
     assert (jobs.blobs.files / digest / "m.bin").read_bytes() == b"some bytes"
 
 
+def test_an_upload_refused_beside_a_concurrent_one_of_its_bytes_leaves_that_ones_answer_good(tmp_path, monkeypatch):
+    """One content and name uploaded as a file and as an archive at once: the archive's finishes while the file's
+    builds its view, so the file's is refused. It shared the archive's row and, having recorded it first, forgot it
+    and deleted the blob and the archive's view under the archive's OK."""
+    import io
+    import tarfile
+
+    from service.core import UploadHeader
+    from service.errors import InvalidArgument
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("config.json")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"{}"))
+    content = buffer.getvalue()
+    jobs = service(tmp_path)
+    real_view, answers = jobs.blobs.view, []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def view(digest, filename, archive):
+            if not archive and not answers:  # the archive's upload runs start to end meanwhile
+                answers.append(asyncio.run_coroutine_threadsafe(
+                    jobs.upload(UploadHeader("m", archive=True), _chunks(content)), loop).result())
+            return real_view(digest, filename, archive)
+
+        monkeypatch.setattr(jobs.blobs, "view", view)
+        with pytest.raises(InvalidArgument, match="already here as a directory"):
+            await jobs.upload(UploadHeader("m"), _chunks(content))
+
+    asyncio.run(main())
+    _, digest, _ = answers[0]
+    assert jobs.store.has_upload(digest, "m") and jobs.blobs.exists(digest)
+    assert (jobs.blobs.files / digest / "m" / "config.json").read_text() == "{}"
+
+
 def test_a_forgotten_upload_whose_content_is_an_artifact_loses_its_view(tmp_path, monkeypatch):
     """Retention forgets an old upload; an operation's artifact with the same bytes keeps the blob. Its view must
     go too: a new job naming the upload would otherwise be accepted with nothing keeping the blob for it."""

@@ -919,3 +919,8 @@ def test_a_round_left_no_time_for_its_fit_says_so(model_and_data, tmp_path, monk
     report = json.loads((out / "report.json").read_text())
     assert report["pacing"]["rounds"][0]["fit_allowance_s"] == 0
     assert any("no time left for the reconstruction" in w for w in report["warnings"])
+    # a job that fits nothing anyway is not told to raise its budget for it
+    cli.main([*_conv_args(model_and_data, out), "--time-budget", "3600", "--accuracy-budget", "none",
+              "--refine-steps", "0"])
+    report = json.loads((out / "report.json").read_text())
+    assert not any("no time left for the reconstruction" in w for w in report["warnings"])
