@@ -215,8 +215,8 @@ def score_embeddings(artifact: Path, model_path: str | Path) -> float:
     sentences = wikitext_sentences()
     encoded = [tokenizer(sentences[b:b + 64], padding=True, truncation=True, max_length=128, return_tensors="np")
                for b in range(0, len(sentences), 64)]
-    batches = [{k: v for k, v in e.items()} for e in encoded]
-    pruned = torch.from_numpy(np.concatenate(run_outputs(artifact / "model.onnx", batches, reduce="mean_pool")))
+    pruned = torch.from_numpy(np.concatenate(run_outputs(artifact / "model.onnx", [dict(e) for e in encoded],
+                                                         reduce="mean_pool")))
     with torch.no_grad():
         dense = []
         for e in encoded:

@@ -258,10 +258,9 @@ def cosine(outputs: Sequence[np.ndarray] | np.ndarray, reference: Sequence[np.nd
     if a.shape[1] < MIN_COSINE_VALUES and len(a) > 1:
         centre = b.mean(0, keepdims=True)  # (1, values)
         a, b = (a - centre).T, (b - centre).T  # (values, samples)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    cos = (a * b).sum(1) / np.maximum(norms, 1e-30)
-    same = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)  # both exactly zero: identical
-    return float(np.where(same, 1.0, cos).mean())
+    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    cos = (a * b).sum(1) / np.maximum(norm_a * norm_b, 1e-30)
+    return float(np.where((norm_a == 0) & (norm_b == 0), 1.0, cos).mean())  # both exactly zero: identical
 
 
 def agreement(outputs: np.ndarray, reference: np.ndarray) -> float:
