@@ -454,11 +454,13 @@ class ConvJob:
         """The dense graph without `blocks`."""
         return remove_blocks(self.dense, list(blocks))
 
-    def unit_costs(self, blocks: Sequence[str]) -> dict[str, float]:
-        """Each prunable unit's cost per channel (`channel_cost`) in the dense graph without `blocks`: a coupled
-        group (the residual stream's channels) loses the producers and consumers of the removed blocks, so its
-        dense curve's cost prices it 20-30 % high once a quarter of ResNet-56's blocks are gone."""
-        graph = remove_blocks(self.dense, list(blocks)) if blocks else self.dense
+    def unit_costs(self, blocks: Sequence[str], graph: fx.GraphModule | None = None) -> dict[str, float]:
+        """Each prunable unit's cost per channel (`channel_cost`) in the dense graph without `blocks` (`graph`, when
+        the caller built it already): a coupled group (the residual stream's channels) loses the producers and
+        consumers of the removed blocks, so its dense curve's cost prices it 20-30 % high once a quarter of
+        ResNet-56's blocks are gone."""
+        if graph is None:
+            graph = remove_blocks(self.dense, list(blocks)) if blocks else self.dense
         return {unit.name: channel_cost(unit) for unit in analyse(graph).units}
 
     def remove(self, blocks: Sequence[str]) -> None:

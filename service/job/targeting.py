@@ -274,15 +274,16 @@ def in_blocks(layer: str, blocks: Sequence[str]) -> bool:
     return any(name == block or name.startswith(f"{block}.") for block in blocks)
 
 
-def kept_curves(job: Any, blocks: Sequence[str], curves: list[LayerCurve]) -> list[LayerCurve]:
-    """The curves of the layers left without `blocks`, each at its cost per group in the graph without them where
-    the kind says (`unit_costs`): the dense curves' costs would price the widths of the residual stream for the
-    blocks it no longer runs through."""
+def kept_curves(job: Any, blocks: Sequence[str], curves: list[LayerCurve], graph: nn.Module | None = None
+                ) -> list[LayerCurve]:
+    """The curves of the layers left without `blocks`, each at its cost per group in the graph without them
+    (`graph`, when the caller built it) where the kind says (`unit_costs`): the dense curves' costs would price the
+    widths of the residual stream for the blocks it no longer runs through."""
     kept = [c for c in curves if not in_blocks(c.name, blocks)]
     unit_costs = getattr(job, "unit_costs", None)
     if not blocks or unit_costs is None:
         return kept
-    costs = unit_costs(blocks)
+    costs = unit_costs(blocks, graph)
     return [replace(c, cost=costs[c.name]) if c.name in costs else c for c in kept]
 
 
@@ -327,8 +328,9 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
         chosen.append(block)
         if len(chosen) not in DEPTH_SIZES:
             continue
-        latency = probe(job.without(chosen))
-        kept = kept_curves(job, chosen, curves)
+        shallower = job.without(chosen)
+        latency = probe(shallower)
+        kept = kept_curves(job, chosen, curves, shallower)
         option = depth_option(chosen, sum(losses[b] for b in chosen), latency.speedup, kept, aim, INITIAL_SHARE)
         options.append(option)
         say(f"depth: {len(chosen)} blocks removed (last {block}): measured {latency.speedup:.3f}x; widths then "
@@ -746,7 +748,7 @@ def _without(job: Any, option: DepthOption, curves: list[LayerCurve], request: C
     and fitted against) at their costs in the shallower graph (`kept_curves`), unless a conv graph's analysis
     finds a unit without one: then the statistics pass runs again on the shallower graph."""
     job.remove(option.blocks)
-    kept = kept_curves(job, option.blocks, curves)
+    kept = kept_curves(job, option.blocks, curves, getattr(job, "graph", None))
     analysis = getattr(job, "analysis", None)
     if analysis is None:
         return kept

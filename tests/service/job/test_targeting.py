@@ -527,7 +527,7 @@ def test_the_curves_left_without_blocks_are_priced_in_the_shallower_graph():
     assert kept_curves(job, [], curves) == curves
 
     class Priced(FakeDepthJob):
-        def unit_costs(self, blocks):
+        def unit_costs(self, blocks, graph=None):
             self.priced.append(list(blocks))
             return {"b1.conv": 0.1}  # the cheapest curve to narrow saves ten times less once b0 is gone
 
