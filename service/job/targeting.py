@@ -224,6 +224,9 @@ class DepthPlan:
     losses: dict[str, float] = field(default_factory=dict)  # every removable unit's removal loss (the why)
     currency: str = "stream"  # what the losses are: "stream" (relative to it) or "output" (the change they predict)
     modelled: bool = False  # the options' depth speedups modelled from their multiply-adds (`removed_cost`)
+    # the share those depth speedups were modelled with (removed latency per removed multiply-add), corrected by the
+    # depth probes; None when each option's speedup was measured
+    depth_share: float | None = None
 
     def to_dict(self, tried: Sequence[DepthOption] = (), trials: Sequence[Trial] = ()) -> dict:
         """The plan as report.json's `depth`; `tried`: the options whose rounds ran, in order (re-plans);
@@ -236,7 +239,8 @@ class DepthPlan:
                 f"saved) removed and {how}, the widths planned for the rest of the aim from the "
                 "dense loss curves; the option with the least loss (removal losses plus width losses, both "
                 f"{CURRENCIES[self.currency]}) is taken")
-        return {"rule": rule, "aim": self.aim, "share": self.share, "planned": list(self.chosen.blocks),
+        return {"rule": rule, "aim": self.aim, "share": self.share, "depth_share": self.depth_share,
+                "planned": list(self.chosen.blocks),
                 "options": [{"blocks": len(o.blocks), "last": o.blocks[-1] if o.blocks else None,
                              "depth_speedup": o.depth_speedup, "measured": o.measured, "depth_loss": o.depth_loss,
                              "width_saving": o.width_saving,
@@ -310,7 +314,7 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
             f"{none.width_saving:.1%} of the prunable cost, planned loss {none.loss:.4f}")
 
     if job.removed_cost(()) is not None:
-        options, best, share = _modelled_options(job, [b for b, _ in order], curves, losses, aim, probe, say)
+        options, best, depth_share = _modelled_options(job, [b for b, _ in order], curves, losses, aim, probe, say)
         say_none(options[0])
         for o in options[1:]:
             say(f"depth: {len(o.blocks)} units removed (last {o.blocks[-1]}): "
@@ -318,7 +322,8 @@ def plan_depth(job: DepthJob, curves: list[LayerCurve], request: CompressRequest
                 f"{o.width_saving:.1%} of the remaining prunable cost; planned loss {o.depth_loss:.4f} depth + "
                 f"{o.width_loss:.4f} width = {o.loss:.4f}")
         say(f"depth: removing {len(best.blocks)} units ({', '.join(best.blocks) or 'none'}): the least planned loss")
-        return DepthPlan(best, options, aim, share, dict(losses), currency, modelled=True)
+        return DepthPlan(best, options, aim, INITIAL_SHARE, dict(losses), currency, modelled=True,
+                         depth_share=depth_share)
     none = depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)
     say_none(none)
     options = [none]
@@ -357,10 +362,12 @@ def _searched(option: DepthOption, best: DepthOption, worse: int) -> tuple[Depth
 
 def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve], losses: dict[str, float],
                       aim: float, probe: ProbeGraph, say: Say) -> tuple[list[DepthOption], DepthOption, float]:
-    """(options, the least loss's, the latency share they were planned with) of a kind whose depth units cost
+    """(options, the least loss's, the depth share they were modelled with) of a kind whose depth units cost
     latency in proportion to their multiply-adds: prefix n's speedup is 1 / (1 - share x removed_cost(prefix)),
     with share the latency model's (INITIAL_SHARE) corrected by what probes measured (removed latency over removed
-    cost, summed over the probes: the larger removals weigh more, their timing noise being the smaller part). The
+    cost, summed over the probes: the larger removals weigh more, their timing noise being the smaller part). That
+    share is the depth units' alone: a whole unit also takes its fixed costs (norms, launches, a KV cache) that
+    narrowing leaves, so the widths for the rest keep the latency model's own share, as where depth is measured. The
     options are weighed as the measured search weighs them (prefixes of DEPTH_SIZES until DEPTH_PATIENCE in a row
     plan no better); the best is probed when it removes DEPTH_PROBE_MIN of the latency or more and was not
     probed yet, and the options are planned again with the corrected share (at most MAX_DEPTH_PROBES probes)."""
@@ -370,13 +377,14 @@ def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve],
     assert all(c is not None and 0 < c < 1 for c in costs.values()), costs
 
     def weigh() -> tuple[list[DepthOption], DepthOption]:
-        options = [depth_option((), 0.0, 1.0, curves, aim, share)]
+        options = [depth_option((), 0.0, 1.0, curves, aim, INITIAL_SHARE)]
         best, worse = options[0], 0
         for n, cost in costs.items():
             blocks = order[:n]
             speedup = measured.get(n, 1 / (1 - min(share * cost, 0.95)))
             kept = kept_curves(job, blocks, curves)
-            option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, share, n in measured)
+            option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, INITIAL_SHARE,
+                                  n in measured)
             options.append(option)
             best, worse, stop = _searched(option, best, worse)
             if stop:

@@ -605,7 +605,7 @@ def test_a_transformers_small_depth_options_are_modelled_not_probed():
     assert len(plan.chosen.blocks) == 2 and not plan.chosen.measured
     assert 1 - 1 / plan.chosen.depth_speedup < DEPTH_PROBE_MIN
     assert plan.chosen.depth_speedup == pytest.approx(1 / (1 - INITIAL_SHARE * 0.04))
-    assert plan.share == INITIAL_SHARE
+    assert plan.share == plan.depth_share == INITIAL_SHARE
     report = plan.to_dict()
     assert not any(o["measured"] for o in report["options"][1:])  # removing none is 1.0x, nothing to model
     assert "modelled from the multiply-adds" in report["rule"]
@@ -613,8 +613,10 @@ def test_a_transformers_small_depth_options_are_modelled_not_probed():
 
 def test_a_transformers_large_depth_option_is_probed_and_corrects_the_share():
     """The best option removes more than DEPTH_PROBE_MIN of the modelled latency: it is probed, the probe's
-    latency per removed cost becomes the model's share, and the options are planned again with it."""
-    from service.job.targeting import MAX_DEPTH_PROBES
+    latency per removed cost becomes the depth model's share, and the options are planned again with it. The widths
+    planned for the rest keep the latency model's own share: a whole unit's latency per multiply-add (its fixed
+    costs too) says nothing of a narrower one's."""
+    from service.job.targeting import INITIAL_SHARE, MAX_DEPTH_PROBES
 
     probed = []
 
@@ -630,7 +632,10 @@ def test_a_transformers_large_depth_option_is_probed_and_corrects_the_share():
     assert len(probed) == len(set(probed))  # never the same option twice
     assert plan.chosen.measured and len(plan.chosen.blocks) == probed[-1]
     assert plan.chosen.depth_speedup == pytest.approx(1 / (1 - 0.01 * probed[-1]))
-    assert plan.share == pytest.approx(0.5)
+    assert plan.depth_share == pytest.approx(0.5) and plan.share == INITIAL_SHARE
+    assert plan.to_dict()["depth_share"] == pytest.approx(0.5)
+    for o in plan.options[1:]:  # the rest of the aim, over the latency model's share
+        assert o.width_saving == pytest.approx(max(0.0, 1 - o.depth_speedup / plan.aim) / INITIAL_SHARE)
     unmeasured = [o for o in plan.options[1:] if not o.measured]
     assert all(o.depth_speedup == pytest.approx(1 / (1 - 0.5 * 0.02 * len(o.blocks))) for o in unmeasured)
     assert any(line.startswith(f"depth: {probed[0]} units removed measured") for line in lines)
