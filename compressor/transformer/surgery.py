@@ -20,8 +20,10 @@ from its config, applies the widths and loads the weights, so save -> reload giv
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +36,8 @@ from .attention import use_gathered_attention
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
 
 MANIFEST = "osscar_widths.json"
+
+log = logging.getLogger(__name__)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -313,6 +317,17 @@ def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Ten
 
 # config lists with one entry per layer (which attention each layer runs): they shrink with the layers
 PER_LAYER_CONFIG = ("layer_types",)
+# older config keys that state `layer_types` by a rule over the layer index (what a reader from before
+# `layer_types` builds the layers from, and what transformers 5 builds them from when a config has no
+# `layer_types`): key -> that rule, the attention type of layer i for the key's value v
+LEGACY_LAYER_PATTERNS: dict[str, Callable[[int, int], str]] = {
+    # Qwen2 / Qwen3 (where a sliding window is set): full attention below the value, sliding from it on
+    "max_window_layers": lambda i, v: "sliding_attention" if i >= v else "full_attention",
+    # Gemma 3: every v-th layer global
+    "sliding_window_pattern": lambda i, v: "sliding_attention" if (i + 1) % v else "full_attention",
+    # ModernBERT: layer 0 and every v-th after it global
+    "global_attn_every_n_layers": lambda i, v: "sliding_attention" if i % v else "full_attention",
+}
 
 
 def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
@@ -347,10 +362,40 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         values = getattr(config, key, None)
         if isinstance(values, list | tuple) and len(values) == n:
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
+    _restate_legacy_patterns(config)
     owner, name = owner_of(model, layers_path(model))
     setattr(owner, name, nn.ModuleList(kept))
     config.num_hidden_layers = len(kept)
     renumber_caches(model)
+
+
+def _restate_legacy_patterns(config: Any) -> None:
+    """Each older key of `LEGACY_LAYER_PATTERNS` that the config holds, set to a value whose rule gives the shrunk
+    `layer_types` (kept when it still does): left at its dense value it would state another model to every reader
+    that builds the layers from it (ModernBERT's layer 1 removed, n = 2: full, sliding, full instead of full, full,
+    sliding). Where no value states the new pattern, the key is kept and a warning says which readers misplace the
+    layers (transformers 5 reads `layer_types`)."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, list | tuple):
+        return
+    n = len(types)
+    for key, rule in LEGACY_LAYER_PATTERNS.items():
+        attributes = [a for a in (key, f"_{key}") if isinstance(getattr(config, a, None), int)]
+        if not attributes:
+            continue
+        old = getattr(config, attributes[0])
+        if key == "max_window_layers" and getattr(config, "sliding_window", None) is None:
+            continue  # the rule applies only where a window is set: every layer is full whatever the value
+        lowest = 0 if key == "max_window_layers" else 1  # the others divide by the value
+        values = [old, *range(lowest, n + 2)] if old >= lowest else list(range(lowest, n + 2))
+        value = next((v for v in values if all(rule(i, v) == t for i, t in enumerate(types))), None)
+        if value is None:
+            log.warning("config.json's %s = %d cannot state the layers' attention types once layers are removed "
+                        "(%s): readers that build the layers from it instead of layer_types (transformers before "
+                        "5) misplace the sliding-window layers", key, old, ", ".join(types))
+            continue
+        for attribute in attributes:
+            setattr(config, attribute, value)
 
 
 def _keep_inverse_layer_scaling(block: nn.Module, old: int, new: int) -> None:

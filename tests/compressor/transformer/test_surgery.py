@@ -1,6 +1,7 @@
 """Head (GQA-aware) and FFN surgery on every transformer family, and save -> reload via the manifest."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from compressor.transformer.surgery import (
     widths,
 )
 
-from .transformer_models import MODELS, first_output, tiny_gpt2, tiny_llama
+from .transformer_models import MODELS, example_inputs, first_output, tiny_gpt2, tiny_llama
 
 
 def zero_inputs(model, index, path, kept):
@@ -313,3 +314,75 @@ def test_whole_head_groups_are_refused_once_query_heads_went_one_by_one():
         prune_heads(model, 0, [0])
     with pytest.raises(ValueError, match="pruned one by one"):
         head_groups(model, 0)
+
+
+def _legacy_reader(directory):
+    """The model a reader builds from a saved config's older per-layer key alone (transformers 5 without
+    `layer_types`; what earlier releases read)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("layer_types")
+    model_type = config.pop("model_type")
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "modernbert": transformers.ModernBertModel,
+           "gemma3_text": transformers.Gemma3ForCausalLM}[model_type]
+    model = cls(transformers.AutoConfig.for_model(model_type, **config)).eval()
+    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    return model
+
+
+@pytest.mark.parametrize("family,layers_before,key,before,gone,after", [
+    # full below max_window_layers, sliding from it: F F S S minus layer 0 is F S S, max_window_layers 1
+    ("qwen2", 4, "max_window_layers", 2, [0], 1),
+    # global every 3rd from layer 0: F S S F minus layer 2 is F S F, every 2nd
+    ("modernbert", 4, "global_attn_every_n_layers", 3, [2], 2),
+    # every 3rd global: S S F S S F minus layers 0 and 3 is S F S F, every 2nd
+    ("gemma3_text", 6, "sliding_window_pattern", 3, [0, 3], 2),
+])
+def test_a_configs_older_layer_pattern_key_states_the_layers_left(family, layers_before, key, before, gone, after,
+                                                                   tmp_path):
+    """Removing layers shrinks `layer_types`; the older key that states the same pattern by a rule over the index
+    is restated, so a reader that builds the layers from it builds the pruned model (left at its dense value it
+    stated another one: Qwen2's F S S read as F F S, 0.31 apart)."""
+    from compressor.transformer.models import save_standard
+
+    from .transformer_models import VOCAB, _seeded
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers_before, num_attention_heads=4,
+                  intermediate_size=20, max_position_embeddings=64)
+    config = {
+        "qwen2": lambda: transformers.Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=True,
+                                                  sliding_window=4, max_window_layers=before),
+        "modernbert": lambda: transformers.ModernBertConfig(**common, local_attention=4,
+                                                            global_attn_every_n_layers=before, pad_token_id=0,
+                                                            bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                            sep_token_id=2),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16,
+                                                             sliding_window=4, sliding_window_pattern=before),
+    }[family]()
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "modernbert": transformers.ModernBertModel,
+           "gemma3_text": transformers.Gemma3ForCausalLM}[family]
+    model = _seeded(cls, config)
+    inputs = example_inputs(model, length=12)  # longer than the window: sliding and full layers differ
+    remove_layers(model, gone)
+    assert getattr(model.config, key, None) == after or getattr(model.config, f"_{key}") == after
+    save_standard(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text()).get(key, after) == after
+    reader = _legacy_reader(tmp_path / "m")
+    assert reader.config.layer_types == model.config.layer_types
+    torch.testing.assert_close(first_output(reader, inputs), first_output(model, inputs))
+
+
+def test_a_layer_pattern_no_older_key_can_state_is_named_in_a_warning(caplog):
+    """ModernBERT's F S F S minus layer 1 is F F S: no 'global every n-th' states it. The key stays and a warning
+    says which readers misplace the layers."""
+    from .transformer_models import VOCAB, _seeded
+
+    model = _seeded(transformers.ModernBertModel, transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    with caplog.at_level("WARNING", logger="compressor.transformer.surgery"):
+        remove_layers(model, [1])
+    assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention"]
+    assert "global_attn_every_n_layers = 2 cannot state the layers' attention types" in caplog.text
