@@ -148,7 +148,9 @@ def remove_blocks(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
         add.replace_all_uses_with(shortcut)
         stands_for[add.name] = shortcut
         out.graph.erase_node(add)
-    out.graph.eliminate_dead_code()
+    # an inference graph's random ops are the identity (an eval-mode Dropout ending HF EfficientNet's branches):
+    # counted impure, as FX counts them by default, they kept the removed branch alive with its weights
+    out.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure(impure_random=False))
     # the removed ops' parameters, and what else their modules hold that the graph never reads (a
     # BatchNorm's num_batches_tracked)
     used = {str(node.target) for node in out.graph.nodes if node.op == "get_attr"}

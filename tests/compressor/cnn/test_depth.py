@@ -142,14 +142,16 @@ def test_a_shallower_graph_is_channel_pruned_fitted_to_the_dense_one_and_exports
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, channels: int, in_place: bool):
+    def __init__(self, channels: int, in_place: bool, dropout: float = 0.0):
         super().__init__()
         self.in_place = in_place
         self.c1, self.c2 = (torch.nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
         self.b1, self.b2 = torch.nn.BatchNorm2d(channels), torch.nn.BatchNorm2d(channels)
+        # HF EfficientNet's stochastic depth: a Dropout ends each branch (the identity in eval)
+        self.drop = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
 
     def forward(self, x):
-        out = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        out = self.drop(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
         if self.in_place:
             out += x  # HF ResNet's `hidden_state += residual`
         else:
@@ -158,10 +160,10 @@ class _Block(torch.nn.Module):
 
 
 class _Net(torch.nn.Module):
-    def __init__(self, in_place: bool):
+    def __init__(self, in_place: bool, dropout: float = 0.0):
         super().__init__()
         self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.blocks = torch.nn.Sequential(_Block(8, in_place), _Block(8, in_place))
+        self.blocks = torch.nn.Sequential(_Block(8, in_place, dropout), _Block(8, in_place, dropout))
         self.fc = torch.nn.Linear(8, 4)
 
     def forward(self, x):
@@ -183,6 +185,23 @@ def test_an_in_place_residual_add_is_priced_by_its_branch():
     expected = removal_losses(export_module(plain, images[:2]), images, device=CPU)
     got = removal_losses(export_module(in_place, images[:2]), images, device=CPU)
     assert all(v < 0.5 for v in got.values()) and got == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_branch_ending_in_dropout_is_removed_with_its_weights():
+    """An eval-mode Dropout at the end of a branch (HF EfficientNet's stochastic depth) is the identity, but FX
+    counts a random op as impure: dead code elimination kept it and the whole branch above it, so the removed
+    block's convs stayed in the graph, its parameters in the model and its units in the analysis."""
+    torch.manual_seed(0)
+    model = randomize_batch_norms(_Net(in_place=False, dropout=0.2)).eval()
+    gm = export_module(model, torch.randn(2, 3, 8, 8))
+    removed = remove_blocks(gm, ["blocks.0"])
+    reference = copy.deepcopy(model)
+    reference.blocks[0] = torch.nn.ReLU()  # relu(0 + x)
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(removed(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert count_parameters(removed) == count_parameters(reference) < count_parameters(gm)
+    assert not [k for k in removed.state_dict() if k.startswith("blocks.0.")]
+    assert not [u.name for u in analyse(removed).units if u.name.removeprefix("coupled:").startswith("blocks.0.")]
 
 
 def test_a_block_of_one_conv_and_linears_is_named_after_all_its_weights():
