@@ -290,6 +290,19 @@ def _one_class_warnings(logits: np.ndarray, samples: str, advice: str) -> list[s
             f"{advice}"]
 
 
+def _chance_warnings(logits: np.ndarray, labels: np.ndarray) -> list[str]:
+    """A warning when the dense model's top-1 on the labelled images is no better than always answering their most
+    common label: a budget relative to it then passes any model."""
+    top1 = float((logits.argmax(1) == labels).mean())
+    chance = float(np.bincount(labels).max() / len(labels))
+    if top1 > chance:
+        return []
+    return [f"the dense model's top-1 on the {len(labels)} labelled images is {top1:.1%}, no better than always "
+            f"answering their most common label ({chance:.1%}): the accuracy budget says little; check that the "
+            "labels number the model's classes as it does (an ImageNet model of 1,001 outputs reads class 0 as "
+            "'background') and the preprocessing (--mean, --std)"]
+
+
 def _no_decode_step(module: nn.Module, path: Path) -> Parity:
     raise InputError("--decode-step is for causal language models")
 
@@ -364,12 +377,26 @@ def _check_image_shapes(images: torch.Tensor, eval_x: torch.Tensor, expected: tu
                                    f"the model expects {tuple(expected)}")
 
 
-def _classifier(model: nn.Module, example: torch.Tensor) -> bool:
-    """Whether the model's (first) output is one score per class: (batch, classes >= 2)."""
+def _classes(model: nn.Module, example: torch.Tensor) -> int | None:
+    """How many classes the model's (first) output scores, where it is one score per class: (batch, classes >= 2);
+    else None."""
     with torch.no_grad():
         out = model(example)
     out = out[0] if isinstance(out, tuple | list) else out
-    return isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] >= 2
+    return out.shape[1] if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] >= 2 else None
+
+
+def _check_labels(labels: np.ndarray, classes: int | None, source: object) -> None:
+    """Labels the model's outputs can match, or the job is refused: a label outside [0, classes) is never the
+    argmax, so shifted labels (1-based, or -1 for "none") scored the dense model ~0 and every budget passed."""
+    if classes is None:
+        raise CalibrationError(f"{source}: labels 'y' are scored as top-1 of the model's class scores, but its output "
+                               "is not one score per class (batch, classes); drop 'y' to compare the outputs instead")
+    bad = sorted({int(v) for v in labels if not 0 <= v < classes})
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise CalibrationError(f"{source}: labels 'y' must be class indices in [0, {classes}) of the model's "
+                               f"{classes} outputs; found {shown}")
 
 
 class ConvJob:
@@ -395,9 +422,11 @@ class ConvJob:
         self.remove(chosen)  # the graph the channels are pruned of: the dense one, or it without some blocks
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
+        classes = _classes(self.dense, self.images[:2])
         if self.eval_y is not None:
+            _check_labels(self.eval_y, classes, request.eval or request.calibration)
             self.metric = TOP1
-        elif _classifier(self.dense, self.images[:2]):  # no labels: "accuracy kept" is agreement with dense
+        elif classes is not None:  # no labels: "accuracy kept" is agreement with dense
             self.metric = AGREEMENT
         else:  # not a classifier's scores: how close the outputs stay
             self.metric = COSINE
@@ -495,6 +524,8 @@ class ConvJob:
         return cosine(outputs, reference)
 
     def baseline_warnings(self, reference: np.ndarray) -> list[str]:
+        if self.metric == TOP1:
+            return _chance_warnings(np.asarray(reference), self.eval_y)
         if self.metric != AGREEMENT:
             return []
         return _one_class_warnings(np.asarray(reference), "images", "calibrate on images of the model's domain, or "

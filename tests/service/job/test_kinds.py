@@ -3,6 +3,8 @@ through as the pipeline says it) and what each kind refuses."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -361,6 +363,37 @@ def test_evaluation_labels_are_class_indices_and_a_column_is_flattened(tmp_path)
         np.savez(tmp_path / "eval.npz", x=x, y=y)
         with pytest.raises(CalibrationError, match=f"labels 'y' must be class indices.*{words}"):
             _images_and_held_out(request, 256, labels=True)
+
+
+def test_labels_outside_the_models_classes_are_refused_naming_them():
+    """A label outside [0, classes) is never an argmax: 1-based or -1 labels scored the dense model ~0 top-1, and a
+    budget relative to 0 passed every model."""
+    import torch
+
+    from compressor.errors import CalibrationError
+    from service.job.kinds import _check_labels, _classes
+
+    classifier = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
+    images = torch.randn(2, 3, 2, 2)
+    assert _classes(classifier, images) == 10
+    assert _classes(torch.nn.Conv2d(3, 4, 1), images) is None  # a map, not class scores
+    _check_labels(np.arange(10), 10, "eval.npz")
+    with pytest.raises(CalibrationError, match=r"in \[0, 10\) of the model's 10 outputs; found -1, 10$"):
+        _check_labels(np.array([3, 10, -1, 10]), 10, "eval.npz")
+    with pytest.raises(CalibrationError, match="not one score per class"):
+        _check_labels(np.arange(3), None, "eval.npz")
+
+
+def test_a_dense_top1_no_better_than_the_commonest_label_is_warned_of():
+    from service.job.budgets import TOP1
+
+    labels = np.array([1, 2, 3, 1, 2, 3, 1, 1])  # 1 is half of them
+    job = SimpleNamespace(metric=TOP1, eval_y=labels)
+    right = np.eye(1001)[labels]
+    shifted = np.eye(1001)[labels + 1]  # a background class first: every label read one class off
+    assert ConvJob.baseline_warnings(job, right) == []
+    (warning,) = ConvJob.baseline_warnings(job, shifted)
+    assert "top-1 on the 8 labelled images is 0.0%" in warning and "(50.0%)" in warning
 
 
 def test_evaluation_images_of_another_size_are_refused_before_any_export(tmp_path):
