@@ -485,12 +485,17 @@ class ConvJob:
 
     def unit_costs(self, blocks: Sequence[str], graph: fx.GraphModule | None = None) -> dict[str, float]:
         """Each prunable unit's cost per channel (`channel_cost`) in the dense graph without `blocks` (`graph`, when
-        the caller built it already): a coupled group (the residual stream's channels) loses the producers and
-        consumers of the removed blocks, so its dense curve's cost prices it 20-30 % high once a quarter of
-        ResNet-56's blocks are gone."""
+        the caller built it already), named as in the dense graph: a coupled group (the residual stream's channels)
+        loses the producers and consumers of the removed blocks, so its dense curve's cost prices it 20-30 % high
+        once a quarter of ResNet-56's blocks are gone."""
         if graph is None:
             graph = remove_blocks(self.dense, list(blocks)) if blocks else self.dense
-        return {unit.name: channel_cost(unit) for unit in analyse(graph).units}
+        # by the dense graph's unit names, which the curves carry: a stream left with one producer and one
+        # consumer is a plain unit named after its consumer (HF MobileNetV2 without layer.1: `coupled:...layer.0
+        # .reduce_1x1...` becomes `...layer.2.expand_1x1...`), and a conv writes one group, so its first producer
+        # names it
+        dense = {producer.name: unit.name for unit in analyse(self.dense).units for producer in unit.producers}
+        return {dense.get(unit.producers[0].name, unit.name): channel_cost(unit) for unit in analyse(graph).units}
 
     def remove(self, blocks: Sequence[str]) -> None:
         """From now on the channels are pruned of the dense graph without `blocks`."""

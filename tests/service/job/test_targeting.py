@@ -508,6 +508,22 @@ def test_depth_is_chosen_by_the_least_planned_loss_of_depth_and_width(loss, remo
     assert "relative to the residual stream" in report["rule"]  # a job without an output currency says so
 
 
+def test_a_stream_left_as_a_plain_unit_keeps_its_curve_at_its_new_cost():
+    """Without both inverted residuals the stem's stream has one producer and one consumer: a plain unit named
+    after its consumer (pw1), where the curve is `coupled:stem`. It kept the dense cost of a group through three
+    convs, and the unit it became had no cost."""
+    from service.job.kinds import ConvJob
+    from tests.compressor.cnn.conv_models import exported
+
+    job = ConvJob.__new__(ConvJob)
+    job.dense = exported("mobilenet")
+    dense, shallow = job.unit_costs([]), job.unit_costs(["ir1", "ir2"])
+    assert set(shallow) == {"coupled:stem", "pw2", "fc"} and shallow["coupled:stem"] < dense["coupled:stem"]
+    curves = [LayerCurve(name, "conv_channels", [8, 4], [0.0, 1.0], cost) for name, cost in dense.items()]
+    kept = kept_curves(job, ["ir1", "ir2"], curves)
+    assert {c.name: c.cost for c in kept} == shallow
+
+
 def test_the_curves_left_without_blocks_are_priced_in_the_shallower_graph():
     """A conv graph's residual stream (a coupled group) runs through every block: without one, each of its channels
     costs less, and the widths of the options and of the rounds after them are priced so."""
