@@ -61,6 +61,7 @@ from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
     add_bias,
+    check_removable_layers,
     dense_weight,
     head_groups,
     in_features,
@@ -412,6 +413,7 @@ def prune_blocks(
         raise ValueError("whole layers and sub-layers are removed from in-memory models only")
     for index, kind in sublayers:
         check_removable(source.model, index, kind)
+    check_removable_layers(source.model, sorted(skip))  # before any solve, not once every block is pruned
     check_gqa(gqa)
     refine = refine or RefineConfig()
     check_method(refine, method)
@@ -684,6 +686,7 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
     removed whole layers and sub-layers, as `prune_blocks` takes them."""
     check_plan(plan)
     check_gqa(gqa)
+    check_removable_layers(model, sorted(skip))  # before the copy and the slicing
     resized = copy.deepcopy(model).to("cpu").eval()
     adapter, d = adapter_for(resized), dims(resized)
     single = gqa == "query-heads"

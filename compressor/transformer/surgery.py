@@ -335,8 +335,31 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     FFN updates gone). The blocks left are renumbered (their `layer_idx`, which a KV cache is indexed by)
     and the config says the new depth, so export, the decode step's cache and a saved checkpoint all see
     an ordinary shallower model. Indices out of range or repeated are refused, listing every bad one."""
+    check_removable_layers(model, indices)
+    if not indices:
+        return
     blocks = layers(model)
-    n = len(blocks)
+    gone = set(indices)
+    kept = [block for i, block in enumerate(blocks) if i not in gone]
+    for new, (old, block) in enumerate((i, b) for i, b in enumerate(blocks) if i not in gone):
+        _keep_inverse_layer_scaling(block, old, new)
+    config = model.config
+    for key in PER_LAYER_CONFIG:
+        values = getattr(config, key, None)
+        if isinstance(values, list | tuple) and len(values) == len(blocks):
+            setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
+    _restate_legacy_patterns(config)
+    owner, name = owner_of(model, layers_path(model))
+    setattr(owner, name, nn.ModuleList(kept))
+    config.num_hidden_layers = len(kept)
+    renumber_caches(model)
+
+
+def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
+    """Refuse, before any work, layers that `remove_layers` cannot remove: indices out of range or repeated (every
+    bad one listed), all of them, any in a family whose blocks differ by their place, or a first layer built unlike
+    the others."""
+    n = len(layers(model))
     bad = sorted({i for i in indices if not 0 <= i < n} | {i for i in indices if list(indices).count(i) > 1})
     if bad:
         raise ValueError(f"layer indices {bad} are out of range [0, {n}) or repeated")
@@ -353,20 +376,6 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "
                                       "never removed whole")
-    gone = set(indices)
-    kept = [block for i, block in enumerate(blocks) if i not in gone]
-    for new, (old, block) in enumerate((i, b) for i, b in enumerate(blocks) if i not in gone):
-        _keep_inverse_layer_scaling(block, old, new)
-    config = model.config
-    for key in PER_LAYER_CONFIG:
-        values = getattr(config, key, None)
-        if isinstance(values, list | tuple) and len(values) == n:
-            setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
-    _restate_legacy_patterns(config)
-    owner, name = owner_of(model, layers_path(model))
-    setattr(owner, name, nn.ModuleList(kept))
-    config.num_hidden_layers = len(kept)
-    renumber_caches(model)
 
 
 def _restate_legacy_patterns(config: Any) -> None:

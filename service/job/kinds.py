@@ -68,7 +68,15 @@ from compressor.transformer.refine import model_config, reconstruct_model
 from compressor.transformer.remote import MODULE as REMOTE_MODULE
 from compressor.transformer.sensitivity import Sensitivity, output_sensitivity
 from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
-from compressor.transformer.surgery import in_features, load_pruned, projection, query_heads, remove_layers, widths
+from compressor.transformer.surgery import (
+    check_removable_layers,
+    in_features,
+    load_pruned,
+    projection,
+    query_heads,
+    remove_layers,
+    widths,
+)
 from exporters.fusion import fuse_checked, unfused_path
 from exporters.genai import GENAI_TYPES, genai_type, write_genai_config
 from exporters.onnx import (
@@ -733,6 +741,7 @@ class _TransformerJob:
             raise InputError(f"{', '.join(block_path(self.dense, i) for i in whole)}: "
                              f"{self.dense.config.model_type}'s layers are not removed whole (its blocks differ by "
                              "their place in a stage); name their attention and FFN alone")
+        check_removable_layers(self.dense, whole)
         for index, kind in subs:
             check_removable(self.dense, index, kind)
         attentions = set(range(len(layers(self.dense)))) - set(whole) - {i for i, k in subs if k == ATTENTION}

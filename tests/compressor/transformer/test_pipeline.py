@@ -245,6 +245,20 @@ def test_a_skipped_layer_leaves_the_pruned_model_and_the_rest_are_solved_against
         prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, skip=[0])
 
 
+def test_a_layer_that_cannot_be_removed_is_refused_before_any_solve():
+    """ModernBERT's first layer is built unlike the others: named for removal (a hand-edited --widths-from report),
+    it was refused only once every other block had been solved and fitted."""
+    from compressor.errors import UnsupportedArchitecture
+
+    model = MODELS["modernbert"]()
+    events = []
+    with pytest.raises(UnsupportedArchitecture, match="first layer is built unlike the others"):
+        prune_transformer(model, batches(model, 2), 0.25, skip=[0], progress=events.append)
+    assert events == []
+    with pytest.raises(UnsupportedArchitecture, match="first layer is built unlike the others"):
+        resize_transformer(model, {}, skip=[0])
+
+
 def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_reads():
     """The width curves' denominator (the block's input stream), not the stream it writes: a layer whose update
     grows the stream (here 5x layer 0's output projections) would otherwise be priced cheaper than its widths."""

@@ -318,6 +318,20 @@ def test_a_transformer_prune_without_the_fit_solves_only_and_refuses_to_fit_solv
         job.prune(0.25, solved=(solved, bare))
 
 
+def test_a_first_layer_that_cannot_go_is_refused_when_the_job_is_told_to_remove_it():
+    """ModernBERT's first layer is built unlike the others: a --widths-from report naming it is refused when the
+    job takes the structure, not after every other block is solved."""
+    from compressor.errors import UnsupportedArchitecture
+    from tests.compressor.transformer.transformer_models import tiny_modernbert
+
+    job = TextJob.__new__(TextJob)
+    job.dense, job.causal = tiny_modernbert(), False
+    with pytest.raises(UnsupportedArchitecture, match="first layer is built unlike the others"):
+        job.remove(["layers.0"])
+    job.remove(["layers.1"])
+    assert job.removed_blocks == ["layers.1"]
+
+
 def test_a_perplexity_of_a_broken_model_is_huge_not_an_overflow():
     from service.job.budgets import PERPLEXITY
 
