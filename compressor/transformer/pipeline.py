@@ -349,9 +349,10 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     """Multiply-adds one group of block `index` costs per token of the model's input: a head group's q/k/v/o rows
     and its attention over `sequence_length` keys (a window's where the windows are separate products, Swin's), or
     one FFN neuron's rows. A sliding-window layer (Gemma, Mistral, ModernBERT's local layers) costs the full length:
-    the exported graph, which the latency is measured on, computes every score and masks those outside the window. A single query head under GQA (`gqa` query-heads) carries a 1/group share of its KV head's k/v rows:
-    they are saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at
-    a wider stream."""
+    the exported graph, which the latency is measured on, computes every score and masks those outside the window.
+    A single query head under GQA (`gqa` query-heads) carries a 1/group share of its KV head's k/v rows: they are
+    saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at a wider
+    stream."""
     adapter, d = adapter_for(model), dims(model)
     hidden = block_hidden(model, index)
     share = adapter.stage_tokens ** stage_of(model, index)[0]

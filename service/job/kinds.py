@@ -26,6 +26,8 @@ import torch
 from torch import fx, nn
 
 from compressor.calibration import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     HeldOut,
     count_tokens,
     draw,
@@ -315,10 +317,43 @@ def _no_decode_step(module: nn.Module, path: Path) -> Parity:
     raise InputError("--decode-step is for causal language models")
 
 
+def image_normalisation(request: CompressRequest) -> tuple[tuple[float, ...], tuple[float, ...], str]:
+    """(mean, std, where they came from) of the .npz images: the request's, else the model directory's
+    preprocessor_config.json (what serving stacks read beside the returned model: google/mobilenet_v2 and the ViTs
+    normalise with 0.5 / 0.5, not ImageNet's statistics), else ImageNet's."""
+    config: dict[str, Any] = {}
+    path = Path(str(request.model)).expanduser() / "preprocessor_config.json"
+    if (request.mean is None or request.std is None) and path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise InputError(f"{path}: not readable as JSON ({err}); give --mean and --std") from None
+        if config.get("do_normalize") is False:  # the processor leaves [0, 1] as it is
+            config = {"image_mean": 0.0, "image_std": 1.0}
+
+    def value(given: tuple[float, ...] | None, key: str, fallback: tuple[float, ...]) -> tuple[tuple[float, ...], str]:
+        if given is not None:
+            return tuple(given), "the request"
+        found = config.get(key)
+        if isinstance(found, int | float) and not isinstance(found, bool):
+            found = [found] * len(fallback)
+        if isinstance(found, list) and found and all(isinstance(v, int | float) for v in found):
+            return tuple(float(v) for v in found), "preprocessor_config.json"
+        return fallback, "ImageNet's"
+
+    (mean, mean_from), (std, std_from) = value(request.mean, "image_mean", IMAGENET_MEAN), value(
+        request.std, "image_std", IMAGENET_STD)
+    if len(mean) != len(std) or not all(v > 0 for v in std):
+        raise InputError(f"image normalisation: mean {mean} ({mean_from}) and std {std} ({std_from}) need as many "
+                         "values, std > 0; give --mean and --std")
+    return mean, std, mean_from if mean_from == std_from else f"mean: {mean_from}, std: {std_from}"
+
+
 def _image_preprocessing(request: CompressRequest, input_name: str, shape: Sequence[int]) -> dict:
+    mean, std, source = image_normalisation(request)
     return {"input": input_name, "layout": "NCHW float32", "shape": list(shape),
-            "npz_images": "uint8 NHWC / 255, then (x - mean) / std", "mean": list(request.mean),
-            "std": list(request.std)}
+            "npz_images": "uint8 NHWC / 255, then (x - mean) / std", "mean": list(mean), "std": list(std),
+            "normalisation_from": source}
 
 
 def _repeat_to(x: torch.Tensor, batch: int) -> np.ndarray:
@@ -334,7 +369,8 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
     Without --eval the evaluation images are held out of the calibration file (`split_images`); with it,
     they are the --eval file's (labels `y` for top-1 when `labels`), less any image identical to a
     calibration image. Either way at least MIN_HELD_OUT_IMAGES unseen images, or the job is refused."""
-    norm = {"mean": request.mean, "std": request.std}
+    mean, std, _ = image_normalisation(request)
+    norm = {"mean": mean, "std": std}
     if request.eval is None:
         images, eval_x, info = split_images(request.calibration, samples=request.samples, held_out=held_out,
                                             seed=request.seed, **norm)

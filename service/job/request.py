@@ -107,9 +107,12 @@ class CompressRequest:
                                  "(less the held-out ones) up to 256 MiB of float32 images, and at least 500",
                                  statistics=True)
     seed: int = option(0, "seed of the calibration draw", statistics=True)
-    mean: tuple[float, ...] = option(IMAGENET_MEAN, "per-channel mean for .npz images, after scaling to [0, 1]",
-                                     statistics=True)
-    std: tuple[float, ...] = option(IMAGENET_STD, "per-channel std for .npz images", statistics=True)
+    mean: tuple[float, ...] | None = option(help="per-channel mean for .npz images, after scaling to [0, 1]; "
+                                            "default: the model directory's preprocessor_config.json image_mean, "
+                                            f"else ImageNet's {IMAGENET_MEAN}", statistics=True)
+    std: tuple[float, ...] | None = option(help="per-channel std for .npz images; default: the model directory's "
+                                           f"preprocessor_config.json image_std, else ImageNet's {IMAGENET_STD}",
+                                           statistics=True)
     device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
     batch_size: int = option(100, "calibration batch size (images)")
     sequences: int | None = option(help="text calibration: windows drawn (seeded); default: 2048 for encoders, "
@@ -275,8 +278,10 @@ class CompressRequest:
               "--back-off needs an accuracy budget (not --accuracy-budget none)")
         check(not (self.decode_step and self.precision != "fp32"), "decode_step",
               "--decode-step is exported in fp32 only")
-        finite = all(math.isfinite(v) for v in (*self.mean, *self.std))
-        check(len(self.mean) <= 16 and len(self.mean) == len(self.std) and finite and all(v > 0 for v in self.std),
+        mean, std = self.mean or (), self.std or ()
+        finite = all(math.isfinite(v) for v in (*mean, *std))
+        check(len(mean) <= 16 and len(std) <= 16 and finite and all(v > 0 for v in std)
+              and (not (mean and std) or len(mean) == len(std)),
               "std", "--mean and --std need the same number (at most 16) of finite values, std > 0")
         return errors
 

@@ -440,3 +440,33 @@ def test_the_cosine_of_a_models_few_output_values_compares_each_over_the_samples
     wide = rng.normal(size=(16, 32)).astype(np.float32)  # enough values a sample: row by row, as before
     rows = (wide * -wide).sum(1) / (np.linalg.norm(wide, axis=1) ** 2)
     assert cosine(-wide, wide) == pytest.approx(float(rows.mean())) == pytest.approx(-1.0)
+
+
+def test_images_are_normalised_as_the_models_preprocessor_says_unless_the_request_does(tmp_path):
+    """google/mobilenet_v2 and the ViTs ship mean = std = 0.5: calibrating and scoring them with ImageNet's
+    statistics shifted every input while the returned directory told serving to use 0.5."""
+    import json
+
+    from compressor.calibration import IMAGENET_MEAN, IMAGENET_STD
+    from compressor.errors import InputError
+    from service.job.kinds import image_normalisation
+
+    def normalisation(**options):
+        return image_normalisation(CompressRequest(model=str(tmp_path), calibration=tmp_path / "c.npz",
+                                                   out_dir=tmp_path / "o", uniform_ratio=0.5, **options))
+
+    assert normalisation() == (IMAGENET_MEAN, IMAGENET_STD, "ImageNet's")  # no preprocessor_config.json
+    config = tmp_path / "preprocessor_config.json"
+    config.write_text(json.dumps({"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    assert normalisation() == ((0.5,) * 3, (0.5,) * 3, "preprocessor_config.json")
+    assert normalisation(mean=(0.1, 0.2, 0.3)) == ((0.1, 0.2, 0.3), (0.5,) * 3,
+                                                   "mean: the request, std: preprocessor_config.json")
+    config.write_text(json.dumps({"do_normalize": False, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    assert normalisation() == ((0.0,) * 3, (1.0,) * 3, "preprocessor_config.json")
+    config.write_text(json.dumps({"image_mean": [0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    with pytest.raises(InputError, match="need as many values"):
+        normalisation()
+    config.write_text("{not json")
+    with pytest.raises(InputError, match="not readable as JSON"):
+        normalisation()
+    assert normalisation(mean=(0.2,), std=(0.4,))[:2] == ((0.2,), (0.4,))  # the request's own: the file is not read
