@@ -160,6 +160,9 @@ def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) ->
         if x.dtype != np.uint8 or x.ndim != 4:
             raise CalibrationError(f"{path}: 'x' must be uint8 NHWC, got {x.dtype} with shape {x.shape}")
         if len(mean) != x.shape[3] or len(std) != x.shape[3]:
+            if x.shape[1] == len(mean) == len(std):
+                raise CalibrationError(f"{path}: 'x' of shape {x.shape} looks channels-first (NCHW); .npz images are "
+                                       "NHWC: save x.transpose(0, 2, 3, 1)")
             raise CalibrationError(f"{path}: {x.shape[3]} channels but mean/std have {len(mean)}/{len(std)} values")
         if any(s <= 0 for s in std):
             raise CalibrationError(f"std must be positive (got {std})")
