@@ -320,6 +320,11 @@ def stamp_metadata(path: str | Path, metadata: dict[str, object]) -> None:
     onnx.save(model, str(path))
 
 
+# buffers a float16 copy keeps in float32: a rotary embedding's inverse frequencies (transformers computes its
+# angles in float32 from them, then casts the cos / sin tables to the activations' dtype)
+FLOAT32_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
+
+
 class Float16(torch.nn.Module):
     """A float16 copy of a model behind float32 inputs and outputs: the export computes in half precision
     and stays a drop-in for the float32 one (same input and output dtypes)."""
@@ -329,6 +334,12 @@ class Float16(torch.nn.Module):
         import copy
 
         self.model = copy.deepcopy(model).half().eval()
+        # the rotary frequencies stay as the model keeps them (float32, as transformers keeps them in a half
+        # model): in float16, 0.01 became 0.01000214 and the angles at position 1,000 were 0.035 off
+        kept = dict(model.named_buffers())
+        for name, buffer in self.model.named_buffers():
+            if name.rsplit(".", 1)[-1] in FLOAT32_BUFFERS and kept[name].dtype == torch.float32:
+                buffer.data = kept[name].detach().clone()
         if hasattr(model, "config"):
             self.config = model.config
 

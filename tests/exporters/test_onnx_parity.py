@@ -135,6 +135,24 @@ def test_the_exported_module_has_the_precision_asked_for_whatever_the_models_dty
         in_precision(fp32, "bf16")
 
 
+def test_a_float16_export_keeps_the_rotary_frequencies_in_float32(tmp_path):
+    """`.half()` rounded a rotary embedding's inverse frequencies (0.01 -> 0.01000214: the angles at position 1,000
+    0.035 off), where transformers keeps them in float32 in a half-precision model."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, rope_theta=10000.0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    half = in_precision(model, "fp16").model
+    assert half.model.embed_tokens.weight.dtype == torch.float16
+    (name, frequencies), = [(n, b) for n, b in half.named_buffers() if n.endswith(".inv_freq")]
+    assert frequencies.dtype == torch.float32 and torch.equal(frequencies, dict(model.named_buffers())[name])
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(in_precision(model, "fp16")(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=0, atol=5e-2)
+
+
 def test_an_export_keeps_no_reference_to_the_module_it_exported(tmp_path):
     """onnxscript's module-level rewrite rules keep the last graph they ran on; the saved graph drops its tensors,
     so a float32 copy made for an export (4.9 GB for a 1.2 B decoder) is freed as soon as its caller drops it."""
