@@ -167,6 +167,19 @@ def _offload(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).to("cpu", non_blocking=True)
 
 
+def _check_finite(name: str, stats: FinishedStatistics, activation_dtype: torch.dtype) -> None:
+    """A projection's statistics are finite, or the job is refused naming it (the solve raised a ValueError with a
+    traceback): in float16 activations, a stream beyond its range (65,504: a bf16 model's massive activations are
+    not) became infinite when it was stored between blocks."""
+    if bool(torch.isfinite(stats.H).all()) and bool(torch.isfinite(stats.G).all()):
+        return
+    if activation_dtype == torch.float16:
+        raise CalibrationError(f"{name}: its calibration inputs overflow float16 (--activation-dtype float16 stores "
+                               "the stream between blocks in it, up to 65,504); use --activation-dtype float32")
+    raise CalibrationError(f"{name}: its calibration inputs are not finite (the dense model's activations on the "
+                           "calibration data overflow or are NaN)")
+
+
 def stored_dtype(module: nn.Module) -> torch.dtype:
     """The floating dtype a module's parameters are kept in (float32 when it has none)."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
@@ -494,6 +507,7 @@ def prune_blocks(
             g = head_rows if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
             name = f"{here}.{path}"
+            _check_finite(name, finished, activation_dtype)
             num_prune = planned_prune(name, groups, ratio)
             kept_rows = finished.H.shape[0] - num_prune * g
             if not flat_warned and finished.rank is not None and finished.rank <= kept_rows:

@@ -259,6 +259,23 @@ def test_a_layer_that_cannot_be_removed_is_refused_before_any_solve():
         resize_transformer(model, {}, skip=[0])
 
 
+def test_activations_beyond_float16_are_refused_naming_the_layer_and_the_fix():
+    """A stream value beyond float16's 65,504 (a bf16 model's massive activation) stored in float16 between blocks
+    became infinite, and the solve raised 'invalid layer problem: H contains NaN or Inf' with a traceback."""
+    from compressor.errors import CalibrationError
+
+    model = MODELS["llama"]()
+    data = batches(model, 2)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[data[0]["input_ids"][0, 0], 0] = 1e5
+    with pytest.raises(CalibrationError, match=r"model\.layers\.0\.self_attn\.o_proj: .*overflow float16.*"
+                       "--activation-dtype float32"):
+        prune_transformer(copy.deepcopy(model), data, 0.25, activation_dtype=torch.float16,
+                          refine=pipeline.RefineConfig(steps=0))
+    pruned, _ = prune_transformer(model, data, 0.25, refine=pipeline.RefineConfig(steps=0))  # float32 holds it
+    assert torch.isfinite(first_output(pruned)).all()
+
+
 def test_removal_losses_are_a_layers_update_relative_to_the_stream_it_reads():
     """The width curves' denominator (the block's input stream), not the stream it writes: a layer whose update
     grows the stream (here 5x layer 0's output projections) would otherwise be priced cheaper than its widths."""
