@@ -119,6 +119,27 @@ def test_changes_the_file_cannot_make_leave_the_manifest_alone(make, tmp_path):
     torch.testing.assert_close(first_output(load_pruned(tmp_path), inputs), first_output(model, inputs))
 
 
+def test_query_heads_kept_in_whole_groups_leave_the_familys_attention_and_load_with_remote_code(tmp_path):
+    """The default --gqa query-heads resized every attention through a KV map, every head kept too: the map (a
+    tuple) is nothing the file can set, so a decoder whose FFNs alone narrowed got no modeling_osscar.py."""
+    model = tiny_llama()  # 8 query heads over 2 KV heads
+    d = dims(model)
+    prune_query_heads(model, 0, range(d.heads))  # every head (the solver keeps them all)
+    prune_query_heads(model, 1, range(d.group))  # KV head 0's whole group
+    prune_ffn(model, 0, range(7))
+    assert not any(hasattr(m, "kv_map") for m in model.modules())
+    assert not save_standard(model, tmp_path)
+    assert (tmp_path / f"{MODULE}.py").is_file()
+    inputs = example_inputs(model)
+    torch.testing.assert_close(first_output(_auto_load(tmp_path, model), inputs), first_output(model, inputs),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(first_output(load_pruned(tmp_path), inputs), first_output(model, inputs))
+    uneven = tiny_llama()
+    prune_query_heads(uneven, 0, [0, 1, 4, 5])  # two of each KV head's four: a map repeat_kv does not read
+    prune_query_heads(uneven, 1, range(6))  # KV head 1 keeps two of its four
+    assert [hasattr(layer.self_attn, "kv_map") for layer in layers(uneven)] == [True, True]
+
+
 def test_equal_widths_need_no_remote_code(tmp_path):
     model = tiny_llama()
     for i in range(len(layers(model))):
