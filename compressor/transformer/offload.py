@@ -20,6 +20,7 @@ import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -93,6 +94,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
+# safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a config states (`dtype`, or a name of one), or None."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 class StreamedCheckpoint:
     """A `BlockSource` over a local HF directory of safetensors weights (see the module docstring)."""
 
@@ -114,11 +129,19 @@ class StreamedCheckpoint:
                                     "(streaming needs safetensors weights)")
         self.where: dict[str, str] = {}
         self._source_name: dict[str, str] = {}  # model name -> checkpoint name
-        self.dtypes: dict[str, torch.dtype] = {}  # as read: pruned tensors are saved in their source dtype
+        first_floating: torch.dtype | None = None
         for name in files:
             with safe_open(str(self.source / name), "pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     self.where[key] = name
+                    if first_floating is None:
+                        dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                        first_floating = dtype if dtype is not None and dtype.is_floating_point else None
+        # the model's dtype as an in-memory load's `dtype="auto"` takes it: the config's, else the first floating
+        # tensor's; every floating tensor is built, pruned and saved in it (a config without one built a bf16
+        # checkpoint in float32, twice the memory, and saved float32 where the in-memory job saves bf16)
+        config.dtype = _config_dtype(config) or first_floating or torch.float32
+        self.dtype: torch.dtype = config.dtype
         # the blocks as meta tensors: shapes without memory
         with torch.device("meta"):
             skeleton = build_hf_model(cls, config, init_weights=False)
@@ -188,7 +211,6 @@ class StreamedCheckpoint:
             with safe_open(str(self.source / name), "pt", device="cpu") as f:
                 for key in names:
                     out[key] = f.get_tensor(self._source_name.get(key, key))
-                    self.dtypes[key] = out[key].dtype
         return out
 
     def _load_rest(self) -> None:
@@ -216,7 +238,8 @@ class StreamedCheckpoint:
     def _save(self, state: dict[str, Tensor], filename: str) -> None:
         from safetensors.torch import save_file
 
-        state = {k: v.to("cpu", self.dtypes.get(k, v.dtype)).contiguous() for k, v in state.items()}
+        state = {k: v.to("cpu", self.dtype if v.is_floating_point() else v.dtype).contiguous()
+                 for k, v in state.items()}
         tmp = self.out_dir / f".{filename}.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
         tmp.replace(self.out_dir / filename)  # no partial shard is ever visible under its name

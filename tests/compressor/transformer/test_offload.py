@@ -97,6 +97,30 @@ def test_one_block_at_a_time_and_source_dtype_kept(add_bias, tmp_path):
     torch.testing.assert_close(first_output(reloaded.float()), first_output(expected), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("stated,expected", [(None, torch.bfloat16), ("float32", torch.float32)])
+def test_a_streamed_model_takes_its_dtype_as_an_in_memory_load_does(stated, expected, tmp_path):
+    """dtype="auto": the config's dtype, else the weights'. A bf16 checkpoint whose config states none was built in
+    float32 (twice the memory streaming budgets) and saved so; one whose config says float32 was saved in bf16,
+    its refit rows rounded where the in-memory job keeps them in float32."""
+    import json
+
+    model = MODELS["llama"]().to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    if stated:
+        config["dtype"] = stated
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    assert checkpoint.model.get_input_embeddings().weight.dtype == expected
+    prune_blocks(checkpoint, data(model), 0.25)
+    out = checkpoint.finish()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {expected}  # noqa: SIM118
+    assert {p.dtype for p in load_pruned(out).parameters()} == {expected}
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # tied embeddings and LM head; a head of its own
 def test_the_weights_outside_the_blocks_leave_memory_while_the_blocks_are_pruned(name, tmp_path):
     """Only the first block's inputs read the embeddings: from then on they are on the meta device, and `finish`
