@@ -217,7 +217,15 @@ class StreamedCheckpoint:
         aliases = tied_aliases(self.model)
         keys = [k for k in self.model.state_dict() if not k.startswith(self.prefix) and k not in aliases]
         keys = [k for k in keys if k in self.where or not k.endswith("num_batches_tracked")]
-        missing, unexpected = self.model.load_state_dict(self._read(keys), strict=False)
+        # a tied weight is read under whichever of its names the checkpoint stores (some exporters keep only
+        # `lm_head.weight`), as from_pretrained reads it
+        tied: dict[int, list[str]] = defaultdict(list)
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            tied[id(tensor)].append(name)
+        stored = {names[0]: next((n for n in names if n in self.where), names[0]) for names in tied.values()}
+        read = self._read([stored.get(k, k) for k in keys])
+        state = {k: read[stored.get(k, k)] for k in keys}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith(self.prefix) and k not in aliases]
         if missing or unexpected:
             raise ModelReferenceError(f"{self.source}: non-block weights do not match (missing {missing[:5]}, "

@@ -121,6 +121,25 @@ def test_a_streamed_model_takes_its_dtype_as_an_in_memory_load_does(stated, expe
     assert {p.dtype for p in load_pruned(out).parameters()} == {expected}
 
 
+def test_tied_embeddings_stored_under_the_heads_name_stream(tmp_path):
+    """Some exporters keep a tied weight as `lm_head.weight` alone: from_pretrained loads it, and streaming refused
+    it ("the checkpoint lacks model.embed_tokens.weight"), so a job switched to streaming failed where one in
+    memory ran."""
+    from safetensors.torch import load_file, save_file
+
+    model = MODELS["llama"]()  # tied
+    model.save_pretrained(tmp_path / "src")
+    state = load_file(str(tmp_path / "src" / "model.safetensors"))
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    assert torch.equal(checkpoint.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    prune_blocks(checkpoint, data(model), 0.25)
+    reloaded = load_pruned(checkpoint.finish())
+    assert torch.equal(reloaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert reloaded.lm_head.weight is reloaded.get_input_embeddings().weight
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # tied embeddings and LM head; a head of its own
 def test_the_weights_outside_the_blocks_leave_memory_while_the_blocks_are_pruned(name, tmp_path):
     """Only the first block's inputs read the embeddings: from then on they are on the meta device, and `finish`
