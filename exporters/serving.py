@@ -56,7 +56,8 @@ def copy_image_classifier_files(source: Path, out: Path) -> list[str]:
     copied = []
     for name in IMAGE_CLASSIFIER_FILES:
         if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, Path(out) / name)
+            if not (Path(out) / name).exists() or not (Path(out) / name).samefile(Path(source) / name):
+                shutil.copyfile(Path(source) / name, Path(out) / name)  # --out the model's own folder: it is there
             copied.append(name)
     return copied
 

@@ -5,6 +5,7 @@ stores them)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tarfile
 import tempfile
@@ -71,6 +72,22 @@ JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data
 # those a remote job's download clears when its operation does not return them: not the pruned model itself (an
 # earlier job's model.pt2 or model/ may be this job's input: `compress out/model.pt2 --out out`)
 JOB_EXPORTS = tuple(name for name in JOB_OUTPUTS if name not in ("model.pt2", "model"))
+
+
+def earlier_job_files(out: Path) -> list[str]:
+    """The files an earlier job's report.json in `out` lists as its own beside JOB_OUTPUTS (an image classifier's
+    config.json and preprocessor_config.json, a decode step's tokenizer files): plain names of files at the top of
+    `out`. A new job's results there replace or remove them, else they describe its model with another's labels,
+    preprocessing or tokenizer."""
+    try:
+        artifacts = json.loads((out / "report.json").read_text()).get("artifacts") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    names: list[str] = []
+    for entry in (artifacts.get("serving"), artifacts.get("decode_step")) if isinstance(artifacts, dict) else ():
+        files = entry.get("files") if isinstance(entry, dict) else None
+        names += [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
+    return [n for n in names if Path(n).name == n and n not in ("", ".", "..") and (out / n).is_file()]
 
 
 class ArchiveError(ValueError):

@@ -21,7 +21,7 @@ from ..api.wire import (
     error_details,
     unpack_metadata,
 )
-from ..files import JOB_EXPORTS, ArchiveError, extract_tar, file_sha256, follow_umask, write_tar
+from ..files import JOB_EXPORTS, ArchiveError, earlier_job_files, extract_tar, file_sha256, follow_umask, write_tar
 
 UPLOAD_CHUNK = 1 << 20
 
@@ -216,7 +216,8 @@ def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path
     meta = unpack_metadata(final)
     out.mkdir(parents=True, exist_ok=True)
     delivered = {Path(a.name).stem if a.name.endswith(".tar") else a.name for a in meta.artifacts}
-    for name in set(JOB_EXPORTS) - delivered:  # an earlier job's in a reused --out would seem to be this one's
+    # an earlier job's in a reused --out would seem to be this one's
+    for name in (set(JOB_EXPORTS) | set(earlier_job_files(out))) - delivered:
         (out / name).unlink(missing_ok=True)
     for artifact in meta.artifacts:
         path = client.download(final.name, artifact, out)

@@ -32,7 +32,14 @@ from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
-from ..files import JOB_EXPORTS, JOB_OUTPUTS, file_sha256, follow_umask, write_text_atomically
+from ..files import (
+    JOB_EXPORTS,
+    JOB_OUTPUTS,
+    earlier_job_files,
+    file_sha256,
+    follow_umask,
+    write_text_atomically,
+)
 from .kinds import ConvJob, ModelJob, Say, Solved, open_job
 from .pacing import Pace, StageClock
 from .progress import render
@@ -285,6 +292,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         say("saving the pruned model and model.onnx")
         for name in EXPORT_FILES:  # an earlier job's in a reused --out (its decode step, its weights file) would
             (out / name).unlink(missing_ok=True)  # otherwise sit beside this model as if they were its own
+        _clear_earlier_files(out, request)
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)
@@ -292,10 +300,13 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         report.pacing = pace.to_dict({i: _fits(r.layers, getattr(r.module, "osscar_model_fit", None))
                                       for i, r in enumerate(rounds)})
         if decode is not None:
-            for path in decode.parent.iterdir():  # decode.onnx, and its external weights over 2 GB
-                follow_umask(path)
-                os.replace(path, out / path.name)
-            report.artifacts.decode_step = {"path": "decode.onnx", "parity_max_abs_error": decode_parity.max_abs_error,
+            # decode.onnx, its external weights over 2 GB, and what ONNX Runtime GenAI reads beside it
+            moved = sorted(path.name for path in decode.parent.iterdir())
+            for name in moved:
+                follow_umask(decode.parent / name)
+                os.replace(decode.parent / name, out / name)
+            report.artifacts.decode_step = {"path": "decode.onnx", "files": moved,
+                                            "parity_max_abs_error": decode_parity.max_abs_error,
                                             "parity": dataclasses.asdict(decode_parity),
                                             # ONNX Runtime GenAI generates from the job's directory
                                             "genai_config": GENAI_CONFIG if (out / GENAI_CONFIG).is_file() else None}
@@ -408,14 +419,22 @@ def _clear_unvouched(out: Path, request: CompressRequest) -> None:
     input (`compress out/model.pt2 --out out`) stays."""
     for name in EXPORT_FILES:
         (out / name).unlink(missing_ok=True)
-    inputs = [Path(p).resolve() for p in (request.model, request.calibration, request.eval) if p]
+    _clear_earlier_files(out, request)
     for name in sorted(set(JOB_OUTPUTS) - set(JOB_EXPORTS)):  # the pruned model: model.pt2 or model/
         path = (out / name).resolve()
-        if any(i == path or path in i.parents for i in inputs):
+        if request.reads(path):
             continue
         if path.is_dir() and not (out / name).is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
+            (out / name).unlink(missing_ok=True)
+
+
+def _clear_earlier_files(out: Path, request: CompressRequest) -> None:
+    """The files an earlier job's report.json in this --out lists as its own (`earlier_job_files`), unless this job
+    reads them."""
+    for name in earlier_job_files(out):
+        if not request.reads(out / name):
             (out / name).unlink(missing_ok=True)
 
 

@@ -917,7 +917,10 @@ class _TransformerJob:
     def save(self, module: nn.Module, out: Path) -> str:
         # config.json says the widths when every layer kept the same ones (transformers loads it alone);
         # otherwise osscar_widths.json beside it, for load_pruned
-        # an earlier job's serving files, which this model's might not replace (a uniform model needs no remote code)
+        # an earlier job's model/ in a reused --out: its serving files (sentence-transformers modules, its
+        # tokenizer, remote code, onnx/) would describe this model as well as the files this job writes over
+        if (out / "model").is_dir() and not (out / "model").is_symlink() and not self.request.reads(out / "model"):
+            shutil.rmtree(out / "model")
         shutil.rmtree(out / "model" / ONNX_DIR, ignore_errors=True)
         (out / "model" / f"{REMOTE_MODULE}.py").unlink(missing_ok=True)
         save_standard(module, out / "model")

@@ -195,6 +195,13 @@ class CompressRequest:
         """Where dense loss curves are cached (None: not cached)."""
         return None if self.no_curves_cache else (self.home or default_home()) / "curves"
 
+    def reads(self, path: Path) -> bool:
+        """Whether the job reads `path`, or something inside it (its model, calibration or evaluation data): what
+        clearing a reused --out must leave (`compress out/model --out out`)."""
+        path = Path(path).resolve()
+        inputs = [Path(str(p)).expanduser().resolve() for p in (self.model, self.calibration, self.eval) if p]
+        return any(i == path or path in i.parents for i in inputs)
+
     def refine_steps_or(self, default: int) -> int:
         """The reconstruction steps in force: the request's, else the model kind's `default`; none for mp,
         and by default none for the methods that keep the dense weights (their papers fit nothing)."""

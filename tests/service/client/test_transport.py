@@ -12,13 +12,18 @@ from service.client import transport
 
 def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, monkeypatch):
     """A decoder's job with its decode step, then one that returns model.onnx and its report only: the earlier
-    decode.onnx, genai_config.json and report.html go; files that are no job's output stay, and so does an earlier
+    decode.onnx, genai_config.json and report.html go, and the serving files its report lists (an image
+    classifier's config.json beside model.onnx); files that are no job's output stay, and so does an earlier
     pruned model (model/, model.pt2: it may be this job's input)."""
     out = tmp_path / "out"
     (out / "model").mkdir(parents=True)
-    for name in ("decode.onnx", "genai_config.json", "report.html", "model.onnx", "notes.txt"):
+    for name in ("decode.onnx", "genai_config.json", "report.html", "model.onnx", "notes.txt", "config.json",
+                 "preprocessor_config.json"):
         (out / name).write_text("earlier")
     (out / "model" / "config.json").write_text("earlier")
+    # an image classifier's labels and preprocessing, which its report lists as its own
+    (out / "report.json").write_text('{"artifacts": {"serving": {"files": ["config.json", '
+                                     '"preprocessor_config.json"]}}}')
     artifacts = [SimpleNamespace(name="model.onnx"), SimpleNamespace(name="report.json")]
     monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=artifacts))
 

@@ -627,6 +627,7 @@ def test_a_real_lm_pruned_past_twice_its_perplexity_is_not_ok(shared_data, tmp_p
     assert report["status"] == "accuracy_budget_exceeded" and metric["compressed"] > 2 * metric["baseline"]
     assert "perplexity at most 2x dense" in capsys.readouterr().err.strip().splitlines()[-1]
     assert report["artifacts"]["decode_step"]["genai_config"] == "genai_config.json"
+    assert {"decode.onnx", "genai_config.json"} <= set(report["artifacts"]["decode_step"]["files"])
     tokens = np.load(model / "tinystories-valid-tokens.npz")
     prompt = [int(t) for t in tokens["ids"][tokens["offsets"][200]:][:8]]
     generator_model = og.Model(str(out))
@@ -675,8 +676,17 @@ def test_an_earlier_jobs_exports_in_a_reused_out_do_not_outlive_a_new_model(mode
     stale = ("decode.onnx", "decode.onnx.data", "genai_config.json", "model.onnx.data")
     for name in stale:
         (out / name).write_bytes(b"an earlier job's")
+    # what its report lists beside them: an image classifier's labels and preprocessing, a decode step's tokenizer
+    listed = ("config.json", "preprocessor_config.json", "tokenizer.json")
+    for name in (*listed, "notes.txt"):
+        (out / name).write_text("an earlier job's")
+    (out / "report.json").write_text(json.dumps({"artifacts": {
+        "serving": {"files": ["config.json", "preprocessor_config.json", "../outside.txt"]},
+        "decode_step": {"files": ["decode.onnx", "genai_config.json", "tokenizer.json"]}}}))
+    (tmp_path / "outside.txt").write_text("not the job's to remove")
     assert cli.main(_conv_args(model_and_data, out)) in (0, 2)
-    assert (out / "model.onnx").is_file() and not any((out / name).exists() for name in stale)
+    assert (out / "model.onnx").is_file() and not any((out / name).exists() for name in (*stale, *listed))
+    assert (out / "notes.txt").is_file() and (tmp_path / "outside.txt").is_file()  # listed by no report, or outside
     assert json.loads((out / "report.json").read_text())["artifacts"].get("decode_step") is None
 
 

@@ -470,3 +470,25 @@ def test_images_are_normalised_as_the_models_preprocessor_says_unless_the_reques
     with pytest.raises(InputError, match="not readable as JSON"):
         normalisation()
     assert normalisation(mean=(0.2,), std=(0.4,))[:2] == ((0.2,), (0.4,))  # the request's own: the file is not read
+
+
+def test_a_transformer_saved_into_a_reused_out_leaves_no_earlier_model_files(tmp_path):
+    """An earlier sentence-transformers job's modules.json, pooling and tokenizer stayed in out/model beside a
+    decoder saved there later, and its loaders read them as the new model's. A model/ the job reads stays."""
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    job = TextJob.__new__(TextJob)
+    job.loaded = SimpleNamespace(tokenizer=None)
+    out = tmp_path / "out"
+    (out / "model" / "1_Pooling").mkdir(parents=True)
+    (out / "model" / "modules.json").write_text("[]")
+    job.request = CompressRequest(model=str(tmp_path / "src"), calibration=tmp_path / "c.txt", out_dir=out,
+                                  uniform_ratio=0.25)
+    assert job.save(tiny_llama(), out) == "model/"
+    assert (out / "model" / "config.json").is_file()
+    assert not (out / "model" / "modules.json").exists() and not (out / "model" / "1_Pooling").exists()
+    (out / "model" / "notes.txt").write_text("the input's")
+    job.request = CompressRequest(model=str(out / "model"), calibration=tmp_path / "c.txt", out_dir=out,
+                                  uniform_ratio=0.25)
+    job.save(tiny_llama(), out)
+    assert (out / "model" / "notes.txt").is_file()  # `compress out/model --out out`: the input stays
