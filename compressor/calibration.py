@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +71,7 @@ class HeldOut:
     evaluation: int  # evaluation inputs scored
     overlap_dropped: int = 0  # evaluation inputs a calibration input repeats (`_Seen`), dropped before scoring
     taken_from_calibration: int = 0  # inputs the calibration gave up to hold them out (no spare ones)
-    tokens: int | None = None  # text: the distinct tokens the evaluation windows are drawn from
+    tokens: int | None = None  # text: the tokens the evaluation windows are drawn from (of an --eval file: hold)
 
     @property
     def enough(self) -> bool:
@@ -276,11 +276,6 @@ def _held_out_cut(documents: list[np.ndarray]) -> tuple[list[np.ndarray], list[n
     return _cut(documents, total - held)
 
 
-def count_tokens(path: str | Path, tokenizer: Tokenizer | None = None) -> int:
-    """The tokens of a text file's documents (as `load_text` reads them)."""
-    return sum(len(d) for d in _documents(Path(path), tokenizer))
-
-
 NGRAM = 8  # tokens in a run that `_Seen` looks for
 OVERLAP = 0.5  # a window with at least this share of its NGRAM-token runs in windows already used is one of them
 # odd multipliers of a run's polynomial hash (mod 2^64): runs of 8 token ids, one uint64 each
@@ -425,12 +420,39 @@ def _batches(picks: list[torch.Tensor], batch_size: int, by_length: bool) -> lis
     return batches
 
 
+def check_token_ids(batches: Sequence[dict[str, torch.Tensor]], vocabulary: int, source: object) -> None:
+    """Token ids the model's embeddings have rows for, or a CalibrationError naming them: an id past the table
+    ended in an IndexError (or an ONNX Runtime Gather error blamed on the export), and a negative one was read from
+    the table's end without a word (ONNX Runtime and numpy both wrap it)."""
+    bad: set[int] = set()
+    for batch in batches:
+        ids = batch["input_ids"][batch["attention_mask"].bool()] if "attention_mask" in batch else batch["input_ids"]
+        bad |= set(ids[(ids < 0) | (ids >= vocabulary)].unique().tolist())
+    if bad:
+        shown = ", ".join(map(str, sorted(bad)[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise CalibrationError(f"{source}: token ids {shown} are outside the model's {vocabulary} embeddings (its "
+                               "tokenizer's or the file's vocabulary is not the model's)")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CalibrationError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+
+
+def _integers(array: np.ndarray, path: Path, name: str) -> np.ndarray:
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise CalibrationError(f"{path}: '{name}' must be a 1-d integer array, got {array.dtype} {array.shape}")
+    return array
+
+
 def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as data:
             if "ids" not in data or "offsets" not in data:
                 raise CalibrationError(f"{path}: expected arrays 'ids' and 'offsets', found {sorted(data.files)}")
-            ids, offsets = data["ids"], data["offsets"]
+            ids, offsets = _integers(data["ids"], path, "ids"), _integers(data["offsets"], path, "offsets")
         rising = offsets.ndim == 1 and len(offsets) >= 2 and not (np.diff(offsets) < 0).any()
         if not rising or offsets[0] != 0 or offsets[-1] != len(ids):
             raise CalibrationError(f"{path}: 'offsets' must rise from 0 to len(ids)")
@@ -448,7 +470,7 @@ def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray
                                "as .npz with ids and offsets)")
     if path.suffix == ".jsonl":
         texts = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(_read_text(path).removeprefix("\ufeff").splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -462,6 +484,6 @@ def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray
             if text is not None and text.strip():
                 texts.append(text)
     else:
-        raw = path.read_text(encoding="utf-8").replace("<|endoftext|>", "\n\n")
+        raw = _read_text(path).replace("<|endoftext|>", "\n\n")
         texts = [t.strip() for t in raw.split("\n\n") if t.strip()]
     return [np.asarray(tokenizer(t, add_special_tokens=True)["input_ids"], dtype=np.int64) for t in texts]

@@ -29,7 +29,7 @@ from compressor.calibration import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     HeldOut,
-    count_tokens,
+    check_token_ids,
     draw,
     drop_seen,
     load_images,
@@ -954,6 +954,15 @@ class TextJob(_TransformerJob):
                              "of keys in their cache, which torch.export cannot trace with a dynamic past length "
                              "yet; compress without --decode-step (model.onnx takes whole sequences)")
         self.draw = request.text_calibration(self.causal)
+        limit = max_sequence(self.dense)
+        if limit and self.draw.length > limit:  # a window past the position embeddings indexes out of their table
+            say(warning(f"calibration windows of up to {self.draw.length} tokens exceed the {limit} positions the "
+                        f"model's position embeddings take: windows are cut to {limit} tokens (--sequence-length)"))
+            self.draw = dataclasses.replace(self.draw, length=limit, min_length=min(self.draw.min_length, limit))
+        if limit and request.shape.get("sequence", 0) > limit:  # before the text is read
+            raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the {limit} positions the "
+                             f"model's position embeddings take (max_position_embeddings "
+                             f"{self.dense.config.max_position_embeddings})")
         text = {"tokenizer": self.loaded.tokenizer, "length": self.draw.length, "batch_size": 16}
         drawn = {**text, "min_length": self.draw.min_length}
         if request.eval is None:  # the text's end held out, unseen by the calibration (split_text)
@@ -964,21 +973,20 @@ class TextJob(_TransformerJob):
             calibration = load_text(request.calibration, sequences=self.draw.sequences, seed=request.seed, **drawn)
             held, dropped = unseen_batches(load_text(request.eval, sequences=self.EVAL_SEQUENCES, seed=request.seed,
                                                      **text), calibration, batch_size=text["batch_size"])
-            tokens = count_tokens(request.eval, self.loaded.tokenizer) if held else 0
+            # the tokens scored, not the file's: windows dropped as seen take theirs with them
+            tokens = sum(int(b["attention_mask"].sum()) for b in held)
             self.held_out = HeldOut("the --eval file", self.draw.sequences, sum(len(b["input_ids"]) for b in held),
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)
+        vocabulary = self.dense.get_input_embeddings().num_embeddings
+        check_token_ids(calibration, vocabulary, request.calibration)
+        check_token_ids(held, vocabulary, request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
         self._pool: list[dict[str, torch.Tensor]] | None = None  # drawn for the first whole-model fit
         self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier else COSINE
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
-        limit = max_sequence(self.dense)
         if limit:
             default["sequence"] = min(default["sequence"], limit)
-            if request.shape.get("sequence", 0) > limit:
-                raise InputError(f"--shape sequence={request.shape['sequence']} exceeds the {limit} positions the "
-                                 f"model's position embeddings take (max_position_embeddings "
-                                 f"{self.dense.config.max_position_embeddings})")
         self.shape = {**default, **request.shape}
         self.tokens = self.shape["sequence"]
         lengths = (f"{self.draw.min_length}-{self.draw.length}" if self.draw.min_length < self.draw.length

@@ -184,3 +184,45 @@ def test_held_out_text_is_the_texts_end_and_never_a_calibration_window(tmp_path)
     assert info.tokens == 300 and not info.enough
     with pytest.raises(CalibrationError, match=r"300 evaluation tokens .* at least 512"):
         info.check(tmp_path / "short.npz")
+
+
+@pytest.mark.parametrize("write,words", [
+    (lambda p: (p / "c.txt").write_bytes(b"caf\xe9 au lait\n\nmore") and p / "c.txt", r"not UTF-8 text \(byte 3"),
+    (lambda p: (p / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n') and p / "c.jsonl", "not UTF-8 text"),
+    (lambda p: np.savez(p / "c.npz", ids=np.array([1.5, 2.0]), offsets=[0, 2]) or p / "c.npz", "'ids' must be a 1-d "
+     "integer array"),
+    (lambda p: np.savez(p / "c.npz", ids=np.ones((2, 3), int), offsets=[0, 2]) or p / "c.npz", "'ids' must be"),
+    (lambda p: np.savez(p / "c.npz", ids=np.ones(4, int), offsets=np.array([0.0, 4.0])) or p / "c.npz",
+     "'offsets' must be a 1-d integer array"),
+])
+def test_bad_text_files_are_refused_in_one_line(tmp_path, write, words):
+    """Non-UTF-8 text was a UnicodeDecodeError traceback; float ids were truncated silently, 2-d ids and float
+    offsets ended in tracebacks."""
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) % 50 for c in text]}
+
+    with pytest.raises(CalibrationError, match=words):
+        load_text(write(tmp_path), sequences=2, length=4, batch_size=2, tokenizer=Tokenizer())
+
+
+def test_a_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) % 50 for c in text]}
+
+    (tmp_path / "c.jsonl").write_text('{"text": "' + "a" * 40 + '"}\n', encoding="utf-8-sig")
+    (batch,) = load_text(tmp_path / "c.jsonl", sequences=1, length=8, batch_size=2, tokenizer=Tokenizer())
+    assert batch["input_ids"].shape == (1, 8)
+
+
+def test_token_ids_outside_the_vocabulary_are_listed():
+    from compressor.calibration import check_token_ids
+
+    batch = {"input_ids": torch.tensor([[1, 60, 2], [-1, 3, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    with pytest.raises(CalibrationError, match=r"ids\.npy: token ids -1, 60 are outside the model's 50 embeddings"):
+        check_token_ids([batch], 50, "ids.npy")
+    batch["input_ids"][1, 0] = 4
+    batch["input_ids"][1, 2] = 99  # padding (mask 0) is never read
+    check_token_ids([batch], 61, "ids.npy")

@@ -236,6 +236,44 @@ def test_too_few_calibration_tokens_are_a_report_warning(tmp_path):
     assert len(flat) == 1 and "rank(H) <= 8" in flat[0] and "keeps 16 inputs" in flat[0], report["warnings"]
 
 
+def test_windows_past_the_position_embeddings_are_cut_to_them_with_a_warning(tmp_path):
+    """GPT-2 with 32 positions and the default 128-token windows ended in an IndexError traceback (a BERT's in an
+    ONNX Runtime error blamed on the export): the windows are cut to the model's positions, and the report says so."""
+    import transformers
+
+    from tests.compressor.transformer.transformer_models import VOCAB, _seeded
+
+    _seeded(transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=24, n_positions=32, bos_token_id=0,
+        eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "gpt2"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "8", "--refine-steps", "0", "--repeats", "3",
+                     "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert code in (0, 2) and report["status"] in ("ok", "slower_than_dense")
+    assert report["sequence_length"] == 32 and report["shape"]["sequence"] == 32
+    assert any("windows are cut to 32 tokens" in w for w in report["warnings"])
+
+
+@pytest.mark.parametrize("bad,words", [(10_000, "token ids 10000 are outside the model's 50 "),
+                                       (-5, "token ids -5 are outside")])
+def test_token_ids_outside_the_embeddings_are_refused_in_one_line(tmp_path, capsys, bad, words):
+    """An id past the embedding table was an IndexError traceback; a negative one was read from the table's end
+    (ONNX Runtime's Gather wraps it) and the job ended ok."""
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    ids = np.random.default_rng(0).integers(3, 50, 1200)
+    ids[::10] = bad  # a vocabulary that is not the model's
+    np.save(tmp_path / "ids.npy", ids)
+    assert cli.main(["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "ids.npy"), "--sequences", "200", "--sequence-length", "16",
+                     "--out", str(tmp_path / "o")]) == 2
+    assert words in capsys.readouterr().err
+
+
 def test_transformer_text_without_tokenizer_is_refused(tmp_path, capsys):
     from tests.compressor.transformer.transformer_models import tiny_llama
 
