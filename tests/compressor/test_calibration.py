@@ -226,3 +226,26 @@ def test_token_ids_outside_the_vocabulary_are_listed():
     batch["input_ids"][1, 0] = 4
     batch["input_ids"][1, 2] = 99  # padding (mask 0) is never read
     check_token_ids([batch], 61, "ids.npy")
+
+
+def test_a_long_document_is_tokenised_in_pieces_with_its_special_tokens_once(monkeypatch):
+    """A 20 MB text without a blank line was one tokenizer call: 2.5 GB of a fast tokenizer's per-token records.
+    Pieces cut after a newline give the same ids, the special tokens once around them."""
+    from compressor import calibration
+
+    class Tokenizer:  # one id per character, [CLS] = 1 before and [SEP] = 2 after, as a BERT's
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, text, add_special_tokens=True, **_):
+            self.calls.append(len(text))
+            ids = [ord(c) for c in text]
+            return {"input_ids": [1, *ids, 2] if add_special_tokens else ids}
+
+    text = "".join(f"line {i} of the document\n" for i in range(400))
+    expected = calibration._tokenized(Tokenizer(), text)
+    monkeypatch.setattr(calibration, "PIECE_CHARS", 100)
+    tokenizer = Tokenizer()
+    pieces = calibration._tokenized(tokenizer, text)
+    assert np.array_equal(pieces, expected) and pieces[0] == 1 and pieces[-1] == 2 and (pieces == 1).sum() == 1
+    assert max(tokenizer.calls) < 200 and len(tokenizer.calls) > 10
