@@ -71,7 +71,7 @@ class HeldOut:
     evaluation: int  # evaluation inputs scored
     overlap_dropped: int = 0  # evaluation inputs a calibration input repeats (`_Seen`), dropped before scoring
     taken_from_calibration: int = 0  # inputs the calibration gave up to hold them out (no spare ones)
-    tokens: int | None = None  # text: the tokens the evaluation windows are drawn from (of an --eval file: hold)
+    tokens: int | None = None  # text: the distinct tokens the evaluation windows hold
 
     @property
     def enough(self) -> bool:
@@ -274,6 +274,11 @@ def _held_out_cut(documents: list[np.ndarray]) -> tuple[list[np.ndarray], list[n
     total = sum(len(d) for d in documents)
     held = min(max(MIN_HELD_OUT_TOKENS, math.ceil(HELD_OUT_TOKEN_SHARE * total)), total // 2)
     return _cut(documents, total - held)
+
+
+def count_tokens(path: str | Path, tokenizer: Tokenizer | None = None) -> int:
+    """The tokens of a text file's documents (as `load_text` reads them)."""
+    return sum(len(d) for d in _documents(Path(path), tokenizer))
 
 
 NGRAM = 8  # tokens in a run that `_Seen` looks for
@@ -496,7 +501,8 @@ def _tokenized(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """A document's token ids with the tokenizer's special tokens. A long one is tokenised in pieces cut after a
     newline, with the special tokens a short text gets around it (BOS / [CLS] before, EOS / [SEP] after) added once:
     a fast tokenizer holds ~100 bytes per token of one call (offsets, word ids), 2.5 GB for a 20 MB text without a
-    blank line, where the ids are 8 bytes a token."""
+    blank line, where the ids are 8 bytes a token. A cut can tokenise the line after it as a text's start (a
+    SentencePiece "▁" prefix): about one token in 64 K characters differs from one call's."""
     def ids(part: str, special: bool) -> list[int]:
         return list(tokenizer(part, add_special_tokens=special)["input_ids"])
 

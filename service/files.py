@@ -9,6 +9,7 @@ import json
 import os
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -72,6 +73,19 @@ JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data
 # those a remote job's download clears when its operation does not return them: not the pruned model itself (an
 # earlier job's model.pt2 or model/ may be this job's input: `compress out/model.pt2 --out out`)
 JOB_EXPORTS = tuple(name for name in JOB_OUTPUTS if name not in ("model.pt2", "model"))
+
+
+def touches(path: Path, inputs: Sequence[object]) -> bool:
+    """Whether `path` is one of `inputs` (paths, or references that are not: None, "embedded:..."), lies inside one
+    of them, or holds one."""
+    path = Path(path).resolve()
+    for given in inputs:
+        if not given:
+            continue
+        i = Path(str(given)).expanduser().resolve()
+        if i == path or path in i.parents or i in path.parents:
+            return True
+    return False
 
 
 def earlier_job_files(out: Path) -> list[str]:

@@ -73,7 +73,8 @@ def remote_compress(args: argparse.Namespace) -> int:
             final = client._call(client.operations.GetOperation, operations_pb2.GetOperationRequest(name=op.name))
         ended = final.done
         try:
-            out = deliver(client, final, Path(args.out_dir))
+            inputs = [getattr(args, name, None) for name in ("model", "calibration", "eval")]
+            out = deliver(client, final, Path(args.out_dir), inputs)
         except (grpc.RpcError, OSError) as err:  # the job has ended on the server: only its copy here failed
             why = describe_error(err) if isinstance(err, grpc.RpcError) else f"{type(err).__name__}: {err}"
             print(f"osscar: error: {final.name} has ended, but downloading its artifacts failed "

@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,16 @@ from ..api.wire import (
     error_details,
     unpack_metadata,
 )
-from ..files import JOB_EXPORTS, ArchiveError, earlier_job_files, extract_tar, file_sha256, follow_umask, write_tar
+from ..files import (
+    JOB_EXPORTS,
+    ArchiveError,
+    earlier_job_files,
+    extract_tar,
+    file_sha256,
+    follow_umask,
+    touches,
+    write_tar,
+)
 
 UPLOAD_CHUNK = 1 << 20
 
@@ -209,15 +219,18 @@ def check_out(out: Path) -> None:
         raise ClientError(f"--out {out}: {parent} is not writable")
 
 
-def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path) -> Path:
+def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path,
+            inputs: Sequence[object] = ()) -> Path:
     """A finished operation's artifacts into `out` (a pruned model directory unpacked to `model/`); raises
     ClientError when the job failed (after writing what it left, e.g. the best artifact of a missed
-    target)."""
+    target). `inputs`: the job's local model, calibration and evaluation paths, which no earlier job's files
+    listed in `out` are removed from."""
     meta = unpack_metadata(final)
     out.mkdir(parents=True, exist_ok=True)
     delivered = {Path(a.name).stem if a.name.endswith(".tar") else a.name for a in meta.artifacts}
     # an earlier job's in a reused --out would seem to be this one's
-    for name in (set(JOB_EXPORTS) | set(earlier_job_files(out))) - delivered:
+    earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
+    for name in (set(JOB_EXPORTS) | earlier) - delivered:
         (out / name).unlink(missing_ok=True)
     for artifact in meta.artifacts:
         path = client.download(final.name, artifact, out)

@@ -30,6 +30,7 @@ from compressor.calibration import (
     IMAGENET_STD,
     HeldOut,
     check_token_ids,
+    count_tokens,
     draw,
     drop_seen,
     load_images,
@@ -973,8 +974,10 @@ class TextJob(_TransformerJob):
             calibration = load_text(request.calibration, sequences=self.draw.sequences, seed=request.seed, **drawn)
             held, dropped = unseen_batches(load_text(request.eval, sequences=self.EVAL_SEQUENCES, seed=request.seed,
                                                      **text), calibration, batch_size=text["batch_size"])
-            # the tokens scored, not the file's: windows dropped as seen take theirs with them
-            tokens = sum(int(b["attention_mask"].sum()) for b in held)
+            # the distinct tokens scored: no more than the file holds (windows are drawn with replacement), nor than
+            # the windows kept hold (those dropped as seen take theirs with them)
+            scored = sum(int(b["attention_mask"].sum()) for b in held)
+            tokens = min(scored, count_tokens(request.eval, self.loaded.tokenizer)) if held else 0
             self.held_out = HeldOut("the --eval file", self.draw.sequences, sum(len(b["input_ids"]) for b in held),
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)

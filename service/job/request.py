@@ -23,7 +23,7 @@ from compressor.solver.solve import NO_REFIT_METHODS
 from compressor.transformer.pipeline import GQA_UNITS, UNCOMPENSATED
 from exporters.runtime import PROVIDERS
 
-from ..files import default_home
+from ..files import default_home, touches
 from .budgets import default_budgets_text
 
 # "exact" only solves single small layers; wanda-sp and flap are the retraining-free LLM baselines
@@ -196,11 +196,10 @@ class CompressRequest:
         return None if self.no_curves_cache else (self.home or default_home()) / "curves"
 
     def reads(self, path: Path) -> bool:
-        """Whether the job reads `path`, or something inside it (its model, calibration or evaluation data): what
-        clearing a reused --out must leave (`compress out/model --out out`)."""
-        path = Path(path).resolve()
-        inputs = [Path(str(p)).expanduser().resolve() for p in (self.model, self.calibration, self.eval) if p]
-        return any(i == path or path in i.parents for i in inputs)
+        """Whether the job reads `path` (its model, calibration or evaluation data, or a file of its model's folder),
+        or something inside it: what clearing a reused --out must leave (`compress out/model --out out`, or --out
+        the model's own folder)."""
+        return touches(path, (self.model, self.calibration, self.eval))
 
     def refine_steps_or(self, default: int) -> int:
         """The reconstruction steps in force: the request's, else the model kind's `default`; none for mp,

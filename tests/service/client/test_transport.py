@@ -32,9 +32,15 @@ def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, m
             (into / artifact.name).write_text("this job's")
             return into / artifact.name
 
+    kept = out / "config.json"
+    kept.rename(tmp_path / "kept.json")  # a job whose model is --out itself keeps its listed files (below)
     transport.deliver(Client(), operations_pb2.Operation(name="operations/b", done=True), out)
     assert sorted(p.name for p in out.iterdir()) == ["model", "model.onnx", "notes.txt", "report.json"]
     assert (out / "model.onnx").read_text() == "this job's"
+    (tmp_path / "kept.json").rename(kept)
+    (out / "report.json").write_text('{"artifacts": {"serving": {"files": ["config.json"]}}}')
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/c", done=True), out, inputs=[out, None])
+    assert kept.read_text() == "earlier"
 
 
 def test_an_upload_of_a_folder_takes_the_files_of_its_linked_folders(tmp_path):

@@ -492,3 +492,26 @@ def test_a_transformer_saved_into_a_reused_out_leaves_no_earlier_model_files(tmp
                                   uniform_ratio=0.25)
     job.save(tiny_llama(), out)
     assert (out / "model" / "notes.txt").is_file()  # `compress out/model --out out`: the input stays
+
+
+def test_an_earlier_jobs_listed_files_in_the_models_own_folder_stay(tmp_path):
+    """--out the model's own folder, run twice: the first report lists config.json and preprocessor_config.json
+    as its serving files, which are the model's own; the second job removed them before reading them again."""
+    import json
+
+    from service.job.compress import _clear_earlier_files
+
+    model = tmp_path / "hf_model"
+    model.mkdir()
+    for name in ("config.json", "preprocessor_config.json"):
+        (model / name).write_text("{}")
+    (model / "report.json").write_text(json.dumps({"artifacts": {"serving": {"files": ["config.json",
+                                                                                      "preprocessor_config.json"]}}}))
+    own = CompressRequest(model=str(model), calibration=tmp_path / "c.npz", out_dir=model, uniform_ratio=0.5)
+    assert own.reads(model / "config.json") and own.reads(tmp_path) and not own.reads(tmp_path / "other")
+    _clear_earlier_files(model, own)
+    assert (model / "config.json").is_file() and (model / "preprocessor_config.json").is_file()
+    other = CompressRequest(model=str(tmp_path / "m.pt2"), calibration=tmp_path / "c.npz", out_dir=model,
+                            uniform_ratio=0.5)
+    _clear_earlier_files(model, other)
+    assert not (model / "config.json").exists() and not (model / "preprocessor_config.json").exists()
