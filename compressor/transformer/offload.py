@@ -29,7 +29,7 @@ from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
-from .surgery import save_config_and_widths, state_to_save, tied_aliases
+from .surgery import save_config_and_widths, state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -214,17 +214,18 @@ class StreamedCheckpoint:
         return out
 
     def _load_rest(self) -> None:
-        aliases = tied_aliases(self.model)
-        keys = [k for k in self.model.state_dict() if not k.startswith(self.prefix) and k not in aliases]
-        keys = [k for k in keys if k in self.where or not k.endswith("num_batches_tracked")]
-        # a tied weight is read under whichever of its names the checkpoint stores (some exporters keep only
-        # `lm_head.weight`), as from_pretrained reads it
-        tied: dict[int, list[str]] = defaultdict(list)
+        # each tensor once, under its first name (`tied_aliases` drops the others), read under whichever of its
+        # names the checkpoint stores (some exporters keep a tied weight as `lm_head.weight` alone), as
+        # from_pretrained reads it
+        names: dict[int, list[str]] = defaultdict(list)
         for name, tensor in self.model.state_dict(keep_vars=True).items():
-            tied[id(tensor)].append(name)
-        stored = {names[0]: next((n for n in names if n in self.where), names[0]) for names in tied.values()}
-        read = self._read([stored.get(k, k) for k in keys])
-        state = {k: read[stored.get(k, k)] for k in keys}
+            names[id(tensor)].append(name)
+        aliases = {alias for group in names.values() for alias in group[1:]}
+        stored = {group[0]: next((n for n in group if n in self.where), group[0]) for group in names.values()}
+        keys = [k for k in stored if not k.startswith(self.prefix)]
+        keys = [k for k in keys if k in self.where or not k.endswith("num_batches_tracked")]
+        read = self._read([stored[k] for k in keys])
+        state = {k: read[stored[k]] for k in keys}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith(self.prefix) and k not in aliases]
         if missing or unexpected:

@@ -296,16 +296,13 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
     mapping = kv_index(model, index)
     keep = check_keep(keep_heads, len(mapping), f"layer {index} query heads")
     kv_keep = torch.unique(mapping[keep])  # sorted
-    new_index = torch.searchsorted(kv_keep, mapping[keep])
-    layer = layers(model)[index]
-    group = dims(model).group
-    if not hasattr(_attention(model, layer), "kv_map") and len(keep) == group * len(kv_keep) and torch.equal(
-            new_index, torch.arange(len(keep)) // group):
+    if not hasattr(_attention(model, layers(model)[index]), "kv_map") and torch.equal(
+            keep, group_rows(kv_keep, dims(model).group)):
         # whole groups kept (every head, say, where only the FFN narrows): the family's own attention reads them,
         # and a model without a gathered layer loads in transformers with its remote code, or its config alone
-        _keep_heads(model, layer, keep, kv_keep, o_weight)
+        prune_heads(model, index, kv_keep, o_weight)
         return
-    _resize_attention(model, index, keep, kv_keep, new_index, o_weight)
+    _resize_attention(model, index, keep, kv_keep, torch.searchsorted(kv_keep, mapping[keep]), o_weight)
 
 
 def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Tensor, new_index: Tensor,

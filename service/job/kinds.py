@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -539,8 +540,13 @@ class ConvJob:
         # consumer is a plain unit named after its consumer (HF MobileNetV2 without layer.1: `coupled:...layer.0
         # .reduce_1x1...` becomes `...layer.2.expand_1x1...`), and a conv writes one group, so its first producer
         # names it
-        dense = {producer.name: unit.name for unit in analyse(self.dense).units for producer in unit.producers}
+        dense = self._dense_units
         return {dense.get(unit.producers[0].name, unit.name): channel_cost(unit) for unit in analyse(graph).units}
+
+    @functools.cached_property
+    def _dense_units(self) -> dict[str, str]:
+        """Each producer's unit in the dense graph (the depth plan prices every option against it)."""
+        return {producer.name: unit.name for unit in analyse(self.dense).units for producer in unit.producers}
 
     def remove(self, blocks: Sequence[str]) -> None:
         """From now on the channels are pruned of the dense graph without `blocks`."""
