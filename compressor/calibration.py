@@ -163,7 +163,9 @@ def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) ->
             if x.shape[1] == len(mean) == len(std):
                 raise CalibrationError(f"{path}: 'x' of shape {x.shape} looks channels-first (NCHW); .npz images are "
                                        "NHWC: save x.transpose(0, 2, 3, 1)")
-            raise CalibrationError(f"{path}: {x.shape[3]} channels but mean/std have {len(mean)}/{len(std)} values")
+            raise CalibrationError(f"{path}: {x.shape[3]} channels but mean/std have {len(mean)}/{len(std)} values; "
+                                   f"give --mean and --std with {x.shape[3]} value(s) each (e.g. --mean "
+                                   f"{','.join(['0.5'] * x.shape[3])} --std {','.join(['0.5'] * x.shape[3])})")
         if any(s <= 0 for s in std):
             raise CalibrationError(f"std must be positive (got {std})")
         return x

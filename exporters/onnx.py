@@ -146,8 +146,15 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     whether the weights go to an external data file)."""
     path = Path(path)
     _mark_eval(module)
-    with torch.no_grad():
-        program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
+    with torch.no_grad(), _kept_tensor_attributes(module):
+        try:
+            program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
+        except MemoryError:
+            raise
+        except Exception as err:  # the tracer's errors run to hundreds of lines: the innermost one's first says why
+            cause = next((c for c in _causes(err) if str(c).strip()), err)
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+            raise ExportError(f"{type(cause).__name__}: {first[:400]}") from err
     upcast = _upcast_initializers(program.model.graph)
     # the size as saved: a half-precision weight read through `float32_view` is written in float32
     size = sum(p.numel() * (4 if upcast else p.element_size()) for p in weights.parameters())
@@ -156,6 +163,39 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     finally:
         _drop_constants(program.model.graph)
     return path
+
+
+class ExportError(RuntimeError):
+    """torch.onnx.export could not export the model (one line of why; the tracer's whole error is its cause)."""
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """The errors `err` was raised from, the innermost first (torch.onnx wraps the tracer's in its own)."""
+    chain = []
+    while err.__cause__ is not None and err.__cause__ not in chain:
+        err = err.__cause__
+        chain.append(err)
+    return reversed(chain)
+
+
+@contextlib.contextmanager
+def _kept_tensor_attributes(model: torch.nn.Module) -> Iterator[None]:
+    """The model's tensors as they were before an export traced it. A forward that caches a tensor in a plain
+    attribute (transformers' longrope rotary embedding sets `long_inv_freq` on its first call) leaves the
+    tracer's fake tensor there, after which the model cannot be copied ("Cannot access data pointer of Tensor")
+    and computes another model in eager mode: the parity check would compare the export against that."""
+    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}, dict(m._buffers))
+            for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, buffers in kept:
+            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in attributes]:
+                delattr(module, name)
+            for name, value in attributes.items():
+                object.__setattr__(module, name, value)
+            module._buffers.clear()
+            module._buffers.update(buffers)
 
 
 class _Upcast(torch.nn.Module):

@@ -130,6 +130,11 @@ def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
     if kind == "mean_pool":  # sentence embeddings: mean over non-padding tokens
         mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64))[..., None].astype(np.float64)
         return (output * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    if kind == "cls_pool":  # a sentence model that pools its first token's state (BGE-style)
+        return output[:, 0]
+    if kind == "max_pool":  # one that pools each channel's largest value over non-padding tokens
+        mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64))[..., None].astype(bool)
+        return np.where(mask, output, -np.inf).max(1)
     if kind == "nll":  # causal LM: summed next-token NLL and token count (padding excluded)
         target = feed["input_ids"][:, 1:]
         mask = feed.get("attention_mask", np.ones_like(feed["input_ids"]))[:, 1:].astype(bool)
@@ -238,7 +243,7 @@ def _child(answer_fd: int, parent_pid: int) -> None:
 def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu", threads: int | None = None,
                 reduce: str = "all") -> list[Any]:
     """Run `path` on each batch (a list in input order, or a dict by name) in a subprocess; per batch all
-    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "nll")."""
+    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "cls_pool", "max_pool", "nll")."""
     return _call(_outputs_worker, str(path), batches, provider, threads or default_threads(), reduce)
 
 

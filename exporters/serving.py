@@ -26,7 +26,15 @@ ONNX_DIR = "onnx"  # the subfolder Optimum and sentence-transformers' ONNX backe
 MODULES = "modules.json"
 # sentence-transformers' files of the model as a whole (the Transformer module's are the directory's own)
 SENTENCE_FILES = (MODULES, "sentence_bert_config.json", "config_sentence_transformers.json")
-NORMALIZE = "sentence_transformers.models.Normalize"  # keeps nothing in its folder (often absent from a copy)
+# a Normalize module keeps nothing in its folder (often absent from a copy); sentence-transformers 6 names its classes
+# `sentence_transformers.base.modules.normalize.Normalize` where 5 wrote `sentence_transformers.models.Normalize`
+NORMALIZE = "Normalize"
+
+
+def _module_class(module: dict) -> str:
+    """A modules.json entry's class name, whichever package path the sentence-transformers release wrote."""
+    return str(module.get("type", "")).rsplit(".", 1)[-1]
+
 # a Hugging Face image classifier's files that Optimum (and transformers' pipelines) read beside its graph
 IMAGE_CLASSIFIER_FILES = ("config.json", "preprocessor_config.json")
 
@@ -47,6 +55,34 @@ def link_onnx(onnx: Path, model_dir: Path) -> Path:
         except OSError:  # another file system, or one without hard links
             shutil.copyfile(path, dest)
     return target / onnx.name
+
+
+def sentence_pooling(source: Path) -> str:
+    """How a sentence-transformers model pools its token states into the embedding it serves: "cls", "max" or
+    "mean" (also for a model that is none, and for the rarer modes, whose cosine mean pooling approximates).
+    sentence-transformers 5 writes flags (`pooling_mode_cls_token`, ...), 6 one `pooling_mode`."""
+    try:
+        modules = sentence_modules(Path(source)) or []
+    except LayoutError:
+        return "mean"
+    for module in modules:
+        if _module_class(module) != "Pooling" or not isinstance(module.get("path"), str):
+            continue
+        try:
+            config = json.loads((Path(source) / module["path"] / "config.json").read_text())
+        except (OSError, ValueError):
+            return "mean"
+        if not isinstance(config, dict):
+            return "mean"
+        mode = config.get("pooling_mode")
+        if mode in ("cls", "max"):
+            return mode
+        if mode is None and config.get("pooling_mode_cls_token") and not config.get("pooling_mode_mean_tokens"):
+            return "cls"
+        if mode is None and config.get("pooling_mode_max_tokens") and not config.get("pooling_mode_mean_tokens"):
+            return "max"
+        return "mean"
+    return "mean"
 
 
 def copy_image_classifier_files(source: Path, out: Path) -> list[str]:
@@ -92,13 +128,15 @@ def copy_sentence_files(source: Path, model_dir: Path, hidden: int) -> bool:
     folders = [m.get("path", "") for m in modules if m.get("path", "")]  # "": the Transformer, model_dir itself
     for module in modules:
         path = module.get("path", "")
-        if path and not (source / path).is_dir() and module["type"] != NORMALIZE:
+        if path and not (source / path).is_dir() and _module_class(module) != NORMALIZE:
             raise LayoutError(f"{source / MODULES}: module {module.get('name', path)!r} ({module['type']}) has no "
                               f"folder {path!r} in the source model")
-        pooling = source / path / "config.json" if path else None
+        pooling = source / path / "config.json" if path and _module_class(module) == "Pooling" else None
         if pooling is not None and pooling.is_file():
             try:
-                width = json.loads(pooling.read_text()).get("word_embedding_dimension")
+                config = json.loads(pooling.read_text())
+                # sentence-transformers 5 / 6
+                width = config.get("word_embedding_dimension", config.get("embedding_dimension"))
             except (ValueError, AttributeError) as err:
                 raise LayoutError(f"{pooling} is not a JSON object") from err
             if width is not None and width != hidden:

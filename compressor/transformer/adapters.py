@@ -219,7 +219,14 @@ REFUSED: dict[str, str] = {
     "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
     "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
+    "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
+                  "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
+
+_RELATIVE_POSITIONS = (lambda c: c.get("position_embedding_type", "absolute") not in ("absolute", None),
+                       "position_embedding_type relative_key / relative_key_query is not implemented by transformers "
+                       "5, which loads such a checkpoint without its distance embeddings (another model); only "
+                       "absolute position embeddings are supported")
 
 
 # configurations of a supported family that are refused all the same: (the config.json test, why)
@@ -230,6 +237,14 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
                    "DeBERTa-v2 with a convolution after its first layer (conv_kernel_size, the v2 xlarge / xxlarge "
                    "checkpoints) is not supported: the convolution sits between blocks, which are pruned one at a "
                    "time"),
+    "bert": _RELATIVE_POSITIONS,
+    "roberta": _RELATIVE_POSITIONS,
+    "xlm-roberta": _RELATIVE_POSITIONS,
+    # transformers' MPNetEncoder computes its position bias with 32 buckets whatever the config says: another table
+    # size does not run (an IndexError in the first forward)
+    "mpnet": (lambda c: c.get("relative_attention_num_buckets", 32) != 32,
+              "MPNet with relative_attention_num_buckets other than 32 does not run in transformers (its encoder "
+              "buckets positions into 32 whatever the config says)"),
 }
 
 
@@ -381,10 +396,29 @@ def check_config(config: dict, reference: str) -> None:
                                       f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")
     if model_type in ADAPTERS and ADAPTERS[model_type].stage_blocks is not None:
         _check_stages(config, reference)
+    if dynamic := sorted(t for t in _rope_types(config) if "dynamic" in t):
+        raise UnsupportedArchitecture(f"{reference}: rope_type {dynamic[0]!r} (dynamic NTK scaling) recomputes the "
+                                      "rotary frequencies from each input's length in the forward pass, which "
+                                      "torch.onnx.export cannot trace; a static rope_type (default, linear, yarn, "
+                                      "llama3, longrope) is supported")
     if "num_channels" in config and model_type not in ADAPTERS and _vision_transformer(config):
         raise UnsupportedArchitecture(f"{reference}: {model_type!r} is a vision transformer that is not supported "
                                       f"(supported vision transformers: {', '.join(VISION_FAMILIES)}); it has no "
                                       "conv channels to prune")
+
+
+def _rope_types(config: dict) -> set[str]:
+    """The rotary scaling types a config names: transformers 5's `rope_parameters` or the older `rope_scaling`, one
+    for the model or one per attention type (Gemma 3's {"full_attention": {...}, "sliding_attention": {...}})."""
+    found: set[str] = set()
+    for key in ("rope_parameters", "rope_scaling"):
+        entries = [config.get(key)]
+        if isinstance(entries[0], dict) and all(isinstance(v, dict) for v in entries[0].values()) and entries[0]:
+            entries = list(entries[0].values())
+        for entry in entries:
+            if isinstance(entry, dict):
+                found |= {str(entry[k]) for k in ("rope_type", "type") if entry.get(k) is not None}
+    return found
 
 
 def _vision_transformer(config: dict) -> bool:

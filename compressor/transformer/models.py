@@ -3,6 +3,7 @@ as the base model) from a local directory, never downloaded."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from contextlib import AbstractContextManager, nullcontext
@@ -38,12 +39,14 @@ def transformer_config(reference: str) -> dict | None:
 
 
 LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-CLASSIFIER_SUFFIX = "ForSequenceClassification"  # an encoder with its classification head, kept and exported
+# an encoder with its classification head, kept and exported: a text one's, or a vision transformer's (DeiT's with
+# its distillation head too, whose logits average the two)
+CLASSIFIER_SUFFIX = ("ForSequenceClassification", "ForImageClassification", "ForImageClassificationWithTeacher")
 
 
 def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     """(class to build, is a causal LM): the checkpoint's own LM class for language models (GPT-2's is
-    GPT2LMHeadModel), an encoder's own sequence classifier (its head kept: it is what the user serves), the
+    GPT2LMHeadModel), an encoder's own sequence or image classifier (its head kept: it is what the user serves), the
     base model otherwise (other encoder heads are dropped: pruned and exported without them).
 
     A config without `architectures` (converted checkpoints often have none) of a decoder-only family
@@ -120,11 +123,23 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
     names: tuple[str, ...] = ("input_ids", "attention_mask")
     if hasattr(config, "num_channels"):  # vision transformers take images
         names = ("pixel_values",)
-    elif not causal and getattr(config, "type_vocab_size", 0):
+    elif not causal and _takes_token_types(model, config, tokenizer):
         names += ("token_type_ids",)
     classifier = type(model).__name__.endswith(CLASSIFIER_SUFFIX)
     return LoadedTransformer(model, tokenizer, "logits" if causal or classifier else "last_hidden_state", names,
                              causal=causal)
+
+
+def _takes_token_types(model: torch.nn.Module, config: object, tokenizer: object) -> bool:
+    """Whether an encoder's export takes token_type_ids: exactly when its tokenizer gives them (serving feeds the
+    tokenizer's output to ONNX Runtime, which refuses an input the graph lacks and needs every one it has:
+    RoBERTa's and XLM-R's tokenizers give none, though their configs keep a one-row type table), and the model
+    reads them; without a tokenizer, when the config has more than one token type."""
+    if "token_type_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    if tokenizer is not None:
+        return "token_type_ids" in tokenizer.model_input_names
+    return (getattr(config, "type_vocab_size", 0) or 0) > 1
 
 
 # ---- standard outputs: a pruned model whose config says its widths ------------------------------------

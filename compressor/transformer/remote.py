@@ -35,7 +35,8 @@ AUTO_CLASSES = (("ForCausalLM", "AutoModelForCausalLM"), ("LMHeadModel", "AutoMo
                 ("ForMaskedLM", "AutoModelForMaskedLM"), ("ForSequenceClassification",
                                                          "AutoModelForSequenceClassification"),
                 ("ForTokenClassification", "AutoModelForTokenClassification"),
-                ("ForImageClassification", "AutoModelForImageClassification"))
+                ("ForImageClassification", "AutoModelForImageClassification"),
+                ("ForImageClassificationWithTeacher", "AutoModelForImageClassification"))  # DeiT's, both heads
 # module attributes a change may set: numbers and flags a forward reads (head counts, widths)
 _ATTRIBUTE_TYPES = (int, float, bool)
 _PLAIN = (int, float, bool, str, type(None), tuple, list)  # attributes compared between pruned and dense
@@ -59,6 +60,15 @@ from transformers import {base} as _Dense
 
 _FOOTER = '''
 
+def _select_bias_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    at = module.bias_argument
+    if kwargs.get("position_bias") is not None:
+        bias = kwargs["position_bias"]
+        kwargs = {{**kwargs, "position_bias": bias[:, list(module.bias_rows)]}}
+    elif len(args) > at and args[at] is not None:
+        args = (*args[:at], args[at][:, list(module.bias_rows)], *args[at + 1:])
+    return args, kwargs
+
 def _apply(model: nn.Module, changes: list[dict[str, Any]]) -> None:
     for change in changes:
         owner_path, _, name = change["path"].rpartition(".")
@@ -75,6 +85,12 @@ def _apply(model: nn.Module, changes: list[dict[str, Any]]) -> None:
             module = model.get_submodule(change["path"])
             for key, value in change["values"].items():
                 setattr(module, key, value)
+        elif kind == "bias_rows":  # the kept heads' rows of a score bias computed once for every layer
+            module = model.get_submodule(change["path"])
+            # rows as data, not a buffer: transformers builds the model on the meta device and leaves a buffer
+            # it does not load uninitialised
+            module.bias_rows, module.bias_argument = tuple(change["rows"]), change["argument"]
+            module.register_forward_pre_hook(_select_bias_rows, with_kwargs=True)
         elif kind == "parameters":  # resized in place; the weights are loaded afterwards
             module = model.get_submodule(change["path"])
             for key, shape in change["shapes"].items():
@@ -91,8 +107,13 @@ class {cls}(_Dense):
 '''
 
 
+# what `surgery.set_bias_rows` sets beside its hook: a "bias_rows" change says it
+_BIAS_ROWS_ATTRIBUTES = ("bias_rows", "bias_argument", "bias_hooked")
+
+
 def _attributes(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"
+            and k not in _BIAS_ROWS_ATTRIBUTES}
 
 
 def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] | None:
@@ -110,9 +131,12 @@ def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] 
                 log.info("%s: not in the model its config builds", path)
                 return None
             continue
-        if len(module._forward_pre_hooks) != len(reference._forward_pre_hooks) or \
+        rows = getattr(module, "bias_rows", None) if getattr(module, "bias_hooked", False) else None
+        if rows is not None:  # `surgery.set_bias_rows`' hook, which the file installs too
+            changes.append({"path": path, "kind": "bias_rows", "rows": list(rows), "argument": module.bias_argument})
+        if len(module._forward_pre_hooks) - (rows is not None) != len(reference._forward_pre_hooks) or \
                 len(module._forward_hooks) != len(reference._forward_hooks):
-            log.info("%s: a forward hook of pruning (e.g. per-head bias rows)", path)
+            log.info("%s: a forward hook of pruning", path)
             return None
         if isinstance(module, sublayers.RemovedSublayer):
             changes.append({"path": path, "kind": "removed", "hidden": int(module.update.shape[0]),

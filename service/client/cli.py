@@ -221,7 +221,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs["type"] = kind
         default = info.get_default(call_default_factory=False)
-        if default not in (None, False, "") and info.default_factory is None:
+        # by identity: a default of 0 equals False, and is one to show
+        if default is not None and default is not False and default != "" and info.default_factory is None:
             kwargs["help"] += f" (default {default})"
         parser.add_argument(flag, **kwargs)
 

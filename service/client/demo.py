@@ -19,7 +19,7 @@ import torch
 from compressor import solve_layer
 from compressor.errors import InputError
 from compressor.layerstats import num_to_prune
-from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.adapters import ADAPTERS, adapter_for, dims, layers
 from compressor.transformer.surgery import dense_weight, projection
 
 from ..embedded import calibration_texts, default_model_path
@@ -42,9 +42,22 @@ def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch
     model's family from the adapter table; H over the non-padding tokens)."""
     import transformers
 
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"--model {model_dir}: expected a Hugging Face model directory with config.json")
+    # transformers builds a tokenizer of a few tokens from a config alone: every text would be unknown words
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        raise InputError(f"--model {model_dir}: no tokenizer files (tokenizer.json, tokenizer_config.json or "
+                         "vocab.txt); the demo tokenizes text")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModel.from_pretrained(model_dir).eval()
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    if getattr(model.config, "model_type", None) not in ADAPTERS or adapter_for(model).causal:
+        raise InputError(f"--model {model_dir}: the demo takes a BERT-like encoder ({model.config.model_type!r} is "
+                         "not one)")
+    # no longer than the position embeddings (a model of fewer than 256 positions failed in its first forward; RoBERTa's
+    # count two beyond its tokens)
+    positions = (getattr(model.config, "max_position_embeddings", None) or 258) - 2
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=min(256, positions), return_tensors="pt")
     sums: dict[str, torch.Tensor] = {}
     adapter, head_dim = adapter_for(model), dims(model).head_dim
     targets = {}

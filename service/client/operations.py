@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -126,7 +127,12 @@ def download_operation(client: RemoteCompressor, args: argparse.Namespace) -> in
     """The artifacts of an operation into --out (a running one is followed until it ends)."""
     check_out(Path(args.out_dir))
     final = _follow(client, args.name)
-    out = deliver(client, final, Path(args.out_dir))
+    try:
+        out = deliver(client, final, Path(args.out_dir))
+    except KeyboardInterrupt:  # the job has ended: only this copy was cut short, and the same command resumes it
+        print(f"osscar: interrupted during the download; {final.name} has ended; this command run again resumes "
+              "the download", file=sys.stderr)
+        return 130
     print(format_report(unpack_response(final).report, out))
     return 0
 
@@ -143,7 +149,9 @@ def operations_command(args: argparse.Namespace) -> int:
         print(f"osscar: error: {err}", file=sys.stderr)
         return 2
     try:
-        return OPERATION_ACTIONS[args.action](client, args)
+        code = OPERATION_ACTIONS[args.action](client, args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except KeyboardInterrupt:
         name = getattr(args, "name", None)
         if args.action in ("watch", "download") and name:
@@ -153,6 +161,9 @@ def operations_command(args: argparse.Namespace) -> int:
         return 130
     except (ClientError, grpc.RpcError) as err:
         return failed(err)
+    except BrokenPipeError:  # `osscar operations list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more for Python to flush at exit
+        return 0
     finally:
         client.close()
 

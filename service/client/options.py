@@ -146,7 +146,8 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
         if not meta["cli"]:
             continue
         help_text = meta["help"]
-        if f.default not in (None, False, dataclasses.MISSING):
+        # by identity: a default of 0 (the seed's) equals False, and is one to show
+        if not any(f.default is unset for unset in (None, False, dataclasses.MISSING)):
             help_text += f" (default {_default_text(f.default)})"
         if f.name == "model":
             parser.add_argument("model", help=help_text)

@@ -10,6 +10,9 @@ running (or, with --cancel-on-interrupt, cancels it)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import grpc
 from google.longrunning import operations_pb2
 
+from ..api import compression_pb2 as pb
 from ..api.wire import (
     STATE_NAMES,
     unpack_metadata,
@@ -25,7 +29,9 @@ from ..api.wire import (
 from .options import build_request
 from .terminal import ProgressBar, format_report, ignoring_interrupts
 from .transport import (
+    RETRYABLE,
     ClientError,
+    JobFailed,
     RemoteCompressor,
     check_out,
     connect,
@@ -39,9 +45,50 @@ from .transport import (
 def follow_up(name: str, args: argparse.Namespace) -> str:
     """What to run to follow, fetch or cancel an operation this command left running."""
     flags = server_flags(args)
-    return "\n".join([f"  follow it:   osscar operations watch {name} {flags}",
+    return "\n".join([f"  follow it:   osscar operations watch {name} {flags} (or run this command again)",
                       f"  download:    osscar operations download {name} {flags} --out {args.out_dir}",
                       f"  cancel it:   osscar operations cancel {name} {flags}"])
+
+
+class RequestMark:
+    """The request a run of `osscar compress --server` submitted, kept in its --out until the job has ended and
+    been delivered. The same command run again after this client died (killed, its terminal closed) submits the
+    same request_id, so it follows and downloads the job that is running instead of running it a second time;
+    a run with other flags or another server is another job. A finished job's mark is gone: the command run
+    again after it is a new job."""
+
+    NAME = ".osscar-request.json"
+
+    def __init__(self, out: Path, server: str, request: pb.CompressRequest) -> None:
+        body = pb.CompressRequest()
+        body.CopyFrom(request)
+        body.request_id = ""
+        self.path = Path(out) / self.NAME
+        self.digest = hashlib.sha256(server.encode() + b"\0" + body.SerializeToString(deterministic=True)).hexdigest()
+        self.created_out = not Path(out).exists()
+
+    def earlier(self) -> dict | None:
+        """The mark an earlier run of this very command left, if any."""
+        try:
+            mark = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(mark, dict) or mark.get("request") != self.digest or \
+                not isinstance(mark.get("request_id"), str):
+            return None
+        self.created_out = bool(mark.get("created_out"))  # the folder is the earlier run's, made for its mark
+        return mark
+
+    def write(self, request_id: str, operation: str | None = None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"request_id": request_id, "operation": operation, "request": self.digest,
+                                         "created_out": self.created_out}))
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+        if self.created_out:  # a folder this run made for its mark alone goes with it
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
 
 
 def remote_compress(args: argparse.Namespace) -> int:
@@ -53,15 +100,30 @@ def remote_compress(args: argparse.Namespace) -> int:
     except ClientError as err:
         print(f"osscar: error: {err}", file=sys.stderr)
         return 2
+    explicit = args.request_id is not None
     args.request_id = args.request_id or str(uuid.uuid4())  # known before submitting: said if interrupted
-    name, ended = None, False
+    name, ended, mark = None, False, None
     try:
         try:
             request = build_request(args, client)
+            if not explicit:
+                mark = RequestMark(Path(args.out_dir), args.server, request)
+                if (earlier := mark.earlier()) is not None:
+                    request.request_id = args.request_id = earlier["request_id"]
+                    print(f"osscar: following {earlier.get('operation') or 'the job'} that an earlier run of this "
+                          f"command submitted (request {args.request_id}; {mark.path} says so)", file=sys.stderr)
+                mark.write(args.request_id)
             op = client.submit(request)
         except grpc.RpcError as err:
+            if mark is not None and err.code() not in RETRYABLE:  # refused: no job to come back to
+                mark.clear()
+            if err.code() in RETRYABLE:  # not a refusal: the server could not be reached (or stayed away)
+                raise ClientError(f"lost the connection to the server: {describe_error(err)}; running this command "
+                                  "again submits the same job") from None
             raise ClientError(f"the server refused the request: {describe_error(err)}") from None
         name = op.name
+        if mark is not None:
+            mark.write(args.request_id, name)
         print(f"{op.name}: {STATE_NAMES.get(unpack_metadata(op).state, '?').lower()} on {args.server}",
               file=sys.stderr)
         bar = ProgressBar(sys.stderr)
@@ -74,12 +136,19 @@ def remote_compress(args: argparse.Namespace) -> int:
         ended = final.done
         try:
             inputs = [getattr(args, name, None) for name in ("model", "calibration", "eval")]
-            out = deliver(client, final, Path(args.out_dir), inputs)
+            try:
+                out = deliver(client, final, Path(args.out_dir), inputs)
+            except JobFailed:
+                if mark is not None:
+                    mark.clear()
+                raise
         except (grpc.RpcError, OSError) as err:  # the job has ended on the server: only its copy here failed
             why = describe_error(err) if isinstance(err, grpc.RpcError) else f"{type(err).__name__}: {err}"
             print(f"osscar: error: {final.name} has ended, but downloading its artifacts failed "
                   f"({why}); {download_command(final.name, args)}", file=sys.stderr)
             return 2
+        if mark is not None:
+            mark.clear()
         print(format_report(unpack_response(final).report, out))
         return 0
     except KeyboardInterrupt:
@@ -87,7 +156,10 @@ def remote_compress(args: argparse.Namespace) -> int:
             print(f"osscar: interrupted during the download; {name} has ended; {download_command(name, args)}",
                   file=sys.stderr)
             return 130
-        return interrupted(client, name, args)
+        code = interrupted(client, name, args)
+        if mark is not None and name is not None and args.cancel_on_interrupt:
+            mark.clear()
+        return code
     except (ClientError, grpc.RpcError) as err:
         return failed(err)
     finally:

@@ -85,8 +85,9 @@ class RemoteCompressor:
                 time.sleep(min(2.0 ** attempt, 10.0))
         raise AssertionError("unreachable")
 
-    def upload(self, path: Path) -> str:
-        """A file, or a directory as a tar; returns the blob reference."""
+    def upload(self, path: Path, attempts: int = 5) -> str:
+        """A file, or a directory as a tar; returns the blob reference. A stream cut by UNAVAILABLE or a deadline
+        is sent again (up to `attempts` streams)."""
         path = Path(path)
         with tempfile.TemporaryDirectory() as tmp:
             source, archive = path, False
@@ -108,8 +109,17 @@ class RemoteCompressor:
                     for chunk in iter(lambda: f.read(UPLOAD_CHUNK), b""):
                         yield pb.UploadBlobRequest(chunk=chunk)
 
-            blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True,
-                                        metadata=self.metadata)
+            for attempt in range(attempts):  # a server restarted mid-upload: the upload is sent again
+                try:
+                    blob = self.stub.UploadBlob(messages(), timeout=max(self.timeout, 3600), wait_for_ready=True,
+                                                metadata=self.metadata)
+                    break
+                except grpc.RpcError as err:
+                    if err.code() not in RETRYABLE or attempt == attempts - 1:
+                        raise
+                    print(f"osscar: upload of {path} interrupted ({err.code().name}); sending it again",
+                          file=sys.stderr)
+                    time.sleep(min(2.0 ** attempt, 10.0))
         if blob.sha256 != header.sha256:
             raise ClientError(f"upload of {path}: the server stored sha256 {blob.sha256}, expected {header.sha256}")
         return blob.reference
@@ -137,14 +147,26 @@ class RemoteCompressor:
             delay = min(delay * 2, 10.0)
 
     def download(self, name: str, artifact: pb.Artifact, out: Path, attempts: int = 5) -> Path:
-        """One artifact into `out`, written under a temporary name and renamed once its sha256 matches. A
-        stream cut by UNAVAILABLE or a deadline resumes from the bytes already received (up to `attempts`
-        streams): a multi-GB model is not fetched again from its first byte."""
+        """One artifact into `out`, written under a partial name and renamed once its sha256 matches. A stream
+        cut by UNAVAILABLE or a deadline resumes from the bytes already received (up to `attempts` streams), and
+        so does a later call after this process died or was interrupted (the partial name is the artifact's and
+        its digest's, and stays): a multi-GB model is not fetched again from its first byte. A file already in
+        place with the artifact's digest is kept as it is."""
         target = out / artifact.name
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{artifact.name}.")
+        if target.is_file() and target.stat().st_size == artifact.size_bytes and \
+                file_sha256(target) == artifact.sha256:
+            return target
+        part = out / f".{artifact.name}.{artifact.sha256[:16]}.part"
         digest, size, expected = hashlib.sha256(), 0, None
+        if part.is_file() and part.stat().st_size <= artifact.size_bytes:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(UPLOAD_CHUNK), b""):
+                    digest.update(block)
+                    size += len(block)
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(part, "r+b" if size else "wb") as f:
+                f.seek(size)
+                f.truncate()
                 for attempt in range(attempts):
                     try:
                         first = True
@@ -172,15 +194,16 @@ class RemoteCompressor:
                         print(f"osscar: {artifact.name}: download interrupted at {size} bytes "
                               f"({err.code().name}); resuming", file=sys.stderr)
                         time.sleep(min(2.0 ** attempt, 10.0))
-            if expected is None or digest.hexdigest() != expected.sha256 or size != expected.size_bytes or \
-                    expected.sha256 != artifact.sha256:
+            # a resumed stream announces nothing: the bytes' digest is the check
+            if (expected is not None and expected.sha256 != artifact.sha256) or \
+                    digest.hexdigest() != artifact.sha256 or size != artifact.size_bytes:
                 raise ClientError(f"{artifact.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "
                                   f"server announced {artifact.size_bytes} bytes with {artifact.sha256}")
-            follow_umask(Path(tmp))  # mkstemp's 0600 is not what a user's serving process may read
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except ClientError:
+            part.unlink(missing_ok=True)  # wrong bytes: none of them is worth resuming from
             raise
+        follow_umask(part)
+        os.replace(part, target)
         return target
 
 
@@ -188,7 +211,10 @@ def describe_error(err: grpc.RpcError) -> str:
     lines = [f"{err.code().name}: {err.details()}"]
     details = error_details(err)
     if "bad_request" in details:
-        lines += [f"  {v.field}: {v.description}" for v in details["bad_request"].field_violations]
+        violations = [f"{v.field}: {v.description}" for v in details["bad_request"].field_violations]
+        if violations and "; ".join(violations) == err.details():  # the message is the list: one line each, once
+            lines = [f"{err.code().name}: the request is invalid"]
+        lines += [f"  {v}" for v in violations]
     if "error_info" in details:
         info = details["error_info"]
         lines.append(f"  reason {info.reason}" + "".join(f", {k}={v}" for k, v in sorted(info.metadata.items())))
@@ -219,36 +245,54 @@ def check_out(out: Path) -> None:
         raise ClientError(f"--out {out}: {parent} is not writable")
 
 
+class JobFailed(ClientError):
+    """The operation ended with an error (its artifacts, if any, were delivered)."""
+
+
+STAGING_PREFIX = ".osscar-download-"
+
+
 def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path,
             inputs: Sequence[object] = ()) -> Path:
     """A finished operation's artifacts into `out` (a pruned model directory unpacked to `model/`); raises
-    ClientError when the job failed (after writing what it left, e.g. the best artifact of a missed
-    target). `inputs`: the job's local model, calibration and evaluation paths, which no earlier job's files
-    listed in `out` are removed from."""
+    JobFailed when the job failed (after writing what it left, e.g. the best artifact of a missed target).
+    `inputs`: the job's local model, calibration and evaluation paths, which no earlier job's files listed in
+    `out` are removed from.
+
+    Every artifact is downloaded and checked in a hidden folder of `out` named after the operation before any
+    file of `out` changes, then moved into place: a download cut short (Ctrl-C, a killed client) leaves the
+    earlier job's files as they were, never a mix of two jobs, and delivering the same operation again resumes
+    from what that folder holds."""
     meta = unpack_metadata(final)
-    out.mkdir(parents=True, exist_ok=True)
-    delivered = {Path(a.name).stem if a.name.endswith(".tar") else a.name for a in meta.artifacts}
-    # an earlier job's in a reused --out would seem to be this one's
-    earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
-    for name in (set(JOB_EXPORTS) | earlier) - delivered:
-        (out / name).unlink(missing_ok=True)
-    for artifact in meta.artifacts:
-        path = client.download(final.name, artifact, out)
-        if path.suffix == ".tar":  # a pruned model directory
-            staging = Path(tempfile.mkdtemp(dir=out, prefix=".extract-"))
-            try:
-                extract_tar(path, staging / path.stem)
-                follow_umask(staging / path.stem)
-                shutil.rmtree(out / path.stem, ignore_errors=True)
-                os.replace(staging / path.stem, out / path.stem)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            path.unlink()
     if meta.artifacts:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = out / (STAGING_PREFIX + final.name.rsplit("/", 1)[-1])
+        for other in out.glob(STAGING_PREFIX + "*"):  # another operation's, cut short: not this one's to resume
+            if other != staging:
+                shutil.rmtree(other, ignore_errors=True)
+        staging.mkdir(exist_ok=True)
+        staged = [client.download(final.name, artifact, staging) for artifact in meta.artifacts]
+        for i, path in enumerate(staged):
+            if path.suffix == ".tar":  # a pruned model directory
+                unpacked = staging / ".unpacked" / path.stem
+                shutil.rmtree(unpacked, ignore_errors=True)
+                extract_tar(path, unpacked)
+                follow_umask(unpacked)
+                staged[i] = unpacked
+        delivered = {path.name for path in staged}
+        # an earlier job's in a reused --out would seem to be this one's
+        earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
+        for name in (set(JOB_EXPORTS) | earlier) - delivered:
+            (out / name).unlink(missing_ok=True)
+        for path in staged:
+            if path.is_dir():
+                shutil.rmtree(out / path.name, ignore_errors=True)
+            os.replace(path, out / path.name)
+        shutil.rmtree(staging, ignore_errors=True)
         print(f"downloaded {len(meta.artifacts)} artifacts (sha256 verified) into {out}", file=sys.stderr)
     if final.HasField("error"):
         code = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == final.error.code))
-        raise ClientError(f"{final.name} failed: {code.name}: {final.error.message}")
+        raise JobFailed(f"{final.name} failed: {code.name}: {final.error.message}")
     return out
 
 

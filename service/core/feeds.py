@@ -21,7 +21,7 @@ class Feed:
         self.events: deque[tuple[int, dict]] = deque(maxlen=512)
         self.seq = 0
         self.changed = asyncio.Event()
-        self.done = asyncio.Event()
+        self.done = asyncio.Event()  # no more events come: the operation ended, or the server is stopping
 
     def publish(self, event: dict, done: bool = False) -> None:
         self.seq += 1
@@ -30,6 +30,11 @@ class Feed:
             self.done.set()
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def end(self) -> None:
+        """No more events through this feed (the server stops): its followers and waiters return."""
+        self.done.set()
+        self.changed.set()
 
     async def follow(self, after: int) -> AsyncIterator[dict]:
         """The events after sequence number `after` as they come, until the operation is done."""
@@ -52,11 +57,22 @@ class Feeds:
 
     def __init__(self) -> None:
         self._feeds: dict[str, Feed] = {}
+        self.ended = False
 
     def of(self, name: str) -> Feed:
         """The operation's feed (opened on first use: call it only for an operation that has not ended, and
-        with no await between reading that and this call)."""
-        return self._feeds.setdefault(name, Feed())
+        with no await between reading that and this call); once the server stops, an ended one."""
+        feed = self._feeds.setdefault(name, Feed())
+        if self.ended:
+            feed.end()
+        return feed
+
+    def end_all(self) -> None:
+        """The server stops: every watch stream and wait ends now with the stored state (a client resumes it
+        after the restart), rather than being cut by the transport's grace period as an error."""
+        self.ended = True
+        for feed in self._feeds.values():
+            feed.end()
 
     def publish(self, name: str, state: str, progress: dict, done: bool = False) -> None:
         self.of(name).publish({"state": state, "time": time.time(), **progress}, done=done)

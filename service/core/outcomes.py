@@ -59,9 +59,9 @@ OUTCOMES: tuple[Outcome, ...] = (
             "the returned model measured below 0.98x the dense model's speed (e.g. a uniform ratio with unrounded "
             "widths: `--round-to 8` rounds them); the artifact is delivered, the numbers in the metadata"),
     Outcome("parity_failed", "report", FAILED, "FAILED_PRECONDITION", "PARITY_FAILED", 2, True,
-            "an export (the dense baseline, a round, the decode step) does not match PyTorch within the parity "
-            "tolerance or does not run in ONNX Runtime; only report.json is kept (no model.onnx), where and by how "
-            "much in the message"),
+            "an export (the dense baseline, a round, the decode step) cannot be made, does not match PyTorch "
+            "within the parity tolerance or does not run in ONNX Runtime; only report.json is kept (no model.onnx), "
+            "where and by how much in the message"),
     Outcome("evaluation_failed", "report", FAILED, "FAILED_PRECONDITION", "EVALUATION_FAILED", 2, True,
             "the accuracy check cannot vouch for the result (fewer unseen inputs than it needs, dense outputs that "
             "are not finite, a pruned model scored identical to the dense one, or a returned file other than the "

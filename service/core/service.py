@@ -115,6 +115,7 @@ class JobService:
         for the next start (an interruption by shutdown does not count as an attempt)."""
         self.draining = True
         await self.supervisor.drain(grace_s)
+        self.feeds.end_all()  # the stopped jobs' QUEUED events are out: the watchers' streams end with them
         for task in self._background:
             task.cancel()
         for task in self._background:

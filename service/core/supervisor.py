@@ -78,6 +78,15 @@ class Supervisor:
                 log.info("re-queued after a restart (attempt %d was interrupted)", record.attempt)
         for record in self.store.in_states([QUEUED]):
             self.enqueue(record.name)
+        # scratch of jobs that ended while this server was down or before this release removed it at the end
+        unfinished = {self.work_dir(r.name).name for r in self.store.in_states([QUEUED, RUNNING])}
+        for folder in (self.home / "work").glob("*"):
+            if folder.name not in unfinished:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def work_dir(self, name: str) -> Path:
+        """The job's scratch on this server (its attempts' folders)."""
+        return self.home / "work" / name.split("/", 1)[1]
 
     def enqueue(self, name: str) -> None:
         self.queue.append(name)
@@ -173,8 +182,7 @@ class Supervisor:
             del self.running[name]
             self.conclude(record, attempt, running.stop_reason, Ended(), None)
             return
-        op_id = name.split("/", 1)[1]
-        work = self.home / "work" / op_id
+        work = self.work_dir(name)
         shutil.rmtree(work, ignore_errors=True)  # an interrupted attempt's scratch
         work_dir = work / f"attempt-{attempt}"
         work_dir.mkdir(parents=True)
@@ -236,9 +244,10 @@ class Supervisor:
         last: ("done", {"report", "artifacts"}) or ("error", JobError)."""
         name = record.name
         if stop_reason == "shutdown" and outcome is None:
-            self.store.update(name, state=QUEUED, attempt=attempt - 1, progress={
-                "stage": "queued", "round": 0, "layer": 0, "layers": 0,
-                "message": "interrupted by a server shutdown; runs again at the next start"})
+            progress = {"stage": "queued", "round": 0, "layer": 0, "layers": 0,
+                        "message": "interrupted by a server shutdown; runs again at the next start"}
+            self.store.update(name, state=QUEUED, attempt=attempt - 1, progress=progress)
+            self.feeds.publish(name, QUEUED, progress)  # its watchers hear why it stopped
             self.observe()
             return
         if ended.node_lost and outcome is None and stop_reason is None:
@@ -283,8 +292,9 @@ class Supervisor:
 
     def _requeue(self, name: str, message: str) -> None:
         """Back in the queue for another attempt (the attempt just ended counts), saying why."""
-        self.store.update(name, state=QUEUED, progress={"stage": "queued", "round": 0, "layer": 0, "layers": 0,
-                                                        "message": message})
+        progress = {"stage": "queued", "round": 0, "layer": 0, "layers": 0, "message": message}
+        self.store.update(name, state=QUEUED, progress=progress)
+        self.feeds.publish(name, QUEUED, progress)
         self.enqueue(name)
         self.observe()
 
@@ -300,6 +310,9 @@ class Supervisor:
         end = time.time()
         self.store.update(name, artifacts=artifacts, state=state, error=error, report=report, end_time=end,
                           progress=progress)
+        # its scratch, whichever way it ended (an attempt's own end removes it too; a job failed at recovery, out of
+        # attempts, or cancelled in the queue after a restart would keep its interrupted attempt's: a dense export)
+        shutil.rmtree(self.work_dir(name), ignore_errors=True)
         with operation_context(name):
             log.info("%s%s", state, f" ({error.code}: {error.message})" if error else "")
         self.feeds.publish(name, state, progress, done=True)

@@ -29,7 +29,7 @@ from compressor.progress import WARNING, Progress, ProgressFn, note, warning
 from compressor.reports import LayerReport, RefineReport
 from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
-from exporters.onnx import Parity, ParityError, stamp_metadata
+from exporters.onnx import ExportError, Parity, ParityError, stamp_metadata
 from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import (
@@ -62,8 +62,8 @@ from .timing import QuietTimer
 
 log = logging.getLogger(__name__)
 
-# what an export that does not match PyTorch, or that ONNX Runtime cannot run, raises
-EXPORT_FAILURES = (ParityError, RuntimeFailure)
+# what an export that torch.onnx cannot make, that does not match PyTorch, or that ONNX Runtime cannot run, raises
+EXPORT_FAILURES = (ExportError, ParityError, RuntimeFailure)
 # what a job writes into --out beside report.json; none of it may outlive a parity_failed job there
 EXPORT_FILES = tuple(name for name in JOB_EXPORTS if name != "report.json")  # report.json: written after
 

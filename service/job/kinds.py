@@ -98,7 +98,14 @@ from exporters.onnx import (
     in_precision,
 )
 from exporters.runtime import default_provider, run_outputs
-from exporters.serving import ONNX_DIR, LayoutError, copy_image_classifier_files, copy_sentence_files, link_onnx
+from exporters.serving import (
+    ONNX_DIR,
+    LayoutError,
+    copy_image_classifier_files,
+    copy_sentence_files,
+    link_onnx,
+    sentence_pooling,
+)
 
 from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
 from .report import KindFields
@@ -993,6 +1000,11 @@ class TextJob(_TransformerJob):
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
         self._pool: list[dict[str, torch.Tensor]] | None = None  # drawn for the first whole-model fit
         self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier else COSINE
+        # an embedding model's cosine is of the embedding it serves: its sentence-transformers pooling
+        self.pooling = "mean" if self.causal or self.classifier else \
+            sentence_pooling(Path(str(request.model)).expanduser())
+        if self.pooling != "mean":
+            say(f"the cosine is of the {self.pooling} token pooling the model's sentence-transformers modules apply")
         default = {"batch": 1, "sequence": 512} if self.causal else {"batch": 8, "sequence": 128}
         if limit:
             default["sequence"] = min(default["sequence"], limit)
@@ -1060,7 +1072,7 @@ class TextJob(_TransformerJob):
 
     def outputs(self, path: Path) -> list:
         batches = [{k: v for k, v in b.items() if k in self.loaded.input_names} for b in self.eval_batches]
-        reduce = "nll" if self.causal else "raw" if self.classifier else "mean_pool"
+        reduce = "nll" if self.causal else "raw" if self.classifier else f"{self.pooling}_pool"
         if reduce == "nll":  # summed: slices of a batch score as the batch
             batches = [{k: v[i:i + rows] for k, v in b.items()} for b in batches
                        for rows in [self._rows_within(b)] for i in range(0, len(b["input_ids"]), rows)]
@@ -1109,8 +1121,9 @@ class TextJob(_TransformerJob):
 
 
 class ImageTransformerJob(_TransformerJob):
-    """A ViT: calibration images (as for CNNs) through the transformer pipeline; no task head, so the
-    metric is the cosine of the mean-pooled last hidden state to the dense model's."""
+    """A ViT, DeiT or Swin: calibration images (as for CNNs) through the transformer pipeline. An image classifier
+    (its head kept) is scored by top-1 on labelled --eval images, else by top-1 agreement with the dense model; a
+    bare model by the cosine of the mean-pooled last hidden state to the dense model's."""
 
     EVAL_SAMPLES = 64
 
@@ -1119,12 +1132,18 @@ class ImageTransformerJob(_TransformerJob):
         config = self.dense.config
         size, channels = int(config.image_size), int(config.num_channels)
         self.input_shape = (channels, size, size)
-        self.images, self.eval_x, _, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES, labels=False)
+        self.classifier = self.loaded.output_name == "logits"
+        self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES,
+                                                                                    labels=self.classifier)
         _check_image_shapes(self.images, self.eval_x, self.input_shape, request)
         self.held_out.check(request.eval or request.calibration)
         batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
-        self.metric = COSINE
+        if self.eval_y is not None:
+            _check_labels(self.eval_y, int(config.num_labels), request.eval or request.calibration)
+            self.metric = TOP1
+        else:
+            self.metric = AGREEMENT if self.classifier else COSINE
         self.shape = {"batch": request.shape.get("batch", 8)}
         # the patches and the tokens before them ([CLS]; DeiT's distillation token too), as the position
         # embeddings count them; Swin has neither (its first stage's patches)
@@ -1140,13 +1159,44 @@ class ImageTransformerJob(_TransformerJob):
         return {"pixel_values": _repeat_to(self.images, self.shape["batch"])}
 
     def outputs(self, path: Path) -> list:
-        return run_outputs(path, [{"pixel_values": b.numpy()} for b in self.eval_x.split(32)], reduce="mean_pool")
+        return run_outputs(path, [{"pixel_values": b.numpy()} for b in self.eval_x.split(32)],
+                           reduce="raw" if self.classifier else "mean_pool")
 
     def score(self, outputs: list, reference: list) -> float:
+        if self.metric == TOP1:
+            return float((np.concatenate(outputs).argmax(1) == self.eval_y).mean())
+        if self.metric == AGREEMENT:
+            return agreement(np.concatenate(outputs), np.concatenate(reference))
         return cosine(outputs, reference)
 
-    secondary = staticmethod(_no_secondary)
-    baseline_warnings = staticmethod(_no_warnings)
+    def secondary(self, outputs: list, reference: list) -> dict[str, float]:
+        if not self.classifier:
+            return {}
+        extra = {COSINE.name: cosine(outputs, reference)}
+        return {AGREEMENT.name: agreement(np.concatenate(outputs), np.concatenate(reference)), **extra} \
+            if self.metric == TOP1 else extra
+
+    def baseline_warnings(self, reference: list) -> list[str]:
+        if self.metric == TOP1:
+            return _chance_warnings(np.concatenate(reference), self.eval_y)
+        if self.metric == AGREEMENT:
+            return _one_class_warnings(np.concatenate(reference), "images", "calibrate on images of the model's "
+                                       "domain, or give labelled evaluation images (--eval)")
+        return []
+
+    def serving_files(self, out: Path) -> dict[str, Any] | None:
+        if not self.classifier:
+            return None
+        # an image classifier as Optimum loads it: model/ (its config's labels) with the graph in model/onnx/ and
+        # the preprocessing beside it
+        model_dir = out / "model"
+        onnx = link_onnx(out / "model.onnx", model_dir)
+        # the preprocessing; the pruned model's own config.json (its labels, and its widths) is there already
+        preprocessor = Path(str(self.request.model)).expanduser() / "preprocessor_config.json"
+        if preprocessor.is_file():
+            shutil.copyfile(preprocessor, model_dir / preprocessor.name)
+        return {"onnx": onnx.relative_to(out).as_posix(), "optimum": "ORTModelForImageClassification",
+                "trust_remote_code": (model_dir / f"{REMOTE_MODULE}.py").is_file()}
 
     def preprocessing(self) -> dict:
         return _image_preprocessing(self.request, "pixel_values", self.input_shape)

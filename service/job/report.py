@@ -156,6 +156,10 @@ class KindFields:
     sequences: int | None = field(default=None, metadata=OPTIONAL)  # text calibration windows
     sequence_length: int | None = field(default=None, metadata=OPTIONAL)
     min_sequence_length: int | None = field(default=None, metadata=OPTIONAL)
+    # what a server of model.onnx does to its inputs (also model.onnx's metadata `osscar.preprocessing`): an image
+    # model's layout, scaling and normalisation (`normalisation_from`: the request's, the model directory's
+    # preprocessor_config.json, or ImageNet's), a text model's input names and tokenizer
+    preprocessing: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

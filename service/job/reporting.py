@@ -10,7 +10,7 @@ import torch
 
 from compressor.modules import count_parameters
 from compressor.reports import LayerReport
-from exporters.onnx import ParityError
+from exporters.onnx import ExportError, ParityError
 
 from .budgets import accuracy_rule
 from .kinds import ModelJob, tolerance
@@ -71,7 +71,7 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         artifacts=Artifacts(onnx="model.onnx", model=artifact, parity_max_abs_error=chosen.parity.max_abs_error,
                             parity=dataclasses.asdict(chosen.parity)),
         versions=_versions(), elapsed_s=time.perf_counter() - start, evaluation=_evaluation(job), measured=measured,
-        kind=job.report_fields(chosen.module))
+        kind=dataclasses.replace(job.report_fields(chosen.module), preprocessing=job.preprocessing()))
     report.message = status_message(report)
     return report
 
@@ -119,12 +119,13 @@ STAGES = {"baseline": "the dense model's export", "round": "the export of round 
 def parity_failed_report(request: CompressRequest, job: ModelJob, stage: str, index: int | None,
                          error: Exception, layers: list[LayerReport], rounds: list[Round],
                          baseline_metric: float | None, provider: str, start: float) -> Report:
-    """report.json of a job ended by an export that does not match PyTorch (ParityError) or does not run
-    in ONNX Runtime (RuntimeFailure): where it failed, the numbers, the rounds measured before; no
-    artifact but the report."""
+    """report.json of a job ended by an export that torch.onnx cannot make (ExportError), that does not match
+    PyTorch (ParityError) or does not run in ONNX Runtime (RuntimeFailure): where it failed, the numbers, the
+    rounds measured before; no artifact but the report."""
     where = STAGES[stage].format(round=index)
     detail = " ".join(str(error).split())[:600]  # one line: ONNX Runtime's messages span several
-    how = "does not run in ONNX Runtime" if not isinstance(error, ParityError) else "fails the parity check"
+    how = "fails the parity check" if isinstance(error, ParityError) else \
+        "fails in torch.onnx.export" if isinstance(error, ExportError) else "does not run in ONNX Runtime"
     mismatches = [dataclasses.asdict(m) for m in error.mismatches] if isinstance(error, ParityError) else []
     report = _failed(request, job, layers, rounds, baseline_metric, provider, start, "parity_failed",
                      f"parity_failed: {where} ({request.precision}) {how}: {detail}")

@@ -130,7 +130,8 @@ class CompressRequest:
                                    "CPU between blocks", choices=("float32", "float16"), statistics=True)
     shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: CNN images batch=64, "
                                    "vision transformers batch=8; encoders batch=8,sequence=128; decoders "
-                                   "batch=1,sequence=512)", factory=dict,
+                                   "batch=1,sequence=512; a text model's sequence capped at its positions)",
+                                   factory=dict,
                                    statistics=True)
     execution_provider: str | None = option(help="ONNX Runtime provider for measurement (default: cuda when "
                                             "available)", choices=PROVIDERS)
@@ -251,8 +252,9 @@ class CompressRequest:
               f"{self.sequence_length}] (got {self.min_sequence_length})")
         check(self.round_to is None or 1 <= self.round_to <= 4096, "round_to",
               f"--round-to must be in [1, 4096] (got {self.round_to})")
-        # the API's seed is an int32: a seed the local CLI takes is one a server takes too
-        check(-2**31 <= self.seed < 2**31, "seed", f"--seed must be in [-2^31, 2^31 - 1] (got {self.seed})")
+        # the API's seed is an int32 (a seed the local CLI takes is one a server takes too), and the draws' generators
+        # take no negative seed
+        check(0 <= self.seed < 2**31, "seed", f"--seed must be in [0, 2^31 - 1] (got {self.seed})")
         for name, value in self._choices():
             allowed = _field(name).metadata["choices"]
             check(value in allowed, name, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)} "

@@ -35,7 +35,8 @@ def test_npy_is_used_as_is(tmp_path):
     (lambda p: (p / "c.csv").write_text("1") and p / "c.csv", "unsupported calibration format"),
     (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 3, 32, 32), np.uint8)) or p / "c.npz", r"channels-first.*"
      r"x\.transpose\(0, 2, 3, 1\)"),
-    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8, 1), np.uint8)) or p / "c.npz", "1 channels but mean/std"),
+    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8, 1), np.uint8)) or p / "c.npz", "1 channels but mean/std "
+     "have 3/3 values; give --mean and --std with 1 value"),
 ])
 def test_bad_calibration_data_is_refused(tmp_path, setup, words):
     with pytest.raises(CalibrationError, match=words):

@@ -10,6 +10,7 @@ from exporters.onnx import (
     Float16,
     ParityError,
     _NamedInputs,
+    check_hf_outputs,
     check_hf_parity,
     export_hf_onnx,
     exported_in,
@@ -151,6 +152,50 @@ def test_a_float16_export_keeps_the_rotary_frequencies_in_float32(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(in_precision(model, "fp16")(input_ids=ids).logits, model(input_ids=ids).logits,
                                    rtol=0, atol=5e-2)
+
+
+def test_an_export_leaves_a_longrope_model_as_it_was(tmp_path):
+    """transformers' longrope rotary embedding (Phi-3-128k, Phi-3.5, Phi-4-mini) caches `long_inv_freq` in a plain
+    attribute on its first forward: the export's tracer left its fake tensor there, so the model could not be
+    copied afterwards ("Cannot access data pointer") and computed another model past the original length, which
+    the parity check then compared the export against."""
+    import copy
+
+    config = transformers.Phi3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                     original_max_position_embeddings=16, pad_token_id=0,
+                                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2],
+                                                   "long_factor": [2.0, 3.0, 4.0], "partial_rotary_factor": 0.75},
+                                     partial_rotary_factor=0.75)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    ids = torch.randint(3, 64, (2, 32))  # past the original 16 positions: the long factors apply
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    fresh = copy.deepcopy(model)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    export_hf_onnx(fresh, inputs, tmp_path / "m.onnx", output_name="logits")
+    again = copy.deepcopy(fresh)  # raised before
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, before, rtol=0, atol=1e-5)
+        torch.testing.assert_close(again(input_ids=ids).logits, before, rtol=0, atol=1e-5)
+    check_hf_outputs(tmp_path / "m.onnx", inputs, [before.numpy()])
+
+
+def test_a_model_the_tracer_cannot_export_raises_one_line_of_why(tmp_path):
+    """Dynamic NTK rope recomputes its frequencies from the input's length in the forward (a data-dependent guard):
+    torch.onnx's hundreds of lines become an ExportError naming the tracer's innermost error."""
+    from exporters.onnx import ExportError
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=16,
+                                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ExportError) as err:
+        export_hf_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "m.onnx",
+                       output_name="logits")
+    assert "\n" not in str(err.value) and "data-dependent" in str(err.value), str(err.value)
 
 
 def test_an_export_keeps_no_reference_to_the_module_it_exported(tmp_path):

@@ -332,3 +332,14 @@ def test_the_nll_reduction_is_the_summed_cross_entropy_of_the_real_tokens():
     expected = float((each * torch.from_numpy(mask[:, 1:]).reshape(-1)).sum())
     assert count == 3 * 6 - 2
     assert abs(total - expected) < 1e-9 * expected
+
+
+def test_the_cls_and_max_poolings_read_the_served_embedding():
+    """A CLS-pooled (BGE-style) or max-pooled sentence model is scored on the embedding it serves, not a mean."""
+    from exporters.runtime import _reduce
+
+    states = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2)
+    states[1, 2] = 100.0  # padding: never the maximum
+    mask = np.array([[1, 1, 1], [1, 1, 0]])
+    np.testing.assert_array_equal(_reduce("cls_pool", states, {"attention_mask": mask}), states[:, 0])
+    np.testing.assert_array_equal(_reduce("max_pool", states, {"attention_mask": mask}), [[4, 5], [8, 9]])

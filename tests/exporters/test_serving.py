@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from exporters.serving import LayoutError, copy_sentence_files, link_onnx
+from exporters.serving import LayoutError, copy_sentence_files, link_onnx, sentence_pooling
 from service.client import cli
 from service.embedded import calibration_texts, default_model_path
 
@@ -138,6 +138,41 @@ def test_a_pooling_of_another_width_is_refused(tmp_path):
     assert (tmp_path / "dst" / "2_Normalize").is_dir()  # absent from the source: it keeps nothing
 
 
+def test_sentence_transformers_6_module_names_are_read(tmp_path):
+    """sentence-transformers 6 writes `sentence_transformers.base.modules.normalize.Normalize` and a pooling config
+    with `embedding_dimension`: its Normalize without a folder was refused (the job then shipped no modules, and
+    the model loaded with another pooling and no normalisation) and its pooling width went unchecked."""
+    source = _sentence_model(tmp_path / "src")
+    modules = json.loads((source / "modules.json").read_text())
+    for module in modules:
+        name = module["type"].rsplit(".", 1)[-1]
+        module["type"] = f"sentence_transformers.base.modules.{name.lower()}.{name}"
+    (source / "modules.json").write_text(json.dumps(modules))
+    pooling = source / "1_Pooling" / "config.json"
+    config = json.loads(pooling.read_text())
+    config["embedding_dimension"] = config.pop("word_embedding_dimension")
+    pooling.write_text(json.dumps(config))
+    (tmp_path / "dst").mkdir()
+    with pytest.raises(LayoutError, match="pools 32 channels, the model has 64"):
+        copy_sentence_files(source, tmp_path / "dst", hidden=64)
+    assert copy_sentence_files(source, tmp_path / "dst", hidden=32)
+    assert (tmp_path / "dst" / "2_Normalize").is_dir()
+
+
+@pytest.mark.parametrize("config, pooling", [
+    ({"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, "cls"),
+    ({"word_embedding_dimension": 32, "pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}, "max"),
+    ({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, "mean"),
+    ({"embedding_dimension": 32, "pooling_mode": "cls"}, "cls"),  # sentence-transformers 6
+    ({"embedding_dimension": 32, "pooling_mode": "lasttoken"}, "mean"),
+])
+def test_the_pooling_a_sentence_model_serves_is_read(tmp_path, config, pooling):
+    source = _sentence_model(tmp_path / "src")
+    (source / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    assert sentence_pooling(source) == pooling
+    assert sentence_pooling(tmp_path) == "mean"  # not a sentence model
+
+
 def test_the_graph_and_its_external_data_are_linked_into_onnx(tmp_path):
     (tmp_path / "model.onnx").write_bytes(b"graph")
     (tmp_path / "model.onnx.data").write_bytes(b"weights")
@@ -170,6 +205,46 @@ def test_an_image_classifier_job_loads_as_optimums_image_classifier(tmp_path):
     x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
     expected = ort.InferenceSession(str(out / "model.onnx")).run(None, {"pixel_values": x})[0]
     np.testing.assert_allclose(model(pixel_values=torch.from_numpy(x)).logits.numpy(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["vit", "deit"])
+def test_a_vision_transformer_classifier_keeps_its_head_and_loads_as_optimums_classifier(tmp_path, family):
+    """ViTForImageClassification and DeiT with its distillation head were loaded as their base models: the head
+    dropped, a random pooler added, the labels of --eval unused. Now model.onnx gives the logits, scored by top-1
+    on labelled images; Optimum's ORTModelForImageClassification (model/onnx/, the preprocessing beside it) and
+    transformers (its remote code) give the same logits."""
+    from optimum.onnxruntime import ORTModelForImageClassification
+
+    fields = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+                  patch_size=8, num_labels=5, id2label={i: f"class {i}" for i in range(5)})
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(**fields)) if family == "vit" else \
+        transformers.DeiTForImageClassificationWithTeacher(transformers.DeiTConfig(**fields))
+    model.save_pretrained(tmp_path / "source")
+    (tmp_path / "source" / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "ViTImageProcessor", "size": {"height": 32, "width": 32}}))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cal.npz", x=rng.integers(0, 256, (200, 32, 32, 3), dtype=np.uint8))
+    np.savez(tmp_path / "eval.npz", x=rng.integers(0, 256, (80, 32, 32, 3), dtype=np.uint8), y=rng.integers(0, 5, 80))
+    out = tmp_path / "out"
+    _compress(tmp_path / "source", out, "--calibration", str(tmp_path / "cal.npz"), "--eval",
+              str(tmp_path / "eval.npz"))
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"]["name"] == "top1" and {"agreement", "cosine"} <= set(report["metric"]["secondary"])
+    assert report["onnx_output"] == "logits"
+    assert report["artifacts"]["serving"] == {"onnx": "model/onnx/model.onnx",
+                                              "optimum": "ORTModelForImageClassification", "trust_remote_code": True}
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    expected = ort.InferenceSession(str(out / "model.onnx")).run(None, {"pixel_values": x})[0]
+    assert expected.shape == (2, 5)
+    optimum = ORTModelForImageClassification.from_pretrained(out / "model", subfolder="onnx")
+    assert optimum.config.id2label[3] == "class 3"
+    np.testing.assert_allclose(optimum(pixel_values=torch.from_numpy(x)).logits.numpy(), expected, rtol=0, atol=1e-6)
+    pruned = transformers.AutoModelForImageClassification.from_pretrained(out / "model", trust_remote_code=True)
+    assert not any(name.startswith(("vit.pooler", "deit.pooler")) for name, _ in pruned.named_parameters())
+    with torch.no_grad():
+        np.testing.assert_allclose(pruned.eval()(pixel_values=torch.from_numpy(x)).logits.numpy(), expected, rtol=0,
+                                   atol=1e-5)
 
 
 def test_an_encoder_classifier_keeps_its_head_and_loads_as_optimums_classifier(tmp_path):

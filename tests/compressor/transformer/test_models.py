@@ -39,6 +39,37 @@ def test_an_encoder_without_architectures_stays_the_base_model(tmp_path):
     assert cls.__name__ == "AutoModel" and not causal
 
 
+def test_an_encoder_takes_token_type_ids_exactly_when_its_tokenizer_gives_them(tmp_path):
+    """RoBERTa's and XLM-R's tokenizers give no token_type_ids though their configs keep a one-row type table: an
+    export that required them failed in ONNX Runtime on `session.run(None, dict(tokenizer(texts)))`."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    def saved(model, name: str, input_names: list[str] | None) -> str:
+        model.save_pretrained(tmp_path / name)
+        if input_names is not None:
+            tokenizer = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")),
+                model_input_names=input_names)
+            tokenizer.save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    roberta = transformers.RobertaModel(transformers.RobertaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        type_vocab_size=1))
+    with_types = ["input_ids", "token_type_ids", "attention_mask"]
+    assert load_transformer(saved(roberta, "roberta", ["input_ids", "attention_mask"])).input_names == \
+        ("input_ids", "attention_mask")
+    assert load_transformer(saved(roberta, "roberta-bare", None)).input_names == ("input_ids", "attention_mask")
+    assert load_transformer(saved(tiny_bert(), "bert", with_types)).input_names == \
+        ("input_ids", "attention_mask", "token_type_ids")
+    assert load_transformer(saved(tiny_bert(), "bert-bare", None)).input_names == \
+        ("input_ids", "attention_mask", "token_type_ids")  # two token types: a BERT tokenizer gives them
+    # a forward that reads none is never given them, whatever the tokenizer says
+    assert load_transformer(saved(MODELS["modernbert"](), "modernbert", with_types)).input_names == \
+        ("input_ids", "attention_mask")
+
+
 def test_a_streamed_llama_without_architectures_prunes_with_its_head(tmp_path):
     model = tiny_llama()
     checkpoint = StreamedCheckpoint(_without_architectures(model, tmp_path / "src"), tmp_path / "out")

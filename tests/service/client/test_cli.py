@@ -47,6 +47,29 @@ def test_cli_rejects_bad_ratios_with_one_line(ratio, capsys):
     assert err[-1].startswith("osscar: error: ratio must be in (0, 1)")
 
 
+def test_the_demo_on_a_short_bert_and_on_a_directory_without_a_tokenizer(tmp_path, capsys):
+    """A model of 64 positions ran 256-token windows (a traceback); a directory without tokenizer files got a
+    tokenizer of a few tokens built from its config."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from service.embedded import default_model_path
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=24, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(tmp_path / "bert")
+    assert cli.main(["demo", "--model", str(tmp_path / "bert")]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        if (default_model_path() / name).is_file():
+            shutil.copyfile(default_model_path() / name, tmp_path / "bert" / name)
+    assert cli.main(["demo", "--model", str(tmp_path / "bert"), "--ratio", "0.5"]) == 0
+    assert "layer.0." in capsys.readouterr().out
+
+
 def test_cli_without_a_command_exits_nonzero():
     with pytest.raises(SystemExit) as exc:
         cli.main([])
@@ -64,6 +87,15 @@ def test_serve_has_a_flag_for_every_setting_but_the_secret_tokens():
     assert all(dests[name].help for name in ServerSettings.model_fields if name in dests)
     args = cli.build_parser().parse_args(["serve", "--max-queue", "3", "--log-format", "text", "--insecure"])
     assert (args.max_queue, args.log_format, args.insecure, args.port) == (3, "text", True, None)
+
+
+def test_help_shows_a_default_of_zero():
+    """0 == False: a default of 0 (the seed's, the Ray CPUs') was dropped from the help with the False ones."""
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    helps = {name: {a.dest: a.help for a in commands[name]._actions} for name in ("compress", "serve")}
+    assert helps["compress"]["seed"].endswith("(default 0)")
+    assert helps["serve"]["ray_cpus_per_job"].endswith("(default 0)")
+    assert "(default" not in helps["compress"]["stream"]  # a False default stays unshown
 
 
 # ---- Ctrl-C on a local job ---------------------------------------------------------------------------

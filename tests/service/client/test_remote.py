@@ -86,11 +86,20 @@ def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel_it(serve
     assert f"osscar operations cancel {name} --server {server.address}" in commands
     assert f"osscar operations download {name} --server {server.address} --out {tmp_path / 'out'}" in commands
     assert not server.get(name).done  # still running on the server
+    mark = json.loads((tmp_path / "out" / ".osscar-request.json").read_text())
+    assert mark["operation"] == name  # what the same command, run again, follows
     # the printed command cancels it
     assert cli.main(["operations", "cancel", name, "--server", server.address]) == 0
     assert capsys.readouterr().err.strip() == f"cancelled {name}"
     final = server.wait_done(name, timeout=60)
     assert final.error.code == code_pb2.CANCELLED
+    # the same command again is the same job (here cancelled), not a second one; its mark and the folder made
+    # for it go once the job is delivered
+    assert cli.main([*compress_args(data, tmp_path / "out", 3000), "--server", server.address]) == 2
+    err = capsys.readouterr().err
+    assert f"following {name} that an earlier run of this command submitted" in err
+    assert f"{name}: cancelled on {server.address}" in err and f"{name} failed: CANCELLED" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cancel_on_interrupt_cancels_the_job(server, data, tmp_path):
@@ -146,6 +155,28 @@ def test_operations_list_get_watch_and_download(server, data, tmp_path, capsys):
     assert cli.main(["operations", "cancel", name, *flags]) == 2
     assert "FAILED_PRECONDITION" in capsys.readouterr().err
 
+    # Ctrl-C during a download of an ended job says so (not that the job "keeps running"), and how to resume
+    from service.client import operations
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    original, operations.deliver = operations.deliver, cut
+    try:
+        assert cli.main(["operations", "download", name, *flags, "--out", str(tmp_path / "cut")]) == 130
+    finally:
+        operations.deliver = original
+    err = capsys.readouterr().err
+    assert f"{name} has ended" in err and "resumes the download" in err and "keeps running" not in err
+
+    # the list piped into a reader that stops early (`| head`): no BrokenPipeError traceback
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "service.client.cli", "operations", "list", *flags], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the first line
+    assert process.wait(120) == 0
+    assert b"BrokenPipe" not in process.stderr.read()
+
 
 def test_operations_on_an_unknown_name_exit_2_with_not_found(server, capsys):
     assert cli.main(["operations", "get", "operations/nope", "--server", server.address]) == 2
@@ -163,7 +194,7 @@ def test_a_value_that_does_not_fit_the_wire_is_one_line_before_anything_is_uploa
     args = [*compress_args(data, tmp_path / "out", 3), "--seed", "3000000000", "--upload", "--server", server.address]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert "--seed must be in [-2^31, 2^31 - 1] (got 3000000000)" in err and "Traceback" not in err
+    assert "--seed must be in [0, 2^31 - 1] (got 3000000000)" in err and "Traceback" not in err
     assert "uploading" not in err
 
 

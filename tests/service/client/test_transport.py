@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from google.longrunning import operations_pb2
 
 from service.client import transport
@@ -73,3 +74,68 @@ def test_a_tls_key_without_its_certificate_is_refused(tmp_path):
     key.write_text("not used")
     with pytest.raises(transport.ClientError, match="go together"):
         transport.RemoteCompressor("127.0.0.1:1", tls_key=key)
+
+
+def test_a_delivery_cut_short_leaves_the_earlier_jobs_files_and_the_next_one_resumes(tmp_path, monkeypatch):
+    """Ctrl-C (or a killed client) during the second download: --out still holds the earlier job's files, not the
+    new job's first artifacts beside the earlier one's others; delivering the operation again fetches only what
+    was missing and leaves no staging folder."""
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    for name in ("model.onnx", "report.json", "model/config.json"):
+        (out / name).write_text("earlier")
+    artifacts = [SimpleNamespace(name="manifest.json"), SimpleNamespace(name="model.onnx"),
+                 SimpleNamespace(name="report.json")]
+    monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=artifacts))
+    fetched: list[str] = []
+
+    class Client:
+        def __init__(self, cut_at: str | None = None) -> None:
+            self.cut_at = cut_at
+
+        def download(self, name: str, artifact, into: Path) -> Path:
+            if (into / artifact.name).exists():  # the real client keeps a file it already has
+                return into / artifact.name
+            if artifact.name == self.cut_at:
+                raise KeyboardInterrupt
+            fetched.append(artifact.name)
+            (into / artifact.name).write_text("this job's")
+            return into / artifact.name
+
+    op = operations_pb2.Operation(name="operations/new", done=True)
+    with pytest.raises(KeyboardInterrupt):
+        transport.deliver(Client(cut_at="model.onnx"), op, out)
+    assert {p.name: p.read_text() for p in out.rglob("*") if p.is_file() and ".osscar-download-" not in str(p)} == \
+        {"model.onnx": "earlier", "report.json": "earlier", "config.json": "earlier"}
+    transport.deliver(Client(), op, out)
+    assert fetched == ["manifest.json", "model.onnx", "report.json"]  # manifest.json once
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model", "model.onnx", "report.json"]
+    assert (out / "model.onnx").read_text() == "this job's"
+
+
+def test_a_refusal_says_each_field_violation_once():
+    """INVALID_ARGUMENT's message is its violations joined: printed with the BadRequest lines, each said twice."""
+    import grpc
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+    violations = [("request_id", "must be a UUID (got 'x')"), ("options.seed", "--seed must be in [0, 2^31 - 1]")]
+    message = "; ".join(f"{f}: {d}" for f, d in violations)
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in violations]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message, details=[detail])
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return message
+
+        def trailing_metadata(self):
+            return (("grpc-status-details-bin", status.SerializeToString()),)
+
+    text = transport.describe_error(Refused())
+    assert text.splitlines() == ["INVALID_ARGUMENT: the request is invalid", "  request_id: must be a UUID (got 'x')",
+                                 "  options.seed: --seed must be in [0, 2^31 - 1]"]

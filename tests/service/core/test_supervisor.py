@@ -33,6 +33,24 @@ def test_a_restart_requeues_running_jobs_until_their_attempts_run_out(tmp_path):
     assert exhausted.error.code == "ABORTED" and exhausted.error.reason == "INTERRUPTED"
 
 
+def test_a_restart_removes_the_scratch_of_jobs_that_will_not_run_again(tmp_path):
+    """A server killed during a job leaves its attempt's folder (a dense export, for an LLM the model's size): the
+    job that runs again clears it at its next attempt, one out of attempts or ended meanwhile must not keep it."""
+    store = JobStore(tmp_path / "home" / "jobs.sqlite")
+    for name, attempt, state in (("operations/again", 1, RUNNING), ("operations/spent", 2, RUNNING),
+                                 ("operations/ended", 1, SUCCEEDED), ("operations/waiting", 0, QUEUED)):
+        store.insert(JobRecord(name=name, body_sha256="x", request=b"", spec={}, state=state, attempt=attempt))
+        scratch = tmp_path / "home" / "work" / name.split("/")[1] / f"attempt-{attempt}" / "out"
+        scratch.mkdir(parents=True)
+        (scratch / "model.onnx").write_bytes(b"dense")
+    store.close()
+    jobs = service(tmp_path, max_attempts=2)
+    assert jobs.store.get("operations/spent").state == FAILED
+    assert sorted(p.name for p in (tmp_path / "home" / "work").iterdir()) == ["again", "waiting"]
+    jobs.supervisor.cancel("operations/waiting")  # cancelled in the queue: its scratch goes
+    assert sorted(p.name for p in (tmp_path / "home" / "work").iterdir()) == ["again"]
+
+
 def test_the_scheduler_gives_each_slot_one_job(tmp_path, monkeypatch):
     """Jobs picked in one pass of the scheduler each take a slot before any of them starts."""
     store = JobStore(tmp_path / "home" / "jobs.sqlite")
@@ -111,12 +129,30 @@ def test_stops_and_crashes_end_the_job_with_their_errors(tmp_path):
     assert "signal 11" in jobs.get("operations/2").error.message
 
 
-def test_a_shutdown_leaves_the_job_queued_without_counting_the_attempt(tmp_path):
+def test_a_shutdown_leaves_the_job_queued_without_counting_the_attempt_and_its_watchers_hear_it(tmp_path):
+    """The stopped job's watchers get its QUEUED event (their progress line said its last stage before), then
+    their streams end once the service has drained instead of being cut by the transport's grace period."""
     jobs = service(tmp_path)
     record = running_record(jobs)
-    jobs.supervisor.conclude(record, 1, "shutdown", Ended(-9), None)
+
+    async def main():
+        seen = []
+
+        async def watcher():
+            async for event, _ in jobs.watch(record.name):
+                seen.append(event and event["state"])
+
+        task = asyncio.create_task(watcher())
+        await asyncio.sleep(0.01)
+        jobs.supervisor.conclude(record, 1, "shutdown", Ended(-9), None)
+        await jobs.drain(0.0)
+        await asyncio.wait_for(task, 5)
+        return seen
+
+    seen = asyncio.run(main())
     again = jobs.get(record.name)
     assert again.state == QUEUED and again.attempt == 0 and again.error is None
+    assert seen == [None, QUEUED, None]  # the record, the event, the stored record the stream ends with
 
 
 def test_a_lost_node_requeues_the_job_until_its_attempts_run_out(tmp_path):

@@ -461,6 +461,31 @@ def test_onnx_runtime_failing_in_evaluation_is_a_parity_failure(model_and_data, 
     assert {p.name for p in out.iterdir()} == {"report.json"}
 
 
+def test_a_model_the_exporter_cannot_trace_is_a_parity_failure_in_one_line(model_and_data, tmp_path, monkeypatch):
+    """torch.onnx.export's errors (a data-dependent guard in a rotary update, an op without an ONNX function) ran to
+    hundreds of lines of traceback out of the job: the dense model's export now ends it parity_failed, saying
+    the tracer's innermost error in one line."""
+    import torch
+
+    from exporters import onnx as onnx_export
+
+    def untraceable(module, args, *pargs, **kwargs):
+        try:
+            raise RuntimeError("Could not guard on data-dependent expression u0 > 16\n(a long trace)")
+        except RuntimeError as cause:
+            raise torch.onnx.errors.OnnxExporterError("Failed to export the model with torch.export.") from cause
+
+    monkeypatch.setattr(onnx_export.torch.onnx, "export", untraceable)
+    out = tmp_path / "out"
+    report = compress(CompressRequest(model=str(model_and_data / "model.pt2"), uniform_ratio=0.5,
+                                      calibration=model_and_data / "cal.npz", out_dir=out, samples=16, repeats=3))
+    assert report.status == "parity_failed" and report.parity.error == "ExportError"
+    assert report.parity.stage == "baseline"
+    assert "the dense model's export (fp32) fails in torch.onnx.export: RuntimeError: Could not guard on " \
+           "data-dependent expression u0 > 16" in report.message and "long trace" not in report.message
+    assert {p.name for p in out.iterdir()} == {"report.json"}
+
+
 def _damaging(monkeypatch) -> None:
     """Every round's pruned model damaged after pruning: each conv's weights shuffled (seeded)."""
     from service.job import kinds
@@ -794,6 +819,15 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
                                                                        "not supported"),
     ({"model_type": "swin", "num_channels": 3, "embed_dim": 96, "num_heads": [3, 4]}, "its head size differs between "
                                                                                       "stages"),
+    # rotary frequencies recomputed from the input's length in the forward: a traceback from torch.export before
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 8.0},
+                                                       "sliding_attention": {"rope_type": "default"}}},
+     "rope_type 'dynamic'"),
+    # loaded by transformers 5 without their distance embeddings: another model, silently
+    ({"model_type": "bert", "position_embedding_type": "relative_key"}, "relative_key / relative_key_query"),
+    ({"model_type": "mpnet", "relative_attention_num_buckets": 16}, "relative_attention_num_buckets other than 32"),
+    ({"model_type": "convnextv2", "num_channels": 3}, "ConvNeXt V2's GRN layers"),
 ])
 def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, config, words, capsys):
     """The CLI applies the server's architecture rule (check_config) before loading anything: the line names

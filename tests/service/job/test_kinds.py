@@ -515,3 +515,24 @@ def test_an_earlier_jobs_listed_files_in_the_models_own_folder_stay(tmp_path):
                             uniform_ratio=0.5)
     _clear_earlier_files(model, other)
     assert not (model / "config.json").exists() and not (model / "preprocessor_config.json").exists()
+
+
+def test_an_embedding_model_is_scored_on_the_pooling_it_serves(tmp_path, monkeypatch):
+    """A CLS-pooled sentence model's cosine was of its mean-pooled states, not of the embedding it serves."""
+    import json
+
+    from service.embedded import calibration_texts
+    from tests.exporters.test_serving import _sentence_model
+
+    source = _sentence_model(tmp_path / "src")
+    (source / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    (tmp_path / "c.txt").write_text("\n\n".join(calibration_texts(64)))
+    said: list[str] = []
+    job = TextJob(CompressRequest(model=str(source), uniform_ratio=0.5, calibration=tmp_path / "c.txt",
+                                  sequences=16, sequence_length=32), said.append)
+    assert job.pooling == "cls" and any("cls token pooling" in str(line) for line in said)
+    calls = []
+    monkeypatch.setattr("service.job.kinds.run_outputs", lambda path, batches, reduce: calls.append(reduce) or [])
+    job.outputs(tmp_path / "model.onnx")
+    assert calls == ["cls_pool"]

@@ -61,6 +61,9 @@ def test_target_mode_end_to_end_on_a_conv_graph(tmp_path, capsys):
     assert meta["osscar.method"] == "osscar" and len(meta["osscar.calibration_sha256"]) == 64
     assert json.loads(meta["osscar.widths"]) == {r["name"]: r["width_after"] for r in report["layers"]}
     assert json.loads(meta["osscar.preprocessing"])["mean"] == [0.485, 0.456, 0.406]
+    # report.json says it too, with where the normalisation came from
+    assert report["preprocessing"] == json.loads(meta["osscar.preprocessing"])
+    assert report["preprocessing"]["normalisation_from"] == "ImageNet's"
 
 
 def test_depth_options_planned_as_a_tie_are_solved_and_scored_before_the_rounds(tmp_path, monkeypatch):

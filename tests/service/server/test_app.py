@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import signal
@@ -192,6 +193,19 @@ def test_upload_and_download_with_digest_check(server, data, tmp_path, capsys):
     view = server.home / "blobs" / "files" / digest / "hf-model"
     assert reference.endswith("/hf-model") and (view / "sub" / "weights.bin").read_bytes() == b"\x00" * 3000
     assert client.upload(folder) == reference  # same content, same reference
+    # a stream cut before the server stored it (a restart mid-upload) is sent again, not a refusal
+    real, streams = client.stub.UploadBlob, []
+
+    def cut_once(messages, **kwargs):
+        first = next(messages)
+        streams.append(first.header.filename)
+        if len(streams) == 1:
+            raise _Cut()
+        return real(itertools.chain([first], messages), **kwargs)
+
+    client.stub.UploadBlob = cut_once
+    assert client.upload(data / "cal.npz") == f"blob:sha256:{sha256(data / 'cal.npz')}/cal.npz"
+    assert streams == ["cal.npz", "cal.npz"] and "upload of" in capsys.readouterr().err
     client.close()
 
 
@@ -248,6 +262,35 @@ def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path
     again = tmp_path / "again"
     again.mkdir()
     assert sha256(client.download(op.name, artifact, again)) == artifact.sha256 and offsets[1] > 0
+    # a client that died mid-stream (Ctrl-C, killed): the next one resumes from the partial file it left
+    later = tmp_path / "later"
+    later.mkdir()
+    offsets.clear()
+
+    def interrupted(request, **kwargs):
+        offsets.append(request.offset)
+        stream = real(request, **kwargs)
+        chunk = next(stream)
+        chunk.data = chunk.data[:len(chunk.data) // 2]
+        yield chunk
+        stream.cancel()
+        raise KeyboardInterrupt
+
+    client.stub.DownloadArtifact = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        client.download(op.name, artifact, later)
+    (partial,) = later.iterdir()
+    held = partial.stat().st_size
+    assert partial.name.startswith(".model.onnx.") and 0 < held < artifact.size_bytes
+
+    def counted(request, **kwargs):
+        offsets.append(request.offset)
+        return real(request, **kwargs)
+
+    client.stub.DownloadArtifact = counted
+    assert sha256(client.download(op.name, artifact, later)) == artifact.sha256
+    assert offsets == [0, held]  # where the dead client stopped, not its first byte
+    assert [p.name for p in later.iterdir()] == ["model.onnx"]
     with pytest.raises(grpc.RpcError) as err:  # an offset past the end is the caller's error
         list(real(pb.DownloadArtifactRequest(name=op.name, artifact="model.onnx", offset=artifact.size_bytes + 1),
                   timeout=10))
