@@ -355,9 +355,9 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
             elif spec.groups == 1:
                 spaces.note(x, "consumers", spec)
                 spaces.note(node, "producers", spec)
-            else:
-                refuse(x, f"{node.name} is a grouped conv")
-                refuse(node, f"{node.name} is a grouped conv")
+            else:  # named by its module: the FX node's name (conv2d_2) is nothing a user can find
+                refuse(x, f"{spec.name} is a grouped conv (groups={spec.groups})")
+                refuse(node, f"{spec.name} is a grouped conv (groups={spec.groups})")
             continue
         if target in LINEAR_OPS:
             shape = _shape(x)
@@ -530,13 +530,19 @@ def _channels_last_operands(node: fx.Node, inputs: list[fx.Node], last: set[fx.N
 
 def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> ChannelAnalysis:
     result = ChannelAnalysis()
+    outputs: dict[str, str] = {}  # why a conv's output channels stay, where no conv reads them
     for space in spaces.spaces().values():
         consumers = sorted(dict.fromkeys(space.get("consumers", [])), key=lambda c: order[c.node.args[0]])
-        if not consumers:
-            continue
-        names = [c.name for c in consumers if isinstance(c, ConvSpec)]
         producers = sorted(dict.fromkeys(space.get("producers", [])), key=lambda p: order[p.node])
         reasons = space.get("refused", [])
+        if not consumers:
+            # read by no conv or pooled Linear (a grouped conv, a transposed conv, a flatten of a 2 x 3 map): the
+            # convs writing it keep their output channels, and say why under their own names
+            for producer in producers:
+                if reasons and isinstance(producer, ConvSpec):
+                    outputs.setdefault(producer.name, reasons[0])
+            continue
+        names = [c.name for c in consumers if isinstance(c, ConvSpec)]
         if not reasons and not producers:
             reasons = ["no conv writes these channels"]
         spatial = [s for s in (*producers, *consumers) if isinstance(s, LinearSpec) and s.spatial]
@@ -557,5 +563,10 @@ def _groups(gm: fx.GraphModule, spaces: _Spaces, order: dict[fx.Node, int]) -> C
             channels, tuple(producers), tuple(chain), tuple(consumers), tuple(dict.fromkeys(space.get("pads_in", []))),
             tuple(dict.fromkeys(space.get("pads_out", []))), tuple(dict.fromkeys(space.get("params", []))),
             frozenset(n.name for n in tensors), dim))
+    for name, why in outputs.items():  # beside why its input channels stay, where they do
+        inputs = result.refused.get(name)
+        if inputs is not None and not inputs.startswith("its input channels"):
+            inputs = f"its input channels: {inputs}"
+        result.refused[name] = "; ".join(filter(None, [inputs, f"its output channels: {why}"]))
     result.units.sort(key=lambda g: order[g.consumers[0].node.args[0]])
     return result

@@ -110,6 +110,12 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         raise UnsupportedArchitecture(f"{reference}: unsupported transformer family {config.model_type!r}; "
                                       f"supported: {sorted(ADAPTERS)}")
     cls, causal = hf_model_class(config)
+    if weights and not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+        raise ModelReferenceError(f"{reference}: no model.safetensors or model.safetensors.index.json"
+                                  + (f" (found {', '.join(found[:3])})" if found else "") + "; weights are read from "
+                                  "safetensors only, never a pickle (it could run code): save the model with "
+                                  "save_pretrained (safetensors by default)")
     if weights:
         # never a pickle (it could run code); in the checkpoint's own dtype: a bf16 model stays bf16 on the host
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,

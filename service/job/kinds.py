@@ -646,6 +646,9 @@ class _TransformerJob:
             say(warning(f"pruning streams the checkpoint block by block (--stream): pruning it in memory would take "
                         f"more than {STREAM_SHARE:.0%} of the available memory; whole layers are not weighed for "
                         "removal when streaming"))
+        if self.stream and self.model_fit:  # the fit runs on the whole pruned model in memory, which streaming avoids
+            say(warning("the whole-model fit after the block fits is not run when streaming (--stream): each block "
+                        "is fitted on its own"))
         self.loaded = load_transformer(request.model, trust_remote_code=request.trust_remote_code)
         self.dense = self.loaded.model
         self.params_before = count_parameters(self.dense)

@@ -259,6 +259,34 @@ def test_pointwise_ops_are_recognised_by_rule_and_unknown_ops_are_refused_by_nam
     assert "neither a scalar nor per-channel" in refused or "computed constant" in refused
 
 
+def test_channels_no_conv_reads_say_why_under_the_convs_that_write_them():
+    """Output channels read by a grouped conv, a transposed conv or a flatten of a 2 x 3 map stay: their writer was
+    missing from not_pruned (nothing was keyed but consumer convs), and a grouped conv was named by its FX node."""
+    from compressor.cnn.models import export_module
+
+    class Readers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.grouped = torch.nn.Conv2d(8, 8, 3, padding=1, groups=4)
+            self.b = torch.nn.Conv2d(8, 8, 1)
+            self.up = torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+            self.c = torch.nn.Conv2d(4, 6, 3, padding=1)
+            self.fc = torch.nn.Linear(6 * 2 * 3, 5)
+
+        def forward(self, x):
+            y = self.up(self.b(self.grouped(self.a(x))))
+            y = torch.nn.functional.adaptive_avg_pool2d(self.c(y), (2, 3))
+            return self.fc(y.flatten(1))
+
+    refused = analyse(export_module(Readers(), torch.randn(2, 3, 8, 12))).refused
+    assert refused["a"] == "its input channels are the model's input; its output channels: grouped is a grouped " \
+                           "conv (groups=4)"
+    assert refused["b"].startswith("its input channels: grouped is a grouped conv (groups=4); its output channels: ")
+    assert "conv_transpose2d" in refused["b"]
+    assert "; its output channels: flatten" in refused["c"]
+
+
 class _RootConvs(torch.nn.Module):
     """Bias-free convs whose weights the root module holds (F.conv2d), no BatchNorm after them."""
 

@@ -70,6 +70,19 @@ def test_an_encoder_takes_token_type_ids_exactly_when_its_tokenizer_gives_them(t
         ("input_ids", "attention_mask")
 
 
+def test_a_directory_of_pickled_weights_is_refused_in_one_line(tmp_path):
+    """transformers' own OSError (a 10-frame traceback out of the CLI) for a pytorch_model.bin-only directory."""
+    from compressor.errors import ModelReferenceError
+
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelReferenceError, match=r"no model\.safetensors .*\(found pytorch_model\.bin\); weights "
+                                                  r"are read from safetensors only"):
+        load_transformer(str(tmp_path))
+    assert load_transformer(str(tmp_path), weights=False).model is not None  # shapes alone need no weights
+
+
 def test_a_streamed_llama_without_architectures_prunes_with_its_head(tmp_path):
     model = tiny_llama()
     checkpoint = StreamedCheckpoint(_without_architectures(model, tmp_path / "src"), tmp_path / "out")

@@ -536,3 +536,20 @@ def test_an_embedding_model_is_scored_on_the_pooling_it_serves(tmp_path, monkeyp
     monkeypatch.setattr("service.job.kinds.run_outputs", lambda path, batches, reduce: calls.append(reduce) or [])
     job.outputs(tmp_path / "model.onnx")
     assert calls == ["cls_pool"]
+
+
+def test_a_streamed_text_job_says_it_runs_no_whole_model_fit(tmp_path):
+    """--stream returned the block-fitted model without the whole-model fit an in-memory job runs, and said
+    nothing: its report read as the same job's."""
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=4000), offsets=[0, 2000, 4000])
+    said: list[str] = []
+    request = dict(model=str(tmp_path / "m"), uniform_ratio=0.5, calibration=tmp_path / "ids.npz", sequences=16,
+                   sequence_length=32)
+    TextJob(CompressRequest(**request, stream=True), said.append)
+    assert any("whole-model fit after the block fits is not run when streaming" in str(line) for line in said)
+    said.clear()
+    TextJob(CompressRequest(**request), said.append)
+    assert not any("whole-model fit" in str(line) for line in said)
