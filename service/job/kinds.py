@@ -452,6 +452,39 @@ def _check_labels(labels: np.ndarray, classes: int | None, source: object) -> No
                                f"{classes} outputs; found {shown}")
 
 
+def _image_metric(labels: np.ndarray | None, classes: int | None, source: object) -> Metric:
+    """An image model's metric: top-1 on labelled evaluation images, else top-1 agreement with the dense model for
+    a classifier (`classes` scores an image), else the cosine of the outputs."""
+    if labels is not None:
+        _check_labels(labels, classes, source)
+        return TOP1
+    return AGREEMENT if classes is not None else COSINE  # no labels: "accuracy kept" is agreement with dense
+
+
+def _image_score(metric: Metric, outputs: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> float:
+    if metric == TOP1:
+        return float((outputs.argmax(1) == labels).mean())
+    if metric == AGREEMENT:
+        return agreement(outputs, reference)
+    return cosine(outputs, reference)
+
+
+def _image_secondary(metric: Metric, outputs: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    if metric == COSINE:
+        return {}
+    extra = {COSINE.name: cosine(outputs, reference)}
+    return {AGREEMENT.name: agreement(outputs, reference), **extra} if metric == TOP1 else extra
+
+
+def _image_warnings(metric: Metric, reference: np.ndarray, labels: np.ndarray | None) -> list[str]:
+    if metric == TOP1:
+        return _chance_warnings(reference, labels)
+    if metric != AGREEMENT:
+        return []
+    return _one_class_warnings(reference, "images", "calibrate on images of the model's domain, or give labelled "
+                               "evaluation images (--eval)")
+
+
 class ConvJob:
     causal = False
     plans_depth = True  # target mode weighs removing whole residual blocks (`targeting.plan_depth`)
@@ -475,14 +508,8 @@ class ConvJob:
         self.remove(chosen)  # the graph the channels are pruned of: the dense one, or it without some blocks
         self.params_before = count_parameters(self.dense)
         self.shape = {"batch": request.shape.get("batch", 64)}
-        classes = _classes(self.dense, self.images[:2])
-        if self.eval_y is not None:
-            _check_labels(self.eval_y, classes, request.eval or request.calibration)
-            self.metric = TOP1
-        elif classes is not None:  # no labels: "accuracy kept" is agreement with dense
-            self.metric = AGREEMENT
-        else:  # not a classifier's scores: how close the outputs stay
-            self.metric = COSINE
+        self.metric = _image_metric(self.eval_y, _classes(self.dense, self.images[:2]),
+                                    request.eval or request.calibration)
         say(f"{request.model}: {len(self.analysis.units)} prunable conv layers, {len(self.images)} calibration "
             f"images, method {request.method}")
 
@@ -580,25 +607,14 @@ class ConvJob:
         return np.concatenate(run_outputs(path, batches, reduce="raw"))
 
     def score(self, outputs: np.ndarray, reference: np.ndarray) -> float:
-        if self.metric == TOP1:
-            return float((outputs.argmax(1) == self.eval_y).mean())
-        if self.metric == AGREEMENT:
-            return agreement(outputs, reference)
-        return cosine(outputs, reference)
+        return _image_score(self.metric, outputs, reference, self.eval_y)
 
     def baseline_warnings(self, reference: np.ndarray) -> list[str]:
-        if self.metric == TOP1:
-            return _chance_warnings(np.asarray(reference), self.eval_y)
-        if self.metric != AGREEMENT:
-            return []
-        return _one_class_warnings(np.asarray(reference), "images", "calibrate on images of the model's domain, or "
-                                   "give labelled evaluation images (--eval)")
+        labels = self.eval_y if self.metric == TOP1 else None  # read only where scored
+        return _image_warnings(self.metric, np.asarray(reference), labels)
 
     def secondary(self, outputs: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-        if self.metric == COSINE:
-            return {}
-        extra = {COSINE.name: cosine(outputs, reference)}
-        return {AGREEMENT.name: agreement(outputs, reference), **extra} if self.metric == TOP1 else extra
+        return _image_secondary(self.metric, outputs, reference)
 
     def save(self, module: nn.Module, out: Path) -> str:
         save_program(module, out / "model.pt2", self.images[:2].clone())
@@ -1142,11 +1158,8 @@ class ImageTransformerJob(_TransformerJob):
         self.held_out.check(request.eval or request.calibration)
         batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]
-        if self.eval_y is not None:
-            _check_labels(self.eval_y, int(config.num_labels), request.eval or request.calibration)
-            self.metric = TOP1
-        else:
-            self.metric = AGREEMENT if self.classifier else COSINE
+        self.metric = _image_metric(self.eval_y, int(config.num_labels) if self.classifier else None,
+                                    request.eval or request.calibration)
         self.shape = {"batch": request.shape.get("batch", 8)}
         # the patches and the tokens before them ([CLS]; DeiT's distillation token too), as the position
         # embeddings count them; Swin has neither (its first stage's patches)
@@ -1165,27 +1178,15 @@ class ImageTransformerJob(_TransformerJob):
         return run_outputs(path, [{"pixel_values": b.numpy()} for b in self.eval_x.split(32)],
                            reduce="raw" if self.classifier else "mean_pool")
 
+    # its outputs come a batch at a time: scored as the conv graph's, one array of them
     def score(self, outputs: list, reference: list) -> float:
-        if self.metric == TOP1:
-            return float((np.concatenate(outputs).argmax(1) == self.eval_y).mean())
-        if self.metric == AGREEMENT:
-            return agreement(np.concatenate(outputs), np.concatenate(reference))
-        return cosine(outputs, reference)
+        return _image_score(self.metric, np.concatenate(outputs), np.concatenate(reference), self.eval_y)
 
     def secondary(self, outputs: list, reference: list) -> dict[str, float]:
-        if not self.classifier:
-            return {}
-        extra = {COSINE.name: cosine(outputs, reference)}
-        return {AGREEMENT.name: agreement(np.concatenate(outputs), np.concatenate(reference)), **extra} \
-            if self.metric == TOP1 else extra
+        return _image_secondary(self.metric, np.concatenate(outputs), np.concatenate(reference))
 
     def baseline_warnings(self, reference: list) -> list[str]:
-        if self.metric == TOP1:
-            return _chance_warnings(np.concatenate(reference), self.eval_y)
-        if self.metric == AGREEMENT:
-            return _one_class_warnings(np.concatenate(reference), "images", "calibrate on images of the model's "
-                                       "domain, or give labelled evaluation images (--eval)")
-        return []
+        return _image_warnings(self.metric, np.concatenate(reference), self.eval_y)
 
     def serving_files(self, out: Path) -> dict[str, Any] | None:
         if not self.classifier:
