@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tarfile
 import tempfile
 from collections.abc import Sequence
@@ -16,6 +17,14 @@ from pathlib import Path
 def default_home() -> Path:
     """$OSSCAR_HOME, else ~/.osscar: the curves cache, embedded models and the server's data."""
     return Path(os.environ.get("OSSCAR_HOME") or Path.home() / ".osscar")
+
+
+_NAME = re.compile(r"^[A-Za-z0-9._+-][A-Za-z0-9._+ -]{0,254}$")
+
+
+def valid_filename(name: str) -> bool:
+    """A plain file name: no separators, not `.`/`..`, printable ASCII."""
+    return bool(_NAME.match(name)) and name not in (".", "..")
 
 
 def file_sha256(path: Path) -> str:
@@ -148,19 +157,35 @@ def _entries(directory: Path, follow_symlinks: bool) -> list[Path]:
     return sorted(found)
 
 
+MAX_MEMBERS = 100_000  # an archive's files and folders: a model directory holds tens
+MAX_NAME_BYTES = 255  # Linux's NAME_MAX
+MAX_PATH_BYTES = 3584  # of PATH_MAX's 4096, what is left beside the folder a member unpacks into
+
+
+def _too_long(name: str) -> bool:
+    raw = name.encode("utf-8", "surrogateescape")
+    return len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/"))
+
+
 def extract_tar(archive: Path, target: Path) -> None:
-    """Regular files and directories only, every member inside `target`; anything else is refused with
-    the list of offending members."""
+    """Regular files and directories only, every member inside `target`, at most MAX_MEMBERS of them, none
+    sparse (a few bytes of archive that unpack to terabytes of zeros) and no name longer than a file system takes;
+    anything else is refused with the list of offending members."""
     target.mkdir(parents=True)
     try:
         with tarfile.open(archive, "r:") as tar:
-            members = tar.getmembers()
-            bad = [m.name for m in members
-                   if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts]
+            members = []
+            while (member := tar.next()) is not None:  # one at a time: a count past the cap stops the reading
+                members.append(member)
+                if len(members) > MAX_MEMBERS:
+                    raise ArchiveError(f"the archive holds more than {MAX_MEMBERS:,} members")
+            bad = [m.name for m in members if not (m.isfile() or m.isdir()) or m.issparse() or m.name.startswith("/")
+                   or ".." in Path(m.name).parts or _too_long(m.name)]
             if bad:
-                raise ArchiveError(f"the archive may hold only regular files and directories inside it; refused "
-                                   f"members: {', '.join(bad[:10])}")
-            tar.extractall(target, filter="data")
+                raise ArchiveError(f"the archive may hold only regular (not sparse) files and directories inside it, "
+                                   f"under names of at most {MAX_NAME_BYTES} bytes a part; refused members: "
+                                   f"{', '.join(bad[:10])}")
+            tar.extractall(target, members=members, filter="data")
     except tarfile.TarError as err:
         raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as err:  # members that contradict each other

@@ -14,7 +14,11 @@ representation the analysis and surgery work on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +71,36 @@ def load_model(reference: str, *, trust_remote_code: bool = False, image_size: i
     raise ModelReferenceError(f"no such file or directory: {ref}")
 
 
+def _refuse_pickled_constants(path: Path) -> None:
+    """A .pt2 is a zip; members that torch.export.load would unpickle freely could run code on load."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ModelReferenceError(f"{path} is not a loadable torch.export program: {err}") from err
+    pickled = sorted(n for n in names if n.rsplit("/", 1)[-1].startswith(_PICKLED_CONSTANTS))
+    if pickled:
+        raise ModelReferenceError(f"{path} holds pickled objects ({', '.join(pickled[:3])}"
+                                  f"{', ...' if len(pickled) > 3 else ''}), which could run code when loaded; "
+                                  "export the model without script objects or opaque constants")
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` inside the block is weights_only, even where torch.export.load asks for a full unpickle
+    (its fallback for a sample input or a constant that weights_only refuses, which could run code)."""
+    key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def _input_shape(gm: fx.GraphModule) -> tuple[int, ...]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -82,9 +116,16 @@ def _input_shape(gm: fx.GraphModule) -> tuple[int, ...]:
     return tuple(shape)
 
 
+# members of a .pt2 archive that torch.export.load unpickles with no restriction (`pickle.loads`, TorchScript's
+# unpickler): script objects and opaque constants, which no program of a CNN holds
+_PICKLED_CONSTANTS = ("custom_obj_", "opaque_obj_")
+
+
 def _load_pt2(path: Path, ref: str) -> LoadedModel:
+    _refuse_pickled_constants(path)
     try:
-        program = torch.export.load(str(path))
+        with _weights_only_loads():
+            program = torch.export.load(str(path))
     except Exception as err:  # a corrupt or foreign file: say what it is, not a traceback
         raise ModelReferenceError(f"{path} is not a loadable torch.export program: {err}") from err
     gm = program.module()

@@ -4,13 +4,15 @@ UNAVAILABLE, chunked uploads, a watch stream resumed across server restarts, sha
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -30,6 +32,7 @@ from ..files import (
     file_sha256,
     follow_umask,
     touches,
+    valid_filename,
     write_tar,
 )
 
@@ -264,36 +267,66 @@ def deliver(client: RemoteCompressor, final: operations_pb2.Operation, out: Path
     earlier job's files as they were, never a mix of two jobs, and delivering the same operation again resumes
     from what that folder holds."""
     meta = unpack_metadata(final)
+    # names the server chose become paths here: a plain file name each, or a server could write anywhere
+    unsafe = [a.name for a in meta.artifacts if not valid_filename(a.name) or a.name.startswith(".")]
+    if unsafe:
+        raise ClientError(f"{final.name}: the server named artifacts that are not plain file names "
+                          f"({', '.join(repr(n) for n in unsafe)}); nothing was downloaded")
     if meta.artifacts:
         out.mkdir(parents=True, exist_ok=True)
-        staging = out / (STAGING_PREFIX + final.name.rsplit("/", 1)[-1])
-        for other in out.glob(STAGING_PREFIX + "*"):  # another operation's, cut short: not this one's to resume
-            if other != staging:
-                shutil.rmtree(other, ignore_errors=True)
-        staging.mkdir(exist_ok=True)
-        staged = [client.download(final.name, artifact, staging) for artifact in meta.artifacts]
-        for i, path in enumerate(staged):
-            if path.suffix == ".tar":  # a pruned model directory
-                unpacked = staging / ".unpacked" / path.stem
-                shutil.rmtree(unpacked, ignore_errors=True)
-                extract_tar(path, unpacked)
-                follow_umask(unpacked)
-                staged[i] = unpacked
-        delivered = {path.name for path in staged}
-        # an earlier job's in a reused --out would seem to be this one's
-        earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
-        for name in (set(JOB_EXPORTS) | earlier) - delivered:
-            (out / name).unlink(missing_ok=True)
-        for path in staged:
-            if path.is_dir():
-                shutil.rmtree(out / path.name, ignore_errors=True)
-            os.replace(path, out / path.name)
-        shutil.rmtree(staging, ignore_errors=True)
-        print(f"downloaded {len(meta.artifacts)} artifacts (sha256 verified) into {out}", file=sys.stderr)
+        with _writing(out):
+            _deliver(client, final, meta, out, inputs)
     if final.HasField("error"):
         code = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == final.error.code))
         raise JobFailed(f"{final.name} failed: {code.name}: {final.error.message}")
     return out
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """This process alone writes into `out` until the block ends: two clients delivering into one folder (the
+    same command run twice at once, or two jobs given one --out) would resume each other's partial files and
+    remove each other's staging. The second waits for the first (an advisory lock on the folder, released by
+    the kernel if the holder dies)."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"osscar: another osscar command is writing into {out}; waiting for it to finish", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _deliver(client: RemoteCompressor, final: operations_pb2.Operation, meta: pb.CompressMetadata, out: Path,
+             inputs: Sequence[object]) -> None:
+    """`deliver`'s download, check and move, with `out` held."""
+    staging = out / (STAGING_PREFIX + final.name.rsplit("/", 1)[-1])
+    for other in out.glob(STAGING_PREFIX + "*"):  # another operation's, cut short: not this one's to resume
+        if other != staging:
+            shutil.rmtree(other, ignore_errors=True)
+    staging.mkdir(exist_ok=True)
+    staged = [client.download(final.name, artifact, staging) for artifact in meta.artifacts]
+    for i, path in enumerate(staged):
+        if path.suffix == ".tar":  # a pruned model directory
+            unpacked = staging / ".unpacked" / path.stem
+            shutil.rmtree(unpacked, ignore_errors=True)
+            extract_tar(path, unpacked)
+            follow_umask(unpacked)
+            staged[i] = unpacked
+    delivered = {path.name for path in staged}
+    # an earlier job's in a reused --out would seem to be this one's
+    earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
+    for name in (set(JOB_EXPORTS) | earlier) - delivered:
+        (out / name).unlink(missing_ok=True)
+    for path in staged:
+        if path.is_dir():
+            shutil.rmtree(out / path.name, ignore_errors=True)
+        os.replace(path, out / path.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    print(f"downloaded {len(meta.artifacts)} artifacts (sha256 verified) into {out}", file=sys.stderr)
 
 
 def server_flags(args: argparse.Namespace) -> str:

@@ -18,20 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ..files import ArchiveError, extract_tar, file_sha256, write_tar
+from ..files import ArchiveError, extract_tar, file_sha256, valid_filename, write_tar
 
 CHUNK = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9._+-][A-Za-z0-9._+ -]{0,254}$")
 
 
 def valid_digest(digest: str) -> bool:
     return bool(_HEX.match(digest))
-
-
-def valid_filename(name: str) -> bool:
-    """A plain file name: no separators, not `.`/`..`, printable ASCII."""
-    return bool(_NAME.match(name)) and name not in (".", "..")
 
 
 def tree_sha256(path: Path) -> str:

@@ -16,6 +16,7 @@ class ServiceConfig:
     max_attempts: int = 3  # runs of a job interrupted by server restarts before it fails INTERRUPTED
     retention_s: float = 30 * 86400  # finished operations and unused uploads are forgotten after this
     max_upload_bytes: int = 64 << 30
+    upload_idle_s: float = 120.0  # an upload that sends nothing for this long is ended (it held an RPC slot)
     max_wait_s: float = 600.0  # WaitOperation's timeout is capped here
     default_wait_s: float = 60.0
     retry_after_s: float = 30.0  # suggested to clients refused because the queue is full

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FieldViolation, InvalidArgument, NotFound, PermissionDenied
+from ..files import MAX_MEMBERS
 
-MAX_DIRECTORY_FILES = 100_000
+MAX_DIRECTORY_FILES = MAX_MEMBERS  # a referenced folder's entries, as an uploaded archive's members
 
 
 @dataclass(frozen=True)

@@ -255,7 +255,14 @@ class JobService:
             raise InvalidArgument(violations)
         writer = self.blobs.writer()
         try:
-            async for chunk in chunks:
+            while True:
+                try:  # a stream that goes silent would hold its RPC slot (and its temporary file) for ever
+                    chunk = await asyncio.wait_for(anext(chunks), self.config.upload_idle_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise InvalidArgument([FieldViolation("chunk", f"no data for {self.config.upload_idle_s:g}s; the "
+                                                                   "upload was ended (send it again)")]) from None
                 if writer.size + len(chunk) > self.config.max_upload_bytes:
                     raise InvalidArgument([FieldViolation("chunk", f"the upload exceeds the server's limit of "
                                                                    f"{self.config.max_upload_bytes} bytes")])

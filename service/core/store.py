@@ -29,7 +29,7 @@ from ..errors import FieldViolation, InvalidArgument
 from ..job.request import DEFAULT_METHOD
 from .outcomes import FINISHED, QUEUED, STATES, JobError
 
-LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")  # \Z: `$` also matches before a final newline
 _FILTER_TERM = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(?:"([^"]*)"|([^\s"]+))\s*$')
 
 MIGRATIONS: tuple[str, ...] = (
@@ -75,6 +75,10 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (sha256, filename)
     );
     """,
+    # 2 -> 3: the seconds a job's attempts have run, so that its time budget spans a restart's re-run
+    """
+    ALTER TABLE operations ADD COLUMN ran_s REAL NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -100,6 +104,7 @@ class JobRecord:
     create_time: float = field(default_factory=time.time)
     start_time: float | None = None
     end_time: float | None = None
+    ran_s: float = 0.0  # seconds its attempts have run (to their last progress event): what its time budget spent
     artifacts: list[ArtifactRecord] = field(default_factory=list)
 
     @property
@@ -117,7 +122,7 @@ class ArtifactRecord:
 
 _JSON_COLUMNS = ("spec", "labels", "progress", "error", "report")
 _COLUMNS = ("name", "request_id", "body_sha256", "request", "spec", "labels", "time_budget_s", "state", "progress",
-            "attempt", "error", "report", "create_time", "start_time", "end_time")
+            "attempt", "error", "report", "create_time", "start_time", "end_time", "ran_s")
 
 
 def migrate(db: sqlite3.Connection) -> int:

@@ -101,9 +101,11 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: Re
 
 
 def _label_violations(labels: dict[str, str]) -> list[FieldViolation]:
-    violations = [FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ and - (start with a "
-                                                   "letter, <= 63), values <= 63 characters")
-                  for key, value in labels.items() if not LABEL_KEY.match(key) or len(value) > 63]
+    # values are printed by `osscar operations` on other users' terminals: no control characters (escapes)
+    violations = [FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ and - (start with "
+                                                     "a letter, <= 63), values <= 63 printable characters")
+                  for key, value in labels.items()
+                  if not LABEL_KEY.match(key) or len(value) > 63 or not value.isprintable()]
     if len(labels) > MAX_LABELS:
         violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels"))
     return violations

@@ -182,6 +182,12 @@ class Supervisor:
             del self.running[name]
             self.conclude(record, attempt, running.stop_reason, Ended(), None)
             return
+        # the budget is the job's, not an attempt's: a re-run after a restart or a lost node has what is left of it
+        budget = None if record.time_budget_s is None else record.time_budget_s - record.ran_s
+        if budget is not None and budget <= 0:
+            del self.running[name]
+            self.conclude(record, attempt, "deadline", Ended(), None)
+            return
         work = self.work_dir(name)
         shutil.rmtree(work, ignore_errors=True)  # an interrupted attempt's scratch
         work_dir = work / f"attempt-{attempt}"
@@ -194,14 +200,14 @@ class Supervisor:
         self.observe()
         stage, stage_start = progress["stage"], started
         # the job paces itself to its budget (`service.job.pacing`) as the supervisor enforces it
-        spec = {**record.spec["resolved"], "time_budget": record.time_budget_s}
+        spec = {**record.spec["resolved"], "time_budget": budget}
         args = WorkerArgs(name, spec, record.spec["references"], str(self.home), str(work_dir),
                           slot.device, os.getpid(), self.config.log_format)
         run = running.attempt = self.executor.attempt(args, slot)
         outcome: tuple[str, Any] | None = None
         ended = Ended()
         try:
-            async with asyncio.timeout(record.time_budget_s):
+            async with asyncio.timeout(budget):
                 await run.start()
                 log.info("attempt %d running on %s (%s)", attempt, slot.name, run.where)
                 progress = {**progress, "message": f"attempt {attempt} on {slot.name}: {run.where}"}
@@ -211,7 +217,7 @@ class Supervisor:
                     run.stop()
                 async for kind, payload in run.messages():
                     if kind == "progress":
-                        self.store.update(name, progress=payload)
+                        self.store.update(name, progress=payload, ran_s=record.ran_s + time.time() - started)
                         self.feeds.publish(name, RUNNING, payload)
                         if payload.get("stage") != stage and self.metrics:
                             now = time.time()
@@ -235,6 +241,8 @@ class Supervisor:
             finally:
                 del self.running[name]
                 shutil.rmtree(work, ignore_errors=True)
+                with contextlib.suppress(Exception):  # what a re-run's budget starts from (the store may be down)
+                    self.store.update(name, ran_s=record.ran_s + time.time() - started)
                 self._wake.set()
         self.conclude(record, attempt, running.stop_reason, ended, outcome)
 

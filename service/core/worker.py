@@ -57,6 +57,35 @@ class WorkerArgs:
 Send = Callable[[tuple[str, Any]], None]
 
 
+def server_paths(args: WorkerArgs) -> dict[str, str]:
+    """The server's paths a job's words may hold (its inputs as resolved, their named links, its output and
+    scratch), each with what a client is shown instead: the reference as it gave it, or what the path is. They
+    mean nothing to a client and are not its business (the server's log keeps them)."""
+    from .references import input_name
+
+    work = Path(args.work_dir)
+    shown = {str(work): "the job's scratch", str(work / "out"): "the job's artifacts"}
+    for field, reference in args.references.items():
+        if reference is not None and args.spec.get(field):
+            resolved = str(args.spec[field])
+            shown[resolved] = shown[str(work / "inputs" / field / input_name(reference, resolved))] = str(reference)
+    return shown
+
+
+def redact(value: Any, shown: dict[str, str]) -> Any:
+    """`value` (a text, or JSON's lists and objects of them) with each server path in `shown` replaced in every
+    string (the longest first: a path inside another is its own)."""
+    if isinstance(value, str):
+        for path in sorted(shown, key=len, reverse=True):
+            value = value.replace(path, shown[path])
+        return value
+    if isinstance(value, list):
+        return [redact(v, shown) for v in value]
+    if isinstance(value, dict):
+        return {k: redact(v, shown) for k, v in value.items()}
+    return value
+
+
 def latency_lock_path(home: os.PathLike | str) -> str:
     """The lock file that serialises latency measurement between the jobs sharing one machine's cores."""
     return os.path.join(home, "latency.lock")
@@ -122,6 +151,9 @@ def execute(args: WorkerArgs, send: Send, blobs: Any) -> None:
         send(("done", result))
     except BaseException as err:  # mapped for the caller; the traceback stays in the server's log
         error = JobError.from_exception(err, stage=current["stage"])
+        shown = server_paths(args)
+        error = dataclasses.replace(error, message=redact(error.message, shown),
+                                    metadata={k: redact(v, shown) for k, v in error.metadata.items()})
         if error.reason == "INTERNAL":
             log.error("job failed", exc_info=err)
         send(("error", error))
@@ -146,16 +178,19 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
         log.info("stage %s (round %d)", name, index)
         send(("progress", {"stage": name, "round": index, "layer": 0, "layers": 0, "message": ""}))
 
+    shown = server_paths(args)
+
     def progress(record: Progress) -> None:
         message = render(record)
         log.info("%s", message)  # the job's own log, with its operation id; the event goes to watchers
-        event = {**current, "message": message}
+        event = {**current, "message": redact(message, shown)}
         if record.total:  # a pipeline's per-layer step: where it is
             event.update(layer=record.index, layers=record.total)
         send(("progress", event))
 
     report = compress(request, progress=progress, stage=stage)
-    report = record_references(out, report, args.references)  # report.html names them as the client gave them
+    # report.json and report.html name the inputs as the client gave them, and no server path
+    report = record_references(out, report, args.references, lambda tree: redact(tree, shown))
     artifacts = []
     for path in sorted(out.iterdir()):
         if path.name.startswith("."):
@@ -170,7 +205,7 @@ def _compress(args: WorkerArgs, send: Send, current: dict[str, Any], blobs: Any)
                               "media_type": MEDIA_TYPES.get(path.suffix, "application/octet-stream")})
     manifest = {
         "operation": args.operation,
-        "request": args.spec,
+        "request": redact(args.spec, shown),
         "references": args.references,
         "inputs": {field: {"reference": args.references.get(field), "sha256": tree_sha256(Path(args.spec[field]))}
                    for field in ("model", "calibration", "eval", "widths_from") if args.spec.get(field)},

@@ -85,6 +85,16 @@ class _EvaluationFailed(Exception):
         self.stage, self.index, self.detail, self.layers = stage, index, detail, layers or []
 
 
+class _OutOfTime(Exception):
+    """The time budget left cannot hold another round (the longest one so far): the job stops its rounds and
+    returns the best of those it has, instead of starting one that a server would kill with everything done."""
+
+    def __init__(self, index: int, left: float, round_s: float):
+        super().__init__(f"round {index} not started: {max(left, 0.0):.0f}s of the time budget left, and a round "
+                         f"took up to {round_s:.0f}s")
+        self.index = index
+
+
 def _identical(outputs: Any, reference: Any) -> bool:
     """Whether two models' evaluation outputs are the same to the bit (arrays, or lists and tuples of them)."""
     if isinstance(outputs, list | tuple) and isinstance(reference, list | tuple):
@@ -182,8 +192,19 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                             "speedup is less certain (a few percent on a busy host)"))
             return parity, latency
 
+        round_seconds: list[float] = []  # each finished round's wall time: what the next one is expected to take
+
         def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
                       ) -> Round:
+            left = pace.left()
+            if rounds and round_seconds and left is not None and left < max(round_seconds):
+                raise _OutOfTime(index, left, max(round_seconds))
+            started = time.perf_counter()
+            done = _run_round(plan, index, predicted, solved)
+            round_seconds.append(time.perf_counter() - started)
+            return done
+
+        def _run_round(plan: Widths, index: int, predicted: float | None, solved: Solved | None) -> Round:
             enter("prune", index)
             fit_seconds = pace.fit_seconds(index)
             if fit_seconds == 0 and request.refine_steps_or(1):  # a job that fits at all (not mp, wanda-sp, flap)
@@ -264,8 +285,12 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             return Round(plan, kept, layers, None, parity, latency, value, predicted)
 
         if request.target_speedup is not None:  # fills `rounds`
-            run_target(request, job, Measure(run_round, probe, probe_model, trial, retime), rounds, baseline_metric,
-                       say, enter, version())
+            try:
+                run_target(request, job, Measure(run_round, probe, probe_model, trial, retime), rounds,
+                           baseline_metric, say, enter, version())
+            except _OutOfTime as stop:
+                say(warning(f"{stop}; the job returns the best of its {len(rounds)} round(s) (a larger --time-budget "
+                            "lets it try more)"))
         elif request.widths_from is not None:
             removed = removed_of(request.widths_from)
             if removed and not request.remove_blocks:  # the same structure: its blocks or layers go too

@@ -14,6 +14,7 @@ import dataclasses
 import html
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -517,13 +518,17 @@ def write_html(report: Report, path: Path) -> None:
     write_text_atomically(path, render(report))
 
 
-def record_references(out: Path, report: Report, references: dict[str, str]) -> Report:
+def record_references(out: Path, report: Report, references: dict[str, str],
+                      redact: Callable[[Any], Any] | None = None) -> Report:
     """Add the references as the user gave them (`embedded:...`, `blob:...`, a relative path: what the job
     itself sees as resolved paths) to the report in `out`: report.json's `references` and report.html's
-    title and inputs. Returns the updated report. A no-op when the job wrote no report.html (parity_failed
-    keeps only report.json, which gets them too)."""
+    title and inputs. `redact` (a server's): the report's JSON with the server's paths replaced in every string
+    (its fields, warnings and messages), the inputs named as given. Returns the updated report. A no-op when the
+    job wrote no report.html (parity_failed keeps only report.json, which gets them too)."""
     given = {k: str(v) for k, v in references.items() if v is not None}
     report = dataclasses.replace(report, references=given)
+    if redact is not None:
+        report = Report.from_json(redact(report.to_json()))
     if (out / "report.json").is_file():
         write_text_atomically(out / "report.json", json.dumps(report.to_json(), indent=2))
     if (out / "report.html").is_file():

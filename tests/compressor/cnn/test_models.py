@@ -62,6 +62,49 @@ def test_pickles_are_refused(tmp_path):
         load_model(str(tmp_path / "state.pt"))
 
 
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):  # unpickling writes the marker: code ran
+        return (_write_marker, (self.marker,))
+
+
+def _write_marker(path: str) -> tuple:
+    with open(path, "w") as f:
+        f.write("ran")
+    return (torch.zeros(1),)
+
+
+def test_a_program_whose_pickles_would_run_code_is_refused_without_running_it(tmp_path):
+    """torch.export.load falls back to a full unpickle for a member weights_only refuses (its sample inputs,
+    pickled weights or constants) and unpickles opaque constants freely: an uploaded .pt2 ran code on the server.
+    Every load in it is weights_only now, and opaque or script-object constants are refused by name."""
+    import io
+    import zipfile
+
+    gm = exported("folded_pad")
+    save_program(gm, tmp_path / "good.pt2", torch.randn(2, 3, 16, 16))
+    marker = tmp_path / "ran"
+    payload = io.BytesIO()
+    torch.save(_RunsCode(marker), payload)
+    with zipfile.ZipFile(tmp_path / "good.pt2") as src, zipfile.ZipFile(tmp_path / "bad.pt2", "w") as dst, \
+            zipfile.ZipFile(tmp_path / "opaque.pt2", "w") as opaque:
+        members = src.namelist()
+        assert any(n.endswith("sample_inputs/model.pt") for n in members), members
+        for info in src.infolist():
+            data = src.read(info.filename)
+            dst.writestr(info, payload.getvalue() if info.filename.endswith("sample_inputs/model.pt") else data)
+            opaque.writestr(info, data)
+        opaque.writestr(members[0].split("/")[0] + "/data/constants/opaque_obj_0", b"anything")
+    with pytest.raises(ModelReferenceError, match=r"not a loadable torch\.export program"):
+        load_model(str(tmp_path / "bad.pt2"))
+    assert not marker.exists()
+    with pytest.raises(ModelReferenceError, match=r"holds pickled objects .*opaque_obj_0"):
+        load_model(str(tmp_path / "opaque.pt2"))
+    assert load_model(str(tmp_path / "good.pt2")).kind == "pt2"  # a plain program still loads
+
+
 def test_uncached_hub_id_is_not_downloaded(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelReferenceError, match="local Hugging Face cache"):

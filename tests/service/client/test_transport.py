@@ -139,3 +139,34 @@ def test_a_refusal_says_each_field_violation_once():
     text = transport.describe_error(Refused())
     assert text.splitlines() == ["INVALID_ARGUMENT: the request is invalid", "  request_id: must be a UUID (got 'x')",
                                  "  options.seed: --seed must be in [0, 2^31 - 1]"]
+
+
+def test_two_deliveries_into_one_out_take_turns(tmp_path, monkeypatch, capsys):
+    """The same command run twice at once (or two jobs given one --out): the second waits until the first has moved
+    its files into place instead of resuming the first's partial files and removing its staging folder."""
+    import fcntl
+    import os
+    import threading
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(transport, "unpack_metadata",
+                        lambda op: SimpleNamespace(artifacts=[SimpleNamespace(name="model.onnx")]))
+    started = threading.Event()
+
+    class Client:
+        def download(self, name: str, artifact, into: Path) -> Path:
+            started.set()
+            (into / artifact.name).write_text(name)
+            return into / artifact.name
+
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # another client holds the folder
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    second = threading.Thread(target=transport.deliver,
+                              args=(Client(), operations_pb2.Operation(name="operations/b", done=True), out))
+    second.start()
+    assert not started.wait(1.0) and not any(out.iterdir())  # nothing written while the other holds it
+    os.close(fd)
+    second.join(10)
+    assert not second.is_alive() and (out / "model.onnx").read_text() == "operations/b"
+    assert "another osscar command is writing into" in capsys.readouterr().err

@@ -95,6 +95,37 @@ def test_archives_with_escaping_or_special_members_are_refused(tmp_path, member)
     assert not (tmp_path / "escape").exists()
 
 
+def test_archives_that_would_unpack_past_their_size_or_the_file_system_are_refused(tmp_path, monkeypatch):
+    """A sparse member (a few bytes of tar that unpack to terabytes of zeros, past --max-upload-mb), a name the file
+    system cannot take (it was an OSError: INTERNAL, the upload's blob left behind), and more members than a model
+    directory holds (read one at a time: the count stops the reading) are each an ArchiveError."""
+    from service import files
+
+    sparse = tarfile.TarInfo("model.safetensors")
+    sparse.type = tarfile.GNUTYPE_SPARSE
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        tar.addfile(sparse, io.BytesIO(b""))
+    cases = {"sparse": (buffer.getvalue(), "model.safetensors"),
+             "long name": (_tar(tarfile.TarInfo("x" * 300), b"x"), "x" * 300),
+             "deep path": (_tar(tarfile.TarInfo("/".join(["d" * 200] * 20)), b"x"), "d" * 200)}
+    for case, (data, named) in cases.items():
+        archive = tmp_path / f"{case}.tar"
+        archive.write_bytes(data)
+        with pytest.raises(ArchiveError, match="refused members") as refused:
+            extract_tar(archive, tmp_path / case)
+        assert named in str(refused.value), case
+    monkeypatch.setattr(files, "MAX_MEMBERS", 3)
+    many = io.BytesIO()
+    with tarfile.open(fileobj=many, mode="w") as tar:
+        for i in range(5):
+            tar.addfile(tarfile.TarInfo(f"f{i}"), io.BytesIO(b""))
+    (tmp_path / "many.tar").write_bytes(many.getvalue())
+    with pytest.raises(ArchiveError, match="more than 3 members"):
+        extract_tar(tmp_path / "many.tar", tmp_path / "many")
+    assert not any((tmp_path / "many").iterdir())
+
+
 def test_file_names_are_plain():
     assert valid_filename("model.pt2") and valid_filename("stories260K")
     assert not any(valid_filename(n) for n in ("", ".", "..", "a/b", "../x", "a\\b" * 0 + "x/..", "\n"))

@@ -206,3 +206,20 @@ def test_a_forgotten_upload_whose_content_is_an_artifact_loses_its_view(tmp_path
     assert view.exists()
     jobs.sweep(now)
     assert jobs.blobs.exists(digest) and not view.exists()
+
+
+def test_an_upload_that_goes_silent_is_ended_and_leaves_nothing(tmp_path):
+    """A client that sends a header and a chunk, then nothing, held its RPC slot and temporary file for as long as it
+    kept the stream open (a few such streams filled --max-concurrent-rpcs): it is ended after `upload_idle_s`."""
+    from service.core import UploadHeader
+    from service.errors import InvalidArgument
+
+    jobs = service(tmp_path, upload_idle_s=0.2)
+
+    async def stalls():
+        yield b"first bytes"
+        await asyncio.sleep(3600)
+
+    with pytest.raises(InvalidArgument, match="no data for 0.2s"):
+        asyncio.run(asyncio.wait_for(jobs.upload(UploadHeader("m.bin"), stalls()), 10))
+    assert not any(jobs.blobs.tmp.iterdir()) and jobs.store.db.execute("SELECT COUNT(*) FROM uploads").fetchone()[0] == 0

@@ -353,3 +353,66 @@ def test_a_store_error_while_picking_a_job_leaves_it_queued_and_the_scheduler_ru
 
     assert asyncio.run(main())
     assert started == ["operations/0"]  # picked at the next pass
+
+
+def test_a_time_budget_spans_the_attempts_of_a_job(tmp_path, monkeypatch):
+    """A job re-run after a restart (or a lost node) has what is left of its budget, not a fresh one: each progress
+    event records the seconds run, the next attempt's worker is paced to the rest, and a job with nothing left ends
+    TIME_BUDGET_EXCEEDED without starting a worker."""
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    seen = {}
+
+    class Attempt:
+        where = "here"
+
+        def __init__(self, args):
+            seen["budget"] = args.spec["time_budget"]
+
+        async def start(self):
+            pass
+
+        async def messages(self):
+            yield "progress", {"stage": "statistics", "round": 0, "layer": 0, "layers": 0, "message": ""}
+            await asyncio.sleep(0.3)
+            yield "error", JobError.of("internal", "stopped here")
+
+        def stop(self):
+            pass
+
+        async def end(self):
+            return Ended(0)
+
+    monkeypatch.setattr(jobs.executor, "attempt", lambda args, slot: Attempt(args))
+    record = _queued(jobs, "operations/t", time_budget_s=100.0, ran_s=40.0)
+    asyncio.run(jobs.supervisor._run(record, jobs.supervisor.running.setdefault(record.name,
+                                                                               _Running(Slot("cpu", "cpu")))))
+    assert seen["budget"] == pytest.approx(60.0)  # the worker paces itself to what is left
+    assert 40.3 <= jobs.store.get(record.name).ran_s < 45  # the attempt's seconds are added to the job's
+
+    seen.clear()
+    spent = _queued(jobs, "operations/spent", time_budget_s=100.0, ran_s=100.5)
+    asyncio.run(jobs.supervisor._run(spent, jobs.supervisor.running.setdefault(spent.name,
+                                                                              _Running(Slot("cpu", "cpu")))))
+    final = jobs.get(spent.name)
+    assert not seen and final.state == FAILED and final.error.reason == "TIME_BUDGET_EXCEEDED"
+    assert spent.name not in jobs.supervisor.running
+
+
+def test_a_store_of_the_last_release_gains_the_seconds_run(tmp_path):
+    """Schema 2 -> 3 adds `ran_s` (0 for jobs that were written before it) without losing a row."""
+    import sqlite3
+
+    from service.core.store import MIGRATIONS
+
+    path = tmp_path / "jobs.sqlite"
+    db = sqlite3.connect(path, isolation_level=None)
+    for version in range(2):
+        db.executescript(f"BEGIN; {MIGRATIONS[version]} PRAGMA user_version = {version + 1}; COMMIT;")
+    db.execute("INSERT INTO operations (name, body_sha256, request, spec, labels, time_budget_s, state, progress, "
+               "create_time) VALUES ('operations/old', 'x', x'', '{}', '{}', 30.0, 'QUEUED', '{}', 1.0)")
+    db.close()
+    record = JobStore(path).get("operations/old")
+    assert (record.time_budget_s, record.ran_s, record.state) == (30.0, 0.0, QUEUED)

@@ -150,3 +150,51 @@ def test_a_job_reads_a_linked_input_by_the_name_the_client_gave_it(tmp_path, mon
         worker._compress(args, lambda message: None, {"stage": "", "round": 0}, None)
     assert seen["model"].name == "model.pt2" and seen["model"].resolve() == blob
     assert seen["model"].parent.parent == work / "inputs"
+
+
+def test_a_watcher_sees_the_clients_names_not_the_servers_paths(tmp_path, monkeypatch):
+    """Progress lines name the job's output and inputs as the client named them: the server's scratch and blob paths
+    never reach a watcher (they stay in the server's log)."""
+    from compressor.progress import note
+    from service import job
+    from service.core import worker
+
+    blob = tmp_path / "blobs" / "0a1b2c"
+    blob.parent.mkdir()
+    blob.write_bytes(b"program")
+    work = tmp_path / "work"
+
+    def compress(request, progress, **_kwargs):
+        progress(note(f"read {request.model}; ok: wrote {request.out_dir} in 1.0s"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(job, "compress", compress)
+    sent = []
+    args = worker.WorkerArgs("operations/n", {"model": str(blob)}, {"model": "blob:0a1b2c/model.pt2"}, str(tmp_path),
+                             str(work), "cpu", 1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        worker._compress(args, sent.append, {"stage": "", "round": 0}, None)
+    [(kind, event)] = sent
+    assert kind == "progress" and str(tmp_path) not in event["message"], event
+    assert "read blob:0a1b2c/model.pt2; ok: wrote the job's artifacts in 1.0s" in event["message"]
+
+
+def test_a_jobs_error_names_its_inputs_as_the_client_gave_them(tmp_path, monkeypatch):
+    """An input error carries the path the job read (the server's blob store): the client is told the reference."""
+    from compressor.errors import ModelReferenceError
+    from service import job
+    from service.core import worker
+
+    blob = tmp_path / "home" / "blobs" / "files" / "0a1b" / "broken.pt2"
+
+    def compress(request, **_kwargs):
+        raise ModelReferenceError(f"{request.model} is not a loadable torch.export program: File is not a zip file")
+
+    monkeypatch.setattr(job, "compress", compress)
+    sent = []
+    args = worker.WorkerArgs("operations/n", {"model": str(blob)}, {"model": "blob:sha256:0a1b/broken.pt2"},
+                             str(tmp_path / "home"), str(tmp_path / "work"), "cpu", 1)
+    worker.execute(args, sent.append, None)
+    [(kind, error)] = sent
+    assert kind == "error" and error.code == "INVALID_ARGUMENT"
+    assert error.message == "blob:sha256:0a1b/broken.pt2 is not a loadable torch.export program: File is not a zip file"

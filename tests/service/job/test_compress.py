@@ -1006,3 +1006,33 @@ def test_a_round_left_no_time_for_its_fit_says_so(model_and_data, tmp_path, monk
               "--refine-steps", "0"])
     report = json.loads((out / "report.json").read_text())
     assert not any("no time left for the reconstruction" in w for w in report["warnings"])
+
+
+def test_target_mode_starts_no_round_its_time_budget_cannot_hold(model_and_data, tmp_path, monkeypatch):
+    """The rounds after the first looked at no budget: a job with a finished round started another one, which a
+    server killed at the budget with the finished round thrown away. A round is not started when the budget left is
+    shorter than the longest round so far: the job returns the best of those it has and says why."""
+    import importlib
+
+    from service.job.pacing import Pace
+
+    compress = importlib.import_module("service.job.compress")
+    left = {"s": 3600.0}
+    monkeypatch.setattr(Pace, "left", lambda self: left["s"])
+    real_target, started = compress.run_target, []
+
+    def run_target(request, job, measure, rounds, *args):
+        real_target(request, job, measure, rounds, *args)  # the toy lands at its minimum widths in one round
+        left["s"] = 0.01  # then the budget is nearly spent, and the loop asks for another round
+        started.append(len(rounds))
+        measure.run_round(rounds[-1].plan, len(rounds))
+        started.append(len(rounds))
+
+    monkeypatch.setattr(compress, "run_target", run_target)
+    out = tmp_path / "out"
+    args = [a for a in _conv_args(model_and_data, out) if a not in ("--uniform-ratio", "0.5")]
+    cli.main([*args, "--target-speedup", "2", "--remove-blocks", "0", "--time-budget", "3600",
+              "--accuracy-budget", "none"])
+    report = json.loads((out / "report.json").read_text())
+    assert started == [1] and len(report["rounds"]) == 1 and (out / "model.onnx").is_file()
+    assert any("round 1 not started: 0s of the time budget left" in w for w in report["warnings"]), report["warnings"]
