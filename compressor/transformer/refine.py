@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..calibration import without_seen
 from ..layerstats import COMPUTE_DTYPE, HALF_DTYPES, energy_weights
+from ..precision import float32_view
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
@@ -260,18 +261,21 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
             report = Reconstruction(pruned, parameters, config).fit(train, held_out, loss)
             return replace(report, windows=fitted)
 
-        dense.to(device)
-        try:
-            if target == "logits":
-                return run(slices, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
-            with torch.no_grad():
-                windows = []
-                for inputs in slices:
-                    mask = inputs.get("attention_mask")
-                    hidden = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
-                    windows.append(Windows(inputs, hidden, None if mask is None else mask.bool()))
-        finally:
-            dense.to(home)
+        # the target in float32 too: a half-precision forward overflowed fp16 (a NaN target, the fit thrown away
+        # unsaid) and rounded every bf16 logit; read through an upcast, with no float32 copy of the dense model
+        with float32_view(dense):
+            dense.to(device)
+            try:
+                if target == "logits":
+                    return run(slices, lambda model, inputs: _next_token_kl(model, dense, inputs, device))
+                with torch.no_grad():
+                    windows = []
+                    for inputs in slices:
+                        mask = inputs.get("attention_mask")
+                        hidden = _last_hidden(dense, inputs, device).float().cpu()  # (windows, seq, hidden)
+                        windows.append(Windows(inputs, hidden, None if mask is None else mask.bool()))
+            finally:
+                dense.to(home)
         return run(windows, lambda model, batch: _squared_error(_last_hidden(model, batch.inputs, device).float(),
                                                                 batch))
     finally:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import signal
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -312,10 +314,20 @@ def _configure_logging(verbose: bool) -> None:
     drop_irrelevant()
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
+    # SIGTERM (`timeout`, `docker stop`, a CI's cancel, systemd) takes Ctrl-C's path: a local job removes what it
+    # wrote, --cancel-on-interrupt cancels the remote job. It killed the process with its scratch left in --out.
+    # The server handles its own (a drain).
+    previous = None
+    if args.func is not _serve and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C where no command said more: one line, the shell's 128 + SIGINT
@@ -324,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, FileNotFoundError) as err:  # bad input: one line, no traceback (bugs keep theirs)
         print(f"osscar: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,11 @@ class RequestMark:
         body.CopyFrom(request)
         body.request_id = ""
         self.path = Path(out) / self.NAME
-        self.digest = hashlib.sha256(server.encode() + b"\0" + body.SerializeToString(deterministic=True)).hexdigest()
+        digest = hashlib.sha256(server.encode() + b"\0" + body.SerializeToString(deterministic=True))
+        # a path names its file, not its bytes: a model changed in place since the earlier run is another job
+        for reference in (body.model, body.calibration, body.eval, body.widths_from):
+            digest.update(b"\0" + json.dumps(_stamp(reference)).encode())
+        self.digest = digest.hexdigest()
         self.created_out = not Path(out).exists()
 
     def earlier(self) -> dict | None:
@@ -89,6 +93,20 @@ class RequestMark:
         if self.created_out:  # a folder this run made for its mark alone goes with it
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()
+
+
+def _stamp(reference: str) -> list:
+    """What changes when a local file or folder does (each file's path in it, size, modification and change time),
+    without reading it; [] for a reference that is no path here (embedded:, blob:, a path of the server's)."""
+    path = Path(reference) if reference else None
+    if path is None or not path.exists():
+        return []
+    stamps = []
+    for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        stat = f.stat()
+        stamps.append([f.relative_to(path).as_posix() if path.is_dir() else f.name, stat.st_size, stat.st_mtime_ns,
+                       stat.st_ctime_ns])
+    return stamps
 
 
 def remote_compress(args: argparse.Namespace) -> int:

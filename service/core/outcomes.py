@@ -137,9 +137,11 @@ class JobError:
         return cls.of("interrupted", f"the server stopped during each of {attempts} attempts; not retried again")
 
     @classmethod
-    def time_budget_exceeded(cls, seconds: float) -> JobError:
-        return cls.of("time_budget_exceeded", f"the job exceeded its time budget of {seconds:g}s",
-                      {"time_budget_s": f"{seconds:g}"})
+    def time_budget_exceeded(cls, seconds: float, stage: str | None = None, index: int = 0) -> JobError:
+        """`stage`, `index`: where the job was when it was stopped (what to speed up, or how much more to ask)."""
+        where = f" in stage {stage}{f' (round {index})' if index else ''}" if stage else ""
+        return cls.of("time_budget_exceeded", f"the job exceeded its time budget of {seconds:g}s{where}",
+                      {"time_budget_s": f"{seconds:g}", **({"stage": stage, "round": index} if stage else {})})
 
     @classmethod
     def worker_crashed(cls, exitcode: int | None, how: str = "") -> JobError:

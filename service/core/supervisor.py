@@ -271,7 +271,13 @@ class Supervisor:
         if stop_reason == "cancel":
             error = JobError.cancelled()
         elif stop_reason == "deadline":
-            error = JobError.time_budget_exceeded(record.time_budget_s)
+            try:  # the stage it was in (its last progress event), before `finish` records the end
+                progress = (self.store.get(name) or record).progress
+            except Exception:  # the store cannot say: the budget alone
+                progress = {}
+            stage = progress.get("stage")  # "queued": a re-run that had nothing left of the budget to start with
+            error = JobError.time_budget_exceeded(record.time_budget_s, stage if stage != "queued" else None,
+                                                  progress.get("round", 0))
         elif outcome is None:
             error = JobError.worker_crashed(ended.exitcode, ended.detail)
             log.error("%s", error.message)

@@ -102,7 +102,8 @@ class CompressRequest:
                                "calibrated on (top-1 agreement with the dense model for classifiers, cosine to "
                                "the dense outputs, perplexity); without it the calibration keeps what is not "
                                "held out, so it changes the statistics", statistics=True)
-    method: str = option(DEFAULT_METHOD, "layer solver", choices=PRUNING_METHODS)
+    # the curves' losses are each method's own (mp's support, osscar's; centring and the norms' scale follow it)
+    method: str = option(DEFAULT_METHOD, "layer solver", choices=PRUNING_METHODS, statistics=True)
     samples: int | None = option(help="calibration images drawn (seeded); default: every image the file gives "
                                  "(less the held-out ones) up to 256 MiB of float32 images, and at least 500",
                                  statistics=True)
@@ -177,7 +178,7 @@ class CompressRequest:
     add_bias: str = option("auto", "transformers: an output projection without a bias (Llama's) gets one for the "
                            "intercept of its refit: yes, no, or auto (as the method's paper does: flap only; FLAP's "
                            "compensation, which on a model with a few tokens of massive activation costs more than it "
-                           "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"))
+                           "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"), statistics=True)
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, as the "
                             "change of the model's output they predict (transformers, `compressor.transformer."
                             "sensitivity`; conv graphs keep the stream; not the default: SmolLM2 and MiniLM "

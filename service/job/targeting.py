@@ -4,6 +4,7 @@ that corrects its latency model, the accuracy budget, and the choice of the roun
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+import compressor
 from compressor.allocation import (
     DepthOption,
     LayerCurve,
@@ -139,16 +141,47 @@ def _from_aim(speedup: float, target: float) -> float:
     return abs(math.log(speedup / (AIM_AT * target)))
 
 
+DIGESTED_BYTES = 64 << 20  # files under this are fingerprinted by their content
+
+
 def _fingerprint(path: str | Path) -> list:
-    """What identifies a model or data reference without reading gigabytes: each file's name, size and
-    modification time (a content digest for files under 64 MB)."""
+    """What identifies a model or data reference without reading gigabytes: each file's path in it, size and a
+    content digest under 64 MB, else its modification and change times and inode (a model delivered from a server
+    has every mtime 0, and an extraction cannot set the change time). A hub id is its cached snapshot's files."""
     path = Path(path)
+    if not path.exists():
+        path = _hub_snapshot(str(path)) or path
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
     out: list = [str(path.resolve()) if path.exists() else str(path)]
     for f in files:
         stat = f.stat()
-        out.append([f.name, stat.st_size, file_sha256(f) if stat.st_size < 64 << 20 else stat.st_mtime_ns])
+        name = f.relative_to(path).as_posix() if path.is_dir() else f.name
+        out.append([name, stat.st_size, file_sha256(f) if stat.st_size < DIGESTED_BYTES else
+                    [stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]])
     return out
+
+
+def _hub_snapshot(reference: str) -> Path | None:
+    """The local snapshot a cached hub id resolves to (its revision's files), or None."""
+    if reference.count("/") != 1 or reference.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(reference, local_files_only=True))
+    except Exception:  # not cached, or not a hub id: the reference's words are all there is
+        return None
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code that computes the curves (the compressor and the jobs): an installed version number does
+    not move with an edit or a pull, so curves cached by other code would be served as this code's."""
+    roots = [Path(__file__).resolve().parent, Path(compressor.__file__).resolve().parent]
+    digest = hashlib.sha256()
+    for source in sorted(p for root in roots for p in root.rglob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> str:
@@ -160,7 +193,7 @@ def curves_cache_key(job: ModelJob, request: CompressRequest, version: str) -> s
         value = getattr(request, name)
         parts[name] = _fingerprint(value) if name in REFERENCES and value is not None else value
     parts.update(text=asdict(request.text_calibration(job.causal)), round_to=request.round_to or ROUND_TO,
-                 measured_shape=job.shape, version=version, layers=LAYERS_VERSION,
+                 measured_shape=job.shape, version=version, layers=LAYERS_VERSION, code=code_digest(),
                  removed_blocks=getattr(job, "removed_blocks", []))
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -171,8 +204,13 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str
     cache_dir = request.curves_cache
     cache = cache_dir / f"{curves_cache_key(job, request, version)}.json" if cache_dir else None
     if cache is not None and cache.is_file():
-        say(f"dense statistics: cached curves {cache}")
-        return [LayerCurve(**c) for c in json.loads(cache.read_text())]
+        try:
+            cached = [LayerCurve(**c) for c in json.loads(cache.read_text())]
+        except (OSError, ValueError, TypeError) as err:  # cut short by a power loss, or another release's format
+            say(warning(f"the cached curves {cache} do not read ({type(err).__name__}); computing them again"))
+        else:
+            say(f"dense statistics: cached curves {cache}")
+            return cached
     say("dense statistics pass: loss-versus-width curve of every layer")
     curves: list[LayerCurve] = []
     convert = job.currency()

@@ -2,9 +2,11 @@
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
 
 from compressor.errors import InputError
 from compressor.transformer.adapters import layers
@@ -462,3 +464,26 @@ def test_a_half_precision_model_is_fitted_in_float32_and_keeps_its_dtype(dtype):
     assert {k: v.dtype for k, v in pruned.state_dict().items()} == dtypes
     moved = {k for k, v in pruned.state_dict().items() if not torch.equal(v, before[k])}
     assert moved and moved <= _fitted_names(pruned)
+
+
+@pytest.mark.parametrize("target", ["hidden", "logits"])
+def test_the_dense_models_target_is_computed_in_float32_for_a_half_precision_checkpoint(target):
+    """An fp16 checkpoint whose activations pass fp16's 65,504: the dense model's forward in its own dtype gave an
+    infinite / NaN target and the fit was thrown away (`before` NaN) without a word. The target is float32 now (read
+    through an upcast, no float32 copy), and the dense model comes back as it was."""
+    model = MODELS["llama"]()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.mul_(300.0)
+    data = batches(model, n=6, batch=8)
+    pruned, _ = prune_transformer(model, data, 0.5)
+    model.to(torch.float16)
+    pruned.to(torch.float16)
+    with torch.no_grad():
+        assert not torch.isfinite(model(**{k: v[:2] for k, v in data[0].items()}).logits.float()).all()
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    fit = reconstruct_model(pruned, model, data, RefineConfig(steps=4, lr=1e-4, check_every=2), CPU, target=target)
+    assert math.isfinite(fit.before) and math.isfinite(fit.after)
+    assert all(torch.equal(v, dense[k]) and v.dtype == dense[k].dtype for k, v in model.state_dict().items())
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())

@@ -121,6 +121,10 @@ def test_ctrl_c_on_a_local_job_exits_130_with_one_line_and_removes_its_output(tm
     assert code == 130 and len(after) == 1 and after[0].startswith("osscar: interrupted;")
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt", "report.json"]
     assert (kept / "report.json").read_text() == "{}"
+    # SIGTERM alone (`timeout`, `docker stop`): the same clean-up; it left the run's scratch in --out for good
+    code, _, after = interrupt_when(compress_args(data, kept, 3000), "exporting and measuring", terminate=True)
+    assert code == 130 and len(after) == 1 and after[0].startswith("osscar: interrupted;"), after
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt", "report.json"]
 
 
 def test_cuda_out_of_memory_in_a_local_job_is_one_line_with_the_stage_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -38,10 +38,12 @@ def compress_args(data: Path, out: Path, repeats: int) -> list[str]:
             "--samples", "16", "--repeats", str(repeats), "--accuracy-budget", "none", "--out", str(out)]
 
 
-def interrupt_when(args: list[str], ready: str, after: str | None = None) -> tuple[int, list[str], list[str]]:
+def interrupt_when(args: list[str], ready: str, after: str | None = None,
+                   terminate: bool = False) -> tuple[int, list[str], list[str]]:
     """Run `osscar ARGS` in its own session, send SIGINT to its whole process group (what Ctrl-C on a
     terminal does) once a stderr line contains `ready` (and then one contains `after`); returns the exit
-    code, the stderr lines before the signal and those after it."""
+    code, the stderr lines before the signal and those after it. `terminate`: SIGTERM to the process alone
+    instead (what `timeout`, `docker stop` or a CI's cancel send)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     # a suite started in the background by a non-interactive shell (`cmd &`) has SIGINT ignored, and an
     # ignored signal stays ignored across exec: the CLI would never see the Ctrl-C. A handled one is reset
@@ -61,7 +63,10 @@ def interrupt_when(args: list[str], ready: str, after: str | None = None) -> tup
             if not waiting:
                 break
         assert not waiting, f"never saw {waiting}:\n" + "\n".join(before[-30:])
-        os.killpg(process.pid, signal.SIGINT)
+        if terminate:
+            os.kill(process.pid, signal.SIGTERM)
+        else:
+            os.killpg(process.pid, signal.SIGINT)
         rest = process.stderr.read()
         code = process.wait(60)
     finally:

@@ -170,3 +170,41 @@ def test_two_deliveries_into_one_out_take_turns(tmp_path, monkeypatch, capsys):
     second.join(10)
     assert not second.is_alive() and (out / "model.onnx").read_text() == "operations/b"
     assert "another osscar command is writing into" in capsys.readouterr().err
+
+
+def test_artifact_names_that_are_not_plain_file_names_are_refused_before_any_download(tmp_path, monkeypatch):
+    """A server (compromised, or a man in the middle of a plaintext channel) names the artifacts: `./../x` became a
+    path outside --out that the client wrote, then moved into --out. Only plain names are taken, none hidden."""
+    out = tmp_path / "proj" / "out"
+    for name in ("./../../.bashrc", "../x", ".osscar-request.json", "a/b"):
+        monkeypatch.setattr(transport, "unpack_metadata",
+                            lambda op, name=name: SimpleNamespace(artifacts=[SimpleNamespace(name=name)]))
+
+        class Client:
+            def download(self, *args):
+                raise AssertionError("nothing may be downloaded")
+
+        with pytest.raises(transport.ClientError, match="not plain file names"):
+            transport.deliver(Client(), operations_pb2.Operation(name="operations/e", done=True), out)
+    assert not (tmp_path / "proj").exists() and not (tmp_path / ".bashrc").exists()
+
+
+def test_the_same_command_after_its_inputs_changed_is_another_job(tmp_path):
+    """The mark that lets a re-run follow the job an earlier, killed run submitted: a model changed in place (same
+    path, new bytes) made the same command follow the old job and deliver a model of weights that no longer exist."""
+    import os
+
+    from service.api import compression_pb2 as pb
+    from service.client.remote import RequestMark
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"old weights")
+    request = pb.CompressRequest(model=str(model), calibration="embedded:calibration.txt", uniform_ratio=0.5)
+    out = tmp_path / "out"
+    RequestMark(out, "host:1", request).write("11111111-1111-1111-1111-111111111111", "operations/old")
+    assert RequestMark(out, "host:1", request).earlier()["operation"] == "operations/old"  # unchanged: followed
+    stat = (model / "model.safetensors").stat()
+    (model / "model.safetensors").write_bytes(b"new weights")  # same size, and the same mtime restored
+    os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert RequestMark(out, "host:1", request).earlier() is None

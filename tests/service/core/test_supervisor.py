@@ -286,8 +286,10 @@ def test_a_result_that_arrived_before_the_time_budget_ran_out_is_the_jobs(tmp_pa
         assert final.state == state
         if state == SUCCEEDED:
             assert [a.sha256 for a in final.artifacts] == [artifact["sha256"]] and jobs.blobs.exists(artifact["sha256"])
-        else:
+        else:  # where it was stopped, so a user knows what took the time
             assert final.error.reason == "TIME_BUDGET_EXCEEDED"
+            assert final.error.message == "the job exceeded its time budget of 0.2s in stage starting"
+            assert final.error.metadata["stage"] == "starting"
 
 
 def test_a_shutdown_leaves_a_pending_cancel_a_cancel(tmp_path):
@@ -398,6 +400,7 @@ def test_a_time_budget_spans_the_attempts_of_a_job(tmp_path, monkeypatch):
                                                                               _Running(Slot("cpu", "cpu")))))
     final = jobs.get(spent.name)
     assert not seen and final.state == FAILED and final.error.reason == "TIME_BUDGET_EXCEEDED"
+    assert final.error.message == "the job exceeded its time budget of 100s"
     assert spent.name not in jobs.supervisor.running
 
 

@@ -448,11 +448,63 @@ def test_every_field_that_changes_the_statistics_changes_the_curves_key(tmp_path
     changed = {"activation_dtype": "float16", "eval": tmp_path / "eval.npz", "samples": 100, "seed": 1,
                "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "sequences": 64, "sequence_length": 64,
                "min_sequence_length": 32, "shape": {"batch": 2}, "round_to": 16, "min_width": 0.2,
-               "gqa": "kv-groups", "remove_blocks": 2, "normalise": "layer", "model": "m2", "calibration": "c2"}
+               "gqa": "kv-groups", "remove_blocks": 2, "normalise": "layer", "model": "m2", "calibration": "c2",
+               "method": "mp", "add_bias": "yes"}  # the last two: mp's curves were reused for osscar, and back
     assert set(statistics_fields()) == set(changed)
     for name, value in changed.items():
         assert curves_cache_key(job, dataclasses.replace(base, **{name: value}), "1") != key, name
     assert curves_cache_key(job, _request(repeats=5, threads=1, max_rounds=2), "1") == key
+
+
+def test_the_curves_key_tells_apart_large_files_delivered_with_one_mtime_and_the_code_that_computed_them(
+        tmp_path, monkeypatch):
+    """Two deliveries of a model (every mtime 0 after the client unpacks it), the same sizes, other bytes: one key
+    each (an inode and change time tell them apart without reading them). And curves computed by other code
+    (an edit or a pull, the installed version unmoved) are not served as this code's."""
+    import os
+    from types import SimpleNamespace
+
+    from service.job import targeting
+
+    monkeypatch.setattr(targeting, "DIGESTED_BYTES", 4)  # files this size and up are not read
+    for name, content in (("a", b"weights one"), ("b", b"weights two")):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "model.safetensors").write_bytes(content)
+        os.utime(tmp_path / name / "sub" / "model.safetensors", (0, 0))
+    first, second = (targeting._fingerprint(tmp_path / n) for n in ("a", "b"))
+    assert first[1:] != second[1:] and first[1][0] == "sub/model.safetensors"
+    job = SimpleNamespace(causal=False, shape={"batch": 8})
+    key = targeting.curves_cache_key(job, _request(), "1")
+    monkeypatch.setattr(targeting, "code_digest", lambda: "other code")
+    assert targeting.curves_cache_key(job, _request(), "1") != key
+
+
+def test_a_cached_curves_file_that_does_not_read_is_computed_again(tmp_path):
+    """A curves file cut short (a power loss before its rename reached the disk) or of another format failed every
+    job of its key with a traceback until someone deleted it."""
+    from service.job import targeting
+
+    request = _request(home=tmp_path)
+    observed = []
+
+    class Job:
+        causal, shape = False, {"batch": 8}
+
+        def currency(self):
+            return None
+
+        def prune(self, ratio, observe):
+            observed.append(ratio)
+
+    said = []
+    path = tmp_path / "curves" / f"{targeting.curves_cache_key(Job(), request, '1')}.json"
+    path.parent.mkdir()
+    for broken in ('[{"name": "l', '[{"unknown_field": 1}]'):
+        path.write_text(broken)
+        assert targeting.dense_curves(Job(), request, said.append, "1") == []
+        assert any("do not read" in str(getattr(s, "message", s)) for s in said)
+        assert path.read_text() == "[]"  # written again
+    assert observed == [0.0, 0.0]
 
 
 class FakeDepthJob:
