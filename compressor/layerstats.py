@@ -212,7 +212,8 @@ def prune_layer(name: str, kind: str, stats: FinishedStatistics, group_size: int
     if observe is not None:
         cost, stream_energy = costs()
         observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy))
-    sol = solve_layer(stats.H, stats.G, group_size, num_prune, method, dense_weight=dense_weight, rank=rank)
+    sol = solve_layer(stats.H, stats.G, group_size, num_prune, method, dense_weight=dense_weight, rank=rank,
+                      magnitude_scale=scale)
     if sol.stats.get("fallback"):
         emit(progress, warning(f"{name}: the search fell back to {sol.stats['fallback']}"), log)
     kept = kept_solution(sol, group_size, scale, stats)

@@ -47,6 +47,9 @@ class LayerProblem:
     # an upper bound on rank(H) (the calibration rows behind it, one fewer once centred), or None: a
     # factorisation of more rows than that is singular, so it starts at the first positive damping rung
     rank: int | None = None
+    # the column scale `dense_weight` carries (a post-norm's gamma, a next BatchNorm's gamma / sigma, which weight
+    # the objective's error), or None: MP ranks the weight as the model holds it (the OSSCAR paper's MP and MP+)
+    magnitude_scale: Tensor | None = None
 
     def singular(self, rows: int) -> bool:
         """Whether a principal block of `rows` rows of H is known to be singular (from `rank`)."""
@@ -168,7 +171,9 @@ class LayerProblem:
         """Groups of the dense weight by increasing Frobenius norm (MP's pruning order)."""
         if self.dense_weight is None:
             raise ValueError("this method needs dense_weight (the layer's dense weight W_hat)")
-        norms = self.dense_weight.view(self.num_groups, -1).square().sum(1)
+        weight = self.dense_weight if self.magnitude_scale is None else \
+            self.dense_weight / self.magnitude_scale.to(self.dense_weight)  # d1 x d2, columns unscaled
+        norms = weight.reshape(self.num_groups, -1).square().sum(1)
         return torch.argsort(norms, stable=True)
 
 

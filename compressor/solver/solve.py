@@ -215,6 +215,7 @@ def solve_layer(
     *,
     dense_weight: Tensor | None = None,
     rank: int | None = None,
+    magnitude_scale: Tensor | None = None,
     **options: Any,
 ) -> LayerSolution:
     """Choose `num_prune` groups of rows to remove and the optimal remaining weight.
@@ -229,6 +230,8 @@ def solve_layer(
             flap, osscar-support).
         rank: an upper bound on rank(H), e.g. the calibration rows behind it (one fewer once centred);
             factorisations of more rows than that skip the undamped attempt (see `problem.factorize`).
+        magnitude_scale: the column scale (d2,) that dense_weight carries (a norm's gamma weighting the error), which
+            MP's order (mp, mp+ and osscar's MP+ guard) takes off: they rank the weight as the model holds it.
         **options: method options (see `OsscarConfig` for "osscar").
 
     Results are on H's device; `weight` has G's dtype.
@@ -236,6 +239,9 @@ def solve_layer(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {sorted(METHODS)}")
     pb = LayerProblem.validate(H, G, group_size, num_prune, dense_weight, rank)
+    if magnitude_scale is not None:
+        assert magnitude_scale.shape == (pb.G.shape[1],), (tuple(magnitude_scale.shape), tuple(pb.G.shape))
+        pb = dataclasses.replace(pb, magnitude_scale=magnitude_scale.to(pb.G))
     if method in DENSE_WEIGHT_METHODS and pb.dense_weight is None:
         raise ValueError(f"method {method!r} needs dense_weight (the layer's dense weight W_hat)")
     start = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..solver.baselines import flap_allocation
-from .adapters import adapter_for, block_path, dims, layers
+from .adapters import TransformerDims, adapter_for, block_path, dims, layers
 from .surgery import dense_weight, in_features, projection
 
 
@@ -71,14 +71,21 @@ def fluctuation_scores(model: nn.Module, batches: Sequence[dict[str, Tensor]]) -
     return scores[0::2], scores[1::2]
 
 
+def head_rows(d: TransformerDims) -> float:
+    """The rows of hidden size a query head takes with it: its query and output rows, and its share of its KV head's
+    key and value rows (a whole KV head each on a model without grouped queries)."""
+    return (2 + 2 * d.kv_heads / d.heads) * d.head_dim
+
+
 def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep: float) -> dict:
     """FLAP's widths for `model` keeping `keep` of its attention and FFN parameters, as a structure for
     `--widths-from`: {"layers": [{name, width_after}], "removed_layers": [sub-layers left with no unit]}; query
-    heads are the attention's unit (a head weighs its query and output rows: 2 x head_dim x hidden parameters,
-    a neuron its FFN rows and column: (up projections + 1) x hidden)."""
+    heads are the attention's unit (a head weighs its query and output rows and its share of its KV head's key and
+    value rows: (2 + 2 kv_heads / heads) x head_dim x hidden parameters, all four on a model without grouped
+    queries; a neuron its FFN rows and column: (up projections + 1) x hidden)."""
     adapter, d = adapter_for(model), dims(model)
     attention, ffn = fluctuation_scores(model, batches)
-    head_weight = 2 * d.head_dim / (adapter.up_matrices + 1)
+    head_weight = head_rows(d) / (adapter.up_matrices + 1)
     heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)
     structure: dict = {"layers": [], "removed_layers": []}
     for i, (h, n) in enumerate(zip(heads, neurons, strict=True)):

@@ -509,3 +509,15 @@ def test_a_single_row_block_that_is_not_positive_scores_nan():
 
     scores = block_scores(torch.tensor([[[2.0]], [[-4.0]], [[0.0]]]), torch.tensor([[[1.0]], [[1.0]], [[1.0]]]))
     assert scores[0] == 0.25 and scores[1:].isnan().all()
+
+
+def test_mp_ranks_the_weight_as_the_model_holds_it_when_the_problem_scales_its_columns():
+    """A dense weight given with its columns scaled (a norm's gamma weighting the objective): MP's order, and so
+    mp+ and osscar's MP+ guard, takes the scale off; without `magnitude_scale` it ranks what it is given."""
+    pb = correlated_problem(4, 2, seed=3)
+    raw = torch.tensor([[3.0, 0.04], [1.0, 0.03], [2.0, 0.01], [0.5, 0.02]], dtype=torch.float64)
+    scale = torch.tensor([1.0, 100.0], dtype=torch.float64)  # column 2's small entries dominate once scaled
+    unscaled = solve_layer(pb.H, pb.G, 1, 2, "mp+", dense_weight=raw * scale, magnitude_scale=scale)
+    plain = solve_layer(pb.H, pb.G, 1, 2, "mp+", dense_weight=raw * scale)
+    assert unscaled.pruned == [1, 3]  # the raw rows' norms: 1.0 and 0.5 are the smallest
+    assert plain.pruned == [2, 3]  # the scaled ones: 2.24 and 2.06

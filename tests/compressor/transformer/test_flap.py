@@ -34,9 +34,10 @@ def test_flaps_structure_prunes_through_the_pipeline_and_keeps_about_its_share(k
     batches = [example_inputs(model, batch=3, length=7, seed=s) for s in range(2)]
     structure = flap_structure(model, batches, keep)
     widths = {layer["name"]: layer["width_after"] for layer in structure["layers"]}
-    # 8 query heads of head_dim 4 (a head: 2 x 4 rows of 32), 20 neurons (3 rows of 32) per layer
-    kept = sum(w * (8 / 3 if "o_proj" in n else 1) for n, w in widths.items())
-    assert kept == pytest.approx(keep * 2 * (8 * 8 / 3 + 20), abs=8 / 3)
+    # 8 query heads of head_dim 4 over 2 KV heads (a head: its q and o rows and a quarter of its KV head's k and v
+    # rows, (2 + 2 x 2 / 8) x 4 = 10 rows of 32), 20 neurons (3 rows of 32) per layer
+    kept = sum(w * (10 / 3 if "o_proj" in n else 1) for n, w in widths.items())
+    assert kept == pytest.approx(keep * 2 * (8 * 10 / 3 + 20), abs=10 / 3)
     names = {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")}
     assert set(widths) | set(structure["removed_layers"]) == names
     assert not structure["removed_layers"]  # every layer of this model keeps some of both

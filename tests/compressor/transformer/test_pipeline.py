@@ -453,3 +453,18 @@ def test_a_norm_weight_of_zero_leaves_finite_refit_weights():
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(3)]
     pruned, _ = prune_transformer(model, data, 0.5)
     assert all(torch.isfinite(p).all() for p in pruned.parameters())
+
+
+def test_mp_plus_keeps_mps_support_on_a_post_norm_model():
+    """The OSSCAR paper's MP+ is MP's support, refit: on BERT (a LayerNorm after each sub-layer, whose gamma weights
+    the refit's error) mp+ ranked the gamma-scaled weight and kept other heads and neurons than mp."""
+    model = MODELS["bert"]()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) * 3 + 0.05)
+    data = batches(model)
+    _, mp = prune_transformer(model, data, 0.5, method="mp")
+    _, mp_plus = prune_transformer(model, data, 0.5, method="mp+")
+    assert [r.kept for r in mp_plus] == [r.kept for r in mp]
