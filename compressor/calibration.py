@@ -3,10 +3,12 @@ evaluation inputs held out of them (`split_images`, `split_text`): a job never s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,12 +150,25 @@ def draw(n: int, samples: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(n)[:samples])
 
 
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """np.load inside the block: a file that is not a readable .npz / .npy (empty, cut short, text under that name)
+    is the caller's error in one line, not EOFError or BadZipFile from numpy."""
+    try:
+        yield
+    except CalibrationError:
+        raise
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as err:
+        raise CalibrationError(f"{path}: not a readable {path.suffix} file ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else 'no detail'})") from err
+
+
 def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """The file's images as stored (checked): uint8 NHWC from `.npz`, float32 NCHW from `.npy`."""
     if not path.is_file():
         raise CalibrationError(f"no such calibration file: {path}")
     if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as data:
+        with _readable(path), np.load(path, allow_pickle=False) as data:
             if "x" not in data:
                 raise CalibrationError(f"{path}: expected an array 'x' (uint8 NHWC), found {sorted(data.files)}")
             x = data["x"]
@@ -170,7 +185,8 @@ def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) ->
             raise CalibrationError(f"std must be positive (got {std})")
         return x
     if path.suffix == ".npy":
-        x = np.load(path, allow_pickle=False)
+        with _readable(path):
+            x = np.load(path, allow_pickle=False)
         if x.dtype != np.float32 or x.ndim != 4:
             raise CalibrationError(f"{path}: expected float32 NCHW, got {x.dtype} with shape {x.shape}")
         if not np.isfinite(x).all():
@@ -239,7 +255,11 @@ def split_text(
     to a calibration window (a text that repeats itself) is dropped. The held-out part is at most half the
     text; whether it is enough is the caller's to check (`HeldOut.check`)."""
     shortest = _check_windows(sequences, length, min_length)
-    first, second = _held_out_cut(_documents(Path(path), tokenizer))
+    documents = _documents(Path(path), tokenizer)
+    first, second = _held_out_cut(documents)
+    if not any(len(d) for d in first) or not any(len(d) for d in second):
+        raise CalibrationError(f"{path}: {sum(len(d) for d in documents)} tokens are too few to draw calibration "
+                               "windows from and hold an evaluation part out of; give a longer text")
     calibration = _windows(first, sequences, length, shortest, seed)
     evaluation = _windows(second, eval_sequences, length, shortest, seed + 1)
     kept, dropped = unseen_windows(evaluation, calibration, runs=False)
@@ -456,7 +476,7 @@ def _integers(array: np.ndarray, path: Path, name: str) -> np.ndarray:
 
 def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
     if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as data:
+        with _readable(path), np.load(path, allow_pickle=False) as data:
             if "ids" not in data or "offsets" not in data:
                 raise CalibrationError(f"{path}: expected arrays 'ids' and 'offsets', found {sorted(data.files)}")
             ids, offsets = _integers(data["ids"], path, "ids"), _integers(data["offsets"], path, "offsets")
@@ -465,7 +485,8 @@ def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray
             raise CalibrationError(f"{path}: 'offsets' must rise from 0 to len(ids)")
         return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     if path.suffix == ".npy":
-        ids = np.load(path, allow_pickle=False)
+        with _readable(path):
+            ids = np.load(path, allow_pickle=False)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise CalibrationError(f"{path}: expected a 1-d integer array of token ids, got {ids.dtype} {ids.shape}")
         return [ids]

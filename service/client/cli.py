@@ -16,7 +16,7 @@ from typing import Any
 from compressor.errors import InputError
 
 from ..files import JOB_OUTPUTS
-from .options import add_connection_flags, add_request_flags, compress_options, label_flag
+from .options import add_connection_flags, add_request_flags, compress_options, label_flag, seconds
 from .terminal import JobProgress, ignoring_interrupts
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class WrittenOutputs:
 
 # flags that only mean something with --server (their defaults: not given)
 REMOTE_ONLY = {"upload": False, "request_id": None, "label": None, "cancel_on_interrupt": False, "tls_ca": None,
-               "tls_cert": None, "tls_key": None, "token_file": None}
+               "tls_cert": None, "tls_key": None, "token_file": None, "timeout": None, "connect_timeout": None}
 
 
 def _compress(args: argparse.Namespace) -> int:
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     check.add_argument("--service", default="", help="service name (default: the whole server)")
     check.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
-    check.add_argument("--timeout", type=float, default=5.0)
+    check.add_argument("--timeout", type=seconds, default=5.0)
     check.set_defaults(func=_health)
     return parser
 

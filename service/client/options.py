@@ -125,7 +125,16 @@ def _flag_type(kind: Any) -> Any:
         return _floats
     if origin is dict:
         return _shape
+    if origin is Path:
+        return _path
     return kind
+
+
+def _path(value: str) -> Path:
+    """A path flag's value; an empty one (an unset variable: `--out "$OUT"`) would be the current directory."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a file or folder")
+    return Path(value)
 
 
 def _default_text(value: Any) -> str:
@@ -164,11 +173,24 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
         (mode if f.name in MODES else parser).add_argument(flag, **kwargs)
 
 
+def seconds(value: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {value})")
+    return number
+
+
 def add_connection_flags(parser, connect_timeout: float) -> None:
     """How a client reaches a server (besides --server): deadlines, TLS and the bearer token."""
-    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default 60)")
-    parser.add_argument("--connect-timeout", type=float, default=connect_timeout,
+    # defaults None, filled in by `connect`: a local `osscar compress` refuses them as given (they bound no local job)
+    parser.add_argument("--timeout", type=seconds, default=None, help="deadline of each call in seconds (default 60)")
+    parser.add_argument("--connect-timeout", type=seconds, default=None,
                         help=f"how long to wait for the server to come up (default {connect_timeout:g} s)")
+    parser.set_defaults(default_connect_timeout=connect_timeout)
     parser.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mTLS)")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")

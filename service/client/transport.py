@@ -37,6 +37,7 @@ from ..files import (
 )
 
 UPLOAD_CHUNK = 1 << 20
+DEFAULT_TIMEOUT_S = 60.0  # each call's deadline when --timeout is not given
 
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -229,10 +230,12 @@ def describe_error(err: grpc.RpcError) -> str:
 def connect(args: argparse.Namespace) -> RemoteCompressor:
     """A client for the connection flags (`--server`, TLS, token, `--timeout`), once the server answers."""
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("OSSCAR_TOKEN")
-    client = RemoteCompressor(args.server, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+    timeout = getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S
+    connect_timeout = getattr(args, "connect_timeout", None) or getattr(args, "default_connect_timeout", 60.0)
+    client = RemoteCompressor(args.server, timeout_s=timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                               tls_key=args.tls_key, token=token or None)
     try:
-        client.wait_ready(args.connect_timeout)
+        client.wait_ready(connect_timeout)
     except BaseException:
         client.close()
         raise

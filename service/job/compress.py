@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from compressor.errors import InputError
@@ -30,7 +31,7 @@ from compressor.reports import LayerReport, RefineReport
 from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import ExportError, Parity, ParityError, stamp_metadata
-from exporters.runtime import Latency, RuntimeFailure, default_provider, measure_latency
+from exporters.runtime import PROVIDERS, Latency, RuntimeFailure, default_provider, measure_latency
 
 from ..files import (
     JOB_EXPORTS,
@@ -95,6 +96,40 @@ class _OutOfTime(Exception):
         self.index = index
 
 
+def _check_here(request: CompressRequest) -> None:
+    """The request against this machine: its device and ONNX Runtime provider exist here, --out can be written,
+    and an `--out/model` folder is an earlier job's (a job replaces it whole)."""
+    import onnxruntime as ort
+
+    device = request.device
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use cpu")
+    if device is not None and device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise InputError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here")
+    provider = request.execution_provider
+    if provider is not None and PROVIDERS[provider] not in ort.get_available_providers():
+        raise InputError(f"--execution-provider {provider}: ONNX Runtime here has only "
+                         f"{', '.join(ort.get_available_providers())}")
+    out = Path(request.out_dir)
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor) or str(p) == ".")
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: {existing} is {'not a folder' if not existing.is_dir() else 'not writable'}")
+    model = out / "model"
+    if model.is_dir() and not model.is_symlink() and not request.reads(model) and not _earlier_model(out):
+        raise InputError(f"--out {out}: its model/ folder is no earlier job's (no report.json there names it), and "
+                         "a job replaces that folder whole; move it or choose another --out")
+
+
+def _earlier_model(out: Path) -> bool:
+    """Whether an earlier job's report.json in `out` names `out/model` as its pruned model."""
+    try:
+        report = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    artifacts = report.get("artifacts") if isinstance(report, dict) else None
+    return isinstance(artifacts, dict) and str(artifacts.get("model", "")).rstrip("/") == "model"
+
+
 def _identical(outputs: Any, reference: Any) -> bool:
     """Whether two models' evaluation outputs are the same to the bit (arrays, or lists and tuples of them)."""
     if isinstance(outputs, list | tuple) and isinstance(reference, list | tuple):
@@ -129,6 +164,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     request.validate()
     if request.out_dir is None:
         raise InputError("an output directory is required (--out)")
+    _check_here(request)  # what can be known before the model loads, not found an hour into the job
     emit = progress or (lambda record: log.info("%s", render(record)))
     warnings: list[str] = []  # every warning of the job, also in report.json's `warnings`
 
@@ -471,6 +507,13 @@ def _save(request: CompressRequest, job: ModelJob, chosen: Round, out: Path) -> 
         raise _EvaluationFailed("save", None, "the model.onnx about to be returned is not the file the accuracy "
                                 "check scored", chosen.layers)
     artifact = job.save(chosen.module, out)
+    # the other kind's pruned model, an earlier job's in a reused --out, would seem this model's (`_check_here`
+    # made sure a model/ folder there is a job's); not when this job read it
+    other = out / ("model" if artifact == "model.pt2" else "model.pt2")
+    if other.is_dir() and not other.is_symlink() and not request.reads(other):
+        shutil.rmtree(other)
+    elif other.exists() and not request.reads(other):
+        other.unlink()
     for data in chosen.onnx.parent.glob("*.data"):  # external weights of a model over 2 GB
         os.replace(data, out / data.name)
     stamp_metadata(out / "model.onnx", {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -275,6 +276,10 @@ class CompressRequest:
         check(self.threads is None or 1 <= self.threads <= 1024, "threads",
               f"--threads must be in [1, 1024] (got {self.threads})")
         check(0 < self.min_width <= 1, "min_width", f"--min-width must be in (0, 1] (got {self.min_width})")
+        check(not (self.target_speedup is not None and self.min_width == 1 and self.remove_blocks == 0),
+              "min_width", "--min-width 1 with --remove-blocks 0 leaves target mode nothing to remove")
+        check(self.device is None or re.fullmatch(r"cpu|cuda(:\d{1,2})?", self.device) is not None, "device",
+              f"--device must be cpu, cuda or cuda:N (got {self.device!r})")
         check(self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0), "time_budget",
               f"--time-budget must be a positive number of seconds (got {self.time_budget})")
         # a relative rise of a perplexity may exceed 1 (1: the default 2x dense rule); an accuracy's drop beyond 1

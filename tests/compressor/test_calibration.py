@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressor.calibration import load_images, load_text
+from compressor.calibration import load_images, load_text, split_text
 from compressor.errors import CalibrationError
 
 
@@ -41,6 +41,25 @@ def test_npy_is_used_as_is(tmp_path):
 def test_bad_calibration_data_is_refused(tmp_path, setup, words):
     with pytest.raises(CalibrationError, match=words):
         load_images(setup(tmp_path))
+
+
+@pytest.mark.parametrize("name, content", [("c.npz", b""), ("c.npz", b"x, y\n1, 2\n"), ("c.npz", b"PK\x03\x04 cut"),
+                                           ("c.npy", b""), ("c.npy", b"\x93NUMPY garbage")])
+def test_files_that_do_not_read_as_numpy_arrays_are_refused_in_one_line(tmp_path, name, content):
+    """An empty, cut-short or text file named .npz / .npy, as images or as token ids: EOFError, BadZipFile or
+    numpy's pickle ValueError were tracebacks."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(CalibrationError, match=f"{name}: not a readable"):
+        load_images(tmp_path / name)
+    with pytest.raises(CalibrationError, match=f"{name}: not a readable"):
+        load_text(tmp_path / name, sequences=2, length=4, batch_size=2)
+
+
+def test_a_text_too_short_to_hold_an_evaluation_part_out_is_refused(tmp_path):
+    """Three token ids: the held-out cut left one side empty and the window draw raised `high <= 0`."""
+    np.save(tmp_path / "ids.npy", np.array([5, 6, 7]))
+    with pytest.raises(CalibrationError, match="3 tokens are too few"):
+        split_text(tmp_path / "ids.npy", sequences=2, length=4)
 
 
 def test_text_calibration_from_token_ids(shared_data):
@@ -142,7 +161,7 @@ def test_more_windows_come_from_where_the_calibration_draws_never_the_held_out_e
     """`more_windows`: the calibration's kind of windows, of the text `split_text` calibrates on (its end held out),
     or of all of it when an evaluation file holds the evaluation windows; `unseen_rows` picks a batch's windows
     that repeat none of another's."""
-    from compressor.calibration import more_windows, split_text, unseen_rows
+    from compressor.calibration import more_windows, unseen_rows
 
     ids = np.arange(6000)  # token = position
     np.savez(tmp_path / "ids.npz", ids=ids, offsets=np.array([0, 2500, 6000]))

@@ -201,3 +201,13 @@ def test_flags_a_local_job_cannot_honour_are_one_line_before_anything_runs(tmp_p
     assert cli.main([*base, "--out", str(tmp_path / "a-file")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("osscar: error: --out ") and "is a file" in err and "\n" not in err
+    # the call deadlines bound no local job (they were ignored), and an empty --out (an unset `$OUT`) was the current
+    # directory, whose model/ folder the job replaced
+    assert cli.main([*base, "--out", str(tmp_path / "o"), "--timeout", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "osscar: error: --timeout only with --server (this job would run here)"
+    with pytest.raises(SystemExit) as refused:
+        cli.main([*base, "--out", ""])
+    assert refused.value.code == 2 and "an empty path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["operations", "list", "--timeout", "-1"])
+    assert "must be a positive number of seconds" in capsys.readouterr().err

@@ -1036,3 +1036,47 @@ def test_target_mode_starts_no_round_its_time_budget_cannot_hold(model_and_data,
     report = json.loads((out / "report.json").read_text())
     assert started == [1] and len(report["rounds"]) == 1 and (out / "model.onnx").is_file()
     assert any("round 1 not started: 0s of the time budget left" in w for w in report["warnings"]), report["warnings"]
+
+
+def test_what_the_machine_refuses_is_said_before_the_model_loads(model_and_data, tmp_path, monkeypatch):
+    """A device or ONNX Runtime provider this machine lacks, an --out that cannot be made, and an --out whose model/
+    folder is no job's (the job replaced it whole, a user's files with it) end in one line before anything loads:
+    they were tracebacks, or a parity failure after every layer was pruned."""
+    import importlib
+
+    from compressor.errors import InputError
+
+    compress = importlib.import_module("service.job.compress")
+    monkeypatch.setattr(compress, "open_job", lambda *a, **k: pytest.fail("the model was loaded"))
+    root = model_and_data
+
+    def request(**fields):
+        return CompressRequest(**{"model": root / "model.pt2", "calibration": root / "cal.npz", "uniform_ratio": 0.5,
+                                  "out_dir": tmp_path / "out", **fields})
+
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="--device cuda: this torch has no CUDA device"):
+            compress.compress(request(device="cuda"))
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(InputError, match="--execution-provider cuda: ONNX Runtime here has only"):
+            compress.compress(request(execution_provider="cuda"))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(InputError, match="is not a folder"):
+        compress.compress(request(out_dir=tmp_path / "a-file" / "sub"))
+    mine = tmp_path / "mine"
+    (mine / "model").mkdir(parents=True)
+    (mine / "model" / "notes.txt").write_text("a user's")
+    with pytest.raises(InputError, match="its model/ folder is no earlier job's"):
+        compress.compress(request(out_dir=mine))
+    assert (mine / "model" / "notes.txt").read_text() == "a user's"
+
+
+def test_a_job_into_an_earlier_jobs_out_removes_the_other_kinds_pruned_model(model_and_data, tmp_path):
+    """A conv job into the --out of a transformer job: the earlier model/ stayed beside the new model.pt2 and
+    model.onnx, as if it were this model's."""
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "report.json").write_text(json.dumps({"artifacts": {"model": "model/"}}))
+    assert cli.main([*_conv_args(model_and_data, out), "--accuracy-budget", "none"]) == 0
+    assert (out / "model.pt2").is_file() and not (out / "model").exists()

@@ -124,6 +124,19 @@ def test_every_violation_is_listed_and_is_an_input_error():
         bad.validate()
 
 
+def test_a_device_that_is_none_and_a_target_with_nothing_to_remove_are_refused():
+    """--device foo / meta were tracebacks from inside the solves; --min-width 1 with --remove-blocks 0 ran a whole
+    round of target mode that could narrow nothing."""
+    base = {"model": "m", "calibration": Path("c"), "out_dir": Path("o")}
+    for device in ("foo", "meta", "cuda:x", "gpu"):
+        assert "device" in dict(CompressRequest(**base, uniform_ratio=0.5, device=device).violations()), device
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert not CompressRequest(**base, uniform_ratio=0.5, device=device).violations(), device
+    refused = dict(CompressRequest(**base, target_speedup=1.5, min_width=1.0, remove_blocks=0).violations())
+    assert "nothing to remove" in refused["min_width"]
+    assert not CompressRequest(**base, target_speedup=1.5, min_width=1.0).violations()  # blocks may still go
+
+
 def test_request_from_spec_refuses_unknown_fields():
     with pytest.raises(TypeError, match="no field 'nonsense'"):
         request_from_spec({"nonsense": 1})
