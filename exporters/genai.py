@@ -44,7 +44,9 @@ def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any
                          f"(supported: {', '.join(sorted(GENAI_TYPES))})")
     config, d = model.config, dims(model)
     kept = [i for i in range(d.layers) if not is_removed(model, i, ATTENTION)]
-    kv_heads = len(set(kv_index(model, kept[0]).tolist())) if kept else d.kv_heads
+    # the first layer with an attention, as pruned (the config's counts are the dense model's when layers differ)
+    first = kv_index(model, kept[0]).tolist() if kept else None
+    heads, kv_heads = (len(first), len(set(first))) if first is not None else (d.heads, d.kv_heads)
     eos = _token_id(getattr(config, "eos_token_id", None))
     pad = _token_id(getattr(config, "pad_token_id", None))
     if isinstance(pad, list):  # one id, as GenAI reads it
@@ -55,7 +57,7 @@ def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any
         "session_options": {"log_id": "osscar", "provider_options": []},
         "head_size": d.head_dim,
         "hidden_size": d.hidden,
-        "num_attention_heads": d.heads,
+        "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,  # the first cache's; every cache's shape comes from the graph
         "num_hidden_layers": kv_layers(model),  # the caches: a layer without attention has none
         "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",

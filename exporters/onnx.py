@@ -393,9 +393,23 @@ class _NamedInputs(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, names: tuple[str, ...], output: str) -> None:
         super().__init__()
         self.model, self.names, self.output = model, names, output
+        self.positions = _positions_from_mask(model) and "attention_mask" in names
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return getattr(self.model(**dict(zip(self.names, inputs, strict=True))), self.output)
+        named = dict(zip(self.names, inputs, strict=True))
+        if self.positions:
+            named["position_ids"] = mask_positions(named["attention_mask"])
+        return getattr(self.model(**named), self.output)
+
+
+def _positions_from_mask(model: torch.nn.Module) -> bool:
+    family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
+    return family is not None and family.positions_from_mask
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted along its row's attention mask (padding at 0), as generate() counts them."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def export_hf_onnx(
@@ -538,6 +552,7 @@ class _DecodeStep(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, layers: int) -> None:
         super().__init__()
         self.model, self.layers = model, layers
+        self.positions = _positions_from_mask(model)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -546,7 +561,11 @@ class _DecodeStep(torch.nn.Module):
         cache = DynamicCache()
         for i in range(self.layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        extra = {}
+        if self.positions:  # the new tokens' positions: the last columns of the whole mask's count
+            extra["position_ids"] = mask_positions(attention_mask)[:, -input_ids.shape[1]:]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                         **extra)
         present = out.past_key_values.layers
         return (out.logits, *[t for i in range(self.layers) for t in (present[i].keys, present[i].values)])
 

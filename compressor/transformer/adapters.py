@@ -78,6 +78,10 @@ class FamilyAdapter:
     # position ids start after the padding index (RoBERTa: pad_token_id + 1), so max_position_embeddings
     # holds that many positions fewer than a sequence may use
     positions_after_padding: bool = False
+    # learned absolute positions read from `position_ids`, which the model counts from 0 whatever the padding
+    # (GPT-2's wpe): the exports count them along the attention mask as generate() does, so a left-padded row is
+    # its unpadded self (rotary positions are shift-invariant; OPT counts along the mask itself)
+    positions_from_mask: bool = False
     # where the module holding a sub-layer's output projection also adds the residual (BERT's attention.output:
     # LayerNorm(dense(x) + input); OPT's FFN, inline in the block), the module computing that projection's input:
     # a removed sub-layer replaces it and the projection (`sublayers`); None: the projection's parent module
@@ -131,7 +135,7 @@ OPT_LIKE = FamilyAdapter(layers="model.decoder.layers", q="self_attn.q_proj", k=
 GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.c_attn", o="attn.c_proj",
                           up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
                           head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",), causal=True,
-                          ffn_key="n_inner")
+                          ffn_key="n_inner", positions_from_mask=True)
 # parallel or sequential residual alike (use_parallel_residual): the projections' inputs are what they are
 GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value", k="attention.query_key_value",
                          v="attention.query_key_value", o="attention.dense", up=("mlp.dense_h_to_4h",),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -97,11 +100,8 @@ def _compress(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         print(f"osscar: error: --out {out} is a file; give a folder (new or one of an earlier job's)", file=sys.stderr)
         return 2
-    from ..core.outcomes import JobError, out_of_memory
     from ..embedded import embedded
     from ..files import default_home
-    from ..job import CompressRequest, compress
-    from ..job.report_html import record_references
 
     options = compress_options(args)
     if args.time_budget is not None:  # the job paces its reconstruction to it, as on a server
@@ -113,8 +113,53 @@ def _compress(args: argparse.Namespace) -> int:
         if value is not None and str(value).startswith("embedded:"):
             options[name] = embedded(str(value), default_home())
     options["model"] = str(options["model"])
+    written = WrittenOutputs(out)
+    try:
+        held = _hold(out)
+    except OSError as err:
+        print(f"osscar: error: --out {out}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    if held is None:
+        print(f"osscar: error: another osscar command is writing into {out} (a job or a download); wait for it to end "
+              "or give another --out", file=sys.stderr)
+        return 2
+    # local jobs take turns timing ONNX Runtime with each other and with a server's jobs on this machine, as those do
+    turns = "OSSCAR_LATENCY_LOCK" not in os.environ
+    if turns:
+        os.environ["OSSCAR_LATENCY_LOCK"] = str(default_home() / "latency.lock")
+    try:
+        return _run_local(args, options, given, written)
+    finally:
+        if turns:
+            os.environ.pop("OSSCAR_LATENCY_LOCK", None)
+        os.close(held)  # releases the folder
+        if written.created:  # a folder this run made and left empty (a refusal before anything was written)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def _hold(out: Path) -> int | None:
+    """`out` (made if need be) held by this process for the whole job, as a delivery holds it
+    (`transport._writing`): two jobs into one folder replaced and removed each other's files, and an interrupted one
+    took back the other's. Returns the held folder's descriptor, or None when another process holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _run_local(args: argparse.Namespace, options: dict[str, Any], given: dict[str, str],
+               written: WrittenOutputs) -> int:
+    """The local job in `--out`, which this process holds."""
+    from ..core.outcomes import JobError, out_of_memory
+    from ..job import CompressRequest, compress
+    from ..job.report_html import record_references
+
     progress = JobProgress(sys.stderr)
-    written = WrittenOutputs(Path(args.out_dir))
     current = {"stage": "loading"}
     try:
         report = compress(CompressRequest(**options), progress=progress,

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
+import os
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from compressor.errors import InputError
 
 from ..errors import (
     AlreadyExists,
@@ -59,6 +63,10 @@ class UploadHeader:
     sha256: str = ""  # "": not declared
 
 
+class HomeInUse(InputError):
+    """Another server holds this OSSCAR_HOME."""
+
+
 class JobService:
     def __init__(self, config: ServiceConfig, metrics: Metrics | None = None) -> None:
         self.config = config
@@ -79,8 +87,10 @@ class JobService:
 
     def open(self) -> None:
         """Open (and migrate) the store, remove what a crash left half-written, recover the jobs a stop
-        interrupted and queue the queued ones; nothing runs until `start`."""
+        interrupted and queue the queued ones; nothing runs until `start`. The home is this process's alone
+        while it is open (`HomeInUse` otherwise)."""
         self.home.mkdir(parents=True, exist_ok=True)
+        self._lock_home()
         self.store = JobStore(self.home / "jobs.sqlite")
         removed = self.blobs.clean_tmp()
         if removed:
@@ -90,6 +100,23 @@ class JobService:
         self.supervisor = Supervisor(self.config, self.store, self.blobs, self.feeds, self.metrics, self.executor)
         self.supervisor.recover()
         self.supervisor.observe()
+
+    def _lock_home(self) -> None:
+        """A second server on this home would take the first one's running jobs for interrupted ones, delete their
+        scratch and re-run them, and empty its partial uploads: refused. A POSIX record lock: the process's own
+        (a second service of one process shares it), released by the kernel when the process dies."""
+        path = self.home / "server.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = path.read_text().strip() or "another process"
+            os.close(fd)
+            raise HomeInUse(f"{self.home} is in use by another osscar server (pid {holder}); give this one its own "
+                            "--home") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._home_lock = fd  # held (open) for the process's life or until `close`
 
     def _executor(self) -> Executor:
         if self.config.executor == "ray":
@@ -127,6 +154,9 @@ class JobService:
         """Close the store, once the transport answers no more calls (after `drain`): a wait that runs out while
         the server stops still reads its operation."""
         self.store.close()
+        if getattr(self, "_home_lock", None) is not None:
+            os.close(self._home_lock)  # the home is free for the next server
+            self._home_lock = None
 
     # ---- operations ------------------------------------------------------------------------------
 

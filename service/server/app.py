@@ -47,6 +47,7 @@ def service_config(settings: ServerSettings) -> ServiceConfig:
         home=Path(settings.home).expanduser().resolve(), max_queue=settings.max_queue,
         devices=settings.list_of("devices"), max_attempts=settings.max_attempts,
         retention_s=settings.retention_days * 86400, max_upload_bytes=settings.max_upload_mb << 20,
+        upload_idle_s=settings.upload_idle_s,
         policy=ReferencePolicy.of(settings.list_of("allowed_roots"), settings.list_of("allowed_schemes"),
                                   settings.list_of("trust_remote_code")),
         log_format=settings.log_format, executor=settings.executor, ray_address=settings.ray_address,

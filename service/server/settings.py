@@ -51,6 +51,7 @@ class ServerSettings(BaseSettings):
     retention_days: float = Field(30.0, gt=0, description="finished jobs and unused uploads are deleted after this")
     grace_s: float = Field(30.0, ge=0, description="seconds running jobs get on shutdown before they are re-queued")
     max_upload_mb: int = Field(65536, ge=1, description="largest upload")
+    upload_idle_s: float = Field(120.0, gt=0, description="an upload that sends nothing for this long is ended")
     allowed_roots: str = Field("", description="comma-separated directories that path references must resolve "
                                                "inside (symlinks followed); empty: any absolute path")
     allowed_schemes: str = Field(",".join(SCHEMES), description="reference kinds accepted: path, blob, embedded")

@@ -75,3 +75,14 @@ def test_a_list_of_end_tokens_without_a_pad_token_lends_genai_one_pad_id():
     model.config.eos_token_id, model.config.pad_token_id = [48, 49], None
     tokens = genai_config(model)["model"]
     assert tokens["eos_token_id"] == [48, 49] and tokens["pad_token_id"] == 48
+
+
+def test_the_configs_head_counts_are_the_pruned_models():
+    """num_attention_heads was the dense model's (8 where the pruned layers keep 6) beside the pruned KV-head count."""
+    from compressor.transformer.surgery import prune_query_heads
+
+    model = MODELS["llama"]()  # 8 query heads over 2 KV heads
+    for i in range(model.config.num_hidden_layers):
+        prune_query_heads(model, i, [0, 1, 2, 4, 5, 6])
+    decoder = genai_config(model)["model"]["decoder"]
+    assert (decoder["num_attention_heads"], decoder["num_key_value_heads"]) == (6, 2)

@@ -75,3 +75,30 @@ def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, t
         step, past = _DecodeStep(model, model.config.num_hidden_layers), _past_of(model, ids[:, :-1])
         with torch.no_grad():  # the step's semantics: one token after the cache = the full forward's last
             torch.testing.assert_close(step(ids[:, -1:], torch.ones_like(ids), *past)[0], full, rtol=1e-4, atol=1e-4)
+
+
+def test_a_left_padded_row_of_gpt2_is_its_unpadded_self_in_both_graphs(tmp_path):
+    """GPT-2's learned positions count from 0 whatever the padding: model.onnx and decode.onnx gave a left-padded row
+    other logits than the same tokens unpadded (0.44 apart), with no position_ids input to set. The exports count
+    positions along the mask, as generate() does."""
+    from exporters.onnx import decode_step_names, export_decode_step
+
+    model = MODELS["gpt2"]().eval()
+    tokens = torch.randint(3, 50, (1, 6), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), tokens], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    path = export_hf_onnx(model, example_inputs(model, batch=2, length=10), tmp_path / "m.onnx", output_name="logits",
+                          max_length=32)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    alone = session.run(None, {"input_ids": tokens.numpy(), "attention_mask": np.ones((1, 6), np.int64)})[0]
+    left = session.run(None, {"input_ids": padded.numpy(), "attention_mask": mask.numpy()})[0]
+    np.testing.assert_allclose(left[:, 3:], alone, rtol=1e-4, atol=1e-4)
+
+    decode = export_decode_step(model, torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0)),
+                                tmp_path / "decode.onnx")
+    step = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
+    names, _ = decode_step_names(model.config.num_hidden_layers)
+    heads, head_dim = model.config.n_head, model.config.n_embd // model.config.n_head
+    empty = {n: np.zeros((1, heads, 0, head_dim), np.float32) for n in names[2:]}  # a prompt from an empty cache
+    first = step.run(None, {"input_ids": padded.numpy(), "attention_mask": mask.numpy(), **empty})[0]
+    np.testing.assert_allclose(first[:, -1], alone[:, -1], rtol=1e-4, atol=1e-4)

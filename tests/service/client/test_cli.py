@@ -211,3 +211,30 @@ def test_flags_a_local_job_cannot_honour_are_one_line_before_anything_runs(tmp_p
     with pytest.raises(SystemExit):
         cli.main(["operations", "list", "--timeout", "-1"])
     assert "must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_local_job_into_an_out_another_command_holds_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Two local jobs into one --out replaced and removed each other's files, and one interrupted took back the other's
+    results (its model, model.onnx and reports, or its scratch mid-job). A job holds its --out now; a second is
+    refused in one line before it loads anything."""
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # the other job
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        code = cli.main(["compress", str(tmp_path / "m.pt2"), "--uniform-ratio", "0.5", "--calibration",
+                         str(tmp_path / "c.npz"), "--out", str(out)])
+    finally:
+        os.close(fd)
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (f"osscar: error: another osscar command is writing into {out} (a job or "
+                                                "a download); wait for it to end or give another --out")
+    assert [p.name for p in out.iterdir()] == ["report.json"]
+    fresh = tmp_path / "fresh"  # a refusal after the folder was made for the job leaves none behind
+    assert cli.main(["compress", str(tmp_path / "m.pt2"), "--uniform-ratio", "0.5", "--calibration",
+                     str(tmp_path / "c.npz"), "--out", str(fresh)]) == 2
+    assert not fresh.exists()

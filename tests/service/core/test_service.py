@@ -224,3 +224,29 @@ def test_an_upload_that_goes_silent_is_ended_and_leaves_nothing(tmp_path):
         asyncio.run(asyncio.wait_for(jobs.upload(UploadHeader("m.bin"), stalls()), 10))
     assert not any(jobs.blobs.tmp.iterdir())
     assert jobs.store.db.execute("SELECT COUNT(*) FROM uploads").fetchone()[0] == 0
+
+
+def test_a_second_server_on_one_home_is_refused_while_the_first_runs(tmp_path):
+    """A second `osscar serve` on the same OSSCAR_HOME took the first one's running job for an interrupted one,
+    deleted its scratch under it and ran it again: refused in one line now, and the home is free once the first
+    has gone."""
+    import subprocess
+    import sys
+
+    from service.core.service import HomeInUse
+    from tests.service.server_process import ROOT
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from service.core import JobService; "
+         "from service.core.config import ServiceConfig; "
+         "s = JobService(ServiceConfig(home=Path(sys.argv[1]), devices=('cpu',))); s.open(); print('open', "
+         "flush=True); time.sleep(60)", str(tmp_path / "home")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(HomeInUse, match=f"in use by another osscar server \\(pid {holder.pid}\\)"):
+            service(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    jobs = service(tmp_path)  # the kernel released the dead server's lock
+    jobs.close()
