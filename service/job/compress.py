@@ -114,6 +114,9 @@ def _check_here(request: CompressRequest) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor) or str(p) == ".")
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"--out {out}: {existing} is {'not a folder' if not existing.is_dir() else 'not writable'}")
+    if request.widths_from is not None:  # read now: a report that does not read was found after the dense export
+        widths_of(request.widths_from)
+        removed_of(request.widths_from)
     model = out / "model"
     if model.is_dir() and not model.is_symlink() and not request.reads(model) and not _earlier_model(out):
         raise InputError(f"--out {out}: its model/ folder is no earlier job's (no report.json there names it), and "

@@ -939,6 +939,7 @@ def test_a_round_with_outputs_that_are_not_finite_ends_evaluation_failed_and_lea
     out = tmp_path / "nan"
     (out / "model").mkdir(parents=True)
     (out / "model.pt2").write_bytes(b"an earlier job's")
+    (out / "report.json").write_text(json.dumps({"artifacts": {"model": "model/"}}))  # whose model/ it is
     assert cli.main([*_conv_args(model_and_data, out), "--accuracy-budget", "none"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("osscar: evaluation_failed") and "not finite" in line
@@ -1063,6 +1064,9 @@ def test_what_the_machine_refuses_is_said_before_the_model_loads(model_and_data,
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(InputError, match="is not a folder"):
         compress.compress(request(out_dir=tmp_path / "a-file" / "sub"))
+    (tmp_path / "garbage.json").write_text("not json")  # was read after the dense export
+    with pytest.raises(InputError, match=r"--widths-from .*garbage\.json: expected a report\.json"):
+        compress.compress(request(uniform_ratio=None, widths_from=tmp_path / "garbage.json"))
     mine = tmp_path / "mine"
     (mine / "model").mkdir(parents=True)
     (mine / "model" / "notes.txt").write_text("a user's")
