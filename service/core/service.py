@@ -109,11 +109,13 @@ class JobService:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: another process holds it
             holder = path.read_text().strip() or "another process"
             os.close(fd)
             raise HomeInUse(f"{self.home} is in use by another osscar server (pid {holder}); give this one its own "
                             "--home") from None
+        except OSError as err:  # a file system without record locks (ENOLCK): run, but say what is not guarded
+            log.warning("%s cannot be locked (%s): nothing stops a second server on this home", path, err)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._home_lock = fd  # held (open) for the process's life or until `close`

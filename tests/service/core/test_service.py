@@ -250,3 +250,17 @@ def test_a_second_server_on_one_home_is_refused_while_the_first_runs(tmp_path):
         holder.wait()
     jobs = service(tmp_path)  # the kernel released the dead server's lock
     jobs.close()
+
+
+def test_a_home_on_a_file_system_without_record_locks_still_serves_and_says_so(tmp_path, monkeypatch, caplog):
+    """ENOLCK (an NFS mount without a lock daemon) is no other server: the home opens, with a warning."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    jobs = service(tmp_path)
+    assert any("cannot be locked" in r.getMessage() for r in caplog.records)
+    jobs.close()
