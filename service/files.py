@@ -4,6 +4,7 @@ stores them)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +21,20 @@ def default_home() -> Path:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9._+-][A-Za-z0-9._+ -]{0,254}$")
+
+
+def hold_folder(folder: Path, wait: bool) -> int | None:
+    """An exclusive advisory lock on `folder` (made if need be) for whoever writes into it: the descriptor to
+    close when done (closing releases it, and the kernel does if the holder dies), or None when another process
+    holds it and `wait` is false. A job and a delivery into one --out take turns through it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def valid_filename(name: str) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 
 from compressor.errors import InputError
 
-from ..files import JOB_OUTPUTS
+from ..files import JOB_OUTPUTS, hold_folder
 from .options import add_connection_flags, add_request_flags, compress_options, label_flag, seconds
 from .terminal import JobProgress, ignoring_interrupts
 
@@ -114,8 +113,10 @@ def _compress(args: argparse.Namespace) -> int:
             options[name] = embedded(str(value), default_home())
     options["model"] = str(options["model"])
     written = WrittenOutputs(out)
+    # --out is held for the whole job: two jobs into one folder replaced and removed each other's files, and an
+    # interrupted one took back the other's
     try:
-        held = _hold(out)
+        held = hold_folder(out, wait=False)
     except OSError as err:
         print(f"osscar: error: --out {out}: {err.strerror or err}", file=sys.stderr)
         return 2
@@ -136,20 +137,6 @@ def _compress(args: argparse.Namespace) -> int:
         if written.created:  # a folder this run made and left empty (a refusal before anything was written)
             with contextlib.suppress(OSError):
                 out.rmdir()
-
-
-def _hold(out: Path) -> int | None:
-    """`out` (made if need be) held by this process for the whole job, as a delivery holds it
-    (`transport._writing`): two jobs into one folder replaced and removed each other's files, and an interrupted one
-    took back the other's. Returns the held folder's descriptor, or None when another process holds it."""
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _run_local(args: argparse.Namespace, options: dict[str, Any], given: dict[str, str],

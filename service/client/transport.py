@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -31,6 +30,7 @@ from ..files import (
     extract_tar,
     file_sha256,
     follow_umask,
+    hold_folder,
     touches,
     valid_filename,
     write_tar,
@@ -291,13 +291,11 @@ def _writing(out: Path) -> Iterator[None]:
     same command run twice at once, or two jobs given one --out) would resume each other's partial files and
     remove each other's staging. The second waits for the first (an advisory lock on the folder, released by
     the kernel if the holder dies)."""
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    fd = hold_folder(out, wait=False)
+    if fd is None:
+        print(f"osscar: another osscar command is writing into {out}; waiting for it to finish", file=sys.stderr)
+        fd = hold_folder(out, wait=True)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"osscar: another osscar command is writing into {out}; waiting for it to finish", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -77,6 +77,7 @@ class JobService:
         self.store: JobStore | None = None  # from `open`
         self.supervisor: Supervisor | None = None
         self.executor: Executor | None = None  # from `open`
+        self._home_lock: int | None = None  # from `open`: the descriptor holding the home's lock
         self.draining = False
         self._background: list[asyncio.Task] = []
         # uploads under way by (digest, file name): a failed one forgets the upload's row only when it is the
@@ -156,7 +157,7 @@ class JobService:
         """Close the store, once the transport answers no more calls (after `drain`): a wait that runs out while
         the server stops still reads its operation."""
         self.store.close()
-        if getattr(self, "_home_lock", None) is not None:
+        if self._home_lock is not None:
             os.close(self._home_lock)  # the home is free for the next server
             self._home_lock = None
 
