@@ -41,6 +41,9 @@ DEFAULT_TIMEOUT_S = 60.0  # each call's deadline when --timeout is not given
 
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# the largest message a server may be set to send (its max_message_mb, at most 64): a page of operations fills what
+# its server allows, which a smaller limit here would refuse (RESOURCE_EXHAUSTED) on every try
+MAX_RECEIVE_BYTES = 64 << 20
 
 
 class ClientError(Exception):
@@ -50,7 +53,7 @@ class ClientError(Exception):
 class RemoteCompressor:
     def __init__(self, target: str, timeout_s: float = 60.0, *, tls_ca: Path | None = None,
                  tls_cert: Path | None = None, tls_key: Path | None = None, token: str | None = None) -> None:
-        options = [("grpc.max_receive_message_length", 8 << 20)]
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
         if (tls_cert is None) != (tls_key is None):  # a key alone would otherwise connect in plain text
             raise ClientError("--tls-cert and --tls-key go together")
         if tls_ca is not None or tls_cert is not None:

@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,13 +216,15 @@ class JobService:
             raise NotFound("operation", name)
         return record
 
-    def list(self, filter_text: str, page_size: int, page_token: str) -> tuple[list[JobRecord], str]:
+    def list(self, filter_text: str, page_size: int, page_token: str,
+             weigh: Callable[[JobRecord], int] | None = None, budget: int = 0) -> tuple[list[JobRecord], str]:
+        """A page of operations (`store.search`; `weigh` and `budget` bound the page's size in bytes, say)."""
         if len(filter_text) > MAX_LIST_TEXT or len(page_token) > MAX_LIST_TEXT:
             raise InvalidArgument([FieldViolation("filter", f"filter and page_token are at most {MAX_LIST_TEXT} "
                                                             "characters")])
         if page_size < 0:
             raise InvalidArgument([FieldViolation("page_size", f"must be >= 0 (got {page_size})")])
-        return self.store.search(filter_text, min(page_size or DEFAULT_PAGE, MAX_PAGE), page_token)
+        return self.store.search(filter_text, min(page_size or DEFAULT_PAGE, MAX_PAGE), page_token, weigh, budget)
 
     async def cancel(self, name: str) -> JobRecord:
         record = self.get(name)

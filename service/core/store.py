@@ -20,7 +20,7 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,13 +226,22 @@ class JobStore:
         rows = self.db.execute(sql + " ORDER BY create_time, name LIMIT ?", [*values, limit]).fetchall()
         return [self._record(r) for r in rows]
 
-    def search(self, filter_text: str, size: int, page_token: str) -> tuple[list[JobRecord], str]:
+    def search(self, filter_text: str, size: int, page_token: str,
+               weigh: Callable[[JobRecord], int] | None = None, budget: int = 0) -> tuple[list[JobRecord], str]:
         """One page of `size` operations matching the filter, after the page token's cursor; returns them
-        and the next page's token ("" on the last page)."""
+        and the next page's token ("" on the last page). With `weigh`, the page also ends before the records'
+        summed weights pass `budget` (never empty): the size of a message that must stay under a cap, as AIP-158
+        lets a page hold fewer than asked."""
         where = parse_filter(filter_text)
         fingerprint = hashlib.sha256(filter_text.encode()).hexdigest()[:16]
         after = decode_page_token(page_token, fingerprint) if page_token else None
         records = self.page(where, after, size + 1)
+        if weigh is not None:
+            total = 0
+            for i, record in enumerate(records[:size]):
+                total += weigh(record)
+                if i and total > budget:
+                    return records[:i], encode_page_token(records[i - 1], fingerprint)
         if len(records) <= size:
             return records, ""
         records = records[:size]

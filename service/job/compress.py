@@ -184,6 +184,9 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     job = open_job(request, say)
     if request.decode_step and not job.causal:
         raise InputError("--decode-step is for causal language models")
+    ignored = request.ignored_options(job.traits)
+    if ignored:  # a pipeline passing one set of flags to every model is served; its reader learns what did nothing
+        say(warning(f"ignored, as this job has no use for them: {', '.join(ignored)}"))
     provider = request.execution_provider or default_provider()
     if request.deployment_target and request.deployment_target != provider:
         say(warning(f"measuring on {provider}, but the declared deployment target is {request.deployment_target}; "

@@ -109,7 +109,7 @@ from exporters.serving import (
 
 from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
 from .report import KindFields
-from .request import CompressRequest
+from .request import IMAGES, TEXT, TRANSFORMER, CompressRequest
 
 Say = Callable[[str | Progress], None]  # a line of text, or a pipeline's record
 Observe = Callable[[LayerObservation], None]
@@ -162,6 +162,7 @@ class ModelJob(Protocol):
     """One model kind, as the compression job drives it."""
 
     causal: bool  # a causal LM (decode-step export, perplexity)
+    traits: frozenset[str]  # what the job is, as the request's options need it (request.IMAGES, TEXT, TRANSFORMER)
     dense: nn.Module  # the model as loaded, eval mode
     metric: Metric
     shape: dict[str, int]  # the measured input shape
@@ -487,6 +488,7 @@ def _image_warnings(metric: Metric, reference: np.ndarray, labels: np.ndarray | 
 
 class ConvJob:
     causal = False
+    traits = frozenset({IMAGES})
     plans_depth = True  # target mode weighs removing whole residual blocks (`targeting.plan_depth`)
     refits_solved = True  # the fit follows every solve, so a prune without it can be fitted later (`prune(solved=)`)
     EVAL_IMAGES = 256  # held-out images scored (at most)
@@ -974,6 +976,7 @@ class _TransformerJob:
 
 class TextJob(_TransformerJob):
     EVAL_SEQUENCES = 64  # evaluation windows (at most)
+    traits = frozenset({TEXT, TRANSFORMER})
     planning_samples = PLANNING_SEQUENCES
     model_fit = True
 
@@ -1145,6 +1148,7 @@ class ImageTransformerJob(_TransformerJob):
     bare model by the cosine of the mean-pooled last hidden state to the dense model's."""
 
     EVAL_SAMPLES = 64
+    traits = frozenset({IMAGES, TRANSFORMER})
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)

@@ -73,13 +73,23 @@ REFERENCES = {"model": "model", "calibration": "calibration data", "eval": "eval
               "widths_from": "report"}
 
 
+# What a job is (`ModelJob.traits`, plus TARGET in target mode) that an option may need: the options that need a
+# trait the job lacks are named in one warning (`ignored_options`) instead of passing unnoticed
+IMAGES, TEXT, TRANSFORMER, TARGET = "images", "text", "transformer", "target"
+TRAIT_WORDS = {IMAGES: "for image models", TEXT: "for text models", TRANSFORMER: "for transformers",
+               TARGET: "in target mode (--target-speedup)"}
+
+
 def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,
            choices: tuple[str, ...] | None = None, metavar: str | None = None, cli: bool = True,
-           statistics: bool = False) -> Any:
+           statistics: bool = False, needs: tuple[str, ...] = ()) -> Any:
     """A request field with its documentation (`help`, shown by `osscar compress -h`). `statistics`: the
     field changes the dense statistics, or the loss curves made of them (it keys their cache,
-    `statistics_fields`)."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli, "statistics": statistics}
+    `statistics_fields`). `needs`: the job traits (IMAGES, TEXT, TRANSFORMER, TARGET) without which the field
+    changes nothing."""
+    assert set(needs) <= set(TRAIT_WORDS), needs
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli, "statistics": statistics,
+                "needs": needs}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -107,29 +117,31 @@ class CompressRequest:
     method: str = option(DEFAULT_METHOD, "layer solver", choices=PRUNING_METHODS, statistics=True)
     samples: int | None = option(help="calibration images drawn (seeded); default: every image the file gives "
                                  "(less the held-out ones) up to 256 MiB of float32 images, and at least 500",
-                                 statistics=True)
+                                 statistics=True, needs=(IMAGES,))
     seed: int = option(0, "seed of the calibration draw", statistics=True)
     mean: tuple[float, ...] | None = option(help="per-channel mean for .npz images, after scaling to [0, 1]; "
                                             "default: the model directory's preprocessor_config.json image_mean, "
-                                            f"else ImageNet's {IMAGENET_MEAN}", statistics=True)
+                                            f"else ImageNet's {IMAGENET_MEAN}", statistics=True, needs=(IMAGES,))
     std: tuple[float, ...] | None = option(help="per-channel std for .npz images; default: the model directory's "
                                            f"preprocessor_config.json image_std, else ImageNet's {IMAGENET_STD}",
-                                           statistics=True)
+                                           statistics=True, needs=(IMAGES,))
     device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
-    batch_size: int = option(100, "calibration batch size (images)")
+    batch_size: int = option(100, "calibration batch size (images)", needs=(IMAGES,))
     sequences: int | None = option(help="text calibration: windows drawn (seeded); default: 2048 for encoders, "
-                                   "128 for decoders", statistics=True)
-    sequence_length: int = option(128, "text calibration: tokens per window (the longest window)", statistics=True)
+                                   "128 for decoders", statistics=True, needs=(TEXT,))
+    sequence_length: int = option(128, "text calibration: tokens per window (the longest window)", statistics=True,
+                                  needs=(TEXT,))
     min_sequence_length: int | None = option(help="text calibration: the shortest window; window lengths are drawn "
                                              "log-uniformly from it to --sequence-length; default: 16 for encoders "
                                              "(each window is one context of bidirectional attention), "
                                              "--sequence-length for decoders (a causal window holds every shorter "
-                                             "context)", statistics=True)
+                                             "context)", statistics=True, needs=(TEXT,))
     stream: bool = option(False, "transformers: read one block at a time from the safetensors shards and write it "
                           "back pruned (memory bounded by a block, for models larger than RAM); on by itself when "
-                          "pruning in memory would take more than half of the available memory")
+                          "pruning in memory would take more than half of the available memory", needs=(TRANSFORMER,))
     activation_dtype: str = option("float32", "transformers: dtype of the calibration activations kept on the "
-                                   "CPU between blocks", choices=("float32", "float16"), statistics=True)
+                                   "CPU between blocks", choices=("float32", "float16"), statistics=True,
+                                   needs=(TRANSFORMER,))
     shape: dict[str, int] = option(help="measured input shape: batch=N[,sequence=N] (defaults: CNN images batch=64, "
                                    "vision transformers batch=8; encoders batch=8,sequence=128; decoders "
                                    "batch=1,sequence=512; a text model's sequence capped at its positions)",
@@ -142,18 +154,20 @@ class CompressRequest:
                                            "elsewhere", choices=PROVIDERS)
     round_to: int | None = option(help="kept widths are multiples of this (or the full width); target mode: 8 when "
                                   "not given; uniform mode: widths are rounded only when given", statistics=True)
-    min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups", statistics=True)
-    max_rounds: int = option(4, "target mode: prune -> measure rounds at most")
+    min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups", statistics=True,
+                              needs=(TARGET,))
+    max_rounds: int = option(4, "target mode: prune -> measure rounds at most", needs=(TARGET,))
     latency_probes: int = option(4, "target mode: latency probes per round at most: the planned widths with "
                                  "sliced, unsolved weights, exported and measured (never evaluated), to find "
-                                 "widths that meet the target before a round pays for its solve; 0: off")
+                                 "widths that meet the target before a round pays for its solve; 0: off",
+                                 needs=(TARGET,))
     accuracy_budget: float | None = option(help="maximum relative drop of the metric (e.g. 0.02; a perplexity's "
                                            "relative rise, so 1 allows 2x dense), or none; "
                                            f"default: {default_budgets_text()}", metavar="D|none")
     no_accuracy_budget: bool = option(False, "no accuracy budget, not even the default one (--accuracy-budget none)",
                                       cli=False)
     back_off: bool = option(False, "return the largest measured speedup within the accuracy budget (the default "
-                            "one too)")
+                            "one too)", needs=(TARGET,))
     repeats: int = option(20, "latency samples per model (median and p90); fewer, at least 5, once a "
                          "model's samples have taken a minute (exporters.runtime.TIMING_SECONDS)")
     opset: int = option(18, "ONNX opset of the exports")
@@ -162,7 +176,8 @@ class CompressRequest:
     decode_step: bool = option(False, "causal LMs: also export decode.onnx, one token with past key/values per "
                                "layer")
     gqa: str = option("query-heads", "grouped-query attention: prune single query heads (a KV head goes when no "
-                      "kept query head reads it) or whole KV groups", choices=GQA_UNITS, statistics=True)
+                      "kept query head reads it) or whole KV groups", choices=GQA_UNITS, statistics=True,
+                      needs=(TRANSFORMER,))
     refine_steps: int | None = option(help="reconstruction after the solves: Adam steps fitting the pruned weights "
                                       "to the dense model's outputs (transformers: per block, to the dense block's "
                                       "output; conv graphs: the whole graph, to the dense outputs); 0: off; default: "
@@ -179,14 +194,15 @@ class CompressRequest:
     add_bias: str = option("auto", "transformers: an output projection without a bias (Llama's) gets one for the "
                            "intercept of its refit: yes, no, or auto (as the method's paper does: flap only; FLAP's "
                            "compensation, which on a model with a few tokens of massive activation costs more than it "
-                           "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"), statistics=True)
+                           "gains, bench/RESULTS.md)", choices=("auto", "yes", "no"), statistics=True,
+                           needs=(TRANSFORMER,))
     normalise: str = option("stream", "target mode: layer losses relative to the residual stream they join, as the "
                             "change of the model's output they predict (transformers, `compressor.transformer."
                             "sensitivity`; conv graphs keep the stream; not the default: SmolLM2 and MiniLM "
                             "measured no better, bench/RESULTS.md), or relative to the layer's own output",
-                            choices=("stream", "output", "layer"), cli=False, statistics=True)
+                            choices=("stream", "output", "layer"), cli=False, statistics=True, needs=(TARGET,))
     no_curves_cache: bool = option(False, "target mode: recompute the dense loss curves instead of reusing "
-                                   "$OSSCAR_HOME/curves")
+                                   "$OSSCAR_HOME/curves", needs=(TARGET,))
     home: Path | None = option(help="where caches live (default $OSSCAR_HOME, else ~/.osscar)", cli=False)
     # the job's time budget in seconds (the server's time_budget, the CLI's --time-budget): each round's
     # reconstruction is paced to fit what is left (`pacing`)
@@ -303,6 +319,18 @@ class CompressRequest:
         """(field, value) of every set field whose values are a fixed list."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
                 if f.metadata.get("choices") and getattr(self, f.name) is not None]
+
+    def ignored_options(self, traits: typing.AbstractSet[str]) -> list[str]:
+        """The options set away from their defaults that change nothing for a job with `traits` (`ModelJob.traits`;
+        TARGET is added here in target mode), each as "--flag (for ...)"."""
+        traits = set(traits) | ({TARGET} if self.target_speedup is not None else set())
+        ignored = []
+        for f in dataclasses.fields(self):
+            missing = [need for need in f.metadata["needs"] if need not in traits]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            if missing and getattr(self, f.name) != default:
+                ignored.append(f"--{f.name.replace('_', '-')} ({TRAIT_WORDS[missing[0]]})")
+        return ignored
 
     def validate(self) -> None:
         errors = self.violations()

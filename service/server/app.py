@@ -80,7 +80,7 @@ class Server:
                                       options=[("grpc.max_receive_message_length", size),
                                                ("grpc.max_send_message_length", size)])
         pb_grpc.add_CompressionServicer_to_server(CompressionServicer(self.jobs), self.server)
-        operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.jobs), self.server)
+        operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.jobs, size), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection_v1.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME), self.server)
         address = f"{settings.host}:{settings.port}"

@@ -108,6 +108,20 @@ def test_search_pages_with_tokens_bound_to_their_filter(tmp_path):
         store.search("", 2, "bm90IGpzb24")
 
 
+def test_a_weighed_page_ends_before_its_budget_is_passed_and_is_never_empty(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    for i in range(5):
+        store.insert(record(f"operations/{i}", float(i)))
+    weights = {"operations/0": 3, "operations/1": 3, "operations/2": 9, "operations/3": 1, "operations/4": 1}
+    pages, token = [], ""
+    while True:
+        page, token = store.search("", 10, token, lambda r: weights[r.name], 7)
+        pages.append([r.name[-1] for r in page])
+        if not token:
+            break
+    assert pages == [["0", "1"], ["2"], ["3", "4"]]  # the heavy one alone, over the budget as it is
+
+
 @pytest.mark.parametrize("text, sql", [
     ("", []),
     ('state = running AND labels.team = "ml"', ["state = ?", "json_extract(labels, '$.\"team\"') = ?"]),

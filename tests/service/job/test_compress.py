@@ -58,10 +58,14 @@ def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
     root = model_and_data
     out = root / "out"
     code = cli.main(["compress", str(root / "model.pt2"), "--uniform-ratio", "0.5", "--calibration",
-                     str(root / "cal.npz"), "--out", str(out), "--samples", "32"])
+                     str(root / "cal.npz"), "--out", str(out), "--samples", "32", "--sequences", "64",
+                     "--max-rounds", "2"])
     assert code == 0
     assert "block2.conv3" in capsys.readouterr().err  # progress on stderr
     report = json.loads((out / "report.json").read_text())
+    # flags of other kinds and modes are named, not silently dropped
+    assert "ignored, as this job has no use for them: --sequences (for text models), --max-rounds (in target mode " \
+           "(--target-speedup))" in report["warnings"]
     assert report["method"] == "osscar" and report["uniform_ratio"] == 0.5 and report["samples"] == 32
     assert report["params_after"] < report["params_before"]
     assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # the stream, then the blocks
@@ -167,6 +171,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
     assert modes == dict.fromkeys(modes, 0o666 & ~umask())  # safetensors and mkstemp create 0600; not returned so
     report = json.loads((out / "report.json").read_text())
     assert any("streams the checkpoint block by block" in w for w in report.get("warnings", [])) == auto
+    assert not any("ignored" in w for w in report.get("warnings", []))  # text and transformer flags apply here
     # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
     assert (report["widths"]["heads"], report["widths"]["ffn"]) == ([4, 4], [10, 10])
     assert report["min_sequence_length"] == report["sequence_length"] == 16  # a decoder: full causal windows

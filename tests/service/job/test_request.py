@@ -202,3 +202,22 @@ def test_a_perplexity_budget_may_allow_more_than_twice_dense():
         assert "accuracy_budget" not in dict(CompressRequest(**base, accuracy_budget=budget).violations())
     for budget in (0.0, -0.5, float("inf"), float("nan")):
         assert "accuracy_budget" in dict(CompressRequest(**base, accuracy_budget=budget).violations())
+
+
+def test_options_a_job_has_no_use_for_are_named_with_what_they_are_for():
+    from service.job.request import IMAGES, TEXT, TRANSFORMER
+
+    base = dict(model="m", calibration=Path("c"), out_dir=Path("o"))
+    defaults = CompressRequest(**base, uniform_ratio=0.5)
+    assert defaults.ignored_options({IMAGES}) == defaults.ignored_options({TEXT, TRANSFORMER}) == []
+    cnn_flags = CompressRequest(**base, uniform_ratio=0.5, stream=True, sequences=64, gqa="kv-groups",
+                                back_off=True, samples=100, shape={"batch": 4})
+    assert cnn_flags.ignored_options({IMAGES}) == [
+        "--sequences (for text models)", "--stream (for transformers)",
+        "--back-off (in target mode (--target-speedup))", "--gqa (for transformers)"]
+    # the same flags on a decoder: only the images' one and the target mode's
+    assert cnn_flags.ignored_options({TEXT, TRANSFORMER}) == [
+        "--samples (for image models)", "--back-off (in target mode (--target-speedup))"]
+    # in target mode on a vision transformer nothing of these is ignored but the text draw
+    target = CompressRequest(**base, target_speedup=1.5, samples=100, back_off=True, max_rounds=2, sequences=64)
+    assert target.ignored_options({IMAGES, TRANSFORMER}) == ["--sequences (for text models)"]
