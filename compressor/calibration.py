@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ def draw(n: int, samples: int, seed: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _readable(path: Path) -> Iterator[None]:
+def readable(path: Path) -> Iterator[None]:
     """np.load inside the block: a file that is not a readable .npz / .npy (empty, cut short, text under that name)
     is the caller's error in one line, not EOFError or BadZipFile from numpy."""
     try:
@@ -167,25 +168,32 @@ def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) ->
     """The file's images as stored (checked): uint8 NHWC from `.npz`, float32 NCHW from `.npy`."""
     if not path.is_file():
         raise CalibrationError(f"no such calibration file: {path}")
-    if path.suffix == ".npz":
-        with _readable(path), np.load(path, allow_pickle=False) as data:
+    suffix = path.suffix.lower()  # IMAGES.NPZ as images.npz
+    if suffix == ".npz":
+        with readable(path), np.load(path, allow_pickle=False) as data:
             if "x" not in data:
                 raise CalibrationError(f"{path}: expected an array 'x' (uint8 NHWC), found {sorted(data.files)}")
             x = data["x"]
         if x.dtype != np.uint8 or x.ndim != 4:
-            raise CalibrationError(f"{path}: 'x' must be uint8 NHWC, got {x.dtype} with shape {x.shape}")
+            hint = "; grayscale images (N, H, W) need their channel axis: x[..., None]" if x.ndim == 3 else ""
+            raise CalibrationError(f"{path}: 'x' must be uint8 NHWC, got {x.dtype} with shape {x.shape}{hint}")
         if len(mean) != x.shape[3] or len(std) != x.shape[3]:
             if x.shape[1] == len(mean) == len(std):
                 raise CalibrationError(f"{path}: 'x' of shape {x.shape} looks channels-first (NCHW); .npz images are "
                                        "NHWC: save x.transpose(0, 2, 3, 1)")
+            # the usual cause is a colour model given RGBA or grayscale images: say how to convert them first
+            convert = {(4, 3): "RGBA images for an RGB model: keep x[..., :3]",
+                       (1, 3): "grayscale images for an RGB model: np.repeat(x, 3, axis=-1)"}.get(
+                (x.shape[3], len(mean)))
             raise CalibrationError(f"{path}: {x.shape[3]} channels but mean/std have {len(mean)}/{len(std)} values; "
-                                   f"give --mean and --std with {x.shape[3]} value(s) each (e.g. --mean "
+                                   + (f"{convert}; or, for a model of {x.shape[3]} channel(s), " if convert else "")
+                                   + f"give --mean and --std with {x.shape[3]} value(s) each (e.g. --mean "
                                    f"{','.join(['0.5'] * x.shape[3])} --std {','.join(['0.5'] * x.shape[3])})")
         if any(s <= 0 for s in std):
             raise CalibrationError(f"std must be positive (got {std})")
         return x
-    if path.suffix == ".npy":
-        with _readable(path):
+    if suffix == ".npy":
+        with readable(path):
             x = np.load(path, allow_pickle=False)
         if x.dtype != np.float32 or x.ndim != 4:
             raise CalibrationError(f"{path}: expected float32 NCHW, got {x.dtype} with shape {x.shape}")
@@ -461,9 +469,25 @@ def check_token_ids(batches: Sequence[dict[str, torch.Tensor]], vocabulary: int,
                                "tokenizer's or the file's vocabulary is not the model's)")
 
 
+def check_id_file(path: str | Path, vocabulary: int) -> None:
+    """Every token id of a file of ids (.npz / .npy; text files are the tokenizer's) within the model's `vocabulary`,
+    or a CalibrationError naming the others: the windows drawn first may miss an id that a later draw (the decoder's
+    whole-model fit) reaches, an IndexError then, after a round's work."""
+    path = Path(path)
+    if path.suffix.lower() not in (".npz", ".npy"):
+        return
+    ids = np.concatenate(_token_documents(path, None))
+    bad = np.unique(ids[(ids < 0) | (ids >= vocabulary)]) if len(ids) else ids
+    if len(bad):
+        shown = ", ".join(map(str, bad[:10].tolist())) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise CalibrationError(f"{path}: token ids {shown} are outside the model's {vocabulary} embeddings (the "
+                               "file's vocabulary is not the model's)")
+
+
 def _read_text(path: Path) -> str:
+    """The file's text, without a UTF-8 byte order mark (a byte-level tokenizer would read it as three tokens)."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
         raise CalibrationError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
 
@@ -475,30 +499,38 @@ def _integers(array: np.ndarray, path: Path, name: str) -> np.ndarray:
 
 
 def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
-    if path.suffix == ".npz":
-        with _readable(path), np.load(path, allow_pickle=False) as data:
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        with readable(path), np.load(path, allow_pickle=False) as data:
             if "ids" not in data or "offsets" not in data:
                 raise CalibrationError(f"{path}: expected arrays 'ids' and 'offsets', found {sorted(data.files)}")
             ids, offsets = _integers(data["ids"], path, "ids"), _integers(data["offsets"], path, "offsets")
-        rising = offsets.ndim == 1 and len(offsets) >= 2 and not (np.diff(offsets) < 0).any()
+        if offsets.dtype == np.uint64 and len(offsets) and offsets.max() > np.iinfo(np.int64).max:
+            raise CalibrationError(f"{path}: 'offsets' past int64 ({offsets.max()}) cannot index {len(ids)} ids")
+        offsets = offsets.astype(np.int64)  # an unsigned difference wraps: a falling offset would read as rising
+        rising = len(offsets) >= 2 and not (np.diff(offsets) < 0).any()
         if not rising or offsets[0] != 0 or offsets[-1] != len(ids):
-            raise CalibrationError(f"{path}: 'offsets' must rise from 0 to len(ids)")
+            shown = ", ".join(map(str, offsets[:6].tolist())) + (", ..." if len(offsets) > 6 else "")
+            raise CalibrationError(f"{path}: 'offsets' must rise from 0 to len(ids) = {len(ids)} (got {shown}; "
+                                   f"last {offsets[-1] if len(offsets) else None})")
         return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-    if path.suffix == ".npy":
-        with _readable(path):
+    if suffix == ".npy":
+        with readable(path):
             ids = np.load(path, allow_pickle=False)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise CalibrationError(f"{path}: expected a 1-d integer array of token ids, got {ids.dtype} {ids.shape}")
         return [ids]
-    if path.suffix not in (".txt", ".jsonl"):
+    if suffix not in (".txt", ".jsonl"):
         raise CalibrationError(f"{path}: unsupported text calibration format {path.suffix!r}; expected .txt, "
                                ".jsonl, .npz (ids, offsets) or .npy (ids)")
     if tokenizer is None:
         raise CalibrationError(f"{path}: text needs the model's tokenizer (this model has none: pass token ids "
                                "as .npz with ids and offsets)")
-    if path.suffix == ".jsonl":
+    if suffix == ".jsonl":
         texts = []
-        for number, line in enumerate(_read_text(path).removeprefix("\ufeff").splitlines(), 1):
+        # records end at "\n" alone (JSON Lines): a string may hold U+2028, U+2029 or NEL unescaped, where
+        # str.splitlines would cut it (read_text already made "\r\n" "\n")
+        for number, line in enumerate(_read_text(path).split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -513,7 +545,8 @@ def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray
                 texts.append(text)
     else:
         raw = _read_text(path).replace("<|endoftext|>", "\n\n")
-        texts = [t.strip() for t in raw.split("\n\n") if t.strip()]
+        # a line of spaces or tabs is a blank line too (WikiText's raw files separate paragraphs with " \n")
+        texts = [t.strip() for t in re.split(r"\n[ \t]*\n", raw) if t.strip()]
     return [_tokenized(tokenizer, t) for t in texts]
 
 

@@ -55,9 +55,13 @@ BATCH_NORM_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit_no_trai
 LINEAR_OPS = (aten.linear.default,)
 # element-wise ops that torch does not tag pointwise: value-preserving ones (dropout is the identity in
 # eval) and hardswish (x * relu6(x + 3) / 6, untagged in ATen)
-UNTAGGED_ELEMENTWISE_OPS = {aten.alias.default, aten.contiguous.default, aten.detach.default, aten.dropout.default,
-                            aten.feature_dropout.default, aten.lift_fresh_copy.default, aten.hardswish.default,
-                            aten.hardswish_.default}
+# (in place too: HF MobileNets' classifier dropout is inplace=True, which kept their last 1x1 conv whole)
+DROPOUT_OPS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default,
+               aten.feature_dropout_.default, aten.alpha_dropout.default, aten.alpha_dropout_.default,
+               aten.feature_alpha_dropout.default, aten.feature_alpha_dropout_.default}
+UNTAGGED_ELEMENTWISE_OPS = {aten.alias.default, aten.contiguous.default, aten.detach.default,
+                            aten.lift_fresh_copy.default, aten.hardswish.default, aten.hardswish_.default,
+                            *DROPOUT_OPS}
 PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
 # spatial ops that keep every channel apart
 SPATIAL_OPS = {aten.max_pool2d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
@@ -201,6 +205,17 @@ def conv_spec(node: fx.Node) -> ConvSpec | None:
                     int(groups or 1))
 
 
+def _unsupported_conv(node: fx.Node) -> str:
+    """Why `conv_spec` gives no spec for a conv node with a weight attribute."""
+    args = list(node.args) + [None] * 9
+    if node.target is aten.convolution.default and args[6]:
+        return "a transposed conv"
+    padding = node.kwargs.get("padding", args[4])
+    if isinstance(padding, str):
+        return f"padding={padding!r} with an even kernel pads one side more than the other"
+    return "not a 2-d conv"
+
+
 def _named_padding(name: str, weight: fx.Node, dilation: tuple[int, int]) -> tuple[int, int] | None:
     """The numbers of conv2d's padding="valid" / "same" (stride 1, as torch requires for "same"), or None
     where they are not one symmetric pad per side (an even kernel's "same")."""
@@ -317,6 +332,15 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
         derived.add(node)
         spaces.find(node)
 
+    # a weight that two convs / linears read (a shared or recurrent layer) would be sliced once per reader, each
+    # time with indices of its full width: such readers are refused, with the weight's name
+    readers: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target in CONV_OPS or node.target in LINEAR_OPS):
+            weight = _attr(node.args[1]) if len(node.args) > 1 else None
+            if weight is not None:
+                readers[weight] = readers.get(weight, 0) + 1
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             tensor(node)
@@ -342,7 +366,21 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
                     refuse(a, f"{node.name} ({target}) {why}")
                 refuse(node, f"{node.name} ({target}) {why}")
             continue
+        weight = _attr(node.args[1]) if target in CONV_OPS or target in LINEAR_OPS else None
+        if weight is not None and readers[weight] > 1:
+            why = f"{weight.removesuffix('.weight')} is applied {readers[weight]} times (a shared weight)"
+            for a in inputs:
+                refuse(a, why)
+            refuse(node, why)
+            continue
         spec = conv_spec(node)
+        if spec is None and target in CONV_OPS and weight is not None:
+            # named by its module, with why: an even kernel's padding="same" pads one side more than the other
+            why = f"{weight.removesuffix('.weight')} is a conv this tool does not edit ({_unsupported_conv(node)})"
+            for a in inputs:
+                refuse(a, why)
+            refuse(node, why)
+            continue
         if spec is not None:
             others = [a for a in inputs if a is not x]
             if others:  # a weight computed from an activation
@@ -381,6 +419,13 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
         if target in BATCH_NORM_OPS:
             if inputs != [x]:
                 refuse(x, f"{node.name} normalises with statistics computed from activations")
+            elif len(node.args) > 3 and node.args[3] is None:
+                name = (_attr(node.args[1]) or node.name).removesuffix(".weight")
+                why = (f"{name} is a BatchNorm without running statistics (track_running_stats=False): it normalises "
+                       "every batch by its own statistics")
+                refuse(x, why)
+                refuse(node, why)
+                continue
             spaces.union(x, node)
             spaces.note(node, "chain", node)
             continue

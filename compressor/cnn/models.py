@@ -139,7 +139,10 @@ def _is_batch_counter(node: object) -> bool:
 
 
 # (op, index of its training flag): an exported graph holds its mode as a constant, which `.eval()` cannot change
-_TRAINING_FLAGS = {torch.ops.aten.batch_norm.default: 5, torch.ops.aten.dropout.default: 2}
+_TRAINING_FLAGS = {torch.ops.aten.batch_norm.default: 5, torch.ops.aten.dropout.default: 2,
+                   torch.ops.aten.dropout_.default: 2, torch.ops.aten.feature_dropout.default: 2,
+                   torch.ops.aten.feature_dropout_.default: 2, torch.ops.aten.alpha_dropout.default: 2,
+                   torch.ops.aten.feature_alpha_dropout.default: 2}
 
 
 def to_inference_mode(gm: fx.GraphModule, ref: str = "the program") -> int:
@@ -149,7 +152,10 @@ def to_inference_mode(gm: fx.GraphModule, ref: str = "the program") -> int:
     changed = 0
     for node in list(gm.graph.nodes):
         index = _TRAINING_FLAGS.get(node.target)
-        if index is not None and len(node.args) > index and node.args[index] is True:
+        # a BatchNorm without running statistics (track_running_stats=False) normalises by the batch's in eval mode
+        # too: its flag is what eval mode runs, not a training export's
+        no_statistics = node.target == torch.ops.aten.batch_norm.default and len(node.args) > 3 and node.args[3] is None
+        if index is not None and len(node.args) > index and node.args[index] is True and not no_statistics:
             node.args = (*node.args[:index], False, *node.args[index + 1:])
             changed += 1
         elif node.target == torch.ops.aten.add_.Tensor and not node.users and _is_batch_counter(node.args[0]):

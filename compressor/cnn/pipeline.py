@@ -85,8 +85,8 @@ def output_scale(gm: fx.GraphModule, consumer: fx.Node) -> Tensor | None:
     if len(consumer.users) != 1:
         return None
     bn = next(iter(consumer.users))
-    if bn.target not in BATCH_NORM_OPS or bn.args[0] is not consumer:
-        return None
+    if bn.target not in BATCH_NORM_OPS or bn.args[0] is not consumer or not isinstance(bn.args[4], fx.Node):
+        return None  # (no running variance: a BatchNorm of batch statistics scales by no fixed number)
     eps_index = 7 if bn.target is torch.ops.aten.batch_norm.default else 6
     gamma = get_tensor(gm, bn.args[1].target) if isinstance(bn.args[1], fx.Node) else None
     var = get_tensor(gm, bn.args[4].target)

@@ -30,6 +30,7 @@ from compressor.calibration import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     HeldOut,
+    check_id_file,
     check_token_ids,
     count_tokens,
     draw,
@@ -37,6 +38,7 @@ from compressor.calibration import (
     load_images,
     load_text,
     more_windows,
+    readable,
     split_images,
     split_text,
     unseen_batches,
@@ -109,7 +111,7 @@ from exporters.serving import (
 
 from .budgets import AGREEMENT, COSINE, PERPLEXITY, TOP1, Metric
 from .report import KindFields
-from .request import IMAGES, TEXT, TRANSFORMER, CompressRequest
+from .request import IMAGES, NPZ_IMAGES, TEXT, TRANSFORMER, CompressRequest
 
 Say = Callable[[str | Progress], None]  # a line of text, or a pipeline's record
 Observe = Callable[[LayerObservation], None]
@@ -359,7 +361,23 @@ def image_normalisation(request: CompressRequest) -> tuple[tuple[float, ...], tu
     return mean, std, mean_from if mean_from == std_from else f"mean: {mean_from}, std: {std_from}"
 
 
+def npy_images(request: CompressRequest) -> bool:
+    """Whether the job's images come as .npy: float32 NCHW used as given, normalised by whoever saved them."""
+    return Path(request.calibration).suffix.lower() == ".npy"
+
+
+def _image_traits(request: CompressRequest, *more: str) -> frozenset[str]:
+    """An image job's traits: NPZ_IMAGES where a file of the job is .npz images, which --mean / --std normalise."""
+    files = [p for p in (request.calibration, request.eval) if p is not None]
+    npz = any(Path(p).suffix.lower() != ".npy" for p in files)
+    return frozenset({IMAGES, *more, *([NPZ_IMAGES] if npz else [])})
+
+
 def _image_preprocessing(request: CompressRequest, input_name: str, shape: Sequence[int]) -> dict:
+    if npy_images(request):  # the job never saw the images unnormalised: what serving must do is the caller's
+        return {"input": input_name, "layout": "NCHW float32", "shape": list(shape),
+                "npy_images": "used as given", "normalisation_from": "the caller (.npy calibration images, "
+                                                                     "normalised before the job)"}
     mean, std, source = image_normalisation(request)
     return {"input": input_name, "layout": "NCHW float32", "shape": list(shape),
             "npz_images": "uint8 NHWC / 255, then (x - mean) / std", "mean": list(mean), "std": list(std),
@@ -377,8 +395,8 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
     """(calibration images, evaluation images, their labels or None, how they were set apart).
 
     Without --eval the evaluation images are held out of the calibration file (`split_images`); with it,
-    they are the --eval file's (labels `y` for top-1 when `labels`), less any image identical to a
-    calibration image. Either way at least MIN_HELD_OUT_IMAGES unseen images, or the job is refused."""
+    they are the --eval file's (its labels `y`, where it has them and `labels`: top-1), less any image identical to
+    a calibration image. Either way at least MIN_HELD_OUT_IMAGES unseen images, or the job is refused."""
     mean, std, _ = image_normalisation(request)
     norm = {"mean": mean, "std": std}
     if request.eval is None:
@@ -388,15 +406,13 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
     images = load_images(request.calibration, samples=request.samples, seed=request.seed, **norm)
     eval_x = load_images(request.eval, samples=10**9, **norm)
     eval_y = None
-    if labels:
-        if Path(request.eval).suffix != ".npz":  # a .npy holds one array: no room for labels
-            raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1: an .npz with "
-                                   "x (images) and y (labels)")
-        with np.load(request.eval, allow_pickle=False) as data:
-            if "y" not in data:
-                raise CalibrationError(f"{request.eval}: evaluation images need labels 'y' for top-1")
-            eval_y = _class_indices(np.asarray(data["y"]), request.eval)
-        if len(eval_y) != len(eval_x):
+    # a .npy holds one array, no labels; unlabelled images are scored as the held-out ones are (agreement with the
+    # dense model for a classifier, else the outputs' cosine)
+    if labels and Path(request.eval).suffix.lower() == ".npz":
+        with readable(Path(request.eval)), np.load(request.eval, allow_pickle=False) as data:
+            if "y" in data:
+                eval_y = _class_indices(np.asarray(data["y"]), request.eval)
+        if eval_y is not None and len(eval_y) != len(eval_x):
             raise CalibrationError(f"{request.eval}: {len(eval_x)} images but {len(eval_y)} labels")
     unseen = drop_seen(eval_x, images)
     eval_x, eval_y = eval_x[unseen], (eval_y[unseen.numpy()] if eval_y is not None else None)
@@ -495,6 +511,7 @@ class ConvJob:
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         self.request, self.say = request, say
+        self.traits = _image_traits(request)
         self.loaded = load_model(request.model, trust_remote_code=request.trust_remote_code)
         self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_IMAGES,
                                                                                     labels=True)
@@ -1017,6 +1034,9 @@ class TextJob(_TransformerJob):
                                     overlap_dropped=dropped, tokens=tokens)
         self.held_out.check(request.eval or request.calibration)
         vocabulary = self.dense.get_input_embeddings().num_embeddings
+        for source in (request.calibration, request.eval):  # the windows drawn later too (`fit_pool`)
+            if source is not None:
+                check_id_file(source, vocabulary)
         check_token_ids(calibration, vocabulary, request.calibration)
         check_token_ids(held, vocabulary, request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
@@ -1152,6 +1172,7 @@ class ImageTransformerJob(_TransformerJob):
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
+        self.traits = _image_traits(request, TRANSFORMER)
         config = self.dense.config
         size, channels = int(config.image_size), int(config.num_channels)
         self.input_shape = (channels, size, size)

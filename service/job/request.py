@@ -75,9 +75,9 @@ REFERENCES = {"model": "model", "calibration": "calibration data", "eval": "eval
 
 # What a job is (`ModelJob.traits`, plus TARGET in target mode) that an option may need: the options that need a
 # trait the job lacks are named in one warning (`ignored_options`) instead of passing unnoticed
-IMAGES, TEXT, TRANSFORMER, TARGET = "images", "text", "transformer", "target"
-TRAIT_WORDS = {IMAGES: "for image models", TEXT: "for text models", TRANSFORMER: "for transformers",
-               TARGET: "in target mode (--target-speedup)"}
+IMAGES, NPZ_IMAGES, TEXT, TRANSFORMER, TARGET = "images", "npz images", "text", "transformer", "target"
+TRAIT_WORDS = {IMAGES: "for image models", NPZ_IMAGES: "for .npz images; .npy images are used as given",
+               TEXT: "for text models", TRANSFORMER: "for transformers", TARGET: "in target mode (--target-speedup)"}
 
 
 def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,
@@ -86,7 +86,7 @@ def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], 
     """A request field with its documentation (`help`, shown by `osscar compress -h`). `statistics`: the
     field changes the dense statistics, or the loss curves made of them (it keys their cache,
     `statistics_fields`). `needs`: the job traits (IMAGES, TEXT, TRANSFORMER, TARGET) without which the field
-    changes nothing."""
+    changes nothing (the first one missing is named)."""
     assert set(needs) <= set(TRAIT_WORDS), needs
     metadata = {"help": help, "choices": choices, "metavar": metavar, "cli": cli, "statistics": statistics,
                 "needs": needs}
@@ -121,10 +121,11 @@ class CompressRequest:
     seed: int = option(0, "seed of the calibration draw", statistics=True)
     mean: tuple[float, ...] | None = option(help="per-channel mean for .npz images, after scaling to [0, 1]; "
                                             "default: the model directory's preprocessor_config.json image_mean, "
-                                            f"else ImageNet's {IMAGENET_MEAN}", statistics=True, needs=(IMAGES,))
+                                            f"else ImageNet's {IMAGENET_MEAN}", statistics=True,
+                                            needs=(IMAGES, NPZ_IMAGES))
     std: tuple[float, ...] | None = option(help="per-channel std for .npz images; default: the model directory's "
                                            f"preprocessor_config.json image_std, else ImageNet's {IMAGENET_STD}",
-                                           statistics=True, needs=(IMAGES,))
+                                           statistics=True, needs=(IMAGES, NPZ_IMAGES))
     device: str | None = option(help="pruning device: cuda or cpu (default: cuda when available)")
     batch_size: int = option(100, "calibration batch size (images)", needs=(IMAGES,))
     sequences: int | None = option(help="text calibration: windows drawn (seeded); default: 2048 for encoders, "

@@ -35,8 +35,13 @@ def test_npy_is_used_as_is(tmp_path):
     (lambda p: (p / "c.csv").write_text("1") and p / "c.csv", "unsupported calibration format"),
     (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 3, 32, 32), np.uint8)) or p / "c.npz", r"channels-first.*"
      r"x\.transpose\(0, 2, 3, 1\)"),
-    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8, 1), np.uint8)) or p / "c.npz", "1 channels but mean/std "
-     "have 3/3 values; give --mean and --std with 1 value"),
+    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8, 1), np.uint8)) or p / "c.npz", r"1 channels but mean/std "
+     r"have 3/3 values; grayscale images for an RGB model: np\.repeat\(x, 3, axis=-1\); or, for a model of 1 "
+     r"channel\(s\), give --mean and --std with 1 value"),
+    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8, 4), np.uint8)) or p / "c.npz", r"RGBA images for an RGB "
+     r"model: keep x\[\.\.\., :3\]"),
+    (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 8, 8), np.uint8)) or p / "c.npz", r"need their channel axis: "
+     r"x\[\.\.\., None\]"),
 ])
 def test_bad_calibration_data_is_refused(tmp_path, setup, words):
     with pytest.raises(CalibrationError, match=words):
@@ -269,3 +274,65 @@ def test_a_long_document_is_tokenised_in_pieces_with_its_special_tokens_once(mon
     pieces = calibration._tokenized(tokenizer, text)
     assert np.array_equal(pieces, expected) and pieces[0] == 1 and pieces[-1] == 2 and (pieces == 1).sum() == 1
     assert max(tokenizer.calls) < 200 and len(tokenizer.calls) > 10
+
+
+def test_upper_case_suffixes_read_as_their_formats(tmp_path):
+    with open(tmp_path / "C.NPZ", "wb") as f:  # through a file: numpy appends ".npz" to a name that lacks it
+        np.savez(f, x=np.zeros((2, 4, 4, 3), np.uint8))
+    assert load_images(tmp_path / "C.NPZ").shape == (2, 3, 4, 4)
+    with open(tmp_path / "IDS.NPY", "wb") as f:
+        np.save(f, np.arange(3, 40))
+    assert load_text(tmp_path / "IDS.NPY", sequences=2, length=8)[0]["input_ids"].shape == (2, 8)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64, np.int64])
+def test_falling_offsets_are_refused_whatever_their_integer_type(tmp_path, dtype):
+    """Unsigned offsets wrapped in np.diff, so [0, 40, 20, 60] read as rising: documents overlapped, and the end
+    held out for evaluation could sit inside the calibration part."""
+    np.savez(tmp_path / "ids.npz", ids=np.arange(60), offsets=np.array([0, 40, 20, 60], dtype=dtype))
+    with pytest.raises(CalibrationError, match=r"'offsets' must rise from 0 to len\(ids\) = 60 \(got 0, 40, 20, 60"):
+        load_text(tmp_path / "ids.npz", sequences=2, length=8)
+
+
+class _CharTokenizer:
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_jsonl_record_may_hold_line_separators_and_a_txt_is_read_without_its_byte_order_mark(tmp_path):
+    """str.splitlines cut a JSON string at U+2028 / U+2029 / NEL (legal unescaped in JSON) and refused the file; a
+    BOM reached the tokenizer of a .txt (three bytes of a byte-level BPE)."""
+    import json
+
+    text = "first\u2028second\u2029third\x85fourth " * 3
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (batch,) = load_text(tmp_path / "c.jsonl", sequences=1, length=len(text), batch_size=1, tokenizer=_CharTokenizer())
+    assert "".join(map(chr, batch["input_ids"][0].tolist())) == text
+    (tmp_path / "c.txt").write_text("abcdefgh", encoding="utf-8-sig")
+    (batch,) = load_text(tmp_path / "c.txt", sequences=1, length=8, batch_size=1, tokenizer=_CharTokenizer())
+    assert "".join(map(chr, batch["input_ids"][0].tolist())) == "abcdefgh"
+
+
+def test_txt_documents_are_separated_by_lines_of_only_spaces_or_tabs_too(tmp_path):
+    """WikiText's raw files separate paragraphs with " \\n" lines: 60 documents read as one."""
+    from compressor.calibration import count_tokens
+
+    (tmp_path / "c.txt").write_text("aaaa\n \nbbbb\n\t\ncccc\n\ndddd")
+    batches = load_text(tmp_path / "c.txt", sequences=40, length=8, batch_size=40, tokenizer=_CharTokenizer())
+    windows = {"".join(map(chr, row[mask.bool()].tolist())) for row, mask in
+               zip(batches[0]["input_ids"], batches[0]["attention_mask"], strict=True)}
+    assert windows == {"aaaa", "bbbb", "cccc", "dddd"} and count_tokens(tmp_path / "c.txt", _CharTokenizer()) == 16
+
+
+def test_every_id_of_an_id_file_is_checked_not_only_the_windows_drawn(tmp_path):
+    from compressor.calibration import check_id_file
+
+    ids = np.full(1000, 5)
+    ids[[100, 700]] = [77, -3]  # where a draw of a few windows may never reach
+    np.savez(tmp_path / "ids.npz", ids=ids, offsets=[0, 500, 1000])
+    with pytest.raises(CalibrationError, match=r"ids\.npz: token ids -3, 77 are outside the model's 50 embeddings"):
+        check_id_file(tmp_path / "ids.npz", 50)
+    np.save(tmp_path / "ok.npy", np.arange(50))
+    check_id_file(tmp_path / "ok.npy", 50)
+    (tmp_path / "t.txt").write_text("any text")  # a text's ids are its tokenizer's, checked in the windows
+    check_id_file(tmp_path / "t.txt", 1)

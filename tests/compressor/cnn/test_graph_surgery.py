@@ -342,3 +342,55 @@ def test_a_two_number_pad_of_a_feature_vector_pads_its_channels():
     pruned, reports = prune_conv_graph(gm, torch.randn(32, 3, 8, 8), 0.5, method="osscar")
     assert any(r.width_after < r.width_before for r in reports)  # c1's channels, which c2 reads
     assert pruned(torch.randn(2, 3, 8, 8)).shape == (2, 4) and pruned.fc.weight.shape == (4, 10)
+
+
+def test_in_place_dropout_batch_norms_of_batch_statistics_shared_and_odd_convs_are_named_and_the_rest_pruned():
+    """An in-place dropout (HF MobileNets' classifier) kept the conv before it whole, blamed on "not channel-wise";
+    a BatchNorm without running statistics was made unrunnable by the training-flag fix and crashed the surgery; a
+    conv applied twice was sliced twice (an index error after a solve); an even kernel's padding="same" was refused
+    under an FX node's name."""
+    from compressor.cnn.models import export_module, to_inference_mode
+
+    def cbr(i: int, o: int) -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Conv2d(i, o, 3, padding=1, bias=False), torch.nn.BatchNorm2d(o),
+                                   torch.nn.ReLU())
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = cbr(3, 8)
+            self.shared = torch.nn.Conv2d(8, 8, 3, padding=1)
+            self.a = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.stats = torch.nn.BatchNorm2d(8, track_running_stats=False)
+            self.even = torch.nn.Conv2d(8, 8, 4, padding="same")
+            self.b = cbr(8, 16)
+            self.last = torch.nn.Conv2d(16, 32, 1)
+            self.drop = torch.nn.Dropout(0.2, inplace=True)
+            self.fc = torch.nn.Linear(32, 5)
+
+        def forward(self, x):
+            x = self.stem(x)
+            x = torch.relu(self.shared(torch.relu(self.shared(x))))
+            x = torch.relu(self.stats(self.a(x)))
+            x = self.b(torch.relu(self.even(x)))
+            return self.fc(self.drop(self.last(x).mean((2, 3))))
+
+    x = torch.randn(2, 3, 8, 8)
+    model = Odd().eval()
+    gm = export_module(model, x)
+    assert to_inference_mode(gm) == 0  # eval mode's batch statistics are not a training export's flag
+    torch.testing.assert_close(gm(x), model(x))
+    analysis = analyse(gm)
+    # units are named by the conv reading the channels: b.0's output (read by last), and last's, read by fc through
+    # the in-place dropout
+    assert [(u.name, u.channels) for u in analysis.units] == [("last", 16), ("fc", 32)]
+    refused = analysis.refused
+    assert "its output channels: shared is applied 2 times (a shared weight)" in refused["stem.0"]
+    assert "its output channels: stats is a BatchNorm without running statistics (track_running_stats=False)" in \
+        refused["a"]
+    assert refused["b.0"] == "even is a conv this tool does not edit (padding='same' with an even kernel pads one " \
+                             "side more than the other)"
+    for unit in analysis.units:
+        reference = zero_consumer_inputs(gm, unit, [0, 2, 5])
+        prune_unit(gm, unit, [0, 2, 5])
+        torch.testing.assert_close(gm(x), reference(x), rtol=1e-5, atol=1e-5)

@@ -340,17 +340,28 @@ def test_a_perplexity_of_a_broken_model_is_huge_not_an_overflow():
     assert job.score([(800.0 * 10, 10)], []) > 1e300
 
 
-def test_evaluation_images_without_room_for_labels_are_refused_in_one_line(tmp_path):
+def test_evaluation_images_without_labels_are_scored_as_held_out_ones_and_unreadable_labels_are_refused(tmp_path):
+    """An --eval without labels (a .npy, or an .npz without y) was refused for every CNN, though the job scores
+    held-out images without labels (agreement with the dense model, or the outputs' cosine), and a CNN whose output
+    is not class scores could then take no --eval at all; labels saved as objects were a ValueError traceback."""
     from compressor.errors import CalibrationError
-    from service.job.kinds import _images_and_held_out
+    from service.job.budgets import AGREEMENT, COSINE
+    from service.job.kinds import _image_metric, _images_and_held_out
 
     rng = np.random.default_rng(0)
     np.save(tmp_path / "cal.npy", rng.standard_normal((200, 3, 8, 8)).astype(np.float32))
     np.save(tmp_path / "eval.npy", rng.standard_normal((100, 3, 8, 8)).astype(np.float32))
-    request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", eval=tmp_path / "eval.npy",
-                              out_dir=tmp_path / "out", uniform_ratio=0.5)
-    with pytest.raises(CalibrationError, match="labels 'y'"):
-        _images_and_held_out(request, 256, labels=True)
+    np.savez(tmp_path / "eval.npz", x=rng.integers(0, 256, (100, 8, 8, 3), dtype=np.uint8))
+    for name in ("eval.npy", "eval.npz"):
+        request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", eval=tmp_path / name,
+                                  out_dir=tmp_path / "out", uniform_ratio=0.5)
+        _, eval_x, eval_y, held = _images_and_held_out(request, 64, labels=True)
+        assert eval_y is None and len(eval_x) == 64 and held.evaluation == 64
+        assert _image_metric(eval_y, 10, name) == AGREEMENT and _image_metric(eval_y, None, name) == COSINE
+    np.savez(tmp_path / "eval.npz", x=rng.integers(0, 256, (100, 8, 8, 3), dtype=np.uint8),
+             y=np.array([[1], 2] * 50, dtype=object))
+    with pytest.raises(CalibrationError, match=r"eval\.npz: not a readable \.npz file \(ValueError: Object arrays"):
+        _images_and_held_out(request, 64, labels=True)
 
 
 def test_evaluation_labels_are_class_indices_and_a_column_is_flattened(tmp_path):
