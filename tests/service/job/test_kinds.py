@@ -3,6 +3,7 @@ through as the pipeline says it) and what each kind refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -564,3 +565,24 @@ def test_a_streamed_text_job_says_it_runs_no_whole_model_fit(tmp_path):
     said.clear()
     TextJob(CompressRequest(**request), said.append)
     assert not any("whole-model fit" in str(line) for line in said)
+
+
+def test_mean_and_std_with_npy_images_are_named_as_ignored_and_the_record_says_the_images_were_used_as_given(
+        tmp_path):
+    """.npy images are used as they are; --mean / --std passed with them did nothing, yet the report's preprocessing
+    recorded them as "the request"'s normalisation, which a server reading it would then apply."""
+    from service.job.kinds import _image_preprocessing, _image_traits
+
+    npy = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", out_dir=tmp_path / "out",
+                          uniform_ratio=0.5, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    assert npy.ignored_options(_image_traits(npy)) == [
+        "--mean (for .npz images; .npy images are used as given)", "--std (for .npz images; .npy images are used as "
+        "given)"]
+    record = _image_preprocessing(npy, "x", (3, 8, 8))
+    assert record["npy_images"] == "used as given" and "mean" not in record
+    # with .npz evaluation images beside them, the flags normalise those
+    mixed = dataclasses.replace(npy, eval=tmp_path / "eval.npz")
+    assert mixed.ignored_options(_image_traits(mixed)) == []
+    npz = dataclasses.replace(npy, calibration=tmp_path / "cal.npz")
+    assert npz.ignored_options(_image_traits(npz)) == []
+    assert _image_preprocessing(npz, "x", (3, 8, 8))["mean"] == [0.5, 0.5, 0.5]
