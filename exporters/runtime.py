@@ -78,7 +78,47 @@ def provider_loads(provider: str) -> tuple[bool, list[str]]:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may use: its affinity, within its cgroup's CPU quota (`docker run --cpus`, a Kubernetes
+    CPU limit), which the affinity does not show: 64 threads timed on a 2-CPU quota would measure the throttling."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs the process's cgroup may use by its CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), None without a quota or where none can be read."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]  # id:controllers:path
+    own_v2 = next((path for number, controllers, path in entries if number == "0" and not controllers), "/")
+    own_v1 = next((path for _, controllers, path in entries if "cpu" in controllers.split(",")), "/")
+    # the process's own cgroup first, then the namespace's root (a container sees its own cgroup as "/")
+    for folder in dict.fromkeys((root / own_v2.lstrip("/"), root)):
+        try:
+            limit, period = (folder / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if limit == "max" else _ratio(limit, period)
+    for base in (root / "cpu", root / "cpu,cpuacct"):
+        for folder in dict.fromkeys((base / own_v1.lstrip("/"), base)):
+            try:
+                limit, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us",
+                                                                                   "cpu.cfs_period_us"))
+            except OSError:
+                continue
+            return None if limit.startswith("-") else _ratio(limit, period)
+    return None
+
+
+def _ratio(limit: str, period: str) -> float | None:
+    try:
+        value = int(limit) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if value > 0 else None
 
 
 def device_name(provider: str) -> str:

@@ -54,6 +54,7 @@ from .targeting import (
     Measure,
     Round,
     Stage,
+    check_gqa_of,
     choose,
     removed_of,
     run_target,
@@ -117,6 +118,7 @@ def _check_here(request: CompressRequest) -> None:
     if request.widths_from is not None:  # read now: a report that does not read was found after the dense export
         widths_of(request.widths_from)
         removed_of(request.widths_from)
+        check_gqa_of(request.widths_from, request.gqa)
     model = out / "model"
     if model.is_dir() and not model.is_symlink() and not request.reads(model) and not _earlier_model(out):
         raise InputError(f"--out {out}: its model/ folder is no earlier job's (no report.json there names it), and "

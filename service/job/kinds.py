@@ -985,7 +985,8 @@ class _TransformerJob:
 
     def report_fields(self, module: nn.Module) -> KindFields:
         fit: RefineReport | None = getattr(module, "osscar_model_fit", None)
-        return KindFields(widths=widths(module), onnx_inputs=list(self.loaded.input_names),
+        return KindFields(widths=widths(module), gqa=self.request.gqa if dims(self.dense).group > 1 else None,
+                          onnx_inputs=list(self.loaded.input_names),
                           onnx_output=self.loaded.output_name,
                           removed_layers=list(getattr(module, "osscar_removed_layers", [])), depth=self.depth,
                           model_reconstruction=None if fit is None else dataclasses.asdict(fit))

@@ -145,6 +145,8 @@ class KindFields:
     # target mode's depth plan (targeting.DepthPlan.to_dict)
     depth: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     widths: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a transformer's kept widths
+    # a grouped-query transformer's head unit, what its attention layers' widths count: query-heads or kv-groups
+    gqa: str | None = field(default=None, metadata=OPTIONAL)
     onnx_inputs: list[str] | None = field(default=None, metadata=OPTIONAL)
     onnx_output: str | None = field(default=None, metadata=OPTIONAL)
     # transformer layers removed whole ("model.layers.7"), and attentions / FFNs removed alone, named by their output

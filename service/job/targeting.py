@@ -813,6 +813,19 @@ def widths_of(path: Path) -> dict[str, int]:
         raise InputError(f"--widths-from {path}: expected a report.json with layers[].name and width_after") from err
 
 
+def check_gqa_of(path: Path, gqa: str) -> None:
+    """A report whose attention widths count another head unit than the request's (`--gqa`) is refused: its widths
+    would be read as the other unit's (2 of 2 KV groups as 2 of 8 query heads), another structure without a word."""
+    try:
+        unit = json.loads(Path(path).read_text()).get("gqa")
+    except (OSError, ValueError, AttributeError) as err:
+        raise InputError(f"--widths-from {path}: not a readable report.json") from err
+    if unit is not None and unit != gqa:
+        counted = "whole KV groups" if unit == "kv-groups" else "single query heads"
+        raise InputError(f"--widths-from {path}: its attention widths count {counted} (--gqa {unit}); give --gqa "
+                         f"{unit} to build its structure")
+
+
 def removed_of(path: Path) -> list[str]:
     """The whole blocks (conv graphs) or layers (transformers) a report.json's model went without: the
     depth half of its structure, which --widths-from reproduces with the widths."""

@@ -343,3 +343,32 @@ def test_the_cls_and_max_poolings_read_the_served_embedding():
     mask = np.array([[1, 1, 1], [1, 1, 0]])
     np.testing.assert_array_equal(_reduce("cls_pool", states, {"attention_mask": mask}), states[:, 0])
     np.testing.assert_array_equal(_reduce("max_pool", states, {"attention_mask": mask}), [[4, 5], [8, 9]])
+
+
+def test_the_default_threads_keep_within_the_cgroups_cpu_quota(tmp_path, monkeypatch):
+    """A container's CPU limit (docker --cpus, a Kubernetes limit) is a CFS quota the affinity does not show: ONNX
+    Runtime was timed with every host core on a quota of two."""
+    from exporters import runtime
+    from exporters.runtime import cpu_quota
+
+    v2, membership = tmp_path / "v2", tmp_path / "cgroup"
+    (v2 / "pod" / "job").mkdir(parents=True)
+    membership.write_text("0::/pod/job\n")
+    (v2 / "pod" / "job" / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(v2, membership) == 2.5
+    (v2 / "pod" / "job" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2, membership) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "c1").mkdir(parents=True)
+    membership.write_text("4:memory:/docker/c1\n3:cpu,cpuacct:/docker/c1\n")
+    for name, value in (("cpu.cfs_quota_us", "150000"), ("cpu.cfs_period_us", "100000")):
+        (v1 / "cpu,cpuacct" / "docker" / "c1" / name).write_text(value + "\n")
+    assert cpu_quota(v1, membership) == 1.5
+    (v1 / "cpu,cpuacct" / "docker" / "c1" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1, membership) is None
+    assert cpu_quota(tmp_path / "none", tmp_path / "absent") is None
+    monkeypatch.setattr(runtime, "cpu_quota", lambda: 1.5)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert runtime.default_threads() == 2
+    monkeypatch.setattr(runtime, "cpu_quota", lambda: None)
+    assert runtime.default_threads() == 64

@@ -172,6 +172,7 @@ def test_compress_a_transformer_directory(tmp_path, capsys, extra, monkeypatch, 
     report = json.loads((out / "report.json").read_text())
     assert any("streams the checkpoint block by block" in w for w in report.get("warnings", [])) == auto
     assert not any("ignored" in w for w in report.get("warnings", []))  # text and transformer flags apply here
+    assert report["gqa"] == "query-heads"  # what its attention widths count (a later --widths-from reads them so)
     # single query heads under GQA: half of the 8 per layer, each reading one of the KV heads kept
     assert (report["widths"]["heads"], report["widths"]["ffn"]) == ([4, 4], [10, 10])
     assert report["min_sequence_length"] == report["sequence_length"] == 16  # a decoder: full causal windows

@@ -939,3 +939,19 @@ def test_the_depth_search_goes_on_while_deeper_options_come_closer_to_a_width_pl
     farther = DepthOption(("b0", "b1", "b2", "b3"), 0.4, 1.5, 0.95, math.inf)  # a finite plan beats any infinite
     best, worse, _ = _searched(farther, best, worse)
     assert best is feasible and worse == 1
+
+
+def test_a_report_whose_attention_widths_count_another_head_unit_is_refused(tmp_path):
+    """A --gqa kv-groups report's "2 of 2" KV groups were read as 2 of 8 query heads: another model, no word."""
+    import json
+
+    from compressor.errors import InputError
+    from service.job.targeting import check_gqa_of
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"layers": [], "gqa": "kv-groups"}))
+    with pytest.raises(InputError, match=r"count whole KV groups \(--gqa kv-groups\); give --gqa kv-groups"):
+        check_gqa_of(path, "query-heads")
+    check_gqa_of(path, "kv-groups")
+    path.write_text(json.dumps({"layers": []}))  # no grouped-query attention, or a report of an earlier release
+    check_gqa_of(path, "query-heads")
