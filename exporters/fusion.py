@@ -78,8 +78,11 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     model = ir.load(str(source))
+    as_matmul = gemms_as_matmuls(model)
     model, counts = optimize_for_ort(model)
     counts = {name: int(count) for name, count in counts.items() if count}
+    if as_matmul and counts:
+        counts[GEMM_AS_MATMUL] = as_matmul
     if provider == "cpu" and (split := split_skip_layer_norms(model)):
         counts[SKIP_AS_SUM] = split
     model.metadata_props[FUSIONS_KEY] = json.dumps(Fusion(counts).to_json(), sort_keys=True)
@@ -92,6 +95,41 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
     else:
         ir.save(model, str(target))
     return counts
+
+
+GEMM_AS_MATMUL = "gemm_as_matmul_add"  # Fusion.counts: Gemms written as MatMul + Add before the fusions
+
+
+def gemms_as_matmuls(model: ir.Model) -> int:
+    """Write each plain `Gemm` of `model` (alpha = beta = 1, A not transposed) as `MatMul` (of B transposed where
+    transB) then `Add` of C; returns how many. GPT-2's Conv1D exports as Reshape -> Gemm -> Reshape, and onnxscript's
+    pre-fusion shape optimizer removes the reshapes around it, which a Gemm (2-D only) does not survive: every GPT-2
+    graph failed to load fused and shipped without its fused attention. A MatMul takes any rank."""
+    import onnx_ir as ir
+
+    graph, count = model.graph, 0
+    for node in list(graph):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        attributes = {name: attr.value for name, attr in node.attributes.items()}
+        if attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0 or attributes.get("transA", 0):
+            continue
+        a, b, c = [*node.inputs, None][:3]
+        added: list[ir.Node] = []
+        if attributes.get("transB", 0):
+            added.append(ir.Node("", "Transpose", [b], [ir.AttrInt64s("perm", [1, 0])], name=f"{node.name}_bt"))
+            b = added[-1].outputs[0]
+        added.append(ir.Node("", "MatMul", [a, b], name=f"{node.name}_matmul"))
+        if c is not None:
+            added.append(ir.Node("", "Add", [added[-1].outputs[0], c], name=f"{node.name}_add"))
+        graph.insert_before(node, added)
+        old, new = node.outputs[0], added[-1].outputs[0]
+        new.shape, new.type = old.shape, old.type
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        new.name = old.name
+        count += 1
+    return count
 
 
 def split_skip_layer_norms(model: ir.Model) -> int:

@@ -57,6 +57,18 @@ def test_each_layer_attention_fuses_with_its_own_head_count_and_matches_pytorch(
     np.testing.assert_allclose(got[real], first_output(model, inputs).numpy()[real], rtol=1e-4, atol=1e-4)
 
 
+def test_gpt2s_gemms_become_matmuls_so_its_attention_fuses_and_matches_pytorch(tmp_path):
+    """GPT-2's Conv1D exports as Reshape -> Gemm -> Reshape; onnxscript's optimizer removed the reshapes and left a
+    Gemm on a 3-D input, which ONNX Runtime refuses: every GPT-2 graph shipped unfused, with two warnings per export."""
+    model = MODELS["gpt2"]().eval()
+    path = _export(model, tmp_path)
+    inputs = _padded(model)
+    parity, fusion = fuse_checked(path, lambda graph: check_hf_parity(model, graph, inputs, output_name(model)))
+    assert fusion.fused and parity.peak_error < 1e-4, fusion
+    assert fusion.counts[fusion_module.GEMM_AS_MATMUL] > 0 and fusion.counts.get("sdpa", 0) > 0
+    assert not [n for n in onnx.load(str(path)).graph.node if n.op_type == "Gemm"]
+
+
 def _session_ops(path, tmp_path) -> set[str]:
     """The operators of the graph ONNX Runtime runs after its own session-level fusions."""
     options = ort.SessionOptions()
