@@ -61,6 +61,27 @@ def load_images(
 
 
 MIN_HELD_OUT_IMAGES = 64  # fewer held-out images than this cannot tell a broken model from a sound one
+# the float32 evaluation images an --eval file gives at most (a seeded draw beyond): every round scores them all, and
+# ImageNet's labelled validation set would be 30 GB of them (here 870 images of 224 x 224, all of CIFAR-10's 10,000)
+EVAL_IMAGE_BYTES = 512 << 20
+
+
+def load_eval_images(path: str | Path, *, labels: bool, mean: tuple[float, ...] = IMAGENET_MEAN,
+                     std: tuple[float, ...] = IMAGENET_STD) -> tuple[torch.Tensor, np.ndarray | None, int]:
+    """An --eval file's images as float32 NCHW, its labels `y` as stored where `labels` and it has them (an .npz),
+    and how many images it holds: all of them within EVAL_IMAGE_BYTES, else a seeded draw (labels drawn alike)."""
+    path = Path(path)
+    raw = _image_array(path, mean, std)
+    y = None
+    if labels and path.suffix.lower() == ".npz":
+        with readable(path), np.load(path, allow_pickle=False) as data:
+            if "y" in data:
+                y = np.asarray(data["y"])
+        if y is not None and len(y) != len(raw):
+            raise CalibrationError(f"{path}: {len(raw)} images but {len(y)} labels")
+    per_image = 4 * math.prod(raw.shape[1:])
+    keep = draw(len(raw), max(MIN_HELD_OUT_IMAGES, EVAL_IMAGE_BYTES // max(per_image, 1)), 0)
+    return _image_tensor(raw[keep], mean, std), (y[keep] if y is not None else None), len(raw)
 HELD_OUT_SHARE = 0.2  # of a file with no images to spare, the share held out for evaluation
 
 

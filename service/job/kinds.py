@@ -35,10 +35,10 @@ from compressor.calibration import (
     count_tokens,
     draw,
     drop_seen,
+    load_eval_images,
     load_images,
     load_text,
     more_windows,
-    readable,
     split_images,
     split_text,
     unseen_batches,
@@ -404,21 +404,18 @@ def _images_and_held_out(request: CompressRequest, held_out: int, labels: bool
                                             seed=request.seed, **norm)
         return images, eval_x, None, info
     images = load_images(request.calibration, samples=request.samples, seed=request.seed, **norm)
-    eval_x = load_images(request.eval, samples=10**9, **norm)
-    eval_y = None
     # a .npy holds one array, no labels; unlabelled images are scored as the held-out ones are (agreement with the
     # dense model for a classifier, else the outputs' cosine)
-    if labels and Path(request.eval).suffix.lower() == ".npz":
-        with readable(Path(request.eval)), np.load(request.eval, allow_pickle=False) as data:
-            if "y" in data:
-                eval_y = _class_indices(np.asarray(data["y"]), request.eval)
-        if eval_y is not None and len(eval_y) != len(eval_x):
-            raise CalibrationError(f"{request.eval}: {len(eval_x)} images but {len(eval_y)} labels")
+    eval_x, eval_y, given = load_eval_images(request.eval, labels=labels, **norm)
+    if eval_y is not None:
+        eval_y = _class_indices(eval_y, request.eval)
+    source = "the --eval file" + (f" (a seeded draw of {len(eval_x):,} of its {given:,} images)"
+                                  if len(eval_x) < given else "")
     unseen = drop_seen(eval_x, images)
     eval_x, eval_y = eval_x[unseen], (eval_y[unseen.numpy()] if eval_y is not None else None)
     if eval_y is None and len(eval_x) > held_out:  # labels make every image count; without, a seeded draw
         eval_x = eval_x[draw(len(eval_x), held_out, request.seed + 1)]
-    info = HeldOut("the --eval file", len(images), len(eval_x), overlap_dropped=int((~unseen).sum()))
+    info = HeldOut(source, len(images), len(eval_x), overlap_dropped=int((~unseen).sum()))
     return images, eval_x, eval_y, info
 
 

@@ -108,7 +108,8 @@ class CompressRequest:
                                          "kept): the paper's protocol, one round")
     widths_from: Path | None = option(help="the per-layer widths of an earlier report.json (e.g. to compare "
                                       "methods at equal widths)")
-    eval: Path | None = option(help="evaluation data: images .npz with labels y (top-1), token ids / text "
+    eval: Path | None = option(help="evaluation data: images .npz with labels y (top-1; at most 512 MiB of them as "
+                               "float32, a seeded draw beyond), token ids / text "
                                "(perplexity for LMs); default: inputs held out of the calibration data, never "
                                "calibrated on (top-1 agreement with the dense model for classifiers, cosine to "
                                "the dense outputs, perplexity); without it the calibration keeps what is not "

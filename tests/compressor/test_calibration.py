@@ -336,3 +336,26 @@ def test_every_id_of_an_id_file_is_checked_not_only_the_windows_drawn(tmp_path):
     check_id_file(tmp_path / "ok.npy", 50)
     (tmp_path / "t.txt").write_text("any text")  # a text's ids are its tokenizer's, checked in the windows
     check_id_file(tmp_path / "t.txt", 1)
+
+
+def test_an_eval_file_beyond_the_byte_cap_is_a_seeded_draw_with_its_labels(tmp_path, monkeypatch):
+    """Every labelled --eval image was loaded as float32 and scored each round: ImageNet's validation set would be
+    30 GB; now a seeded draw within EVAL_IMAGE_BYTES, each label with its image."""
+    from compressor import calibration
+    from compressor.calibration import load_eval_images
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (300, 4, 4, 3), dtype=np.uint8)
+    y = np.arange(300)
+    x[:, 0, 0, 0] = y % 256  # each image carries its label's low byte
+    np.savez(tmp_path / "eval.npz", x=x, y=y)
+    monkeypatch.setattr(calibration, "EVAL_IMAGE_BYTES", 100 * 4 * 3 * 4 * 4)  # 100 float32 images
+    images, labels, given = load_eval_images(tmp_path / "eval.npz", labels=True, mean=(0.0,) * 3, std=(1.0,) * 3)
+    assert (len(images), len(labels), given) == (100, 100, 300) and len(set(labels.tolist())) == 100
+    np.testing.assert_array_equal(np.round(images[:, 0, 0, 0].numpy() * 255).astype(int), labels % 256)
+    again = load_eval_images(tmp_path / "eval.npz", labels=True, mean=(0.0,) * 3, std=(1.0,) * 3)[1]
+    np.testing.assert_array_equal(again, labels)  # seeded
+    small, none, _ = load_eval_images(tmp_path / "eval.npz", labels=False, mean=(0.0,) * 3, std=(1.0,) * 3)
+    assert none is None and len(small) == 100
+    monkeypatch.setattr(calibration, "EVAL_IMAGE_BYTES", 1)  # never fewer than a check needs
+    assert len(load_eval_images(tmp_path / "eval.npz", labels=False)[0]) == 64
