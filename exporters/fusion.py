@@ -85,6 +85,7 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
         counts[GEMM_AS_MATMUL] = as_matmul
     if provider == "cpu" and (split := split_skip_layer_norms(model)):
         counts[SKIP_AS_SUM] = split
+    _drop_intermediate_shapes(model)
     model.metadata_props[FUSIONS_KEY] = json.dumps(Fusion(counts).to_json(), sort_keys=True)
     weights = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
     # torch's exporter writes external data from 1.5 GB on: a graph read from one keeps its weights in a file of its
@@ -95,6 +96,19 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
     else:
         ir.save(model, str(target))
     return counts
+
+
+def _drop_intermediate_shapes(model: ir.Model) -> None:
+    """Forget the shapes recorded for the fused graph's inner values (ONNX Runtime infers its own): a rewrite that
+    removes reshapes leaves the 2-D shape of a value that is 3-D now, which ONNX Runtime warns of at every load
+    (`MergeShapeInfo`, three lines per layer of GPT-2)."""
+    import onnx_ir as ir
+
+    outputs = {id(v) for v in model.graph.outputs}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            if id(value) not in outputs:
+                value.shape = None
 
 
 GEMM_AS_MATMUL = "gemm_as_matmul_add"  # Fusion.counts: Gemms written as MatMul + Add before the fusions
