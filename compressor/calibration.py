@@ -112,10 +112,13 @@ class HeldOut:
         else:
             have, unit, need = self.tokens, "tokens", MIN_HELD_OUT_TOKENS
         given = "--eval" in self.source
+        repeats = (f"; {self.overlap_dropped} of its inputs repeat calibration inputs (is --eval the calibration "
+                   "file, or drawn from it?)" if given and self.overlap_dropped else "")
         raise CalibrationError(
             f"{path}: {have} evaluation {unit} unseen by the calibration ({self.source}); the accuracy check needs at "
-            f"least {need}" + ("" if given else f": give a calibration file of at least {2 * need} {unit} (half of a "
-                                               f"small one is held out), or separate evaluation data (--eval)"))
+            f"least {need}" + (repeats if given else f": give a calibration file of at least {2 * need} {unit} (half "
+                                                     "of a small one is held out), or separate evaluation data "
+                                                     "(--eval)"))
 
 
 def split_images(
@@ -555,9 +558,12 @@ def _token_documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
+                record = json.loads(line)
+                text = record["text"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CalibrationError(f"{path}:{number}: expected a JSON object with a 'text' field") from err
+                found = f" (found keys {', '.join(map(repr, list(record)[:8]))})" if isinstance(err, KeyError) and \
+                    isinstance(record, dict) else ""
+                raise CalibrationError(f"{path}:{number}: expected a JSON object with a 'text' field{found}") from err
             if text is not None and not isinstance(text, str):
                 raise CalibrationError(f"{path}:{number}: 'text' must be a string (got {type(text).__name__})")
             # an empty or null text (a third of WikiText-2's rows) is no document: tokenised, "" was a window of

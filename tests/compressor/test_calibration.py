@@ -106,7 +106,8 @@ def test_text_calibration_from_jsonl_and_txt(tmp_path):
     with pytest.raises(CalibrationError, match=r"number\.jsonl:1: 'text' must be a string \(got int\)"):
         load_text(tmp_path / "number.jsonl", tokenizer=tokenizer)
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
-    with pytest.raises(CalibrationError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field"):
+    with pytest.raises(CalibrationError, match=r"bad\.jsonl:1: expected a JSON object with a 'text' field \(found "
+                                               r"keys 'body'\)"):
         load_text(tmp_path / "bad.jsonl", tokenizer=tokenizer)
     np.savez(tmp_path / "ids.npz", ids=np.arange(10), offsets=np.array([0, 4, 3, 10]))
     with pytest.raises(CalibrationError, match="'offsets' must rise"):
@@ -359,3 +360,11 @@ def test_an_eval_file_beyond_the_byte_cap_is_a_seeded_draw_with_its_labels(tmp_p
     assert none is None and len(small) == 100
     monkeypatch.setattr(calibration, "EVAL_IMAGE_BYTES", 1)  # never fewer than a check needs
     assert len(load_eval_images(tmp_path / "eval.npz", labels=False)[0]) == 64
+
+
+def test_an_eval_file_that_repeats_the_calibration_is_refused_saying_so():
+    from compressor.calibration import HeldOut
+
+    with pytest.raises(CalibrationError, match=r"0 evaluation images unseen .* needs at least 64; 128 of its inputs "
+                                               r"repeat calibration inputs \(is --eval the calibration file"):
+        HeldOut("the --eval file", 128, 0, overlap_dropped=128).check("cal.npz")
