@@ -434,6 +434,24 @@ def _class_indices(labels: np.ndarray, source: object) -> np.ndarray:
     return labels.astype(np.int64)
 
 
+def _image_value_warnings(images: torch.Tensor, request: CompressRequest) -> list[str]:
+    """Calibration images whose values look mis-scaled, which nothing else would flag (the model is pruned for inputs
+    it will never see): .npy images (used as given) of raw pixel values, and .npz images whose uint8 pixels are all
+    0 or 1 (scaled to [0, 1] before the uint8 cast)."""
+    if npy_images(request):
+        if float(images.abs().amax()) > 20:
+            return [f"{request.calibration}: .npy images are used as given (normalised), but these reach "
+                    f"{float(images.abs().amax()):.0f}: raw pixel values? normalise them as the model's inputs are, "
+                    "or give uint8 NHWC images as .npz"]
+        return []
+    mean, std, _ = image_normalisation(request)
+    pixels = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)  # back to [0, 1]
+    if float(pixels.amax()) <= 1.5 / 255:
+        return [f"{request.calibration}: every pixel is 0 or 1 of 255: images scaled to [0, 1] before the uint8 cast? "
+                "save x as uint8 values 0-255"]
+    return []
+
+
 def _check_image_shapes(images: torch.Tensor, eval_x: torch.Tensor, expected: tuple[int, ...],
                         request: CompressRequest) -> None:
     """Calibration and evaluation images of the model's input shape, or the job is refused before any export (an
@@ -513,6 +531,8 @@ class ConvJob:
         self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_IMAGES,
                                                                                     labels=True)
         _check_image_shapes(self.images, self.eval_x, self.loaded.input_shape, request)
+        for text in _image_value_warnings(self.images, request):
+            say(warning(text))
         self.held_out.check(request.eval or request.calibration)
         self.dense = self.loaded.module  # the baseline, and what the reconstruction fits to
         self.depth: dict | None = None  # target mode's depth plan (report.json `depth`), when it made one
@@ -1178,6 +1198,8 @@ class ImageTransformerJob(_TransformerJob):
         self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES,
                                                                                     labels=self.classifier)
         _check_image_shapes(self.images, self.eval_x, self.input_shape, request)
+        for text in _image_value_warnings(self.images, request):
+            say(warning(text))
         self.held_out.check(request.eval or request.calibration)
         batch = min(request.batch_size, 32)  # a ViT's activations are (images x tokens x hidden) per block
         self.batches = [{"pixel_values": x} for x in self.images.split(batch)]

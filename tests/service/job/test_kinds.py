@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from compressor.errors import InputError
 from compressor.progress import SOLVE, STATISTICS, Progress
@@ -586,3 +587,17 @@ def test_mean_and_std_with_npy_images_are_named_as_ignored_and_the_record_says_t
     npz = dataclasses.replace(npy, calibration=tmp_path / "cal.npz")
     assert npz.ignored_options(_image_traits(npz)) == []
     assert _image_preprocessing(npz, "x", (3, 8, 8))["mean"] == [0.5, 0.5, 0.5]
+
+
+def test_mis_scaled_calibration_images_are_warned_of(tmp_path):
+    from service.job.kinds import _image_value_warnings
+
+    request = CompressRequest(model="m.pt2", calibration=tmp_path / "cal.npy", out_dir=tmp_path / "out",
+                              uniform_ratio=0.5)
+    raw = torch.rand(4, 3, 8, 8) * 255
+    assert "raw pixel values?" in _image_value_warnings(raw, request)[0]
+    assert _image_value_warnings((raw / 255 - 0.45) / 0.22, request) == []
+    npz = dataclasses.replace(request, calibration=tmp_path / "cal.npz", mean=(0.5,) * 3, std=(0.25,) * 3)
+    binary = (torch.randint(0, 2, (4, 3, 8, 8)) / 255 - 0.5) / 0.25  # uint8 pixels of 0 and 1, normalised
+    assert "every pixel is 0 or 1 of 255" in _image_value_warnings(binary, npz)[0]
+    assert _image_value_warnings((torch.rand(4, 3, 8, 8) - 0.5) / 0.25, npz) == []
