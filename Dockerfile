@@ -4,7 +4,8 @@
 # container toolkit (`docker run --gpus all ...`); CUDA and cuDNN libraries come from the wheels.
 #
 # One CUDA for both: onnxruntime-gpu 1.31.1 from PyPI is built for CUDA 13 (its CUDA provider links
-# libcublas.so.13, libcublasLt.so.13, libcudart.so.13, libcurand.so.10 and cuDNN 9 for CUDA 13), so torch
+# libcublas.so.13, libcublasLt.so.13, libcudart.so.13, libcurand.so.10 and the driver's libcuda.so.1, and loads
+# cuDNN 9 for CUDA 13 at run time), so torch
 # is its CUDA 13 build (cu130), whose nvidia-* runtime wheels bring exactly those libraries. A cu128 torch
 # would bring CUDA 12.8 libraries: the provider would not load and ONNX Runtime would silently measure on
 # the CPU. The build fails when any library of the provider does not resolve.
@@ -48,13 +49,14 @@ RUN pip install '.[gpu,ray]' \
     && pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1
 
 # The CUDA libraries of the nvidia-* wheels on the loader's path, then every library of ONNX Runtime's CUDA
-# provider must resolve (ldd needs no GPU; the driver's libcuda comes from the host at run time).
+# provider must resolve (ldd needs no GPU) but the driver's libcuda.so.1, which no wheel ships: the NVIDIA container
+# toolkit mounts the host's at run time, and a build has none.
 RUN site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u > /etc/ld.so.conf.d/osscar-cuda.conf \
     && ldconfig \
     && provider="$site/onnxruntime/capi/libonnxruntime_providers_cuda.so" \
     && test -f "$provider" \
-    && missing="$(ldd "$provider" | grep 'not found' || true)" \
+    && missing="$(ldd "$provider" | grep 'not found' | grep -v 'libcuda\.so\.1 ' || true)" \
     && if [ -n "$missing" ]; then echo "the CUDA provider's libraries do not resolve:"; echo "$missing"; exit 1; fi
 
 RUN useradd --create-home --uid 10001 osscar \

@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 
 
-def instruction(name: str) -> str:
-    """The (continued) text of the first `name` instruction."""
+def instruction(name: str, nth: int = 0) -> str:
+    """The (continued) text of the `nth` `name` instruction (the first by default)."""
     text = DOCKERFILE.read_text().replace("\\\n", " ")
-    match = re.search(rf"^{name}\s+(.*)$", text, flags=re.MULTILINE)
-    assert match, f"the Dockerfile has no {name}"
-    return match.group(1).strip()
+    matches = re.findall(rf"^{name}\s+(.*)$", text, flags=re.MULTILINE)
+    assert len(matches) > nth, f"the Dockerfile has no {name} #{nth}"
+    return matches[nth].strip()
 
 
 def exec_form(text: str) -> list[str]:
@@ -59,6 +59,22 @@ def test_image_contract():
     assert "ldd" in check and "not found" in check and "exit 1" in check
     assert re.search(r"^USER\s+[1-9]\d*$", text, flags=re.MULTILINE)  # non-root, numeric
     assert exec_form(instruction("ENTRYPOINT"))[:2] == ["osscar", "serve"]
+
+
+def test_the_provider_check_passes_without_the_drivers_libcuda_and_fails_on_any_other_library(tmp_path):
+    """The provider links the driver's libcuda.so.1, which no wheel ships and a build has not: the check refused it,
+    so the image never built."""
+    line = next(part for part in instruction("RUN", nth=2).split(" && ") if part.startswith("missing="))
+    fake = tmp_path / "ldd"
+    for found, ok in ((["libcuda.so.1 => not found"], True),
+                      (["libcuda.so.1 => not found", "libcublasLt.so.13 => not found"], False), ([], True)):
+        fake.write_text("#!/bin/sh\nprintf '\\tlibc.so.6 => /lib/libc.so.6 (0x1)\\n" +
+                        "".join(f"\\t{f} \\n" for f in found) + "'\n")
+        fake.chmod(0o755)
+        script = f'provider=x; {line} && test -z "$missing"'
+        result = subprocess.run(["bash", "-c", script], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+                                capture_output=True, text=True)
+        assert (result.returncode == 0) == ok, (found, result.stdout, result.stderr)
 
 
 def _run(command: list[str], env: dict[str, str]) -> subprocess.Popen:
