@@ -267,7 +267,13 @@ def _operations(args: argparse.Namespace) -> int:
     return operations_command(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# commands that never load a model: their parser leaves out compress's flags, whose schema (service.job.request)
+# imports torch and transformers, seconds of every container health probe (`osscar health`, the image's HEALTHCHECK)
+LIGHT_COMMANDS = ("health", "operations")
+
+
+def build_parser(light: bool = False) -> argparse.ArgumentParser:
+    """The command line's parser; `light`: without compress's flags (for LIGHT_COMMANDS)."""
     parser = argparse.ArgumentParser(prog="osscar", description="One-shot structured pruning (OSSCAR).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -278,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     comp = sub.add_parser("compress", help="prune a model physically and export it to ONNX")
-    add_request_flags(comp)
+    if not light:
+        add_request_flags(comp)
     remote = comp.add_argument_group("through a server (osscar serve)")
     remote.add_argument("--server", metavar="HOST:PORT", default=None,
                         help="run the job on an osscar server; outputs are downloaded into --out")
@@ -351,7 +358,9 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    command = next((word for word in words if not word.startswith("-")), None)
+    parser = build_parser(light=command in LIGHT_COMMANDS)
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     # SIGTERM (`timeout`, `docker stop`, a CI's cancel, systemd) takes Ctrl-C's path: a local job removes what it

@@ -12,7 +12,6 @@ from typing import TextIO
 from compressor.progress import Progress
 
 from ..api import compression_pb2 as pb
-from ..job.progress import TRANSIENT, render
 
 
 class ProgressLines:
@@ -94,6 +93,9 @@ class JobProgress:
         self.lines = ProgressLines(stream)
 
     def __call__(self, record: Progress) -> None:
+        # here, not at the top: importing service.job loads the job (torch), which the CLI's light commands skip
+        from ..job.progress import TRANSIENT, render
+
         self.lines(render(record), transient=record.stage in TRANSIENT)
 
 

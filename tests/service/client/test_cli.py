@@ -238,3 +238,17 @@ def test_a_local_job_into_an_out_another_command_holds_is_refused_and_touches_no
     assert cli.main(["compress", str(tmp_path / "m.pt2"), "--uniform-ratio", "0.5", "--calibration",
                      str(tmp_path / "c.npz"), "--out", str(fresh)]) == 2
     assert not fresh.exists()
+
+
+def test_a_health_probe_imports_no_torch():
+    """`osscar health` (the image's HEALTHCHECK, every 30 s) imported torch and transformers through compress's flag
+    schema and the packages' __init__: seconds of a 10 s probe on a busy GPU node."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom service.client import cli\n"
+             "code = cli.main(['health', '--server', '127.0.0.1:9', '--timeout', '0.5'])\n"
+             "heavy = sorted(m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules)\n"
+             "print(code, heavy)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "1 []", result.stdout + result.stderr
