@@ -188,10 +188,16 @@ def readable(path: Path) -> Iterator[None]:
                                f"{str(err).splitlines()[0] if str(err) else 'no detail'})") from err
 
 
-def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """The file's images as stored (checked): uint8 NHWC from `.npz`, float32 NCHW from `.npy`."""
+def _check_file(path: Path, formats: str) -> None:
+    if path.is_dir():
+        raise CalibrationError(f"{path} is a directory; expected a file: {formats}")
     if not path.is_file():
         raise CalibrationError(f"no such calibration file: {path}")
+
+
+def _image_array(path: Path, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """The file's images as stored (checked): uint8 NHWC from `.npz`, float32 NCHW from `.npy`."""
+    _check_file(path, ".npz (x: uint8 NHWC) or .npy (float32 NCHW)")
     suffix = path.suffix.lower()  # IMAGES.NPZ as images.npz
     if suffix == ".npz":
         with readable(path), np.load(path, allow_pickle=False) as data:
@@ -424,8 +430,7 @@ def _check_windows(sequences: int, length: int, min_length: int | None) -> int:
 
 
 def _documents(path: Path, tokenizer: Tokenizer | None) -> list[np.ndarray]:
-    if not path.is_file():
-        raise CalibrationError(f"no such calibration file: {path}")
+    _check_file(path, ".txt, .jsonl, .npz (ids, offsets) or .npy (ids)")
     documents = [d for d in _token_documents(path, tokenizer) if len(d) >= 2]
     if not documents:
         raise CalibrationError(f"{path}: no document with at least 2 tokens")

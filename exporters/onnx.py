@@ -154,8 +154,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
             raise
         except Exception as err:  # the tracer's errors run to hundreds of lines: the innermost one's first says why
             cause = next((c for c in _causes(err) if str(c).strip()), err)
-            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
-            raise ExportError(f"{type(cause).__name__}: {first[:400]}") from err
+            raise ExportError(f"{type(cause).__name__}: {_gist(str(cause))}") from err
     upcast = _upcast_initializers(program.model.graph)
     _drop_trace_metadata(program.model)
     # the size as saved: a half-precision weight read through `float32_view` is written in float32
@@ -182,6 +181,20 @@ def _drop_trace_metadata(model: Any) -> None:
         for node in ir.traversal.RecursiveGraphIterator(graph):
             for key in [k for k in node.metadata_props if k.startswith(TRACE_METADATA)]:
                 del node.metadata_props[key]
+
+
+def _gist(message: str, limit: int = 400) -> str:
+    """A tracer error's first line, with the lines after it where it ends in a colon (the reason is there: "Found the
+    following conflicts ...:"), up to `limit` characters."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0]
+    for line in lines[1:]:
+        if not text.endswith(":") or len(text) >= limit:
+            break
+        text += " " + line
+    return text[:limit]
 
 
 class ExportError(RuntimeError):

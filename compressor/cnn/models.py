@@ -108,6 +108,11 @@ def _input_shape(gm: fx.GraphModule) -> tuple[int, ...]:
     val = placeholders[0].meta.get("val")
     if val is None or val.dim() < 2:
         raise ModelReferenceError("the program records no input shape")
+    if isinstance(val.shape[0], int):  # the program's guards then refuse every other batch (calibration, export)
+        raise ModelReferenceError(
+            f"the program's batch dimension is fixed at {val.shape[0]}: export it with a dynamic batch, "
+            "torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},)), with x of batch 2 "
+            "or more")
     shape = []
     for s in val.shape[1:]:
         if not isinstance(s, int):

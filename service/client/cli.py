@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import format_table, run_demo
+    from .demo import check_model_dir, check_ratio, format_table, run_demo
 
+    check_ratio(args.ratio)  # before the header: a bad flag is one line
+    if args.model is not None:
+        check_model_dir(args.model)
     print(f"Pruning {args.ratio:.0%} of the heads and FFN neurons of every layer of "
           f"{args.model or 'all-MiniLM-L6-v2 (embedded)'}, layer by layer;\n"
           "relative output error ||X (W_hat - W)||^2 / ||X W_hat||^2 per method (lower is better):\n",
@@ -275,15 +278,19 @@ LIGHT_COMMANDS = ("health", "operations")
 def build_parser(light: bool = False) -> argparse.ArgumentParser:
     """The command line's parser; `light`: without compress's flags (for LIGHT_COMMANDS)."""
     parser = argparse.ArgumentParser(prog="osscar", description="One-shot structured pruning (OSSCAR).")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress on stderr")
+    verbose_help = "also our packages' INFO logs on stderr (details beyond the progress lines)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
+    # -v after the command too (`osscar compress ... -v`); unset there, the top level's value stands
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="compare the layer solvers on a real model (no downloads)")
+    demo = sub.add_parser("demo", parents=[common], help="compare the layer solvers on a real model (no downloads)")
     demo.add_argument("--ratio", type=float, default=0.5, help="fraction of groups pruned per layer")
     demo.add_argument("--model", type=Path, default=None,
                       help="a local BERT-like HF model directory (default: the embedded all-MiniLM-L6-v2)")
     demo.set_defaults(func=_demo)
 
-    comp = sub.add_parser("compress", help="prune a model physically and export it to ONNX")
+    comp = sub.add_parser("compress", parents=[common], help="prune a model physically and export it to ONNX")
     if not light:
         add_request_flags(comp)
     remote = comp.add_argument_group("through a server (osscar serve)")
@@ -303,14 +310,14 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
     add_connection_flags(remote, connect_timeout=60.0)
     comp.set_defaults(func=_compress)
 
-    ops = sub.add_parser("operations", help="list, follow, cancel and download the jobs of a server")
+    ops = sub.add_parser("operations", parents=[common], help="list, follow, cancel and download the jobs of a server")
     actions = ops.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, text in (("list", "the server's operations, oldest first"),
                          ("get", "one operation: state, progress, error or report"),
                          ("watch", "follow an operation's progress until it ends; exit 2 if it failed"),
                          ("cancel", "cancel an operation (a running worker is stopped)"),
                          ("download", "an operation's artifacts into --out (a running one is followed first)")):
-        cmd = actions.add_parser(action, help=text, description=text)
+        cmd = actions.add_parser(action, parents=[common], help=text, description=text)
         if action == "list":
             cmd.add_argument("--filter", default=None,
                              help='e.g. \'state = RUNNING AND labels.team = "x"\' (fields: state, done, model, '
@@ -327,13 +334,14 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
         add_connection_flags(cmd, connect_timeout=10.0)
         cmd.set_defaults(func=_operations)
 
-    serve = sub.add_parser("serve", help="run the gRPC compression service",
+    serve = sub.add_parser("serve", parents=[common], help="run the gRPC compression service",
                            description="Every flag has an OSSCAR_<NAME> environment variable (flags win); bearer "
                            "tokens come from OSSCAR_TOKENS or --tokens-file, never from the command line.")
     add_settings_flags(serve)
     serve.set_defaults(func=_serve)
 
-    check = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")
+    check = sub.add_parser("health", parents=[common],
+                           help="ask a server's grpc.health.v1 service; exit 0 when SERVING")
     check.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     check.add_argument("--service", default="", help="service name (default: the whole server)")
     check.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")

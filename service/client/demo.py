@@ -37,18 +37,28 @@ class LayerResult:
     seconds: dict[str, float]  # method -> solve time
 
 
-def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
-    """(name, H, W_hat, group_size) for every layer's attention output and FFN output projections (the
-    model's family from the adapter table; H over the non-padding tokens)."""
-    import transformers
-
-    model_dir = Path(model_dir)
+def check_model_dir(model_dir: Path) -> None:
+    """A directory the demo can read (before anything is printed or loaded), else an InputError naming --model."""
     if not (model_dir / "config.json").is_file():
         raise InputError(f"--model {model_dir}: expected a Hugging Face model directory with config.json")
     # transformers builds a tokenizer of a few tokens from a config alone: every text would be unknown words
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         raise InputError(f"--model {model_dir}: no tokenizer files (tokenizer.json, tokenizer_config.json or "
                          "vocab.txt); the demo tokenizes text")
+
+
+def check_ratio(ratio: float) -> None:
+    if not 0 < ratio < 1:
+        raise InputError(f"--ratio must be in (0, 1) (got {ratio})")
+
+
+def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """(name, H, W_hat, group_size) for every layer's attention output and FFN output projections (the
+    model's family from the adapter table; H over the non-padding tokens)."""
+    import transformers
+
+    model_dir = Path(model_dir)
+    check_model_dir(model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModel.from_pretrained(model_dir).eval()
     if getattr(model.config, "model_type", None) not in ADAPTERS or adapter_for(model).causal:
@@ -83,8 +93,7 @@ def collect_problems(model_dir: Path, texts: list[str]) -> list[tuple[str, torch
 
 
 def run_demo(ratio: float = 0.5, model_dir: Path | None = None) -> list[LayerResult]:
-    if not 0 < ratio < 1:
-        raise InputError(f"ratio must be in (0, 1) (got {ratio})")
+    check_ratio(ratio)
     problems = collect_problems(model_dir or default_model_path(), calibration_texts())
     results = []
     for name, H, W_hat, g in problems:

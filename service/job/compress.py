@@ -362,6 +362,9 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         for name in EXPORT_FILES:  # an earlier job's in a reused --out (its decode step, its weights file) would
             (out / name).unlink(missing_ok=True)  # otherwise sit beside this model as if they were its own
         _clear_earlier_files(out, request)
+        # and its report, which an interrupted save would leave describing files no longer there
+        for name in ("report.json", "report.html"):
+            (out / name).unlink(missing_ok=True)
         artifact = _save(request, job, chosen, out)
         report = build_report(request, job, chosen, rounds, status, baseline_metric, provider, artifact, start,
                               baseline_secondary)

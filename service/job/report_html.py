@@ -30,7 +30,8 @@ STATUS_WORDS = {"ok": "Target met", "target_not_met": "Target not met",
                 "accuracy_budget_exceeded": "Accuracy budget exceeded",
                 "slower_than_dense": "Slower than the dense model", "parity_failed": "Export failed the parity check",
                 "evaluation_failed": "The accuracy check could not be trusted"}
-UNIT_WORDS = {"attention_heads": "heads", "ffn_neurons": "neurons"}
+UNIT_WORDS = {"attention_heads": "heads", "ffn_neurons": "neurons", "conv_channels": "channels",
+              "coupled_channels": "channels (coupled: a residual stream)"}
 
 
 def _e(value: Any) -> str:
@@ -240,7 +241,8 @@ def latency_chart(report: Report) -> str:
 
 def width_chart(report: Report) -> str:
     rows = [(r.name, r.width_after / r.width_before if r.width_before else 0.0,
-             f"{r.width_after}/{r.width_before} {UNIT_WORDS.get(r.kind, 'channels')}") for r in report.layers]
+             f"{r.width_after}/{r.width_before} {UNIT_WORDS.get(r.kind, 'channels').split(' (')[0]}")
+            for r in report.layers]
     return _hbars("widths", "Kept width per layer (fraction of the dense width)", rows, BLUE, 1.0,
                   "fraction kept")
 

@@ -807,10 +807,14 @@ def _without(job: Any, option: DepthOption, curves: list[LayerCurve], request: C
 def widths_of(path: Path) -> dict[str, int]:
     """{layer: kept width} from a report.json's layers."""
     try:
-        layers = json.loads(Path(path).read_text())["layers"]
-        return {layer["name"]: int(layer["width_after"]) for layer in layers}
+        report = json.loads(Path(path).read_text())
+        widths = {layer["name"]: int(layer["width_after"]) for layer in report["layers"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise InputError(f"--widths-from {path}: expected a report.json with layers[].name and width_after") from err
+    if not widths:  # a failed job's report (parity_failed, evaluation_failed before any round) holds none
+        raise InputError(f"--widths-from {path}: the report holds no widths (status {report.get('status')!r}); give "
+                         "the report of a job that returned a model")
+    return widths
 
 
 def check_gqa_of(path: Path, gqa: str) -> None:

@@ -28,6 +28,7 @@ def test_npy_is_used_as_is(tmp_path):
 
 @pytest.mark.parametrize("setup,words", [
     (lambda p: p / "missing.npz", "no such calibration file"),
+    (lambda p: p, r"is a directory; expected a file: \.npz \(x: uint8 NHWC\) or \.npy"),
     (lambda p: np.savez(p / "c.npz", images=np.zeros((2, 4, 4, 3), np.uint8)) or p / "c.npz", "expected an array 'x'"),
     (lambda p: np.savez(p / "c.npz", x=np.zeros((2, 4, 4, 3), np.float32)) or p / "c.npz", "uint8 NHWC"),
     (lambda p: np.save(p / "c.npy", np.zeros((2, 3, 4), np.float32)) or p / "c.npy", "float32 NCHW"),

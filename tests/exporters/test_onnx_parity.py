@@ -296,3 +296,12 @@ def test_an_export_carries_no_stack_traces_or_paths_of_the_host_that_made_it(tmp
     keys = {p.key for n in nodes for p in n.metadata_props}
     assert nodes and not any(k.startswith(("pkg.torch.onnx.", "namespace")) for k in keys), keys
     assert b"site-packages" not in path.read_bytes() and str(tmp_path).encode() not in path.read_bytes()
+
+
+def test_an_export_error_ending_in_a_colon_keeps_the_reason_after_it():
+    from exporters.onnx import _gist
+
+    assert _gist("Found the following conflicts between ranges:\n  - dim batch is the constant 2\n  later detail") == \
+        "Found the following conflicts between ranges: - dim batch is the constant 2"
+    assert _gist("\n  one line\nsecond line") == "one line" and _gist("") == ""
+    assert len(_gist("a:\n" + "b" * 1000)) == 400

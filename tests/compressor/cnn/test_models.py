@@ -20,6 +20,16 @@ def test_pt2_round_trip(tmp_path):
     torch.testing.assert_close(loaded.module(x), gm(x))
 
 
+def test_a_program_of_a_fixed_batch_is_refused_at_load_with_how_to_export_it(tmp_path):
+    """Plain torch.export.export(net, (x,)) fixes the batch: the job failed later as parity_failed with a message
+    cut before its reason."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    torch.export.save(torch.export.export(net, (torch.randn(2, 3, 8, 8),)), tmp_path / "static.pt2")
+    with pytest.raises(ModelReferenceError, match=r"batch dimension is fixed at 2: export it with a dynamic batch, "
+                                                  r"torch\.export\.export\(model, \(x,\), dynamic_shapes="):
+        load_model(str(tmp_path / "static.pt2"))
+
+
 class Tiny(torch.nn.Module):
     def forward(self, x):
         return x

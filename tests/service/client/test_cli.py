@@ -43,8 +43,15 @@ def test_cli_demo_prints_the_table(capsys, monkeypatch, demo_results):
 @pytest.mark.parametrize("ratio", ["0", "1", "1.5", "-0.2"])
 def test_cli_rejects_bad_ratios_with_one_line(ratio, capsys):
     assert cli.main(["demo", "--ratio", ratio]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("osscar: error: ratio must be in (0, 1)")
+    err = capsys.readouterr().err.strip().splitlines()  # one line: the header came before the check
+    assert len(err) == 1 and err[0].startswith("osscar: error: --ratio must be in (0, 1)")
+
+
+def test_verbose_is_taken_after_the_command_too():
+    parser = cli.build_parser()
+    for argv in (["-v", "health"], ["health", "-v"], ["operations", "list", "--verbose"]):
+        assert parser.parse_args(argv).verbose
+    assert not parser.parse_args(["health"]).verbose
 
 
 def test_the_demo_on_a_short_bert_and_on_a_directory_without_a_tokenizer(tmp_path, capsys):

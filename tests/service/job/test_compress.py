@@ -759,6 +759,24 @@ def test_an_earlier_jobs_exports_in_a_reused_out_do_not_outlive_a_new_model(mode
     assert json.loads((out / "report.json").read_text())["artifacts"].get("decode_step") is None
 
 
+def test_a_save_interrupted_in_an_earlier_jobs_out_leaves_no_report_of_files_gone(model_and_data, tmp_path,
+                                                                                    monkeypatch):
+    """Ctrl-C while saving into an earlier job's --out removed its model.onnx and pruned model and kept its report.json,
+    which then described artifacts no longer there (and `--widths-from out/report.json` read it)."""
+    import importlib
+
+    job_compress = importlib.import_module("service.job.compress")
+    out = tmp_path / "out"
+    assert cli.main(_conv_args(model_and_data, out)) in (0, 2) and (out / "report.json").is_file()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_compress, "_save", interrupted)
+    assert cli.main(_conv_args(model_and_data, out)) == 130
+    assert not any((out / name).exists() for name in ("report.json", "report.html", "model.onnx"))
+
+
 def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(model_and_data, tmp_path, monkeypatch):
     from compressor.transformer import offload
 

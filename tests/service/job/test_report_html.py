@@ -254,3 +254,10 @@ def test_an_infinite_perplexity_renders_off_the_chart():
     page = render(made(metric=MetricResult("perplexity", 20.0, 25.0, 0.25, {}),
                        rounds=[RoundResult(1.7, 1.6, float("inf"), {}, []), RoundResult(1.5, 1.45, 25.0, {}, [])]))
     assert "<svg" in page and "inf" not in re.findall(r'c[xy]="([^"]+)"', page)
+
+
+def test_a_coupled_group_is_named_in_words_not_by_its_kind():
+    data = sample_report().to_json()
+    data["layers"][0] = {**data["layers"][0], "kind": "coupled_channels"}
+    page = render(Report.from_json(data))
+    assert "channels (coupled: a residual stream)" in page and ">coupled_channels<" not in page

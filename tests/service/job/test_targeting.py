@@ -955,3 +955,20 @@ def test_a_report_whose_attention_widths_count_another_head_unit_is_refused(tmp_
     check_gqa_of(path, "kv-groups")
     path.write_text(json.dumps({"layers": []}))  # no grouped-query attention, or a report of an earlier release
     check_gqa_of(path, "query-heads")
+
+
+def test_a_report_without_widths_is_refused_before_the_model_loads(tmp_path):
+    """A parity_failed report (layers: []) was taken, and the job failed after loading and the dense export with
+    "the width plan has no entry for layer ..." naming no flag."""
+    import json
+
+    from compressor.errors import InputError
+    from service.job.targeting import widths_of
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"status": "parity_failed", "layers": []}))
+    with pytest.raises(InputError, match=r"--widths-from .*report\.json: the report holds no widths \(status "
+                                         r"'parity_failed'\)"):
+        widths_of(path)
+    path.write_text(json.dumps({"status": "ok", "layers": [{"name": "a", "width_after": 3}]}))
+    assert widths_of(path) == {"a": 3}
