@@ -83,6 +83,8 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
     counts = {name: int(count) for name, count in counts.items() if count}
     if as_matmul and counts:
         counts[GEMM_AS_MATMUL] = as_matmul
+    if cast := cast_norm_weights(model):
+        counts[NORM_WEIGHTS_CAST] = cast
     if provider == "cpu" and (split := split_skip_layer_norms(model)):
         counts[SKIP_AS_SUM] = split
     _drop_intermediate_shapes(model)
@@ -109,6 +111,50 @@ def _drop_intermediate_shapes(model: ir.Model) -> None:
         for value in node.outputs:
             if id(value) not in outputs:
                 value.shape = None
+
+
+NORM_WEIGHTS_CAST = "norm_weights_cast"  # Fusion.counts: skip-norm weights cast to their input's type (half graphs)
+# ONNX Runtime's fused norms whose every input is one type (T): the weights too
+_ONE_TYPE_NORMS = ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")
+
+
+def cast_norm_weights(model: ir.Model) -> int:
+    """Give each fused skip-norm's weights (gamma, beta, bias) its input's type through a Cast; returns how many it
+    cast. Gemma's RMSNorm scales by 1 + weight in float32 (the constant folds to a float32 initializer) and casts
+    back, so in an fp16 graph the fused SkipSimplifiedLayerNormalization got fp16 inputs and a float32 gamma, which
+    ONNX Runtime refuses to load ("bound to different types"): Gemma 2's fp16 graphs shipped unfused."""
+    import onnx_ir as ir
+
+    count = 0
+    for node in list(model.graph):
+        if node.op_type not in _ONE_TYPE_NORMS or node.domain != "com.microsoft" or not node.inputs:
+            continue
+        dtype = node.inputs[0].dtype if node.inputs[0] is not None else None
+        if dtype is None:
+            continue
+        for index in range(2, len(node.inputs)):
+            value = node.inputs[index]
+            if value is None or value.dtype in (None, dtype):
+                continue
+            cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", dtype.value)], name=f"{node.name}_cast{index}")
+            cast.outputs[0].dtype = dtype
+            model.graph.insert_before(node, cast)
+            node.replace_input_with(index, cast.outputs[0])
+            count += 1
+        # its outputs are of that type too: one recorded as another (the float32 norm the pattern replaced, cast back
+        # after it) reaches its readers through a Cast to what they read
+        for position, output in enumerate(node.outputs):
+            if output is None or output.dtype in (None, dtype) or output.is_graph_output():
+                continue
+            wanted = output.dtype
+            output.dtype = dtype
+            back = ir.Node("", "Cast", [output], [ir.AttrInt64("to", wanted.value)], name=f"{node.name}_out{position}")
+            back.outputs[0].dtype = wanted
+            model.graph.insert_after(node, back)
+            for user, index in list(output.uses()):
+                if user is not back:
+                    user.replace_input_with(index, back.outputs[0])
+    return count
 
 
 GEMM_AS_MATMUL = "gemm_as_matmul_add"  # Fusion.counts: Gemms written as MatMul + Add before the fusions

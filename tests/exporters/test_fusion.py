@@ -73,6 +73,22 @@ def test_gpt2s_gemms_become_matmuls_so_its_attention_fuses_and_matches_pytorch(t
     assert not [v.name for v in graph.value_info if v.name not in weights and v.type.tensor_type.HasField("shape")]
 
 
+def test_a_half_precision_gemma2_fuses_its_skip_norms_with_their_weights_cast(tmp_path):
+    """Gemma's RMSNorm scales by 1 + weight in float32: the fused fp16 skip-norm got a float32 gamma, which ONNX
+    Runtime refused to load, and Gemma 2's fp16 graphs shipped unfused."""
+    from exporters.onnx import PARITY_TOLERANCES, in_precision
+
+    model = MODELS["gemma2"]().eval()
+    half = in_precision(model, "fp16")
+    example = example_inputs(model, batch=2, length=10)
+    path = export_hf_onnx(half, example, tmp_path / "model.onnx", output_name=output_name(model), max_length=32)
+    inputs = _padded(model)
+    parity, fusion = fuse_checked(path, lambda graph: check_hf_parity(half, graph, inputs, output_name(model),
+                                                                      tolerance=PARITY_TOLERANCES["fp16"]))
+    assert fusion.fused and parity.peak_error <= PARITY_TOLERANCES["fp16"].peak, fusion
+    assert fusion.counts["skip_rms_normalization"] > 0 and fusion.counts[fusion_module.NORM_WEIGHTS_CAST] > 0
+
+
 def _session_ops(path, tmp_path) -> set[str]:
     """The operators of the graph ONNX Runtime runs after its own session-level fusions."""
     options = ort.SessionOptions()
