@@ -77,6 +77,9 @@ def load_eval_images(path: str | Path, *, labels: bool, mean: tuple[float, ...] 
         with readable(path), np.load(path, allow_pickle=False) as data:
             if "y" in data:
                 y = np.asarray(data["y"])
+        if y is not None and y.ndim == 0:
+            raise CalibrationError(f"{path}: labels 'y' must be class indices, shape (N,) or (N, 1) (got a single "
+                                   f"value of {y.dtype})")
         if y is not None and len(y) != len(raw):
             raise CalibrationError(f"{path}: {len(raw)} images but {len(y)} labels")
     per_image = 4 * math.prod(raw.shape[1:])
@@ -505,10 +508,14 @@ def check_id_file(path: str | Path, vocabulary: int) -> None:
     path = Path(path)
     if path.suffix.lower() not in (".npz", ".npy"):
         return
-    ids = np.concatenate(_token_documents(path, None))
-    bad = np.unique(ids[(ids < 0) | (ids >= vocabulary)]) if len(ids) else ids
-    if len(bad):
-        shown = ", ".join(map(str, bad[:10].tolist())) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+    # per document (no second copy of a large file), the documents the draws use (`_documents`: 2 tokens or more)
+    found: set[int] = set()
+    for ids in _token_documents(path, None):
+        if len(ids) >= 2 and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
+            found |= set(np.unique(ids[(ids < 0) | (ids >= vocabulary)]).tolist())
+    bad = sorted(found)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         raise CalibrationError(f"{path}: token ids {shown} are outside the model's {vocabulary} embeddings (the "
                                "file's vocabulary is not the model's)")
 

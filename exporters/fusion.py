@@ -144,6 +144,8 @@ def cast_norm_weights(model: ir.Model) -> int:
         # its outputs are of that type too: one recorded as another (the float32 norm the pattern replaced, cast back
         # after it) reaches its readers through a Cast to what they read
         for position, output in enumerate(node.outputs):
+            if position in (1, 2):  # mean and inv_std_var: float whatever the input (the schema's U)
+                continue
             if output is None or output.dtype in (None, dtype) or output.is_graph_output():
                 continue
             wanted = output.dtype

@@ -86,8 +86,9 @@ def default_threads() -> int:
 
 
 def cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
-    """The CPUs the process's cgroup may use by its CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
-    `cpu.cfs_period_us`), None without a quota or where none can be read."""
+    """The CPUs the process may use by the CFS quotas of its cgroup and every cgroup above it, the tightest (what the
+    kernel enforces: a job's cgroup says `max` under a limited pod or slice): cgroup v2 `cpu.max`, v1
+    `cpu.cfs_quota_us` over `cpu.cfs_period_us`; None without a quota or where none can be read."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
@@ -95,22 +96,30 @@ def cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/pro
     entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]  # id:controllers:path
     own_v2 = next((path for number, controllers, path in entries if number == "0" and not controllers), "/")
     own_v1 = next((path for _, controllers, path in entries if "cpu" in controllers.split(",")), "/")
-    # the process's own cgroup first, then the namespace's root (a container sees its own cgroup as "/")
-    for folder in dict.fromkeys((root / own_v2.lstrip("/"), root)):
+    quotas = []
+    for folder in _ancestors(root, own_v2):
         try:
             limit, period = (folder / "cpu.max").read_text().split()[:2]
         except (OSError, ValueError):
             continue
-        return None if limit == "max" else _ratio(limit, period)
+        if limit != "max" and (quota := _ratio(limit, period)) is not None:
+            quotas.append(quota)
     for base in (root / "cpu", root / "cpu,cpuacct"):
-        for folder in dict.fromkeys((base / own_v1.lstrip("/"), base)):
+        for folder in _ancestors(base, own_v1):
             try:
                 limit, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us",
                                                                                    "cpu.cfs_period_us"))
             except OSError:
                 continue
-            return None if limit.startswith("-") else _ratio(limit, period)
-    return None
+            if limit and not limit.startswith("-") and (quota := _ratio(limit, period)) is not None:
+                quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _ancestors(base: Path, path: str) -> list[Path]:
+    """`base` / `path`, then each folder above it up to `base` (a container sees its own cgroup as "/")."""
+    parts = [part for part in path.strip().strip("/").split("/") if part and part not in (".", "..")]
+    return [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
 
 
 def _ratio(limit: str, period: str) -> float | None:

@@ -77,7 +77,7 @@ REFERENCES = {"model": "model", "calibration": "calibration data", "eval": "eval
 # trait the job lacks are named in one warning (`ignored_options`) instead of passing unnoticed
 IMAGES, NPZ_IMAGES, TEXT, TRANSFORMER, TARGET = "images", "npz images", "text", "transformer", "target"
 TRAIT_WORDS = {IMAGES: "for image models", NPZ_IMAGES: "for .npz images; .npy images are used as given",
-               TEXT: "for text models", TRANSFORMER: "for transformers", TARGET: "in target mode (--target-speedup)"}
+               TEXT: "for text models", TRANSFORMER: "for transformers", TARGET: "in target mode only"}
 
 
 def option(default: Any = None, help: str = "", *, factory: typing.Callable[[], Any] | None = None,

@@ -336,6 +336,9 @@ def test_every_id_of_an_id_file_is_checked_not_only_the_windows_drawn(tmp_path):
         check_id_file(tmp_path / "ids.npz", 50)
     np.save(tmp_path / "ok.npy", np.arange(50))
     check_id_file(tmp_path / "ok.npy", 50)
+    # a document of one token is never drawn (`_documents`), so its id refuses nothing
+    np.savez(tmp_path / "short.npz", ids=np.array([77, 1, 2, 3]), offsets=[0, 1, 4])
+    check_id_file(tmp_path / "short.npz", 50)
     (tmp_path / "t.txt").write_text("any text")  # a text's ids are its tokenizer's, checked in the windows
     check_id_file(tmp_path / "t.txt", 1)
 
@@ -359,6 +362,9 @@ def test_an_eval_file_beyond_the_byte_cap_is_a_seeded_draw_with_its_labels(tmp_p
     np.testing.assert_array_equal(again, labels)  # seeded
     small, none, _ = load_eval_images(tmp_path / "eval.npz", labels=False, mean=(0.0,) * 3, std=(1.0,) * 3)
     assert none is None and len(small) == 100
+    np.savez(tmp_path / "scalar.npz", x=x, y=np.array(3))  # one number, not one label per image
+    with pytest.raises(CalibrationError, match=r"labels 'y' must be class indices, shape \(N,\) or \(N, 1\)"):
+        load_eval_images(tmp_path / "scalar.npz", labels=True)
     monkeypatch.setattr(calibration, "EVAL_IMAGE_BYTES", 1)  # never fewer than a check needs
     assert len(load_eval_images(tmp_path / "eval.npz", labels=False)[0]) == 64
 

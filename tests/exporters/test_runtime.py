@@ -367,6 +367,14 @@ def test_the_default_threads_keep_within_the_cgroups_cpu_quota(tmp_path, monkeyp
     (v1 / "cpu,cpuacct" / "docker" / "c1" / "cpu.cfs_quota_us").write_text("-1\n")
     assert cpu_quota(v1, membership) is None
     assert cpu_quota(tmp_path / "none", tmp_path / "absent") is None
+    # the tightest of the cgroup and those above it: a job's cgroup says max under a limited pod
+    (v2 / "pod" / "job" / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "cpu.max").write_text("200000 100000\n")
+    membership.write_text("0::/pod/job\n")
+    assert cpu_quota(v2, membership) == 2.0
+    (v2 / "pod" / "job" / "cpu.max").write_text("300000 100000\n")
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(v2, membership) == 1.5
     monkeypatch.setattr(runtime, "cpu_quota", lambda: 1.5)
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert runtime.default_threads() == 2

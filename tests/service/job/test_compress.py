@@ -65,7 +65,7 @@ def test_compress_writes_onnx_program_and_report(model_and_data, capsys):
     report = json.loads((out / "report.json").read_text())
     # flags of other kinds and modes are named, not silently dropped
     assert "ignored, as this job has no use for them: --sequences (for text models), --max-rounds (in target mode " \
-           "(--target-speedup))" in report["warnings"]
+           "only)" in report["warnings"]
     assert report["method"] == "osscar" and report["uniform_ratio"] == 0.5 and report["samples"] == 32
     assert report["params_after"] < report["params_before"]
     assert [layer["width_after"] for layer in report["layers"]] == [8, 6, 6, 4, 4]  # the stream, then the blocks

@@ -214,10 +214,10 @@ def test_options_a_job_has_no_use_for_are_named_with_what_they_are_for():
                                 back_off=True, samples=100, shape={"batch": 4})
     assert cnn_flags.ignored_options({IMAGES}) == [
         "--sequences (for text models)", "--stream (for transformers)",
-        "--back-off (in target mode (--target-speedup))", "--gqa (for transformers)"]
+        "--back-off (in target mode only)", "--gqa (for transformers)"]
     # the same flags on a decoder: only the images' one and the target mode's
     assert cnn_flags.ignored_options({TEXT, TRANSFORMER}) == [
-        "--samples (for image models)", "--back-off (in target mode (--target-speedup))"]
+        "--samples (for image models)", "--back-off (in target mode only)"]
     # in target mode on a vision transformer nothing of these is ignored but the text draw
     target = CompressRequest(**base, target_speedup=1.5, samples=100, back_off=True, max_rounds=2, sequences=64)
     assert target.ignored_options({IMAGES, TRANSFORMER}) == ["--sequences (for text models)"]
