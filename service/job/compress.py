@@ -31,7 +31,7 @@ from compressor.reports import LayerReport, RefineReport
 from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import ExportError, Parity, ParityError, stamp_metadata
-from exporters.runtime import PROVIDERS, Latency, RuntimeFailure, default_provider, measure_latency
+from exporters.runtime import PROVIDERS, Latency, RuntimeFailure, default_provider, default_threads, measure_latency
 
 from ..files import (
     JOB_EXPORTS,
@@ -155,6 +155,16 @@ def _check_held_out(job: ModelJob) -> None:
         raise _EvaluationFailed("baseline", None, f"too few held-out inputs to score ({job.held_out})")
 
 
+def fit_torch_threads() -> int:
+    """Torch's intra-op pool within the cores this process may use (`exporters.runtime.default_threads`: its
+    affinity and its cgroup's CPU quota): torch sizes it by the host's cores, so a job in a container limited to 2 CPUs
+    of 64 ran 64 threads of calibration and solves, throttled. Returns the pool's size."""
+    cores = default_threads()
+    if torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+    return torch.get_num_threads()
+
+
 def compress(request: CompressRequest, progress: ProgressFn | None = None,
              stage: Stage | None = None) -> Report:
     """Run the job; writes model.onnx, the pruned model, report.json and report.html into request.out_dir.
@@ -169,6 +179,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
     request.validate()
     if request.out_dir is None:
         raise InputError("an output directory is required (--out)")
+    fit_torch_threads()
     _check_here(request)  # what can be known before the model loads, not found an hour into the job
     emit = progress or (lambda record: log.info("%s", render(record)))
     warnings: list[str] = []  # every warning of the job, also in report.json's `warnings`

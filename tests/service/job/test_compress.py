@@ -1108,3 +1108,19 @@ def test_a_job_into_an_earlier_jobs_out_removes_the_other_kinds_pruned_model(mod
     (out / "report.json").write_text(json.dumps({"artifacts": {"model": "model/"}}))
     assert cli.main([*_conv_args(model_and_data, out), "--accuracy-budget", "none"]) == 0
     assert (out / "model.pt2").is_file() and not (out / "model").exists()
+
+
+def test_torchs_pool_keeps_within_the_cgroups_cpu_quota(monkeypatch):
+    """Torch sizes its pool by the host's cores: a job in a container limited to 2 CPUs of 64 ran 64 threads."""
+    import importlib
+
+    job_compress = importlib.import_module("service.job.compress")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(job_compress, "default_threads", lambda: 2)
+        assert job_compress.fit_torch_threads() == 2 and torch.get_num_threads() == 2
+        monkeypatch.setattr(job_compress, "default_threads", lambda: 8)  # never raised past what it was set to
+        assert job_compress.fit_torch_threads() == 2
+    finally:
+        torch.set_num_threads(before)
