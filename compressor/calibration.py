@@ -495,10 +495,15 @@ def check_token_ids(batches: Sequence[dict[str, torch.Tensor]], vocabulary: int,
     for batch in batches:
         ids = batch["input_ids"][batch["attention_mask"].bool()] if "attention_mask" in batch else batch["input_ids"]
         bad |= set(ids[(ids < 0) | (ids >= vocabulary)].unique().tolist())
+    _refuse_ids(bad, vocabulary, source, "its tokenizer's or the file's")
+
+
+def _refuse_ids(bad: set[int], vocabulary: int, source: object, whose: str) -> None:
+    """A CalibrationError naming the ids outside the model's `vocabulary` (the first ten), if any."""
     if bad:
         shown = ", ".join(map(str, sorted(bad)[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        raise CalibrationError(f"{source}: token ids {shown} are outside the model's {vocabulary} embeddings (its "
-                               "tokenizer's or the file's vocabulary is not the model's)")
+        raise CalibrationError(f"{source}: token ids {shown} are outside the model's {vocabulary} embeddings ({whose} "
+                               "vocabulary is not the model's)")
 
 
 def check_id_file(path: str | Path, vocabulary: int) -> None:
@@ -513,11 +518,7 @@ def check_id_file(path: str | Path, vocabulary: int) -> None:
     for ids in _token_documents(path, None):
         if len(ids) >= 2 and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
             found |= set(np.unique(ids[(ids < 0) | (ids >= vocabulary)]).tolist())
-    bad = sorted(found)
-    if bad:
-        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        raise CalibrationError(f"{path}: token ids {shown} are outside the model's {vocabulary} embeddings (the "
-                               "file's vocabulary is not the model's)")
+    _refuse_ids(found, vocabulary, path, "the file's")
 
 
 def _read_text(path: Path) -> str:

@@ -328,6 +328,12 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
     def refuse(node: fx.Node, why: str) -> None:
         spaces.note(node, "refused", why)
 
+    def refuse_through(node: fx.Node, inputs: list[fx.Node], why: str) -> None:
+        """The channels a node reads and those it writes, for one reason."""
+        for a in inputs:
+            refuse(a, why)
+        refuse(node, why)
+
     def tensor(node: fx.Node) -> None:
         derived.add(node)
         spaces.find(node)
@@ -362,31 +368,23 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
         if any(a in last for a in inputs) and target not in LINEAR_OPS and target not in HARMLESS_OPS:
             why = _channels_last_operands(node, inputs, last, spaces, gm)
             if why is not None:
-                for a in inputs:
-                    refuse(a, f"{node.name} ({target}) {why}")
-                refuse(node, f"{node.name} ({target}) {why}")
+                refuse_through(node, inputs, f"{node.name} ({target}) {why}")
             continue
         weight = _attr(node.args[1]) if target in CONV_OPS or target in LINEAR_OPS else None
         if weight is not None and readers[weight] > 1:
-            why = f"{weight.removesuffix('.weight')} is applied {readers[weight]} times (a shared weight)"
-            for a in inputs:
-                refuse(a, why)
-            refuse(node, why)
+            refuse_through(node, inputs, f"{weight.removesuffix('.weight')} is applied {readers[weight]} times (a "
+                           "shared weight)")
             continue
         spec = conv_spec(node)
         if spec is None and target in CONV_OPS and weight is not None:
             # named by its module, with why: an even kernel's padding="same" pads one side more than the other
-            why = f"{weight.removesuffix('.weight')} is a conv this tool does not edit ({_unsupported_conv(node)})"
-            for a in inputs:
-                refuse(a, why)
-            refuse(node, why)
+            refuse_through(node, inputs, f"{weight.removesuffix('.weight')} is a conv this tool does not edit "
+                                         f"({_unsupported_conv(node)})")
             continue
         if spec is not None:
             others = [a for a in inputs if a is not x]
             if others:  # a weight computed from an activation
-                for a in inputs:
-                    refuse(a, f"{node.name} uses an activation as a conv weight")
-                refuse(node, f"{node.name} uses an activation as a conv weight")
+                refuse_through(node, inputs, f"{node.name} uses an activation as a conv weight")
             elif _is_depthwise(spec, gm):
                 spaces.union(x, node)
                 spaces.note(node, "chain", node)
@@ -394,8 +392,7 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
                 spaces.note(x, "consumers", spec)
                 spaces.note(node, "producers", spec)
             else:  # named by its module: the FX node's name (conv2d_2) is nothing a user can find
-                refuse(x, f"{spec.name} is a grouped conv (groups={spec.groups})")
-                refuse(node, f"{spec.name} is a grouped conv (groups={spec.groups})")
+                refuse_through(node, [x], f"{spec.name} is a grouped conv (groups={spec.groups})")
             continue
         if target in LINEAR_OPS:
             shape = _shape(x)
@@ -421,10 +418,8 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
                 refuse(x, f"{node.name} normalises with statistics computed from activations")
             elif len(node.args) > 3 and node.args[3] is None:
                 name = (_attr(node.args[1]) or node.name).removesuffix(".weight")
-                why = (f"{name} is a BatchNorm without running statistics (track_running_stats=False): it normalises "
-                       "every batch by its own statistics")
-                refuse(x, why)
-                refuse(node, why)
+                refuse_through(node, [x], f"{name} is a BatchNorm without running statistics (track_running_stats="
+                                          "False): it normalises every batch by its own statistics")
                 continue
             spaces.union(x, node)
             spaces.note(node, "chain", node)
@@ -475,15 +470,11 @@ def analyse(gm: fx.GraphModule) -> ChannelAnalysis:
         if _pointwise(node):
             why = _pointwise_operands(node, inputs, spaces, gm)
             if why is not None:
-                for a in inputs:
-                    refuse(a, f"{node.name} ({target}) is not channel-wise: {why}")
-                refuse(node, f"{node.name} ({target}) is not channel-wise: {why}")
+                refuse_through(node, inputs, f"{node.name} ({target}) is not channel-wise: {why}")
             continue
         why = ("not element-wise (no torch.Tag.pointwise), nor a conv, linear, BatchNorm, spatial "
                "pad/slice/pool or a per-channel reduction")
-        for a in inputs:
-            refuse(a, f"{node.name} ({target}) is not channel-wise: {why}")
-        refuse(node, f"{node.name} ({target}) is not channel-wise: {why}")
+        refuse_through(node, inputs, f"{node.name} ({target}) is not channel-wise: {why}")
 
     return _groups(gm, spaces, order)
 

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
+from .graph import DROPOUT_OPS
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,8 @@ def _is_batch_counter(node: object) -> bool:
 
 
 # (op, index of its training flag): an exported graph holds its mode as a constant, which `.eval()` cannot change
-_TRAINING_FLAGS = {torch.ops.aten.batch_norm.default: 5, torch.ops.aten.dropout.default: 2,
-                   torch.ops.aten.dropout_.default: 2, torch.ops.aten.feature_dropout.default: 2,
-                   torch.ops.aten.feature_dropout_.default: 2, torch.ops.aten.alpha_dropout.default: 2,
-                   torch.ops.aten.feature_alpha_dropout.default: 2}
+# (every dropout's is its third argument: input, p, train)
+_TRAINING_FLAGS = {torch.ops.aten.batch_norm.default: 5, **dict.fromkeys(DROPOUT_OPS, 2)}
 
 
 def to_inference_mode(gm: fx.GraphModule, ref: str = "the program") -> int:

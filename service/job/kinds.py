@@ -439,14 +439,16 @@ def _image_value_warnings(images: torch.Tensor, request: CompressRequest) -> lis
     it will never see): .npy images (used as given) of raw pixel values, and .npz images whose uint8 pixels are all
     0 or 1 (scaled to [0, 1] before the uint8 cast)."""
     if npy_images(request):
-        if float(images.abs().amax()) > 20:
+        reach = float(images.abs().amax())
+        if reach > 20:
             return [f"{request.calibration}: .npy images are used as given (normalised), but these reach "
-                    f"{float(images.abs().amax()):.0f}: raw pixel values? normalise them as the model's inputs are, "
+                    f"{reach:.0f}: raw pixel values? normalise them as the model's inputs are, "
                     "or give uint8 NHWC images as .npz"]
         return []
     mean, std, _ = image_normalisation(request)
-    pixels = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)  # back to [0, 1]
-    if float(pixels.amax()) <= 1.5 / 255:
+    # each channel's largest value back in [0, 1] (std > 0 keeps the order; no copy of the images)
+    top = images.amax(dim=(0, 2, 3)) * torch.tensor(std) + torch.tensor(mean)
+    if float(top.amax()) <= 1.5 / 255:
         return [f"{request.calibration}: every pixel is 0 or 1 of 255: images scaled to [0, 1] before the uint8 cast? "
                 "save x as uint8 values 0-255"]
     return []
@@ -519,7 +521,6 @@ def _image_warnings(metric: Metric, reference: np.ndarray, labels: np.ndarray | 
 
 class ConvJob:
     causal = False
-    traits = frozenset({IMAGES})
     plans_depth = True  # target mode weighs removing whole residual blocks (`targeting.plan_depth`)
     refits_solved = True  # the fit follows every solve, so a prune without it can be fitted later (`prune(solved=)`)
     EVAL_IMAGES = 256  # held-out images scored (at most)
@@ -1186,7 +1187,6 @@ class ImageTransformerJob(_TransformerJob):
     bare model by the cosine of the mean-pooled last hidden state to the dense model's."""
 
     EVAL_SAMPLES = 64
-    traits = frozenset({IMAGES, TRANSFORMER})
 
     def __init__(self, request: CompressRequest, say: Say) -> None:
         super().__init__(request, say)
