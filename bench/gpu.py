@@ -41,7 +41,7 @@ def _sync(device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(torch.device(device))  # the card asked for, not the current one (0)
 
 
 def _timed(fn: Callable[[], object], device: str, repeats: int) -> tuple[float, object]:
@@ -83,7 +83,8 @@ def part_solver(device: str, sizes: list[int], repeats: int) -> list[dict]:
             t_chol, _ = _timed(lambda H=H, G=G: torch.cholesky_solve(G, torch.linalg.cholesky(H)), device, repeats)
             t_os, sol = _timed(lambda H=H, G=G, W=W_hat, g=g, p=p: solve_layer(H, G, g, p // 2, dense_weight=W),
                                device, repeats)
-            row = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "d1": d1,
+            card = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+            row = {"device": card, "d1": d1,
                    "group": g, "cholesky_s": t_chol, "osscar_s": t_os, "osscar_f": sol.objective,
                    "osscar_over_cholesky": t_os / t_chol,
                    "phases": {k: v for k, v in sol.stats.items() if k.endswith("_s") or k in ("swap_rounds", "swaps")}}
@@ -161,14 +162,14 @@ def _pipeline_worker(method: str, device: str, quick: bool, workdir: str) -> dic
     batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(8)]
     out = Path(workdir) / f"pruned-{method}"
     if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
     start = time.perf_counter()
     checkpoint = StreamedCheckpoint(str(source), str(out))
     prune_blocks(checkpoint, batches, 0.5, method=method, device=device)
     checkpoint.finish()
     _sync(device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    peak = torch.cuda.max_memory_allocated(torch.device(device)) / 2**30 if device.startswith("cuda") else None
     return {"method": method, "seconds": seconds, "peak_gpu_gib": peak}
 
 

@@ -112,8 +112,8 @@ def _prune(mode: str, source: str, out: str, ratio: float, sequences: int, lengt
     blocks = [v for k, v in stages.items() if k.startswith("block ") and "between" not in k]
     return {"mode": mode, "method": method, "refine_steps": refine_steps, "seconds": time.perf_counter() - start,
             "peak_rss_mb": _peak_rss_mb(),
-            "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "stages": stages,
+            "peak_device_mb": torch.cuda.max_memory_allocated(torch.device(device or "cuda")) / 2**20 if cuda else None,
+            "device": torch.cuda.get_device_name(torch.device(device or "cuda")) if cuda else "cpu", "stages": stages,
             "block_seconds_median": sorted(blocks)[len(blocks) // 2] if blocks else None}
 
 

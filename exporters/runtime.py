@@ -41,11 +41,17 @@ class RuntimeFailure(RuntimeError):
     """ONNX Runtime failed or crashed in its subprocess."""
 
 
+class RuntimeKilled(RuntimeError):
+    """ONNX Runtime's subprocess was killed from outside (SIGKILL: on a host short of memory, its out-of-memory
+    killer): nothing the graph did, so not a `RuntimeFailure` (a job must not call its export broken for it)."""
+
+
 def default_provider() -> str:
-    """"cuda" when ONNX Runtime offers the CUDA provider and a session really runs on it, else "cpu"."""
+    """"cuda" when ONNX Runtime offers the CUDA provider and a session really runs on it, else "cpu" (also where
+    CUDA_VISIBLE_DEVICES hides every GPU, as for a server's cpu slot: not a provider that fails to load)."""
     import onnxruntime as ort
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
+    if "CUDAExecutionProvider" not in ort.get_available_providers() or no_visible_gpu():
         return "cpu"
     loads, providers = provider_loads("cuda")
     if not loads:
@@ -54,6 +60,10 @@ def default_provider() -> str:
                   "is refused; jobs measure on the CPU", providers)
         return "cpu"
     return "cuda"
+
+
+def no_visible_gpu() -> bool:
+    return os.environ.get("CUDA_VISIBLE_DEVICES") is not None and not os.environ["CUDA_VISIBLE_DEVICES"].strip()
 
 
 def _probe_worker(provider: str) -> list[str]:
@@ -162,8 +172,10 @@ def _session(path: str, provider: str, threads: int):
     if session.get_providers()[0] != PROVIDERS[provider]:
         # ONNX Runtime falls back to the CPU silently when a provider's libraries do not load: a "CUDA"
         # latency would then be the CPU's
+        why = ("no GPU is visible to this process (CUDA_VISIBLE_DEVICES is empty, as in a server's cpu slot)"
+               if no_visible_gpu() else "check the provider's libraries (ldd)")
         raise RuntimeFailure(f"{PROVIDERS[provider]} did not load (the session runs on {session.get_providers()}): "
-                             "refusing to measure on another device; check the provider's libraries (ldd)")
+                             f"refusing to measure on another device; {why}")
     return session
 
 
@@ -199,7 +211,10 @@ def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
     raise ValueError(f"unknown reduction {kind!r}")
 
 
-def _outputs_worker(path: str, batches: list[Batch], provider: str, threads: int, reduce: str) -> list[Any]:
+def _outputs_worker(path: str, batches: list[Batch], provider: str, threads: int, reduce: str,
+                    piece_bytes: int | None = None) -> list[Any]:
+    if piece_bytes is not None:
+        return _pieces_outputs(path, batches, provider, threads, reduce, piece_bytes)
     session = _session(path, provider, threads)
     out = []
     for inputs in batches:
@@ -207,6 +222,56 @@ def _outputs_worker(path: str, batches: list[Batch], provider: str, threads: int
         results = session.run(None, feed)
         out.append(results if reduce == "all" else _reduce(reduce, results[0], feed))
     return out
+
+
+def _pieces_outputs(path: str, batches: list[Batch], provider: str, threads: int, reduce: str,
+                    piece_bytes: int) -> list[Any]:
+    """`_outputs_worker`'s answer with the graph run in pieces of at most `piece_bytes` of weights, one session at a
+    time, every batch through a piece before the next opens; the first output reduced as soon as a piece computes it
+    (a 1 B decoder's logits of 64 windows would take 16 GB held to the end)."""
+    from . import pieces as cut
+
+    with cut.structure(path) as (model, source):
+        return _pieces_of(model, source, batches, provider, threads, reduce, piece_bytes)
+
+
+def _pieces_of(model: Any, path: Path, batches: list[Batch], provider: str, threads: int, reduce: str,
+               piece_bytes: int) -> list[Any]:
+    from . import pieces as cut
+
+    plan = cut.plan_pieces(model, piece_bytes)
+    names = cut.graph_inputs(model)
+    carrier = cut.Carrier([dict(b) if isinstance(b, dict) else dict(zip(names, b, strict=True)) for b in batches])
+    first = model.graph.output[0].name
+    read_later = [{n for later in plan[k + 1:] for n in later.inputs} for k in range(len(plan))]
+    reduced: list[Any] = [None] * len(batches)
+    written: dict[int, Path] = {}
+    log.info("running %s in %d pieces of at most %.0f MiB of weights", path, len(plan), piece_bytes / 2**20)
+    try:
+        for k, (piece, file) in enumerate(cut.iter_pieces(model, plan, path, carrier.values[0], written)):
+
+            def reduced_now(b: int, values: dict[str, np.ndarray], later: set[str] = read_later[k]) -> None:
+                output = values[first] if first in later else values.pop(first)
+                reduced[b] = _reduce(reduce, output, {n: values[n] for n in names})
+
+            computes = reduce != "all" and first in piece.outputs
+            _run_piece(str(file), piece, carrier, provider, threads, reduced_now if computes else None)
+    finally:
+        cut.remove(written.values())
+    if reduce == "all":
+        return [[values[o.name] for o in model.graph.output] for values in carrier.values]
+    return reduced
+
+
+def _run_piece(path: str, piece: Any, carrier: Any, provider: str, threads: int,
+               then: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> None:
+    """Every batch of `carrier` through one piece, `then(batch, its values)` after each (a reduction, before the
+    next batch's outputs exist beside it); the session is gone on return."""
+    session = _session(path, provider, threads)
+    for b in range(len(carrier.values)):
+        carrier.take(b, piece, session.run(list(piece.outputs), carrier.feed(b, piece)))
+        if then is not None:
+            then(b, carrier.values[b])
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -262,6 +327,9 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         if child.poll() is None:  # the caller was interrupted (Ctrl-C, a cancelled job): no orphan
             child.kill()
             child.wait()
+    if not answer and code == -signal.SIGKILL:
+        raise RuntimeKilled("ONNX Runtime's subprocess was killed (SIGKILL: most likely the host's out-of-memory "
+                            "killer)")
     if not answer:
         raise RuntimeFailure(f"ONNX Runtime crashed in its subprocess (exit status {code})")
     try:
@@ -290,10 +358,34 @@ def _child(answer_fd: int, parent_pid: int) -> None:
 
 
 def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu", threads: int | None = None,
-                reduce: str = "all") -> list[Any]:
+                reduce: str = "all", piece_bytes: int | None = None) -> list[Any]:
     """Run `path` on each batch (a list in input order, or a dict by name) in a subprocess; per batch all
-    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "cls_pool", "max_pool", "nll")."""
-    return _call(_outputs_worker, str(path), batches, provider, threads or default_threads(), reduce)
+    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "cls_pool", "max_pool", "nll").
+    A graph whose one session the host cannot hold (`piece_budget`), or any graph given `piece_bytes`, runs in
+    pieces of at most that many bytes of weights, one session at a time (`exporters.pieces`)."""
+    if piece_bytes is None:
+        piece_bytes, why = piece_budget((path,), provider)
+        if why:
+            log.info("%s: it runs in pieces, one session at a time", why)
+    threads = threads or default_threads()
+    try:
+        return _call(_outputs_worker, str(path), batches, provider, threads, reduce, piece_bytes)
+    except RuntimeKilled as err:
+        smaller = _after_kill(err, provider, piece_bytes, len(files_of(path)) > 1)
+        return _call(_outputs_worker, str(path), batches, provider, threads, reduce, smaller)
+
+
+def _after_kill(err: RuntimeKilled, provider: str, piece_bytes: int | None, external: bool) -> int:
+    """The pieces to run in once more after the subprocess was killed for the host's memory (the pieces this host
+    allows now, if smaller than what was killed), or `err` again where there is nothing smaller to try."""
+    from compressor.transformer.offload import available_memory
+
+    smaller = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available_memory() / SESSION_BYTES_PER_FILE_BYTE))
+    if provider != "cpu" or (piece_bytes is not None and piece_bytes <= smaller) or not external:
+        raise err  # nothing smaller to try: pieces of an embedded graph hold it twice while they are cut
+    log.warning("%s; running it again in pieces of at most %.0f MiB of weights, one session at a time", err,
+                smaller / 2**20)
+    return smaller
 
 
 @dataclass(frozen=True)
@@ -319,6 +411,10 @@ class Latency:
     # the measurement's own wall time (its subprocess, sessions and warm-ups included), not the wait for the
     # machine's latency lock before it: what a caller pausing "a measurement's time" should scale by
     seconds: float | None = None
+    # the most pieces either model ran in (`exporters.pieces`: a model whose one session the host cannot hold),
+    # piece k of both timed side by side, and why; 0 and None: each model whole
+    pieces: int = 0
+    in_pieces: str | None = None
 
 
 # A timed sample lasts at least this long: a model that runs in a millisecond or two is timed as n
@@ -433,6 +529,107 @@ def sessions_fit(baseline: str | Path, compressed: str | Path, provider: str = "
     return provider != "cpu" or needed <= PAIR_SHARE * available, needed, available
 
 
+# A graph whose one CPU session would take more than SESSION_SHARE of the available memory runs in pieces whose
+# weights take at most PIECE_SHARE of it each (the session ~1.3x that, the values handed between pieces beside it).
+SESSION_SHARE = PAIR_SHARE  # one session may take what a pair may
+PIECE_SHARE = 0.125
+MIN_PIECE_BYTES = 1 << 20  # a host with next to nothing available still gets pieces of a layer's size or so
+
+
+def piece_budget(paths: tuple[str | Path, ...], provider: str = "cpu") -> tuple[int | None, str | None]:
+    """The weight bytes a piece of each of `paths` may hold on this host and why, or (None, None) when every one
+    of their sessions fits whole. A CUDA session lives in the device's memory: never in pieces there; nor a graph
+    that embeds its weights (under 2 GB), whose load alone holds them twice (`pieces.structure`)."""
+    if provider != "cpu" or not all(len(files_of(p)) > 1 for p in paths):
+        return None, None
+    from compressor.transformer.offload import available_memory
+
+    available = available_memory()
+    needed = max(session_bytes(p) for p in paths)
+    if needed <= SESSION_SHARE * available:
+        return None, None
+    budget = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available / SESSION_BYTES_PER_FILE_BYTE))
+    return budget, (f"one ONNX Runtime session would need ~{needed / 2**30:.1f} GiB of the host's "
+                    f"{available / 2**30:.1f} GiB available; pieces of at most {budget / 2**20:.0f} MiB of weights")
+
+
+def _piece_pair(paths: list[str | None], pieces: list[Any], carriers: list[Any], provider: str, threads: int,
+                warmup: int, totals: list[list[float]]) -> int:
+    """Piece k of each model (None: that model has no k-th piece) opened side by side, warmed up, and sampled
+    alternately as `_latency_worker` samples two whole graphs, each sample's milliseconds added to that model's
+    `totals`; their outputs handed on, the sessions gone on return. The runs per sample (the most either took)."""
+    live = [k for k, path in enumerate(paths) if path is not None]
+    sessions = {k: _session(str(paths[k]), provider, threads) for k in live}
+    feeds = {k: carriers[k].feed(0, pieces[k]) for k in live}
+    names = {k: list(pieces[k].outputs) for k in live}
+
+    def runner(k: int) -> Callable[[], None]:
+        return lambda: sessions[k].run(names[k], feeds[k])
+
+    runs_of = {k: runner(k) for k in live}
+    last = dict.fromkeys(live, MIN_SAMPLE_MS)
+    for done in range(1, warmup + 1):
+        for k in live:
+            last[k] = _timed(runs_of[k])
+        if done >= 2 and sum(last.values()) / 1000 >= SLOW_PAIR_S:
+            break
+    runs = {k: max(1, math.ceil(MIN_SAMPLE_MS / max(last[k], 1e-3))) for k in live}
+    for j in range(len(totals[0])):  # alternate, so a slow spell of the host slows both pieces alike
+        for k in live:
+            totals[k][j] += _timed(runs_of[k], runs[k])
+    for k in live:
+        carriers[k].take(0, pieces[k], sessions[k].run(names[k], feeds[k]))
+    return max(runs.values())
+
+
+def _pieces_worker(baseline: str, compressed: str, feed: dict[str, np.ndarray], provider: str, threads: int,
+                   warmup: int, repeats: int, io_binding: bool = False, seconds: float | None = TIMING_SECONDS,
+                   piece_bytes: int = 1 << 30) -> tuple[Any, ...]:
+    """`_latency_worker`'s samples of two models that each run in pieces (`exporters.pieces`) of at most half of
+    `piece_bytes` of weights: piece k of both open side by side and sampled alternately, then piece k + 1, so a
+    sample of a model is the sum of its pieces' and each piece's samples sit beside the other model's (timing one
+    model's pieces in a turn of their own, then the other's, read a graph against itself at 0.91-1.14x on a busy
+    2-core VM: the host's slow spells outlast a turn). Samples: `repeats`, or MIN_REPEATS when `seconds` bounds them
+    (a model this large runs for seconds). The runs per sample (the most any piece took) and each model's pieces
+    come last."""
+    from . import pieces as cut
+
+    assert not io_binding, "pieces run on the CPU, where there is no device to bind to"
+    with cut.structure(baseline, "m0") as (first, base), cut.structure(compressed, "m1") as (second, comp):
+        return _paired_pieces((first, second), (base, comp), feed, provider, threads, warmup, repeats, seconds,
+                              piece_bytes)
+
+
+def _paired_pieces(models: tuple[Any, Any], sources: tuple[Path, Path], feed: dict[str, np.ndarray], provider: str,
+                   threads: int, warmup: int, repeats: int, seconds: float | None,
+                   piece_bytes: int) -> tuple[Any, ...]:
+    from . import pieces as cut
+
+    plans = [cut.plan_pieces(m, max(1, piece_bytes // 2)) for m in models]
+    samples = repeats if seconds is None else min(repeats, MIN_REPEATS)
+    totals: list[list[float]] = [[0.0] * samples, [0.0] * samples]
+    carriers = [cut.Carrier([dict(feed)]), cut.Carrier([dict(feed)])]
+    written: list[dict[int, Path]] = [{}, {}]
+    runs = 1
+    try:
+        for index in range(max(len(p) for p in plans)):
+            paths: list[str | None] = [None, None]
+            pieces: list[Any] = [None, None]
+            for k in range(2):
+                if index < len(plans[k]):
+                    pieces[k] = plans[k][index]
+                    if index not in written[k]:
+                        written[k][index] = cut.piece_path(sources[k], index, f"m{k}")  # removed if half-written
+                        cut.write_piece(models[k], pieces[k], written[k][index], carriers[k].values[0])
+                    paths[k] = str(written[k][index])
+            runs = max(runs, _piece_pair(paths, pieces, carriers, provider, threads, warmup, totals))
+            gc.collect()
+    finally:
+        for files in written:
+            cut.remove(files.values())
+    return (*totals, runs, [len(p) for p in plans])
+
+
 def _turn(path: str, feed: dict[str, np.ndarray], provider: str, threads: int, warmup: int, io_binding: bool,
           plan: Callable[[float], tuple[int, int]]) -> list[list[float]]:
     """One turn of `_in_turn_worker`: a session of `path` opened, warmed up, sampled and gone on return (nothing
@@ -537,7 +734,8 @@ def measurement_turn() -> Iterator[None]:
 def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str, np.ndarray], *,
                     provider: str = "cpu", threads: int | None = None, warmup: int = 3,
                     repeats: int = 20, io_binding: bool | None = None,
-                    seconds: float | None = TIMING_SECONDS, together: bool | None = None) -> Latency:
+                    seconds: float | None = TIMING_SECONDS, together: bool | None = None,
+                    piece_bytes: int | None = None) -> Latency:
     """Median and p90 latency of two models on one input, samples alternating in one subprocess, and the
     speedup (median of the paired ratios). Each sample is the mean of enough back-to-back runs to last
     MIN_SAMPLE_MS (one run for most models). `repeats` samples of each, or as many as `seconds` allow
@@ -549,24 +747,42 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
 
     `together` (default: when `sessions_fit`) holds both sessions at once; otherwise they are timed in turn
     (`_in_turn_worker`) and the Latency's `in_turn` says why: a host that cannot hold two float32 sessions of a
-    large model gets a measurement with more of the host's drift in it instead of a subprocess killed for memory."""
+    large model gets a measurement with more of the host's drift in it instead of a subprocess killed for memory.
+    A model whose one session the host cannot hold (`piece_budget`), or any given `piece_bytes`, is timed in pieces
+    instead, piece k of both models side by side (`_pieces_worker`; the Latency's `in_pieces` says why), and so is
+    a pair whose subprocess the host killed for memory."""
     if provider not in PROVIDERS:
         raise ValueError(f"execution provider must be one of {sorted(PROVIDERS)} (got {provider!r})")
     threads = threads or default_threads()
     bind = provider == "cuda" if io_binding is None else io_binding
-    why = None
-    if together is None:
+    why = pieced = None
+    if piece_bytes is None and together is None:
+        piece_bytes, pieced = piece_budget((baseline, compressed), provider)
+    elif piece_bytes is not None:
+        pieced = f"asked to run in pieces of at most {piece_bytes / 2**20:.1f} MiB of weights"
+    if piece_bytes is None and together is None:
         fits, needed, available = sessions_fit(baseline, compressed, provider)
         if not fits:
             why = (f"the two ONNX Runtime sessions would need ~{needed / 2**30:.1f} GiB of the host's "
                    f"{available / 2**30:.1f} GiB available")
-    elif not together:
+    elif piece_bytes is None and not together:
         why = "asked to time one session at a time"
-    worker = _latency_worker if why is None else _in_turn_worker
+    if piece_bytes is not None and provider != "cpu":
+        raise ValueError(f"only CPU sessions run in pieces (got provider {provider!r})")
+    args = (str(baseline), str(compressed), feed, provider, threads, warmup, repeats, bind, seconds)
     with measurement_turn() if provider == "cpu" else contextlib.nullcontext():  # a GPU is its job's alone
         start = time.perf_counter()
-        *times, runs = _call(worker, str(baseline), str(compressed), feed, provider, threads, warmup, repeats, bind,
-                             seconds)
+        try:
+            if piece_bytes is not None:
+                *times, runs, counts = _call(_pieces_worker, *args, piece_bytes)
+            else:
+                *times, runs = _call(_latency_worker if why is None else _in_turn_worker, *args)
+                counts = [0]
+        except RuntimeKilled as err:
+            piece_bytes = _after_kill(err, provider, piece_bytes,
+                                      all(len(files_of(p)) > 1 for p in (baseline, compressed)))
+            why, pieced = None, f"{err}; timed again in pieces of at most {piece_bytes / 2**20:.0f} MiB of weights"
+            *times, runs, counts = _call(_pieces_worker, *args, piece_bytes)
         took = time.perf_counter() - start
 
     def p90(values: list[float]) -> float:
@@ -584,4 +800,4 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
                 "host_speedup": paired(times[2], times[3])}
     return Latency(statistics.median(base), statistics.median(comp), p90(base), p90(comp), paired(base, comp),
                    provider, threads, device_name(provider), len(base), runs, io_binding=bind, in_turn=why,
-                   seconds=took, **host)
+                   seconds=took, pieces=max(counts), in_pieces=pieced, **host)

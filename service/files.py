@@ -4,6 +4,7 @@ stores them)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -205,3 +206,22 @@ def extract_tar(archive: Path, target: Path) -> None:
         raise ArchiveError(f"not a readable uncompressed tar archive: {err}") from err
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as err:  # members that contradict each other
         raise ArchiveError(f"the archive's members conflict: {type(err).__name__}") from err  # (`a`, then `a/b`)
+
+
+_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+         errno.EFBIG: "a file grew past the size limit"}
+
+
+def out_of_disk(err: BaseException) -> str | None:
+    """What ran out when `err`, or an error it was raised from, is the file system refusing a write for space (a
+    full disk, a quota, a file-size limit: the machine's, not the model's), else None. Its words only: the path it
+    names is the server's."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _FULL:
+            return _FULL[err.errno]
+        if any(words in str(err) for words in ("No space left on device", "database or disk is full")):
+            return _FULL[errno.ENOSPC]  # a library's own error that kept only the words (safetensors, SQLite)
+        err = err.__cause__ or err.__context__
+    return None

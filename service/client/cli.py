@@ -142,15 +142,32 @@ def _compress(args: argparse.Namespace) -> int:
                 out.rmdir()
 
 
+def _gpus_seen() -> int:
+    """The GPUs this process may use, counted without starting CUDA (which would fix what it sees before
+    CUDA_VISIBLE_DEVICES is set): that variable's list where it is set, else the NVIDIA driver's GPUs."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return len([d for d in listed.split(",") if d.strip()])
+    with contextlib.suppress(OSError):
+        return len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    return 0
+
+
 def _run_local(args: argparse.Namespace, options: dict[str, Any], given: dict[str, str],
                written: WrittenOutputs) -> int:
     """The local job in `--out`, which this process holds."""
-    from ..core.outcomes import JobError, out_of_memory
+    from ..core.outcomes import JobError, out_of_disk, out_of_memory
     from ..job import CompressRequest, compress
     from ..job.report_html import record_references
 
     progress = JobProgress(sys.stderr)
     current = {"stage": "loading"}
+    if (options.get("device") or "").startswith("cuda:") and int(options["device"][5:]) < _gpus_seen():
+        from ..core.worker import visible_device
+
+        # ONNX Runtime's CUDA provider takes device 0: `--device cuda:1` pruned on GPU 1 and timed on GPU 0 (a GPU
+        # that is not there stays as asked, for the job's own check to name it)
+        options = {**options, "device": visible_device(options["device"])}
     try:
         report = compress(CompressRequest(**options), progress=progress,
                           stage=lambda name, _index: current.update(stage=name))
@@ -160,8 +177,8 @@ def _run_local(args: argparse.Namespace, options: dict[str, Any], given: dict[st
             progress.lines.end()
             print(f"osscar: interrupted; {written.undo()}", file=sys.stderr)
         return 130
-    except Exception as err:  # memory running out is the machine's, not a bug: one line, exit 2
-        if out_of_memory(err) is None:
+    except Exception as err:  # memory or disk space running out is the machine's, not a bug: one line, exit 2
+        if out_of_memory(err) is None and out_of_disk(err) is None:
             raise
         progress.lines.end()
         message = JobError.from_exception(err, stage=current["stage"]).message

@@ -41,6 +41,8 @@ DEFAULT_TIMEOUT_S = 60.0  # each call's deadline when --timeout is not given
 
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# a stream the server ends as it stops (a restart's grace runs out: CANCELLED) resumes as a dropped one does
+RESUMABLE = (*RETRYABLE, grpc.StatusCode.CANCELLED)
 # the largest message a server may be set to send (its max_message_mb, at most 64): a page of operations fills what
 # its server allows, which a smaller limit here would refuse (RESOURCE_EXHAUSTED) on every try
 MAX_RECEIVE_BYTES = 64 << 20
@@ -147,7 +149,7 @@ class RemoteCompressor:
                     if event.HasField("operation") and event.operation.done:
                         return event.operation
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE and err.code() != grpc.StatusCode.CANCELLED:
+                if err.code() not in RESUMABLE:
                     raise
             # the stream ended without the final event: the server went away; resume
             time.sleep(delay)
@@ -155,10 +157,10 @@ class RemoteCompressor:
 
     def download(self, name: str, artifact: pb.Artifact, out: Path, attempts: int = 5) -> Path:
         """One artifact into `out`, written under a partial name and renamed once its sha256 matches. A stream
-        cut by UNAVAILABLE or a deadline resumes from the bytes already received (up to `attempts` streams), and
-        so does a later call after this process died or was interrupted (the partial name is the artifact's and
-        its digest's, and stays): a multi-GB model is not fetched again from its first byte. A file already in
-        place with the artifact's digest is kept as it is."""
+        cut by UNAVAILABLE, a deadline or a stopping server (CANCELLED) resumes from the bytes already received (up
+        to `attempts` streams), and so does a later call after this process died or was interrupted (the partial
+        name is the artifact's and its digest's, and stays): a multi-GB model is not fetched again from its first
+        byte. A file already in place with the artifact's digest is kept as it is."""
         target = out / artifact.name
         if target.is_file() and target.stat().st_size == artifact.size_bytes and \
                 file_sha256(target) == artifact.sha256:
@@ -196,7 +198,7 @@ class RemoteCompressor:
                             size += len(chunk.data)
                         break
                     except grpc.RpcError as err:
-                        if err.code() not in RETRYABLE or attempt == attempts - 1:
+                        if err.code() not in RESUMABLE or attempt == attempts - 1:
                             raise
                         print(f"osscar: {artifact.name}: download interrupted at {size} bytes "
                               f"({err.code().name}); resuming", file=sys.stderr)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..files import out_of_disk
 from ..job.budgets import default_budgets_text
 from ..job.report import Report
 
@@ -77,6 +78,9 @@ OUTCOMES: tuple[Outcome, ...] = (
             "`MemoryError`, CUDA out of memory (PyTorch's, or ONNX Runtime's allocator): the stage and the "
             "size it tried in the message and metadata; the worker process ends, so the device is free for "
             "the next job"),
+    Outcome("out_of_disk", "worker", FAILED, "RESOURCE_EXHAUSTED", "OUT_OF_DISK", 2, False,
+            "an `OSError` of a full disk or quota (ENOSPC, EDQUOT) or a file-size limit (EFBIG) while the job wrote "
+            "its files: the stage in the message and metadata, no server path"),
     Outcome("internal", "worker", FAILED, "INTERNAL", "INTERNAL", 2, False,
             "any other exception (a plain `ValueError` too): a generic message, the traceback in the server's log"),
     Outcome("time_budget_exceeded", "server", FAILED, "DEADLINE_EXCEEDED", "TIME_BUDGET_EXCEEDED", 2, False,
@@ -215,6 +219,11 @@ class JobError:
                         **({"requested": requested} if requested else {})}
             return cls.of("out_of_memory", f"the job ran out of {device} memory{where}{tried}", metadata)
 
+        full = out_of_disk(err)
+        if full is not None:
+            where = f" in stage {stage}" if stage else ""
+            return cls.of("out_of_disk", f"the job ran out of disk space{where} ({full})",
+                          {"reason": full, **({"stage": stage} if stage else {})})
         if isinstance(err, UnsupportedArchitecture):  # an InputError too, but no retry with other input helps
             return cls.of("unsupported_architecture", _first_line(err))
         if isinstance(err, InputError):
@@ -245,12 +254,15 @@ _ORT_OOM = ("out of memory", "failed to allocate memory", "cudaerrormemoryalloca
 def out_of_memory(err: BaseException) -> tuple[str, str | None] | None:
     """("CUDA" or "host", the size it tried to allocate if the message says) when `err` is memory
     running out: MemoryError, torch.cuda.OutOfMemoryError (by name: the server never imports torch),
-    or ONNX Runtime's CUDA allocator failing in its subprocess (exporters.runtime.RuntimeFailure)."""
+    ONNX Runtime's CUDA allocator failing in its subprocess (exporters.runtime.RuntimeFailure), or that
+    subprocess killed by the host's out-of-memory killer (exporters.runtime.RuntimeKilled)."""
     names = {c.__name__ for c in type(err).__mro__}
     text = str(err)
     if "OutOfMemoryError" in names:
         match = _TORCH_REQUEST.search(text)
         return "CUDA", match.group(1) if match else None
+    if "RuntimeKilled" in names:  # ONNX Runtime's subprocess killed (SIGKILL), even when run again in pieces
+        return "host", None
     if "RuntimeFailure" in names and any(key in text.lower() for key in _ORT_OOM):
         match = _ORT_REQUEST.search(text)
         device = "CUDA" if "cuda" in text.lower() else "host"

@@ -16,6 +16,7 @@ import fcntl
 import logging
 import math
 import os
+import sqlite3
 import time
 import uuid
 from collections import Counter
@@ -67,6 +68,10 @@ class HomeInUse(InputError):
     """Another server holds this OSSCAR_HOME."""
 
 
+class HomeUnusable(InputError):
+    """OSSCAR_HOME cannot be written, or its job store cannot be read: the operator's to fix, said in one line."""
+
+
 class JobService:
     def __init__(self, config: ServiceConfig, metrics: Metrics | None = None) -> None:
         self.config = config
@@ -90,9 +95,17 @@ class JobService:
         """Open (and migrate) the store, remove what a crash left half-written, recover the jobs a stop
         interrupted and queue the queued ones; nothing runs until `start`. The home is this process's alone
         while it is open (`HomeInUse` otherwise)."""
-        self.home.mkdir(parents=True, exist_ok=True)
-        self._lock_home()
-        self.store = JobStore(self.home / "jobs.sqlite")
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+            self._lock_home()
+            self.store = JobStore(self.home / "jobs.sqlite")
+        except OSError as err:  # a read-only home, a file in its place: a traceback said less than this
+            raise HomeUnusable(f"{self.home} cannot be the server's home: {err.strerror or err}"
+                               f"{f' ({err.filename})' if err.filename else ''}") from None
+        except sqlite3.DatabaseError as err:  # not a database, or a damaged one
+            raise HomeUnusable(f"the job store {self.home / 'jobs.sqlite'} cannot be read ({err}): restore it from "
+                               "a backup, or move it aside to start with an empty store (its jobs are then lost)"
+                               ) from None
         removed = self.blobs.clean_tmp()
         if removed:
             log.info("removed %d partial files left by an interrupted write", removed)

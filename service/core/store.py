@@ -17,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
 import sqlite3
 import time
@@ -27,7 +28,9 @@ from typing import Any
 
 from ..errors import FieldViolation, InvalidArgument
 from ..job.request import DEFAULT_METHOD
-from .outcomes import FINISHED, QUEUED, STATES, JobError
+from .outcomes import FAILED, FINISHED, QUEUED, STATES, JobError
+
+log = logging.getLogger(__name__)
 
 LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")  # \Z: `$` also matches before a final newline
 _FILTER_TERM = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(?:"([^"]*)"|([^\s"]+))\s*$')
@@ -121,6 +124,7 @@ class ArtifactRecord:
 
 
 _JSON_COLUMNS = ("spec", "labels", "progress", "error", "report")
+_EMPTY: dict[str, Any] = {"spec": {}, "labels": {}, "progress": {}, "error": None, "report": None}  # a damaged value
 _COLUMNS = ("name", "request_id", "body_sha256", "request", "spec", "labels", "time_budget_s", "state", "progress",
             "attempt", "error", "report", "create_time", "start_time", "end_time", "ran_s")
 
@@ -146,6 +150,9 @@ class JobStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
+        # a torn write's bytes that are not UTF-8 raised from inside fetchall(), before `_record` could set the one
+        # row aside: decoded with replacement characters, they fail its JSON check instead
+        self.db.text_factory = lambda raw: raw.decode("utf-8", "replace")
         self.db.execute("PRAGMA journal_mode = WAL")
         self.db.execute("PRAGMA synchronous = FULL")
         self.db.execute("PRAGMA foreign_keys = ON")
@@ -197,14 +204,15 @@ class JobStore:
                                 [(name, a.name, a.sha256, a.size_bytes, a.media_type) for a in artifacts])
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            if self.db.in_transaction:  # else the ROLLBACK's own error would hide the real one (disk I/O error)
+                self.db.execute("ROLLBACK")
             raise
 
     def in_states(self, states: Iterable[str]) -> list[JobRecord]:
         states = list(states)
         rows = self.db.execute(f"SELECT * FROM operations WHERE state IN ({', '.join('?' * len(states))}) "
                                "ORDER BY create_time, name", states).fetchall()
-        return [self._record(r) for r in rows]
+        return [r for r in map(self._record, rows) if r.state in states]  # a damaged row leaves them, failed
 
     def counts(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT state, COUNT(*) FROM operations GROUP BY state").fetchall())
@@ -255,7 +263,8 @@ class JobStore:
             self.db.execute("DELETE FROM operations WHERE name = ?", (name,))
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            if self.db.in_transaction:  # else the ROLLBACK's own error would hide the real one (disk I/O error)
+                self.db.execute("ROLLBACK")
             raise
         return [d for d in set(digests) if not self.referenced(d)]
 
@@ -296,9 +305,28 @@ class JobStore:
         return [(r[0], r[1]) for r in rows]
 
     def _record(self, row: sqlite3.Row) -> JobRecord:
-        values = {c: (json.loads(row[c]) if c in _JSON_COLUMNS and row[c] is not None else row[c]) for c in _COLUMNS}
-        if values["error"] is not None:
-            values["error"] = JobError.from_dict(values["error"])
+        values: dict[str, Any] = {}
+        damaged = []
+        for column in _COLUMNS:
+            values[column] = row[column]
+            if column in _JSON_COLUMNS and row[column] is not None:
+                try:
+                    values[column] = json.loads(row[column])
+                    if not isinstance(values[column], dict):  # `null` or a list where an object was written
+                        raise TypeError(f"{column} is a JSON {type(values[column]).__name__}")
+                    if column == "error":
+                        values[column] = JobError.from_dict(values[column])
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    damaged.append(column)
+                    values[column] = _EMPTY[column]
+        if damaged:  # one bad row must not stop the server's start, nor every listing that reaches it
+            values.update(state=FAILED, error=JobError.of("internal", f"the job's record in the store is damaged "
+                                                                      f"({', '.join(damaged)} unreadable)"))
+            log.error("operation %s: its stored %s cannot be read; it is marked FAILED", row["name"],
+                      ", ".join(damaged))
+            self.db.execute("UPDATE operations SET state = ?, error = ?, end_time = COALESCE(end_time, ?) "
+                            "WHERE name = ?", (FAILED, _encode("error", values["error"]), time.time(), row["name"]))
+            values["end_time"] = values["end_time"] or time.time()
         record = JobRecord(**values)
         record.artifacts = [ArtifactRecord(r["name"], r["sha256"], r["size_bytes"], r["media_type"]) for r in
                             self.db.execute("SELECT * FROM artifacts WHERE operation = ? ORDER BY name",

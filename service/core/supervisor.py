@@ -30,7 +30,7 @@ from .config import ServiceConfig
 from .executor import Attempt, Ended, Executor, Slot
 from .feeds import Feeds
 from .metrics import Metrics
-from .outcomes import FINISHED, INTERNAL_MESSAGE, QUEUED, RUNNING, STATES, SUCCEEDED, JobError
+from .outcomes import FINISHED, INTERNAL_MESSAGE, QUEUED, RUNNING, STATES, SUCCEEDED, JobError, out_of_disk
 from .store import ArtifactRecord, JobRecord, JobStore
 from .worker import WorkerArgs
 
@@ -157,22 +157,24 @@ class Supervisor:
         with operation_context(record.name):  # every record logged while supervising names the job
             try:
                 await self._supervise(record, running)
-            except Exception:  # e.g. no space for the scratch directory, an executor that could not make the run
+            except Exception as err:  # e.g. no space for the scratch directory, an executor that could not make the run
                 log.exception("supervising the job failed")
-                self._unstick(record.name)
+                self._unstick(record.name, err)
             finally:
                 if self.running.get(record.name) is running:  # the slot is free again, whatever happened
                     del self.running[record.name]
                 self._wake.set()
 
-    def _unstick(self, name: str) -> None:
-        """A job whose supervision failed outside its worker ends FAILED (internal) rather than staying QUEUED or
-        RUNNING in the store with nothing running it: off the queue, it would wait for a restart and count
-        against `max_queue` until then, and its waiters would never hear of it."""
+    def _unstick(self, name: str, err: BaseException | None = None) -> None:
+        """A job whose supervision failed outside its worker ends FAILED (internal, or out of disk where the disk
+        refused a write: the scratch's, the store's own) rather than staying QUEUED or RUNNING in the store with
+        nothing running it: off the queue, it would wait for a restart and count against `max_queue` until then,
+        and its waiters would never hear of it."""
         try:
             record = self.store.get(name)
             if record is not None and record.state not in FINISHED:
-                self.finish(name, JobError.of("internal", INTERNAL_MESSAGE))
+                error = JobError.from_exception(err) if err is not None and out_of_disk(err) else None
+                self.finish(name, error or JobError.of("internal", INTERNAL_MESSAGE))
         except Exception:  # the store itself failed: a restart's recovery is what is left
             log.exception("the job could not be ended either; it is recovered at the next start")
 

@@ -59,12 +59,14 @@ Send = Callable[[tuple[str, Any]], None]
 
 def server_paths(args: WorkerArgs) -> dict[str, str]:
     """The server's paths a job's words may hold (its inputs as resolved, their named links, its output and
-    scratch), each with what a client is shown instead: the reference as it gave it, or what the path is. They
-    mean nothing to a client and are not its business (the server's log keeps them)."""
+    scratch, the server's home and its caches), each with what a client is shown instead: the reference as it gave
+    it, or what the path is. They mean nothing to a client and are not its business (the server's log keeps them)."""
     from .references import input_name
 
     work = Path(args.work_dir)
     shown = {str(work): "the job's scratch", str(work / "out"): "the job's artifacts"}
+    if len(Path(args.home).parts) > 1:  # its caches (the dense curves a progress line names), not "/" itself
+        shown[str(Path(args.home))] = "the server's home"
     for field, reference in args.references.items():
         if reference is not None and args.spec.get(field):
             resolved = str(args.spec[field])
@@ -106,7 +108,12 @@ def pin(cores: list[int]) -> None:
 def visible_device(device: str) -> str:
     """A `cuda:N` slot as this process's only GPU (CUDA_VISIBLE_DEVICES, before CUDA starts): ONNX Runtime's CUDA
     provider and its bound inputs take device 0, which would otherwise be slot 0's GPU whatever the slot. The
-    slot's N counts the GPUs the server sees (its own CUDA_VISIBLE_DEVICES, when set). Returns "cuda:0" for it."""
+    slot's N counts the GPUs the server sees (its own CUDA_VISIBLE_DEVICES, when set). Returns "cuda:0" for it.
+    A `cpu` slot sees no GPU: its job measures on the CPU (taking the machine's latency lock) instead of timing on
+    GPU 0 beside the job of slot cuda:0."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return device
     if not device.startswith("cuda:"):
         return device
     index = int(device.split(":", 1)[1])

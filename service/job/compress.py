@@ -31,7 +31,16 @@ from compressor.reports import LayerReport, RefineReport
 from exporters.fusion import fusion_of, unfused_path
 from exporters.genai import CONFIG as GENAI_CONFIG
 from exporters.onnx import ExportError, Parity, ParityError, stamp_metadata
-from exporters.runtime import PROVIDERS, Latency, RuntimeFailure, default_provider, default_threads, measure_latency
+from exporters.runtime import (
+    PROVIDERS,
+    Latency,
+    RuntimeFailure,
+    RuntimeKilled,
+    default_provider,
+    default_threads,
+    measure_latency,
+    no_visible_gpu,
+)
 
 from ..files import (
     JOB_EXPORTS,
@@ -39,6 +48,7 @@ from ..files import (
     earlier_job_files,
     file_sha256,
     follow_umask,
+    out_of_disk,
     write_text_atomically,
 )
 from .kinds import ConvJob, ModelJob, Say, Solved, open_job
@@ -111,6 +121,9 @@ def _check_here(request: CompressRequest) -> None:
     if provider is not None and PROVIDERS[provider] not in ort.get_available_providers():
         raise InputError(f"--execution-provider {provider}: ONNX Runtime here has only "
                          f"{', '.join(ort.get_available_providers())}")
+    if provider == "cuda" and no_visible_gpu():  # a server's cpu slot: refused now, not after the whole prune
+        raise InputError("--execution-provider cuda: no GPU is visible to this job (CUDA_VISIBLE_DEVICES is empty, "
+                         "as in a server's cpu slot)")
     out = Path(request.out_dir)
     existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor) or str(p) == ".")
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -237,6 +250,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         feed = job.latency_feed()
         timer = QuietTimer(dense_onnx, feed, provider, request.threads, request.repeats, say)
 
+        pieced: list[str] = []  # why the graphs ran in pieces, once said
+
         def export_and_time(module: nn.Module, path: Path) -> tuple[Parity, Latency]:
             """Export (parity-checked) and time against the dense export: a round's or a probe's model."""
             parity = job.export(module, path)
@@ -245,6 +260,11 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                 say(warning(f"timed the dense and the compressed model one at a time ({latency.in_turn}): a change "
                             "of the host's speed between turns is not cancelled as in paired timing, so the measured "
                             "speedup is less certain (a few percent on a busy host)"))
+            if latency.in_pieces and not pieced:
+                pieced.append(latency.in_pieces)
+                say(warning(f"ONNX Runtime ran each graph in pieces ({latency.in_pieces}): a latency is the sum of "
+                            "its pieces', each timed beside the other graph's piece of the same index; the graphs' "
+                            "outputs are checked and evaluated that way too"))
             return parity, latency
 
         round_seconds: list[float] = []  # each finished round's wall time: what the next one is expected to take
@@ -401,6 +421,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
         _write_report(report, out, enter)
         write_html(report, out / "report.html")
     except _ExportFailed as failure:
+        if out_of_disk(failure.error) is not None:  # the disk refused a write (a piece's file): the machine's
+            raise failure.error from failure.error.__cause__  # its cause is what out_of_disk read
         report = parity_failed_report(request, job, failure.stage, failure.index, failure.error, failure.layers,
                                       rounds, baseline_metric, provider, start)
         _clear_unvouched(out, request)  # an earlier job's, which this report would otherwise seem to describe
@@ -491,7 +513,7 @@ def _graphs(dense_onnx: Path, chosen: Round, feed: dict, provider: str, request:
                                   repeats=request.repeats)
             graphs["as_exported"] = {"baseline_ms": raw.baseline_ms, "compressed_ms": raw.compressed_ms,
                                      "speedup": raw.speedup}
-        except RuntimeFailure as err:  # the shipped graphs were measured; these figures are for comparison only
+        except (RuntimeFailure, RuntimeKilled) as err:  # the shipped graphs were measured; for comparison only
             say(warning(f"the graphs as exported could not be timed: {err}"))
     return graphs
 

@@ -111,7 +111,8 @@ class Measured:
     baseline_latency_ms: float
     compressed_latency_ms: float
     latency_p90_ms: dict[str, float]  # baseline, compressed
-    # repeats, runs_per_sample, sessions_at_once (2: paired in one process; 1: in turns, the pair did not fit)
+    # repeats, runs_per_sample, sessions_at_once (2: paired in one process; 1: in turns, the pair did not fit),
+    # pieces (0: each model whole; n: the most pieces a model ran in, one session each, as its whole did not fit)
     latency_samples: dict[str, int]
     # on CUDA the figures above keep inputs and outputs on the device (I/O binding); host_copy_latency
     # includes the host copies (None where the two are the same measurement: the CPU)

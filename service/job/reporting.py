@@ -51,7 +51,7 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
         measured_speedup=lat.speedup, baseline_latency_ms=lat.baseline_ms, compressed_latency_ms=lat.compressed_ms,
         latency_p90_ms={"baseline": lat.baseline_p90_ms, "compressed": lat.compressed_p90_ms},
         latency_samples={"repeats": lat.repeats, "runs_per_sample": lat.runs_per_sample,
-                         "sessions_at_once": 1 if lat.in_turn else 2},
+                         "sessions_at_once": 1 if lat.in_turn else 2, "pieces": lat.pieces},
         latency_io_binding=lat.io_binding,
         host_copy_latency=None if lat.host_speedup is None else {
             "baseline_ms": lat.host_baseline_ms, "compressed_ms": lat.host_compressed_ms, "speedup": lat.host_speedup},

@@ -6,6 +6,7 @@ import statistics
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 from onnx import TensorProto, helper
 
@@ -216,6 +217,36 @@ def test_a_listed_cuda_provider_that_falls_back_is_logged_and_not_used(monkeypat
     assert "falls back to ['CPUExecutionProvider']" in caplog.text and "refused" in caplog.text
 
 
+def test_no_visible_gpu_measures_on_the_cpu_without_probing_or_an_error(monkeypatch, caplog, tmp_path):
+    import onnxruntime as ort
+
+    from exporters import runtime
+
+    def probe(provider):
+        raise AssertionError("probed a provider no GPU can serve")
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(runtime, "provider_loads", probe)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with caplog.at_level("ERROR"):
+        assert runtime.default_provider() == "cpu"
+    assert not caplog.text
+    # a request that names the CUDA provider there is refused saying why, not sent to the libraries
+    monkeypatch.setattr(ort, "InferenceSession", _FallsBack)
+    with pytest.raises(runtime.RuntimeFailure, match="no GPU is visible to this process"):
+        runtime._session(str(tmp_path / "a.onnx"), "cuda", 1)
+
+
+class _FallsBack:
+    """A session asked for CUDA that runs on the CPU, as ONNX Runtime's is where no GPU is visible."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def get_providers(self):
+        return ["CPUExecutionProvider"]
+
+
 def test_jobs_sharing_a_machine_take_turns_at_timing(tmp_path, monkeypatch):
     """With OSSCAR_LATENCY_LOCK set, a measurement waits while another process holds the machine's lock."""
     import fcntl
@@ -314,6 +345,58 @@ def test_a_child_that_dies_or_raises_is_a_runtime_failure_with_its_cause():
         _call(np.linalg.inv, np.zeros((2, 3)))
     assert type(raised.value.__cause__).__name__ == "LinAlgError"
     assert _call(np.add, np.ones(3), 1).tolist() == [2.0, 2.0, 2.0]
+
+
+def _killed_by_the_host() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_subprocess_killed_from_outside_is_not_a_runtime_failure():
+    """SIGKILL (the host's out-of-memory killer) is nothing the graph did: a job called its export broken for it."""
+    from exporters.runtime import RuntimeFailure, RuntimeKilled, _call
+
+    with pytest.raises(RuntimeKilled, match="SIGKILL") as raised:
+        _call(_killed_by_the_host)
+    assert not isinstance(raised.value, RuntimeFailure)
+
+
+def test_a_run_killed_for_memory_runs_again_in_pieces(tmp_path, monkeypatch):
+    from exporters import runtime
+
+    _matmul_model(tmp_path / "a.onnx", 8)
+    model = onnx.load(tmp_path / "a.onnx")  # a graph large enough to be killed keeps its weights beside it
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.ones((8, 8), np.float32), "w"))
+    onnx.save(model, tmp_path / "a.onnx", save_as_external_data=True, location="a.onnx.data", size_threshold=0)
+    assert (tmp_path / "a.onnx.data").is_file()
+    feed = {"x": np.ones((2, 8), np.float32)}
+    calls, real = [], runtime._call
+
+    def first_killed(fn, *args):
+        calls.append((fn.__name__, args[-1]))
+        if len(calls) == 1:
+            raise runtime.RuntimeKilled("ONNX Runtime's subprocess was killed (SIGKILL: ...)")
+        return real(fn, *args)
+
+    monkeypatch.setattr(runtime, "_call", first_killed)
+    (got,) = runtime.run_outputs(tmp_path / "a.onnx", [feed])[0]
+    assert got.tolist() == [[8.0] * 8] * 2
+    assert calls[0][1] is None and calls[1][1] >= runtime.MIN_PIECE_BYTES  # whole, then in pieces
+    calls.clear()
+    latency = runtime.measure_latency(tmp_path / "a.onnx", tmp_path / "a.onnx", feed, threads=1, repeats=3)
+    assert [name for name, _ in calls] == ["_latency_worker", "_pieces_worker"]
+    assert latency.pieces == 1 and "timed again in pieces" in latency.in_pieces and latency.speedup > 0
+    # killed in pieces as small as this host allows: nothing smaller to try, the kill is the caller's to report
+    calls.clear()
+    with pytest.raises(runtime.RuntimeKilled):
+        runtime.run_outputs(tmp_path / "a.onnx", [feed], piece_bytes=runtime.MIN_PIECE_BYTES)
+    # nor for a graph that embeds its weights: cutting it holds them twice
+    _matmul_model(tmp_path / "b.onnx", 8)
+    calls.clear()
+    with pytest.raises(runtime.RuntimeKilled):
+        runtime.run_outputs(tmp_path / "b.onnx", [feed])
 
 
 def test_the_nll_reduction_is_the_summed_cross_entropy_of_the_real_tokens():

@@ -153,6 +153,32 @@ def test_cuda_out_of_memory_in_a_local_job_is_one_line_with_the_stage_and_exit_2
                      f"removed {out} (this run created it)"]
 
 
+def test_a_local_job_on_a_later_gpu_sees_that_gpu_alone(tmp_path, monkeypatch):
+    """`--device cuda:1` pruned on GPU 1 and timed on GPU 0 (ONNX Runtime's CUDA provider takes device 0): the job
+    now sees GPU 1 alone, as device 0, as a server's slot does."""
+    import os
+
+    from tests.compressor.cnn.conv_models import write_conv_job
+    from tests.service.client.test_remote import compress_args
+
+    seen = {}
+
+    def compress(request, progress=None, stage=None):
+        seen.update(device=request.device, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("service.job.compress", compress)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    data = write_conv_job(tmp_path, size=32)
+    assert cli.main([*compress_args(data, tmp_path / "out", 3), "--device", "cuda:1"]) == 130
+    assert seen == {"device": "cuda:0", "visible": "1"}
+    # GPUs hidden on purpose stay hidden, and one that is not there stays as asked (the job names it)
+    for hidden, asked in (("", "cuda:0"), ("0,1", "cuda:2")):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert cli.main([*compress_args(data, tmp_path / "out", 3), "--device", asked]) == 130
+        assert seen == {"device": asked, "visible": hidden}
+
+
 def test_written_outputs_takes_back_new_and_changed_job_outputs_only(tmp_path):
     import os
 

@@ -166,3 +166,26 @@ def test_device_memory_running_out_names_the_stage_and_the_size():
     # another ONNX Runtime failure, or an unrelated RuntimeError saying "memory", stays a bug
     assert JobError.from_exception(RuntimeFailure("ONNX Runtime failed: bad node")).reason == "INTERNAL"
     assert JobError.from_exception(RuntimeError("out of memory")).reason == "INTERNAL"
+
+
+def test_a_disk_running_out_is_the_machines_and_names_no_path():
+    """ENOSPC / EDQUOT / EFBIG while a job wrote its files ended INTERNAL ("an internal error, logged on the server"):
+    a cause the operator can act on, said without the server's path."""
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/srv/osscar/work/1/out/model.onnx.data")
+    error = JobError.from_exception(full, stage="save")
+    assert (error.code, error.reason) == ("RESOURCE_EXHAUSTED", "OUT_OF_DISK")
+    assert error.message == "the job ran out of disk space in stage save (no space left on the device)"
+    assert "/srv" not in str(error.to_dict())
+    try:  # a library that wraps the OSError in its own error
+        try:
+            raise OSError(errno.EFBIG, "File too large")
+        except OSError as err:
+            raise RuntimeError("could not write the export") from err
+    except RuntimeError as wrapped:
+        assert "size limit" in JobError.from_exception(wrapped).message
+    assert JobError.from_exception(OSError(errno.EDQUOT, "Disk quota exceeded")).reason == "OUT_OF_DISK"
+    assert JobError.from_exception(RuntimeError("safetensors: No space left on device (os error 28)")).reason \
+        == "OUT_OF_DISK"
+    assert JobError.from_exception(OSError(errno.EIO, "Input/output error")).reason == "INTERNAL"

@@ -264,3 +264,17 @@ def test_a_home_on_a_file_system_without_record_locks_still_serves_and_says_so(t
     jobs = service(tmp_path)
     assert any("cannot be locked" in r.getMessage() for r in caplog.records)
     jobs.close()
+
+
+def test_a_home_that_cannot_be_used_is_refused_in_one_line(tmp_path):
+    """A home the server cannot write (here its lock file a folder) or a store that is no database ended `osscar serve`
+    with a PermissionError / sqlite3.DatabaseError traceback."""
+    from service.core.service import HomeUnusable
+
+    (tmp_path / "a" / "home" / "server.lock").mkdir(parents=True)  # what the server must write, not writable
+    with pytest.raises(HomeUnusable, match=r"cannot be the server's home: Is a directory .*server.lock"):
+        service(tmp_path / "a")
+    (tmp_path / "b" / "home").mkdir(parents=True)
+    (tmp_path / "b" / "home" / "jobs.sqlite").write_bytes(b"\x01" * 4096)
+    with pytest.raises(HomeUnusable, match=r"jobs.sqlite cannot be read .*move it aside"):
+        service(tmp_path / "b")

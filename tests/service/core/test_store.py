@@ -187,3 +187,34 @@ def test_a_filter_on_the_method_counts_jobs_that_ran_the_default_and_quoted_valu
     assert [r.name for r in found] == ["operations/named"]
     with pytest.raises(InvalidArgument, match="cannot parse"):
         store.search('labels.team = "x AND', 10, "")
+
+
+def test_a_damaged_row_is_failed_alone_and_the_rest_are_served(tmp_path):
+    """A row whose JSON was cut short (a disk's torn write, a hand edit) raised JSONDecodeError from every read that
+    reached it: the server's start (its recovery lists QUEUED and RUNNING jobs) and every listing page."""
+    from service.core.outcomes import RUNNING
+
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.insert(record("operations/ok", 1.0))
+    store.insert(record("operations/running", 2.0, state=RUNNING, progress={"stage": "pruning"}))
+    store.insert(record("operations/queued", 3.0))
+    store.insert(record("operations/done", 4.0, state=FAILED, error=JobError.cancelled()))
+    for name, column in (("running", "progress"), ("queued", "spec"), ("done", "error")):
+        store.db.execute(f"UPDATE operations SET {column} = '{{\"stage\": \"pru' WHERE name = ?",
+                         (f"operations/{name}",))
+    assert [r.name for r in store.in_states([QUEUED, RUNNING])] == ["operations/ok"]
+    listed = store.page([], None, 10)
+    assert [r.name for r in listed] == ["operations/ok", "operations/running", "operations/queued", "operations/done"]
+    for name, column in (("running", "progress"), ("queued", "spec"), ("done", "error")):
+        damaged = store.get(f"operations/{name}")
+        assert damaged.state == FAILED and damaged.error.reason == "INTERNAL" and damaged.end_time is not None
+        assert f"damaged ({column} unreadable)" in damaged.error.message
+    reopened = JobStore(tmp_path / "jobs.sqlite")  # the mark is stored: the next start sees a failed job
+    assert reopened.count(QUEUED) == 1 and reopened.count(RUNNING) == 0
+    # bytes that are not UTF-8 (sqlite raised inside fetchall()) and JSON of the wrong type are damage too
+    reopened.insert(record("operations/bytes", 5.0))
+    reopened.insert(record("operations/null", 6.0))
+    reopened.db.execute("UPDATE operations SET spec = CAST(x'7b22ff22' AS TEXT) WHERE name = 'operations/bytes'")
+    reopened.db.execute("UPDATE operations SET labels = '[1]', spec = 'null' WHERE name = 'operations/null'")
+    assert [r.name for r in reopened.in_states([QUEUED])] == ["operations/ok"]
+    assert "damaged (spec, labels unreadable)" in reopened.get("operations/null").error.message

@@ -247,6 +247,31 @@ def test_a_job_whose_supervision_fails_before_its_worker_ends_failed_not_stuck(t
     assert record.name not in jobs.supervisor.running
 
 
+def test_a_job_whose_scratch_the_disk_refuses_ends_out_of_disk(tmp_path, monkeypatch):
+    """ENOSPC making its scratch (or the store's own write of the result) ended the job INTERNAL, "an internal
+    error": the machine's disk, said as such."""
+    import errno
+
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    record = _queued(jobs)
+    real = type(tmp_path).mkdir
+
+    def full(self, *args, **kwargs):
+        if "attempt-" in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "mkdir", full)
+    running = jobs.supervisor.running[record.name] = _Running(Slot("cpu", "cpu"))
+    asyncio.run(jobs.supervisor._run(record, running))
+    final = jobs.get(record.name)
+    assert final.state == FAILED and (final.error.code, final.error.reason) == ("RESOURCE_EXHAUSTED", "OUT_OF_DISK")
+    assert str(tmp_path) not in final.error.message
+
+
 def test_a_result_that_arrived_before_the_time_budget_ran_out_is_the_jobs(tmp_path, monkeypatch):
     """The worker sent its result, then took past the budget to exit (its clean-up): the job ends with the
     result, not TIME_BUDGET_EXCEEDED with its artifacts deleted; a worker with no result by then still times out."""

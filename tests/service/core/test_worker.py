@@ -23,6 +23,7 @@ def test_a_worker_raising_a_plain_value_error_fails_internal_and_an_input_error_
     monkeypatch.setattr(worker, "die_with_parent", lambda pid: None)
     monkeypatch.setattr(os, "nice", lambda n: 0)
     monkeypatch.setattr(logs, "configure", lambda log_format: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what a cpu slot's worker sets: this process's, until the end
     jobs = service(tmp_path)
     codes = {}
     for i, err in enumerate((ValueError("secret path /srv/x"), CalibrationError("cal.npz: no images"))):
@@ -92,7 +93,9 @@ def test_a_gpu_slot_is_the_workers_only_visible_gpu(monkeypatch):
     assert visible_device("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert visible_device("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
-    assert visible_device("cpu") == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    # a cpu slot on a GPU node timed its ONNX Runtime sessions on GPU 0 (the default provider), beside slot cuda:0's
+    # job and without the machine's latency lock: it sees no GPU now
+    assert visible_device("cpu") == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def _closes_then_exits(sender) -> None:
@@ -198,3 +201,19 @@ def test_a_jobs_error_names_its_inputs_as_the_client_gave_them(tmp_path, monkeyp
     [(kind, error)] = sent
     assert kind == "error" and error.code == "INVALID_ARGUMENT"
     assert error.message == "blob:sha256:0a1b/broken.pt2 is not a loadable torch.export program: File is not a zip file"
+
+
+def test_a_jobs_words_name_no_path_of_the_servers_home(tmp_path):
+    """A second job of one model read "dense statistics: cached curves /srv/osscar/curves/baa4....json": the home's
+    paths are the server's, as its scratch is."""
+    from service.core.worker import WorkerArgs, redact, server_paths
+
+    home = tmp_path / "home"
+    args = WorkerArgs("operations/1", {"model": str(tmp_path / "m.pt2")}, {"model": "my-model.pt2"}, str(home),
+                      str(home / "work" / "1" / "attempt-1"), "cpu", 1)
+    shown = server_paths(args)
+    said = redact(f"dense statistics: cached curves {home}/curves/baa4.json; model {tmp_path / 'm.pt2'}; "
+                  f"wrote {home}/work/1/attempt-1/out/model.onnx", shown)
+    assert said == ("dense statistics: cached curves the server's home/curves/baa4.json; model my-model.pt2; "
+                    "wrote the job's artifacts/model.onnx")
+    assert str(tmp_path) not in said

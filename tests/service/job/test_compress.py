@@ -467,6 +467,23 @@ def test_onnx_runtime_failing_in_evaluation_is_a_parity_failure(model_and_data, 
     assert {p.name for p in out.iterdir()} == {"report.json"}
 
 
+def test_onnx_runtime_killed_for_memory_is_the_hosts_memory_not_a_parity_failure(model_and_data, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """The subprocess killed (SIGKILL, the host's out-of-memory killer), even after running again in pieces: the job
+    ended PARITY_FAILED, "the export does not run in ONNX Runtime", a cause in the model that retrying cannot cure."""
+    from exporters import runtime
+
+    def killed(*args, **kwargs):
+        raise runtime.RuntimeKilled("ONNX Runtime's subprocess was killed (SIGKILL: most likely the host's "
+                                    "out-of-memory killer)")
+
+    monkeypatch.setattr(runtime, "_call", killed)
+    out = tmp_path / "out"
+    assert cli.main(_conv_args(model_and_data, out)) == 2
+    err = capsys.readouterr().err
+    assert "osscar: the job ran out of host memory in stage baseline" in err and "parity" not in err.lower()
+
+
 def test_a_model_the_exporter_cannot_trace_is_a_parity_failure_in_one_line(model_and_data, tmp_path, monkeypatch):
     """torch.onnx.export's errors (a data-dependent guard in a rotary update, an op without an ONNX function) ran to
     hundreds of lines of traceback out of the job: the dense model's export now ends it parity_failed, saying
@@ -558,6 +575,7 @@ def test_a_damaged_model_ends_accuracy_budget_exceeded_through_the_service(class
     monkeypatch.setattr(worker, "die_with_parent", lambda pid: None)
     monkeypatch.setattr(os, "nice", lambda n: 0)
     monkeypatch.setattr(logs, "configure", lambda log_format: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what a cpu slot's worker sets: this process's, until the end
     jobs = JobService(ServiceConfig(home=tmp_path / "home", devices=("cpu",)))
     jobs.open()
     spec = {"model": str(classifier / "classifier.pt2"), "calibration": str(classifier / "images.npz"),
@@ -777,6 +795,52 @@ def test_a_save_interrupted_in_an_earlier_jobs_out_leaves_no_report_of_files_gon
     assert not any((out / name).exists() for name in ("report.json", "report.html", "model.onnx"))
 
 
+def test_a_full_disk_while_saving_is_one_line_and_exit_2(model_and_data, tmp_path, monkeypatch, capsys):
+    import errno
+    import importlib
+
+    job_compress = importlib.import_module("service.job.compress")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "model.onnx"))
+
+    monkeypatch.setattr(job_compress, "_save", full)
+    assert cli.main(_conv_args(model_and_data, tmp_path / "out")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("osscar: the job ran out of disk space in stage save (no space left on the device);")
+
+
+def test_a_piece_the_disk_refuses_to_write_is_out_of_disk_not_a_parity_failure(model_and_data, tmp_path,
+                                                                                monkeypatch, capsys):
+    """ONNX Runtime's subprocess writes files (a graph's pieces): a write refused for space came back as a
+    RuntimeFailure, and the job ended PARITY_FAILED, "the export does not run in ONNX Runtime"."""
+    import errno
+
+    from exporters.runtime import RuntimeFailure
+    from service.job import kinds
+
+    def full(*args, **kwargs):
+        try:
+            raise OSError(errno.EFBIG, "File too large")
+        except OSError as err:
+            raise RuntimeFailure("ONNX Runtime failed: OSError: [Errno 27] File too large") from err
+
+    monkeypatch.setattr(kinds, "run_outputs", full)
+    assert cli.main(_conv_args(model_and_data, tmp_path / "out")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("osscar: the job ran out of disk space in stage baseline (a file grew past the size limit)")
+
+
+def test_a_cpu_slot_refuses_the_cuda_provider_before_pruning(model_and_data, tmp_path, monkeypatch, capsys):
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cli.main([*_conv_args(model_and_data, tmp_path / "out"), "--execution-provider", "cuda"]) == 2
+    assert "no GPU is visible to this job" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(model_and_data, tmp_path, monkeypatch):
     from compressor.transformer import offload
 
@@ -789,6 +853,38 @@ def test_a_host_that_cannot_hold_both_sessions_times_them_in_turn_and_warns(mode
     assert report["latency_samples"]["repeats"] == 4 and report["measured_speedup"] > 0
     (warned,) = [w for w in report["warnings"] if "one at a time" in w]
     assert "would need ~" in warned and "1.0 GiB available" in warned
+
+
+def test_a_host_that_cannot_hold_one_session_checks_evaluates_and_times_the_graphs_in_pieces(tmp_path, monkeypatch):
+    """A decoder whose one ONNX Runtime session the host cannot hold (here: none fits, pieces of 4 kB of weights)
+    is parity-checked, evaluated and timed in pieces, its decode step too, and the job is ok with what a
+    whole-graph job measures; no piece file is left behind."""
+    from exporters import fusion, runtime
+    from exporters import onnx as onnx_export
+    from tests.compressor.transformer.transformer_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    args = ["compress", str(tmp_path / "llama"), "--uniform-ratio", "0.5", "--calibration", str(tmp_path / "ids.npz"),
+            "--sequences", "8", "--sequence-length", "16", "--decode-step", "--refine-steps", "0", "--repeats", "3"]
+    assert cli.main([*args, "--out", str(tmp_path / "whole")]) == 0
+    monkeypatch.setattr(runtime, "SESSION_SHARE", 0.0)
+    monkeypatch.setattr(runtime, "PIECE_SHARE", 0.0)
+    monkeypatch.setattr(runtime, "MIN_PIECE_BYTES", 4_000)
+    for module in (onnx_export, fusion):  # weights beside the graphs, as a model this large has them
+        monkeypatch.setattr(module, "EXTERNAL_DATA_BYTES", 0)
+    assert cli.main([*args, "--out", str(tmp_path / "pieces")]) == 0
+    whole, pieced = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("whole", "pieces"))
+    assert pieced["status"] == "ok" and (out := tmp_path / "pieces" / "decode.onnx").is_file()
+    assert whole["latency_samples"]["pieces"] == 0 and pieced["latency_samples"]["pieces"] > 4
+    assert pieced["latency_samples"]["sessions_at_once"] == 2 and pieced["measured_speedup"] > 0
+    (said,) = [w for w in pieced["warnings"] if "in pieces" in w]  # once, not for every measurement
+    assert "pieces of at most" in said
+    for key in ("baseline", "compressed"):  # the same models evaluated whole and in pieces
+        assert pieced["metric"][key] == pytest.approx(whole["metric"][key], rel=1e-5)
+    assert pieced["widths"] == whole["widths"] and out.stat().st_size > 0
+    assert (tmp_path / "pieces" / "model.onnx.data").is_file()
+    assert not [p for p in tmp_path.rglob("*") if ".piece" in p.name]
 
 
 def test_removed_blocks_leave_the_graph_before_its_channels_are_pruned(model_and_data, tmp_path, capsys):

@@ -229,13 +229,19 @@ class _Cut(grpc.RpcError):
         return "connection reset"
 
 
-def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path, capsys):
-    op = server.wait_done(server.compression.Compress(tiny_request(data), timeout=30).name)
-    artifact = next(a for a in unpack_metadata(op).artifacts if a.name == "model.onnx")
-    client = RemoteCompressor(server.address)
-    real, offsets = client.stub.DownloadArtifact, []
+class _StoppedServer(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.CANCELLED
 
-    def cut_once(request, **kwargs):  # the first stream drops after half of its first chunk
+    def details(self):
+        return "CANCELLED"
+
+
+def _cut_once(real, offsets: list[int], error: grpc.RpcError):
+    """A DownloadArtifact stub whose first stream drops with `error` after half of its first chunk (each call's
+    offset recorded in `offsets`; a call with one recorded before runs whole)."""
+
+    def stub(request, **kwargs):
         offsets.append(request.offset)
         stream = real(request, **kwargs)
         if len(offsets) > 1:
@@ -245,8 +251,33 @@ def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path
         chunk.data = chunk.data[:len(chunk.data) // 2]
         yield chunk
         stream.cancel()
-        raise _Cut()
+        raise error
 
+    return stub
+
+
+def test_a_download_cut_by_a_stopping_server_resumes(server, data, tmp_path, capsys):
+    """A server stopping with a download in flight (a restart's grace running out) ends its stream CANCELLED: the
+    client gave up with "downloading its artifacts failed (CANCELLED)" and exit 2 although the job had succeeded."""
+    op = server.wait_done(server.compression.Compress(tiny_request(data), timeout=30).name)
+    artifact = next(a for a in unpack_metadata(op).artifacts if a.name == "model.onnx")
+    client = RemoteCompressor(server.address)
+    real, offsets = client.stub.DownloadArtifact, []
+
+    client.stub.DownloadArtifact = _cut_once(real, offsets, _StoppedServer())
+    assert sha256(client.download(op.name, artifact, tmp_path)) == artifact.sha256
+    assert offsets[0] == 0 and 0 < offsets[1] < artifact.size_bytes
+    assert "download interrupted at" in capsys.readouterr().err
+    client.close()
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(server, data, tmp_path, capsys):
+    op = server.wait_done(server.compression.Compress(tiny_request(data), timeout=30).name)
+    artifact = next(a for a in unpack_metadata(op).artifacts if a.name == "model.onnx")
+    client = RemoteCompressor(server.address)
+    real, offsets = client.stub.DownloadArtifact, []
+
+    cut_once = _cut_once(real, offsets, _Cut())
     client.stub.DownloadArtifact = cut_once
     assert sha256(client.download(op.name, artifact, tmp_path)) == artifact.sha256
     assert offsets[0] == 0 and 0 < offsets[1] < artifact.size_bytes  # resumed, not fetched again
