@@ -246,7 +246,7 @@ def _pieces_of(model: Any, path: Path, batches: list[Batch], provider: str, thre
     read_later = [{n for later in plan[k + 1:] for n in later.inputs} for k in range(len(plan))]
     reduced: list[Any] = [None] * len(batches)
     written: dict[int, Path] = {}
-    log.info("running %s in %d pieces of at most %.0f MiB of weights", path, len(plan), piece_bytes / 2**20)
+    log.info("running %s in %d pieces of at most %s of weights", path, len(plan), _size(piece_bytes))
     try:
         for k, (piece, file) in enumerate(cut.iter_pieces(model, plan, path, carrier.values[0], written)):
 
@@ -383,8 +383,8 @@ def _after_kill(err: RuntimeKilled, provider: str, piece_bytes: int | None, exte
     smaller = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available_memory() / SESSION_BYTES_PER_FILE_BYTE))
     if provider != "cpu" or (piece_bytes is not None and piece_bytes <= smaller) or not external:
         raise err  # nothing smaller to try: pieces of an embedded graph hold it twice while they are cut
-    log.warning("%s; running it again in pieces of at most %.0f MiB of weights, one session at a time", err,
-                smaller / 2**20)
+    log.warning("%s; running it again in pieces of at most %s of weights, one session at a time", err,
+                _size(smaller))
     return smaller
 
 
@@ -550,7 +550,11 @@ def piece_budget(paths: tuple[str | Path, ...], provider: str = "cpu") -> tuple[
         return None, None
     budget = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available / SESSION_BYTES_PER_FILE_BYTE))
     return budget, (f"one ONNX Runtime session would need ~{needed / 2**30:.1f} GiB of the host's "
-                    f"{available / 2**30:.1f} GiB available; pieces of at most {budget / 2**20:.0f} MiB of weights")
+                    f"{available / 2**30:.1f} GiB available; pieces of at most {_size(budget)} of weights")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def _piece_pair(paths: list[str | None], pieces: list[Any], carriers: list[Any], provider: str, threads: int,
@@ -759,7 +763,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
     if piece_bytes is None and together is None:
         piece_bytes, pieced = piece_budget((baseline, compressed), provider)
     elif piece_bytes is not None:
-        pieced = f"asked to run in pieces of at most {piece_bytes / 2**20:.1f} MiB of weights"
+        pieced = f"asked to run in pieces of at most {_size(piece_bytes)} of weights"
     if piece_bytes is None and together is None:
         fits, needed, available = sessions_fit(baseline, compressed, provider)
         if not fits:
@@ -781,7 +785,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
         except RuntimeKilled as err:
             piece_bytes = _after_kill(err, provider, piece_bytes,
                                       all(len(files_of(p)) > 1 for p in (baseline, compressed)))
-            why, pieced = None, f"{err}; timed again in pieces of at most {piece_bytes / 2**20:.0f} MiB of weights"
+            why, pieced = None, f"{err}; timed again in pieces of at most {_size(piece_bytes)} of weights"
             *times, runs, counts = _call(_pieces_worker, *args, piece_bytes)
         took = time.perf_counter() - start
 

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -162,7 +163,8 @@ def _run_local(args: argparse.Namespace, options: dict[str, Any], given: dict[st
 
     progress = JobProgress(sys.stderr)
     current = {"stage": "loading"}
-    if (options.get("device") or "").startswith("cuda:") and int(options["device"][5:]) < _gpus_seen():
+    device = options.get("device") or ""
+    if re.fullmatch(r"cuda:\d{1,2}", device) and int(device[5:]) < _gpus_seen():  # else the request's check says
         from ..core.worker import visible_device
 
         # ONNX Runtime's CUDA provider takes device 0: `--device cuda:1` pruned on GPU 1 and timed on GPU 0 (a GPU

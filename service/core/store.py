@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import hashlib
 import json
 import logging
@@ -304,6 +305,22 @@ class JobStore:
         self.db.execute("DELETE FROM uploads WHERE last_used < ?", (cutoff,))
         return [(r[0], r[1]) for r in rows]
 
+    def _set_aside(self, values: dict[str, Any], damaged: list[str]) -> None:
+        """Replace a row's unreadable columns with empty values, once (stored: the next read is clean). A finished
+        job whose outcome still reads (only its labels or progress lost) keeps it; any other job is FAILED, as
+        nothing can run or report it."""
+        keeps = values["state"] in FINISHED and set(damaged) <= {"labels", "progress"}
+        if not keeps:
+            values.update(state=FAILED, error=JobError.of(
+                "internal", f"the job's record in the store is damaged ({', '.join(damaged)} unreadable)"))
+            values["end_time"] = values["end_time"] or time.time()
+        log.error("operation %s: its stored %s cannot be read; %s", values["name"], ", ".join(damaged),
+                  "emptied" if keeps else "it is marked FAILED")
+        fields = {column: values[column] for column in {*damaged, "state", "error", "end_time"}}
+        sets = ", ".join(f"{c} = ?" for c in fields)
+        self.db.execute(f"UPDATE operations SET {sets} WHERE name = ?",
+                        [*(_encode(c, v) for c, v in fields.items()), values["name"]])
+
     def _record(self, row: sqlite3.Row) -> JobRecord:
         values: dict[str, Any] = {}
         damaged = []
@@ -318,15 +335,9 @@ class JobStore:
                         values[column] = JobError.from_dict(values[column])
                 except (ValueError, TypeError, KeyError, AttributeError):
                     damaged.append(column)
-                    values[column] = _EMPTY[column]
+                    values[column] = copy.copy(_EMPTY[column])
         if damaged:  # one bad row must not stop the server's start, nor every listing that reaches it
-            values.update(state=FAILED, error=JobError.of("internal", f"the job's record in the store is damaged "
-                                                                      f"({', '.join(damaged)} unreadable)"))
-            log.error("operation %s: its stored %s cannot be read; it is marked FAILED", row["name"],
-                      ", ".join(damaged))
-            self.db.execute("UPDATE operations SET state = ?, error = ?, end_time = COALESCE(end_time, ?) "
-                            "WHERE name = ?", (FAILED, _encode("error", values["error"]), time.time(), row["name"]))
-            values["end_time"] = values["end_time"] or time.time()
+            self._set_aside(values, damaged)
         record = JobRecord(**values)
         record.artifacts = [ArtifactRecord(r["name"], r["sha256"], r["size_bytes"], r["media_type"]) for r in
                             self.db.execute("SELECT * FROM artifacts WHERE operation = ? ORDER BY name",

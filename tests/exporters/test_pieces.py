@@ -164,7 +164,7 @@ def test_latency_in_pieces_times_piece_k_of_both_side_by_side(decoder, monkeypat
     assert len(base) == len(comp) == 4 and min(base + comp) > 0
     monkeypatch.setattr(runtime, "_session", real)
     latency = measure_latency(decoder, decoder, _batches()[0], threads=1, repeats=4, piece_bytes=3_000)
-    assert latency.pieces == n and "pieces" in latency.in_pieces and latency.in_turn is None
+    assert latency.pieces == n and "pieces of at most 3 KiB" in latency.in_pieces and latency.in_turn is None
     assert latency.repeats == 4 and 0.5 < latency.speedup < 2  # one graph against itself
     assert not _leftovers(decoder)
 

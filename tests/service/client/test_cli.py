@@ -158,10 +158,11 @@ def test_a_local_job_on_a_later_gpu_sees_that_gpu_alone(tmp_path, monkeypatch):
     now sees GPU 1 alone, as device 0, as a server's slot does."""
     import os
 
+    import service.job
     from tests.compressor.cnn.conv_models import write_conv_job
     from tests.service.client.test_remote import compress_args
 
-    seen = {}
+    seen, unpatched = {}, service.job.compress
 
     def compress(request, progress=None, stage=None):
         seen.update(device=request.device, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -172,6 +173,11 @@ def test_a_local_job_on_a_later_gpu_sees_that_gpu_alone(tmp_path, monkeypatch):
     data = write_conv_job(tmp_path, size=32)
     assert cli.main([*compress_args(data, tmp_path / "out", 3), "--device", "cuda:1"]) == 130
     assert seen == {"device": "cuda:0", "visible": "1"}
+    # a device that is no device is the request's check to refuse (int() raised a traceback before it)
+    monkeypatch.setattr("service.job.compress", unpatched)
+    for bad in ("cuda:abc", "cuda:", "cuda:-1"):
+        assert cli.main([*compress_args(data, tmp_path / "out", 3), "--device", bad]) == 2
+    monkeypatch.setattr("service.job.compress", compress)
     # GPUs hidden on purpose stay hidden, and one that is not there stays as asked (the job names it)
     for hidden, asked in (("", "cuda:0"), ("0,1", "cuda:2")):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)

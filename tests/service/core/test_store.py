@@ -211,6 +211,15 @@ def test_a_damaged_row_is_failed_alone_and_the_rest_are_served(tmp_path):
         assert f"damaged ({column} unreadable)" in damaged.error.message
     reopened = JobStore(tmp_path / "jobs.sqlite")  # the mark is stored: the next start sees a failed job
     assert reopened.count(QUEUED) == 1 and reopened.count(RUNNING) == 0
+    # set aside once: the damaged columns are emptied, so a later read neither logs nor writes again
+    assert reopened.get("operations/running").progress == {}
+    stored = reopened.db.execute("SELECT progress FROM operations WHERE name = 'operations/running'").fetchone()[0]
+    assert stored == "{}"
+    # a finished job whose outcome still reads keeps it when only its labels or progress are lost
+    reopened.insert(record("operations/succeeded", 4.5, state=SUCCEEDED, report={"status": "ok"}))
+    reopened.db.execute("UPDATE operations SET labels = '{\"te' WHERE name = 'operations/succeeded'")
+    kept = reopened.get("operations/succeeded")
+    assert (kept.state, kept.error, kept.labels, kept.report) == (SUCCEEDED, None, {}, {"status": "ok"})
     # bytes that are not UTF-8 (sqlite raised inside fetchall()) and JSON of the wrong type are damage too
     reopened.insert(record("operations/bytes", 5.0))
     reopened.insert(record("operations/null", 6.0))
