@@ -214,6 +214,9 @@ def load_structure(path: str | Path):
     return onnx.load(str(path), load_external_data=False)
 
 
+EMBEDDED_BYTES = 1024  # an embedded initializer from this size on goes to the temporary external file
+
+
 @contextlib.contextmanager
 def structure(path: str | Path, tag: str = "") -> Iterator[tuple[Any, Path]]:
     """The graph without its weights' bytes, and the file its pieces are written beside. A graph that embeds its
@@ -241,16 +244,12 @@ def structure(path: str | Path, tag: str = "") -> Iterator[tuple[Any, Path]]:
         remove([moved, data])
 
 
-EMBEDDED_BYTES = 1024  # an embedded initializer from this size on goes to the temporary external file
 
-
-def iter_pieces(model, pieces: list[Piece], source: str | Path, first: dict[str, np.ndarray],
-                written: dict[int, Path], tag: str = "") -> Iterator[tuple[Piece, Path]]:
-    """Each piece with its file, written on first use (typed from `first`, the values at hand for batch 0) and
-    kept in `written` for the caller to remove (before it is written: a write the disk refuses half-way leaves
-    nothing behind)."""
-    for index, piece in enumerate(pieces):
-        if index not in written:
-            written[index] = piece_path(source, index, tag)
-            write_piece(model, piece, written[index], first)
-        yield piece, written[index]
+def piece_file(model, pieces: list[Piece], index: int, source: str | Path, first: dict[str, np.ndarray],
+               written: dict[int, Path], tag: str = "") -> Path:
+    """Piece `index`'s file, written on first use (typed from `first`, the values at hand for batch 0) and kept in
+    `written` for the caller to remove (before it is written: a write the disk refuses half-way leaves nothing)."""
+    if index not in written:
+        written[index] = piece_path(source, index, tag)
+        write_piece(model, pieces[index], written[index], first)
+    return written[index]

@@ -248,7 +248,8 @@ def _pieces_of(model: Any, path: Path, batches: list[Batch], provider: str, thre
     written: dict[int, Path] = {}
     log.info("running %s in %d pieces of at most %s of weights", path, len(plan), _size(piece_bytes))
     try:
-        for k, (piece, file) in enumerate(cut.iter_pieces(model, plan, path, carrier.values[0], written)):
+        for k, piece in enumerate(plan):
+            file = cut.piece_file(model, plan, k, path, carrier.values[0], written)
 
             def reduced_now(b: int, values: dict[str, np.ndarray], later: set[str] = read_later[k]) -> None:
                 output = values[first] if first in later else values.pop(first)
@@ -371,17 +372,17 @@ def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu"
     try:
         return _call(_outputs_worker, str(path), batches, provider, threads, reduce, piece_bytes)
     except RuntimeKilled as err:
-        smaller = _after_kill(err, provider, piece_bytes, len(files_of(path)) > 1)
+        smaller = _after_kill(err, provider, piece_bytes, (path,))
         return _call(_outputs_worker, str(path), batches, provider, threads, reduce, smaller)
 
 
-def _after_kill(err: RuntimeKilled, provider: str, piece_bytes: int | None, external: bool) -> int:
-    """The pieces to run in once more after the subprocess was killed for the host's memory (the pieces this host
-    allows now, if smaller than what was killed), or `err` again where there is nothing smaller to try."""
+def _after_kill(err: RuntimeKilled, provider: str, piece_bytes: int | None, paths: tuple[str | Path, ...]) -> int:
+    """The pieces to run `paths` in once more after the subprocess was killed for the host's memory (the pieces this
+    host allows now, if smaller than what was killed), or `err` again where there is nothing smaller to try."""
     from compressor.transformer.offload import available_memory
 
-    smaller = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available_memory() / SESSION_BYTES_PER_FILE_BYTE))
-    if provider != "cpu" or (piece_bytes is not None and piece_bytes <= smaller) or not external:
+    smaller = _host_piece_bytes(available_memory())
+    if provider != "cpu" or (piece_bytes is not None and piece_bytes <= smaller) or not external_weights(paths):
         raise err  # nothing smaller to try: pieces of an embedded graph hold it twice while they are cut
     log.warning("%s; running it again in pieces of at most %s of weights, one session at a time", err,
                 _size(smaller))
@@ -540,7 +541,7 @@ def piece_budget(paths: tuple[str | Path, ...], provider: str = "cpu") -> tuple[
     """The weight bytes a piece of each of `paths` may hold on this host and why, or (None, None) when every one
     of their sessions fits whole. A CUDA session lives in the device's memory: never in pieces there; nor a graph
     that embeds its weights (under 2 GB), whose load alone holds them twice (`pieces.structure`)."""
-    if provider != "cpu" or not all(len(files_of(p)) > 1 for p in paths):
+    if provider != "cpu" or not external_weights(paths):
         return None, None
     from compressor.transformer.offload import available_memory
 
@@ -548,9 +549,19 @@ def piece_budget(paths: tuple[str | Path, ...], provider: str = "cpu") -> tuple[
     needed = max(session_bytes(p) for p in paths)
     if needed <= SESSION_SHARE * available:
         return None, None
-    budget = max(MIN_PIECE_BYTES, int(PIECE_SHARE * available / SESSION_BYTES_PER_FILE_BYTE))
+    budget = _host_piece_bytes(available)
     return budget, (f"one ONNX Runtime session would need ~{needed / 2**30:.1f} GiB of the host's "
                     f"{available / 2**30:.1f} GiB available; pieces of at most {_size(budget)} of weights")
+
+
+def external_weights(paths: tuple[str | Path, ...]) -> bool:
+    """Whether every one of `paths` keeps its weights in `<name>.data` (an export of 2 GB and more)."""
+    return all(len(files_of(p)) > 1 for p in paths)
+
+
+def _host_piece_bytes(available: int) -> int:
+    """A piece's weights on a host with `available` bytes free."""
+    return max(MIN_PIECE_BYTES, int(PIECE_SHARE * available / SESSION_BYTES_PER_FILE_BYTE))
 
 
 def _size(n: int) -> str:
@@ -622,10 +633,8 @@ def _paired_pieces(models: tuple[Any, Any], sources: tuple[Path, Path], feed: di
             for k in range(2):
                 if index < len(plans[k]):
                     pieces[k] = plans[k][index]
-                    if index not in written[k]:
-                        written[k][index] = cut.piece_path(sources[k], index, f"m{k}")  # removed if half-written
-                        cut.write_piece(models[k], pieces[k], written[k][index], carriers[k].values[0])
-                    paths[k] = str(written[k][index])
+                    paths[k] = str(cut.piece_file(models[k], plans[k], index, sources[k], carriers[k].values[0],
+                                                  written[k], f"m{k}"))
             runs = max(runs, _piece_pair(paths, pieces, carriers, provider, threads, warmup, totals))
             gc.collect()
     finally:
@@ -760,16 +769,15 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
     threads = threads or default_threads()
     bind = provider == "cuda" if io_binding is None else io_binding
     why = pieced = None
-    if piece_bytes is None and together is None:
-        piece_bytes, pieced = piece_budget((baseline, compressed), provider)
-    elif piece_bytes is not None:
+    if piece_bytes is not None:
         pieced = f"asked to run in pieces of at most {_size(piece_bytes)} of weights"
-    if piece_bytes is None and together is None:
-        fits, needed, available = sessions_fit(baseline, compressed, provider)
+    elif together is None:
+        piece_bytes, pieced = piece_budget((baseline, compressed), provider)
+        fits, needed, available = (True, 0, 0) if piece_bytes else sessions_fit(baseline, compressed, provider)
         if not fits:
             why = (f"the two ONNX Runtime sessions would need ~{needed / 2**30:.1f} GiB of the host's "
                    f"{available / 2**30:.1f} GiB available")
-    elif piece_bytes is None and not together:
+    elif not together:
         why = "asked to time one session at a time"
     if piece_bytes is not None and provider != "cpu":
         raise ValueError(f"only CPU sessions run in pieces (got provider {provider!r})")
@@ -783,8 +791,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
                 *times, runs = _call(_latency_worker if why is None else _in_turn_worker, *args)
                 counts = [0]
         except RuntimeKilled as err:
-            piece_bytes = _after_kill(err, provider, piece_bytes,
-                                      all(len(files_of(p)) > 1 for p in (baseline, compressed)))
+            piece_bytes = _after_kill(err, provider, piece_bytes, (baseline, compressed))
             why, pieced = None, f"{err}; timed again in pieces of at most {_size(piece_bytes)} of weights"
             *times, runs, counts = _call(_pieces_worker, *args, piece_bytes)
         took = time.perf_counter() - start
