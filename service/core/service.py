@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 MAX_LIST_TEXT = 2048  # filter and page_token characters
 DEFAULT_PAGE, MAX_PAGE = 50, 1000
 CANCEL_WAIT_S = 30.0  # CancelOperation answers once the worker is gone, or after this
+HEALTH_PROBE = "health.probe"  # the file `accepting` writes in the home
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class JobService:
         self.executor: Executor | None = None  # from `open`
         self._home_lock: int | None = None  # from `open`: the descriptor holding the home's lock
         self.draining = False
+        self._writable = True  # the home's last write probe (`_home_writable`), to log its changes once
         self._background: list[asyncio.Task] = []
         # uploads under way by (digest, file name): a failed one forgets the upload's row only when it is the
         # only one (two of one content and name at once share that row)
@@ -151,7 +153,30 @@ class JobService:
 
     @property
     def accepting(self) -> bool:
-        return not self.draining and self.store is not None and self.store.ping()
+        """Whether work is taken (the health check's SERVING): not draining, the store answers, and the home takes
+        a write (`_home_writable`)."""
+        return not self.draining and self.store is not None and self.store.ping() and self._home_writable()
+
+    def _home_writable(self) -> bool:
+        """Whether a file can be written in the home. A home remounted read-only, a full disk or permissions changed
+        under a running server still answer the store's SELECT, then refuse every job's write: a health check that
+        said SERVING kept sending it work that could only fail. Said in the log when it changes."""
+        try:
+            fd = os.open(self.home / HEALTH_PROBE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
+            writable, why = True, ""
+        except OSError as err:
+            writable, why = False, err.strerror or str(err)
+        if writable != self._writable:
+            if writable:
+                log.info("%s takes writes again: serving", self.home)
+            else:
+                log.error("%s cannot be written (%s): NOT_SERVING until it can", self.home, why)
+            self._writable = writable
+        return writable
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking work; give running jobs `grace_s` to finish, then stop them and leave them QUEUED

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -37,6 +38,9 @@ from .worker import WorkerArgs
 log = logging.getLogger(__name__)
 
 RESCHEDULE_S = 5.0  # the scheduler looks at the queue and the executor's slots at least this often
+# seconds between the tries of recording a job's end when the store refuses the write (a disk I/O error, a full disk
+# freed meanwhile): the worker's result is lost once the job is given up to `_unstick`, so it is tried again first
+CONCLUDE_RETRY_S = (1.0, 4.0, 16.0)
 
 
 @dataclass
@@ -246,7 +250,22 @@ class Supervisor:
                 with contextlib.suppress(Exception):  # what a re-run's budget starts from (the store may be down)
                     self.store.update(name, ran_s=record.ran_s + time.time() - started)
                 self._wake.set()
-        self.conclude(record, attempt, running.stop_reason, ended, outcome)
+        await self._conclude(record, attempt, running.stop_reason, ended, outcome)
+
+    async def _conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, ended: Ended,
+                        outcome: tuple[str, Any] | None) -> None:
+        """`conclude`, tried again after each of CONCLUDE_RETRY_S when the store refuses its write: an attempt
+        whose result is in must not end FAILED INTERNAL (`_unstick`, the last try's error) because the store
+        failed for a moment. `conclude` writes before it publishes, so a try that failed changed nothing."""
+        for delay in (*CONCLUDE_RETRY_S, None):
+            try:
+                self.conclude(record, attempt, stop_reason, ended, outcome)
+                return
+            except sqlite3.OperationalError as err:
+                if delay is None:
+                    raise
+                log.warning("recording the end of attempt %d failed (%s); trying again in %gs", attempt, err, delay)
+                await asyncio.sleep(delay)
 
     def conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, ended: Ended,
                  outcome: tuple[str, Any] | None) -> None:
@@ -342,7 +361,11 @@ class Supervisor:
         """Gauges from the store, the source of truth (a few ms; called on transitions only)."""
         if self.metrics is None:
             return
-        counts = self.store.counts()
+        try:
+            counts = self.store.counts()
+        except sqlite3.Error:  # a gauge is not worth a transition: the next transition's reading corrects it
+            log.warning("the job store did not answer the gauges' count", exc_info=True)
+            return
         for state in STATES:
             self.metrics.jobs.labels(state).set(counts.get(state, 0))
         self.metrics.queue_depth.set(len(self.queue))

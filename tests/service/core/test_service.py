@@ -1,7 +1,9 @@
 """The job service without a transport: retention and cancelling a queued job."""
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import pytest
 from google.rpc import code_pb2
@@ -71,6 +73,35 @@ def test_a_drained_service_still_reads_its_operations_until_closed(tmp_path):
     assert not jobs.accepting and jobs.get("operations/q").name == "operations/q"
     jobs.close()
     assert not jobs.store.ping()
+
+
+def test_a_home_that_takes_no_write_is_not_accepting(tmp_path, monkeypatch, caplog):
+    """A home that stopped taking writes under a running server (remounted read-only, a full disk) still answers the
+    store's read: the health check said SERVING and sent it work that could only fail. Now not accepting, said once
+    in the log, and accepting again once the home takes writes."""
+    import errno
+    import logging
+
+    from service.core import service as core
+
+    jobs = service(tmp_path)
+    assert jobs.accepting
+    real_open = os.open
+    refusing = [True]
+
+    def open_(path, flags, *args):
+        if refusing[0] and Path(path).name == core.HEALTH_PROBE:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(core.os, "open", open_)
+    with caplog.at_level(logging.INFO, logger="service.core.service"):
+        assert not jobs.accepting and not jobs.accepting and jobs.store.ping()
+        refusing[0] = False
+        assert jobs.accepting
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("cannot be written (Read-only file system)" in m for m in said) == 1
+    assert sum("takes writes again" in m for m in said) == 1
 
 
 def test_retention_removes_blobs_nothing_names_once_old(tmp_path):

@@ -230,6 +230,58 @@ def _queued(jobs: JobService, name: str = "operations/q", **fields) -> JobRecord
     return jobs.store.get(name)
 
 
+def test_a_result_whose_final_write_fails_for_a_moment_is_kept(tmp_path, monkeypatch):
+    """The store refuses the write of a finished job once (a disk I/O error): the end is recorded again and the job
+    SUCCEEDS with its artifact, instead of ending FAILED INTERNAL and losing the result its worker delivered. A store
+    that keeps refusing still ends in `_unstick` after the tries."""
+    import sqlite3
+
+    from service.core import supervisor as sup
+    from service.core.executor import Slot
+    from service.core.supervisor import _Running
+
+    jobs = service(tmp_path)
+    artifact = _artifact(jobs, b"a model")
+
+    class Attempt:
+        where = "here"
+
+        async def start(self):
+            pass
+
+        async def messages(self):
+            yield "done", {"report": REPORT, "artifacts": [artifact]}
+
+        def stop(self):
+            pass
+
+        async def end(self):
+            return Ended(0)
+
+    real_update = jobs.store.update
+
+    def update(name, artifacts=None, **fields):
+        if fields.get("state") in (SUCCEEDED, FAILED) and failures:
+            raise failures.pop()
+        return real_update(name, artifacts, **fields)
+
+    monkeypatch.setattr(jobs.executor, "attempt", lambda args, slot: Attempt())
+    monkeypatch.setattr(jobs.store, "update", update)
+    monkeypatch.setattr(sup, "CONCLUDE_RETRY_S", (0.01, 0.01))
+    for name, refusals, state in (("operations/once", 1, SUCCEEDED), ("operations/always", 3, FAILED)):
+        failures = [sqlite3.OperationalError("disk I/O error")] * refusals
+        record = _queued(jobs, name)
+        running = jobs.supervisor.running.setdefault(name, _Running(Slot("cpu", "cpu")))
+        asyncio.run(jobs.supervisor._run(record, running))
+        final = jobs.get(name)
+        assert final.state == state and not failures, name
+        if state == SUCCEEDED:
+            assert [a.sha256 for a in final.artifacts] == [artifact["sha256"]] and final.report is not None
+        else:  # three refusals: the tries are spent, `_unstick` ends it (its own write went through)
+            assert final.error.code == "INTERNAL"
+        assert name not in jobs.supervisor.running
+
+
 def test_a_job_whose_supervision_fails_before_its_worker_ends_failed_not_stuck(tmp_path):
     """No scratch directory can be made (here: a file where the work folder goes): the job ends FAILED INTERNAL
     and its slot is free, instead of staying QUEUED off the queue until a restart."""
