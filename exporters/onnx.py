@@ -608,9 +608,14 @@ def decode_step_names(layers: int) -> tuple[list[str], list[str]]:
 
 
 def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each cached layer's key and value after `ids`, as the decode step keeps them: every position, sliding-window
+    layers too (`_DecodeStep`'s cache has no window; their attention mask hides what lies outside it). The cache a
+    model builds from its config keeps only a sliding layer's last window, which is not what the graph takes."""
+    from transformers import DynamicCache
+
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
-    # a cache built from the config has a slot per layer; layers whose attention was removed fill none
+        cache = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
+    # the attentions left are numbered 0, 1, ... (`sublayers`): one cache layer each, none for a removed attention
     return [t for layer in cache.layers[:kv_layers(model)] for t in (layer.keys, layer.values)]
 
 
@@ -618,7 +623,10 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
                        opset: int = 18, max_length: int = 4096) -> Path:
     """Export a causal LM's decode step with past key/values: any batch, any number of new tokens, any past
     length from 0 (so one graph prefills a prompt from an empty cache and decodes token by token, as ONNX
-    Runtime GenAI runs it); the attention mask spans past and new tokens. Input and output names follow the
+    Runtime GenAI runs it); the attention mask spans past and new tokens. Sliding-window layers (Gemma 2 and 3, Qwen2's
+    upper layers) keep every position in their cache like the others, their mask restricting attention to the window:
+    the same logits as the model's own cache, which keeps only the window, with a cache that grows with the text.
+    Input and output names follow the
     optimum convention (past_key_values.N.key / present.N.value); N counts the layers that keep an attention
     (a removed one keeps no cache)."""
     layers = kv_layers(model)

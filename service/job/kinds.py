@@ -1021,10 +1021,6 @@ class TextJob(_TransformerJob):
         self.causal = self.loaded.causal
         # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
         self.classifier = self.loaded.output_name == "logits" and not self.causal
-        if request.decode_step and "sliding_attention" in (getattr(self.dense.config, "layer_types", None) or ()):
-            raise InputError(f"--decode-step: {self.dense.config.model_type}'s sliding-window layers keep a window "
-                             "of keys in their cache, which torch.export cannot trace with a dynamic past length "
-                             "yet; compress without --decode-step (model.onnx takes whole sequences)")
         self.draw = request.text_calibration(self.causal)
         limit = max_sequence(self.dense)
         if limit and self.draw.length > limit:  # a window past the position embeddings indexes out of their table
