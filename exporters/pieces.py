@@ -202,6 +202,15 @@ def remove(paths: Iterable[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_leftovers(sources: Iterable[str | Path], pid: int) -> None:
+    """The piece files process `pid` wrote beside `sources` (`piece_path`: its pieces, and the external copy of
+    embedded weights with its data), for a process killed before it could remove them itself."""
+    for source in map(Path, sources):
+        if source.is_file():
+            # its pieces (".model.piece0.<pid>.onnx") and those of the embedded weights moved out ("..model.piece...")
+            remove(source.parent.glob(f".*{source.stem}.piece*.{pid}.onnx*"))
+
+
 def graph_inputs(model) -> list[str]:
     initializers = {t.name for t in model.graph.initializer}
     return [v.name for v in model.graph.input if v.name not in initializers]

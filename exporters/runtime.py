@@ -239,6 +239,8 @@ def _pieces_of(model: Any, path: Path, batches: list[Batch], provider: str, thre
                piece_bytes: int) -> list[Any]:
     from . import pieces as cut
 
+    if not batches:  # as the whole graph answers
+        return []
     plan = cut.plan_pieces(model, piece_bytes)
     names = cut.graph_inputs(model)
     carrier = cut.Carrier([dict(b) if isinstance(b, dict) else dict(zip(names, b, strict=True)) for b in batches])
@@ -328,6 +330,10 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         if child.poll() is None:  # the caller was interrupted (Ctrl-C, a cancelled job): no orphan
             child.kill()
             child.wait()
+        if child.returncode < 0:  # killed: its pieces' files (a copy of embedded weights too) are left behind
+            from .pieces import remove_leftovers
+
+            remove_leftovers([a for a in args if isinstance(a, str | Path)], child.pid)
     if not answer and code == -signal.SIGKILL:
         raise RuntimeKilled("ONNX Runtime's subprocess was killed (SIGKILL: most likely the host's out-of-memory "
                             "killer)")
@@ -367,7 +373,7 @@ def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu"
     if piece_bytes is None:
         piece_bytes, why = piece_budget((path,), provider)
         if why:
-            log.info("%s: it runs in pieces, one session at a time", why)
+            log.info("%s: it runs in pieces of at most %s of weights, one session at a time", why, _size(piece_bytes))
     threads = threads or default_threads()
     try:
         return _call(_outputs_worker, str(path), batches, provider, threads, reduce, piece_bytes)
@@ -549,9 +555,8 @@ def piece_budget(paths: tuple[str | Path, ...], provider: str = "cpu") -> tuple[
     needed = max(session_bytes(p) for p in paths)
     if needed <= SESSION_SHARE * available:
         return None, None
-    budget = _host_piece_bytes(available)
-    return budget, (f"one ONNX Runtime session would need ~{needed / 2**30:.1f} GiB of the host's "
-                    f"{available / 2**30:.1f} GiB available; pieces of at most {_size(budget)} of weights")
+    return _host_piece_bytes(available), (f"one ONNX Runtime session would need ~{needed / 2**30:.1f} GiB of the "
+                                          f"host's {available / 2**30:.1f} GiB available")
 
 
 def external_weights(paths: tuple[str | Path, ...]) -> bool:
@@ -562,6 +567,11 @@ def external_weights(paths: tuple[str | Path, ...]) -> bool:
 def _host_piece_bytes(available: int) -> int:
     """A piece's weights on a host with `available` bytes free."""
     return max(MIN_PIECE_BYTES, int(PIECE_SHARE * available / SESSION_BYTES_PER_FILE_BYTE))
+
+
+def _pair_pieces(piece_bytes: int) -> str:
+    """What a pair's pieces hold: half the budget each, as `_paired_pieces` cuts them (two sessions at a time)."""
+    return f"at most {_size(max(1, piece_bytes // 2))} of weights per graph, two sessions at a time"
 
 
 def _size(n: int) -> str:
@@ -620,7 +630,7 @@ def _paired_pieces(models: tuple[Any, Any], sources: tuple[Path, Path], feed: di
                    piece_bytes: int) -> tuple[Any, ...]:
     from . import pieces as cut
 
-    plans = [cut.plan_pieces(m, max(1, piece_bytes // 2)) for m in models]
+    plans = [cut.plan_pieces(m, max(1, piece_bytes // 2)) for m in models]  # `_pair_pieces` says so
     samples = repeats if seconds is None else min(repeats, MIN_REPEATS)
     totals: list[list[float]] = [[0.0] * samples, [0.0] * samples]
     carriers = [cut.Carrier([dict(feed)]), cut.Carrier([dict(feed)])]
@@ -770,9 +780,11 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
     bind = provider == "cuda" if io_binding is None else io_binding
     why = pieced = None
     if piece_bytes is not None:
-        pieced = f"asked to run in pieces of at most {_size(piece_bytes)} of weights"
+        pieced = f"asked to run in pieces ({_pair_pieces(piece_bytes)})"
     elif together is None:
         piece_bytes, pieced = piece_budget((baseline, compressed), provider)
+        if pieced:
+            pieced = f"{pieced}; {_pair_pieces(piece_bytes)}"
         fits, needed, available = (True, 0, 0) if piece_bytes else sessions_fit(baseline, compressed, provider)
         if not fits:
             why = (f"the two ONNX Runtime sessions would need ~{needed / 2**30:.1f} GiB of the host's "
@@ -792,7 +804,7 @@ def measure_latency(baseline: str | Path, compressed: str | Path, feed: dict[str
                 counts = [0]
         except RuntimeKilled as err:
             piece_bytes = _after_kill(err, provider, piece_bytes, (baseline, compressed))
-            why, pieced = None, f"{err}; timed again in pieces of at most {_size(piece_bytes)} of weights"
+            why, pieced = None, f"{err}; timed again in pieces ({_pair_pieces(piece_bytes)})"
             *times, runs, counts = _call(_pieces_worker, *args, piece_bytes)
         took = time.perf_counter() - start
 

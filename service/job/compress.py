@@ -263,8 +263,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
             if latency.in_pieces and not pieced:
                 pieced.append(latency.in_pieces)
                 say(warning(f"ONNX Runtime ran each graph in pieces ({latency.in_pieces}): a latency is the sum of "
-                            "its pieces', each timed beside the other graph's piece of the same index; the graphs' "
-                            "outputs are checked and evaluated that way too"))
+                            "its pieces', each timed beside the other graph's piece of the same index; a graph whose "
+                            "one session the host cannot hold is checked and evaluated in pieces too"))
             return parity, latency
 
         round_seconds: list[float] = []  # each finished round's wall time: what the next one is expected to take
@@ -404,7 +404,8 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                                       for i, r in enumerate(rounds)})
         if decode is not None:
             # decode.onnx, its external weights over 2 GB, and what ONNX Runtime GenAI reads beside it
-            moved = sorted(path.name for path in decode.parent.iterdir())
+            # (not the hidden files of an ONNX Runtime subprocess killed while it ran the graph in pieces)
+            moved = sorted(path.name for path in decode.parent.iterdir() if not path.name.startswith("."))
             for name in moved:
                 follow_umask(decode.parent / name)
                 os.replace(decode.parent / name, out / name)

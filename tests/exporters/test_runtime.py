@@ -363,6 +363,30 @@ def test_a_subprocess_killed_from_outside_is_not_a_runtime_failure():
     assert not isinstance(raised.value, RuntimeFailure)
 
 
+def _killed_in_pieces(path: str) -> None:
+    """A subprocess killed while it runs `path` in pieces: its embedded weights moved out, its first piece written."""
+    import os
+    import signal
+
+    from exporters import pieces as cut
+
+    with cut.structure(path) as (model, source):
+        plan = cut.plan_pieces(model, 1)
+        cut.piece_file(model, plan, 0, source, {"x": np.ones((2, 64), np.float32)}, {})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_subprocess_killed_in_pieces_leaves_no_piece_file(tmp_path):
+    """Killed (the host's out-of-memory killer), the subprocess removes nothing itself: its pieces and the copy of the
+    graph's embedded weights stayed beside the graph, and a decode step's folder moved them into the job's output."""
+    from exporters.runtime import RuntimeKilled, _call
+
+    _matmul_model(tmp_path / "a.onnx", 64)  # 16 KiB of embedded weights: moved to a file of their own to be cut
+    with pytest.raises(RuntimeKilled):
+        _call(_killed_in_pieces, str(tmp_path / "a.onnx"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx"]
+
+
 def test_a_run_killed_for_memory_runs_again_in_pieces(tmp_path, monkeypatch):
     from exporters import runtime
 
