@@ -516,10 +516,12 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
         if at_minimum_widths(curves, plan):
             say(warning(f"{label} {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
                         f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss"))
+        # the latency model's speedup for these widths (the aim, AIM_AT x target, was reported in its place)
+        predicted = base_speedup / (1 - min(share * saved, 0.95))
         if first is not None and index == first_round and solved is not None:
-            result = run_round(plan, index, AIM_AT * target, solved)
+            result = run_round(plan, index, predicted, solved)
         else:
-            result = run_round(plan, index, AIM_AT * target)
+            result = run_round(plan, index, predicted)
         result.probes = [p for _, p in probes]
         rounds.append(result)
         record(saved, result.latency.speedup)
@@ -716,13 +718,24 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
             say(f"depth: every round with {len(tried[-1].blocks)} blocks removed was below the accuracy budget; "
                 f"re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
         tried.append(option)
-        job.depth = plan.to_dict(tried, trials)
+        # an option is reported tried once a round of it ran (a time budget can stop the job before its first)
+        job.depth = plan.to_dict(tried if len(tried) == 1 else tried[:-1], trials)
+        start = len(rounds)
         trial = by_option.get(id(option))
         first: Widths | None = None
         first_latency: Latency | None = None
         solved: Solved | None = None
+        base = option.depth_speedup
         if trial is None:
             kept, known = _without(job, option, curves, request, say, version), []
+            if not option.measured and option.blocks and 1 - 1 / base >= DEPTH_PROBE_MIN:
+                # a re-planned option was only modelled: its 1.395x measured 1.291x, and the loop took the blocks
+                # for the aim, planned dense widths and stopped short with rounds left (or, taking the widths' part
+                # for nothing, pruned 20x too much); the widths' rounds build on what the shallower graph measures
+                enter("allocate", len(rounds))
+                base = measure.probe_model(job.without(option.blocks), len(rounds)).speedup
+                say(f"depth: {len(option.blocks)} units removed measured {base:.3f}x (modelled "
+                    f"{option.depth_speedup:.3f}x)")
         else:  # the trial's measurements seed the loop; inside the window its widths (and solves, where the kind
             job.remove(option.blocks)  # keeps them) are the first round's, fitted
             kept, widths = trial.curves, trial.round.plan
@@ -731,9 +744,13 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
             if _in_window(trial, request):
                 first, first_latency = widths, trial.round.latency
                 solved = None if trial.round.module is None else (trial.round.module, trial.round.layers)
-        target_loop(replace(request, max_rounds=left), kept, measure.run_round, job.metric, baseline_metric, say,
-                    enter, probe=measure.probe, base_speedup=option.depth_speedup, first_round=len(rounds),
-                    first=first, known=known, solved=solved, retime=measure.retime, first_latency=first_latency)
+        try:
+            target_loop(replace(request, max_rounds=left), kept, measure.run_round, job.metric, baseline_metric, say,
+                        enter, probe=measure.probe, base_speedup=base, first_round=len(rounds),
+                        first=first, known=known, solved=solved, retime=measure.retime, first_latency=first_latency)
+        finally:
+            if len(rounds) > start:
+                job.depth = plan.to_dict(tried, trials)
         # backing off lowers the widths' speedup, never the depth's: a round within the budget ends the options, and
         # without one the next option (other blocks, or fewer) is tried as without --back-off
         if rule is None or any(rule.allows(baseline_metric, r.metric) for r in rounds):

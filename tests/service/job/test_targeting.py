@@ -765,6 +765,76 @@ def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned(back_off):
     assert chosen is rounds[1] and status == "ok"
 
 
+def test_a_replanned_option_that_was_only_modelled_is_measured_before_its_rounds():
+    """The re-planned option's speedup was modelled (1.6x: past the aim, so its rounds planned dense widths and the
+    loop stopped short); its shallower graph is probed first (1.2x) and its rounds narrow widths for the rest. An
+    option whose round never ran (the rounds ran out) is not reported tried."""
+    from types import SimpleNamespace
+
+    from compressor.allocation import DepthOption
+    from service.job.targeting import DepthPlan, Measure, Round, depth_and_width
+
+    curves = [LayerCurve(f"b{i}.conv", "ffn_neurons", list(range(64, 0, -8)),
+                         [0.01 * (1 - w / 64) for w in range(64, 0, -8)], cost=1.0) for i in range(3)]
+
+    class Job:
+        metric = Metric("top1", True)
+        depth = None
+
+        def __init__(self):
+            self.removed, self.analysis, self.without_calls = [], None, []
+
+        def remove(self, blocks):
+            self.removed.append(tuple(blocks))
+            self.analysis = SimpleNamespace(units=[SimpleNamespace(name=c.name) for c in curves
+                                                   if not any(c.name.startswith(f"{b}.") for b in blocks)])
+
+        def without(self, blocks):
+            self.without_calls.append(tuple(blocks))
+            return "shallow"
+
+    job, rounds, lines = Job(), [], []
+
+    def run_round(plan, index, predicted=None):
+        kept = [c for c in curves if c.name in plan]
+        saved = 1 - total_cost(kept, plan) / total_cost(kept)
+        depth = 1.2 if job.removed[-1] else 1.0
+        speedup = depth / (1 - 0.8 * saved)
+        latency = Latency(100.0, 100 / speedup, 101.0, 101 / speedup, speedup, "cpu", 2, "test", 5)
+        top1 = 0.85 if job.removed[-1] else 0.5  # budget: at most 10 points below 0.92
+        rounds.append(Round(plan, None, [], None, None, latency, top1, predicted))
+        return rounds[-1]
+
+    def probe_model(module, index):
+        assert module == "shallow"
+        return Latency(100.0, 100 / 1.2, 101.0, 101 / 1.2, 1.2, "cpu", 2, "test", 5)
+
+    none = DepthOption((), 0.0, 1.0, 0.3, 0.2)
+    one = DepthOption(("b0",), 0.1, 1.6, 0.0, 0.0, measured=False)  # modelled past the aim (1.03 x 1.5)
+    plan = DepthPlan(none, [none, one], aim=1.5, share=0.85)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0)
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
+                    Measure(run_round, lambda p, i: None, probe_model), "test")
+    assert job.without_calls == [("b0",)] and any("1 units removed measured 1.200x (modelled 1.600x)" in line
+                                                  for line in lines)
+    assert job.removed == [(), ("b0",)] and len(rounds) >= 2
+    narrowed = rounds[1].plan
+    assert any(w < 64 for w in narrowed.values())  # the widths remove what the blocks did not
+    assert choose(request, rounds, Job.metric, 0.92)[1] == "ok" and job.depth["tried"] == [0, 1]
+
+    job, rounds, lines = Job(), [], []
+
+    def out_of_time(plan, index, predicted=None):  # as the time budget stops a round before it starts
+        if job.removed[-1]:
+            raise TimeoutError("round not started")
+        return run_round(plan, index, predicted)
+
+    with pytest.raises(TimeoutError):
+        depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
+                        Measure(out_of_time, lambda p, i: None, probe_model), "test")
+    assert len(rounds) == 1 and job.depth["tried"] == [0]
+
+
 class TrialJob:
     """A conv graph's job for depth_and_width: b0..b2 own the layers b<i>.conv; `remove` records each structure."""
 
