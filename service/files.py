@@ -94,7 +94,7 @@ def write_text_atomically(path: Path, text: str) -> None:
 # what a job writes into its --out (service.job.compress, the model kinds' `save`; a server's artifacts, `model/` as
 # `model.tar`): what a Ctrl-C takes back and what a remote job's download replaces
 JOB_OUTPUTS = ("model.onnx", "model.onnx.data", "decode.onnx", "decode.onnx.data", "genai_config.json", "model.pt2",
-               "model", "report.json", "report.html")
+               "model", "report.json", "report.html", "manifest.json")  # manifest.json: a remote job's
 # those a remote job's download clears when its operation does not return them: not the pruned model itself (an
 # earlier job's model.pt2 or model/ may be this job's input: `compress out/model.pt2 --out out`)
 JOB_EXPORTS = tuple(name for name in JOB_OUTPUTS if name not in ("model.pt2", "model"))
@@ -111,6 +111,27 @@ def touches(path: Path, inputs: Sequence[object]) -> bool:
         if i == path or path in i.parents or i in path.parents:
             return True
     return False
+
+
+def earlier_model(out: Path) -> bool:
+    """Whether an earlier job's report.json in `out` names `out/model` as its pruned model: a job replaces that
+    folder whole, and any other one is the user's."""
+    try:
+        report = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    artifacts = report.get("artifacts") if isinstance(report, dict) else None
+    return isinstance(artifacts, dict) and str(artifacts.get("model", "")).rstrip("/") == "model"
+
+
+def foreign_model(out: Path, inputs: Sequence[object] = ()) -> str | None:
+    """Why a job may not replace `out/model`, or None: a folder that is no earlier job's pruned model
+    (`earlier_model`) nor one of the job's `inputs` (which a job reads, never removes)."""
+    model = out / "model"
+    if model.is_dir() and not model.is_symlink() and not touches(model, inputs) and not earlier_model(out):
+        return (f"--out {out}: its model/ folder is no earlier job's (no report.json there names it), and a job "
+                "replaces that folder whole; move it or choose another --out")
+    return None
 
 
 def earlier_job_files(out: Path) -> list[str]:

@@ -113,7 +113,8 @@ def remote_compress(args: argparse.Namespace) -> int:
     try:
         if args.device is not None:
             raise ClientError("--device is chosen by the server (one job per device); drop it with --server")
-        check_out(Path(args.out_dir))  # before the job runs: not found hours later when its artifacts come
+        # before the job runs: not found hours later when its artifacts come
+        check_out(Path(args.out_dir), [getattr(args, name, None) for name in ("model", "calibration", "eval")])
         client = connect(args)
     except ClientError as err:
         print(f"osscar: error: {err}", file=sys.stderr)
@@ -174,19 +175,19 @@ def remote_compress(args: argparse.Namespace) -> int:
             print(f"osscar: interrupted during the download; {name} has ended; {download_command(name, args)}",
                   file=sys.stderr)
             return 130
-        code = interrupted(client, name, args)
-        if mark is not None and name is not None and args.cancel_on_interrupt:
+        if interrupted(client, name, args) and mark is not None:  # cancelled: nothing to come back to
             mark.clear()
-        return code
+        return 130
     except (ClientError, grpc.RpcError) as err:
         return failed(err)
     finally:
         client.close()
 
 
-def interrupted(client: RemoteCompressor, name: str | None, args: argparse.Namespace) -> int:
+def interrupted(client: RemoteCompressor, name: str | None, args: argparse.Namespace) -> bool:
     """Ctrl-C on `osscar compress --server`: the job goes on on the server (the commands to follow, fetch
-    or cancel it are printed), or with --cancel-on-interrupt it is cancelled. Exit 130."""
+    or cancel it are printed), or with --cancel-on-interrupt it is cancelled. Whether it was cancelled: a cancel
+    that failed (the server away, the job done meanwhile) leaves a job that running the command again follows."""
     with ignoring_interrupts():  # a second Ctrl-C must not cut the cancel or the message short
         if name is None:
             print(f"osscar: interrupted before the server named the job; submitting again with --request-id "
@@ -197,13 +198,14 @@ def interrupted(client: RemoteCompressor, name: str | None, args: argparse.Names
                 client.operations.CancelOperation(operations_pb2.CancelOperationRequest(name=name),
                                                   timeout=client.timeout, metadata=client.metadata)
                 print(f"osscar: interrupted; cancelled {name}", file=sys.stderr)
+                return True
             except grpc.RpcError as err:
                 print(f"osscar: interrupted; cancelling {name} failed ({describe_error(err)})\n"
                       f"{follow_up(name, args)}", file=sys.stderr)
         else:
             print(f"osscar: interrupted; {name} keeps running on {args.server}\n{follow_up(name, args)}",
                   file=sys.stderr)
-    return 130
+    return False
 
 
 def download_command(name: str, args: argparse.Namespace) -> str:

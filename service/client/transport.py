@@ -30,6 +30,7 @@ from ..files import (
     extract_tar,
     file_sha256,
     follow_umask,
+    foreign_model,
     hold_folder,
     touches,
     valid_filename,
@@ -247,13 +248,16 @@ def connect(args: argparse.Namespace) -> RemoteCompressor:
     return client
 
 
-def check_out(out: Path) -> None:
-    """An --out a job's artifacts can be written into: a folder, new or existing and writable."""
+def check_out(out: Path, inputs: Sequence[object] = ()) -> None:
+    """An --out a job's artifacts can be written into: a folder, new or existing and writable, without a model/
+    folder of the user's (`files.foreign_model`: refused as a local job refuses it, not replaced by the download)."""
     if out.exists() and not out.is_dir():
         raise ClientError(f"--out {out} is a file; give a folder (new or one of an earlier job's)")
     parent = next((p for p in (out, *out.parents) if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
         raise ClientError(f"--out {out}: {parent} is not writable")
+    if why := foreign_model(out, inputs):
+        raise ClientError(why)
 
 
 class JobFailed(ClientError):
@@ -323,6 +327,9 @@ def _deliver(client: RemoteCompressor, final: operations_pb2.Operation, meta: pb
             follow_umask(unpacked)
             staged[i] = unpacked
     delivered = {path.name for path in staged}
+    if "model" in delivered and (why := foreign_model(out, inputs)):  # made while the job ran
+        raise ClientError(f"{why}; the downloaded artifacts wait in {staging}: once it is moved, the same command "
+                          "resumes")
     # an earlier job's in a reused --out would seem to be this one's
     earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
     for name in (set(JOB_EXPORTS) | earlier) - delivered:

@@ -48,6 +48,7 @@ from ..files import (
     earlier_job_files,
     file_sha256,
     follow_umask,
+    foreign_model,
     out_of_disk,
     write_text_atomically,
 )
@@ -133,19 +134,8 @@ def _check_here(request: CompressRequest) -> None:
         removed_of(request.widths_from)
         check_gqa_of(request.widths_from, request.gqa)
     model = out / "model"
-    if model.is_dir() and not model.is_symlink() and not request.reads(model) and not _earlier_model(out):
-        raise InputError(f"--out {out}: its model/ folder is no earlier job's (no report.json there names it), and "
-                         "a job replaces that folder whole; move it or choose another --out")
-
-
-def _earlier_model(out: Path) -> bool:
-    """Whether an earlier job's report.json in `out` names `out/model` as its pruned model."""
-    try:
-        report = json.loads((out / "report.json").read_text())
-    except (OSError, ValueError):
-        return False
-    artifacts = report.get("artifacts") if isinstance(report, dict) else None
-    return isinstance(artifacts, dict) and str(artifacts.get("model", "")).rstrip("/") == "model"
+    if not request.reads(model) and (why := foreign_model(out)):
+        raise InputError(why)
 
 
 def _identical(outputs: Any, reference: Any) -> bool:

@@ -44,6 +44,78 @@ def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, m
     assert kept.read_text() == "earlier"
 
 
+def test_a_users_model_folder_in_out_is_refused_before_the_job_and_kept_at_its_delivery(tmp_path, monkeypatch):
+    """A remote job's delivery replaced out/model/ whole, a folder no job wrote (a local job refuses it): refused by
+    check_out before the job runs, unless an earlier job's report names it or it is the job's input; one made while
+    the job ran stops the delivery with the user's files kept and the artifacts staged."""
+    import tarfile
+
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "my_notes.txt").write_text("mine")
+    with pytest.raises(transport.ClientError, match="its model/ folder is no earlier job's"):
+        transport.check_out(out)
+    transport.check_out(out, inputs=[out / "model", None])  # the job's own input: read, never removed
+    (out / "report.json").write_text('{"artifacts": {"model": "model/"}}')
+    transport.check_out(out)  # an earlier job's pruned model: replaced
+    (out / "report.json").unlink()
+
+    pruned = tmp_path / "pruned"
+    pruned.mkdir()
+    (pruned / "config.json").write_text("{}")
+    artifacts = [SimpleNamespace(name="model.tar"), SimpleNamespace(name="report.json")]
+    monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=artifacts))
+
+    class Client:
+        def download(self, name: str, artifact, into: Path) -> Path:
+            if artifact.name == "model.tar":
+                with tarfile.open(into / "model.tar", "w") as tar:
+                    tar.add(pruned / "config.json", arcname="config.json")
+            else:
+                (into / artifact.name).write_text('{"artifacts": {"model": "model/"}}')
+            return into / artifact.name
+
+    with pytest.raises(transport.ClientError, match="the downloaded artifacts wait in"):
+        transport.deliver(Client(), operations_pb2.Operation(name="operations/m", done=True), out)
+    assert (out / "model" / "my_notes.txt").read_text() == "mine" and not (out / "report.json").exists()
+    (out / "model" / "my_notes.txt").rename(tmp_path / "moved.txt")
+    (out / "model").rmdir()
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/m", done=True), out)
+    assert (out / "model" / "config.json").is_file() and (out / "report.json").is_file()
+
+
+def test_a_cancel_that_fails_on_interrupt_says_the_job_is_not_cancelled():
+    """--cancel-on-interrupt whose cancel fails (the server away, the job done meanwhile): the request's mark must
+    stay, so the printed advice (run the command again) follows the job instead of submitting a second one."""
+    import argparse
+
+    import grpc
+
+    from service.client.remote import interrupted
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "the server is away"
+
+        def trailing_metadata(self):
+            return ()
+
+    def client(fails: bool):
+        def cancel(request, timeout=None, metadata=None):
+            if fails:
+                raise Refused()
+
+        return SimpleNamespace(operations=SimpleNamespace(CancelOperation=cancel), timeout=1.0, metadata=())
+
+    args = argparse.Namespace(cancel_on_interrupt=True, server="127.0.0.1:1", out_dir="out", request_id="r",
+                              tls_ca=None, tls_cert=None, tls_key=None, token_file=None)
+    assert interrupted(client(False), "operations/a", args) is True
+    assert interrupted(client(True), "operations/a", args) is False
+
+
 def test_an_upload_of_a_folder_takes_the_files_of_its_linked_folders(tmp_path):
     """A Hugging Face snapshot links files, and a user's folder may link folders: Path.rglob does not enter those,
     whose files were missing from the tar; a folder reached twice (a loop) is refused."""
