@@ -36,6 +36,16 @@ def _token_id(value: Any) -> int | list[int] | None:
     return [int(v) for v in value] if isinstance(value, list | tuple) else (None if value is None else int(value))
 
 
+def _merged(first: int | list[int] | None, second: int | list[int] | None) -> int | list[int] | None:
+    """The ids of both, `first`'s first, each once: one id as an int, none as None."""
+    ids = list(dict.fromkeys([*_as_list(first), *_as_list(second)]))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else ids if isinstance(ids, list) else [ids]
+
+
 def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any]:
     """The configuration GenAI reads for the model's decode step `decode` (a file name beside it)."""
     kind = genai_type(model)
@@ -47,8 +57,12 @@ def genai_config(model: nn.Module, decode: str = "decode.onnx") -> dict[str, Any
     # the first layer with an attention, as pruned (the config's counts are the dense model's when layers differ)
     first = kv_index(model, kept[0]).tolist() if kept else None
     heads, kv_heads = (len(first), len(set(first))) if first is not None else (d.heads, d.kv_heads)
-    eos = _token_id(getattr(config, "eos_token_id", None))
-    pad = _token_id(getattr(config, "pad_token_id", None))
+    # generate() stops at the generation config's end ids (an instruct model's end of turn) as well as config.json's
+    generation = getattr(model, "generation_config", None)
+    eos = _merged(_token_id(getattr(generation, "eos_token_id", None)),
+                  _token_id(getattr(config, "eos_token_id", None)))
+    pad = _token_id(getattr(generation, "pad_token_id", None))
+    pad = pad if pad is not None else _token_id(getattr(config, "pad_token_id", None))
     if isinstance(pad, list):  # one id, as GenAI reads it
         pad = pad[0] if pad else None
     context = int(getattr(config, "max_position_embeddings", 2048))

@@ -579,4 +579,8 @@ def load_pruned(directory: str | Path, model_class: type | None = None) -> nn.Mo
     if missing or unexpected:
         raise ModelReferenceError(f"{directory}: weights do not match the manifest (missing {missing[:5]}, "
                                   f"unexpected {unexpected[:5]})")
+    if (directory / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None:
+        # built from config.json alone, the model generates with that file's ids: an instruct model's end-of-turn
+        # ids and sampling defaults live here (and a streamed job saved the model again from this one)
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory, local_files_only=True)
     return model.eval()

@@ -59,7 +59,7 @@ from compressor.refine import RefineConfig
 from compressor.reports import LayerReport, RefineReport, fit_numbers
 from compressor.transformer.adapters import adapter_for, block_path, check_config, dims, layers, max_sequence
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
-from compressor.transformer.offload import STREAM_SHARE, StreamedCheckpoint, needs_streaming
+from compressor.transformer.offload import STREAM_SHARE, TOKENIZER_FILES, StreamedCheckpoint, needs_streaming
 from compressor.transformer.pipeline import (
     UNCOMPENSATED,
     group_cost,
@@ -994,9 +994,22 @@ class _TransformerJob:
         shutil.rmtree(out / "model" / ONNX_DIR, ignore_errors=True)
         (out / "model" / f"{REMOTE_MODULE}.py").unlink(missing_ok=True)
         save_standard(module, out / "model")
-        if self.loaded.tokenizer is not None:
-            self.loaded.tokenizer.save_pretrained(out / "model")
+        self._write_tokenizer(out / "model")
         return "model/"
+
+    def _write_tokenizer(self, target: Path) -> None:
+        """The source's tokenizer files into `target` as they are; written by transformers only where the source
+        directory has none. A tokenizer saved again dropped vocab.txt, tokenizer.model, merges.txt and
+        special_tokens_map.json (what slow tokenizers and converters read) and added keys of this machine's loading
+        (local_files_only) to tokenizer_config.json."""
+        source = Path(str(self.request.model))
+        names = [n for n in (*TOKENIZER_FILES, "chat_template.jinja") if (source / n).is_file()]
+        if names:
+            for name in names:
+                if not (target / name).exists() or not (target / name).samefile(source / name):
+                    shutil.copyfile(source / name, target / name)
+        elif self.loaded.tokenizer is not None:
+            self.loaded.tokenizer.save_pretrained(target)
 
     def serving_files(self, out: Path) -> dict[str, Any] | None:
         return None
@@ -1111,8 +1124,7 @@ class TextJob(_TransformerJob):
             self.say(warning(f"decode.onnx ships as exported, without ONNX Runtime's fused kernels: {fusion.fallback}"))
         if genai_type(module) is not None:  # ONNX Runtime GenAI generates from the job's directory as it is
             write_genai_config(module, path.parent, path.name)
-            if self.loaded.tokenizer is not None:
-                self.loaded.tokenizer.save_pretrained(path.parent)
+            self._write_tokenizer(path.parent)
         else:
             self.say(f"decode.onnx: ONNX Runtime GenAI's configuration is written for {', '.join(sorted(GENAI_TYPES))} "
                      f"only (tested to generate PyTorch's greedy tokens), not {module.config.model_type}")

@@ -72,9 +72,27 @@ def test_families_genai_was_not_tested_with_are_refused():
 def test_a_list_of_end_tokens_without_a_pad_token_lends_genai_one_pad_id():
     """Llama 3 Instruct's config: three end tokens, no pad token. GenAI refuses a list as its pad id."""
     model = MODELS["llama"]()
-    model.config.eos_token_id, model.config.pad_token_id = [48, 49], None
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = [48, 49], None
     tokens = genai_config(model)["model"]
     assert tokens["eos_token_id"] == [48, 49] and tokens["pad_token_id"] == 48
+
+
+def test_genai_stops_at_the_generation_configs_end_tokens_too(tmp_path):
+    """An instruct model's end of turn is often in generation_config.json alone (config.json: one eos id): GenAI
+    stopped at config.json's only, where transformers' generate() stops at both; its pad id comes from there too.
+    A pruned model reloaded with `load_pruned` generates with that file, not one rebuilt from config.json."""
+    from compressor.transformer.surgery import load_pruned, save_pruned
+
+    model = MODELS["llama"]()
+    model.config.eos_token_id, model.config.pad_token_id = 2, None
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = [2, 5], 0
+    model.generation_config.max_new_tokens = 7
+    tokens = genai_config(model)["model"]
+    assert tokens["eos_token_id"] == [2, 5] and tokens["pad_token_id"] == 0
+    save_pruned(model, tmp_path / "m")
+    reloaded = load_pruned(tmp_path / "m").generation_config
+    assert (reloaded.eos_token_id, reloaded.pad_token_id, reloaded.max_new_tokens) == ([2, 5], 0, 7)
 
 
 def test_the_configs_head_counts_are_the_pruned_models():

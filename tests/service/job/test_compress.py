@@ -1030,6 +1030,29 @@ def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{dtype}"}  # noqa: SIM118
 
 
+def test_the_sources_tokenizer_files_are_copied_as_they_are(tmp_path):
+    """A BERT directory with vocab.txt beside tokenizer.json: the job's model/ lacked vocab.txt (the tokenizer was
+    saved again by transformers) and its tokenizer_config.json gained this machine's loading keys; each file is now
+    the source's, byte for byte."""
+    import transformers
+
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    source = tmp_path / "bert"
+    MODELS["bert"]().save_pretrained(source)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *[f"w{i}" for i in range(45)]]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(source)
+    (source / "vocab.txt").write_text("\n".join(words) + "\n")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(5, 50, size=1200), offsets=[0, 1200])
+    out = tmp_path / "out"
+    cli.main(["compress", str(source), "--uniform-ratio", "0.25", "--calibration", str(tmp_path / "ids.npz"),
+              "--out", str(out), "--sequences", "16", "--sequence-length", "24", "--repeats", "3",
+              "--refine-steps", "0", "--accuracy-budget", "none"])
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / "model" / name).read_bytes() == (source / name).read_bytes(), name
+
+
 def test_a_decode_step_of_sliding_window_layers_is_exported_and_checked(tmp_path):
     """Gemma 2's sliding-window layer (window 4) keeps every position in decode.onnx's cache, its mask restricting
     attention to the window (it was refused): the job's checks pass on calibration windows far past the window, and
