@@ -257,16 +257,25 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                             "one session the host cannot hold is checked and evaluated in pieces too"))
             return parity, latency
 
-        round_seconds: list[float] = []  # each finished round's wall time: what the next one is expected to take
+        # each finished round's wall time from its first latency probe: what the next one is expected to take
+        round_seconds: list[float] = []
+        round_began: dict[int, float] = {}  # round -> when its first probe (or, without one, its solve) began
 
-        def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
-                      ) -> Round:
+        def begin(index: int) -> None:
+            """The round's first measurement: not started when the time left cannot hold a round (the probes count;
+            they ran before the check, past the budget, when the round was then not started)."""
+            if index in round_began:
+                return
             left = pace.left()
             if rounds and round_seconds and left is not None and left < max(round_seconds):
                 raise _OutOfTime(index, left, max(round_seconds))
-            started = time.perf_counter()
+            round_began[index] = time.perf_counter()
+
+        def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
+                      ) -> Round:
+            begin(index)
             done = _run_round(plan, index, predicted, solved)
-            round_seconds.append(time.perf_counter() - started)
+            round_seconds.append(time.perf_counter() - round_began[index])
             return done
 
         def _run_round(plan: Widths, index: int, predicted: float | None, solved: Solved | None) -> Round:
@@ -311,6 +320,7 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
 
         def probe_model(module: nn.Module, index: int) -> Latency:
             nonlocal probes
+            begin(index)
             probes += 1
             path = work / f"probe{probes}" / "model.onnx"
             path.parent.mkdir()
