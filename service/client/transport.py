@@ -39,6 +39,7 @@ from ..files import (
 
 UPLOAD_CHUNK = 1 << 20
 DEFAULT_TIMEOUT_S = 60.0  # each call's deadline when --timeout is not given
+RECONNECT_S = 600.0  # how long a watch waits for a server that went away to answer again
 
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -137,14 +138,18 @@ class RemoteCompressor:
     def submit(self, request: pb.CompressRequest) -> operations_pb2.Operation:
         return self._call(self.stub.Compress, request)
 
-    def follow(self, name: str, show) -> operations_pb2.Operation:
-        """Watch until done; a dropped stream (server restart) is resumed."""
-        delay = 1.0
+    def follow(self, name: str, show, reconnect_s: float = RECONNECT_S) -> operations_pb2.Operation:
+        """Watch until done; a dropped stream (server restart) is resumed, said once, for up to `reconnect_s` of the
+        server staying away: then a ClientError (the job may still run there), where the watch waited in silence
+        for as long as the server was gone."""
+        delay, lost = 1.0, None  # lost: when the stream last dropped without an event since
         while True:
             try:
                 for event in self.stub.WatchCompression(pb.WatchCompressionRequest(name=name), wait_for_ready=True,
                                                         metadata=self.metadata):
-                    delay = 1.0
+                    if lost is not None:
+                        print(f"osscar: reconnected; following {name}", file=sys.stderr)
+                    delay, lost = 1.0, None
                     if (event.message or event.layers) and event.stage != "done":
                         show(event)
                     if event.HasField("operation") and event.operation.done:
@@ -152,9 +157,22 @@ class RemoteCompressor:
             except grpc.RpcError as err:
                 if err.code() not in RESUMABLE:
                     raise
-            # the stream ended without the final event: the server went away; resume
+            # the stream ended without the final event: the server went away; resume once it answers again
+            if lost is None:
+                lost = time.monotonic()
+                print(f"osscar: lost the connection to {self.target} while following {name}; reconnecting (for up "
+                      f"to {reconnect_s:.0f}s)", file=sys.stderr)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+            left = reconnect_s - (time.monotonic() - lost)
+            try:
+                if left <= 0:
+                    raise ClientError("")
+                self.wait_ready(left)  # the next stream's wait_for_ready would wait without a bound
+            except ClientError:
+                raise ClientError(f"{name}: the server at {self.target} stayed unreachable for {reconnect_s:.0f}s; "
+                                  "the job may still be running there: follow it again once the server is back "
+                                  f"(`osscar operations watch {name}`, or this command run again)") from None
 
     def download(self, name: str, artifact: pb.Artifact, out: Path, attempts: int = 5) -> Path:
         """One artifact into `out`, written under a partial name and renamed once its sha256 matches. A stream

@@ -116,6 +116,44 @@ def test_a_cancel_that_fails_on_interrupt_says_the_job_is_not_cancelled():
     assert interrupted(client(True), "operations/a", args) is False
 
 
+def test_a_watch_whose_server_stays_away_says_so_and_ends(monkeypatch, capsys):
+    """The server gone (killed, its node down): the watch waited in silence for as long as it stayed away, whatever
+    --timeout said. It says once that it reconnects, goes on when the server is back, and ends with a ClientError
+    naming the job once the server stayed away for `reconnect_s`."""
+    import grpc
+
+    from service.api import compression_pb2 as pb
+
+    class Away(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    monkeypatch.setattr(transport.time, "sleep", lambda s: None)
+    client = transport.RemoteCompressor("127.0.0.1:1", timeout_s=1.0)
+    events = [Away(), Away(), [pb.CompressionEvent(stage="done", operation=operations_pb2.Operation(
+        name="operations/w", done=True))]]
+
+    def watch(request, wait_for_ready=None, metadata=None):
+        event = events.pop(0)
+        if isinstance(event, Exception):
+            raise event
+        return iter(event)
+
+    client.stub = SimpleNamespace(WatchCompression=watch)
+    monkeypatch.setattr(client, "wait_ready", lambda timeout_s: None)  # back after a while
+    assert client.follow("operations/w", print).done
+    err = capsys.readouterr().err
+    assert err.count("lost the connection to 127.0.0.1:1 while following operations/w") == 1
+    assert "reconnected; following operations/w" in err
+
+    events[:] = [Away()] * 100
+    monkeypatch.undo()
+    monkeypatch.setattr(transport.time, "sleep", lambda s: None)
+    with pytest.raises(transport.ClientError, match="stayed unreachable for 1s; the job may still be running"):
+        client.follow("operations/w", print, reconnect_s=1.0)
+    client.close()
+
+
 def test_an_upload_of_a_folder_takes_the_files_of_its_linked_folders(tmp_path):
     """A Hugging Face snapshot links files, and a user's folder may link folders: Path.rglob does not enter those,
     whose files were missing from the tar; a folder reached twice (a loop) is refused."""
