@@ -19,12 +19,15 @@ from ..api.wire import (
     spec_to_proto,
 )
 from ..embedded import is_remote_reference
+from ..errors import InvalidArgument
+from ..files import valid_filename
 from .transport import ClientError, RemoteCompressor
 
 
 def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
     """The Compress request of the command's flags: the options it set (the server applies the same
     defaults to the rest), references made absolute or uploaded."""
+    from ..core.submission import check_request_id, label_violations
     from ..job.request import LOCAL_ONLY, MAX_TIME_BUDGET_S, REFERENCES, SHAPE_KEYS, request_from_spec
 
     def reference(value) -> str:
@@ -54,6 +57,22 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
         spec_to_proto(options)
     except (ValueError, AttributeError) as err:
         raise ClientError(str(err)) from None
+    # the request's own fields and every file, before the first upload (a model of gigabytes sent for nothing)
+    try:
+        if args.request_id is not None:
+            check_request_id(args.request_id)
+        if bad_labels := label_violations(dict(args.label or [])):
+            raise InvalidArgument(bad_labels)
+    except InvalidArgument as err:
+        raise ClientError(str(err)) from None
+    if args.upload:
+        given = [Path(str(options[n])).expanduser() for n in REFERENCES
+                 if n in options and not is_remote_reference(str(options[n]))]
+        if missing := [str(path) for path in given if not path.exists()]:
+            raise ClientError(f"--upload: no such file or directory: {', '.join(missing)}")
+        if unnamed := [path.name for path in given if not valid_filename(Path(os.path.abspath(path)).name)]:
+            raise ClientError(f"--upload: {', '.join(unnamed)}: an uploaded file keeps its name, which must be ASCII "
+                              "letters, digits, spaces and ._+- (rename it or link it under such a name)")
     for name in REFERENCES:
         if name in options:
             options[name] = reference(options[name])

@@ -317,8 +317,9 @@ class JobService:
         """Store an upload; returns (reference, sha256, size)."""
         violations = []
         if not valid_filename(header.filename):
-            violations.append(FieldViolation("header.filename", f"a plain file name without separators is required "
-                                                                f"(got {header.filename!r})"))
+            violations.append(FieldViolation("header.filename", "a plain file name is required: ASCII letters, "
+                                                                "digits, spaces and ._+- (no separator, at most 255; "
+                                                                f"got {header.filename!r})"))
         if header.size_bytes < 0 or header.size_bytes > self.config.max_upload_bytes:
             violations.append(FieldViolation("header.size_bytes", f"must be in [0, {self.config.max_upload_bytes}] "
                                                                   f"(got {header.size_bytes})"))

@@ -80,7 +80,7 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: Re
         except NotFound as err:
             not_found.append(err)
             spec[key] = None
-    violations += _label_violations(request.labels)
+    violations += label_violations(request.labels)
     budget = request.time_budget_s
     if budget is not None and not (math.isfinite(budget) and 0 < budget <= MAX_TIME_BUDGET_S):
         violations.append(FieldViolation("time_budget", f"must be positive and at most {MAX_TIME_BUDGET_S}s "
@@ -100,7 +100,7 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: Re
     return Accepted(spec, references)
 
 
-def _label_violations(labels: dict[str, str]) -> list[FieldViolation]:
+def label_violations(labels: dict[str, str]) -> list[FieldViolation]:
     # values are printed by `osscar operations` on other users' terminals: no control characters (escapes)
     violations = [FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ and - (start with "
                                                      "a letter, <= 63), values <= 63 printable characters")

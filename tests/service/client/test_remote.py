@@ -207,6 +207,8 @@ def test_a_value_that_does_not_fit_the_wire_is_one_line_before_anything_is_uploa
     (["--shape", "batc=8"], "--shape takes batch=N and sequence=N"),
     (["--shape", "batch=0"], "--shape takes batch=N and sequence=N"),
     (["--time-budget", "inf"], "--time-budget must be a positive number of seconds"),
+    (["--request-id", "not-a-uuid"], "request_id: must be a UUID"),
+    (["--label", "Suite=x"], "label keys are lowercase letters"),
 ])
 def test_values_a_local_run_refuses_are_one_line_before_anything_is_uploaded(server, data, tmp_path, capsys, extra,
                                                                              words):
@@ -216,6 +218,24 @@ def test_values_a_local_run_refuses_are_one_line_before_anything_is_uploaded(ser
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and "uploading" not in err
+
+
+def test_files_an_upload_cannot_send_are_refused_before_the_first_upload(server, data, tmp_path, capsys):
+    """A missing --calibration was found after the model's upload (gigabytes sent for nothing), and a name that is
+    not ASCII was refused by the server with another reason ("without separators")."""
+    import shutil
+
+    args = compress_args(data, tmp_path / "out", 3)
+    missing = [*args[:args.index("--calibration") + 1], str(tmp_path / "nocal.npz"),
+               *args[args.index("--calibration") + 2:]]
+    assert cli.main([*missing, "--upload", "--server", server.address]) == 2
+    err = capsys.readouterr().err
+    assert f"--upload: no such file or directory: {tmp_path / 'nocal.npz'}" in err and "uploading" not in err
+    shutil.copy(data / "model.pt2", tmp_path / "modèle.pt2")
+    accented = [args[0], str(tmp_path / "modèle.pt2"), *args[2:]]
+    assert cli.main([*accented, "--upload", "--server", server.address]) == 2
+    err = capsys.readouterr().err
+    assert "modèle.pt2: an uploaded file keeps its name, which must be ASCII" in err and "uploading" not in err
 
 
 def test_an_out_that_is_a_file_is_refused_before_the_job_runs(server, data, tmp_path, capsys):
