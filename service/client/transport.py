@@ -25,6 +25,7 @@ from ..api.wire import (
 )
 from ..files import (
     JOB_EXPORTS,
+    JOB_OUTPUTS,
     ArchiveError,
     earlier_job_files,
     extract_tar,
@@ -352,6 +353,16 @@ def _deliver(client: RemoteCompressor, final: operations_pb2.Operation, meta: pb
     earlier = {name for name in earlier_job_files(out) if not touches(out / name, inputs)}
     for name in (set(JOB_EXPORTS) | earlier) - delivered:
         (out / name).unlink(missing_ok=True)
+    # an earlier job's pruned model that this one does not replace: the other kind's (model.pt2 beside a new model/),
+    # or any when this job returns none (parity failed); as a local job clears them, never the job's own input
+    for name in sorted(set(JOB_OUTPUTS) - set(JOB_EXPORTS) - delivered):
+        stale = out / name
+        if not stale.exists() or touches(stale, inputs) or (stale.is_dir() and foreign_model(out, inputs)):
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
     for path in staged:
         if path.is_dir():
             shutil.rmtree(out / path.name, ignore_errors=True)

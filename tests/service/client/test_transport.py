@@ -84,6 +84,38 @@ def test_a_users_model_folder_in_out_is_refused_before_the_job_and_kept_at_its_d
     assert (out / "model" / "config.json").is_file() and (out / "report.json").is_file()
 
 
+def test_a_delivery_removes_the_other_kind_of_an_earlier_jobs_pruned_model(tmp_path, monkeypatch):
+    """A CNN job's model.pt2, then a transformer job's model/ into the same --out: the stale model.pt2 stayed beside
+    the new model, a mix of two jobs (a local job removes it); a failed job's delivery (no model) removes an
+    earlier job's model/ too. The job's own input stays."""
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.pt2").write_text("an earlier CNN job's")
+    (tmp_path / "cfg.json").write_text("{}")
+    returned = {"artifacts": [SimpleNamespace(name="model.tar"), SimpleNamespace(name="report.json")]}
+    monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=returned["artifacts"]))
+
+    class Client:
+        def download(self, name: str, artifact, into: Path) -> Path:
+            if artifact.name == "model.tar":
+                with tarfile.open(into / "model.tar", "w") as tar:
+                    tar.add(tmp_path / "cfg.json", arcname="config.json")
+            else:
+                (into / artifact.name).write_text('{"artifacts": {"model": "model/"}}')
+            return into / artifact.name
+
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/t", done=True), out,
+                      inputs=[out / "model.pt2"])  # read by this job: kept
+    assert (out / "model.pt2").is_file() and (out / "model" / "config.json").is_file()
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/u", done=True), out)
+    assert sorted(p.name for p in out.iterdir()) == ["model", "report.json"]
+    returned["artifacts"] = [SimpleNamespace(name="report.json")]  # parity failed: its report alone
+    transport.deliver(Client(), operations_pb2.Operation(name="operations/v", done=True), out)
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+
+
 def test_a_cancel_that_fails_on_interrupt_says_the_job_is_not_cancelled():
     """--cancel-on-interrupt whose cancel fails (the server away, the job done meanwhile): the request's mark must
     stay, so the printed advice (run the command again) follows the job instead of submitting a second one."""
