@@ -106,6 +106,19 @@ class {cls}(_Dense):
         _apply(self, config.{changes})
 '''
 
+# the base model alone (AutoModel), where the pruned class is a task model around it: the changes under its prefix
+_BASE_CLASS = '''
+
+from transformers import {base} as _DenseBase
+
+
+class {cls}(_DenseBase):
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        _apply(self, [{{**change, "path": change["path"][len("{prefix}."):]}} for change in config.{changes}
+                      if change["path"].startswith("{prefix}.")])
+'''
+
 
 # what `surgery.set_bias_rows` sets beside its hook: a "bias_rows" change says it
 _BIAS_ROWS_ATTRIBUTES = ("bias_rows", "bias_argument", "bias_hooked")
@@ -205,12 +218,28 @@ def auto_class(architecture: str) -> str:
     return next((auto for ending, auto in AUTO_CLASSES if architecture.endswith(ending)), "AutoModel")
 
 
-def source(base: str) -> str:
-    """modeling_osscar.py for a pruned model of transformers class `base`."""
+def source(base: str, inner: tuple[str, str] | None = None) -> str:
+    """modeling_osscar.py for a pruned model of transformers class `base`; `inner`: (the transformers class of the
+    base model a task model wraps, its prefix), whose class is then written too."""
     stand_ins = "\n\n".join(inspect.getsource(obj) for obj in
                             (sublayers._first_tensor, sublayers.RemovedSublayer, sublayers.EmptyCore))
-    return (_HEADER.format(base=base, changes=CHANGES) + stand_ins
+    text = (_HEADER.format(base=base, changes=CHANGES) + stand_ins
             + _FOOTER.format(cls=f"Osscar{base}", changes=CHANGES))
+    if inner is not None:
+        text += _BASE_CLASS.format(base=inner[0], cls=f"Osscar{inner[0]}", prefix=inner[1], changes=CHANGES)
+    return text
+
+
+def _inner(model: nn.Module) -> tuple[str, str] | None:
+    """(the transformers class of the base model a task model wraps, its attribute) for AutoModel, or None."""
+    import transformers
+
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if prefix else None
+    if not isinstance(inner, nn.Module) or inner is model:
+        return None
+    name = type(inner).__name__
+    return (name, prefix) if getattr(transformers, name, None) is type(inner) else None
 
 
 def write_remote_code(model: nn.Module, directory: str | Path) -> bool:
@@ -230,10 +259,13 @@ def write_remote_code(model: nn.Module, directory: str | Path) -> bool:
     changes = module_changes(model, dense)
     if changes is None:
         return False
-    (directory / f"{MODULE}.py").write_text(source(base))
+    inner = _inner(model)
+    (directory / f"{MODULE}.py").write_text(source(base, inner))
     config_path = directory / "config.json"
     saved = json.loads(config_path.read_text())
-    saved["auto_map"] = {auto_class(base): f"{MODULE}.Osscar{base}"}
+    # AutoModel loads the base model alone, as from the dense checkpoint
+    saved["auto_map"] = {**({"AutoModel": f"{MODULE}.Osscar{inner[0]}"} if inner else {}),
+                         auto_class(base): f"{MODULE}.Osscar{base}"}
     saved[CHANGES] = changes
     write_config(config_path, saved)
     return True

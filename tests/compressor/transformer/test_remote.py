@@ -8,7 +8,7 @@ import transformers
 
 from compressor.transformer.adapters import adapter_for, block_hidden, dims, layers
 from compressor.transformer.models import save_standard
-from compressor.transformer.remote import CHANGES, MODULE, auto_class
+from compressor.transformer.remote import CHANGES, MODULE, _inner, auto_class
 from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
 from compressor.transformer.surgery import (
     MANIFEST,
@@ -52,7 +52,9 @@ def test_unequal_widths_load_with_trust_remote_code_and_give_the_pruned_outputs(
     assert not save_standard(model, tmp_path)
     assert (tmp_path / f"{MODULE}.py").is_file() and (tmp_path / MANIFEST).is_file()  # load_pruned still reads it
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["auto_map"] == {auto_class(type(model).__name__): f"{MODULE}.Osscar{type(model).__name__}"}
+    inner = _inner(model)  # a task model's base model: AutoModel loads it alone, as from the dense checkpoint
+    assert config["auto_map"] == {auto_class(type(model).__name__): f"{MODULE}.Osscar{type(model).__name__}",
+                                  **({"AutoModel": f"{MODULE}.Osscar{inner[0]}"} if inner else {})}
     kinds = {c["kind"] for c in config[CHANGES]}
     # projections resized: nn.Linear rebuilt, or parameters of another module resized in place (GPT-2's Conv1D;
     # Swin's relative-position bias table has a column per head)
@@ -65,6 +67,12 @@ def test_unequal_widths_load_with_trust_remote_code_and_give_the_pruned_outputs(
     inputs = example_inputs(model)
     torch.testing.assert_close(first_output(loaded, inputs), first_output(model, inputs), rtol=0, atol=0)
     torch.testing.assert_close(first_output(load_pruned(tmp_path), inputs), first_output(model, inputs))
+    if inner is not None:
+        base = transformers.AutoModel.from_pretrained(tmp_path, trust_remote_code=True, local_files_only=True).eval()
+        assert type(base).__name__ == f"Osscar{inner[0]}"
+        with torch.no_grad():
+            torch.testing.assert_close(base(**inputs).last_hidden_state,
+                                       getattr(model, inner[1])(**inputs).last_hidden_state, rtol=0, atol=0)
 
 
 def test_a_decoder_without_an_attention_and_a_layer_generates_as_pruned(tmp_path):
