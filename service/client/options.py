@@ -24,9 +24,11 @@ from ..files import valid_filename
 from .transport import ClientError, RemoteCompressor
 
 
-def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.CompressRequest:
+def build_request(args: argparse.Namespace, client: RemoteCompressor, *, upload: bool = True,
+                  uploaded: dict[str, str] | None = None) -> pb.CompressRequest:
     """The Compress request of the command's flags: the options it set (the server applies the same
-    defaults to the rest), references made absolute or uploaded."""
+    defaults to the rest), references made absolute or, with --upload (and `upload`), uploaded. `uploaded`: the
+    blob references of files sent before, by local path (reused, not sent again), and where each upload is kept."""
     from ..core.submission import check_request_id, label_violations
     from ..job.request import LOCAL_ONLY, MAX_TIME_BUDGET_S, REFERENCES, SHAPE_KEYS, request_from_spec
 
@@ -35,11 +37,18 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
         if is_remote_reference(text):
             return text
         path = Path(text).expanduser()
-        if args.upload:
+        if args.upload and upload:
             if not path.exists():
                 raise ClientError(f"--upload: no such file or directory: {path}")
+            local = os.path.abspath(path)
+            if uploaded is not None and local in uploaded:
+                print(f"{path}: sent by an earlier run of this command ({uploaded[local]})", file=sys.stderr)
+                return uploaded[local]
             print(f"uploading {path}", file=sys.stderr)
-            return client.upload(path)
+            blob = client.upload(path)
+            if uploaded is not None:
+                uploaded[local] = blob
+            return blob
         return os.path.abspath(path)  # not resolved: a link keeps its name (its target may have no extension)
 
     budget = args.time_budget
@@ -65,7 +74,7 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor) -> pb.Comp
             raise InvalidArgument(bad_labels)
     except InvalidArgument as err:
         raise ClientError(str(err)) from None
-    if args.upload:
+    if args.upload and upload:
         given = [Path(str(options[n])).expanduser() for n in REFERENCES
                  if n in options and not is_remote_reference(str(options[n]))]
         if missing := [str(path) for path in given if not path.exists()]:

@@ -59,12 +59,14 @@ class RequestMark:
 
     NAME = ".osscar-request.json"
 
-    def __init__(self, out: Path, server: str, request: pb.CompressRequest) -> None:
+    def __init__(self, out: Path, server: str, request: pb.CompressRequest, upload: bool = False) -> None:
+        """`request` names the local files (absolute paths), also where --upload (`upload`) sends them."""
         body = pb.CompressRequest()
         body.CopyFrom(request)
         body.request_id = ""
         self.path = Path(out) / self.NAME
-        digest = hashlib.sha256(server.encode() + b"\0" + body.SerializeToString(deterministic=True))
+        digest = hashlib.sha256(server.encode() + b"\0" + body.SerializeToString(deterministic=True)
+                                + (b"\0upload" if upload else b""))
         # a path names its file, not its bytes: a model changed in place since the earlier run is another job
         for reference in (body.model, body.calibration, body.eval, body.widths_from):
             digest.update(b"\0" + json.dumps(_stamp(reference)).encode())
@@ -83,10 +85,11 @@ class RequestMark:
         self.created_out = bool(mark.get("created_out"))  # the folder is the earlier run's, made for its mark
         return mark
 
-    def write(self, request_id: str, operation: str | None = None) -> None:
+    def write(self, request_id: str, operation: str | None = None, uploaded: dict[str, str] | None = None) -> None:
+        """`uploaded`: the blob references of the files --upload sent, by local path (a run again reuses them)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"request_id": request_id, "operation": operation, "request": self.digest,
-                                         "created_out": self.created_out}))
+                                         "created_out": self.created_out, "uploaded": uploaded or {}}))
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -124,14 +127,23 @@ def remote_compress(args: argparse.Namespace) -> int:
     name, ended, mark = None, False, None
     try:
         try:
-            request = build_request(args, client)
+            # the mark is of the local files (with --upload too): an earlier run's uploads are reused, not sent again
+            request = build_request(args, client, upload=False)
+            uploaded: dict[str, str] = {}
             if not explicit:
-                mark = RequestMark(Path(args.out_dir), args.server, request)
+                mark = RequestMark(Path(args.out_dir), args.server, request, upload=bool(args.upload))
                 if (earlier := mark.earlier()) is not None:
-                    request.request_id = args.request_id = earlier["request_id"]
+                    args.request_id = earlier["request_id"]
+                    if isinstance(earlier.get("uploaded"), dict):
+                        uploaded = {str(k): str(v) for k, v in earlier["uploaded"].items()}
                     print(f"osscar: following {earlier.get('operation') or 'the job'} that an earlier run of this "
                           f"command submitted (request {args.request_id}; {mark.path} says so)", file=sys.stderr)
-                mark.write(args.request_id)
+                mark.write(args.request_id, uploaded=uploaded)
+            if args.upload:
+                request = build_request(args, client, uploaded=uploaded)
+                if mark is not None:
+                    mark.write(args.request_id, uploaded=uploaded)
+            request.request_id = args.request_id
             op = client.submit(request)
         except grpc.RpcError as err:
             if mark is not None and err.code() not in RETRYABLE:  # refused: no job to come back to
@@ -142,7 +154,7 @@ def remote_compress(args: argparse.Namespace) -> int:
             raise ClientError(f"the server refused the request: {describe_error(err)}") from None
         name = op.name
         if mark is not None:
-            mark.write(args.request_id, name)
+            mark.write(args.request_id, name, uploaded)
         print(f"{op.name}: {STATE_NAMES.get(unpack_metadata(op).state, '?').lower()} on {args.server}",
               file=sys.stderr)
         bar = ProgressBar(sys.stderr)

@@ -238,6 +238,49 @@ def test_files_an_upload_cannot_send_are_refused_before_the_first_upload(server,
     assert "modèle.pt2: an uploaded file keeps its name, which must be ASCII" in err and "uploading" not in err
 
 
+def test_a_run_again_after_a_lost_submit_reuses_its_uploads(data, tmp_path, monkeypatch, capsys):
+    """The command run again (its client killed, the connection lost before the server answered) found the earlier
+    job only after uploading every input again: gigabytes of a large model sent a second time. The mark is of the
+    local files now, and keeps their blob references: the second run sends nothing and submits the same request."""
+    import grpc
+
+    from service.client import remote
+
+    class Away(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "the server went away"
+
+        def trailing_metadata(self):
+            return ()
+
+    sent, submitted = [], []
+
+    class Client:
+        def upload(self, path):
+            sent.append(Path(path).name)
+            return f"blob:sha256:{len(sent):064d}/{Path(path).name}"
+
+        def submit(self, request):
+            submitted.append((request.request_id, request.model, request.calibration))
+            raise Away()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(remote, "connect", lambda args: Client())
+    args = [*compress_args(data, tmp_path / "out", 3), "--upload", "--server", "127.0.0.1:1"]
+    assert cli.main(args) == 2 and sent == ["model.pt2", "cal.npz"]
+    assert "running this command again submits the same job" in capsys.readouterr().err
+    assert cli.main(args) == 2 and sent == ["model.pt2", "cal.npz"]  # nothing sent again
+    assert "sent by an earlier run of this command" in capsys.readouterr().err
+    assert len(submitted) == 2 and submitted[0] == submitted[1]  # the same request id and blobs
+    (data / "cal.npz").touch()  # a file changed in place: another job, its files sent again
+    assert cli.main(args) == 2 and sent[2:] == ["model.pt2", "cal.npz"] and submitted[2][0] != submitted[0][0]
+
+
 def test_an_out_that_is_a_file_is_refused_before_the_job_runs(server, data, tmp_path, capsys):
     (tmp_path / "out").write_text("a file")
     assert cli.main([*compress_args(data, tmp_path / "out", 3), "--server", server.address]) == 2
