@@ -97,3 +97,31 @@ def test_a_dense_session_timed_alone_is_no_reference_for_paired_timings(monkeypa
     assert time(Path("a.onnx")).in_turn and time.quietest_ms == float("inf")
     assert time(Path("b.onnx")).baseline_ms == 75.0 and time(Path("c.onnx")).baseline_ms == 75.5
     assert time.quietest_ms == 75.0 and time.retimed == 0 and len(calls) == 3 and not waits
+
+
+def test_one_reading_far_below_the_rest_sets_no_reference_for_the_job(monkeypatch):
+    """A dense median of 2.0 ms where every other reading is ~4.5 ms (a turbo spell, a timer's artifact) was the
+    reference of every later measurement: each taken three times, with pauses, for a host that was not busy. From
+    three readings on, the second quietest is the reference."""
+    calls, waits = scripted(monkeypatch, [4.5, 2.0, 4.5, 4.55, 4.5, 4.52, 4.48, 4.5, 4.55, 4.5])
+    time = timer([])
+    for name in "abc":
+        time(Path(f"{name}.onnx"))
+    retimed, timed, paused = time.retimed, len(calls), len(waits)
+    for name in "defgh":
+        time(Path(f"{name}.onnx"))
+    assert (time.retimed, len(calls), len(waits)) == (retimed, timed + 5, paused)  # once each, no pause
+
+
+def test_a_measurement_in_pieces_is_judged_against_the_dense_graph_in_pieces(monkeypatch):
+    """Run in pieces, the dense graph is another program (a session a piece): 60 ms in pieces against 50 ms whole
+    is no busy host, and the readings of one setup are not the reference of the other's."""
+    calls, waits = scripted(monkeypatch, [50.0, 60.0, 50.5, 60.5])
+    measured = timing.measure_latency
+    pieces = iter([0, 12, 0, 12])
+    monkeypatch.setattr(timing, "measure_latency",
+                        lambda *a, **k: dataclasses.replace(measured(*a, **k), pieces=next(pieces)))
+    time = timer([])
+    for name in "abcd":
+        time(Path(f"{name}.onnx"))
+    assert len(calls) == 4 and time.retimed == 0 and not waits
