@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -44,9 +45,9 @@ from .transport import (
 
 def follow_up(name: str, args: argparse.Namespace) -> str:
     """What to run to follow, fetch or cancel an operation this command left running."""
-    flags = server_flags(args)
+    flags, out = server_flags(args), shlex.quote(str(args.out_dir))
     return "\n".join([f"  follow it:   osscar operations watch {name} {flags} (or run this command again)",
-                      f"  download:    osscar operations download {name} {flags} --out {args.out_dir}",
+                      f"  download:    osscar operations download {name} {flags} --out {out}",
                       f"  cancel it:   osscar operations cancel {name} {flags}"])
 
 
@@ -222,4 +223,5 @@ def interrupted(client: RemoteCompressor, name: str | None, args: argparse.Names
 
 def download_command(name: str, args: argparse.Namespace) -> str:
     """What fetches a finished job's artifacts again, in words."""
-    return f"download it with: osscar operations download {name} {server_flags(args)} --out {args.out_dir}"
+    return (f"download it with: osscar operations download {name} {server_flags(args)} "
+            f"--out {shlex.quote(str(args.out_dir))}")

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -83,7 +84,8 @@ class RemoteCompressor:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             raise ClientError(f"cannot reach an osscar server at {self.target} within {timeout_s:.0f}s "
-                              "(start one with `osscar serve --port P`)") from None
+                              "(start one with `osscar serve --port P`; or the server and this command differ on TLS: "
+                              "--tls-ca for a server that serves TLS, none for one that does not)") from None
 
     def _call(self, method, request, attempts: int = 5):
         """Unary call with a deadline, retried on UNAVAILABLE (requests carry a request_id, so a retried
@@ -373,10 +375,10 @@ def _deliver(client: RemoteCompressor, final: operations_pb2.Operation, meta: pb
 
 def server_flags(args: argparse.Namespace) -> str:
     """The connection flags of this command, to repeat in the commands it suggests."""
-    flags = [f"--server {args.server}"]
+    flags = [f"--server {shlex.quote(str(args.server))}"]
     for name in ("tls_ca", "tls_cert", "tls_key", "token_file"):
-        if getattr(args, name, None) is not None:
-            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+        if getattr(args, name, None) is not None:  # quoted: a path with a space is copied and pasted whole
+            flags.append(f"--{name.replace('_', '-')} {shlex.quote(str(getattr(args, name)))}")
     return " ".join(flags)
 
 

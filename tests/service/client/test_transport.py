@@ -350,3 +350,17 @@ def test_the_same_command_after_its_inputs_changed_is_another_job(tmp_path):
     (model / "model.safetensors").write_bytes(b"new weights")  # same size, and the same mtime restored
     os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert RequestMark(out, "host:1", request).earlier() is None
+
+
+def test_the_commands_a_client_suggests_quote_their_paths():
+    """A path with a space in --out or a TLS flag broke the printed command when copied and pasted."""
+    import argparse
+    import shlex
+
+    from service.client.remote import follow_up
+
+    args = argparse.Namespace(server="127.0.0.1:50051", out_dir="my out", tls_ca="ca dir/ca.pem", tls_cert=None,
+                              tls_key=None, token_file=None)
+    download = follow_up("operations/q", args).splitlines()[1].split("download:", 1)[1]
+    assert shlex.split(download) == ["osscar", "operations", "download", "operations/q", "--server",
+                                     "127.0.0.1:50051", "--tls-ca", "ca dir/ca.pem", "--out", "my out"]
