@@ -13,6 +13,7 @@ Only the ONNX Runtime subprocess of `exporters.runtime` imports this module (no 
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import math
 import os
@@ -208,7 +209,7 @@ def remove_leftovers(sources: Iterable[str | Path], pid: int) -> None:
     for source in map(Path, sources):
         if source.is_file():
             # its pieces (".model.piece0.<pid>.onnx") and those of the embedded weights moved out ("..model.piece...")
-            remove(source.parent.glob(f".*{source.stem}.piece*.{pid}.onnx*"))
+            remove(source.parent.glob(f".*{glob.escape(source.stem)}.piece*.{pid}.onnx*"))
 
 
 def graph_inputs(model) -> list[str]:

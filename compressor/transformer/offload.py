@@ -91,7 +91,8 @@ def needs_streaming(directory: str | Path, share: float = STREAM_SHARE) -> bool:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json")
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "spm.model", "sentencepiece.bpe.model",
+                   "chat_template.jinja")
 
 
 # safetensors' dtype names -> torch's

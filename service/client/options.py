@@ -74,7 +74,7 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor, *, upload:
             raise InvalidArgument(bad_labels)
     except InvalidArgument as err:
         raise ClientError(str(err)) from None
-    if args.upload and upload:
+    if args.upload:  # checked by the first call too (`upload` False): before a run's mark is written
         given = [Path(str(options[n])).expanduser() for n in REFERENCES
                  if n in options and not is_remote_reference(str(options[n]))]
         if missing := [str(path) for path in given if not path.exists()]:

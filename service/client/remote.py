@@ -131,6 +131,7 @@ def remote_compress(args: argparse.Namespace) -> int:
             # the mark is of the local files (with --upload too): an earlier run's uploads are reused, not sent again
             request = build_request(args, client, upload=False)
             uploaded: dict[str, str] = {}
+            earlier = None
             if not explicit:
                 mark = RequestMark(Path(args.out_dir), args.server, request, upload=bool(args.upload))
                 if (earlier := mark.earlier()) is not None:
@@ -141,7 +142,12 @@ def remote_compress(args: argparse.Namespace) -> int:
                           f"command submitted (request {args.request_id}; {mark.path} says so)", file=sys.stderr)
                 mark.write(args.request_id, uploaded=uploaded)
             if args.upload:
-                request = build_request(args, client, uploaded=uploaded)
+                try:
+                    request = build_request(args, client, uploaded=uploaded)
+                except ClientError:  # an upload refused or failed before any submit: no job to come back to
+                    if mark is not None and earlier is None:
+                        mark.clear()
+                    raise
                 if mark is not None:
                     mark.write(args.request_id, uploaded=uploaded)
             request.request_id = args.request_id
@@ -150,6 +156,8 @@ def remote_compress(args: argparse.Namespace) -> int:
             if mark is not None and err.code() not in RETRYABLE:  # refused: no job to come back to
                 mark.clear()
             if err.code() in RETRYABLE:  # not a refusal: the server could not be reached (or stayed away)
+                if mark is not None:  # the uploads that went through are not sent again
+                    mark.write(args.request_id, uploaded=uploaded)
                 raise ClientError(f"lost the connection to the server: {describe_error(err)}; running this command "
                                   "again submits the same job") from None
             raise ClientError(f"the server refused the request: {describe_error(err)}") from None

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 MAX_LIST_TEXT = 2048  # filter and page_token characters
 DEFAULT_PAGE, MAX_PAGE = 50, 1000
 CANCEL_WAIT_S = 30.0  # CancelOperation answers once the worker is gone, or after this
-HEALTH_PROBE = "health.probe"  # the file `accepting` writes in the home
+HOME_MIN_FREE = 64 << 20  # bytes the home's disk keeps free while the server says SERVING
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class JobService:
         self.executor: Executor | None = None  # from `open`
         self._home_lock: int | None = None  # from `open`: the descriptor holding the home's lock
         self.draining = False
-        self._writable = True  # the home's last write probe (`_home_writable`), to log its changes once
+        self._writable = True  # the home's last write probe (`probe_home`)
         self._background: list[asyncio.Task] = []
         # uploads under way by (digest, file name): a failed one forgets the upload's row only when it is the
         # only one (two of one content and name at once share that row)
@@ -153,21 +153,28 @@ class JobService:
 
     @property
     def accepting(self) -> bool:
-        """Whether work is taken (the health check's SERVING): not draining, the store answers, and the home takes
-        a write (`_home_writable`)."""
-        return not self.draining and self.store is not None and self.store.ping() and self._home_writable()
+        """Whether work is taken (the health check's SERVING): not draining, the home took its last write probe
+        (`probe_home`), and the store answers."""
+        return not self.draining and self.store is not None and self._writable and self.store.ping()
 
-    def _home_writable(self) -> bool:
-        """Whether a file can be written in the home. A home remounted read-only, a full disk or permissions changed
-        under a running server still answer the store's SELECT, then refuse every job's write: a health check that
-        said SERVING kept sending it work that could only fail. Said in the log when it changes."""
+    def probe_home(self) -> bool:
+        """Whether a new file can be written in the home and its disk has HOME_MIN_FREE left; kept for `accepting`
+        and said in the log when it changes. A home remounted read-only, a full disk or permissions changed under a
+        running server still answer the store's SELECT, then refuse every job's write: a health check that said
+        SERVING kept sending it work that could only fail. Blocking (a hung network file system): the server runs it
+        in a thread."""
+        probe = self.home / f".health-probe.{os.getpid()}.{uuid.uuid4().hex}"
         try:
-            fd = os.open(self.home / HEALTH_PROBE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # a new file each time: one file rewritten in place gets its own freed block back on a full disk
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.write(fd, b"ok")
+                os.write(fd, b"\0" * 4096)
             finally:
                 os.close(fd)
-            writable, why = True, ""
+                probe.unlink(missing_ok=True)
+            stat = os.statvfs(self.home)
+            free = stat.f_bavail * stat.f_frsize
+            writable, why = free >= HOME_MIN_FREE, f"{free >> 20} MiB free, under {HOME_MIN_FREE >> 20} MiB"
         except OSError as err:
             writable, why = False, err.strerror or str(err)
         if writable != self._writable:

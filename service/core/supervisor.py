@@ -64,6 +64,7 @@ class Supervisor:
         self.executor = executor
         self.queue: deque[str] = deque()
         self.running: dict[str, _Running] = {}
+        self.concluding: set[str] = set()  # jobs whose end `_conclude` is recording (their worker gone)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         self._wake = asyncio.Event()
@@ -104,6 +105,8 @@ class Supervisor:
         if running is not None:
             if running.outcome is None:  # once its result is in, the job ends with it
                 running.stop("cancel")
+            return
+        if name in self.concluding:  # its end is being recorded (the store refused a try): it ends with that
             return
         with contextlib.suppress(ValueError):
             self.queue.remove(name)
@@ -257,15 +260,20 @@ class Supervisor:
         """`conclude`, tried again after each of CONCLUDE_RETRY_S when the store refuses its write: an attempt
         whose result is in must not end FAILED INTERNAL (`_unstick`, the last try's error) because the store
         failed for a moment. `conclude` writes before it publishes, so a try that failed changed nothing."""
-        for delay in (*CONCLUDE_RETRY_S, None):
-            try:
-                self.conclude(record, attempt, stop_reason, ended, outcome)
-                return
-            except sqlite3.OperationalError as err:
-                if delay is None:
-                    raise
-                log.warning("recording the end of attempt %d failed (%s); trying again in %gs", attempt, err, delay)
-                await asyncio.sleep(delay)
+        self.concluding.add(record.name)  # a cancel between the tries would be overwritten by the next one
+        try:
+            for delay in (*CONCLUDE_RETRY_S, None):
+                try:
+                    self.conclude(record, attempt, stop_reason, ended, outcome)
+                    return
+                except sqlite3.OperationalError as err:
+                    if delay is None:
+                        raise
+                    log.warning("recording the end of attempt %d failed (%s); trying again in %gs", attempt, err,
+                                delay)
+                    await asyncio.sleep(delay)
+        finally:
+            self.concluding.discard(record.name)
 
     def conclude(self, record: JobRecord, attempt: int, stop_reason: str | None, ended: Ended,
                  outcome: tuple[str, Any] | None) -> None:

@@ -257,25 +257,27 @@ def compress(request: CompressRequest, progress: ProgressFn | None = None,
                             "one session the host cannot hold is checked and evaluated in pieces too"))
             return parity, latency
 
-        # each finished round's wall time from its first latency probe: what the next one is expected to take
+        # each finished round's wall time, from its first latency probe after the first round: what the next one is
+        # expected to take (the first round's: its solve on; depth planning and trials before it are no round's)
         round_seconds: list[float] = []
-        round_began: dict[int, float] = {}  # round -> when its first probe (or, without one, its solve) began
+        began: list[float] = []  # when the next round's first probe began, once a round has finished
 
         def begin(index: int) -> None:
-            """The round's first measurement: not started when the time left cannot hold a round (the probes count;
-            they ran before the check, past the budget, when the round was then not started)."""
-            if index in round_began:
+            """A measurement after a finished round, the first of the next round: not started when the time left
+            cannot hold a round (its probes ran past the budget before the round was then not started)."""
+            if not rounds or began:
                 return
             left = pace.left()
-            if rounds and round_seconds and left is not None and left < max(round_seconds):
+            if round_seconds and left is not None and left < max(round_seconds):
                 raise _OutOfTime(index, left, max(round_seconds))
-            round_began[index] = time.perf_counter()
+            began.append(time.perf_counter())
 
         def run_round(plan: Widths, index: int, predicted: float | None = None, solved: Solved | None = None
                       ) -> Round:
             begin(index)
+            started = began.pop() if began else time.perf_counter()
             done = _run_round(plan, index, predicted, solved)
-            round_seconds.append(time.perf_counter() - round_began[index])
+            round_seconds.append(time.perf_counter() - started)
             return done
 
         def _run_round(plan: Widths, index: int, predicted: float | None, solved: Solved | None) -> Round:

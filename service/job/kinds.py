@@ -998,18 +998,21 @@ class _TransformerJob:
         return "model/"
 
     def _write_tokenizer(self, target: Path) -> None:
-        """The source's tokenizer files into `target` as they are; written by transformers only where the source
-        directory has none. A tokenizer saved again dropped vocab.txt, tokenizer.model, merges.txt and
-        special_tokens_map.json (what slow tokenizers and converters read) and added keys of this machine's loading
-        (local_files_only) to tokenizer_config.json."""
+        """The source's tokenizer files into `target` as they are, and what transformers writes of the tokenizer
+        beside them where the source lacks it (a sentencepiece model's tokenizer.json). A tokenizer saved again alone
+        dropped vocab.txt, tokenizer.model, merges.txt and special_tokens_map.json (what slow tokenizers and
+        converters read) and added keys of this machine's loading (local_files_only) to tokenizer_config.json."""
         source = Path(str(self.request.model))
-        names = [n for n in (*TOKENIZER_FILES, "chat_template.jinja") if (source / n).is_file()]
-        if names:
-            for name in names:
-                if not (target / name).exists() or not (target / name).samefile(source / name):
-                    shutil.copyfile(source / name, target / name)
-        elif self.loaded.tokenizer is not None:
-            self.loaded.tokenizer.save_pretrained(target)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file() and not ((target / name).exists() and (target / name).samefile(source / name)):
+                shutil.copyfile(source / name, target / name)
+        if self.loaded.tokenizer is None:
+            return
+        with tempfile.TemporaryDirectory() as saved:
+            self.loaded.tokenizer.save_pretrained(saved)
+            for written in Path(saved).iterdir():
+                if written.is_file() and not (target / written.name).exists():
+                    shutil.copyfile(written, target / written.name)
 
     def serving_files(self, out: Path) -> dict[str, Any] | None:
         return None

@@ -107,6 +107,7 @@ class Server:
         return self.port
 
     async def _set_health(self) -> None:
+        await asyncio.to_thread(self.jobs.probe_home)  # file I/O: a hung home must not stall the event loop
         status = health_pb2.HealthCheckResponse.SERVING if self.jobs.accepting else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *SERVICE_NAMES):

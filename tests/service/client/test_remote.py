@@ -236,6 +236,7 @@ def test_files_an_upload_cannot_send_are_refused_before_the_first_upload(server,
     assert cli.main([*accented, "--upload", "--server", server.address]) == 2
     err = capsys.readouterr().err
     assert "modèle.pt2: an uploaded file keeps its name, which must be ASCII" in err and "uploading" not in err
+    assert not (tmp_path / "out").exists()  # no mark of a request that was never sent, nor a folder made for it
 
 
 def test_a_run_again_after_a_lost_submit_reuses_its_uploads(data, tmp_path, monkeypatch, capsys):

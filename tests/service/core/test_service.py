@@ -77,31 +77,38 @@ def test_a_drained_service_still_reads_its_operations_until_closed(tmp_path):
 
 def test_a_home_that_takes_no_write_is_not_accepting(tmp_path, monkeypatch, caplog):
     """A home that stopped taking writes under a running server (remounted read-only, a full disk) still answers the
-    store's read: the health check said SERVING and sent it work that could only fail. Now not accepting, said once
-    in the log, and accepting again once the home takes writes."""
+    store's read: the health check said SERVING and sent it work that could only fail. Now not accepting after a
+    probe that fails, said once in the log, and accepting again once the home takes writes; a disk with less than
+    HOME_MIN_FREE left is full for it. The probe leaves no file in the home."""
     import errno
     import logging
 
     from service.core import service as core
 
     jobs = service(tmp_path)
-    assert jobs.accepting
+    before = sorted(p.name for p in jobs.home.iterdir())
+    assert jobs.probe_home() and jobs.accepting
     real_open = os.open
     refusing = [True]
 
     def open_(path, flags, *args):
-        if refusing[0] and Path(path).name == core.HEALTH_PROBE:
+        if refusing[0] and Path(path).name.startswith(".health-probe"):
             raise OSError(errno.EROFS, "Read-only file system", str(path))
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(core.os, "open", open_)
     with caplog.at_level(logging.INFO, logger="service.core.service"):
-        assert not jobs.accepting and not jobs.accepting and jobs.store.ping()
+        assert not jobs.probe_home() and not jobs.probe_home()
+        assert not jobs.accepting and jobs.store.ping()
         refusing[0] = False
-        assert jobs.accepting
+        assert jobs.probe_home() and jobs.accepting
+        monkeypatch.setattr(core, "HOME_MIN_FREE", 1 << 62)  # more than any disk has free
+        assert not jobs.probe_home() and not jobs.accepting
     said = [r.getMessage() for r in caplog.records]
     assert sum("cannot be written (Read-only file system)" in m for m in said) == 1
     assert sum("takes writes again" in m for m in said) == 1
+    assert any("MiB free, under" in m for m in said)
+    assert sorted(p.name for p in jobs.home.iterdir()) == before
 
 
 def test_retention_removes_blobs_nothing_names_once_old(tmp_path):

@@ -259,9 +259,12 @@ def test_a_result_whose_final_write_fails_for_a_moment_is_kept(tmp_path, monkeyp
             return Ended(0)
 
     real_update = jobs.store.update
+    written = []
 
     def update(name, artifacts=None, **fields):
+        written.append(fields.get("state"))
         if fields.get("state") in (SUCCEEDED, FAILED) and failures:
+            jobs.supervisor.cancel(name)  # a cancel between the tries: the end being recorded is the job's
             raise failures.pop()
         return real_update(name, artifacts, **fields)
 
@@ -277,6 +280,7 @@ def test_a_result_whose_final_write_fails_for_a_moment_is_kept(tmp_path, monkeyp
         assert final.state == state and not failures, name
         if state == SUCCEEDED:
             assert [a.sha256 for a in final.artifacts] == [artifact["sha256"]] and final.report is not None
+            assert CANCELLED not in written  # never CANCELLED (published as done) and then SUCCEEDED
         else:  # three refusals: the tries are spent, `_unstick` ends it (its own write went through)
             assert final.error.code == "INTERNAL"
         assert name not in jobs.supervisor.running

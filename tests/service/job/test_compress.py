@@ -1187,6 +1187,7 @@ def test_target_mode_starts_no_round_its_time_budget_cannot_hold(model_and_data,
     real_target, started = compress.run_target, []
 
     def run_target(request, job, measure, rounds, *args):
+        measure.probe_model(job.dense, 1)  # a depth trial's probe before the rounds (numbered 1): no round's start
         real_target(request, job, measure, rounds, *args)  # the toy lands at its minimum widths in one round
         left["s"] = 0.01  # then the budget is nearly spent, and the loop asks for another round
         started.append(len(rounds))
