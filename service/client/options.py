@@ -20,6 +20,7 @@ from ..api.wire import (
 )
 from ..embedded import is_remote_reference
 from ..errors import InvalidArgument
+from ..fields import check_request_id, label_violations
 from ..files import valid_filename
 from .transport import ClientError, RemoteCompressor
 
@@ -29,7 +30,6 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor, *, upload:
     """The Compress request of the command's flags: the options it set (the server applies the same
     defaults to the rest), references made absolute or, with --upload (and `upload`), uploaded. `uploaded`: the
     blob references of files sent before, by local path (reused, not sent again), and where each upload is kept."""
-    from ..core.submission import check_request_id, label_violations
     from ..job.request import LOCAL_ONLY, MAX_TIME_BUDGET_S, REFERENCES, SHAPE_KEYS, request_from_spec
 
     def reference(value) -> str:

@@ -35,6 +35,7 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
+from ..fields import check_request_id
 from ..files import ArchiveError
 from ..job.request import REFERENCES
 from ..logs import operation_context
@@ -46,7 +47,7 @@ from .metrics import Metrics
 from .outcomes import CANCELLED, QUEUED, RUNNING
 from .references import resolve, upload_of
 from .store import ArtifactRecord, JobRecord, JobStore
-from .submission import SubmitRequest, check_request_id, validate
+from .submission import SubmitRequest, validate
 from .supervisor import Supervisor, detect_devices
 
 log = logging.getLogger(__name__)

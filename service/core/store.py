@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FieldViolation, InvalidArgument
+from ..fields import LABEL_KEY
 from ..job.request import DEFAULT_METHOD
 from .outcomes import FAILED, FINISHED, QUEUED, STATES, JobError
 
 log = logging.getLogger(__name__)
 
-LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")  # \Z: `$` also matches before a final newline
 _FILTER_TERM = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(?:"([^"]*)"|([^\s"]+))\s*$')
 
 MIGRATIONS: tuple[str, ...] = (

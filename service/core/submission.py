@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from ..fields import label_violations
 from ..job.request import MAX_TIME_BUDGET_S
 from .blobs import BlobStore
 from .policy import ReferencePolicy
 from .references import input_name, resolve
-from .store import LABEL_KEY
 
 REQUIRED = ("model", "calibration")
-MAX_LABELS = 64
 
 
 @dataclass
@@ -44,14 +42,6 @@ class Accepted:
 
     resolved: dict[str, Any]
     references: dict[str, str]
-
-
-def check_request_id(request_id: str) -> None:
-    try:
-        uuid.UUID(request_id)
-    except ValueError:
-        raise InvalidArgument([FieldViolation("request_id", "must be a UUID (AIP-155), e.g. from uuid.uuid4()")]
-                              ) from None
 
 
 def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: ReferencePolicy) -> Accepted:
@@ -98,17 +88,6 @@ def validate(request: SubmitRequest, *, home: Path, blobs: BlobStore, policy: Re
     check_model(Path(spec["model"]), references["model"])
     spec["trust_remote_code"] = policy.trusts_code(Path(spec["model"]))
     return Accepted(spec, references)
-
-
-def label_violations(labels: dict[str, str]) -> list[FieldViolation]:
-    # values are printed by `osscar operations` on other users' terminals: no control characters (escapes)
-    violations = [FieldViolation(f"labels[{key}]", "label keys are lowercase letters, digits, _ and - (start with "
-                                                     "a letter, <= 63), values <= 63 printable characters")
-                  for key, value in labels.items()
-                  if not LABEL_KEY.match(key) or len(value) > 63 or not value.isprintable()]
-    if len(labels) > MAX_LABELS:
-        violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels"))
-    return violations
 
 
 def check_model(path: Path, reference: str) -> None:
