@@ -37,9 +37,7 @@ def build_request(args: argparse.Namespace, client: RemoteCompressor, *, upload:
         if is_remote_reference(text):
             return text
         path = Path(text).expanduser()
-        if args.upload and upload:
-            if not path.exists():
-                raise ClientError(f"--upload: no such file or directory: {path}")
+        if args.upload and upload:  # the files were checked below, before the first upload
             local = os.path.abspath(path)
             if uploaded is not None and local in uploaded:
                 print(f"{path}: sent by an earlier run of this command ({uploaded[local]})", file=sys.stderr)

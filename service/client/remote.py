@@ -117,8 +117,8 @@ def remote_compress(args: argparse.Namespace) -> int:
     try:
         if args.device is not None:
             raise ClientError("--device is chosen by the server (one job per device); drop it with --server")
-        # before the job runs: not found hours later when its artifacts come
-        check_out(Path(args.out_dir), [getattr(args, name, None) for name in ("model", "calibration", "eval")])
+        inputs = [getattr(args, name, None) for name in ("model", "calibration", "eval")]
+        check_out(Path(args.out_dir), inputs)  # before the job runs: not found hours later when its artifacts come
         client = connect(args)
     except ClientError as err:
         print(f"osscar: error: {err}", file=sys.stderr)
@@ -175,7 +175,6 @@ def remote_compress(args: argparse.Namespace) -> int:
             final = client._call(client.operations.GetOperation, operations_pb2.GetOperationRequest(name=op.name))
         ended = final.done
         try:
-            inputs = [getattr(args, name, None) for name in ("model", "calibration", "eval")]
             try:
                 out = deliver(client, final, Path(args.out_dir), inputs)
             except JobFailed:
