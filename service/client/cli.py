@@ -200,8 +200,16 @@ def _health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-    if args.tls_ca:
-        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(args.tls_ca.read_bytes()))
+    if (args.tls_cert is None) != (args.tls_key is None):  # a key alone would otherwise go unsent
+        print("osscar: error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.tls_ca or args.tls_cert:  # a server that asks for client certificates (mTLS) gets this one's
+        try:
+            ca, key, cert = (path.read_bytes() if path else None for path in (args.tls_ca, args.tls_key, args.tls_cert))
+        except OSError as err:
+            print(f"osscar: error: {err.filename}: {err.strerror}", file=sys.stderr)
+            return 2
+        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(ca, key, cert))
     else:
         channel = grpc.insecure_channel(args.server)
     with channel:
@@ -364,6 +372,8 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
     check.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     check.add_argument("--service", default="", help="service name (default: the whole server)")
     check.add_argument("--tls-ca", type=Path, default=None, help="PEM CA of the server's certificate (TLS)")
+    check.add_argument("--tls-cert", type=Path, default=None, help="this client's PEM certificate (mTLS)")
+    check.add_argument("--tls-key", type=Path, default=None, help="this client's PEM private key (mTLS)")
     check.add_argument("--timeout", type=seconds, default=5.0)
     check.set_defaults(func=_health)
     return parser

@@ -253,3 +253,15 @@ def test_after_the_hostile_table_the_server_is_up_and_nothing_was_written(hostil
     op = stub.Compress(_request(server.home.parent / "allowed"), timeout=30)
     assert op.name.startswith("operations/")
     server.operations.CancelOperation(operations_pb2.CancelOperationRequest(name=op.name), timeout=40)
+
+
+def test_the_health_command_checks_a_server_that_asks_for_client_certificates(secure_server, capsys):
+    """`osscar health` had no client certificate flags: a server with --tls-client-ca could be checked only through
+    its loopback --health-port."""
+    server, pki = secure_server
+    flags = ["health", "--server", server.address, "--tls-ca", str(pki["ca"]), "--timeout", "10"]
+    assert cli.main([*flags, "--tls-cert", str(pki["client"]), "--tls-key", str(pki["client_key"])]) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert cli.main(flags) == 1  # no client certificate: the handshake is refused
+    assert cli.main([*flags, "--tls-cert", str(pki["client"])]) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
