@@ -199,19 +199,16 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from .transport import ClientError, open_channel
 
-    if (args.tls_cert is None) != (args.tls_key is None):  # a key alone would otherwise go unsent
-        print("osscar: error: --tls-cert and --tls-key go together", file=sys.stderr)
+    try:
+        channel = open_channel(args.server, args.tls_ca, args.tls_cert, args.tls_key)
+    except ClientError as err:
+        print(f"osscar: error: {err}", file=sys.stderr)
         return 2
-    if args.tls_ca or args.tls_cert:  # a server that asks for client certificates (mTLS) gets this one's
-        try:
-            ca, key, cert = (path.read_bytes() if path else None for path in (args.tls_ca, args.tls_key, args.tls_cert))
-        except OSError as err:
-            print(f"osscar: error: {err.filename}: {err.strerror}", file=sys.stderr)
-            return 2
-        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(ca, key, cert))
-    else:
-        channel = grpc.insecure_channel(args.server)
+    except OSError as err:
+        print(f"osscar: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
     with channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),

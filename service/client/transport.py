@@ -56,20 +56,27 @@ class ClientError(Exception):
     """What the command prints before exiting 2."""
 
 
+def open_channel(target: str, tls_ca: Path | None = None, tls_cert: Path | None = None, tls_key: Path | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel to `target`: TLS with `tls_ca` (the server's CA) or a client certificate (`tls_cert` and `tls_key`,
+    for a server that asks for one), else plain text. Raises ClientError for a key without its certificate (or the
+    reverse), OSError for a file that does not read."""
+    if (tls_cert is None) != (tls_key is None):  # a key alone would otherwise connect in plain text
+        raise ClientError("--tls-cert and --tls-key go together")
+    if tls_ca is None and tls_cert is None:
+        return grpc.insecure_channel(target, options=list(options))
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
+    return grpc.secure_channel(target, credentials, options=list(options))
+
+
 class RemoteCompressor:
     def __init__(self, target: str, timeout_s: float = 60.0, *, tls_ca: Path | None = None,
                  tls_cert: Path | None = None, tls_key: Path | None = None, token: str | None = None) -> None:
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
-        if (tls_cert is None) != (tls_key is None):  # a key alone would otherwise connect in plain text
-            raise ClientError("--tls-cert and --tls-key go together")
-        if tls_ca is not None or tls_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
-                private_key=Path(tls_key).read_bytes() if tls_key else None,
-                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
-            self.channel = grpc.secure_channel(target, credentials, options=options)
-        else:
-            self.channel = grpc.insecure_channel(target, options=options)
+        self.channel = open_channel(target, tls_ca, tls_cert, tls_key,
+                                    [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.target = target
         self.timeout = timeout_s
@@ -167,11 +174,8 @@ class RemoteCompressor:
                       f"to {reconnect_s:.0f}s)", file=sys.stderr)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-            left = reconnect_s - (time.monotonic() - lost)
-            try:
-                if left <= 0:
-                    raise ClientError("")
-                self.wait_ready(left)  # the next stream's wait_for_ready would wait without a bound
+            try:  # the next stream's wait_for_ready would wait without a bound
+                self.wait_ready(max(0.0, reconnect_s - (time.monotonic() - lost)))
             except ClientError:
                 raise ClientError(f"{name}: the server at {self.target} stayed unreachable for {reconnect_s:.0f}s; "
                                   "the job may still be running there: follow it again once the server is back "

@@ -398,6 +398,12 @@ def _searched(option: DepthOption, best: DepthOption, worse: int) -> tuple[Depth
     return best, worse, option.width_saving == 0 or worse >= DEPTH_PATIENCE
 
 
+def _modelled_speedup(share: float, saved: float) -> float:
+    """The latency model's speedup of removing `saved` of the prunable cost, `share` of the latency per unit of it
+    (the latency removed capped at 95 %)."""
+    return 1 / (1 - min(share * saved, 0.95))
+
+
 def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve], losses: dict[str, float],
                       aim: float, probe: ProbeGraph, say: Say) -> tuple[list[DepthOption], DepthOption, float]:
     """(options, the least loss's, the depth share they were modelled with) of a kind whose depth units cost
@@ -419,7 +425,7 @@ def _modelled_options(job: DepthJob, order: list[str], curves: list[LayerCurve],
         best, worse = options[0], 0
         for n, cost in costs.items():
             blocks = order[:n]
-            speedup = measured.get(n, 1 / (1 - min(share * cost, 0.95)))
+            speedup = measured.get(n, _modelled_speedup(share, cost))
             kept = kept_curves(job, blocks, curves)
             option = depth_option(blocks, sum(losses[b] for b in blocks), speedup, kept, aim, INITIAL_SHARE,
                                   n in measured)
@@ -517,7 +523,7 @@ def target_loop(request: CompressRequest, curves: list[LayerCurve], run_round: R
             say(warning(f"{label} {index}: every layer is at its minimum width (--min-width {request.min_width:g}, "
                         f"--round-to {request.round_to or ROUND_TO}); expect a large quality loss"))
         # the latency model's speedup for these widths (the aim, AIM_AT x target, was reported in its place)
-        predicted = base_speedup / (1 - min(share * saved, 0.95))
+        predicted = base_speedup * _modelled_speedup(share, saved)
         if first is not None and index == first_round and solved is not None:
             result = run_round(plan, index, predicted, solved)
         else:

@@ -18,6 +18,7 @@ from service.api import compression_pb2 as pb
 from service.api.wire import unpack_metadata
 from service.client import cli
 from tests.compressor.cnn.conv_models import write_conv_job
+from tests.service.client.fakes import Unavailable
 from tests.service.server_process import ROOT, ServerProcess
 
 
@@ -243,19 +244,7 @@ def test_a_run_again_after_a_lost_submit_reuses_its_uploads(data, tmp_path, monk
     """The command run again (its client killed, the connection lost before the server answered) found the earlier
     job only after uploading every input again: gigabytes of a large model sent a second time. The mark is of the
     local files now, and keeps their blob references: the second run sends nothing and submits the same request."""
-    import grpc
-
     from service.client import remote
-
-    class Away(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "the server went away"
-
-        def trailing_metadata(self):
-            return ()
 
     sent, submitted = [], []
 
@@ -266,7 +255,7 @@ def test_a_run_again_after_a_lost_submit_reuses_its_uploads(data, tmp_path, monk
 
         def submit(self, request):
             submitted.append((request.request_id, request.model, request.calibration))
-            raise Away()
+            raise Unavailable()
 
         def close(self):
             pass
@@ -293,22 +282,10 @@ def test_a_download_that_fails_after_the_job_ended_says_how_to_download_it_again
                                                                                  monkeypatch):
     """The server went away during the download of a finished job: exit 2 with one line that says the job has
     ended and the command that fetches its artifacts, not the bare UNAVAILABLE of a call."""
-    import grpc
-
     from service.client import remote
 
-    class Unavailable(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "connection reset"
-
-        def trailing_metadata(self):
-            return ()
-
     def cut(*args):
-        raise Unavailable()
+        raise Unavailable("connection reset")
 
     monkeypatch.setattr(remote, "deliver", cut)
     out = tmp_path / "out"

@@ -9,6 +9,7 @@ import pytest
 from google.longrunning import operations_pb2
 
 from service.client import transport
+from tests.service.client.fakes import ModelDownloads, Unavailable
 
 
 def test_a_delivery_replaces_an_earlier_jobs_outputs_in_a_reused_out(tmp_path, monkeypatch):
@@ -48,7 +49,6 @@ def test_a_users_model_folder_in_out_is_refused_before_the_job_and_kept_at_its_d
     """A remote job's delivery replaced out/model/ whole, a folder no job wrote (a local job refuses it): refused by
     check_out before the job runs, unless an earlier job's report names it or it is the job's input; one made while
     the job ran stops the delivery with the user's files kept and the artifacts staged."""
-    import tarfile
 
     out = tmp_path / "out"
     (out / "model").mkdir(parents=True)
@@ -66,21 +66,14 @@ def test_a_users_model_folder_in_out_is_refused_before_the_job_and_kept_at_its_d
     artifacts = [SimpleNamespace(name="model.tar"), SimpleNamespace(name="report.json")]
     monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=artifacts))
 
-    class Client:
-        def download(self, name: str, artifact, into: Path) -> Path:
-            if artifact.name == "model.tar":
-                with tarfile.open(into / "model.tar", "w") as tar:
-                    tar.add(pruned / "config.json", arcname="config.json")
-            else:
-                (into / artifact.name).write_text('{"artifacts": {"model": "model/"}}')
-            return into / artifact.name
-
     with pytest.raises(transport.ClientError, match="the downloaded artifacts wait in"):
-        transport.deliver(Client(), operations_pb2.Operation(name="operations/m", done=True), out)
+        transport.deliver(ModelDownloads(pruned / "config.json"), operations_pb2.Operation(name="operations/m",
+                                                                                            done=True), out)
     assert (out / "model" / "my_notes.txt").read_text() == "mine" and not (out / "report.json").exists()
     (out / "model" / "my_notes.txt").rename(tmp_path / "moved.txt")
     (out / "model").rmdir()
-    transport.deliver(Client(), operations_pb2.Operation(name="operations/m", done=True), out)
+    transport.deliver(ModelDownloads(pruned / "config.json"), operations_pb2.Operation(name="operations/m", done=True),
+                      out)
     assert (out / "model" / "config.json").is_file() and (out / "report.json").is_file()
 
 
@@ -88,7 +81,6 @@ def test_a_delivery_removes_the_other_kind_of_an_earlier_jobs_pruned_model(tmp_p
     """A CNN job's model.pt2, then a transformer job's model/ into the same --out: the stale model.pt2 stayed beside
     the new model, a mix of two jobs (a local job removes it); a failed job's delivery (no model) removes an
     earlier job's model/ too. The job's own input stays."""
-    import tarfile
 
     out = tmp_path / "out"
     out.mkdir()
@@ -96,23 +88,14 @@ def test_a_delivery_removes_the_other_kind_of_an_earlier_jobs_pruned_model(tmp_p
     (tmp_path / "cfg.json").write_text("{}")
     returned = {"artifacts": [SimpleNamespace(name="model.tar"), SimpleNamespace(name="report.json")]}
     monkeypatch.setattr(transport, "unpack_metadata", lambda op: SimpleNamespace(artifacts=returned["artifacts"]))
-
-    class Client:
-        def download(self, name: str, artifact, into: Path) -> Path:
-            if artifact.name == "model.tar":
-                with tarfile.open(into / "model.tar", "w") as tar:
-                    tar.add(tmp_path / "cfg.json", arcname="config.json")
-            else:
-                (into / artifact.name).write_text('{"artifacts": {"model": "model/"}}')
-            return into / artifact.name
-
-    transport.deliver(Client(), operations_pb2.Operation(name="operations/t", done=True), out,
+    client = ModelDownloads(tmp_path / "cfg.json")
+    transport.deliver(client, operations_pb2.Operation(name="operations/t", done=True), out,
                       inputs=[out / "model.pt2"])  # read by this job: kept
     assert (out / "model.pt2").is_file() and (out / "model" / "config.json").is_file()
-    transport.deliver(Client(), operations_pb2.Operation(name="operations/u", done=True), out)
+    transport.deliver(client, operations_pb2.Operation(name="operations/u", done=True), out)
     assert sorted(p.name for p in out.iterdir()) == ["model", "report.json"]
     returned["artifacts"] = [SimpleNamespace(name="report.json")]  # parity failed: its report alone
-    transport.deliver(Client(), operations_pb2.Operation(name="operations/v", done=True), out)
+    transport.deliver(client, operations_pb2.Operation(name="operations/v", done=True), out)
     assert sorted(p.name for p in out.iterdir()) == ["report.json"]
 
 
@@ -121,24 +104,12 @@ def test_a_cancel_that_fails_on_interrupt_says_the_job_is_not_cancelled():
     stay, so the printed advice (run the command again) follows the job instead of submitting a second one."""
     import argparse
 
-    import grpc
-
     from service.client.remote import interrupted
-
-    class Refused(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "the server is away"
-
-        def trailing_metadata(self):
-            return ()
 
     def client(fails: bool):
         def cancel(request, timeout=None, metadata=None):
             if fails:
-                raise Refused()
+                raise Unavailable()
 
         return SimpleNamespace(operations=SimpleNamespace(CancelOperation=cancel), timeout=1.0, metadata=())
 
@@ -152,17 +123,11 @@ def test_a_watch_whose_server_stays_away_says_so_and_ends(monkeypatch, capsys):
     """The server gone (killed, its node down): the watch waited in silence for as long as it stayed away, whatever
     --timeout said. It says once that it reconnects, goes on when the server is back, and ends with a ClientError
     naming the job once the server stayed away for `reconnect_s`."""
-    import grpc
-
     from service.api import compression_pb2 as pb
-
-    class Away(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
 
     monkeypatch.setattr(transport.time, "sleep", lambda s: None)
     client = transport.RemoteCompressor("127.0.0.1:1", timeout_s=1.0)
-    events = [Away(), Away(), [pb.CompressionEvent(stage="done", operation=operations_pb2.Operation(
+    events = [Unavailable(), Unavailable(), [pb.CompressionEvent(stage="done", operation=operations_pb2.Operation(
         name="operations/w", done=True))]]
 
     def watch(request, wait_for_ready=None, metadata=None):
@@ -178,7 +143,7 @@ def test_a_watch_whose_server_stays_away_says_so_and_ends(monkeypatch, capsys):
     assert err.count("lost the connection to 127.0.0.1:1 while following operations/w") == 1
     assert "reconnected; following operations/w" in err
 
-    events[:] = [Away()] * 100
+    events[:] = [Unavailable()] * 100
     monkeypatch.undo()
     monkeypatch.setattr(transport.time, "sleep", lambda s: None)
     with pytest.raises(transport.ClientError, match="stayed unreachable for 1s; the job may still be running"):
