@@ -103,6 +103,8 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                  vocab_size=50), "text"),
     ("mixtral", _lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **GQA),
      "text"),
+    ("qwen3_moe", _lm("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=96, **GQA), "text"),
     ("bert", _lm("BertModel", "BertConfig", **ENCODER), "text"),
     ("roberta", _lm("RobertaModel", "RobertaConfig", pad_token_id=1, **ENCODER), "text"),
     ("distilbert", _lm("DistilBertModel", "DistilBertConfig", dim=64, n_layers=2, n_heads=8, hidden_dim=96, **TEXT),

@@ -72,6 +72,9 @@ class LayerObservation:
     # 1/2 ||residual stream||^2 where the layer's output joins it (None: no residual), the scale its
     # error is felt at
     stream_energy: float | None = None
+    # the width plan's entry this layer's width comes from, where layers share one (the experts of a MoE layer:
+    # their losses and costs add up to the unit's curve); None: `name`
+    unit: str | None = None
 
 
 def floored_scale(scale: Tensor) -> Tensor:
@@ -204,14 +207,16 @@ def prune_layer(name: str, kind: str, stats: FinishedStatistics, group_size: int
                 dense_weight: Tensor, scale: Tensor | None, apply: Callable[[KeptSolution], None],
                 position: tuple[int, int], start: float, observe: Callable[[LayerObservation], None] | None,
                 costs: Callable[[], tuple[float, float | None]], progress: ProgressFn | None,
-                rank: int | None = None, numbers: Mapping[str, float] | None = None) -> LayerReport:
+                rank: int | None = None, numbers: Mapping[str, float] | None = None,
+                unit: str | None = None) -> LayerReport:
     """One layer's step, the same in every pipeline: `observe` its statistics (with `costs()`: one group's
     FLOPs and the residual stream's energy, computed only when observed), solve, keep, `apply` the kept
-    solution (the pipeline's surgery), then report it (a SOLVE record at `position`: (index from 1, total))."""
+    solution (the pipeline's surgery), then report it (a SOLVE record at `position`: (index from 1, total)).
+    `unit`: the width plan's entry the observation is planned under (`LayerObservation.unit`)."""
     groups = stats.H.shape[0] // group_size
     if observe is not None:
         cost, stream_energy = costs()
-        observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy))
+        observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy, unit))
     sol = solve_layer(stats.H, stats.G, group_size, num_prune, method, dense_weight=dense_weight, rank=rank,
                       magnitude_scale=scale)
     if sol.stats.get("fallback"):

@@ -19,7 +19,10 @@ from torch import fx
 from compressor.precision import float32_view
 from compressor.transformer.adapters import ADAPTERS
 from compressor.transformer.attention import GATHERED
+from compressor.transformer.experts import experts_as_operator
 from compressor.transformer.sublayers import kv_layers
+
+from .experts import translation_table
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +150,10 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     whether the weights go to an external data file)."""
     path = Path(path)
     _mark_eval(module)
-    with torch.no_grad(), _kept_tensor_attributes(module):
+    with torch.no_grad(), _kept_tensor_attributes(module), contextlib.ExitStack() as stack:
         try:
+            if stack.enter_context(experts_as_operator(module)):  # MoE layers as ONNX Runtime's MoE node
+                options = {**options, "custom_translation_table": translation_table()}
             program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
         except MemoryError:
             raise

@@ -114,6 +114,10 @@ class FamilyAdapter:
     # whether the config can state pruned widths at all (Swin's lists them per stage, from embed_dim and
     # mlp_ratio): a pruned model always has `osscar_widths.json`
     config_widths: bool = True
+    # a Mixture-of-Experts FFN (Mixtral, Qwen3-MoE): `down` names the layer's experts module
+    # (`compressor.transformer.experts`), whose experts each keep neurons of their own, as many in each; the config key
+    # of how many experts a token visits (what one neuron of every expert costs a token)
+    experts_per_token_key: str | None = None
 
     @property
     def up_matrices(self) -> int:
@@ -145,6 +149,8 @@ LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
 # Gemma 2 and 3: Llama's names, a norm after each sub-layer as well as before it
 GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
+# Mixture-of-Experts decoders: Llama's attention, a router (mlp.gate) and the experts as 3-D tensors (mlp.experts)
+MOE_LIKE = replace(LLAMA_LIKE, up=(), down="mlp.experts", experts_per_token_key="num_experts_per_tok")
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -212,6 +218,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
     "phi3": PHI3,
+    "mixtral": MOE_LIKE,
+    "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
 }
 
 VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -220,9 +228,8 @@ VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS
 REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal (images and text in one model); their "
               "language model alone, saved as a gemma3_text checkpoint (Gemma3ForCausalLM), is supported",
-    "mixtral": "Mixture-of-Experts experts are not a prunable unit yet",
-    "qwen3_moe": "Mixture-of-Experts experts are not a prunable unit yet",
-    "qwen2_moe": "Mixture-of-Experts experts are not a prunable unit yet",
+    "qwen2_moe": "Qwen2-MoE's shared expert (a dense FFN with its own gate beside the routed experts) is not a "
+                 "prunable unit yet; Mixtral and Qwen3-MoE experts are",
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
@@ -234,7 +241,17 @@ _RELATIVE_POSITIONS = (lambda c: c.get("position_embedding_type", "absolute") no
 
 
 # configurations of a supported family that are refused all the same: (the config.json test, why)
+_NOT_SWIGLU = (lambda c: c.get("hidden_act", "silu") != "silu",
+               "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes SwiGLU "
+               "(hidden_act silu) experts only")
+
 REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
+    "mixtral": _NOT_SWIGLU,
+    # Qwen3-MoE turns some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer sparse)
+    "qwen3_moe": (lambda c: _NOT_SWIGLU[0](c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
+                  or not c.get("num_experts", 1),
+                  "Qwen3-MoE is supported with SwiGLU experts (hidden_act silu) in every layer: dense FFN layers "
+                  "between the MoE layers (mlp_only_layers, decoder_sparse_step > 1, num_experts 0) are not"),
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,

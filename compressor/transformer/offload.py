@@ -149,6 +149,11 @@ class StreamedCheckpoint:
         if adapter_for(skeleton).stage_blocks is not None:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
                                           "streamed (it is pruned in memory: compress without --stream)")
+        if adapter_for(skeleton).experts_per_token_key:
+            raise UnsupportedArchitecture(f"{source}: {config.model_type}'s checkpoint keeps each expert's weights "
+                                          "apart, which transformers merges into 3-D tensors as it loads: a Mixture-"
+                                          "of-Experts model is not streamed (it is pruned in memory: compress "
+                                          "without --stream, on a host with the memory for it)")
         # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
         # a one-block model; its block is the template for those buffers
         small_config = copy.deepcopy(config)

@@ -57,6 +57,7 @@ from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
+from .experts import aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
@@ -375,6 +376,8 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         projections = hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
+    if adapter.experts_per_token_key:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
+        return share * float(hidden * 3 * int(getattr(model.config, adapter.experts_per_token_key)))
     return share * float(hidden * (1 + adapter.up_matrices))
 
 
@@ -430,6 +433,9 @@ def prune_blocks(
         check_removable(source.model, index, kind)
     check_removable_layers(source.model, sorted(skip))  # before any solve, not once every block is pruned
     check_gqa(gqa)
+    if adapter_for(source.model).experts_per_token_key and (method in ADDS_BIAS or add_bias):
+        raise UnsupportedArchitecture(f"method {method!r} gives output projections a bias, which a Mixture-of-Experts "
+                                      "layer's experts do not have")
     refine = refine or RefineConfig()
     check_method(refine, method)
     choosing = choose_rows and method not in DENSE_ROWS_METHODS  # the others keep the dense rows anyway
@@ -479,6 +485,14 @@ def prune_blocks(
             solved = True
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
+            if is_experts(proj):  # a Mixture-of-Experts FFN: one solve per expert, one width for them all
+                costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy)
+                reports += _prune_experts(f"{here}.{path}", proj, proj_dense, block, dense, streams, ratio, method,
+                                          device=device, activation_dtype=activation_dtype, token_cap=token_cap,
+                                          observe=observe, progress=progress, costs=costs,
+                                          position=(i + 1, d.layers))
+                del proj, proj_dense
+                continue
             # the intercept folded into the bias: FLAP's bias compensation too; mp and Wanda-sp have none
             center = bias_correction and method not in UNCOMPENSATED and (proj.bias is not None or add_bias)
             W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
@@ -534,7 +548,7 @@ def prune_blocks(
         if choices:
             _host_ready(device)
             picked = _choose_rows(block, choices, streams, refine, device)
-            reports = _report_rows(reports, picked)
+            reports = _report_rows(reports, choices, picked)
             log.info("%s: rows kept %s", here, ", ".join(f"{c.name[len(here) + 1:]} {p}"
                                                       for c, p in zip(choices, picked, strict=True)))
             del choices
@@ -556,6 +570,100 @@ def prune_blocks(
     if skip:
         remove_layers(model, sorted(skip))
     return reports
+
+
+# bytes of the experts' float64 statistics (H and G) gathered in one pass over the calibration streams: a layer whose
+# experts need more is read in several passes, a share of its experts each (Mixtral 8x7B's 8 experts of 14,336
+# neurons: 2.1 GB each, one a pass; Qwen3-30B-A3B's 128 of 768: all in one)
+EXPERT_STATISTICS_BYTES = 4 * 1024**3
+
+
+def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, block: nn.Module, dense: nn.Module,
+                   streams: Sequence[_Stream], ratio: Widths, method: str, *, device: torch.device,
+                   activation_dtype: torch.dtype, token_cap: float | None,
+                   observe: Callable[[LayerObservation], None] | None, progress: ProgressFn | None,
+                   costs: Callable[[], tuple[float, float]], position: tuple[int, int]) -> list[LayerReport]:
+    """The FFN of a Mixture-of-Experts block (`name`: its experts, the width plan's entry): each expert's down
+    projection is solved on the routing-weighted activations of the calibration tokens routed to it
+    (`experts.expert_inputs`), then every expert keeps as many neurons as the plan gives the layer, each its own.
+    Both streams are read with the pruned stream's routing: the dense stream routes some tokens to other experts,
+    and a token's two rows must pair. The experts are read in passes of as many as EXPERT_STATISTICS_BYTES holds,
+    each pass solving its experts before the next; the dense stream advances through the whole block in the last.
+    An expert that no calibration token reaches keeps its neurons of largest down-projection norm (identity rows:
+    the least squares of the weights themselves) and the job says so. The planned width is rounded up to a multiple
+    of `experts.ALIGN` neurons. One report for the layer (each expert's solve is a SOLVE record of its own)."""
+    count, width = experts.gate_up_proj.shape[0], expert_width(experts)
+    start = time.perf_counter()
+    num_prune = width - aligned_width(width, width - planned_prune(name, width, ratio))
+    per_pass = max(1, EXPERT_STATISTICS_BYTES // (8 * width * (width + experts.down_proj.shape[1])))
+    kept: list[KeptSolution] = []
+    objective = energy = 0.0
+    cost, stream_energy = costs()
+    for first in range(0, count, per_pass):
+        chosen = range(first, min(first + per_pass, count))
+        stats = _expert_statistics(experts, experts_dense, block, dense, streams, chosen, device=device,
+                                   activation_dtype=activation_dtype, token_cap=token_cap,
+                                   last=chosen.stop == count)
+        idle = [e for e, st in zip(chosen, stats, strict=True) if st.rows == 0]
+        if idle:
+            emit(progress, warning(f"{name}: no calibration token reached experts {idle}: they keep their neurons "
+                                   "of largest down-projection norm, unrefitted"), log)
+        for e in chosen:
+            st = stats.pop(0)
+            if st.rows == 0:
+                eye = torch.eye(width, dtype=torch.float64, device=st.W_hat.device)
+                st.add(eye, eye)
+            finished = st.finish(False)  # no intercept: experts have no bias
+            _check_finite(f"{name}.{e}", finished, activation_dtype)
+            report = prune_layer(
+                f"{name}.{e}", FFN, finished, 1, num_prune, method, dense_weight=st.W_hat, scale=None,
+                apply=kept.append, position=position, start=start, observe=observe, rank=finished.rank,
+                progress=progress, costs=lambda: (cost / count, stream_energy), unit=name)
+            objective, energy = objective + report.objective, energy + finished.energy
+            del finished, st  # this expert's H and G, before the next expert's solve
+    keep_expert_neurons(experts, [k.keep for k in kept], [k.weight.T.float() for k in kept])
+    # one report for the layer (the plan's unit): the experts' errors add up in the stream they all write to
+    return [LayerReport.measure(name, FFN, width, width - num_prune, objective, energy, start)]
+
+
+def _expert_statistics(experts: nn.Module, experts_dense: nn.Module, block: nn.Module, dense: nn.Module,
+                       streams: Sequence[_Stream], chosen: range, *, device: torch.device,
+                       activation_dtype: torch.dtype, token_cap: float | None, last: bool) -> list[LayerStatistics]:
+    """One pass over the streams: the statistics of experts `chosen` (their down projections' H and G); with `last`,
+    the dense stream advances through the whole block meanwhile."""
+    stats = [LayerStatistics(experts_dense.down_proj[e].detach().T.to(torch.float64), token_cap) for e in chosen]
+    captured: dict[str, tuple[Tensor, ...]] = {}
+
+    def capture(key: str, stop: bool) -> Callable[..., None]:
+        def hook(_module, args):
+            captured[key] = tuple(a.detach() for a in args)  # (x (tokens, hidden), top_k_index, top_k_weights)
+            if stop:
+                raise _Stop
+        return hook
+
+    h1 = experts.register_forward_pre_hook(capture("pruned", True))
+    h2 = experts_dense.register_forward_pre_hook(capture("dense", not last))
+    try:
+        with torch.no_grad():
+            for s in streams:
+                out = _run(dense, s.hidden, s, device)
+                _run(block, s.pruned, s, device)
+                x, index, weights = captured.pop("pruned")
+                x_hat = captured.pop("dense")[0]
+                rows = None
+                if s.counted is not None and s.mask.numel() == x.shape[0]:
+                    rows = s.counted.to(x.device)
+                pairs = zip(expert_inputs(experts, x, index, weights, rows, chosen),
+                            expert_inputs(experts_dense, x_hat, index, weights, rows, chosen), strict=True)
+                for st, (a, a_hat) in zip(stats, pairs, strict=True):
+                    if a.shape[0]:
+                        st.add(a.double(), a_hat.double())
+                if last:
+                    s.hidden = _offload(out, activation_dtype)
+    finally:
+        h1.remove()
+        h2.remove()
+    return stats
 
 
 def _fit_allowance(refine: RefineConfig, solve_seconds: float, fitted: float, blocks_left: int) -> RefineConfig:
@@ -646,10 +754,10 @@ def _choose_rows(block: nn.Module, choices: Sequence[_Rows], streams: Sequence[_
     return list(best)
 
 
-def _report_rows(reports: list[LayerReport], picked: Sequence[str]) -> list[LayerReport]:
-    """The last len(picked) reports (the block's solved projections, in order) with the rows each kept."""
-    start = len(reports) - len(picked)
-    return reports[:start] + [dataclasses.replace(r, rows=p) for r, p in zip(reports[start:], picked, strict=True)]
+def _report_rows(reports: list[LayerReport], choices: Sequence[_Rows], picked: Sequence[str]) -> list[LayerReport]:
+    """The reports with the rows each chosen projection kept (by name: a MoE layer's experts choose none)."""
+    rows = {c.name: p for c, p in zip(choices, picked, strict=True)}
+    return [dataclasses.replace(r, rows=rows[r.name]) if r.name in rows else r for r in reports]
 
 
 def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device: torch.device, last: bool,
@@ -723,8 +831,11 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                 (prune_query_heads if single else prune_heads)(resized, i, keep)
             if (i, FFN) in sublayers:
                 continue
-            neurons = in_features(projection(layers(resized)[i], adapter.down))
+            down = projection(layers(resized)[i], adapter.down)
+            neurons = in_features(down)
             kept = neurons - planned_prune(f"{here}.{adapter.down}", neurons, plan)
+            if is_experts(down):
+                kept = aligned_width(neurons, kept)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
     if skip:

@@ -32,6 +32,7 @@ from ..precision import float32_view
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
+from .experts import is_experts
 from .surgery import is_projection
 
 log = logging.getLogger(__name__)
@@ -145,12 +146,13 @@ def _squared_error(out: Tensor, batch: Sequences | Windows, token_cap: float | N
 
 
 class BlockReconstruction:
-    """Adam on one block's linear weights (and biases; norms with `config.norms`), in place
+    """Adam on one block's linear weights (and biases; norms with `config.norms`; a MoE layer's experts), in place
     (`compressor.refine.Reconstruction` on a block fed the pruned stream)."""
 
     def __init__(self, block: nn.Module, config: RefineConfig) -> None:
         self.block, self.config = block, config
-        linear = [m for m in block.modules() if is_projection(m)]  # GPT-2's Conv1D too
+        # GPT-2's Conv1D too, and a MoE layer's experts (their 3-D weights; the router keeps its choices)
+        linear = [m for m in block.modules() if is_projection(m) or is_experts(m)]
         norms = [m for m in block.modules() if "norm" in type(m).__name__.lower()] if config.norms else []
         self.parameters = [p for m in linear + norms for p in m.parameters(recurse=False)]
         assert self.parameters, f"{type(block).__name__}: no linear layers to fit"

@@ -33,6 +33,7 @@ from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
 from .adapters import adapter_for, dims, layers, layers_path
 from .attention import use_gathered_attention
+from .experts import expert_width, is_experts, keep_expert_neurons
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
 
 MANIFEST = "osscar_widths.json"
@@ -50,17 +51,23 @@ def is_projection(module: nn.Module) -> bool:
 
 
 def projection(layer: nn.Module, path: str) -> nn.Module:
+    """The projection at `path`, or a Mixture-of-Experts layer's experts (their down projections: `in_features` is
+    each expert's width, `out_features` the stream's; the weight helpers below refuse them)."""
     module = layer.get_submodule(path)
-    if not is_projection(module):
+    if not is_projection(module) and not is_experts(module):
         raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear or Conv1D")
     return module
 
 
 def in_features(proj: nn.Module) -> int:
+    if is_experts(proj):
+        return expert_width(proj)
     return proj.nx if _is_conv1d(proj) else proj.in_features
 
 
 def out_features(proj: nn.Module) -> int:
+    if is_experts(proj):
+        return int(proj.down_proj.shape[1])
     return proj.nf if _is_conv1d(proj) else proj.out_features
 
 
@@ -123,6 +130,11 @@ def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_w
     down = projection(layer, adapter.down)
     width = in_features(down)
     keep = check_keep(keep, width, f"layer {index} FFN neurons")
+    if is_experts(down):  # the same neurons of every expert (`experts.keep_expert_neurons`: each its own)
+        if down_weight is not None:
+            raise ValueError(f"layer {index}'s experts take one refit down weight per expert (keep_expert_neurons)")
+        keep_expert_neurons(down, [keep] * down.down_proj.shape[0])
+        return
     rows = torch.cat([keep, width + keep]) if adapter.fused_up else keep  # [gate | up]: the neuron in each half
     for path in adapter.up:
         keep_output_rows(projection(layer, path), rows)
@@ -443,7 +455,7 @@ def added_biases(model: nn.Module) -> list[str]:
     (`add_bias`)."""
     adapter = adapter_for(model)
     outputs = ((adapter.o, ATTENTION), (adapter.down, FFN))
-    if all(projection(layer, path).bias is None for i, layer in enumerate(layers(model))
+    if all(getattr(projection(layer, path), "bias", None) is None for i, layer in enumerate(layers(model))
            for path, kind in outputs if not is_removed(model, i, kind)):
         return []  # nothing to compare: no model is built from the config
     with torch.device("meta"):
@@ -451,8 +463,8 @@ def added_biases(model: nn.Module) -> list[str]:
     added = []
     for i, (layer, dense) in enumerate(zip(layers(model), layers(reference), strict=True)):
         for path, kind in outputs:
-            if not is_removed(model, i, kind) and projection(layer, path).bias is not None \
-                    and projection(dense, path).bias is None:
+            if not is_removed(model, i, kind) and getattr(projection(layer, path), "bias", None) is not None \
+                    and getattr(projection(dense, path), "bias", None) is None:
                 added.append(f"{i}.{path}")
     return added
 

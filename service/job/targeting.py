@@ -216,6 +216,7 @@ def dense_curves(job: ModelJob, request: CompressRequest, say: Say, version: str
     convert = job.currency()
 
     job.prune(0.0, observe=lambda obs: curves.append(layer_curve(obs, request, convert, say)))
+    curves = merged_units(curves)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(cache, json.dumps([asdict(c) for c in curves], indent=2))
@@ -236,14 +237,36 @@ def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callab
         losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
     except (IllConditioned, PivotError) as err:
         say(warning(f"{obs.name}: no loss curve ({err}); the allocation keeps it whole"))
-        return LayerCurve(obs.name, obs.kind, [groups], [0.0], obs.cost)
+        return LayerCurve(obs.unit or obs.name, obs.kind, [groups], [0.0], obs.cost)
     # a layer's loss counts relative to what its error adds to: the residual stream when there is one
     norm = obs.stream_energy if request.normalise != "layer" and obs.stream_energy else obs.energy
     norm = norm if norm > 0 else 1.0
     relative = [v / norm for v in losses]
     if convert is not None and obs.stream_energy:  # priced by the output change they predict
-        relative = [convert(obs.name, v, "input") for v in relative]
-    return LayerCurve(obs.name, obs.kind, allowed, relative, obs.cost)
+        relative = [convert(obs.unit or obs.name, v, "input") for v in relative]
+    return LayerCurve(obs.unit or obs.name, obs.kind, allowed, relative, obs.cost)
+
+
+def merged_units(curves: Sequence[LayerCurve]) -> list[LayerCurve]:
+    """One curve per plan unit: curves of the same name (a MoE layer's experts, which keep one width) become one whose
+    loss and cost at each width are their sums (their errors add in the stream they share), in first-seen order."""
+    units: dict[str, list[LayerCurve]] = {}
+    for curve in curves:
+        units.setdefault(curve.name, []).append(curve)
+    out = []
+    for name, parts in units.items():
+        first = parts[0]
+        if len(parts) == 1:
+            out.append(first)
+            continue
+        if any(p.widths != first.widths or p.kind != first.kind for p in parts):
+            # a part without a loss curve (kept whole) makes the unit whole: its experts take one width
+            widths = [first.groups]
+            out.append(LayerCurve(name, first.kind, widths, [0.0], sum(p.cost for p in parts)))
+            continue
+        loss = [sum(values) for values in zip(*(p.loss for p in parts), strict=True)]
+        out.append(LayerCurve(name, first.kind, list(first.widths), loss, sum(p.cost for p in parts)))
+    return out
 
 
 CURRENCIES = {"stream": "relative to the residual stream they join",

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.experts import is_experts
 from compressor.transformer.surgery import projection, prune_ffn, prune_heads
 from exporters.onnx import ParityError, check_hf_parity, export_hf_onnx
-from tests.compressor.transformer.transformer_models import MODELS, example_inputs, first_output, output_name
+from tests.compressor.transformer.transformer_models import MODELS, example_inputs, ffn_keep, first_output, output_name
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -16,7 +17,7 @@ def exported(request, tmp_path_factory):
     """A pruned model with layers of different widths, exported once per family."""
     model = MODELS[request.param]()
     prune_heads(model, 0, [dims(model).kv_heads - 1])
-    prune_ffn(model, 1, [0, 3, 4, 9])
+    prune_ffn(model, 1, ffn_keep(model, [0, 3, 4, 9]))
     example = example_inputs(model, batch=2, length=10)
     path = export_hf_onnx(model, example, tmp_path_factory.mktemp(request.param) / "m.onnx",
                           output_name=output_name(model), max_length=32)
@@ -39,7 +40,8 @@ def test_names_and_dynamic_shapes_match_pytorch(exported):
 def test_parity_gate_passes_and_catches_a_changed_model(exported):
     model, example, path = exported
     assert check_hf_parity(model, path, example, output_name(model)).max_abs_error < 1e-4
-    layer_weight = projection(layers(model)[-1], adapter_for(model).down).weight
+    down = projection(layers(model)[-1], adapter_for(model).down)
+    layer_weight = down.down_proj if is_experts(down) else down.weight  # a MoE layer: its experts' 3-D weight
     saved = layer_weight.data.clone()
     layer_weight.data += torch.randn(saved.shape, generator=torch.Generator().manual_seed(0))
     try:
@@ -52,7 +54,8 @@ def test_parity_gate_passes_and_catches_a_changed_model(exported):
 @pytest.mark.parametrize("name,unit", [("llama", "kv-groups"), ("qwen2", "kv-groups"), ("opt", "kv-groups"),
                                        ("gpt2", "kv-groups"), ("gpt_neox", "kv-groups"), ("phi3", "kv-groups"),
                                        ("llama", "query-heads"), ("qwen2", "query-heads"), ("phi3", "query-heads"),
-                                       ("gemma2", "kv-groups"), ("gemma3_text", "query-heads")])
+                                       ("gemma2", "kv-groups"), ("gemma3_text", "query-heads"),
+                                       ("mixtral", "kv-groups"), ("qwen3_moe", "query-heads")])
 def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, tmp_path):
     """Gemma 2 and 3 have a sliding-window layer (window 4) beside a global one: past lengths of 5 to 12 tokens reach
     beyond the window, where a cache of the window alone gave the check other logits and the export was refused."""

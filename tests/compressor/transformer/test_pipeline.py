@@ -9,6 +9,7 @@ from compressor.progress import SOLVE, WARNING
 from compressor.solver.counting import OpCounter
 from compressor.transformer import pipeline
 from compressor.transformer.adapters import adapter_for, block_path, layers, stage_exit
+from compressor.transformer.experts import aligned_width, is_experts
 from compressor.transformer.pipeline import (
     InMemoryBlocks,
     _run,
@@ -84,8 +85,11 @@ def test_every_block_is_pruned_and_runs(name, unit):
             assert query_heads(pruned, i) == query_heads(model, i) // 2
         else:
             assert head_groups(pruned, i) == head_groups(model, i) // 2
-        ffn = in_features(projection(layers(model)[i], adapter.down))
-        assert in_features(projection(layer, adapter.down)) == ffn - round(0.5 * ffn)
+        down = projection(layers(model)[i], adapter.down)
+        ffn = in_features(down)
+        # a MoE layer's experts keep a multiple of experts.ALIGN neurons
+        expected = aligned_width(ffn, ffn - round(0.5 * ffn)) if is_experts(down) else ffn - round(0.5 * ffn)
+        assert in_features(projection(layer, adapter.down)) == expected
     assert first_output(pruned).shape == before.shape
     torch.testing.assert_close(first_output(model), before)  # the input model is left alone
     assert all(0 <= r.relative_error <= 1.5 for r in reports)
@@ -436,7 +440,10 @@ def test_every_family_chooses_its_rows_and_runs(name):
     its projections' own layout, and the pruned model runs."""
     model = MODELS[name]().eval()
     pruned, reports = prune_transformer(model, batches(model), 0.25, choose_rows=True)
-    assert reports and all(r.rows in ("refit", "dense") for r in reports)
+    # a MoE layer's experts keep their refit rows (one solve per expert, no block-level choice)
+    experts = {r.name for r in reports if r.kind == "ffn_neurons" and adapter_for(model).experts_per_token_key}
+    assert reports and all(r.rows in ("refit", "dense") for r in reports if r.name not in experts)
+    assert all(r.rows is None for r in reports if r.name in experts)
     assert torch.isfinite(first_output(pruned)).all()
 
 

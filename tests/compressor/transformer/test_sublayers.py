@@ -6,6 +6,7 @@ import torch
 from compressor.errors import UnsupportedArchitecture
 from compressor.modules import count_parameters
 from compressor.transformer.adapters import adapter_for, dims, layers
+from compressor.transformer.experts import is_experts
 from compressor.transformer.models import save_standard
 from compressor.transformer.sublayers import (
     ATTENTION,
@@ -33,7 +34,7 @@ def _constant_update(model, index, path, update):
     removed sub-layer with that update must equal (its weights zeroed and its output replaced)."""
     ref = copy.deepcopy(model)
     proj = projection(layers(ref)[index], path)
-    proj.weight.data.zero_()
+    (proj.down_proj if is_experts(proj) else proj.weight).data.zero_()  # a MoE layer: every expert's
     proj.register_forward_hook(lambda _m, _i, out: torch.zeros_like(out) + update.to(out))
     return ref
 

@@ -10,6 +10,7 @@ import transformers
 from compressor.errors import UnsupportedArchitecture
 from compressor.modules import count_parameters
 from compressor.transformer.adapters import adapter_for, block_hidden, dims, layers
+from compressor.transformer.experts import is_experts
 from compressor.transformer.surgery import (
     head_groups,
     in_features,
@@ -25,7 +26,7 @@ from compressor.transformer.surgery import (
     widths,
 )
 
-from .transformer_models import MODELS, example_inputs, first_output, tiny_gpt2, tiny_llama
+from .transformer_models import MODELS, example_inputs, ffn_keep, first_output, tiny_gpt2, tiny_llama
 
 
 def zero_inputs(model, index, path, kept):
@@ -34,7 +35,9 @@ def zero_inputs(model, index, path, kept):
     proj = projection(layers(ref)[index], path)
     dropped = torch.ones(in_features(proj), dtype=torch.bool)
     dropped[kept] = False
-    if proj.weight.shape[0] == in_features(proj) and type(proj).__name__ == "Conv1D":
+    if is_experts(proj):  # every expert's down projection
+        proj.down_proj.data[:, :, dropped] = 0
+    elif proj.weight.shape[0] == in_features(proj) and type(proj).__name__ == "Conv1D":
         proj.weight.data[dropped] = 0
     else:
         proj.weight.data[:, dropped] = 0
@@ -54,6 +57,8 @@ def removed_parameters(model, index, groups_removed, neurons_removed):
             per_group += d.group * d.head_dim * (hidden + (extra.bias is not None))
     up_biases = sum(projection(layer, p).bias is not None for p in adapter.up) * (1 + adapter.fused_up)
     per_neuron = hidden * (1 + adapter.up_matrices) + up_biases
+    if adapter.experts_per_token_key:  # one neuron of every expert: its gate, up and down weights
+        per_neuron = layer.get_submodule(adapter.down).gate_up_proj.shape[0] * 3 * hidden
     return groups_removed * per_group + neurons_removed * per_neuron
 
 
@@ -70,23 +75,26 @@ def test_pruning_equals_the_dense_model_with_those_rows_zeroed(name):
     prune_heads(model, 0, keep_groups)
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
     ffn = in_features(projection(layers(model)[1], adapter.down))
-    reference = zero_inputs(model, 1, adapter.down, [1, 4, 5, 9])
-    prune_ffn(model, 1, [1, 4, 5, 9])
+    keep = ffn_keep(model, [1, 4, 5, 9])
+    reference = zero_inputs(model, 1, adapter.down, keep)
+    prune_ffn(model, 1, keep)
     torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
     assert count_parameters(model) == before - removed_parameters(MODELS[name](), 0, d.kv_heads - 2, 0) \
-        - removed_parameters(MODELS[name](), 1, 0, ffn - 4)
+        - removed_parameters(MODELS[name](), 1, 0, ffn - len(keep))
+
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_save_and_reload_through_the_manifest(name, tmp_path):
     model = MODELS[name]()
     prune_heads(model, 1, [1])
-    prune_ffn(model, 0, [0, 2, 3, 7, 11])
+    keep = ffn_keep(model, [0, 2, 3, 7, 11])
+    prune_ffn(model, 0, keep)
     save_pruned(model, tmp_path / "m")
     reloaded = load_pruned(tmp_path / "m")
     torch.testing.assert_close(first_output(reloaded), first_output(model))
     assert head_groups(reloaded, 1) == 1
-    assert in_features(projection(layers(reloaded)[0], adapter_for(model).down)) == 5
+    assert in_features(projection(layers(reloaded)[0], adapter_for(model).down)) == len(keep)
 
 
 def test_gpt2_fused_qkv_keeps_q_k_and_v_of_the_kept_heads():

@@ -3,6 +3,9 @@
 import torch
 import transformers
 
+from compressor.transformer.adapters import adapter_for
+from compressor.transformer.experts import ALIGN
+
 VOCAB = 50
 
 
@@ -108,6 +111,22 @@ def tiny_phi3():
         partial_rotary_factor=0.5))
 
 
+def tiny_mixtral():
+    """Mixture-of-Experts: 4 SwiGLU experts of 20 neurons, 2 a token, renormalised routing weights; GQA."""
+    return _seeded(transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=20, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+
+
+def tiny_qwen3_moe():
+    """Mixture-of-Experts with Qwen3's per-head q/k norms: 4 experts of 20 neurons, 2 a token, routing weights not
+    renormalised (norm_topk_prob off)."""
+    return _seeded(transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, moe_intermediate_size=20, intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, max_position_embeddings=32))
+
+
 def tiny_modernbert():
     """Pre-norm encoder, Wqkv fused as [q | k | v], Wi as [input | gate]; a global layer, then a sliding-window
     one (window 4 of 9 tokens) with its own rotary base: each layer's own mask and rotary table."""
@@ -136,9 +155,19 @@ def tiny_mpnet():
 MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_swin, "opt": tiny_opt, "gpt2": tiny_gpt2,
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
-          "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3,
+          "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3, "mixtral": tiny_mixtral,
+          "qwen3_moe": tiny_qwen3_moe,
           "modernbert": tiny_modernbert, "deberta-v2": tiny_deberta_v2,
           "mpnet": tiny_mpnet}
+
+
+def ffn_keep(model, keep: list[int]) -> list[int]:
+    """FFN neurons to keep: `keep`, or for a Mixture-of-Experts layer as many more as make a multiple of
+    experts.ALIGN (the widths its experts take)."""
+    if not adapter_for(model).experts_per_token_key:
+        return keep
+    spare = [n for n in range(ALIGN * 3) if n not in keep]
+    return sorted(keep + spare[:ALIGN - len(keep) % ALIGN])
 
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

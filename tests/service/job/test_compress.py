@@ -931,7 +931,10 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"model_type": "mixtral"}, "'mixtral' is not supported: Mixture-of-Experts experts are not a prunable unit yet"),
+    ({"model_type": "qwen2_moe"}, "'qwen2_moe' is not supported: Qwen2-MoE's shared expert"),
+    ({"model_type": "mixtral", "hidden_act": "gelu"}, "computes SwiGLU (hidden_act silu) experts only"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, "dense FFN layers between the MoE layers"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "dense FFN layers between the MoE layers"),
     ({"model_type": "gemma3"}, "their language model alone, saved as a gemma3_text checkpoint"),
     ({"model_type": "deberta-v2", "conv_kernel_size": 3}, "a convolution after its first layer (conv_kernel_size"),
     ({"model_type": "made_up"}, "model_type 'made_up' is neither a supported transformer family"),
@@ -962,10 +965,11 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
     assert words in err and "not an image model" not in err
 
 
-@pytest.mark.parametrize("family", ["gpt2", "phi3", "modernbert"])
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "modernbert", "qwen3_moe"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
     """GPT-2 (Conv1D projections: block reconstruction fits them too), Phi-3 (fused qkv / gate_up, a per-layer
-    config view) and ModernBERT (fused Wqkv / Wi, global and sliding-window layers), tiny random-init, through
+    config view), ModernBERT (fused Wqkv / Wi, global and sliding-window layers) and Qwen3-MoE (experts as 3-D
+    tensors: the block fit reaches its attention, the whole-model fit its experts too), tiny random-init, through
     the CLI with the default reconstruction: pruned, exported, parity-checked (16-token windows: longer than the
     sliding windows). Every family's fit, export and parity are tested on its own (tests/compressor/transformer,
     tests/exporters); `bench/zoo.py` runs them all through the CLI."""

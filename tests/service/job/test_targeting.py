@@ -18,6 +18,7 @@ from service.job.targeting import (
     at_minimum_widths,
     choose,
     kept_curves,
+    merged_units,
     next_saving,
     plan_depth,
     target_loop,
@@ -1042,3 +1043,17 @@ def test_a_report_without_widths_is_refused_before_the_model_loads(tmp_path):
         widths_of(path)
     path.write_text(json.dumps({"status": "ok", "layers": [{"name": "a", "width_after": 3}]}))
     assert widths_of(path) == {"a": 3}
+
+
+def test_a_moe_layers_expert_curves_become_one_unit_of_summed_loss_and_cost():
+    """Each expert of a MoE layer is observed on its own but keeps the layer's one width: the allocation plans the
+    layer, whose loss at a width is its experts' summed loss and whose neuron costs every expert's."""
+    experts = [LayerCurve("l0.mlp.experts", "ffn_neurons", [16, 8], [0.0, loss], 2.0) for loss in (0.1, 0.3, 0.2)]
+    attention = LayerCurve("l0.o_proj", "attention_heads", [4, 3, 2], [0.0, 0.1, 0.5], 5.0)
+    merged = merged_units([attention, *experts])
+    assert [c.name for c in merged] == ["l0.o_proj", "l0.mlp.experts"]
+    assert merged[0] is attention
+    assert merged[1].widths == [16, 8] and merged[1].loss == pytest.approx([0.0, 0.6]) and merged[1].cost == 6.0
+    # an expert without a loss curve (kept whole) keeps the unit whole
+    whole = merged_units([*experts, LayerCurve("l0.mlp.experts", "ffn_neurons", [16], [0.0], 2.0)])
+    assert whole == [LayerCurve("l0.mlp.experts", "ffn_neurons", [16], [0.0], 8.0)]

@@ -39,8 +39,8 @@ def data(tmp_path_factory) -> Path:
     write_conv_job(root, size=32)
     (root / "weights.pth").write_bytes(b"not a model")
     (root / "no-config").mkdir()
-    (root / "mixtral").mkdir()
-    (root / "mixtral" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    (root / "qwen2_moe").mkdir()
+    (root / "qwen2_moe" / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
     return root
 
 
@@ -602,7 +602,7 @@ BAD_REQUESTS = [
     ("calibration not found", _compress(calibration="/nonexistent/cal.npz"), "NOT_FOUND", None),
     ("unknown blob", _compress(calibration=f"blob:sha256:{'a' * 64}/cal.npz"), "NOT_FOUND", None),
     ("unknown embedded", _compress(model="embedded:gpt-5"), "NOT_FOUND", None),
-    ("unsupported architecture", _compress(model=lambda d: str(d / "mixtral")), "FAILED_PRECONDITION", None),
+    ("unsupported architecture", _compress(model=lambda d: str(d / "qwen2_moe")), "FAILED_PRECONDITION", None),
     ("request_id reused", _reused_request_id, "ALREADY_EXISTS", None),
     ("get unknown", _operations("GetOperation", name=UNKNOWN), "NOT_FOUND", None),
     ("get malformed name", _operations("GetOperation", name="jobs/1"), "INVALID_ARGUMENT", "name"),

@@ -1,0 +1,178 @@
+"""Mixture-of-Experts FFNs: every expert's neurons pruned, one width for all the experts of a layer.
+
+transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-MoE):
+`gate_up_proj` (experts, 2 x width, hidden), each expert's rows laid out [gate | up], and `down_proj`
+(experts, hidden, width); its router (`mlp.gate`) gives each token its top-k experts and their weights.
+Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
+its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
+(`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
+3-D layout and ONNX Runtime's MoE operator (one node per layer, `experts_onnx_op`) take one width.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import check_keep
+
+# kept expert widths are multiples of this many neurons: transformers' default experts kernel (grouped_mm) wants
+# 16-byte strides, 8 half-precision values, and refuses a model loaded from a pruned checkpoint otherwise
+ALIGN = 8
+
+# the MoE operator's name in the torch.library namespace of this package (what the ONNX export translates)
+OP_NAMESPACE, OP_NAME = "osscar", "moe_experts"
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A layer's experts as transformers 5.x stores them: 3-D `gate_up_proj` and `down_proj` parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and down.dim() == 3
+
+
+def expert_width(experts: nn.Module) -> int:
+    """Neurons of each expert (the layer's one width)."""
+    return int(experts.down_proj.shape[-1])
+
+
+def aligned_width(width: int, kept: int) -> int:
+    """A planned expert width `kept` rounded up to a multiple of ALIGN, at most the dense `width`."""
+    if not 1 <= kept <= width:
+        raise ValueError(f"an expert width of {kept} is outside [1, {width}]")
+    return min(width, -(-kept // ALIGN) * ALIGN)
+
+
+def routed_tokens(top_k_index: Tensor, num_experts: int) -> list[tuple[Tensor, Tensor]]:
+    """For each expert, (the tokens routed to it, the top-k slot it holds in each) over a (tokens, k) routing."""
+    return [torch.where(top_k_index == e) for e in range(num_experts)]
+
+
+def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                  rows: Tensor | None = None, chosen: Sequence[int] | None = None) -> list[Tensor]:
+    """What each expert's down projection reads, weighted by the routing: w_e(t) * act(gate_e x_t) * up_e x_t,
+    (tokens routed to e, width) per expert (of `chosen`, or all), over the tokens `rows` of x (tokens, hidden) when
+    given. The weight multiplies the row because the expert's output is scaled by it: the least squares on these
+    rows is the error the expert adds to the stream."""
+    width = expert_width(experts)
+    out = []
+    for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
+        tokens, slots = torch.where(top_k_index == e)
+        if rows is not None:
+            chosen = torch.isin(tokens, rows)
+            tokens, slots = tokens[chosen], slots[chosen]
+        h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
+        a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
+        out.append(a * top_k_weights[tokens, slots, None].to(a.dtype))
+    return out
+
+
+def keep_expert_neurons(experts: nn.Module, keeps: Sequence[Sequence[int] | Tensor],
+                        down_weights: Sequence[Tensor | None] | None = None) -> None:
+    """Keep neurons `keeps[e]` of each expert e, as many in each (down_weights[e]: its refit down projection,
+    hidden x kept, or None for the kept columns as they are)."""
+    count, width = experts.gate_up_proj.shape[0], expert_width(experts)
+    if len(keeps) != count:
+        raise ValueError(f"{len(keeps)} expert supports for {count} experts")
+    keeps = [check_keep(k, width, f"expert {e}'s neurons") for e, k in enumerate(keeps)]
+    sizes = sorted({k.numel() for k in keeps})
+    if len(sizes) != 1:
+        raise ValueError(f"the experts of a layer keep one width; got widths {sizes}")
+    if sizes[0] != width and sizes[0] % ALIGN:
+        raise ValueError(f"experts keep a multiple of {ALIGN} neurons (transformers' grouped_mm kernel wants 16-byte "
+                         f"strides); got {sizes[0]} of {width}")
+    down_weights = down_weights or [None] * count
+    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+    new_gate_up, new_down = [], []
+    for e, keep in enumerate(keeps):
+        keep = keep.to(gate_up.device)
+        new_gate_up.append(gate_up[e].index_select(0, torch.cat([keep, width + keep])))  # [gate | up] rows
+        weight = down_weights[e]
+        if weight is None:
+            new_down.append(down[e].index_select(1, keep))
+        elif tuple(weight.shape) != (down.shape[1], keep.numel()):
+            raise ValueError(f"expert {e}'s new down weight has shape {tuple(weight.shape)}, expected "
+                             f"{(down.shape[1], keep.numel())}")
+        else:
+            new_down.append(weight.to(down))
+    experts.gate_up_proj = nn.Parameter(torch.stack(new_gate_up).contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(torch.stack(new_down).contiguous(), requires_grad=False)
+    if hasattr(experts, "intermediate_dim"):
+        experts.intermediate_dim = sizes[0]
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks of a model: modules holding a router `gate` (with top_k) beside `experts`."""
+    return [m for m in model.modules() if is_experts(getattr(m, "experts", None) or nn.Module())
+            and hasattr(getattr(m, "gate", None), "top_k")]
+
+
+def _normalised(router: nn.Module) -> bool:
+    """Whether the router rescales its top-k weights to sum to one (Mixtral always; Qwen3-MoE by its config)."""
+    return bool(getattr(router, "norm_topk_prob", True))
+
+
+@functools.cache
+def moe_op() -> Any:
+    """torch.ops.osscar.moe_experts, registered on first use: a layer's routing and experts as one operator, the
+    shape of ONNX Runtime's com.microsoft.MoE (router logits in: softmax, top-k, optional renormalisation, SwiGLU
+    experts). The ONNX export translates it into that node (`exporters.onnx`)."""
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::{OP_NAME}", mutates_args=())
+    def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool) -> Tensor:
+        probs = logits.float().softmax(-1)
+        weights, index = probs.topk(k, -1)  # (tokens, k)
+        if normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        width = down.shape[-1]
+        out = torch.zeros_like(x)
+        for e, (tokens, slots) in enumerate(routed_tokens(index, gate_up.shape[0])):
+            if tokens.numel():
+                h = x[tokens] @ gate_up[e].T
+                a = nn.functional.silu(h[:, :width]) * h[:, width:]
+                out.index_add_(0, tokens, (a @ down[e].T) * weights[tokens, slots, None].to(x.dtype))
+        return out
+
+    @moe_experts.register_fake
+    def _(x, logits, gate_up, down, k, normalize):
+        return torch.empty_like(x)
+
+    return getattr(getattr(torch.ops, OP_NAMESPACE), OP_NAME)
+
+
+def _as_operator(block: nn.Module, hidden_states: Tensor) -> Tensor:
+    """A sparse MoE block's forward through `moe_op` (eval mode: no router jitter)."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    logits = nn.functional.linear(x, block.gate.weight)  # (tokens, experts)
+    y = moe_op()(x, logits, block.experts.gate_up_proj, block.experts.down_proj, int(block.gate.top_k),
+                 _normalised(block.gate))
+    return y.reshape(batch, length, hidden)
+
+
+def check_exportable(block: nn.Module) -> None:
+    """Refuse, in one line, experts the ONNX operator does not compute (another activation than SiLU)."""
+    act = getattr(block.experts, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' ACT2FN["silu"]
+        raise ValueError(f"experts with activation {type(act).__name__} are not exported: ONNX Runtime's MoE "
+                         "operator computes SwiGLU (SiLU-gated) experts")
+
+
+@contextmanager
+def experts_as_operator(model: nn.Module) -> Iterator[bool]:
+    """Within it, every sparse MoE block of `model` runs as one `moe_op` call (what the ONNX export traces);
+    yields whether the model has any."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        check_exportable(block)
+    try:
+        for block in blocks:
+            block.forward = functools.partial(_as_operator, block)
+        yield bool(blocks)
+    finally:
+        for block in blocks:
+            block.__dict__.pop("forward", None)  # the class's forward again

@@ -1,0 +1,59 @@
+"""ONNX Runtime's com.microsoft.MoE node for a Mixture-of-Experts layer (`compressor.transformer.experts`).
+
+The dynamo exporter cannot trace transformers' experts loop (which experts a batch reaches is data), so the
+export runs each sparse MoE block as one custom torch operator (`experts_as_operator`) and translates that
+operator here into the MoE contrib node: router logits in; softmax, top-k and the optional renormalisation
+inside; SwiGLU experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only
+`swiglu_fusion=1`), fc2 the down projections. onnxscript ships no schema for the contrib op, so it is
+declared here with the inputs and attributes the node uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+# the contrib operator's inputs, in order ("optional": an input this export leaves empty)
+_INPUTS = (("input", False), ("router_probs", False), ("fc1_experts_weights", False), ("fc1_experts_bias", True),
+           ("fc2_experts_weights", False), ("fc2_experts_bias", True), ("fc3_experts_weights", True),
+           ("fc3_experts_bias", True))
+_ATTRIBUTES = (("k", "INT"), ("activation_type", "STRING"), ("swiglu_fusion", "INT"), ("activation_alpha", "FLOAT"),
+               ("activation_beta", "FLOAT"), ("normalize_routing_weights", "INT"))
+
+
+@functools.cache
+def _moe_node() -> Any:
+    """The com.microsoft.MoE operator as onnxscript calls it."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    optional = OpSchema.FormalParameterOption.Optional
+    schema = OpSchema(
+        "MoE", "com.microsoft", 1,
+        inputs=[OpSchema.FormalParameter(name, "T", param_option=optional) if opt else
+                OpSchema.FormalParameter(name, "T") for name, opt in _INPUTS],
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute(name, getattr(OpSchema.AttrType, kind), "") for name, kind in _ATTRIBUTES])
+    return onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "MoE", schema)
+
+
+def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: bool) -> Any:
+    """osscar::moe_experts as one MoE node: [gate | up] rows of each expert interleaved as [g0, u0, g1, u1, ...]."""
+    from onnxscript import opset18 as op
+
+    experts = op.Shape(gate_up, start=0, end=1)
+    rows = op.Shape(gate_up, start=1, end=2)  # 2 x width
+    hidden = op.Shape(gate_up, start=2, end=3)
+    width = op.Div(rows, op.Constant(value_ints=[2]))
+    halves = op.Reshape(gate_up, op.Concat(experts, op.Constant(value_ints=[2]), width, hidden, axis=0))
+    interleaved = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Concat(experts, rows, hidden, axis=0))
+    return _moe_node()(x, logits, interleaved, None, down, k=k, activation_type="swiglu", swiglu_fusion=1,
+                       activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=int(normalize))
+
+
+def translation_table() -> dict[Any, Any]:
+    """The exporter's `custom_translation_table` entry of the experts operator (registering it on first use)."""
+    from compressor.transformer.experts import moe_op
+
+    return {moe_op().default: _translate}

@@ -1,0 +1,192 @@
+"""Mixture-of-Experts layers: the experts' routed inputs, their surgery, their solve, their export and their config."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from compressor.progress import WARNING
+from compressor.transformer.adapters import layers
+from compressor.transformer.experts import (
+    ALIGN,
+    aligned_width,
+    expert_inputs,
+    experts_as_operator,
+    keep_expert_neurons,
+    moe_blocks,
+)
+from compressor.transformer.models import save_standard
+from compressor.transformer.pipeline import group_cost, prune_transformer
+from compressor.transformer.surgery import prune_ffn
+from exporters.onnx import export_hf_onnx
+
+from .transformer_models import MODELS, example_inputs, first_output, tiny_mixtral, tiny_qwen3_moe
+
+FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def _routing(block, x):
+    """The block's router on x (tokens, hidden): (top-k indices, their weights)."""
+    _, weights, index = block.gate(x)
+    return index, weights
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_experts_routed_inputs_through_its_down_projection_sum_to_the_layers_output(name):
+    """The rows an expert's solve reads are its activations times the routing weight: through its down projection
+    and summed over the experts they give the layer's output, so their least squares is the error added to the
+    stream."""
+    model = MODELS[name]()
+    block = moe_blocks(model)[0]
+    x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    index, weights = _routing(block, x)
+    rows = expert_inputs(block.experts, x, index, weights)
+    assert sum(r.shape[0] for r in rows) == 30 * model.config.num_experts_per_tok
+    summed = torch.zeros_like(x)
+    for e, (tokens, _) in enumerate(torch.where(index == e) for e in range(len(rows))):
+        summed.index_add_(0, tokens, rows[e] @ block.experts.down_proj[e].T)
+    with torch.no_grad():
+        torch.testing.assert_close(summed, block.experts(x, index, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_each_expert_keeps_its_own_neurons_and_a_refit_down_weight():
+    model = tiny_mixtral()
+    experts = layers(model)[0].mlp.experts
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    keeps = [list(range(8)), list(range(12, 20)), list(range(0, 16, 2)), list(range(1, 17, 2))]
+    refit = torch.randn(down.shape[1], 8)
+    keep_expert_neurons(experts, keeps, [None, refit, None, None])
+    assert experts.gate_up_proj.shape == (4, 16, 32) and experts.down_proj.shape == (4, 32, 8)
+    width = down.shape[-1]
+    torch.testing.assert_close(experts.gate_up_proj[2], gate_up[2][keeps[2] + [width + k for k in keeps[2]]])
+    torch.testing.assert_close(experts.down_proj[0], down[0][:, keeps[0]])
+    torch.testing.assert_close(experts.down_proj[1], refit)
+
+
+def test_expert_widths_are_refused_when_they_differ_or_break_the_kernels_alignment():
+    experts = layers(tiny_mixtral())[0].mlp.experts
+    with pytest.raises(ValueError, match=r"one width; got widths \[8, 16\]"):
+        keep_expert_neurons(experts, [range(8), range(16), range(8), range(8)])
+    with pytest.raises(ValueError, match=r"multiple of 8 neurons .* got 5 of 20"):
+        keep_expert_neurons(experts, [range(5)] * 4)
+    with pytest.raises(ValueError, match=r"indices out of range \[0, 20\): \[20\]"):
+        keep_expert_neurons(experts, [range(13, 21)] * 4)
+    with pytest.raises(ValueError, match="4 experts"):
+        keep_expert_neurons(experts, [range(8)] * 3)
+    assert [aligned_width(20, k) for k in (1, 8, 9, 16, 17, 20)] == [8, 8, 16, 16, 20, 20]
+    assert ALIGN == 8
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_osscar_reconstructs_the_experts_better_than_magnitude(name):
+    """Each expert solved on its routed tokens: the pruned model's outputs stay nearer the dense model's than
+    magnitude pruning's at the same widths (a quarter of each expert's neurons and of the heads)."""
+    model = MODELS[name]()
+    batches = [example_inputs(model, batch=4, length=16, seed=s) for s in range(3)]
+    dense = first_output(model, example_inputs(model, batch=2, length=12, seed=9))
+    errors = {}
+    for method in ("osscar", "mp"):
+        pruned, reports = prune_transformer(model, batches, 0.25, method=method)
+        experts = [r for r in reports if r.name.endswith("mlp.experts")]
+        assert [r.width_after for r in experts] == [16, 16]  # 20 - 5, rounded up to a multiple of 8
+        out = first_output(pruned, example_inputs(model, batch=2, length=12, seed=9))
+        errors[method] = float((out - dense).norm() / dense.norm())
+    assert errors["osscar"] < errors["mp"]
+
+
+def test_an_expert_no_calibration_token_reaches_keeps_its_largest_neurons_and_is_reported():
+    model = tiny_qwen3_moe()
+
+    def never_three(_router, _args, out):  # layer 0's router never picks expert 3 (norm_topk_prob off)
+        logits = out[0].clone()
+        logits[:, 3] = float("-inf")
+        weights, index = logits.softmax(-1).topk(2, -1)
+        return logits, weights, index
+
+    layers(model)[0].mlp.gate.register_forward_hook(never_three)
+    seen = []
+    batch = example_inputs(model, batch=2, length=12)
+    dense_down = layers(model)[0].mlp.experts.down_proj[3].detach().clone()
+    pruned, _ = prune_transformer(model, [batch], 0.5, progress=seen.append)
+    warnings = [p.message for p in seen if p.stage == WARNING and "no calibration token" in p.message]
+    assert len(warnings) == 1 and "experts [3]" in warnings[0]
+    largest = dense_down.norm(dim=0).topk(ALIGN * 2).indices.sort().values
+    # the weights kept as they were: the columns of largest norm
+    torch.testing.assert_close(layers(pruned)[0].mlp.experts.down_proj[3], dense_down[:, largest])
+    assert torch.isfinite(first_output(pruned)).all()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_export_runs_each_moe_layer_as_one_onnx_runtime_moe_node(name, tmp_path):
+    model = MODELS[name]()
+    prune_ffn(model, 1, range(8))
+    example = example_inputs(model, batch=2, length=10)
+    path = export_hf_onnx(model, example, tmp_path / "m.onnx", output_name="logits", max_length=32)
+    nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MoE"]
+    assert len(nodes) == 2 and {n.domain for n in nodes} == {"com.microsoft"}
+    normalised = {a.name: a.i for n in nodes for a in n.attribute}["normalize_routing_weights"]
+    assert normalised == int(name == "mixtral")  # Qwen3-MoE's norm_topk_prob is off in the tiny config
+    feed = example_inputs(model, batch=3, length=17, seed=3)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {k: v.numpy() for k, v in feed.items()})[0]
+    np.testing.assert_allclose(got, first_output(model, feed).numpy(), rtol=1e-4, atol=1e-4)
+    assert not any("forward" in vars(b) for b in moe_blocks(model))  # the blocks' own forward again
+
+
+def test_the_operator_the_export_traces_equals_the_blocks_forward():
+    model = tiny_qwen3_moe()
+    feed = example_inputs(model, batch=2, length=9)
+    expected = first_output(model, feed)
+    with experts_as_operator(model) as found:
+        assert found
+        torch.testing.assert_close(first_output(model, feed), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gelu_expert_is_not_exported():
+    model = tiny_mixtral()
+    layers(model)[0].mlp.experts.act_fn = transformers.activations.ACT2FN["gelu"]
+    with pytest.raises(ValueError, match="SwiGLU"), experts_as_operator(model):
+        pass
+
+
+@pytest.mark.parametrize("name, key", [("mixtral", "intermediate_size"), ("qwen3_moe", "moe_intermediate_size")])
+def test_uniform_expert_widths_save_a_config_transformers_loads_alone(name, key, tmp_path):
+    model = MODELS[name]()
+    for i in range(2):
+        prune_ffn(model, i, range(2, 10))
+    assert save_standard(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())[key] == 8
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+
+
+def test_one_neuron_of_every_expert_costs_a_token_its_top_k_experts_rows():
+    model = tiny_mixtral()  # hidden 32, 2 experts a token, SwiGLU: gate, up and down rows
+    assert group_cost(model, "ffn_neurons", 128) == 32 * 3 * 2
+
+
+def test_a_blocks_fit_reaches_its_experts_but_not_its_router():
+    from compressor.transformer.refine import BlockReconstruction, RefineConfig
+
+    block = layers(tiny_mixtral())[0]
+    fitted = {id(p) for p in BlockReconstruction(block, RefineConfig(steps=1)).parameters}
+    assert id(block.mlp.experts.gate_up_proj) in fitted and id(block.mlp.experts.down_proj) in fitted
+    assert id(block.mlp.gate.weight) not in fitted
+
+
+def test_experts_read_in_several_passes_prune_as_in_one(monkeypatch):
+    """A layer whose experts' statistics exceed EXPERT_STATISTICS_BYTES is read a share of its experts a pass: the
+    same solves, the same model, and the dense stream advanced once (the next block sees the same inputs)."""
+    from compressor.transformer import pipeline
+
+    model = tiny_mixtral()
+    batches = [example_inputs(model, batch=3, length=12, seed=s) for s in range(2)]
+    one, one_reports = prune_transformer(model, batches, 0.5)
+    monkeypatch.setattr(pipeline, "EXPERT_STATISTICS_BYTES", 8 * 20 * (20 + 32))  # one expert a pass
+    passes, reports = prune_transformer(model, batches, 0.5)
+    assert [r.objective for r in reports] == pytest.approx([r.objective for r in one_reports], rel=1e-6)
+    torch.testing.assert_close(first_output(passes), first_output(one))
