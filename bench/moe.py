@@ -7,18 +7,16 @@ No Mixture-of-Experts checkpoint ships as a Python package, so the model is rand
 mixtral; structure, export, latency, time and memory are measured, not quality). Each mode runs the CLI in a fresh
 process: its row has the job's status, the measured speedup of the returned ONNX against the dense one (ONNX
 Runtime, each MoE layer one com.microsoft.MoE node), the parameters, the parity of the export, the seconds of each
-stage as the job's log stamps them, the expert widths kept, and the process's peak RSS (ONNX Runtime's subprocesses
-included).
+stage (report.json `stages`), the expert widths kept, and the process's peak RSS (ONNX Runtime's subprocesses
+included); the job's log goes to `<out>.log` as it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -60,31 +58,29 @@ def _peak_rss_mb() -> float:
 
 
 def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) -> dict:
-    """One CLI job in this (fresh) process: its report's numbers, its log's stage stamps, the peak RSS."""
+    """One CLI job in this (fresh) process: its report's numbers and stage seconds, the peak RSS."""
     import logging
 
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from service.client import cli
 
-    err = io.StringIO()
-    logging.basicConfig(format="%(asctime)s %(name)s %(message)s", stream=err, level=logging.INFO)
+    log_path = Path(f"{out}.log")  # beside --out, written as the job goes (a long job can be followed)
     start = time.perf_counter()
-    with contextlib.redirect_stderr(err):
+    with log_path.open("w") as err, contextlib.redirect_stderr(err):
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s", stream=err, level=logging.INFO)
         code = cli.main(["-v", "compress", model, *MODES[mode], "--calibration", calibration, "--out", out,
                          "--accuracy-budget", "none", *extra])
     seconds = time.perf_counter() - start
-    (Path(out) / "job.log").write_text(err.getvalue())
     report = json.loads((Path(out) / "report.json").read_text()) if (Path(out) / "report.json").is_file() else {}
-    lines = err.getvalue().strip().splitlines()
-    stamps = [line for line in lines if re.search(r" in \d+(\.\d+)?s$", line)]  # "... in 12.3s" progress lines
+    lines = log_path.read_text().strip().splitlines()
     experts = [layer["width_after"] for layer in report.get("layers", []) if layer["name"].endswith("mlp.experts")]
     return {"mode": mode, "exit": code, "status": report.get("status", lines[-1][:200] if lines else ""),
             "speedup": report.get("measured_speedup"), "params": [report.get("params_before"),
                                                                    report.get("params_after")],
             "parity_peak": (report.get("artifacts", {}).get("parity") or {}).get("peak_error"),
             "expert_widths": experts, "removed_layers": report.get("removed_layers"),
-            "seconds": round(seconds, 1), "stages": stamps[-12:], "peak_rss_mb": round(_peak_rss_mb())}
+            "seconds": round(seconds, 1), "stages": report.get("stages"), "peak_rss_mb": round(_peak_rss_mb())}
 
 
 def main() -> None:

@@ -75,6 +75,8 @@ class LayerObservation:
     # the width plan's entry this layer's width comes from, where layers share one (the experts of a MoE layer:
     # their losses and costs add up to the unit's curve); None: `name`
     unit: str | None = None
+    # the widths the layer keeps, but its full width, are multiples of this (a MoE layer's experts: experts.ALIGN)
+    multiple: int = 1
 
 
 def floored_scale(scale: Tensor) -> Tensor:
@@ -146,6 +148,14 @@ class LayerStatistics:
             self.weight += root.square().sum()
         self.rows += X.shape[0]
 
+    def add_ridge(self, weight: float) -> None:
+        """`weight` x the identity rows (x = x_hat = sqrt(weight) e_i, unweighted by `token_cap`): a ridge pulling the
+        refit toward W_hat, which also weighs a pruned input by its weight row's norm. Not for centred problems."""
+        self.H.diagonal().add_(weight)
+        self.G.add_(self.W_hat, alpha=weight)
+        self.energy += 0.5 * weight * self.W_hat.square().sum()
+        self.rows += self.H.shape[0]
+
     def finish(self, center: bool) -> FinishedStatistics:
         """The layer problem's inputs; with `center`, those of the centred rows: least squares with an
         intercept = least squares on centred data, for every support. Centring works in place on H and
@@ -208,15 +218,17 @@ def prune_layer(name: str, kind: str, stats: FinishedStatistics, group_size: int
                 position: tuple[int, int], start: float, observe: Callable[[LayerObservation], None] | None,
                 costs: Callable[[], tuple[float, float | None]], progress: ProgressFn | None,
                 rank: int | None = None, numbers: Mapping[str, float] | None = None,
-                unit: str | None = None) -> LayerReport:
+                unit: str | None = None, multiple: int = 1) -> LayerReport:
     """One layer's step, the same in every pipeline: `observe` its statistics (with `costs()`: one group's
     FLOPs and the residual stream's energy, computed only when observed), solve, keep, `apply` the kept
     solution (the pipeline's surgery), then report it (a SOLVE record at `position`: (index from 1, total)).
-    `unit`: the width plan's entry the observation is planned under (`LayerObservation.unit`)."""
+    `unit`, `multiple`: the width plan's entry the observation is planned under and the multiple its widths keep
+    (`LayerObservation`)."""
     groups = stats.H.shape[0] // group_size
     if observe is not None:
         cost, stream_energy = costs()
-        observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy, unit))
+        observe(LayerObservation(name, kind, stats.H, stats.G, group_size, stats.energy, cost, stream_energy, unit,
+                                 multiple))
     sol = solve_layer(stats.H, stats.G, group_size, num_prune, method, dense_weight=dense_weight, rank=rank,
                       magnitude_scale=scale)
     if sol.stats.get("fallback"):

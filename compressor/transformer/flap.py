@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedArchitecture
 from ..solver.baselines import flap_allocation
 from .adapters import TransformerDims, adapter_for, block_path, dims, layers
 from .surgery import dense_weight, in_features, projection
@@ -84,6 +85,9 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     value rows: (2 + 2 kv_heads / heads) x head_dim x hidden parameters, all four on a model without grouped
     queries; a neuron its FFN rows and column: (up projections + 1) x hidden)."""
     adapter, d = adapter_for(model), dims(model)
+    if adapter.experts_per_token_key:
+        raise UnsupportedArchitecture(f"FLAP scores a dense FFN's neurons; {model.config.model_type}'s FFN is a "
+                                      "Mixture-of-Experts layer")
     attention, ffn = fluctuation_scores(model, batches)
     head_weight = head_rows(d) / (adapter.up_matrices + 1)
     heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)

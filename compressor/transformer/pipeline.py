@@ -57,7 +57,7 @@ from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
-from .experts import aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
+from .experts import ALIGN, aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
 from .surgery import (
@@ -576,6 +576,13 @@ def prune_blocks(
 # experts need more is read in several passes, a share of its experts each (Mixtral 8x7B's 8 experts of 14,336
 # neurons: 2.1 GB each, one a pass; Qwen3-30B-A3B's 128 of 768: all in one)
 EXPERT_STATISTICS_BYTES = 4 * 1024**3
+# an expert reads only the tokens routed to it (tokens x top-k / experts on average), often fewer than the neurons it
+# keeps: its refit is then underdetermined, and least squares alone shrinks the unseen directions toward zero (a
+# tiny Qwen3-MoE keeping 48 of 96 neurons on 9-56 tokens an expert: 0.115 relative output error against magnitude
+# pruning's 0.073). Identity rows of weight EXPERT_PRIOR x kept / rows x mean(diag H) pull the refit toward the
+# dense weights and weigh a pruned neuron by its weights' norm; the pull fades as the tokens grow (0.059 there;
+# 0.045 against 0.047 with eight times the tokens; bench/RESULTS.md, session 51)
+EXPERT_PRIOR = 1.0
 
 
 def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, block: nn.Module, dense: nn.Module,
@@ -589,9 +596,11 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
     Both streams are read with the pruned stream's routing: the dense stream routes some tokens to other experts,
     and a token's two rows must pair. The experts are read in passes of as many as EXPERT_STATISTICS_BYTES holds,
     each pass solving its experts before the next; the dense stream advances through the whole block in the last.
-    An expert that no calibration token reaches keeps its neurons of largest down-projection norm (identity rows:
-    the least squares of the weights themselves) and the job says so. The planned width is rounded up to a multiple
-    of `experts.ALIGN` neurons. One report for the layer (each expert's solve is a SOLVE record of its own)."""
+    Each expert's statistics get identity rows (EXPERT_PRIOR: a ridge toward its dense weights that fades as its
+    tokens grow); an expert that no calibration token reaches keeps its neurons of largest down-projection norm
+    (identity rows alone: the least squares of the weights themselves); the job warns of both, and of experts that
+    saw fewer tokens than they keep neurons. The planned width is rounded up to a multiple of `experts.ALIGN`
+    neurons. One report for the layer (each expert's solve is a SOLVE record of its own)."""
     count, width = experts.gate_up_proj.shape[0], expert_width(experts)
     start = time.perf_counter()
     num_prune = width - aligned_width(width, width - planned_prune(name, width, ratio))
@@ -608,17 +617,25 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
         if idle:
             emit(progress, warning(f"{name}: no calibration token reached experts {idle}: they keep their neurons "
                                    "of largest down-projection norm, unrefitted"), log)
+        few = [e for e, st in zip(chosen, stats, strict=True) if 0 < st.rows <= width - num_prune]
+        if few:
+            emit(progress, warning(f"{name}: experts {few} saw fewer calibration tokens than the {width - num_prune} "
+                                   "neurons they keep: their refit leans on their dense weights; an expert sees "
+                                   "about tokens x top-k / experts of the calibration, so calibrate on more"), log)
         for e in chosen:
             st = stats.pop(0)
-            if st.rows == 0:
-                eye = torch.eye(width, dtype=torch.float64, device=st.W_hat.device)
-                st.add(eye, eye)
+            # identity rows: alone (an idle expert), the least squares of the weights themselves; beside the routed
+            # rows, a ridge toward the dense weights as strong as kept / rows of their mean diagonal
+            prior = 1.0 if st.rows == 0 else float(EXPERT_PRIOR * (width - num_prune) / st.rows
+                                                     * st.H.diagonal().mean())
+            if prior > 0:
+                st.add_ridge(prior)
             finished = st.finish(False)  # no intercept: experts have no bias
             _check_finite(f"{name}.{e}", finished, activation_dtype)
             report = prune_layer(
                 f"{name}.{e}", FFN, finished, 1, num_prune, method, dense_weight=st.W_hat, scale=None,
                 apply=kept.append, position=position, start=start, observe=observe, rank=finished.rank,
-                progress=progress, costs=lambda: (cost / count, stream_energy), unit=name)
+                progress=progress, costs=lambda: (cost / count, stream_energy), unit=name, multiple=ALIGN)
             objective, energy = objective + report.objective, energy + finished.energy
             del finished, st  # this expert's H and G, before the next expert's solve
     keep_expert_neurons(experts, [k.keep for k in kept], [k.weight.T.float() for k in kept])

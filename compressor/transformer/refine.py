@@ -248,8 +248,8 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     # fitted in float32 and its fitted weights round once, at the end
     restore = _in_float32(pruned)
     try:
-        parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m)
-                      for p in m.parameters(recurse=False)]
+        parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m) or is_experts(m)
+                      for p in m.parameters(recurse=False)]  # a MoE layer's experts as in the block fit
         if config.norms:  # every norm the blocks' outputs pass through, the final one's too (not the embeddings')
             embeddings = {id(m) for m in pruned.get_input_embeddings().modules()}
             owner = getattr(getattr(pruned, "base_model", pruned), "embeddings", None)

@@ -51,16 +51,25 @@ from compressor.cnn.models import load_model, save_program
 from compressor.cnn.pipeline import channel_cost, fit_conv_graph, prune_conv_graph, resize_conv_graph
 from compressor.cnn.refine import DEFAULT_STEPS as GRAPH_STEPS
 from compressor.cnn.refine import graph_config
-from compressor.errors import CalibrationError, InputError
+from compressor.errors import CalibrationError, InputError, UnsupportedArchitecture
 from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.progress import RECONSTRUCTION, SOLVE, STATISTICS, Progress, warning
 from compressor.refine import RefineConfig
 from compressor.reports import LayerReport, RefineReport, fit_numbers
-from compressor.transformer.adapters import adapter_for, block_path, check_config, dims, layers, max_sequence
+from compressor.transformer.adapters import (
+    ADAPTERS,
+    adapter_for,
+    block_path,
+    check_config,
+    dims,
+    layers,
+    max_sequence,
+)
 from compressor.transformer.models import load_transformer, save_standard, transformer_config
 from compressor.transformer.offload import STREAM_SHARE, TOKENIZER_FILES, StreamedCheckpoint, needs_streaming
 from compressor.transformer.pipeline import (
+    ADDS_BIAS,
     UNCOMPENSATED,
     group_cost,
     prune_blocks,
@@ -694,7 +703,17 @@ class _TransformerJob:
                              "whole layers are weighed in target mode (report.json `depth`); --remove-blocks 0 "
                              "turns that off")
         self.request, self.say = request, say
-        self.stream = request.stream or needs_streaming(request.model)
+        family = ADAPTERS.get((transformer_config(request.model) or {}).get("model_type"))
+        experts = family is not None and family.experts_per_token_key is not None
+        if experts and (request.method in ADDS_BIAS or request.add_bias == "yes"):  # before anything loads
+            what = f"method {request.method!r}" if request.method in ADDS_BIAS else "--add-bias yes"
+            raise UnsupportedArchitecture(f"{what} gives output projections a bias, which a Mixture-of-Experts "
+                                          "layer's experts do not have")
+        large = not request.stream and needs_streaming(request.model)
+        self.stream = request.stream or (large and not experts)
+        if large and experts:
+            say(warning(f"pruning the model in memory may take more than {STREAM_SHARE:.0%} of the available memory; a "
+                        "Mixture-of-Experts checkpoint is not streamed (its experts are merged as it loads)"))
         if self.stream and not request.stream:
             say(warning(f"pruning streams the checkpoint block by block (--stream): pruning it in memory would take "
                         f"more than {STREAM_SHARE:.0%} of the available memory; whole layers are not weighed for "

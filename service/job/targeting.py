@@ -231,6 +231,7 @@ def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callab
     groups = obs.H.shape[0] // obs.group_size
     # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
     multiple = 1 if obs.kind == "attention_heads" else request.round_to or ROUND_TO
+    multiple = math.lcm(multiple, obs.multiple)  # widths the layer can take at all (a MoE layer's experts)
     minimum = max(1, math.ceil(request.min_width * groups))
     allowed = allowed_widths(groups, multiple, minimum)
     try:

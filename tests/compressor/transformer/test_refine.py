@@ -272,20 +272,22 @@ def test_refining_magnitude_pruning_is_refused():
 
 
 def _fitted_names(model) -> set[str]:
-    """The parameters a whole-model fit may move: the blocks' projections' weights and biases."""
+    """The parameters a whole-model fit may move: the blocks' projections' weights and biases, MoE experts'."""
     from compressor.transformer.adapters import layers_path
+    from compressor.transformer.experts import is_experts
     from compressor.transformer.surgery import is_projection
 
     root = layers_path(model)
-    return {f"{name}.{p}" for name, m in model.named_modules() if name.startswith(root) and is_projection(m)
-            for p, _ in m.named_parameters(recurse=False)}
+    fitted = [(name, m) for name, m in model.named_modules()
+              if name.startswith(root) and (is_projection(m) or is_experts(m))]
+    return {f"{name}.{p}" for name, m in fitted for p, _ in m.named_parameters(recurse=False)}
 
 
-@pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "vit"])
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "vit", "qwen3_moe"])
 def test_the_whole_model_fit_brings_the_last_hidden_states_back_toward_the_dense_ones(name):
     """After the block solves, a fit of every block's projections at once lowers the held-out error of the last
-    hidden states (an encoder's output, a decoder's before its LM head; GPT-2's Conv1D too), keeps the widths, and
-    leaves the embeddings, norms and heads as they were."""
+    hidden states (an encoder's output, a decoder's before its LM head; GPT-2's Conv1D too; a MoE layer's experts
+    too, not its router), keeps the widths, and leaves the embeddings, norms and heads as they were."""
     model = MODELS[name]()
     data = batches(model, n=6, batch=8)
     pruned, _ = prune_transformer(model, data, 0.5)
@@ -295,6 +297,8 @@ def test_the_whole_model_fit_brings_the_last_hidden_states_back_toward_the_dense
     assert fit.kept and fit.steps == 60 and fit.after < 0.97 * fit.before  # seeded: 4-50 % lower
     moved = {k for k, v in pruned.state_dict().items() if not torch.equal(v, before[k])}
     assert moved and moved <= _fitted_names(pruned)
+    if name == "qwen3_moe":  # the experts were left out of the whole-model fit before
+        assert {k for k in moved if k.endswith(("experts.down_proj", "experts.gate_up_proj"))}
     assert {k: v.shape for k, v in pruned.state_dict().items()} == {k: v.shape for k, v in before.items()}
     assert [p.requires_grad for p in pruned.parameters()] == trainable  # as it found them
     assert all(p.grad is None for p in pruned.parameters())

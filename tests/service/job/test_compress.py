@@ -1010,6 +1010,43 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
         assert 0.8 * FIT_SEQUENCES < whole["windows"] < FIT_SEQUENCES
 
 
+@pytest.mark.parametrize("flags, words", [(["--method", "flap"], "method 'flap' gives output projections a bias"),
+                                          (["--add-bias", "yes"], "--add-bias yes gives output projections a bias")])
+def test_a_bias_for_moe_experts_is_refused_before_the_model_loads(flags, words, tmp_path, capsys, monkeypatch):
+    """FLAP's bias compensation (or --add-bias yes) has no bias to write into a MoE layer's experts: refused in one
+    line before anything loads (it was refused once the dense model had been loaded and exported)."""
+    from service.job import kinds
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    MODELS["mixtral"]().save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=600), offsets=[0, 600])
+    monkeypatch.setattr(kinds, "load_transformer", lambda *a, **k: pytest.fail("the model was loaded"))
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_a_moe_model_too_large_to_prune_in_memory_is_not_streamed_but_warned_of(tmp_path, monkeypatch):
+    """A checkpoint over the memory share that turns streaming on: a MoE model (not streamable: its experts merge as
+    it loads) is pruned in memory with a warning, where it ended in "compress without --stream", a flag the user had
+    not given."""
+    from service.job import kinds
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    MODELS["qwen3_moe"]().save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    monkeypatch.setattr(kinds, "needs_streaming", lambda _model: True)
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "8", "--sequence-length", "16", "--repeats", "3",
+                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    assert any("Mixture-of-Experts checkpoint is not streamed" in w for w in report["warnings"])
+    assert report["params_after"] < report["params_before"]
+
+
 def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
     """A bf16 checkpoint (Qwen3, tiny): pruned in float32 block by block, exported in float32 (ONNX Runtime's
     CPU kernels lack bf16), the decode step too; model/ keeps the checkpoint's dtype (fp16 alike: the

@@ -1057,3 +1057,19 @@ def test_a_moe_layers_expert_curves_become_one_unit_of_summed_loss_and_cost():
     # an expert without a loss curve (kept whole) keeps the unit whole
     whole = merged_units([*experts, LayerCurve("l0.mlp.experts", "ffn_neurons", [16], [0.0], 2.0)])
     assert whole == [LayerCurve("l0.mlp.experts", "ffn_neurons", [16], [0.0], 8.0)]
+
+
+def test_a_moe_layers_curve_offers_only_widths_its_experts_can_keep():
+    """--round-to 4 offered 92, 84, ... neurons of an expert, which the surgery rounds up to multiples of 8 (92 kept
+    96: the layer was planned pruned and was not): the curve's widths are multiples of both."""
+    import torch
+
+    from compressor.layerstats import LayerObservation
+    from service.job.targeting import layer_curve
+
+    H = torch.eye(96, dtype=torch.float64) + 0.1
+    obs = LayerObservation("l0.mlp.experts.0", "ffn_neurons", H, H @ torch.ones(96, 4, dtype=torch.float64), 1,
+                           1.0, 2.0, None, "l0.mlp.experts", 8)
+    curve = layer_curve(obs, CompressRequest(model="m", round_to=4, normalise="layer"), None, lambda _: None)
+    assert curve.name == "l0.mlp.experts" and curve.widths[0] == 96
+    assert all(w % 8 == 0 for w in curve.widths) and 88 in curve.widths
