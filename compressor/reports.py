@@ -37,6 +37,8 @@ class LayerReport:
     kept: tuple[int, ...] = ()  # indices of the kept groups, in the layer's original numbering (provenance)
     refine: RefineReport | None = None  # on a block's last layer: the block's reconstruction, when it ran
     rows: str | None = None  # with `choose_rows`: the rows kept, "refit" (the solve's) or "dense" (the dense weight's)
+    # a Mixture-of-Experts layer's experts (`kept` empty): each expert's kept neurons, in its original numbering
+    experts_kept: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def measure(cls, name: str, kind: str, before: int, after: int, objective: float, energy: float,

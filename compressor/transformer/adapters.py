@@ -241,7 +241,7 @@ _RELATIVE_POSITIONS = (lambda c: c.get("position_embedding_type", "absolute") no
 
 
 # configurations of a supported family that are refused all the same: (the config.json test, why)
-_NOT_SWIGLU = (lambda c: c.get("hidden_act", "silu") != "silu",
+_NOT_SWIGLU = (lambda c: c.get("hidden_act", "silu") not in ("silu", "swish"),  # transformers' two names of SiLU
                "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes SwiGLU "
                "(hidden_act silu) experts only")
 

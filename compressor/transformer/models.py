@@ -116,7 +116,13 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
                                   + (f" (found {', '.join(found[:3])})" if found else "") + "; weights are read from "
                                   "safetensors only, never a pickle (it could run code): save the model with "
                                   "save_pretrained (safetensors by default)")
-    if weights:
+    from .surgery import MANIFEST, load_pruned
+
+    if weights and (path / MANIFEST).is_file():
+        # a model this service pruned, its layers of their own widths (which from_pretrained refuses): rebuilt by the
+        # width manifest, so that it can be compressed again
+        model = load_pruned(path, cls)
+    elif weights:
         # never a pickle (it could run code); in the checkpoint's own dtype: a bf16 model stays bf16 on the host
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
                                     use_safetensors=True, dtype="auto").eval()

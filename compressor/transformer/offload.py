@@ -29,7 +29,7 @@ from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
-from .surgery import save_config_and_widths, state_to_save
+from .surgery import MANIFEST, save_config_and_widths, state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,10 @@ class StreamedCheckpoint:
         from safetensors import safe_open
 
         self.source, self.out_dir = Path(source), Path(out_dir)
+        if (self.source / MANIFEST).is_file():
+            raise UnsupportedArchitecture(f"{source}: a pruned model with layers of their own widths "
+                                          "(osscar_widths.json) is not streamed: its blocks are built from a config "
+                                          "that states one width (compress it without --stream)")
         config = transformers.AutoConfig.from_pretrained(self.source, local_files_only=True)
         cls, _ = hf_model_class(config)
         # where every tensor is (the index of a sharded checkpoint, or the one file) and its dtype

@@ -450,6 +450,7 @@ def prune_blocks(
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
+    align_warned = False  # a MoE layer's experts keeping more neurons than planned (`experts.ALIGN`): said once
     fitted = 0.0  # seconds the blocks' reconstructions took so far (of `refine.seconds`)
     # the blocks that will be fitted: not removed whole, not both sub-layers removed (they share the allowance)
     fitting = [j for j in range(d.layers) if j not in skip and not {(j, ATTENTION), (j, FFN)} <= set(sublayers)]
@@ -486,8 +487,17 @@ def prune_blocks(
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
             if is_experts(proj):  # a Mixture-of-Experts FFN: one solve per expert, one width for them all
+                name, width = f"{here}.{path}", expert_width(proj)
+                planned = width - planned_prune(name, width, ratio)
+                kept_width = aligned_width(width, planned)
+                if kept_width != planned and not align_warned:
+                    align_warned = True
+                    emit(progress, warning(f"{name}: its experts keep {kept_width} of {width} neurons where the plan "
+                                           f"gives {planned}: an expert's width is a multiple of {ALIGN} "
+                                           "(transformers' grouped_mm experts kernel wants 16-byte strides); further "
+                                           "such layers are not reported"), log)
                 costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy)
-                reports += _prune_experts(f"{here}.{path}", proj, proj_dense, block, dense, streams, ratio, method,
+                reports += _prune_experts(name, proj, proj_dense, block, dense, streams, width - kept_width, method,
                                           device=device, activation_dtype=activation_dtype, token_cap=token_cap,
                                           observe=observe, progress=progress, costs=costs,
                                           position=(i + 1, d.layers))
@@ -586,11 +596,12 @@ EXPERT_PRIOR = 1.0
 
 
 def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, block: nn.Module, dense: nn.Module,
-                   streams: Sequence[_Stream], ratio: Widths, method: str, *, device: torch.device,
+                   streams: Sequence[_Stream], num_prune: int, method: str, *, device: torch.device,
                    activation_dtype: torch.dtype, token_cap: float | None,
                    observe: Callable[[LayerObservation], None] | None, progress: ProgressFn | None,
                    costs: Callable[[], tuple[float, float]], position: tuple[int, int]) -> list[LayerReport]:
-    """The FFN of a Mixture-of-Experts block (`name`: its experts, the width plan's entry): each expert's down
+    """The FFN of a Mixture-of-Experts block (`name`: its experts, the width plan's entry), `num_prune` neurons of
+    each expert pruned (an aligned width, `experts.aligned_width`): each expert's down
     projection is solved on the routing-weighted activations of the calibration tokens routed to it
     (`experts.expert_inputs`), then every expert keeps as many neurons as the plan gives the layer, each its own.
     Both streams are read with the pruned stream's routing: the dense stream routes some tokens to other experts,
@@ -599,11 +610,10 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
     Each expert's statistics get identity rows (EXPERT_PRIOR: a ridge toward its dense weights that fades as its
     tokens grow); an expert that no calibration token reaches keeps its neurons of largest down-projection norm
     (identity rows alone: the least squares of the weights themselves); the job warns of both, and of experts that
-    saw fewer tokens than they keep neurons. The planned width is rounded up to a multiple of `experts.ALIGN`
-    neurons. One report for the layer (each expert's solve is a SOLVE record of its own)."""
+    saw fewer tokens than they keep neurons. One report for the layer (each expert's solve is a SOLVE record of its
+    own): its error is the calibration's (the ridge's rows left out), its `experts_kept` each expert's neurons."""
     count, width = experts.gate_up_proj.shape[0], expert_width(experts)
     start = time.perf_counter()
-    num_prune = width - aligned_width(width, width - planned_prune(name, width, ratio))
     per_pass = max(1, EXPERT_STATISTICS_BYTES // (8 * width * (width + experts.down_proj.shape[1])))
     kept: list[KeptSolution] = []
     objective = energy = 0.0
@@ -634,13 +644,21 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
             _check_finite(f"{name}.{e}", finished, activation_dtype)
             report = prune_layer(
                 f"{name}.{e}", FFN, finished, 1, num_prune, method, dense_weight=st.W_hat, scale=None,
-                apply=kept.append, position=position, start=start, observe=observe, rank=finished.rank,
-                progress=progress, costs=lambda: (cost / count, stream_energy), unit=name, multiple=ALIGN)
-            objective, energy = objective + report.objective, energy + finished.energy
+                apply=kept.append, position=position, start=time.perf_counter(), observe=observe,
+                rank=finished.rank, progress=progress, costs=lambda: (cost / count, stream_energy), unit=name,
+                multiple=ALIGN)
+            # the calibration's error and energy: the ridge's share, 1/2 prior ||W - W_hat||^2 (the pruned rows'
+            # dense weights included) and 1/2 prior ||W_hat||^2, taken out
+            change = st.W_hat.square().sum() + (kept[-1].weight - st.W_hat[kept[-1].keep]).square().sum() \
+                - st.W_hat[kept[-1].keep].square().sum()
+            ridge = 0.5 * prior * float(change) if prior > 0 else 0.0
+            objective += report.objective - ridge + 0.5 * prior * float(st.W_hat.square().sum())
+            energy += finished.energy - 0.5 * prior * float(st.W_hat.square().sum())
             del finished, st  # this expert's H and G, before the next expert's solve
     keep_expert_neurons(experts, [k.keep for k in kept], [k.weight.T.float() for k in kept])
     # one report for the layer (the plan's unit): the experts' errors add up in the stream they all write to
-    return [LayerReport.measure(name, FFN, width, width - num_prune, objective, energy, start)]
+    report = LayerReport.measure(name, FFN, width, width - num_prune, objective, energy, start)
+    return [dataclasses.replace(report, experts_kept=tuple(tuple(k.keep) for k in kept))]
 
 
 def _expert_statistics(experts: nn.Module, experts_dense: nn.Module, block: nn.Module, dense: nn.Module,

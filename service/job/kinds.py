@@ -709,6 +709,10 @@ class _TransformerJob:
             what = f"method {request.method!r}" if request.method in ADDS_BIAS else "--add-bias yes"
             raise UnsupportedArchitecture(f"{what} gives output projections a bias, which a Mixture-of-Experts "
                                           "layer's experts do not have")
+        if experts and request.stream:
+            raise UnsupportedArchitecture(f"{request.model}: a Mixture-of-Experts checkpoint keeps each "
+                                          "expert's weights apart, which transformers merges into 3-D tensors as it "
+                                          "loads: it is not streamed (compress it without --stream)")
         large = not request.stream and needs_streaming(request.model)
         self.stream = request.stream or (large and not experts)
         if large and experts:

@@ -68,6 +68,8 @@ class LayerResult:
     refine: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     # a transformer's output projection: the rows it kept, "refit" (the solve's) or "dense" (the dense weight's)
     rows: str | None = field(default=None, metadata=OPTIONAL)
+    # a Mixture-of-Experts layer's experts (`kept` empty: each keeps its own): each expert's kept neurons
+    experts_kept: list[list[int]] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

@@ -78,7 +78,8 @@ def build_report(request: CompressRequest, job: ModelJob, chosen: Round, rounds:
 
 def layer_results(layers: list[LayerReport]) -> list[LayerResult]:
     return [LayerResult(r.name, r.kind, r.width_before, r.width_after, r.objective, r.relative_error, r.seconds,
-                        list(r.kept), dataclasses.asdict(r.refine) if r.refine else None, r.rows) for r in layers]
+                        list(r.kept), dataclasses.asdict(r.refine) if r.refine else None, r.rows,
+                        [list(k) for k in r.experts_kept] if r.experts_kept is not None else None) for r in layers]
 
 
 def _reconstruction(layers: list[LayerReport]) -> dict | None:

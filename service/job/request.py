@@ -155,7 +155,8 @@ class CompressRequest:
     deployment_target: str | None = option(help="where the model will be served; a warning when measurement runs "
                                            "elsewhere", choices=PROVIDERS)
     round_to: int | None = option(help="kept widths are multiples of this (or the full width); target mode: 8 when "
-                                  "not given; uniform mode: widths are rounded only when given", statistics=True)
+                                  "not given; uniform mode: widths are rounded only when given (a Mixture-of-Experts "
+                                  "layer's experts keep multiples of 8 always)", statistics=True)
     min_width: float = option(0.1, "target mode: no layer keeps less than this fraction of its groups", statistics=True,
                               needs=(TARGET,))
     max_rounds: int = option(4, "target mode: prune -> measure rounds at most", needs=(TARGET,))

@@ -241,3 +241,60 @@ def test_flap_refuses_a_moe_model_in_one_line():
     model = tiny_mixtral()
     with pytest.raises(UnsupportedArchitecture, match="Mixture-of-Experts layer"):
         flap_structure(model, [example_inputs(model)], 0.5)
+
+
+@pytest.mark.parametrize("act, refused", [("silu", False), ("swish", False), ("gelu", True)])
+def test_swish_is_silu_for_the_experts_check(act, refused):
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import check_config
+
+    config = {"model_type": "mixtral", "hidden_act": act}
+    if refused:
+        with pytest.raises(UnsupportedArchitecture, match="SwiGLU"):
+            check_config(config, "m")
+    else:
+        check_config(config, "m")
+
+
+def test_a_moe_layers_report_gives_its_calibration_error_and_each_experts_neurons():
+    """The layer's relative error is the calibration's (the ridge's rows left out: with them it read 5x higher on
+    few tokens), recomputed here from the routed rows; `experts_kept` says which neurons each expert kept."""
+    model, calibration, _, plan = _few_token_case()
+    pruned, reports = prune_transformer(model, calibration, plan)
+    layer = next(r for r in reports if r.name == "model.layers.0.mlp.experts")
+    captured = {}
+    hooks = [layers(m)[0].mlp.experts.register_forward_pre_hook(
+        lambda _m, args, key=key: captured.setdefault(key, args)) for key, m in (("pruned", pruned), ("dense", model))]
+    with torch.no_grad():
+        pruned(**calibration[0])
+        model(**calibration[0])
+    for h in hooks:
+        h.remove()
+    x, index, weights = captured["pruned"]
+    experts, dense = layers(pruned)[0].mlp.experts, layers(model)[0].mlp.experts
+    error = energy = 0.0
+    with torch.no_grad():
+        rows = zip(expert_inputs(experts, x, index, weights),
+                   expert_inputs(dense, captured["dense"][0], index, weights), strict=True)
+        for e, (a, a_hat) in enumerate(rows):
+            target = a_hat @ dense.down_proj[e].T
+            error += float((a @ experts.down_proj[e].T - target).square().sum())
+            energy += float(target.square().sum())
+    assert layer.relative_error == pytest.approx(error / energy, rel=1e-3)
+    assert layer.kept == () and len(layer.experts_kept) == 8
+    width = dense.down_proj.shape[-1]
+    for e, keep in enumerate(layer.experts_kept):
+        assert len(keep) == 48 == layer.width_after
+        rows = list(keep) + [width + k for k in keep]  # [gate | up]
+        torch.testing.assert_close(experts.gate_up_proj[e], dense.gate_up_proj[e][rows])
+
+
+def test_a_planned_expert_width_rounded_up_is_said_once():
+    model = tiny_mixtral()  # 20 neurons an expert: a quarter pruned plans 15, the experts keep 16
+    seen = []
+    _, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16)], 0.25, progress=seen.append)
+    said = [p.message for p in seen if p.stage == WARNING and "where the plan gives" in p.message]
+    assert said == ["model.layers.0.mlp.experts: its experts keep 16 of 20 neurons where the plan gives 15: an "
+                    "expert's width is a multiple of 8 (transformers' grouped_mm experts kernel wants 16-byte "
+                    "strides); further such layers are not reported"]
+    assert [r.width_after for r in reports if r.name.endswith("experts")] == [16, 16]

@@ -269,3 +269,16 @@ def test_a_task_models_checkpoint_streams_into_its_base_model(tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] > 0 and index["weight_map"]
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_a_pruned_model_of_uneven_widths_is_refused_in_one_line(tmp_path):
+    """A model/ with osscar_widths.json cannot be streamed (its blocks are built from a config of one width): refused
+    before any block is read."""
+    from compressor.transformer.surgery import prune_ffn, save_pruned
+
+    model = MODELS["llama"]()
+    prune_ffn(model, 0, range(8))
+    save_pruned(model, tmp_path / "src")
+    with pytest.raises(UnsupportedArchitecture, match=r"osscar_widths.json\) is not streamed"):
+        StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1011,10 +1011,12 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
 
 
 @pytest.mark.parametrize("flags, words", [(["--method", "flap"], "method 'flap' gives output projections a bias"),
-                                          (["--add-bias", "yes"], "--add-bias yes gives output projections a bias")])
-def test_a_bias_for_moe_experts_is_refused_before_the_model_loads(flags, words, tmp_path, capsys, monkeypatch):
-    """FLAP's bias compensation (or --add-bias yes) has no bias to write into a MoE layer's experts: refused in one
-    line before anything loads (it was refused once the dense model had been loaded and exported)."""
+                                          (["--add-bias", "yes"], "--add-bias yes gives output projections a bias"),
+                                          (["--stream"], "it is not streamed (compress it without --stream)")])
+def test_what_moe_experts_cannot_take_is_refused_before_the_model_loads(flags, words, tmp_path, capsys, monkeypatch):
+    """FLAP's bias compensation (or --add-bias yes) has no bias to write into a MoE layer's experts, and a MoE
+    checkpoint is not streamed: refused in one line before anything loads (they were refused once the dense model
+    had been loaded and exported)."""
     from service.job import kinds
     from tests.compressor.transformer.transformer_models import MODELS
 
@@ -1045,6 +1047,28 @@ def test_a_moe_model_too_large_to_prune_in_memory_is_not_streamed_but_warned_of(
     assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
     assert any("Mixture-of-Experts checkpoint is not streamed" in w for w in report["warnings"])
     assert report["params_after"] < report["params_before"]
+
+
+def test_a_model_this_service_pruned_to_uneven_widths_compresses_again(tmp_path):
+    """A returned model/ with osscar_widths.json (layers of their own widths, which from_pretrained refuses: a
+    transformers traceback) is rebuilt by its manifest and pruned further."""
+    from compressor.transformer.surgery import prune_ffn, prune_query_heads, save_pruned, widths
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    model = MODELS["llama"]()
+    prune_query_heads(model, 0, [0, 1, 2, 5, 6])  # 5 of 8 query heads, uneven over the KV heads
+    prune_ffn(model, 1, range(12))
+    save_pruned(model, tmp_path / "m")
+    assert (tmp_path / "m" / "osscar_widths.json").is_file()
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "8", "--sequence-length", "16", "--repeats", "3",
+                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    assert report["params_before"] == sum(p.numel() for p in model.parameters()) > report["params_after"]
+    assert report["widths"]["ffn"][1] < 12 and widths(model)["heads"][0] == 5
 
 
 def test_a_bf16_checkpoint_compresses_and_stays_in_its_dtype(tmp_path):
