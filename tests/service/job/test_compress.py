@@ -1029,6 +1029,19 @@ def test_what_moe_experts_cannot_take_is_refused_before_the_model_loads(flags, w
     assert code == 2 and words in err and "Traceback" not in err
 
 
+def _quick_uniform_job(tmp_path) -> dict:
+    """The tiny model saved at tmp_path/m through the CLI at a uniform 0.25 (8 windows of 16 random ids, no fits, no
+    accuracy budget); its report, once the job ended ok (or slower than dense: a toy's speed is noise)."""
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    out = tmp_path / "out"
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "8", "--sequence-length", "16", "--repeats", "3",
+                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))
+    return report
+
+
 def test_a_moe_model_too_large_to_prune_in_memory_is_not_streamed_but_warned_of(tmp_path, monkeypatch):
     """A checkpoint over the memory share that turns streaming on: a MoE model (not streamable: its experts merge as
     it loads) is pruned in memory with a warning, where it ended in "compress without --stream", a flag the user had
@@ -1037,14 +1050,8 @@ def test_a_moe_model_too_large_to_prune_in_memory_is_not_streamed_but_warned_of(
     from tests.compressor.transformer.transformer_models import MODELS
 
     MODELS["qwen3_moe"]().save_pretrained(tmp_path / "m")
-    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
     monkeypatch.setattr(kinds, "needs_streaming", lambda _model: True)
-    out = tmp_path / "out"
-    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
-                     str(tmp_path / "ids.npz"), "--sequences", "8", "--sequence-length", "16", "--repeats", "3",
-                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(out)])
-    report = json.loads((out / "report.json").read_text())
-    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    report = _quick_uniform_job(tmp_path)
     assert any("Mixture-of-Experts checkpoint is not streamed" in w for w in report["warnings"])
     assert report["params_after"] < report["params_before"]
 
@@ -1060,13 +1067,7 @@ def test_a_model_this_service_pruned_to_uneven_widths_compresses_again(tmp_path)
     prune_ffn(model, 1, range(12))
     save_pruned(model, tmp_path / "m")
     assert (tmp_path / "m" / "osscar_widths.json").is_file()
-    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
-    out = tmp_path / "out"
-    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
-                     str(tmp_path / "ids.npz"), "--sequences", "8", "--sequence-length", "16", "--repeats", "3",
-                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(out)])
-    report = json.loads((out / "report.json").read_text())
-    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))  # a toy's speed is noise
+    report = _quick_uniform_job(tmp_path)
     assert report["params_before"] == sum(p.numel() for p in model.parameters()) > report["params_after"]
     assert report["widths"]["ffn"][1] < 12 and widths(model)["heads"][0] == 5
 
