@@ -7,8 +7,8 @@ No Mixture-of-Experts checkpoint ships as a Python package, so the model is rand
 mixtral; structure, export, latency, time and memory are measured, not quality). Each mode runs the CLI in a fresh
 process: its row has the job's status, the measured speedup of the returned ONNX against the dense one (ONNX
 Runtime, each MoE layer one com.microsoft.MoE node), the parameters, the parity of the export, the seconds of each
-stage (report.json `stages`), the expert widths kept, and the process's peak RSS (ONNX Runtime's subprocesses
-included); the job's log goes to `<out>.log` as it runs.
+stage (report.json `stages`), the expert widths kept, the layers removed, and the process's peak RSS (the larger of
+its own and its largest subprocess's: ONNX Runtime's); the job's log goes to `<out>.log` as it runs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -59,8 +60,6 @@ def _peak_rss_mb() -> float:
 
 def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) -> dict:
     """One CLI job in this (fresh) process: its report's numbers and stage seconds, the peak RSS."""
-    import logging
-
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from service.client import cli
@@ -72,12 +71,13 @@ def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) ->
         code = cli.main(["-v", "compress", model, *MODES[mode], "--calibration", calibration, "--out", out,
                          "--accuracy-budget", "none", *extra])
     seconds = time.perf_counter() - start
-    report = json.loads((Path(out) / "report.json").read_text()) if (Path(out) / "report.json").is_file() else {}
+    report_path = Path(out) / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     lines = log_path.read_text().strip().splitlines()
     experts = [layer["width_after"] for layer in report.get("layers", []) if layer["name"].endswith("mlp.experts")]
     return {"mode": mode, "exit": code, "status": report.get("status", lines[-1][:200] if lines else ""),
-            "speedup": report.get("measured_speedup"), "params": [report.get("params_before"),
-                                                                   report.get("params_after")],
+            "speedup": report.get("measured_speedup"),
+            "params": [report.get("params_before"), report.get("params_after")],
             "parity_peak": (report.get("artifacts", {}).get("parity") or {}).get("peak_error"),
             "expert_widths": experts, "removed_layers": report.get("removed_layers"),
             "seconds": round(seconds, 1), "stages": report.get("stages"), "peak_rss_mb": round(_peak_rss_mb())}

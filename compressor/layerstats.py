@@ -75,7 +75,8 @@ class LayerObservation:
     # the width plan's entry this layer's width comes from, where layers share one (the experts of a MoE layer:
     # their losses and costs add up to the unit's curve); None: `name`
     unit: str | None = None
-    # the widths the layer keeps, but its full width, are multiples of this (a MoE layer's experts: experts.ALIGN)
+    # the widths the layer keeps, other than its full width, are multiples of this (a MoE layer's experts:
+    # experts.ALIGN)
     multiple: int = 1
 
 

@@ -120,6 +120,11 @@ class FamilyAdapter:
     experts_per_token_key: str | None = None
 
     @property
+    def experts(self) -> bool:
+        """Whether the FFN is a Mixture-of-Experts layer (`experts_per_token_key`)."""
+        return self.experts_per_token_key is not None
+
+    @property
     def up_matrices(self) -> int:
         """Weight matrices that produce the FFN's neurons (a fused gate/up projection counts twice)."""
         return len(self.up) + int(self.fused_up)
@@ -241,14 +246,17 @@ _RELATIVE_POSITIONS = (lambda c: c.get("position_embedding_type", "absolute") no
 
 
 # configurations of a supported family that are refused all the same: (the config.json test, why)
-_NOT_SWIGLU = (lambda c: c.get("hidden_act", "silu") not in ("silu", "swish"),  # transformers' two names of SiLU
-               "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes SwiGLU "
-               "(hidden_act silu) experts only")
+def _not_silu(config: dict) -> bool:
+    return config.get("hidden_act", "silu") not in ("silu", "swish")  # transformers' two names of SiLU
+
+
+_NOT_SWIGLU = (_not_silu, "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes "
+                          "SwiGLU (hidden_act silu) experts only")
 
 REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
     "mixtral": _NOT_SWIGLU,
     # Qwen3-MoE turns some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer sparse)
-    "qwen3_moe": (lambda c: _NOT_SWIGLU[0](c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
+    "qwen3_moe": (lambda c: _not_silu(c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
                   or not c.get("num_experts", 1),
                   "Qwen3-MoE is supported with SwiGLU experts (hidden_act silu) in every layer: dense FFN layers "
                   "between the MoE layers (mlp_only_layers, decoder_sparse_step > 1, num_experts 0) are not"),

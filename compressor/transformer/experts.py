@@ -6,7 +6,7 @@ transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-M
 Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
-3-D layout and ONNX Runtime's MoE operator (one node per layer, `experts_onnx_op`) take one width.
+3-D layout and ONNX Runtime's MoE operator (one node per layer: `moe_op`, `experts_as_operator`) take one width.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def aligned_width(width: int, kept: int) -> int:
     return min(width, -(-kept // ALIGN) * ALIGN)
 
 
-def routed_tokens(top_k_index: Tensor, num_experts: int) -> list[tuple[Tensor, Tensor]]:
-    """For each expert, (the tokens routed to it, the top-k slot it holds in each) over a (tokens, k) routing."""
-    return [torch.where(top_k_index == e) for e in range(num_experts)]
-
-
 def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                   rows: Tensor | None = None, chosen: Sequence[int] | None = None) -> list[Tensor]:
     """What each expert's down projection reads, weighted by the routing: w_e(t) * act(gate_e x_t) * up_e x_t,
@@ -61,10 +56,10 @@ def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weig
     width = expert_width(experts)
     out = []
     for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
-        tokens, slots = torch.where(top_k_index == e)
+        tokens, slots = torch.where(top_k_index == e)  # (token, top-k slot) pairs
         if rows is not None:
-            chosen = torch.isin(tokens, rows)
-            tokens, slots = tokens[chosen], slots[chosen]
+            counted = torch.isin(tokens, rows)
+            tokens, slots = tokens[counted], slots[counted]
         h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
         a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
         out.append(a * top_k_weights[tokens, slots, None].to(a.dtype))
@@ -101,14 +96,14 @@ def keep_expert_neurons(experts: nn.Module, keeps: Sequence[Sequence[int] | Tens
             new_down.append(weight.to(down))
     experts.gate_up_proj = nn.Parameter(torch.stack(new_gate_up).contiguous(), requires_grad=False)
     experts.down_proj = nn.Parameter(torch.stack(new_down).contiguous(), requires_grad=False)
-    if hasattr(experts, "intermediate_dim"):
+    if hasattr(experts, "intermediate_dim"):  # what the module says of itself, kept true (its forward reads shapes)
         experts.intermediate_dim = sizes[0]
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The sparse MoE blocks of a model: modules holding a router `gate` (with top_k) beside `experts`."""
-    return [m for m in model.modules() if is_experts(getattr(m, "experts", None) or nn.Module())
-            and hasattr(getattr(m, "gate", None), "top_k")]
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)
+            and is_experts(m.experts) and hasattr(getattr(m, "gate", None), "top_k")]
 
 
 def _normalised(router: nn.Module) -> bool:
@@ -120,7 +115,7 @@ def _normalised(router: nn.Module) -> bool:
 def moe_op() -> Any:
     """torch.ops.osscar.moe_experts, registered on first use: a layer's routing and experts as one operator, the
     shape of ONNX Runtime's com.microsoft.MoE (router logits in: softmax, top-k, optional renormalisation, SwiGLU
-    experts). The ONNX export translates it into that node (`exporters.onnx`)."""
+    experts). The ONNX export translates it into that node (`exporters.experts`)."""
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::{OP_NAME}", mutates_args=())
     def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool) -> Tensor:
@@ -130,7 +125,8 @@ def moe_op() -> Any:
             weights = weights / weights.sum(-1, keepdim=True)
         width = down.shape[-1]
         out = torch.zeros_like(x)
-        for e, (tokens, slots) in enumerate(routed_tokens(index, gate_up.shape[0])):
+        for e in range(gate_up.shape[0]):
+            tokens, slots = torch.where(index == e)
             if tokens.numel():
                 h = x[tokens] @ gate_up[e].T
                 a = nn.functional.silu(h[:, :width]) * h[:, width:]

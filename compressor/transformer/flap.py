@@ -85,7 +85,7 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     value rows: (2 + 2 kv_heads / heads) x head_dim x hidden parameters, all four on a model without grouped
     queries; a neuron its FFN rows and column: (up projections + 1) x hidden)."""
     adapter, d = adapter_for(model), dims(model)
-    if adapter.experts_per_token_key:
+    if adapter.experts:
         raise UnsupportedArchitecture(f"FLAP scores a dense FFN's neurons; {model.config.model_type}'s FFN is a "
                                       "Mixture-of-Experts layer")
     attention, ffn = fluctuation_scores(model, batches)

@@ -150,10 +150,11 @@ class StreamedCheckpoint:
         # the blocks as meta tensors: shapes without memory
         with torch.device("meta"):
             skeleton = build_hf_model(cls, config, init_weights=False)
-        if adapter_for(skeleton).stage_blocks is not None:
+        adapter = adapter_for(skeleton)
+        if adapter.stage_blocks is not None:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
                                           "streamed (it is pruned in memory: compress without --stream)")
-        if adapter_for(skeleton).experts_per_token_key:
+        if adapter.experts:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s checkpoint keeps each expert's weights "
                                           "apart, which transformers merges into 3-D tensors as it loads: a Mixture-"
                                           "of-Experts model is not streamed (it is pruned in memory: compress "

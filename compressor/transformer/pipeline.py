@@ -376,7 +376,7 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         projections = hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
-    if adapter.experts_per_token_key:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
+    if adapter.experts:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
         return share * float(hidden * 3 * int(getattr(model.config, adapter.experts_per_token_key)))
     return share * float(hidden * (1 + adapter.up_matrices))
 
@@ -433,7 +433,7 @@ def prune_blocks(
         check_removable(source.model, index, kind)
     check_removable_layers(source.model, sorted(skip))  # before any solve, not once every block is pruned
     check_gqa(gqa)
-    if adapter_for(source.model).experts_per_token_key and (method in ADDS_BIAS or add_bias):
+    if adapter_for(source.model).experts and (method in ADDS_BIAS or add_bias):
         raise UnsupportedArchitecture(f"method {method!r} gives output projections a bias, which a Mixture-of-Experts "
                                       "layer's experts do not have")
     refine = refine or RefineConfig()
@@ -486,8 +486,10 @@ def prune_blocks(
             solved = True
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
+            name = f"{here}.{path}"
+            costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy)
             if is_experts(proj):  # a Mixture-of-Experts FFN: one solve per expert, one width for them all
-                name, width = f"{here}.{path}", expert_width(proj)
+                width = expert_width(proj)
                 planned = width - planned_prune(name, width, ratio)
                 kept_width = aligned_width(width, planned)
                 if kept_width != planned and not align_warned:
@@ -496,7 +498,6 @@ def prune_blocks(
                                            f"gives {planned}: an expert's width is a multiple of {ALIGN} "
                                            "(transformers' grouped_mm experts kernel wants 16-byte strides); further "
                                            "such layers are not reported"), log)
-                costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy)
                 reports += _prune_experts(name, proj, proj_dense, block, dense, streams, width - kept_width, method,
                                           device=device, activation_dtype=activation_dtype, token_cap=token_cap,
                                           observe=observe, progress=progress, costs=costs,
@@ -530,7 +531,6 @@ def prune_blocks(
             finished = stats.finish(center)
             g = head_rows if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
-            name = f"{here}.{path}"
             _check_finite(name, finished, activation_dtype)
             num_prune = planned_prune(name, groups, ratio)
             kept_rows = finished.H.shape[0] - num_prune * g
@@ -549,7 +549,7 @@ def prune_blocks(
                 name, kind, finished, g, num_prune, method, dense_weight=W_hat, scale=scale,
                 apply=apply,
                 position=(i + 1, d.layers), start=start, observe=observe, rank=finished.rank, progress=progress,
-                costs=functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy))
+                costs=costs)
             reports.append(report)
             # every name that holds this projection's statistics (H: d1 x d1 float64), weights or last inputs (the
             # partial holds H when choosing rows): freed before the next projection, the rows' choice and the fit
@@ -600,19 +600,21 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
                    activation_dtype: torch.dtype, token_cap: float | None,
                    observe: Callable[[LayerObservation], None] | None, progress: ProgressFn | None,
                    costs: Callable[[], tuple[float, float]], position: tuple[int, int]) -> list[LayerReport]:
-    """The FFN of a Mixture-of-Experts block (`name`: its experts, the width plan's entry), `num_prune` neurons of
-    each expert pruned (an aligned width, `experts.aligned_width`): each expert's down
-    projection is solved on the routing-weighted activations of the calibration tokens routed to it
-    (`experts.expert_inputs`), then every expert keeps as many neurons as the plan gives the layer, each its own.
-    Both streams are read with the pruned stream's routing: the dense stream routes some tokens to other experts,
-    and a token's two rows must pair. The experts are read in passes of as many as EXPERT_STATISTICS_BYTES holds,
-    each pass solving its experts before the next; the dense stream advances through the whole block in the last.
-    Each expert's statistics get identity rows (EXPERT_PRIOR: a ridge toward its dense weights that fades as its
-    tokens grow); an expert that no calibration token reaches keeps its neurons of largest down-projection norm
-    (identity rows alone: the least squares of the weights themselves); the job warns of both, and of experts that
-    saw fewer tokens than they keep neurons. One report for the layer (each expert's solve is a SOLVE record of its
-    own): its error is the calibration's (the ridge's rows left out), its `experts_kept` each expert's neurons."""
+    """The FFN of a Mixture-of-Experts block (`name`: its experts, the width plan's entry): `num_prune` neurons of
+    each expert pruned (the aligned width, `experts.aligned_width`), each expert keeping its own. One report for the
+    layer, its error the calibration's (the ridge's rows left out), its `experts_kept` each expert's neurons; each
+    expert's solve is a SOLVE record of its own.
+
+    Each expert's down projection is solved on the routing-weighted activations of the calibration tokens routed to
+    it (`experts.expert_inputs`), both streams read with the pruned stream's routing: the dense stream routes some
+    tokens to other experts, and a token's two rows must pair. The experts are read in passes of as many as
+    EXPERT_STATISTICS_BYTES holds, each pass solved before the next; the dense stream advances through the whole
+    block in the last. Each expert's statistics get identity rows (EXPERT_PRIOR: a ridge toward its dense weights
+    that fades as its tokens grow); an expert no calibration token reaches gets them alone, and so keeps its neurons
+    of largest down-projection norm, unrefitted. The job warns of such experts and of those that saw fewer tokens
+    than they keep neurons."""
     count, width = experts.gate_up_proj.shape[0], expert_width(experts)
+    kept_width = width - num_prune
     start = time.perf_counter()
     per_pass = max(1, EXPERT_STATISTICS_BYTES // (8 * width * (width + experts.down_proj.shape[1])))
     kept: list[KeptSolution] = []
@@ -627,18 +629,15 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
         if idle:
             emit(progress, warning(f"{name}: no calibration token reached experts {idle}: they keep their neurons "
                                    "of largest down-projection norm, unrefitted"), log)
-        few = [e for e, st in zip(chosen, stats, strict=True) if 0 < st.rows <= width - num_prune]
+        few = [e for e, st in zip(chosen, stats, strict=True) if 0 < st.rows <= kept_width]
         if few:
-            emit(progress, warning(f"{name}: experts {few} saw fewer calibration tokens than the {width - num_prune} "
+            emit(progress, warning(f"{name}: experts {few} saw fewer calibration tokens than the {kept_width} "
                                    "neurons they keep: their refit leans on their dense weights; an expert sees "
                                    "about tokens x top-k / experts of the calibration, so calibrate on more"), log)
         for e in chosen:
-            st = stats.pop(0)
-            # identity rows: alone (an idle expert), the least squares of the weights themselves; beside the routed
-            # rows, a ridge toward the dense weights as strong as kept / rows of their mean diagonal
-            prior = 1.0 if st.rows == 0 else float(EXPERT_PRIOR * (width - num_prune) / st.rows
-                                                     * st.H.diagonal().mean())
-            if prior > 0:
+            st = stats.pop(0)  # out of the list: this expert's H and G go once it is solved
+            prior = 1.0 if st.rows == 0 else float(EXPERT_PRIOR * kept_width / st.rows * st.H.diagonal().mean())
+            if prior > 0:  # nothing to add (EXPERT_PRIOR 0): the rank bound stays the tokens'
                 st.add_ridge(prior)
             finished = st.finish(False)  # no intercept: experts have no bias
             _check_finite(f"{name}.{e}", finished, activation_dtype)
@@ -647,17 +646,20 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
                 apply=kept.append, position=position, start=time.perf_counter(), observe=observe,
                 rank=finished.rank, progress=progress, costs=lambda: (cost / count, stream_energy), unit=name,
                 multiple=ALIGN)
-            # the calibration's error and energy: the ridge's share, 1/2 prior ||W - W_hat||^2 (the pruned rows'
-            # dense weights included) and 1/2 prior ||W_hat||^2, taken out
-            change = st.W_hat.square().sum() + (kept[-1].weight - st.W_hat[kept[-1].keep]).square().sum() \
-                - st.W_hat[kept[-1].keep].square().sum()
-            ridge = 0.5 * prior * float(change) if prior > 0 else 0.0
-            objective += report.objective - ridge + 0.5 * prior * float(st.W_hat.square().sum())
-            energy += finished.energy - 0.5 * prior * float(st.W_hat.square().sum())
+            # the ridge's rows add 1/2 prior ||W - W_hat||^2 to the error (the pruned rows' dense weights included)
+            # and 1/2 prior ||W_hat||^2 to the energy, which the solver's objective (error - energy) leaves out: both
+            # taken out, what is left is the calibration's
+            solution, dense_squares = kept[-1], float(st.W_hat.square().sum())
+            kept_rows_dense = st.W_hat[solution.keep]
+            change = dense_squares - float(kept_rows_dense.square().sum()) \
+                + float((solution.weight - kept_rows_dense).square().sum())
+            ridge_energy = 0.5 * prior * dense_squares
+            objective += report.objective - (0.5 * prior * change - ridge_energy)
+            energy += finished.energy - ridge_energy
             del finished, st  # this expert's H and G, before the next expert's solve
     keep_expert_neurons(experts, [k.keep for k in kept], [k.weight.T.float() for k in kept])
     # one report for the layer (the plan's unit): the experts' errors add up in the stream they all write to
-    report = LayerReport.measure(name, FFN, width, width - num_prune, objective, energy, start)
+    report = LayerReport.measure(name, FFN, width, kept_width, objective, energy, start)
     return [dataclasses.replace(report, experts_kept=tuple(tuple(k.keep) for k in kept))]
 
 

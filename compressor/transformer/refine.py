@@ -145,14 +145,19 @@ def _squared_error(out: Tensor, batch: Sequences | Windows, token_cap: float | N
     return error.sum(), energy.sum()
 
 
+def _fitted(module: nn.Module) -> bool:
+    """The modules whose weights the fits move: projections (GPT-2's Conv1D too) and a MoE layer's experts (their 3-D
+    weights; the router keeps its choices)."""
+    return is_projection(module) or is_experts(module)
+
+
 class BlockReconstruction:
     """Adam on one block's linear weights (and biases; norms with `config.norms`; a MoE layer's experts), in place
     (`compressor.refine.Reconstruction` on a block fed the pruned stream)."""
 
     def __init__(self, block: nn.Module, config: RefineConfig) -> None:
         self.block, self.config = block, config
-        # GPT-2's Conv1D too, and a MoE layer's experts (their 3-D weights; the router keeps its choices)
-        linear = [m for m in block.modules() if is_projection(m) or is_experts(m)]
+        linear = [m for m in block.modules() if _fitted(m)]
         norms = [m for m in block.modules() if "norm" in type(m).__name__.lower()] if config.norms else []
         self.parameters = [p for m in linear + norms for p in m.parameters(recurse=False)]
         assert self.parameters, f"{type(block).__name__}: no linear layers to fit"
@@ -248,8 +253,8 @@ def reconstruct_model(pruned: nn.Module, dense: nn.Module, batches: Sequence[dic
     # fitted in float32 and its fitted weights round once, at the end
     restore = _in_float32(pruned)
     try:
-        parameters = [p for block in layers(pruned) for m in block.modules() if is_projection(m) or is_experts(m)
-                      for p in m.parameters(recurse=False)]  # a MoE layer's experts as in the block fit
+        parameters = [p for block in layers(pruned) for m in block.modules() if _fitted(m)
+                      for p in m.parameters(recurse=False)]
         if config.norms:  # every norm the blocks' outputs pass through, the final one's too (not the embeddings')
             embeddings = {id(m) for m in pruned.get_input_embeddings().modules()}
             owner = getattr(getattr(pruned, "base_model", pruned), "embeddings", None)

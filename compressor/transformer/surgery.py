@@ -55,7 +55,7 @@ def projection(layer: nn.Module, path: str) -> nn.Module:
     each expert's width, `out_features` the stream's; the weight helpers below refuse them)."""
     module = layer.get_submodule(path)
     if not is_projection(module) and not is_experts(module):
-        raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear or Conv1D")
+        raise TypeError(f"{path} is a {type(module).__name__}, expected nn.Linear, Conv1D or a layer's experts")
     return module
 
 

@@ -704,7 +704,7 @@ class _TransformerJob:
                              "turns that off")
         self.request, self.say = request, say
         family = ADAPTERS.get((transformer_config(request.model) or {}).get("model_type"))
-        experts = family is not None and family.experts_per_token_key is not None
+        experts = family is not None and family.experts
         if experts and (request.method in ADDS_BIAS or request.add_bias == "yes"):  # before anything loads
             what = f"method {request.method!r}" if request.method in ADDS_BIAS else "--add-bias yes"
             raise UnsupportedArchitecture(f"{what} gives output projections a bias, which a Mixture-of-Experts "

@@ -228,7 +228,7 @@ def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callab
     """One layer's loss at each width it may take (`loss_path`), relative to what its error adds to. A layer whose
     statistics no damping factorises (an H at rounding level: an EfficientNet squeeze-excite conv fed ~zero inputs)
     has no curve to plan with: the allocation keeps it whole, and says so (the job used to end in a traceback)."""
-    groups = obs.H.shape[0] // obs.group_size
+    name, groups = obs.unit or obs.name, obs.H.shape[0] // obs.group_size  # the plan's entry (a MoE layer's experts)
     # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
     multiple = 1 if obs.kind == "attention_heads" else request.round_to or ROUND_TO
     multiple = math.lcm(multiple, obs.multiple)  # widths the layer can take at all (a MoE layer's experts)
@@ -238,14 +238,14 @@ def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callab
         losses = loss_path(obs.H, obs.G, obs.group_size, allowed)
     except (IllConditioned, PivotError) as err:
         say(warning(f"{obs.name}: no loss curve ({err}); the allocation keeps it whole"))
-        return LayerCurve(obs.unit or obs.name, obs.kind, [groups], [0.0], obs.cost)
+        return LayerCurve(name, obs.kind, [groups], [0.0], obs.cost)
     # a layer's loss counts relative to what its error adds to: the residual stream when there is one
     norm = obs.stream_energy if request.normalise != "layer" and obs.stream_energy else obs.energy
     norm = norm if norm > 0 else 1.0
     relative = [v / norm for v in losses]
     if convert is not None and obs.stream_energy:  # priced by the output change they predict
-        relative = [convert(obs.unit or obs.name, v, "input") for v in relative]
-    return LayerCurve(obs.unit or obs.name, obs.kind, allowed, relative, obs.cost)
+        relative = [convert(name, v, "input") for v in relative]
+    return LayerCurve(name, obs.kind, allowed, relative, obs.cost)
 
 
 def merged_units(curves: Sequence[LayerCurve]) -> list[LayerCurve]:
@@ -262,8 +262,7 @@ def merged_units(curves: Sequence[LayerCurve]) -> list[LayerCurve]:
             continue
         if any(p.widths != first.widths or p.kind != first.kind for p in parts):
             # a part without a loss curve (kept whole) makes the unit whole: its experts take one width
-            widths = [first.groups]
-            out.append(LayerCurve(name, first.kind, widths, [0.0], sum(p.cost for p in parts)))
+            out.append(LayerCurve(name, first.kind, [first.groups], [0.0], sum(p.cost for p in parts)))
             continue
         loss = [sum(values) for values in zip(*(p.loss for p in parts), strict=True)]
         out.append(LayerCurve(name, first.kind, list(first.widths), loss, sum(p.cost for p in parts)))

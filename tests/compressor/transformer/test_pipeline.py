@@ -441,7 +441,7 @@ def test_every_family_chooses_its_rows_and_runs(name):
     model = MODELS[name]().eval()
     pruned, reports = prune_transformer(model, batches(model), 0.25, choose_rows=True)
     # a MoE layer's experts keep their refit rows (one solve per expert, no block-level choice)
-    experts = {r.name for r in reports if r.kind == "ffn_neurons" and adapter_for(model).experts_per_token_key}
+    experts = {r.name for r in reports if r.kind == "ffn_neurons" and adapter_for(model).experts}
     assert reports and all(r.rows in ("refit", "dense") for r in reports if r.name not in experts)
     assert all(r.rows is None for r in reports if r.name in experts)
     assert torch.isfinite(first_output(pruned)).all()

@@ -57,7 +57,7 @@ def removed_parameters(model, index, groups_removed, neurons_removed):
             per_group += d.group * d.head_dim * (hidden + (extra.bias is not None))
     up_biases = sum(projection(layer, p).bias is not None for p in adapter.up) * (1 + adapter.fused_up)
     per_neuron = hidden * (1 + adapter.up_matrices) + up_biases
-    if adapter.experts_per_token_key:  # one neuron of every expert: its gate, up and down weights
+    if adapter.experts:  # one neuron of every expert: its gate, up and down weights
         per_neuron = layer.get_submodule(adapter.down).gate_up_proj.shape[0] * 3 * hidden
     return groups_removed * per_group + neurons_removed * per_neuron
 

@@ -164,7 +164,7 @@ MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_sw
 def ffn_keep(model, keep: list[int]) -> list[int]:
     """FFN neurons to keep: `keep`, or for a Mixture-of-Experts layer as many more as make a multiple of
     experts.ALIGN (the widths its experts take)."""
-    if not adapter_for(model).experts_per_token_key:
+    if not adapter_for(model).experts:
         return keep
     spare = [n for n in range(ALIGN * 3) if n not in keep]
     return sorted(keep + spare[:ALIGN - len(keep) % ALIGN])
