@@ -2,10 +2,11 @@
 
 The dynamo exporter cannot trace transformers' experts loop (which experts a batch reaches is data), so the
 export runs each sparse MoE block as one custom torch operator (`experts_as_operator`) and translates that
-operator here into the MoE contrib node: router logits in; softmax, top-k and the optional renormalisation
-inside; SwiGLU experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only
-`swiglu_fusion=1`), fc2 the down projections. onnxscript ships no schema for the contrib op, so it is
-declared here with the inputs and attributes the node uses.
+operator here into the MoE contrib node: router logits in; softmax, top-k and the renormalisation of the top-k
+weights inside (a router without it, Qwen3-MoE's `norm_topk_prob` off, scales the node's output back); SwiGLU
+experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only `swiglu_fusion=1`), fc2 the down
+projections. onnxscript ships no schema for the contrib op, so it is declared here with the inputs and attributes
+the node uses.
 """
 
 from __future__ import annotations
@@ -48,8 +49,15 @@ def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: 
     width = op.Div(rows, op.Constant(value_ints=[2]))
     halves = op.Reshape(gate_up, op.Concat(experts, op.Constant(value_ints=[2]), width, hidden, axis=0))
     interleaved = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Concat(experts, rows, hidden, axis=0))
-    return _moe_node()(x, logits, interleaved, None, down, k=k, activation_type="swiglu", swiglu_fusion=1,
-                       activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=int(normalize))
+    # the node always renormalises its top-k weights: ONNX Runtime 1.31 did whatever normalize_routing_weights said
+    # (a Qwen3-MoE without norm_topk_prob: 6e-3 off); unrenormalised weights are the renormalised ones times their
+    # sum, a factor per token
+    out = _moe_node()(x, logits, interleaved, None, down, k=k, activation_type="swiglu", swiglu_fusion=1,
+                      activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)
+    if normalize:
+        return out
+    top, _ = op.TopK(op.Softmax(logits, axis=-1), op.Constant(value_ints=[k]), axis=-1)  # (tokens, k)
+    return op.Mul(out, op.ReduceSum(top, op.Constant(value_ints=[-1]), keepdims=1))
 
 
 def translation_table() -> dict[Any, Any]:
