@@ -54,12 +54,11 @@ def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weig
     given. The weight multiplies the row because the expert's output is scaled by it: the least squares on these
     rows is the error the expert adds to the stream."""
     width = expert_width(experts)
+    if rows is not None:  # the uncounted tokens routed nowhere, once for every expert
+        top_k_index = top_k_index.masked_fill(~torch.isin(torch.arange(x.shape[0], device=x.device), rows)[:, None], -1)
     out = []
     for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
         tokens, slots = torch.where(top_k_index == e)  # (token, top-k slot) pairs
-        if rows is not None:
-            counted = torch.isin(tokens, rows)
-            tokens, slots = tokens[counted], slots[counted]
         h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
         a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
         out.append(a * top_k_weights[tokens, slots, None].to(a.dtype))
