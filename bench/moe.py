@@ -3,12 +3,13 @@
     .venv/bin/python bench/moe.py                      # Qwen3-MoE-shaped, ~0.5 B parameters, bf16 safetensors
     .venv/bin/python bench/moe.py --layers 2 --experts 8 --modes uniform     # a quick run
 
-No Mixture-of-Experts checkpoint ships as a Python package, so the model is random-init (`--family`: qwen3_moe or
-mixtral; structure, export, latency, time and memory are measured, not quality). Each mode runs the CLI in a fresh
-process: its row has the job's status, the measured speedup of the returned ONNX against the dense one (ONNX
-Runtime, each MoE layer one com.microsoft.MoE node), the parameters, the parity of the export, the seconds of each
-stage (report.json `stages`), the expert widths kept, the layers removed, and the process's peak RSS (the larger of
-its own and its largest subprocess's: ONNX Runtime's); the job's log goes to `<out>.log` as it runs.
+No Mixture-of-Experts checkpoint ships as a Python package, so the model is random-init (`--family`: qwen3_moe,
+qwen2_moe (a shared expert beside the routed ones, `--shared-width`) or mixtral; structure, export, latency, time and
+memory are measured, not quality). Each mode runs the CLI in a fresh process: its row has the job's status, the
+measured speedup of the returned ONNX against the dense one (ONNX Runtime, each MoE layer one com.microsoft.MoE node),
+the parameters, the parity of the export, the seconds of each stage (report.json `stages`), the expert widths kept,
+the layers removed, and the process's peak RSS (the larger of its own and its largest subprocess's: ONNX Runtime's);
+the job's log goes to `<out>.log` as it runs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def _build(path: Path, args: argparse.Namespace) -> int:
         config = transformers.Qwen3MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                                              head_dim=args.hidden // args.heads, norm_topk_prob=True, **shared)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif args.family == "qwen2_moe":  # Qwen1.5-MoE's layout: a shared expert (kept whole) beside the routed ones
+        config = transformers.Qwen2MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
+                                             shared_expert_intermediate_size=args.shared_width,
+                                             intermediate_size=args.shared_width, **shared)
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(num_local_experts=args.experts, intermediate_size=args.expert_width,
                                             **shared)
@@ -85,7 +91,7 @@ def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("qwen3_moe", "mixtral"), default="qwen3_moe")
+    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "mixtral"), default="qwen3_moe")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)
@@ -93,6 +99,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--expert-width", type=int, default=512)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--shared-width", type=int, default=2048, help="qwen2_moe: the shared expert's neurons")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="uniform,target")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .onnx import EXTERNAL_DATA_BYTES, Parity, ParityError, stamp_metadata
+from .onnx import EXTERNAL_DATA_BYTES, Parity, ParityError, exact_constant_rules, stamp_metadata
 from .runtime import RuntimeFailure, files_of
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ def fuse(source: Path, target: Path, provider: str = "cpu") -> dict[str, int]:
 
     model = ir.load(str(source))
     as_matmul = gemms_as_matmuls(model)
-    model, counts = optimize_for_ort(model)
+    with exact_constant_rules():
+        model, counts = optimize_for_ort(model)
     counts = {name: int(count) for name, count in counts.items() if count}
     if as_matmul and counts:
         counts[GEMM_AS_MATMUL] = as_matmul

@@ -118,6 +118,10 @@ class FamilyAdapter:
     # (`compressor.transformer.experts`), whose experts each keep neurons of their own, as many in each; the config key
     # of how many experts a token visits (what one neuron of every expert costs a token)
     experts_per_token_key: str | None = None
+    # whether attention heads are a prunable unit: not where a norm spans all the heads' queries or keys together
+    # (OLMo 2 and 3: q_norm / k_norm over heads x head_dim, so removing a head renormalises every kept one); then the
+    # FFN neurons, whole layers and (where `normed_updates` allows) sub-layers are what a job removes
+    heads_prunable: bool = True
 
     @property
     def experts(self) -> bool:
@@ -154,12 +158,21 @@ LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
 # Gemma 2 and 3: Llama's names, a norm after each sub-layer as well as before it
 GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
+# OLMo 2 and 3: EXAONE 4's layout (a norm after each sub-layer, none before) with q/k norms over all heads together
+OLMO2 = replace(GEMMA2_LIKE, heads_prunable=False)
 # Mixture-of-Experts decoders: Llama's attention, a router (mlp.gate) and the experts as 3-D tensors (mlp.experts)
 MOE_LIKE = replace(LLAMA_LIKE, up=(), down="mlp.experts", experts_per_token_key="num_experts_per_tok")
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
                kv_count_attrs=("self_attn.num_key_value_heads",), config_head_count=True)
+
+# GLM and GLM-4: Llama's attention, gate and up fused in gate_up_proj as [gate | up]; GLM-4 norms each sub-layer's
+# output as Gemma 2 does (post_self_attn_layernorm, post_mlp_layernorm)
+GLM = replace(LLAMA_LIKE, up=("mlp.gate_up_proj",), fused_up=True)
+# one input projection, no gate: StarCoder2's GELU FFN (c_fc, c_proj, with biases); Nemotron's squared ReLU
+STARCODER2 = replace(LLAMA_LIKE, up=("mlp.c_fc",), down="mlp.c_proj")
+UNGATED = replace(LLAMA_LIKE, up=("mlp.up_proj",))
 
 # pre-norm encoder: q/k/v fused in Wqkv as [q | k | v], the gated FFN's two projections in Wi; its global and
 # sliding-window layers get different masks and rotary tables, which the pipeline captures per layer
@@ -223,8 +236,32 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
     "phi3": PHI3,
+    # Llama's layout under other names for what the pruned widths do not touch: SmolLM3 (rotary-free layers),
+    # Granite (scalar multipliers of the embeddings, the attention, each residual update and the logits), OLMo
+    # (LayerNorm without parameters, clipped q/k/v), Helium (no config states its pruned heads: o_proj is built
+    # hidden x hidden), Ministral, ERNIE 4.5, Seed-OSS (q/k/v biases),
+    # HunYuan (per-head q/k norms, as Qwen3's)
+    "smollm3": LLAMA_LIKE,
+    "granite": LLAMA_LIKE,
+    "olmo": LLAMA_LIKE,
+    "helium": replace(LLAMA_LIKE, config_head_dim=False),  # its o_proj is hidden x hidden whatever the heads
+    "ministral": LLAMA_LIKE,
+    "ernie4_5": LLAMA_LIKE,
+    "seed_oss": LLAMA_LIKE,
+    "hunyuan_v1_dense": LLAMA_LIKE,
+    # EXAONE 4: no norm before a sub-layer, one after it (as Gemma 2's second), per-head q/k norms, sliding windows
+    "exaone4": GEMMA2_LIKE,
+    "olmo2": OLMO2,
+    "olmo3": OLMO2,  # OLMo 2's layers with sliding-window ones between full-attention ones
+    "glm": GLM,
+    "glm4": replace(GLM, normed_updates=True),
+    "starcoder2": STARCODER2,
+    "nemotron": UNGATED,
     "mixtral": MOE_LIKE,
     "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
+    # Qwen2-MoE: Qwen3-MoE's experts (q/k/v biases, no q/k norms) beside a shared expert that every token visits,
+    # scaled by its own sigmoid gate (mlp.shared_expert, mlp.shared_expert_gate): kept whole
+    "qwen2_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
 }
 
 VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -233,8 +270,15 @@ VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS
 REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal (images and text in one model); their "
               "language model alone, saved as a gemma3_text checkpoint (Gemma3ForCausalLM), is supported",
-    "qwen2_moe": "Qwen2-MoE's shared expert (a dense FFN with its own gate beside the routed experts) is not a "
-                 "prunable unit yet; Mixtral and Qwen3-MoE experts are",
+    "gemma4_text": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and "
+                   "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
+    "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
+              "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
+    "gpt_oss": "gpt-oss's experts (a clamped SwiGLU with biases) and its attention sinks are not supported yet; "
+               "Mixtral, Qwen2-MoE and Qwen3-MoE experts are",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention (keys and values from one shared low-rank projection) "
+                   "is not a prunable unit yet",
+    "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
@@ -253,13 +297,18 @@ def _not_silu(config: dict) -> bool:
 _NOT_SWIGLU = (_not_silu, "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes "
                           "SwiGLU (hidden_act silu) experts only")
 
+_SPARSE_EVERY_LAYER = (lambda c: _not_silu(c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
+                       or not c.get("num_experts", 1),
+                       "Qwen2-MoE and Qwen3-MoE are supported with SwiGLU experts (hidden_act silu) in every layer: "
+                       "dense FFN layers between the MoE layers (mlp_only_layers, decoder_sparse_step > 1, "
+                       "num_experts 0) are not")
+
 REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
     "mixtral": _NOT_SWIGLU,
-    # Qwen3-MoE turns some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer sparse)
-    "qwen3_moe": (lambda c: _not_silu(c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
-                  or not c.get("num_experts", 1),
-                  "Qwen3-MoE is supported with SwiGLU experts (hidden_act silu) in every layer: dense FFN layers "
-                  "between the MoE layers (mlp_only_layers, decoder_sparse_step > 1, num_experts 0) are not"),
+    # Qwen2- and Qwen3-MoE turn some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer
+    # sparse)
+    "qwen3_moe": _SPARSE_EVERY_LAYER,
+    "qwen2_moe": _SPARSE_EVERY_LAYER,
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,

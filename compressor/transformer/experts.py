@@ -146,11 +146,51 @@ def _as_operator(block: nn.Module, hidden_states: Tensor) -> Tensor:
     logits = nn.functional.linear(x, block.gate.weight)  # (tokens, experts)
     y = moe_op()(x, logits, block.experts.gate_up_proj, block.experts.down_proj, int(block.gate.top_k),
                  _normalised(block.gate))
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:  # Qwen2-MoE: a dense FFN every token visits, scaled by its own gate, beside the experts
+        y = y + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
     return y.reshape(batch, length, hidden)
 
 
+# a token's experts are ambiguous where its k-th and (k+1)-th router logits lie within this share of the k-th's
+# magnitude (of 1 at least): the float rounding by which ONNX Runtime's pass differs from PyTorch's (~1e-6 relative,
+# more through many layers) can swap the two, and the token's output with them; the tokens after it in its row read it
+ROUTING_MARGIN = 1e-4
+
+
+@contextmanager
+def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Within it, every call of a sparse MoE block of `model` appends a (batch, length) bool tensor: whether each
+    token's top-k experts won by more than `ROUTING_MARGIN` (four roundings of a half-precision pass at least)."""
+    found: list[Tensor] = []
+
+    def hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]  # (batch, length, hidden)
+        # in the pass's own precision: a half-precision router's logits tie at its rounding
+        logits = nn.functional.linear(hidden, block.gate.weight.to(hidden.dtype))  # (batch, length, experts)
+        margin = max(ROUTING_MARGIN, 4 * torch.finfo(logits.dtype).eps)
+        k = int(block.gate.top_k)
+        top = logits.topk(min(k + 1, logits.shape[-1]), -1).values.float()
+        if top.shape[-1] <= k:  # every expert chosen: nothing to swap
+            found.append(torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device))
+            return
+        gap = top[..., k - 1] - top[..., k]
+        found.append(gap > margin * top[..., k - 1].abs().clamp(min=1.0))
+
+    hooks = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in moe_blocks(model)]
+    try:
+        yield found
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
 def check_exportable(block: nn.Module) -> None:
-    """Refuse, in one line, experts the ONNX operator does not compute (another activation than SiLU)."""
+    """Refuse, in one line, experts the ONNX operator does not compute (another activation than SiLU) and a shared
+    expert combined otherwise than by Qwen2-MoE's sigmoid gate."""
+    if hasattr(block, "shared_expert") and not hasattr(block, "shared_expert_gate"):
+        raise ValueError("a shared expert without its sigmoid gate (shared_expert_gate) is not exported: Qwen2-MoE's "
+                         "gated shared expert is")
     act = getattr(block.experts, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' ACT2FN["silu"]
         raise ValueError(f"experts with activation {type(act).__name__} are not exported: ONNX Runtime's MoE "

@@ -88,6 +88,9 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if adapter.experts:
         raise UnsupportedArchitecture(f"FLAP scores a dense FFN's neurons; {model.config.model_type}'s FFN is a "
                                       "Mixture-of-Experts layer")
+    if not adapter.heads_prunable:
+        raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
+                                      "'s attention heads are not a prunable unit")
     attention, ffn = fluctuation_scores(model, batches)
     head_weight = head_rows(d) / (adapter.up_matrices + 1)
     heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)

@@ -213,6 +213,28 @@ def write_config(path: Path, config: dict) -> None:
     os.replace(partial, path)
 
 
+def _builds_as_saved(directory: Path, config: dict) -> bool:
+    """Whether the family's own class, built from `config` (on the meta device: no memory), has the shape of every
+    tensor saved in `directory`: a family may size a projection by another field than the widths the config states
+    (Helium's o_proj is hidden x hidden whatever its heads), and from_pretrained would then refuse the checkpoint.
+    A config naming no class transformers has is taken as it is."""
+    import transformers
+    from safetensors import safe_open
+
+    names = config.get("architectures") or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        return True
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in cls(cls.config_class.from_dict(config)).state_dict().items()}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as saved:
+            for name in saved.keys():  # noqa: SIM118 (safe_open is no mapping)
+                if name in shapes and tuple(saved.get_slice(name).get_shape()) != shapes[name]:
+                    return False
+    return True
+
+
 def standardise(directory: str | Path) -> bool:
     """Rewrite a saved pruned model's config.json to say its widths and drop its width manifest, when
     `standard_config` can (then transformers' from_pretrained loads it with no code of ours); otherwise
@@ -225,7 +247,7 @@ def standardise(directory: str | Path) -> bool:
         return True
     config_path = directory / "config.json"
     standard = standard_config(json.loads(config_path.read_text()), json.loads(manifest_path.read_text()))
-    if standard is None:
+    if standard is None or not _builds_as_saved(directory, standard):
         return False
     write_config(config_path, standard)
     manifest_path.unlink()

@@ -26,7 +26,7 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -381,6 +381,23 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     return share * float(hidden * (1 + adapter.up_matrices))
 
 
+def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
+    """Refuse a plan that narrows an attention whose heads are not a prunable unit (`FamilyAdapter.heads_prunable`:
+    OLMo 2's), naming every such layer, instead of returning another structure than the one asked for."""
+    adapter = adapter_for(model)
+    if adapter.heads_prunable or not isinstance(plan, Mapping):
+        return
+    narrowed = []
+    for i, block in enumerate(layers(model)):
+        name = f"{block_path(model, i)}.{adapter.o}"
+        if name in plan and plan[name] < in_features(projection(block, adapter.o)) // dims(model).head_dim:
+            narrowed.append(name)
+    if narrowed:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit (a norm "
+                                      "spans all the heads' queries and keys together), but the plan narrows "
+                                      f"{', '.join(narrowed)}")
+
+
 def prune_blocks(
     source: BlockSource,
     batches: Sequence[dict[str, Tensor]],
@@ -426,6 +443,7 @@ def prune_blocks(
     weight's rows on the same support (with their own intercept), whichever combination gives the lower block
     error on the held-out calibration sequences, before its fit (`_choose_rows`); the choice is reported."""
     check_plan(ratio)
+    check_fixed_heads(source.model, ratio)
     add_bias = method in ADDS_BIAS if add_bias is None else add_bias
     if (skip or sublayers) and not isinstance(source, InMemoryBlocks):
         raise ValueError("whole layers and sub-layers are removed from in-memory models only")
@@ -444,6 +462,10 @@ def prune_blocks(
     device = compute_device(device)
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
+    if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
+        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit (a norm spans all "
+                               "the heads' queries and keys together): its attentions stay whole, the ratio prunes "
+                               "the FFN neurons"), log)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
@@ -482,6 +504,8 @@ def prune_blocks(
                 update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype, token_cap)
                 remove_sublayer(model, i, kind, update if compensate else None)
                 emit(progress, Progress(REMOVED, f"{here}.{path}", i + 1, d.layers), log)
+                continue
+            if kind == ATTENTION and not adapter.heads_prunable:  # OLMo 2: the attention stays whole
                 continue
             solved = True
             start = time.perf_counter()
@@ -846,6 +870,7 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
     never flattered by KV heads that a solve's choice of heads would rarely empty. `skip` and `sublayers`:
     removed whole layers and sub-layers, as `prune_blocks` takes them."""
     check_plan(plan)
+    check_fixed_heads(model, plan)
     check_gqa(gqa)
     check_removable_layers(model, sorted(skip))  # before the copy and the slicing
     resized = copy.deepcopy(model).to("cpu").eval()
@@ -860,7 +885,8 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                     remove_sublayer(resized, i, kind)
             heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
             here = block_path(resized, i)
-            kept = heads - planned_prune(f"{here}.{adapter.o}", heads, plan) if heads else 0
+            prunable = heads and adapter.heads_prunable  # OLMo 2's heads stay whole
+            kept = heads - planned_prune(f"{here}.{adapter.o}", heads, plan) if prunable else heads
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)

@@ -150,6 +150,10 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones) in q/k/v and the output
     projection, and every count the attention reads (its attributes, its config view)."""
     adapter, hd = adapter_for(model), dims(model).head_dim
+    if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: a norm "
+                                      "spans all the heads' queries and keys together, so removing a head would "
+                                      "renormalise every kept one")
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
     qkv = projection(layer, adapter.q)
     if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)
@@ -333,8 +337,9 @@ def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Ten
     use_gathered_attention(model)
 
 
-# config lists with one entry per layer (which attention each layer runs): they shrink with the layers
-PER_LAYER_CONFIG = ("layer_types",)
+# config lists with one entry per layer (which attention each layer runs; SmolLM3's 1 / 0 for a layer with or without
+# rotary positions): they shrink with the layers
+PER_LAYER_CONFIG = ("layer_types", "no_rope_layers")
 # older config keys that state `layer_types` by a rule over the layer index (what a reader from before
 # `layer_types` builds the layers from, and what transformers 5 builds them from when a config has no
 # `layer_types`): key -> that rule, the attention type of layer i for the key's value v

@@ -57,6 +57,25 @@ def test_each_layer_attention_fuses_with_its_own_head_count_and_matches_pytorch(
     np.testing.assert_allclose(got[real], first_output(model, inputs).numpy()[real], rtol=1e-4, atol=1e-4)
 
 
+def test_an_epsilon_of_1e_8_stays_in_the_exported_and_the_fused_graph(tmp_path):
+    """onnxscript's optimizer took `variance + 1e-8` for `variance + 0` (its no-op rules match constants within
+    1e-8): Helium's RMSNorms lost their epsilon, a padding token's zero embedding normalised to NaN and attention
+    spread it over its whole row, so the dense export of a job failed parity (inf) wherever a window held the padding
+    token."""
+    from tests.compressor.transformer.transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED["helium"]()
+    assert model.config.rms_norm_eps == 1e-8 and model.model.embed_tokens.padding_idx == 0
+    path = _export(model, tmp_path)
+    inputs = _padded(model)
+    inputs["input_ids"][:, 4] = 0  # the padding token inside every row (zero embeddings)
+    assert check_hf_parity(model, path, inputs, "logits").peak_error < 1e-4
+    parity, fusion = fuse_checked(path, lambda graph: check_hf_parity(model, graph, inputs, "logits"))
+    assert fusion.fused and fusion.fallback is None and parity.peak_error < 1e-4
+    norms = [n for n in onnx.load(str(path), load_external_data=False).graph.node if "LayerNormalization" in n.op_type]
+    assert norms and all(np.isclose(a.f, 1e-8) for n in norms for a in n.attribute if a.name == "epsilon")
+
+
 def test_gpt2s_gemms_become_matmuls_so_its_attention_fuses_and_matches_pytorch(tmp_path):
     """GPT-2's Conv1D exports as Reshape -> Gemm -> Reshape; onnxscript's optimizer removed the reshapes and left a
     Gemm on a 3-D input, which ONNX Runtime refuses: every GPT-2 graph shipped unfused, with two warnings per export."""

@@ -55,7 +55,10 @@ def test_parity_gate_passes_and_catches_a_changed_model(exported):
                                        ("gpt2", "kv-groups"), ("gpt_neox", "kv-groups"), ("phi3", "kv-groups"),
                                        ("llama", "query-heads"), ("qwen2", "query-heads"), ("phi3", "query-heads"),
                                        ("gemma2", "kv-groups"), ("gemma3_text", "query-heads"),
-                                       ("mixtral", "kv-groups"), ("qwen3_moe", "query-heads")])
+                                       ("mixtral", "kv-groups"), ("qwen3_moe", "query-heads"),
+                                       ("qwen2_moe", "query-heads"),
+                                       ("smollm3", "query-heads"), ("granite", "kv-groups"), ("glm4", "query-heads"),
+                                       ("exaone4", "kv-groups"), ("starcoder2", "query-heads")])
 def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, tmp_path):
     """Gemma 2 and 3 have a sliding-window layer (window 4) beside a global one: past lengths of 5 to 12 tokens reach
     beyond the window, where a cache of the window alone gave the check other logits and the export was refused."""
@@ -81,6 +84,22 @@ def test_decode_step_with_past_key_values_matches_the_full_forward(name, unit, t
         step, past = _DecodeStep(model, model.config.num_hidden_layers), _past_of(model, ids[:, :-1])
         with torch.no_grad():  # the step's semantics: one token after the cache = the full forward's last
             torch.testing.assert_close(step(ids[:, -1:], torch.ones_like(ids), *past)[0], full, rtol=1e-4, atol=1e-4)
+
+
+def test_the_decode_step_passes_its_cache_by_the_installed_transformers_name():
+    """transformers 5.25 renamed forward's `past_key_values` to `cache`: the old name warned at every decode-step export
+    and check, and goes in 5.40."""
+    import warnings
+
+    from exporters.onnx import _DecodeStep, _past_of
+
+    model = MODELS["llama"]()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        past = _past_of(model, ids[:, :-1])
+        logits = _DecodeStep(model, model.config.num_hidden_layers)(ids[:, -1:], torch.ones_like(ids), *past)[0]
+        torch.testing.assert_close(logits, model(input_ids=ids).logits[:, -1:], rtol=1e-4, atol=1e-4)
 
 
 def test_a_left_padded_row_of_gpt2_is_its_unpadded_self_in_both_graphs(tmp_path):

@@ -36,6 +36,9 @@ def _constant_update(model, index, path, update):
     proj = projection(layers(ref)[index], path)
     (proj.down_proj if is_experts(proj) else proj.weight).data.zero_()  # a MoE layer: every expert's
     proj.register_forward_hook(lambda _m, _i, out: torch.zeros_like(out) + update.to(out))
+    shared = getattr(layers(ref)[index].get_submodule(path.rpartition(".")[0]), "shared_expert", None)
+    if shared is not None:  # Qwen2-MoE: the FFN removed is the routed experts and the shared one beside them
+        shared.register_forward_hook(lambda _m, _i, out: torch.zeros_like(out))
     return ref
 
 

@@ -127,6 +127,51 @@ def tiny_qwen3_moe():
         norm_topk_prob=False, max_position_embeddings=32))
 
 
+
+def tiny_qwen2_moe():
+    """Qwen3-MoE's experts without its q/k norms, with q/k/v biases and a shared expert (24 neurons, its own sigmoid
+    gate) beside the routed ones; routing weights not renormalised."""
+    return _seeded(transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        moe_intermediate_size=20, shared_expert_intermediate_size=24, intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=32))
+
+
+def _decoder(cls: str, config: str, **fields):
+    """A tiny decoder of a Llama-shaped family: 4 query heads of 8 over 2 KV heads, 20 FFN neurons."""
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, intermediate_size=20, max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)
+    return _seeded(getattr(transformers, cls), getattr(transformers, config)(**{**sizes, **fields}))
+
+
+def tiny_smollm3():
+    """Llama with rotary-free layers (no_rope_layers: the second layer has no positions)."""
+    return _decoder("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0], use_sliding_window=False)
+
+
+def tiny_granite():
+    """Llama with scalar multipliers: the embeddings, the attention scores, each residual update, the logits."""
+    return _decoder("GraniteForCausalLM", "GraniteConfig", embedding_multiplier=4.0, attention_multiplier=0.2,
+                    residual_multiplier=0.5, logits_scaling=2.0)
+
+
+def tiny_glm4():
+    """gate and up fused in gate_up_proj as [gate | up], q/k/v biases, partial rotary, a norm after each
+    sub-layer."""
+    return _decoder("Glm4ForCausalLM", "Glm4Config", partial_rotary_factor=0.5)
+
+
+def tiny_exaone4():
+    """No norm before a sub-layer, one after it; per-head q/k norms; a sliding-window layer, then a global one."""
+    return _decoder("Exaone4ForCausalLM", "Exaone4Config", sliding_window=4, sliding_window_pattern=2)
+
+
+def tiny_starcoder2():
+    """One FFN input projection (GELU, no gate), biases everywhere, LayerNorm."""
+    return _decoder("Starcoder2ForCausalLM", "Starcoder2Config", use_bias=True)
+
+
 def tiny_modernbert():
     """Pre-norm encoder, Wqkv fused as [q | k | v], Wi as [input | gate]; a global layer, then a sliding-window
     one (window 4 of 9 tokens) with its own rotary base: each layer's own mask and rotary table."""
@@ -156,9 +201,34 @@ MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_sw
           "gpt_neox": tiny_gpt_neox,
           "llama": tiny_llama, "qwen2": tiny_qwen2, "distilbert": tiny_distilbert, "qwen3": tiny_qwen3,
           "gemma2": tiny_gemma2, "gemma3_text": tiny_gemma3, "phi3": tiny_phi3, "mixtral": tiny_mixtral,
-          "qwen3_moe": tiny_qwen3_moe,
+          "qwen3_moe": tiny_qwen3_moe, "qwen2_moe": tiny_qwen2_moe, "smollm3": tiny_smollm3, "granite": tiny_granite,
+          "glm4": tiny_glm4, "exaone4": tiny_exaone4, "starcoder2": tiny_starcoder2,
           "modernbert": tiny_modernbert, "deberta-v2": tiny_deberta_v2,
           "mpnet": tiny_mpnet}
+
+# families whose blocks are Llama's modules under Llama's paths (or GLM's fused gate_up_proj, or one FFN input
+# projection), only their own modeling code around them differing (OLMo's parameter-free LayerNorm and clipped
+# q/k/v, HunYuan's per-head q/k norms, Seed-OSS's q/k/v biases, Nemotron's squared ReLU and LayerNorm1p, GLM's
+# partial rotary): `tests/exporters/test_families.py` takes each through the pruning, the exports and a reload once,
+# where MODELS' families each run the whole family-parametrised suite
+LLAMA_SHAPED = {
+    "olmo": lambda: _decoder("OlmoForCausalLM", "OlmoConfig", clip_qkv=0.5),
+    "helium": lambda: _decoder("HeliumForCausalLM", "HeliumConfig"),
+    "ministral": lambda: _decoder("MinistralForCausalLM", "MinistralConfig"),
+    "ernie4_5": lambda: _decoder("Ernie4_5ForCausalLM", "Ernie4_5Config"),
+    "seed_oss": lambda: _decoder("SeedOssForCausalLM", "SeedOssConfig", attention_bias=True),
+    "hunyuan_v1_dense": lambda: _decoder("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config"),
+    "glm": lambda: _decoder("GlmForCausalLM", "GlmConfig", partial_rotary_factor=0.5),
+    "nemotron": lambda: _decoder("NemotronForCausalLM", "NemotronConfig", partial_rotary_factor=0.5),
+}
+
+# families whose attention heads are not a prunable unit (`FamilyAdapter.heads_prunable`): OLMo 2 and 3 normalise
+# all heads' queries and keys together; their FFNs and layers are pruned (`test_adapters.py`)
+HEADS_FIXED = {
+    "olmo2": lambda: _decoder("Olmo2ForCausalLM", "Olmo2Config"),
+    "olmo3": lambda: _decoder("Olmo3ForCausalLM", "Olmo3Config", sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"]),
+}
 
 
 def ffn_keep(model, keep: list[int]) -> list[int]:

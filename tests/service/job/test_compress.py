@@ -931,7 +931,10 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"model_type": "qwen2_moe"}, "'qwen2_moe' is not supported: Qwen2-MoE's shared expert"),
+    ({"model_type": "convnextv2"}, "'convnextv2' is not supported: ConvNeXt V2's GRN layers"),
+    ({"model_type": "gemma4_text"}, "reuse earlier layers' keys and values"),
+    ({"model_type": "gpt_oss"}, "clamped SwiGLU with biases"),
+    ({"model_type": "qwen2_moe", "mlp_only_layers": [0]}, "dense FFN layers between the MoE layers"),
     ({"model_type": "mixtral", "hidden_act": "gelu"}, "computes SwiGLU (hidden_act silu) experts only"),
     ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, "dense FFN layers between the MoE layers"),
     ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "dense FFN layers between the MoE layers"),

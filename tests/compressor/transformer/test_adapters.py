@@ -1,0 +1,132 @@
+"""Family records: a family whose blocks are another's modules under that family's paths is one line of `ADAPTERS`
+and this end-to-end test on a tiny random-init model of it (the families of `transformer_models.MODELS` each run the
+whole family-parametrised suite instead)."""
+
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from compressor.errors import UnsupportedArchitecture
+from compressor.progress import WARNING
+from compressor.transformer.adapters import ADAPTERS, adapter_for, check_config, layers
+from compressor.transformer.flap import flap_structure
+from compressor.transformer.models import save_standard
+from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
+from compressor.transformer.surgery import (
+    ffn_width,
+    load_pruned,
+    prune_heads,
+    prune_query_heads,
+    query_heads,
+    remove_layers,
+    save_pruned,
+)
+from exporters.onnx import check_decode_parity, check_hf_parity, export_decode_step, export_hf_onnx
+
+from .transformer_models import HEADS_FIXED, LLAMA_SHAPED, MODELS, example_inputs, first_output
+
+
+def _exports_and_decodes(pruned, tmp_path) -> None:
+    """model.onnx and decode.onnx of a pruned causal LM, each within 1e-4 of PyTorch."""
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
+    assert check_hf_parity(pruned, path, example, "logits").max_abs_error < 1e-4
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
+    ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
+    assert check_decode_parity(pruned, decode, ids).max_abs_error < 1e-4
+    assert ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"]).get_outputs()[0].name == "logits"
+
+
+def test_every_family_with_a_record_has_a_tiny_model_under_test():
+    """A record without a model under test is a family nobody has run."""
+    assert set(ADAPTERS) - set(MODELS) - set(LLAMA_SHAPED) - set(HEADS_FIXED) <= {"roberta", "xlm-roberta", "gemma",
+                                                                                   "mistral"}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_SHAPED))
+def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp_path):
+    model = LLAMA_SHAPED[name]()
+    assert type(model).__name__.endswith("ForCausalLM") and adapter_for(model) is ADAPTERS[name]
+    check_config({**model.config.to_dict(), "model_type": name}, name)  # the CLI's and the server's check passes
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+
+    # each block replayed on its captured inputs gives what it gives inside the model (the family's own forward:
+    # multipliers, clipping, norms)
+    stream = capture_block_inputs(model, data[:1], torch.device("cpu"), torch.float32)[0]
+    with torch.no_grad():
+        expected = model(**data[0], output_hidden_states=True).hidden_states
+        hidden = stream.hidden
+        for i, block in enumerate(layers(model)):
+            stream.layer = i
+            hidden = _run(block, hidden, stream, torch.device("cpu"))
+            if i + 1 < len(layers(model)):
+                torch.testing.assert_close(hidden, expected[i + 1], rtol=1e-5, atol=1e-5)
+
+    # both units pruned by the pipeline (single query heads: a layer may keep 3 of 4), then a layer removed
+    pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
+    assert {r.kind for r in reports} >= {"ffn_neurons"} and any(r.width_after < r.width_before for r in reports)
+    assert sum(query_heads(pruned, i) for i in range(2)) < 8
+    assert torch.isfinite(first_output(pruned)).all()
+    remove_layers(pruned, [0])
+    _exports_and_decodes(pruned, tmp_path)
+
+    save_pruned(pruned, tmp_path / "saved")
+    reloaded = load_pruned(tmp_path / "saved")
+    assert type(reloaded) is type(pruned) and reloaded.config.model_type == name
+    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+
+
+@pytest.mark.parametrize("name", sorted(HEADS_FIXED))
+def test_a_family_whose_heads_are_not_a_unit_keeps_its_attention_and_prunes_the_rest(name, tmp_path):
+    """OLMo 2 and 3 normalise all heads' queries (keys) together: removing a head would renormalise the kept ones, so
+    heads are refused by the surgery, never solved nor resized; the FFN neurons and whole layers go."""
+    model = HEADS_FIXED[name]()
+    assert not adapter_for(model).heads_prunable
+    check_config({**model.config.to_dict(), "model_type": name}, name)
+    with pytest.raises(UnsupportedArchitecture, match="heads are not a prunable unit"):
+        prune_heads(model, 0, [0])
+    with pytest.raises(UnsupportedArchitecture, match="heads are not a prunable unit"):
+        prune_query_heads(model, 0, [0, 1, 2])
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    seen = []
+    pruned, reports = prune_transformer(model, data, 0.5, progress=seen.append)
+    assert {r.kind for r in reports} == {"ffn_neurons"}
+    assert [p.message for p in seen if p.stage == WARNING and "its attentions stay whole" in p.message]
+    assert [query_heads(pruned, i) for i in range(2)] == [4, 4] and [ffn_width(pruned, i) for i in range(2)] == [10, 10]
+    resized = resize_transformer(model, 0.5)
+    assert [query_heads(resized, i) for i in range(2)] == [4, 4] and ffn_width(resized, 0) == 10
+    # a plan that narrows an attention (--widths-from, FLAP's structure) is refused, not silently kept whole
+    plan = {"model.layers.0.self_attn.o_proj": 2, "model.layers.1.self_attn.o_proj": 4,
+            "model.layers.0.mlp.down_proj": 10, "model.layers.1.mlp.down_proj": 10}
+    for narrowing in (lambda: prune_transformer(model, data, plan), lambda: resize_transformer(model, plan)):
+        with pytest.raises(UnsupportedArchitecture, match=r"but the plan narrows model\.layers\.0\.self_attn\.o_proj$"):
+            narrowing()
+    assert len(resize_transformer(model, {**plan, "model.layers.0.self_attn.o_proj": 4}).model.layers) == 2
+    with pytest.raises(UnsupportedArchitecture, match="heads are not a prunable unit"):
+        flap_structure(model, data, 0.5)
+    remove_layers(pruned, [0])
+    _exports_and_decodes(pruned, tmp_path)
+    # uniform FFN widths and whole attentions: the config says the pruned model, which transformers loads alone
+    assert save_standard(pruned, tmp_path / "saved")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert type(reloaded) is type(pruned) and reloaded.config.intermediate_size == 10
+    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+
+
+def test_a_config_that_would_build_other_shapes_than_the_saved_ones_keeps_the_manifest(tmp_path, monkeypatch):
+    """Helium builds its o_proj hidden x hidden whatever its heads: a config stating pruned heads (its record once
+    said it could) loads in neither transformers nor `load_pruned`. Its record says so now, and a standard config is
+    only written where the family's class built from it has the saved tensors' shapes."""
+    from dataclasses import replace
+
+    from compressor.transformer.surgery import MANIFEST
+
+    for record in (ADAPTERS["helium"], replace(ADAPTERS["helium"], config_head_dim=True)):
+        monkeypatch.setitem(ADAPTERS, "helium", record)
+        model = LLAMA_SHAPED["helium"]()
+        for i in range(2):
+            prune_heads(model, i, [1])  # one KV group of two in every layer: widths a config could state
+        directory = tmp_path / str(record.config_head_dim)
+        assert not save_standard(model, directory) and (directory / MANIFEST).is_file()
+        torch.testing.assert_close(first_output(load_pruned(directory)), first_output(model))
