@@ -7,6 +7,9 @@ Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the t
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
 3-D layout and ONNX Runtime's MoE operator (one node per layer: `moe_op`, `experts_as_operator`) take one width.
+Qwen2-MoE's shared expert (every token, scaled by its own sigmoid gate) is kept whole beside them. Where a router's
+k-th and (k+1)-th experts are a near tie, rounding may route a token otherwise in ONNX Runtime than in PyTorch: the
+parity check knows those tokens (`routing_settled`).
 """
 
 from __future__ import annotations
