@@ -158,6 +158,8 @@ LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
 # Gemma 2 and 3: Llama's names, a norm after each sub-layer as well as before it
 GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
+# why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it
+FIXED_HEADS = "a norm spans all the heads' queries and keys together"
 # OLMo 2 and 3: EXAONE 4's layout (a norm after each sub-layer, none before) with q/k norms over all heads together
 OLMO2 = replace(GEMMA2_LIKE, heads_prunable=False)
 # Mixture-of-Experts decoders: Llama's attention, a router (mlp.gate) and the experts as 3-D tensors (mlp.experts)

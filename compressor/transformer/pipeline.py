@@ -56,7 +56,17 @@ from ..progress import RECONSTRUCTION, REMOVED, Progress, ProgressFn, emit, warn
 from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
-from .adapters import adapter_for, block_hidden, block_lists, block_path, dims, layers, stage_exit, stage_of
+from .adapters import (
+    FIXED_HEADS,
+    adapter_for,
+    block_hidden,
+    block_lists,
+    block_path,
+    dims,
+    layers,
+    stage_exit,
+    stage_of,
+)
 from .experts import ALIGN, aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
@@ -387,15 +397,11 @@ def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
     adapter = adapter_for(model)
     if adapter.heads_prunable or not isinstance(plan, Mapping):
         return
-    narrowed = []
-    for i, block in enumerate(layers(model)):
-        name = f"{block_path(model, i)}.{adapter.o}"
-        if name in plan and plan[name] < in_features(projection(block, adapter.o)) // dims(model).head_dim:
-            narrowed.append(name)
+    names = [f"{block_path(model, i)}.{adapter.o}" for i in range(len(layers(model)))]
+    narrowed = [name for i, name in enumerate(names) if name in plan and plan[name] < query_heads(model, i)]
     if narrowed:
-        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit (a norm "
-                                      "spans all the heads' queries and keys together), but the plan narrows "
-                                      f"{', '.join(narrowed)}")
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit "
+                                      f"({FIXED_HEADS}), but the plan narrows {', '.join(narrowed)}")
 
 
 def prune_blocks(
@@ -463,9 +469,8 @@ def prune_blocks(
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
-        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit (a norm spans all "
-                               "the heads' queries and keys together): its attentions stay whole, the ratio prunes "
-                               "the FFN neurons"), log)
+        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
+                               "its attentions stay whole, the ratio prunes the FFN neurons"), log)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
