@@ -4,7 +4,8 @@
     .venv/bin/python bench/moe.py --layers 2 --experts 8 --modes uniform     # a quick run
 
 No Mixture-of-Experts checkpoint ships as a Python package, so the model is random-init (`--family`: qwen3_moe,
-qwen2_moe (a shared expert beside the routed ones, `--shared-width`) or mixtral; structure, export, latency, time and
+qwen2_moe (a shared expert beside the routed ones, `--shared-width`), phimoe (two experts a token by the sparse mixer:
+`--top-k 2`) or mixtral; structure, export, latency, time and
 memory are measured, not quality). Each mode runs the CLI in a fresh process: its row has the job's status, the
 measured speedup of the returned ONNX against the dense one (ONNX Runtime, each MoE layer one com.microsoft.MoE node),
 the parameters, the parity of the export, the seconds of each stage (report.json `stages`), the expert widths kept,
@@ -45,7 +46,11 @@ def _build(path: Path, args: argparse.Namespace) -> int:
         config = transformers.Qwen3MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                                              head_dim=args.hidden // args.heads, norm_topk_prob=True, **shared)
         model = transformers.Qwen3MoeForCausalLM(config)
-    elif args.family == "qwen2_moe":  # Qwen1.5-MoE's layout: a shared expert (kept whole) beside the routed ones
+    elif args.family == "phimoe":  # Phi-3.5-MoE's layout: two experts a token by the sparse mixer
+        config = transformers.PhimoeConfig(num_local_experts=args.experts, intermediate_size=args.expert_width,
+                                           router_jitter_noise=0.01, attention_bias=True, **shared)
+        model = transformers.PhimoeForCausalLM(config)
+    elif args.family == "qwen2_moe":  # Qwen1.5-MoE's layout: a shared expert beside the routed ones
         config = transformers.Qwen2MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                                              shared_expert_intermediate_size=args.shared_width,
                                              intermediate_size=args.shared_width, **shared)
@@ -91,7 +96,7 @@ def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "mixtral"), default="qwen3_moe")
+    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "phimoe", "mixtral"), default="qwen3_moe")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)

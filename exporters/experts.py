@@ -3,7 +3,8 @@
 The dynamo exporter cannot trace transformers' experts loop (which experts a batch reaches is data), so the
 export runs each sparse MoE block as one custom torch operator (`experts_as_operator`) and translates that
 operator here into the MoE contrib node: router logits in; softmax, top-k and the renormalisation of the top-k
-weights inside (a router without it, Qwen3-MoE's `norm_topk_prob` off, scales the node's output back); SwiGLU
+weights inside (a router without it, Qwen3-MoE's `norm_topk_prob` off, scales the node's output back; Phi-3.5-MoE's
+sparse mixer is computed before the node, which then finds its two picks again); SwiGLU
 experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only `swiglu_fusion=1`), fc2 the down
 projections. onnxscript ships no schema for the contrib op, so it is declared here with the inputs and attributes
 the node uses.
@@ -39,7 +40,32 @@ def _moe_node() -> Any:
     return onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "MoE", schema)
 
 
-def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: bool) -> Any:
+def _sparse_mixer(logits: Any, eps: float) -> tuple[Any, Any]:
+    """Phi-3.5-MoE's routing (`experts.sparse_mixer`) in plain ops, which the MoE node's CPU kernel does not compute
+    (it ignores use_sparse_mixer): the two picks as scores the node's own softmax and top-2 turn back into them, the
+    log of each pick's weight there and -1e9 elsewhere, (tokens, experts); and the two weights' sum (tokens, 1),
+    by which the node's renormalised output is scaled back."""
+    from onnxscript import opset18 as op
+
+    scores = op.Cast(logits, to=1)  # float32
+    masked, chosen, total = scores, op.Add(op.Mul(scores, op.Constant(value_float=0.0)),
+                                           op.Constant(value_float=-1e9)), None
+    for _ in range(2):
+        top = op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1)  # (tokens, 1)
+        index = op.ArgMax(masked, axis=-1, keepdims=1)
+        far = op.Greater(op.Div(op.Sub(top, scores), op.Max(op.Abs(scores), top)),
+                         op.Constant(value_float=2 * eps))
+        gates = op.Softmax(op.Where(far, op.Constant(value_float=float("-inf")), masked), axis=-1)
+        weight = op.GatherElements(gates, index, axis=-1)  # (tokens, 1)
+        chosen = op.ScatterElements(chosen, index, op.Log(weight), axis=-1)
+        total = weight if total is None else op.Add(total, weight)
+        never = op.Add(op.Mul(weight, op.Constant(value_float=0.0)), op.Constant(value_float=float("-inf")))
+        masked = op.ScatterElements(masked, index, never, axis=-1)
+    return chosen, total
+
+
+def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: bool, mixer: bool,
+               eps: float) -> Any:
     """osscar::moe_experts as one MoE node: [gate | up] rows of each expert interleaved as [g0, u0, g1, u1, ...]."""
     from onnxscript import opset18 as op
 
@@ -52,6 +78,11 @@ def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: 
     # the node always renormalises its top-k weights: ONNX Runtime 1.31 did whatever normalize_routing_weights said
     # (a Qwen3-MoE without norm_topk_prob: 6e-3 off); unrenormalised weights are the renormalised ones times their
     # sum, a factor per token
+    if mixer:  # the picks and their weights computed here; the node's top-2 finds them again
+        chosen, total = _sparse_mixer(logits, eps)
+        out = _moe_node()(x, op.CastLike(chosen, logits), interleaved, None, down, k=2, activation_type="swiglu",
+                          swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)
+        return op.Mul(out, op.CastLike(total, out))
     out = _moe_node()(x, logits, interleaved, None, down, k=k, activation_type="swiglu", swiglu_fusion=1,
                       activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)
     if normalize:

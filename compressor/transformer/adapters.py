@@ -122,6 +122,20 @@ class FamilyAdapter:
     # (OLMo 2 and 3: q_norm / k_norm over heads x head_dim, so removing a head renormalises every kept one); then the
     # FFN neurons, whole layers and (where `normed_updates` allows) sub-layers are what a job removes
     heads_prunable: bool = True
+    # a dense FFN beside a MoE layer's routed experts that every token visits, its output scaled per token by a
+    # sigmoid gate (Qwen2-MoE's mlp.shared_expert, mlp.shared_expert_gate): its down projection (its input rows are
+    # its neurons, a second FFN unit of the layer), its input projections and the config key of its width
+    shared_down: str | None = None
+    shared_up: tuple[str, ...] = ()
+    shared_key: str | None = None
+
+    @property
+    def shared_gate(self) -> str | None:
+        """The shared expert's gate (one output: the sigmoid's logit), beside the shared expert in the MoE block."""
+        if self.shared_down is None:
+            return None
+        expert = self.shared_down.rpartition(".")[0]  # mlp.shared_expert
+        return f"{expert}_gate"
 
     @property
     def experts(self) -> bool:
@@ -260,10 +274,15 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "starcoder2": STARCODER2,
     "nemotron": UNGATED,
     "mixtral": MOE_LIKE,
+    # Phi-3.5-MoE: Mixtral's experts with q/k/v biases, LayerNorms and a router (mlp.router) that picks two experts by
+    # the sparse mixer (`experts.sparse_mixer`), not by softmax and top-k
+    "phimoe": MOE_LIKE,
     "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
     # Qwen2-MoE: Qwen3-MoE's experts (q/k/v biases, no q/k norms) beside a shared expert that every token visits,
-    # scaled by its own sigmoid gate (mlp.shared_expert, mlp.shared_expert_gate): kept whole
-    "qwen2_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
+    # scaled by its own sigmoid gate: its neurons are pruned as a unit of their own
+    "qwen2_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.shared_expert.down_proj",
+                         shared_up=("mlp.shared_expert.up_proj", "mlp.shared_expert.gate_proj"),
+                         shared_key="shared_expert_intermediate_size"),
 }
 
 VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -307,6 +326,10 @@ _SPARSE_EVERY_LAYER = (lambda c: _not_silu(c) or bool(c.get("mlp_only_layers")) 
 
 REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
     "mixtral": _NOT_SWIGLU,
+    # transformers' sparse mixer picks two experts whatever num_experts_per_tok says
+    "phimoe": (lambda c: _not_silu(c) or c.get("num_experts_per_tok", 2) != 2,
+               "Phi-3.5-MoE is supported with SwiGLU experts (hidden_act silu) and two experts a token (its sparse "
+               "mixer routing picks two)"),
     # Qwen2- and Qwen3-MoE turn some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer
     # sparse)
     "qwen3_moe": _SPARSE_EVERY_LAYER,

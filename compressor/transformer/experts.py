@@ -2,12 +2,14 @@
 
 transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-MoE):
 `gate_up_proj` (experts, 2 x width, hidden), each expert's rows laid out [gate | up], and `down_proj`
-(experts, hidden, width); its router (`mlp.gate`) gives each token its top-k experts and their weights.
+(experts, hidden, width); its router (`mlp.gate`; Phi-3.5-MoE's `mlp.router`) gives each token its top-k experts and
+their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`).
 Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
 3-D layout and ONNX Runtime's MoE operator (one node per layer: `moe_op`, `experts_as_operator`) take one width.
-Qwen2-MoE's shared expert (every token, scaled by its own sigmoid gate) is kept whole beside them. Where a router's
+Qwen2-MoE's shared expert (every token, scaled by its own sigmoid gate) is a dense FFN beside them, whose neurons
+the pipeline prunes as a unit of their own (`FamilyAdapter.shared_down`). Where a router's
 k-th and (k+1)-th experts are a near tie, rounding may route a token otherwise in ONNX Runtime than in PyTorch: the
 parity check knows those tokens (`routing_settled`).
 """
@@ -102,15 +104,62 @@ def keep_expert_neurons(experts: nn.Module, keeps: Sequence[Sequence[int] | Tens
         experts.intermediate_dim = sizes[0]
 
 
+# routers' module names beside the experts: `gate` (Mixtral, Qwen2/3-MoE), `router` (Phi-3.5-MoE)
+ROUTER_NAMES = ("gate", "router")
+
+
+def router_of(block: nn.Module) -> nn.Module | None:
+    """A sparse MoE block's router (a module with top_k beside its experts), or None."""
+    return next((r for name in ROUTER_NAMES if hasattr(r := getattr(block, name, None), "top_k")), None)
+
+
+def is_router(module: nn.Module) -> bool:
+    """A MoE router: its weight gives each token's experts (what block fits leave alone)."""
+    return hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), Tensor)
+
+
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse MoE blocks of a model: modules holding a router `gate` (with top_k) beside `experts`."""
+    """The sparse MoE blocks of a model: modules holding a router (`router_of`) beside `experts`."""
     return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)
-            and is_experts(m.experts) and hasattr(getattr(m, "gate", None), "top_k")]
+            and is_experts(m.experts) and router_of(m) is not None]
 
 
 def _normalised(router: nn.Module) -> bool:
     """Whether the router rescales its top-k weights to sum to one (Mixtral always; Qwen3-MoE by its config)."""
     return bool(getattr(router, "norm_topk_prob", True))
+
+
+# routers that pick their experts by the sparse mixer (`sparse_mixer`), by class name; a half-precision model read
+# in float32 (`precision.float32_view`) has a parametrized subclass of them, so the whole MRO is read
+SPARSE_MIXER_ROUTERS = ("PhimoeTopKRouter",)
+
+
+def _mixer_eps(router: nn.Module) -> float | None:
+    """The jitter epsilon of a router that routes by the sparse mixer (Phi-3.5-MoE's `router_jitter_noise`), or None
+    for softmax routing."""
+    mixer = any(cls.__name__ in SPARSE_MIXER_ROUTERS for cls in type(router).__mro__)
+    return float(router.router_jitter_noise) if mixer else None
+
+
+def router_logits(router: nn.Module, x: Tensor) -> Tensor:
+    """The router's logits of x (..., hidden) in x's dtype, (..., experts)."""
+    bias = getattr(router, "bias", None)
+    return nn.functional.linear(x, router.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def sparse_mixer(logits: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Phi-3.5-MoE's routing at inference (transformers' `sparsemixer` outside training): two experts, each the
+    largest score left, its weight the softmax at it over the scores within 2 eps (relative) of it; (weights,
+    index), each (tokens, 2)."""
+    scores = logits.float()
+    masked, weights, picked = scores, [], []
+    for _ in range(2):
+        top, index = masked.max(-1, keepdim=True)  # (tokens, 1)
+        far = (top - scores) / scores.abs().clamp(min=top) > 2 * eps
+        weights.append(masked.masked_fill(far, float("-inf")).softmax(-1).gather(-1, index))
+        picked.append(index)
+        masked = masked.scatter(-1, index, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(picked, -1)
 
 
 @functools.cache
@@ -120,11 +169,14 @@ def moe_op() -> Any:
     experts). The ONNX export translates it into that node (`exporters.experts`)."""
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::{OP_NAME}", mutates_args=())
-    def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool) -> Tensor:
-        probs = logits.float().softmax(-1)
-        weights, index = probs.topk(k, -1)  # (tokens, k)
-        if normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+    def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool,
+                    mixer: bool, eps: float) -> Tensor:
+        if mixer:  # Phi-3.5-MoE: two experts by the sparse mixer
+            weights, index = sparse_mixer(logits, eps)
+        else:
+            weights, index = logits.float().softmax(-1).topk(k, -1)  # (tokens, k)
+            if normalize:
+                weights = weights / weights.sum(-1, keepdim=True)
         width = down.shape[-1]
         out = torch.zeros_like(x)
         for e in range(gate_up.shape[0]):
@@ -136,7 +188,7 @@ def moe_op() -> Any:
         return out
 
     @moe_experts.register_fake
-    def _(x, logits, gate_up, down, k, normalize):
+    def _(x, logits, gate_up, down, k, normalize, mixer, eps):
         return torch.empty_like(x)
 
     return getattr(getattr(torch.ops, OP_NAMESPACE), OP_NAME)
@@ -146,9 +198,11 @@ def _as_operator(block: nn.Module, hidden_states: Tensor) -> Tensor:
     """A sparse MoE block's forward through `moe_op` (eval mode: no router jitter)."""
     batch, length, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
-    logits = nn.functional.linear(x, block.gate.weight)  # (tokens, experts)
-    y = moe_op()(x, logits, block.experts.gate_up_proj, block.experts.down_proj, int(block.gate.top_k),
-                 _normalised(block.gate))
+    router = router_of(block)
+    logits = router_logits(router, x)  # (tokens, experts)
+    eps = _mixer_eps(router)
+    y = moe_op()(x, logits, block.experts.gate_up_proj, block.experts.down_proj, int(router.top_k),
+                 _normalised(router), eps is not None, eps or 0.0)
     shared = getattr(block, "shared_expert", None)
     if shared is not None:  # Qwen2-MoE: a dense FFN every token visits, scaled by its own gate, beside the experts
         y = y + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
@@ -169,10 +223,15 @@ def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
 
     def hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]  # (batch, length, hidden)
+        router = router_of(block)
         # in the pass's own precision: a half-precision router's logits tie at its rounding
-        logits = nn.functional.linear(hidden, block.gate.weight.to(hidden.dtype))  # (batch, length, experts)
+        logits = router_logits(router, hidden)  # (batch, length, experts)
         margin = max(ROUTING_MARGIN, 4 * torch.finfo(logits.dtype).eps)
-        k = int(block.gate.top_k)
+        eps = _mixer_eps(router)
+        if eps is not None:
+            found.append(_mixer_clear(logits, eps, margin))
+            return
+        k = int(router.top_k)
         top = logits.topk(min(k + 1, logits.shape[-1]), -1).values.float()
         if top.shape[-1] <= k:  # every expert chosen: nothing to swap
             found.append(torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device))
@@ -186,6 +245,24 @@ def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
     finally:
         for handle in hooks:
             handle.remove()
+
+
+def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
+    """Whether the sparse mixer's choices at each token (`sparse_mixer`) are clear of rounding: each pick's best score
+    ahead of the runner-up, and every score's relative distance from it away from the 2 eps band's edge (which
+    decides the scores its weight's softmax spans), by `margin`; (...,) bool."""
+    scores = logits.float()
+    masked = scores
+    clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
+    for _ in range(2):
+        best = masked.topk(min(2, masked.shape[-1]), -1).values  # (..., 2): the pick and its runner-up
+        top = best[..., :1]
+        if best.shape[-1] > 1:
+            clear &= (top[..., 0] - best[..., 1]) > margin * top[..., 0].abs().clamp(min=1.0)
+        distance = (top - scores) / scores.abs().clamp(min=top)
+        clear &= (((distance - 2 * eps).abs() > margin) | (distance <= 0)).all(-1)  # the pick itself: the gap
+        masked = masked.scatter(-1, masked.argmax(-1, keepdim=True), float("-inf"))
+    return clear
 
 
 def check_exportable(block: nn.Module) -> None:

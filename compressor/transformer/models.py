@@ -184,6 +184,9 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
         return None  # output projections given a bias that the family's config does not build
     if 0 in heads or 0 in ffn:
         return None  # a removed attention or FFN (`sublayers`): its stand-in is no module of the family
+    shared = manifest.get("shared")
+    if shared is not None and (adapter.shared_key is None or len(set(shared)) != 1):
+        return None  # shared experts of unequal widths (or widths of a family with none)
     if len(set(heads)) != 1 or len(set(ffn)) != 1 or (maps is not None and any(m != maps[0] for m in maps)):
         return None
     kept = heads[0]
@@ -193,6 +196,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
         return None  # uneven query heads per KV head: only the gathered attention reads them
     out = dict(config)
     out[ffn_key] = int(ffn[0])
+    if shared is not None:
+        out[adapter.shared_key] = int(shared[0])
     if (kept, kv_heads) != (heads_before, kv_before):
         if not adapter.config_head_dim:
             return None

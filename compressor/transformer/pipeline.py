@@ -58,6 +58,7 @@ from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import (
     FIXED_HEADS,
+    FamilyAdapter,
     adapter_for,
     block_hidden,
     block_lists,
@@ -69,7 +70,7 @@ from .adapters import (
 )
 from .experts import ALIGN, aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
-from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, sublayer_removed
+from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, replaced_path, sublayer_removed
 from .surgery import (
     add_bias,
     check_removable_layers,
@@ -80,6 +81,7 @@ from .surgery import (
     prune_ffn,
     prune_heads,
     prune_query_heads,
+    prune_shared_ffn,
     query_heads,
     remove_layers,
     set_weight,
@@ -369,14 +371,16 @@ def check_gqa(gqa: str) -> None:
         raise InputError(f"gqa must be one of {', '.join(GQA_UNITS)} (got {gqa!r})")
 
 
-def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads", index: int = 0) -> float:
+def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "query-heads", index: int = 0,
+               shared: bool = False) -> float:
     """Multiply-adds one group of block `index` costs per token of the model's input: a head group's q/k/v/o rows
     and its attention over `sequence_length` keys (a window's where the windows are separate products, Swin's), or
     one FFN neuron's rows. A sliding-window layer (Gemma, Mistral, ModernBERT's local layers) costs the full length:
     the exported graph, which the latency is measured on, computes every score and masks those outside the window.
     A single query head under GQA (`gqa` query-heads) carries a 1/group share of its KV head's k/v rows: they are
     saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at a wider
-    stream."""
+    stream. `shared`: one neuron of a MoE layer's shared expert (`FamilyAdapter.shared_down`), which every token
+    visits."""
     adapter, d = adapter_for(model), dims(model)
     hidden = block_hidden(model, index)
     share = adapter.stage_tokens ** stage_of(model, index)[0]
@@ -386,6 +390,8 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         projections = hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
+    if shared:  # its input projections' rows and its down projection's column, at every token
+        return share * float(hidden * (1 + len(adapter.shared_up)))
     if adapter.experts:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
         return share * float(hidden * 3 * int(getattr(model.config, adapter.experts_per_token_key)))
     return share * float(hidden * (1 + adapter.up_matrices))
@@ -503,10 +509,14 @@ def prune_blocks(
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         solved = False  # whether a projection of this block was solved (what a reconstruction fits)
         choices: list[_Rows] = []  # with `choosing`: each solved projection's two sets of rows
-        for kind, path, norm in ((ATTENTION, adapter.o, adapter.o_norm), (FFN, adapter.down, adapter.down_norm)):
+        for kind, path, norm in _outputs(adapter):
+            shared = path == adapter.shared_down  # Qwen2-MoE's shared expert: its FFN's removal takes it too
+            if shared and (i, FFN) in sublayers:
+                continue
             if (i, kind) in sublayers:  # removed alone: its update becomes a constant, nothing is solved
                 compensate = bias_correction and method not in UNCOMPENSATED
-                update = _mean_update(dense, path, streams, device, kind == FFN, activation_dtype, token_cap)
+                update = _mean_update(dense, replaced_path(adapter, kind), streams, device, kind == FFN,
+                                      activation_dtype, token_cap)
                 remove_sublayer(model, i, kind, update if compensate else None)
                 emit(progress, Progress(REMOVED, f"{here}.{path}", i + 1, d.layers), log)
                 continue
@@ -516,7 +526,7 @@ def prune_blocks(
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
             name = f"{here}.{path}"
-            costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy)
+            costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy, shared)
             if is_experts(proj):  # a Mixture-of-Experts FFN: one solve per expert, one width for them all
                 width = expert_width(proj)
                 planned = width - planned_prune(name, width, ratio)
@@ -543,20 +553,26 @@ def prune_blocks(
                 scale = floored_scale(dense.get_submodule(norm).weight.detach().abs().double())
                 W_hat = W_hat * scale
             stats = LayerStatistics(W_hat, token_cap)
-            last = kind == FFN  # the dense block runs to its end once: the next dense input
+            last = path == adapter.down  # the dense block runs to its end once: the next dense input
             x_store, h1 = _inputs_of(proj, stop=True)
             x_hat_store, h2 = _inputs_of(proj_dense, stop=not last)
+            # a shared expert's output is scaled by its gate, s(t) = sigmoid(gate x_t) (each stream's own): its
+            # rows are s(t) a(t), whose least squares is the error it adds to the stream
+            gates = [_gate_of(b, adapter) for b in (block, dense)] if shared else []
             try:
                 with torch.no_grad():
                     for s in streams:
                         out = _run(dense, s.hidden, s, device)
                         _run(block, s.pruned, s, device)
-                        stats.add(_rows(x_store["x"], s), _rows(x_hat_store["x"], s))
+                        x, x_hat = x_store["x"], x_hat_store["x"]
+                        if gates:
+                            x, x_hat = x * gates[0][0]["s"], x_hat * gates[1][0]["s"]
+                        stats.add(_rows(x, s), _rows(x_hat, s))
                         if last:
                             s.hidden = _offload(out, activation_dtype)
             finally:
-                h1.remove()
-                h2.remove()
+                for handle in (h1, h2, *(h for _, h in gates)):
+                    handle.remove()
             finished = stats.finish(center)
             g = head_rows if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
@@ -570,7 +586,8 @@ def prune_blocks(
                         "so the solve cannot rank supports beyond its damping; calibrate on more tokens than a "
                         "projection keeps inputs (further such layers are not reported)")
                 emit(progress, warning(flat), log)  # a job's warnings also go to its report
-            apply = functools.partial(_surgery, model, i, kind, proj, center, prune_heads_by)
+            cut = prune_heads_by if kind == ATTENTION else prune_shared_ffn if shared else prune_ffn
+            apply = functools.partial(_surgery, model, i, cut, proj, center)
             if choosing:
                 apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, block, path, W_hat, scale,
                                           finished, g, center)
@@ -582,8 +599,8 @@ def prune_blocks(
             reports.append(report)
             # every name that holds this projection's statistics (H: d1 x d1 float64), weights or last inputs (the
             # partial holds H when choosing rows): freed before the next projection, the rows' choice and the fit
-            del finished, stats, W_hat, apply, x_store, x_hat_store, proj, proj_dense
-            out = None
+            del finished, stats, W_hat, apply, x_store, x_hat_store, proj, proj_dense, gates
+            out = x = x_hat = None
         if choices:
             _host_ready(device)
             picked = _choose_rows(block, choices, streams, refine, device)
@@ -745,14 +762,35 @@ def _fit_allowance(refine: RefineConfig, solve_seconds: float, fitted: float, bl
     return dataclasses.replace(refine, seconds=matched)
 
 
-def _surgery(model: nn.Module, index: int, kind: str, proj: nn.Module, center: bool,
-             prune_heads_by: Callable[..., None], kept: KeptSolution) -> None:
-    """A projection's kept heads or neurons and its refit weight into block `index`; the intercept into its bias."""
+def _outputs(adapter: FamilyAdapter) -> list[tuple[str, str, str | None]]:
+    """(kind, path, the norm after it) of a block's solved output projections, in the order they are solved: the
+    attention's, a MoE layer's shared expert's (before the routed experts, whose last pass advances the dense
+    stream), the FFN's."""
+    shared = [(FFN, adapter.shared_down, None)] if adapter.shared_down is not None else []
+    return [(ATTENTION, adapter.o, adapter.o_norm), *shared, (FFN, adapter.down, adapter.down_norm)]
+
+
+def _gate_of(block: nn.Module, adapter: FamilyAdapter) -> tuple[dict[str, Tensor], Any]:
+    """A hook storing, as the block's shared expert is called, its gate's value at each token: sigmoid(gate x)
+    (tokens, 1)."""
+    store: dict[str, Tensor] = {}
+    gate = block.get_submodule(adapter.shared_gate)
+
+    def hook(_module, inputs):
+        store["s"] = torch.sigmoid(gate(inputs[0])).detach()
+
+    return store, block.get_submodule(adapter.shared_down.rpartition(".")[0]).register_forward_pre_hook(hook)
+
+
+def _surgery(model: nn.Module, index: int, cut: Callable[..., None], proj: nn.Module, center: bool,
+             kept: KeptSolution) -> None:
+    """A projection's kept heads or neurons and its refit weight into block `index` (`cut`: the surgery of its unit);
+    the intercept into its bias."""
     new_weight = kept.weight.T.float()  # (out, kept)
     if center:  # the intercept: the refit output's mean matches the dense one
         add_bias(proj)
         proj.bias.data += kept.shift.to(proj.bias)
-    (prune_heads_by if kind == ATTENTION else prune_ffn)(model, index, kept.keep, new_weight)
+    cut(model, index, kept.keep, new_weight)
 
 
 REFIT_ROWS, DENSE_ROWS = "refit", "dense"  # a projection's kept rows under `choose_rows`
@@ -828,19 +866,21 @@ def _report_rows(reports: list[LayerReport], choices: Sequence[_Rows], picked: S
 
 def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device: torch.device, last: bool,
                  activation_dtype: torch.dtype, token_cap: float | None = None) -> Tensor:
-    """The calibration mean of what a sub-layer of the dense block adds to the stream (its output projection's
-    output, over the counted tokens of the dense stream), (hidden,) float32 on the device: the update that best
-    stands in for it as one vector. `last`: the dense stream advances through the whole block meanwhile.
-    `token_cap`: each token weighted by `token_weights` of its update."""
+    """The calibration mean of what a sub-layer of the dense block adds to the stream (the output of the module at
+    `path`, which its removal replaces: `sublayers.replaced_path`; over the counted tokens of the dense stream),
+    (hidden,) float32 on the device: the update that best stands in for it as one vector. `last`: the dense stream
+    advances through the whole block meanwhile. `token_cap`: each token weighted by `token_weights` of its update.
+    The replaced module, not the output projection: Qwen2-MoE's FFN adds its shared expert beside its experts."""
     store: dict[str, Tensor] = {}
 
     def hook(_module, _inputs, output):
-        store["y"] = output.detach()
+        first = output[0] if isinstance(output, tuple | list) else output  # an attention's (output, weights)
+        store["y"] = first.detach()
         if not last:
             raise _Stop
 
     total = count = torch.zeros((), dtype=torch.float64, device=device)
-    handle = projection(dense, path).register_forward_hook(hook)
+    handle = dense.get_submodule(path).register_forward_hook(hook)
     try:
         with torch.no_grad():
             for s in streams:
@@ -858,10 +898,10 @@ def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device
     return (total / count.clamp_min(1e-30)).float()
 
 
-def _costs(model: nn.Module, index: int, kind: str, sequence_length: int, gqa: str, stream_energy: float
-           ) -> tuple[float, float]:
+def _costs(model: nn.Module, index: int, kind: str, sequence_length: int, gqa: str, stream_energy: float,
+           shared: bool = False) -> tuple[float, float]:
     """What a projection's observation adds to its statistics: one group's FLOPs, the stream's energy."""
-    return group_cost(model, kind, sequence_length, gqa, index), stream_energy
+    return group_cost(model, kind, sequence_length, gqa, index, shared), stream_energy
 
 
 def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads", skip: Collection[int] = (),
@@ -906,6 +946,11 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                 kept = aligned_width(neurons, kept)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
+            if adapter.shared_down is not None:
+                neurons = in_features(projection(layers(resized)[i], adapter.shared_down))
+                kept = neurons - planned_prune(f"{here}.{adapter.shared_down}", neurons, plan)
+                if kept < neurons:
+                    prune_shared_ffn(resized, i, torch.arange(kept))
     if skip:
         remove_layers(resized, sorted(skip))
     return resized
@@ -948,13 +993,13 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
             s.layer = i
         kinds = []
         if sublayers:
-            for kind, path in ((ATTENTION, adapter.o), (FFN, adapter.down)):
+            for kind in KINDS:
                 try:
                     check_removable(model, i, kind)
                 except (ValueError, UnsupportedArchitecture):
                     continue
-                update = (_mean_update(block, path, streams, device, False, activation_dtype, token_cap)
-                          if compensate else None)
+                update = (_mean_update(block, replaced_path(adapter, kind), streams, device, False, activation_dtype,
+                                       token_cap) if compensate else None)
                 kinds.append((kind, update))
         outputs, stream, update_energy = [], 0.0, 0.0
         for s in streams:

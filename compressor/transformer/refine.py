@@ -32,7 +32,7 @@ from ..precision import float32_view
 from ..refine import Reconstruction, RefineConfig, held_out_draw
 from ..reports import RefineReport
 from .adapters import layers
-from .experts import is_experts
+from .experts import is_experts, is_router
 from .surgery import is_projection
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,8 @@ def _squared_error(out: Tensor, batch: Sequences | Windows, token_cap: float | N
 
 def _fitted(module: nn.Module) -> bool:
     """The modules whose weights the fits move: projections (GPT-2's Conv1D too) and a MoE layer's experts (their 3-D
-    weights; the router keeps its choices)."""
-    return is_projection(module) or is_experts(module)
+    weights; the router keeps its choices, Phi-3.5-MoE's an nn.Linear too)."""
+    return (is_projection(module) and not is_router(module)) or is_experts(module)
 
 
 class BlockReconstruction:

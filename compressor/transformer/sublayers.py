@@ -94,6 +94,11 @@ def _paths(adapter: FamilyAdapter, kind: str) -> tuple[str, str | None]:
     return projection.rpartition(".")[0], None
 
 
+def replaced_path(adapter: FamilyAdapter, kind: str) -> str:
+    """The module, relative to a block, whose output a removed sub-layer's update stands in for."""
+    return _paths(adapter, kind)[0]
+
+
 def is_removed(model: nn.Module, index: int, kind: str) -> bool:
     """Whether block `index`'s attention (`ATTENTION`) or FFN (`FFN`) was removed."""
     path, _ = _paths(adapter_for(model), kind)

@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    # by the MRO: a half-precision model read in float32 (`precision.float32_view`) has a parametrized subclass
+    return any(cls.__name__ == "Conv1D" for cls in type(module).__mro__) and hasattr(module, "nf") \
+        and hasattr(module, "nx")
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -139,6 +141,29 @@ def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_w
     for path in adapter.up:
         keep_output_rows(projection(layer, path), rows)
     keep_input_columns(down, keep, down_weight)
+
+
+def prune_shared_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
+                     down_weight: Tensor | None = None) -> None:
+    """Keep neurons `keep` of block `index`'s shared expert (`FamilyAdapter.shared_down`; down_weight: its refit down
+    projection, out x kept)."""
+    adapter, layer = adapter_for(model), layers(model)[index]
+    if adapter.shared_down is None:
+        raise ValueError(f"{model.config.model_type} has no shared expert")
+    if is_removed(model, index, FFN):
+        raise ValueError(f"layer {index}'s FFN is removed: its shared expert has no neurons to keep")
+    down = projection(layer, adapter.shared_down)
+    keep = check_keep(keep, in_features(down), f"layer {index} shared expert neurons")
+    for path in adapter.shared_up:
+        keep_output_rows(projection(layer, path), keep)
+    keep_input_columns(down, keep, down_weight)
+
+
+def shared_width(model: nn.Module, index: int) -> int:
+    """Neurons of block `index`'s shared expert (0 once its FFN is removed)."""
+    if is_removed(model, index, FFN):
+        return 0
+    return in_features(projection(layers(model)[index], adapter_for(model).shared_down))
 
 
 def _query_width(model: nn.Module, layer: nn.Module) -> int:
@@ -474,11 +499,14 @@ def added_biases(model: nn.Module) -> list[str]:
 
 
 def widths(model: nn.Module) -> dict[str, list]:
-    """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`) and, once
-    query heads were pruned one by one, the KV head each query head reads (`kv_index`). A removed attention
-    or FFN (`sublayers`) has width 0. Output projections given a bias (`add_bias`) are listed as `biases`."""
+    """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`), a shared expert's
+    width (`shared`, where the family has one) and, once query heads were pruned one by one, the KV head each query
+    head reads (`kv_index`). A removed attention or FFN (`sublayers`) has width 0. Output projections given a bias
+    (`add_bias`) are listed as `biases`."""
     adapter = adapter_for(model)
     out: dict[str, list] = {"heads": [], "ffn": []}
+    if adapter.shared_down is not None:
+        out["shared"] = [shared_width(model, i) for i in range(len(layers(model)))]
     gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
     biased = adapter.head_bias is not None and any(hasattr(layer.get_submodule(adapter.head_bias), "bias_rows")
                                                    for layer in layers(model))
@@ -502,9 +530,16 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
     releases count KV groups (`head_groups`) instead of query heads."""
     n, d = len(layers(model)), dims(model)
     heads = [k * d.group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
-    maps = manifest.get("kv_index")
-    if len(heads) != n or len(manifest.get("ffn", [])) != n or (maps is not None and len(maps) != n):
+    maps, shared = manifest.get("kv_index"), manifest.get("shared")
+    if len(heads) != n or len(manifest.get("ffn", [])) != n or (maps is not None and len(maps) != n) \
+            or (shared is not None and len(shared) != n):
         raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
+    if shared is not None and adapter_for(model).shared_down is None:
+        raise ModelReferenceError(f"width manifest: shared expert widths for {model.config.model_type}, which has "
+                                  "no shared expert")
+    if shared is not None and any((s == 0) != (f == 0) for s, f in zip(shared, manifest["ffn"], strict=True)):
+        raise ModelReferenceError(f"width manifest: a layer's shared expert and its FFN are removed together "
+                                  f"(ffn {manifest['ffn']}, shared {shared})")
     for i in range(n):
         if heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
             remove_sublayer(model, i, ATTENTION)
@@ -527,6 +562,8 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             remove_sublayer(model, i, FFN)
         else:
             prune_ffn(model, i, range(manifest["ffn"][i]))
+            if shared is not None:
+                prune_shared_ffn(model, i, range(shared[i]))
     blocks, adapter = layers(model), adapter_for(model)
     for name in manifest.get("biases", []):
         index, _, path = str(name).partition(".")

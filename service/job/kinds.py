@@ -758,6 +758,10 @@ class _TransformerJob:
             self.say("output sensitivity: a backward pass of the dense model over the planning batches")
             self._sensitivity = output_sensitivity(self.dense, self.planning_batches(), device=self.request.device)
         sensitivity, units = self._sensitivity, self._units()
+        adapter = adapter_for(self.dense)
+        if adapter.shared_down is not None:  # a shared expert's width curve: its error joins its FFN's update
+            units |= {f"{block_path(self.dense, i)}.{adapter.shared_down}": (i, FFN)
+                      for i in range(dims(self.dense).layers)}
 
         def convert(name: str, loss: float, against: str = "input") -> float:
             if name not in units:
@@ -829,6 +833,9 @@ class _TransformerJob:
         for name, (i, kind) in self._units().items():
             attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i)
             ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], adapter.down))
+            if adapter.shared_down is not None:  # Qwen2-MoE's shared expert goes with its FFN
+                ffn += group_cost(self.dense, FFN, 1, index=i, shared=True) * in_features(
+                    projection(blocks[i], adapter.shared_down))
             sublayer = {ATTENTION: attention, FFN: ffn}
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs

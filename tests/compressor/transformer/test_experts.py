@@ -18,21 +18,24 @@ from compressor.transformer.experts import (
     experts_as_operator,
     keep_expert_neurons,
     moe_blocks,
+    router_of,
     routing_settled,
+    sparse_mixer,
 )
 from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import group_cost, prune_transformer
 from compressor.transformer.surgery import prune_ffn
 from exporters.onnx import HFReference, ParityError, check_hf_outputs, export_hf_onnx, hf_reference
 
-from .transformer_models import MODELS, example_inputs, first_output, tiny_mixtral, tiny_qwen3_moe
+from .transformer_models import MODELS, MOE_EXTRA, example_inputs, first_output, tiny_mixtral, tiny_qwen3_moe
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "phimoe")
+MODELS = {**MODELS, **MOE_EXTRA}
 
 
 def _routing(block, x):
     """The block's router on x (tokens, hidden): (top-k indices, their weights)."""
-    _, weights, index = block.gate(x)
+    _, weights, index = router_of(block)(x)
     return index, weights
 
 
@@ -133,7 +136,7 @@ def test_the_export_runs_each_moe_layer_as_one_onnx_runtime_moe_node(name, tmp_p
     # (the tiny Qwen3-MoE's norm_topk_prob is off) scales the node's output by its top-k weights' sum
     assert {a.i for n in nodes for a in n.attribute if a.name == "normalize_routing_weights"} == {1}
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
-    assert ops.count("TopK") == (0 if name == "mixtral" else 2)
+    assert ops.count("TopK") == (0 if name in ("mixtral", "phimoe") else 2)  # the sparse mixer needs none
     feed = example_inputs(model, batch=3, length=17, seed=3)
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
         None, {k: v.numpy() for k, v in feed.items()})[0]
@@ -183,12 +186,13 @@ def test_the_operator_the_export_traces_equals_the_blocks_forward(name):
         torch.testing.assert_close(first_output(model, feed), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_router_near_a_tie_leaves_its_tokens_unsettled():
+@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe"])
+def test_a_router_near_a_tie_leaves_its_tokens_unsettled(name):
     """A zero router gives every expert the same logit at every token: which k experts a token visits is then down to
     rounding (ONNX Runtime's may differ from PyTorch's); a random one decides clearly."""
-    model = tiny_qwen3_moe()
+    model = MODELS[name]()
     with torch.no_grad():
-        layers(model)[0].mlp.gate.weight.zero_()
+        router_of(layers(model)[0].mlp).weight.zero_()
     feed = example_inputs(model, batch=2, length=9)
     with routing_settled(model) as found:
         first_output(model, feed)
@@ -228,13 +232,15 @@ def test_one_neuron_of_every_expert_costs_a_token_its_top_k_experts_rows():
     assert group_cost(model, "ffn_neurons", 128) == 32 * 3 * 2
 
 
-def test_a_blocks_fit_reaches_its_experts_but_not_its_router():
+@pytest.mark.parametrize("name", ["mixtral", "phimoe"])
+def test_a_blocks_fit_reaches_its_experts_but_not_its_router(name):
+    """Phi-3.5-MoE's router is an nn.Linear: a fit would move its choices."""
     from compressor.transformer.refine import BlockReconstruction, RefineConfig
 
-    block = layers(tiny_mixtral())[0]
+    block = layers(MODELS[name]())[0]
     fitted = {id(p) for p in BlockReconstruction(block, RefineConfig(steps=1)).parameters}
     assert id(block.mlp.experts.gate_up_proj) in fitted and id(block.mlp.experts.down_proj) in fitted
-    assert id(block.mlp.gate.weight) not in fitted
+    assert id(router_of(block.mlp).weight) not in fitted and id(block.self_attn.o_proj.weight) in fitted
 
 
 def test_experts_read_in_several_passes_prune_as_in_one(monkeypatch):
@@ -357,3 +363,195 @@ def test_a_planned_expert_width_rounded_up_is_said_once():
                     "expert's width is a multiple of 8 (transformers' grouped_mm experts kernel wants 16-byte "
                     "strides); further such layers are not reported"]
     assert [r.width_after for r in reports if r.name.endswith("experts")] == [16, 16]
+
+
+def _shared_expert_rows(model, batch, index):
+    """Layer `index`'s shared expert: its input x (tokens, hidden) and activations a (tokens, width) on `batch`, and
+    its gate's value s(t) = sigmoid(gate x_t) (tokens, 1)."""
+    mlp = layers(model)[index].mlp
+    captured = {}
+    hook = mlp.shared_expert.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(**batch)
+        hook.remove()
+        x = captured["x"]
+        a = mlp.shared_expert.act_fn(mlp.shared_expert.gate_proj(x)) * mlp.shared_expert.up_proj(x)
+        return a, torch.sigmoid(mlp.shared_expert_gate(x))
+
+
+def test_a_shared_experts_neurons_are_solved_on_its_gated_rows():
+    """Qwen2-MoE's shared expert is a unit of its own: a quarter of its neurons pruned beside the experts', its
+    least squares on s(t) a(t) (its output is scaled by its gate): the report's error is that one, recomputed here,
+    and the pruned model stays nearer the dense one than magnitude pruning's."""
+    model = MODELS["qwen2_moe"]()  # shared expert: 24 neurons
+    batches = [example_inputs(model, batch=4, length=16, seed=s) for s in range(3)]
+    feed = example_inputs(model, batch=2, length=12, seed=9)
+    dense = first_output(model, feed)
+    errors = {}
+    for method in ("osscar", "mp"):
+        pruned, reports = prune_transformer(model, batches, 0.25, method=method)
+        shared = [r for r in reports if r.name.endswith("mlp.shared_expert.down_proj")]
+        assert [(r.width_before, r.width_after, r.kind) for r in shared] == [(24, 18, "ffn_neurons")] * 2
+        assert layers(pruned)[1].mlp.shared_expert.gate_proj.out_features == 18
+        errors[method] = float((first_output(pruned, feed) - dense).norm() / dense.norm())
+    assert errors["osscar"] < 0.5 * errors["mp"]
+    plan = {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in (0, 1)},
+            **{f"model.layers.{i}.mlp.experts": 20 for i in (0, 1)},
+            **{f"model.layers.{i}.mlp.shared_expert.down_proj": 12 for i in (0, 1)}}
+    pruned, reports = prune_transformer(model, batches[:1], plan)
+    report = next(r for r in reports if r.name == "model.layers.0.mlp.shared_expert.down_proj")
+    a, s = _shared_expert_rows(pruned, batches[0], 0)
+    a_hat, s_hat = _shared_expert_rows(model, batches[0], 0)
+    counted = batches[0]["attention_mask"].reshape(-1).bool()  # padding tokens are not calibration data
+    with torch.no_grad():
+        target = (s_hat * a_hat)[counted] @ layers(model)[0].mlp.shared_expert.down_proj.weight.T
+        got = (s * a)[counted] @ layers(pruned)[0].mlp.shared_expert.down_proj.weight.T
+    assert report.relative_error == pytest.approx(float((got - target).square().sum() / target.square().sum()),
+                                                  rel=1e-3)
+
+
+def test_shared_expert_widths_save_load_and_resize():
+    """Equal shared widths go to the config (transformers loads the model alone); unequal ones to the manifest, which
+    `load_pruned` applies; a manifest of an earlier release (no shared widths) keeps the shared experts whole, and
+    one that removes a shared expert without its FFN is refused."""
+    import tempfile
+    from pathlib import Path
+
+    from compressor.errors import ModelReferenceError
+    from compressor.transformer.pipeline import resize_transformer
+    from compressor.transformer.surgery import MANIFEST, apply_widths, load_pruned, prune_shared_ffn, widths
+
+    model = MODELS["qwen2_moe"]()
+    with tempfile.TemporaryDirectory() as tmp:
+        equal = MODELS["qwen2_moe"]()
+        for i in range(2):
+            prune_shared_ffn(equal, i, range(4, 20))
+        assert save_standard(equal, Path(tmp) / "equal")
+        assert json.loads((Path(tmp) / "equal" / "config.json").read_text())["shared_expert_intermediate_size"] == 16
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "equal")
+        torch.testing.assert_close(first_output(reloaded), first_output(equal))
+        unequal = MODELS["qwen2_moe"]()
+        prune_shared_ffn(unequal, 1, [0, 5, 9, 23])
+        assert widths(unequal)["shared"] == [24, 4]
+        assert not save_standard(unequal, Path(tmp) / "unequal")
+        torch.testing.assert_close(first_output(load_pruned(Path(tmp) / "unequal")), first_output(unequal))
+        manifest = json.loads((Path(tmp) / "unequal" / MANIFEST).read_text())
+    earlier = MODELS["qwen2_moe"]()
+    apply_widths(earlier, {"heads": [4, 4], "ffn": [20, 20]})
+    assert [layers(earlier)[i].mlp.shared_expert.down_proj.in_features for i in (0, 1)] == [24, 24]
+    with pytest.raises(ModelReferenceError, match="removed together"):
+        apply_widths(MODELS["qwen2_moe"](), {**manifest, "shared": [0, 4]})
+    plan = {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in (0, 1)},
+            **{f"model.layers.{i}.mlp.experts": 16 for i in (0, 1)},
+            "model.layers.0.mlp.shared_expert.down_proj": 8, "model.layers.1.mlp.shared_expert.down_proj": 24}
+    resized = resize_transformer(model, plan)
+    assert widths(resized)["shared"] == [8, 24] and widths(resized)["ffn"] == [16, 16]
+
+
+def test_one_shared_expert_neuron_costs_every_token_its_three_rows():
+    model = MODELS["qwen2_moe"]()  # hidden 32: gate, up and down rows
+    assert group_cost(model, "ffn_neurons", 128, shared=True) == 32 * 3
+
+
+def test_a_removed_ffns_update_is_the_mean_of_its_experts_and_its_gated_shared_expert():
+    """The stand-in of a removed Qwen2-MoE FFN adds the calibration mean of the whole MoE block's output: the routed
+    experts' and the gated shared expert's (it was the experts' alone)."""
+    from compressor.transformer.sublayers import FFN, RemovedSublayer
+
+    model = MODELS["qwen2_moe"]()
+    batch = example_inputs(model, batch=4, length=16)
+    outputs = []
+    mlp = layers(model)[1].mlp
+    hooks = [mlp.register_forward_hook(lambda _m, _args, out: outputs.append(out)),
+             mlp.shared_expert.register_forward_pre_hook(lambda _m, args: outputs.append(args[0]))]
+    with torch.no_grad():
+        model(**batch)
+        for hook in hooks:
+            hook.remove()
+        x, out = outputs  # the shared expert's input runs first
+        counted = batch["attention_mask"].reshape(-1).bool()
+        shared_mean = (torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x))[counted].mean(0)
+    outputs = [out]
+    pruned, _ = prune_transformer(model, [batch], 0.0, sublayers=[(1, FFN)], refine=None)
+    stand_in = layers(pruned)[1].mlp
+    assert isinstance(stand_in, RemovedSublayer)
+    expected = outputs[0].reshape(-1, 32)[counted].mean(0)
+    torch.testing.assert_close(stand_in.update, expected, rtol=1e-4, atol=1e-6)
+    assert (stand_in.update - expected).norm() < 0.01 * shared_mean.norm()  # the shared expert's part is no rounding
+
+
+def test_the_decode_steps_parity_sets_aside_a_row_whose_new_token_is_a_routers_near_tie(tmp_path):
+    """A near tie of a router's top-k experts at a new token changes its logits and, past that layer, its keys and
+    values: a failing decode step is checked again on the rows without one, whole, when they are at least half."""
+    from exporters.onnx import check_decode_outputs, decode_reference, export_decode_step
+
+    model = tiny_qwen3_moe()
+    ids = torch.randint(3, 50, (4, 9), generator=torch.Generator().manual_seed(1))
+    path = export_decode_step(model, ids[:, :6], tmp_path / "decode.onnx", max_length=32)
+    inputs, reference = decode_reference(model, ids)
+    assert reference.settled is not None and reference.settled.shape == (4, 1)
+    assert decode_reference(MODELS["llama"](), ids)[1].settled is None  # no router
+    assert check_decode_outputs(path, inputs, reference).peak_error < 1e-4
+    swapped = [o.copy() for o in reference.outputs]
+    for o in swapped:  # row 0 as a swapped expert would leave it: its logits and its keys and values
+        o[0] += 1.0
+    settled = torch.ones(4, 1, dtype=torch.bool)
+    settled[0] = False
+    assert check_decode_outputs(path, inputs, HFReference(swapped, settled)).peak_error < 1e-4
+    with pytest.raises(ParityError):
+        check_decode_outputs(path, inputs, HFReference(swapped))
+    with pytest.raises(ParityError):  # a settled row that differs still fails
+        check_decode_outputs(path, inputs, HFReference(swapped, torch.ones(4, 1, dtype=torch.bool)))
+    few = torch.zeros(4, 1, dtype=torch.bool)
+    few[3] = True
+    with pytest.raises(ParityError, match="only 25% of the rows"):
+        check_decode_outputs(path, inputs, HFReference(swapped, few))
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.0, 0.5])
+def test_the_sparse_mixer_routes_as_phi_3_5_moes_router(eps):
+    """Phi-3.5-MoE's two experts and their weights (transformers' sparsemixer outside training), which the export
+    computes in plain ops before the MoE node (whose CPU kernel ignores use_sparse_mixer)."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    logits = torch.randn(300, 6, generator=torch.Generator().manual_seed(0)) * 0.05
+    logits[:5, 1] = logits[:5, 0]  # exact ties
+    expected_weights, expected_index = sparsemixer(logits, jitter_eps=eps, training=False)
+    weights, index = sparse_mixer(logits, eps)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(weights, expected_weights)
+    assert (weights > 0).all() and (weights <= 1).all()
+
+
+def test_phi_3_5_moe_is_pruned_exported_decoded_and_reloaded(tmp_path):
+    """The experts solved on the sparse mixer's routing, the ONNX graph's routing equal to transformers' (prefill and
+    decode step), the uniform widths in a config transformers loads alone; a router of another k is refused."""
+    import copy
+
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.precision import float32_view
+    from compressor.transformer.adapters import check_config
+    from exporters.onnx import check_decode_parity, export_decode_step
+
+    model = MOE_EXTRA["phimoe"]()
+    pruned, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)],
+                                        {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in (0, 1)},
+                                         **{f"model.layers.{i}.mlp.experts": 8 for i in (0, 1)}})
+    assert [r.width_after for r in reports] == [4, 8, 4, 8]
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
+    assert check_hf_outputs(path, example, hf_reference(pruned, example, "logits")).max_abs_error < 1e-4
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
+    ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
+    assert check_decode_parity(pruned, decode, ids).max_abs_error < 1e-4
+    assert check_decode_parity(pruned, decode, ids, new=8).max_abs_error < 1e-4
+    half = copy.deepcopy(pruned).to(torch.bfloat16)  # read in float32 through parametrized (renamed) modules
+    with float32_view(half) as view:
+        path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
+        assert check_hf_outputs(path, example, hf_reference(view, example, "logits")).max_abs_error < 1e-4
+    assert save_standard(pruned, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["intermediate_size"] == 8
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+    with pytest.raises(UnsupportedArchitecture, match="two experts a token"):
+        check_config({**model.config.to_dict(), "model_type": "phimoe", "num_experts_per_tok": 3}, "m")

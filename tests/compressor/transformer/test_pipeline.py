@@ -79,7 +79,9 @@ def test_every_block_is_pruned_and_runs(name, unit):
     before = first_output(model)
     pruned, reports = prune_transformer(model, batches(model), 0.5, gqa=unit)
     adapter = adapter_for(model)
-    assert [r.kind for r in reports] == ["attention_heads", "ffn_neurons"] * len(layers(model))
+    shared = adapter.shared_down is not None  # Qwen2-MoE's shared expert: a second FFN unit, solved before the experts
+    assert [r.kind for r in reports] == ["attention_heads", "ffn_neurons", *["ffn_neurons"] * shared] * len(
+        layers(model))
     for i, layer in enumerate(layers(pruned)):
         if unit == "query-heads":
             assert query_heads(pruned, i) == query_heads(model, i) // 2
@@ -90,6 +92,9 @@ def test_every_block_is_pruned_and_runs(name, unit):
         # a MoE layer's experts keep a multiple of experts.ALIGN neurons
         expected = aligned_width(ffn, ffn - round(0.5 * ffn)) if is_experts(down) else ffn - round(0.5 * ffn)
         assert in_features(projection(layer, adapter.down)) == expected
+        if shared:
+            neurons = in_features(projection(layers(model)[i], adapter.shared_down))
+            assert in_features(projection(layer, adapter.shared_down)) == neurons - round(0.5 * neurons)
     assert first_output(pruned).shape == before.shape
     torch.testing.assert_close(first_output(model), before)  # the input model is left alone
     assert all(0 <= r.relative_error <= 1.5 for r in reports)
@@ -441,7 +446,7 @@ def test_every_family_chooses_its_rows_and_runs(name):
     model = MODELS[name]().eval()
     pruned, reports = prune_transformer(model, batches(model), 0.25, choose_rows=True)
     # a MoE layer's experts keep their refit rows (one solve per expert, no block-level choice)
-    experts = {r.name for r in reports if r.kind == "ffn_neurons" and adapter_for(model).experts}
+    experts = {r.name for r in reports if r.name.endswith(f".{adapter_for(model).down}") and adapter_for(model).experts}
     assert reports and all(r.rows in ("refit", "dense") for r in reports if r.name not in experts)
     assert all(r.rows is None for r in reports if r.name in experts)
     assert torch.isfinite(first_output(pruned)).all()

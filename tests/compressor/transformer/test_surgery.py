@@ -394,3 +394,15 @@ def test_a_layer_pattern_no_older_key_can_state_is_named_in_a_warning(caplog):
         remove_layers(model, [1])
     assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention"]
     assert "global_attn_every_n_layers = 2 cannot state the layers' attention types" in caplog.text
+
+
+def test_a_conv1d_read_in_float32_is_still_a_projection():
+    """`precision.float32_view` parametrizes a half-precision Conv1D into a subclass of another name."""
+    from compressor.precision import float32_view
+    from compressor.transformer.surgery import in_features, is_projection
+
+    model = MODELS["gpt2"]().to(torch.bfloat16)
+    with float32_view(model) as view:
+        c_attn = layers(view)[0].attn.c_attn
+        assert type(c_attn).__name__ != "Conv1D"
+        assert is_projection(c_attn) and in_features(c_attn) == model.config.n_embd

@@ -137,6 +137,20 @@ def tiny_qwen2_moe():
         num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=32))
 
 
+def tiny_phimoe():
+    """Phi-3.5-MoE: Mixtral's experts (4 of 20 neurons) behind a sparse-mixer router (two a token, jitter 0.01), q/k/v
+    biases, LayerNorms."""
+    return _seeded(transformers.PhimoeForCausalLM, transformers.PhimoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=20, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        router_jitter_noise=0.01, attention_bias=True))
+
+
+# Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and
+# `tests/exporters/test_families.py`-style end-to-end checks there
+MOE_EXTRA = {"phimoe": tiny_phimoe}
+
+
 def _decoder(cls: str, config: str, **fields):
     """A tiny decoder of a Llama-shaped family: 4 query heads of 8 over 2 KV heads, 20 FFN neurons."""
     sizes = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

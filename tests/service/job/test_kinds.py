@@ -125,6 +125,16 @@ def test_a_transformers_depth_units_cost_their_share_of_the_multiply_adds():
     assert ConvJob.removed_cost(None, ["layer1.0"]) is None  # a conv graph's blocks are measured
 
 
+def test_a_moe_ffns_depth_cost_counts_its_shared_expert():
+    """Removing a Qwen2-MoE FFN removes its shared expert too: 24 neurons at every token beside 2 of 4 experts of 20."""
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens = MODELS["qwen2_moe"](), 16
+    costs = job._unit_costs()
+    assert costs["model.layers.0.mlp.experts"] == pytest.approx(32 * 3 * 2 * 20 + 32 * 3 * 24)
+
+
 def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
     """Swin's blocks shift windows by their place in a stage: its depth units are each block's attention and FFN
     (named by the block's path through the stages), a block named by both keeps its norms and stays a block, and
