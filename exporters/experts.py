@@ -48,8 +48,8 @@ def _sparse_mixer(logits: Any, eps: float) -> tuple[Any, Any]:
     from onnxscript import opset18 as op
 
     scores = op.Cast(logits, to=1)  # float32
-    masked, chosen, total = scores, op.Add(op.Mul(scores, op.Constant(value_float=0.0)),
-                                           op.Constant(value_float=-1e9)), None
+    # -1e9 at every expert (an Expand, not scores x 0: an infinite logit would make it NaN)
+    masked, chosen, total = scores, op.Expand(op.Constant(value_float=-1e9), op.Shape(scores)), None
     for _ in range(2):
         top = op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1)  # (tokens, 1)
         index = op.ArgMax(masked, axis=-1, keepdims=1)
@@ -59,7 +59,7 @@ def _sparse_mixer(logits: Any, eps: float) -> tuple[Any, Any]:
         weight = op.GatherElements(gates, index, axis=-1)  # (tokens, 1)
         chosen = op.ScatterElements(chosen, index, op.Log(weight), axis=-1)
         total = weight if total is None else op.Add(total, weight)
-        never = op.Add(op.Mul(weight, op.Constant(value_float=0.0)), op.Constant(value_float=float("-inf")))
+        never = op.Expand(op.Constant(value_float=float("-inf")), op.Shape(weight))
         masked = op.ScatterElements(masked, index, never, axis=-1)
     return chosen, total
 

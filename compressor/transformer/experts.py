@@ -249,8 +249,8 @@ def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
 
 def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
     """Whether the sparse mixer's choices at each token (`sparse_mixer`) are clear of rounding: each pick's best score
-    ahead of the runner-up, and every score's relative distance from it away from the 2 eps band's edge (which
-    decides the scores its weight's softmax spans), by `margin`; (...,) bool."""
+    ahead of the runner-up, and every score away from the 2 eps band's edge (which decides the scores its weight's
+    softmax spans), by `margin` of the pick's magnitude (of 1 at least) in logit units; (...,) bool."""
     scores = logits.float()
     masked = scores
     clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
@@ -259,8 +259,10 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
         top = best[..., :1]
         if best.shape[-1] > 1:
             clear &= (top[..., 0] - best[..., 1]) > margin * top[..., 0].abs().clamp(min=1.0)
-        distance = (top - scores) / scores.abs().clamp(min=top)
-        clear &= (((distance - 2 * eps).abs() > margin) | (distance <= 0)).all(-1)  # the pick itself: the gap
+        # in logit units, as the gap: a relative distance of small logits moves far with a rounding of them
+        factor = scores.abs().clamp(min=top)
+        edge = ((top - scores) - 2 * eps * factor).abs() > margin * top.abs().clamp(min=1.0)
+        clear &= (edge | (top - scores <= 0)).all(-1)  # the pick itself (distance 0): the gap above
         masked = masked.scatter(-1, masked.argmax(-1, keepdim=True), float("-inf"))
     return clear
 

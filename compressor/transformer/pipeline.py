@@ -484,6 +484,7 @@ def prune_blocks(
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     align_warned = False  # a MoE layer's experts keeping more neurons than planned (`experts.ALIGN`): said once
+    unplanned_warned = False  # a shared expert a width plan does not name (kept whole): said once
     fitted = 0.0  # seconds the blocks' reconstructions took so far (of `refine.seconds`)
     # the blocks that will be fitted: not removed whole, not both sub-layers removed (they share the allowance)
     fitting = [j for j in range(d.layers) if j not in skip and not {(j, ATTENTION), (j, FFN)} <= set(sublayers)]
@@ -522,10 +523,17 @@ def prune_blocks(
                 continue
             if kind == ATTENTION and not adapter.heads_prunable:  # OLMo 2: the attention stays whole
                 continue
+            name = f"{here}.{path}"
+            if shared and isinstance(ratio, Mapping) and name not in ratio:  # a plan of an earlier release
+                if not unplanned_warned:
+                    unplanned_warned = True
+                    emit(progress, warning(f"{name}: the width plan names no width for it (a plan from before shared "
+                                           "experts were pruned): kept whole, as then; further such layers are not "
+                                           "reported"), log)
+                continue
             solved = True
             start = time.perf_counter()
             proj, proj_dense = projection(block, path), projection(dense, path)
-            name = f"{here}.{path}"
             costs = functools.partial(_costs, model, i, kind, cost_sequence_length, gqa, stream_energy, shared)
             if is_experts(proj):  # a Mixture-of-Experts FFN: one solve per expert, one width for them all
                 width = expert_width(proj)
@@ -544,7 +552,9 @@ def prune_blocks(
                 del proj, proj_dense
                 continue
             # the intercept folded into the bias: FLAP's bias compensation too; mp and Wanda-sp have none
-            center = bias_correction and method not in UNCOMPENSATED and (proj.bias is not None or add_bias)
+            # (not a shared expert's: its rows are gate-scaled, so an intercept fitted on them would be scaled too)
+            center = bias_correction and method not in UNCOMPENSATED and (proj.bias is not None or add_bias) \
+                and not shared
             W_hat = dense_weight(proj_dense).to(dtype=torch.float64)  # d1 x d2
             scale = None
             if weight_by_norm and norm is not None and method not in NO_REFIT_METHODS:  # scores see raw weights
@@ -946,9 +956,10 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                 kept = aligned_width(neurons, kept)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
-            if adapter.shared_down is not None:
+            shared = f"{here}.{adapter.shared_down}"
+            if adapter.shared_down is not None and not (isinstance(plan, Mapping) and shared not in plan):
                 neurons = in_features(projection(layers(resized)[i], adapter.shared_down))
-                kept = neurons - planned_prune(f"{here}.{adapter.shared_down}", neurons, plan)
+                kept = neurons - planned_prune(shared, neurons, plan)  # an earlier release's plan: kept whole
                 if kept < neurons:
                     prune_shared_ffn(resized, i, torch.arange(kept))
     if skip:

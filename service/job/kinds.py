@@ -840,6 +840,14 @@ class _TransformerJob:
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs
 
+    def curve_owner(self, name: str) -> str:
+        """The depth unit whose removal takes a width curve's unit with it: a MoE layer's shared expert goes with its
+        FFN (named by its experts, `_units`); any other curve is its own."""
+        adapter = adapter_for(self.dense)
+        if adapter.shared_down is not None and name.endswith(f".{adapter.shared_down}"):
+            return f"{name.removesuffix(adapter.shared_down)}{adapter.down}"
+        return name
+
     def removed_cost(self, blocks: Sequence[str]) -> float:
         """The share of the prunable multiply-adds that removing `blocks` (depth units) saves. A transformer's layers
         all run at one sequence length and width, so a layer's or sub-layer's share of the latency is its share of

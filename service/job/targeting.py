@@ -344,7 +344,8 @@ def kept_curves(job: Any, blocks: Sequence[str], curves: list[LayerCurve], graph
     """The curves of the layers left without `blocks`, each at its cost per group in the graph without them
     (`graph`, when the caller built it) where the kind says (`unit_costs`): the dense curves' costs would price the
     widths of the residual stream for the blocks it no longer runs through."""
-    kept = [c for c in curves if not in_blocks(c.name, blocks)]
+    owner = getattr(job, "curve_owner", None)  # a unit that goes with another's removal (a shared expert)
+    kept = [c for c in curves if not in_blocks(c.name, blocks) and not (owner and in_blocks(owner(c.name), blocks))]
     unit_costs = getattr(job, "unit_costs", None)
     if not blocks or unit_costs is None:
         return kept

@@ -448,6 +448,23 @@ def test_shared_expert_widths_save_load_and_resize():
     assert widths(resized)["shared"] == [8, 24] and widths(resized)["ffn"] == [16, 16]
 
 
+def test_a_plan_naming_no_shared_expert_width_keeps_it_whole():
+    """A width plan of an earlier release (a report's widths, `--widths-from`) names no shared expert: it stays whole,
+    as it was then, and the job says so once."""
+    from compressor.transformer.pipeline import resize_transformer
+
+    model = MODELS["qwen2_moe"]()
+    plan = {**{f"model.layers.{i}.self_attn.o_proj": 2 for i in (0, 1)},
+            **{f"model.layers.{i}.mlp.experts": 8 for i in (0, 1)}}
+    seen = []
+    pruned, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16)], plan, progress=seen.append)
+    assert [r.name.rsplit(".", 1)[-1] for r in reports] == ["o_proj", "experts"] * 2
+    assert [layers(pruned)[i].mlp.shared_expert.down_proj.in_features for i in (0, 1)] == [24, 24]
+    assert len([p for p in seen if p.stage == WARNING and "names no width" in p.message]) == 1
+    resized = resize_transformer(model, plan)
+    assert [layers(resized)[i].mlp.shared_expert.down_proj.in_features for i in (0, 1)] == [24, 24]
+
+
 def test_one_shared_expert_neuron_costs_every_token_its_three_rows():
     model = MODELS["qwen2_moe"]()  # hidden 32: gate, up and down rows
     assert group_cost(model, "ffn_neurons", 128, shared=True) == 32 * 3

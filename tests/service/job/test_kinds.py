@@ -135,6 +135,23 @@ def test_a_moe_ffns_depth_cost_counts_its_shared_expert():
     assert costs["model.layers.0.mlp.experts"] == pytest.approx(32 * 3 * 2 * 20 + 32 * 3 * 24)
 
 
+def test_a_removed_moe_ffn_takes_its_shared_experts_width_curve_with_it():
+    """Depth options plan the widths of what they leave: not those of a removed FFN's shared expert, whose cost the
+    FFN's removal already counts."""
+    from compressor.allocation import LayerCurve
+    from service.job.targeting import kept_curves
+    from tests.compressor.transformer.transformer_models import MODELS
+
+    job = TextJob.__new__(TextJob)
+    job.dense, job.tokens = MODELS["qwen2_moe"](), 16
+    names = [f"model.layers.{i}.{path}" for i in (0, 1)
+             for path in ("self_attn.o_proj", "mlp.shared_expert.down_proj", "mlp.experts")]
+    curves = [LayerCurve(name, "ffn_neurons", [24, 16], [0.0, 0.1], 1.0) for name in names]
+    kept = [c.name for c in kept_curves(job, ["model.layers.0.mlp.experts"], curves)]
+    assert kept == ["model.layers.0.self_attn.o_proj", *names[3:]]
+    assert job.curve_owner("model.layers.1.self_attn.o_proj") == "model.layers.1.self_attn.o_proj"
+
+
 def test_a_swin_weighs_its_attentions_and_ffns_alone_never_a_whole_block():
     """Swin's blocks shift windows by their place in a stage: its depth units are each block's attention and FFN
     (named by the block's path through the stages), a block named by both keeps its norms and stays a block, and
