@@ -5,8 +5,8 @@
 
 No Mixture-of-Experts checkpoint ships as a Python package, so the model is random-init (`--family`: qwen3_moe,
 qwen2_moe (a shared expert beside the routed ones, `--shared-width`), phimoe (two experts a token by the sparse mixer:
-`--top-k 2`) or mixtral; structure, export, latency, time and
-memory are measured, not quality). Each mode runs the CLI in a fresh process: its row has the job's status, the
+`--top-k 2`), gpt_oss (attention sinks, clamped SwiGLU experts with biases) or mixtral; structure, export, latency,
+time and memory are measured, not quality). Each mode runs the CLI in a fresh process: its row has the job's status, the
 measured speedup of the returned ONNX against the dense one (ONNX Runtime, each MoE layer one com.microsoft.MoE node),
 the parameters, the parity of the export, the seconds of each stage (report.json `stages`), the expert widths kept,
 the layers removed, and the process's peak RSS (the larger of its own and its largest subprocess's: ONNX Runtime's);
@@ -46,6 +46,12 @@ def _build(path: Path, args: argparse.Namespace) -> int:
         config = transformers.Qwen3MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                                              head_dim=args.hidden // args.heads, norm_topk_prob=True, **shared)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif args.family == "gpt_oss":  # gpt-oss's layout: interleaved gate / up with biases, a clamped SwiGLU, sinks
+        config = transformers.GptOssConfig(num_local_experts=args.experts, intermediate_size=args.expert_width,
+                                           head_dim=args.hidden // args.heads, sliding_window=128,
+                                           layer_types=["sliding_attention", "full_attention"] * (args.layers // 2)
+                                           + ["sliding_attention"] * (args.layers % 2), **shared)
+        model = transformers.GptOssForCausalLM(config)
     elif args.family == "phimoe":  # Phi-3.5-MoE's layout: two experts a token by the sparse mixer
         config = transformers.PhimoeConfig(num_local_experts=args.experts, intermediate_size=args.expert_width,
                                            router_jitter_noise=0.01, attention_bias=True, **shared)
@@ -96,7 +102,8 @@ def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "phimoe", "mixtral"), default="qwen3_moe")
+    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "phimoe", "gpt_oss", "mixtral"),
+                        default="qwen3_moe")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)

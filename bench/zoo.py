@@ -127,6 +127,8 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                  vocab_size=50), "text"),
     ("mixtral", _lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **GQA),
      "text"),
+    ("gpt_oss", _lm("GptOssForCausalLM", "GptOssConfig", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"], **GQA), "text"),
     ("phimoe", _lm("PhimoeForCausalLM", "PhimoeConfig", num_local_experts=4, num_experts_per_tok=2,
                    router_jitter_noise=0.01, attention_bias=True, **GQA), "text"),
     ("qwen3_moe", _lm("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, num_experts=4, num_experts_per_tok=2,

@@ -6,7 +6,8 @@ operator here into the MoE contrib node: router logits in; softmax, top-k and th
 weights inside (a router without it, Qwen3-MoE's `norm_topk_prob` off, scales the node's output back; Phi-3.5-MoE's
 sparse mixer is computed before the node, which then finds its two picks again); SwiGLU
 experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only `swiglu_fusion=1`), fc2 the down
-projections. onnxscript ships no schema for the contrib op, so it is declared here with the inputs and attributes
+projections, with their biases and gpt-oss's clamped SwiGLU (`swiglu_limit`, alpha 1.702, beta 1) where the experts have
+them. onnxscript ships no schema for the contrib op, so it is declared here with the inputs and attributes
 the node uses.
 """
 
@@ -20,7 +21,7 @@ _INPUTS = (("input", False), ("router_probs", False), ("fc1_experts_weights", Fa
            ("fc2_experts_weights", False), ("fc2_experts_bias", True), ("fc3_experts_weights", True),
            ("fc3_experts_bias", True))
 _ATTRIBUTES = (("k", "INT"), ("activation_type", "STRING"), ("swiglu_fusion", "INT"), ("activation_alpha", "FLOAT"),
-               ("activation_beta", "FLOAT"), ("normalize_routing_weights", "INT"))
+               ("activation_beta", "FLOAT"), ("normalize_routing_weights", "INT"), ("swiglu_limit", "FLOAT"))
 
 
 @functools.cache
@@ -64,9 +65,10 @@ def _sparse_mixer(logits: Any, eps: float) -> tuple[Any, Any]:
     return chosen, total
 
 
-def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: bool, mixer: bool,
-               eps: float) -> Any:
-    """osscar::moe_experts as one MoE node: [gate | up] rows of each expert interleaved as [g0, u0, g1, u1, ...]."""
+def _translate(x: Any, logits: Any, gate_up: Any, down: Any, fc1_bias: Any, fc2_bias: Any, k: int, normalize: bool,
+               mixer: bool, eps: float, alpha: float, beta: float, limit: float) -> Any:
+    """osscar::moe_experts as one MoE node: [gate | up] rows of each expert interleaved as [g0, u0, g1, u1, ...], its
+    biases too (gpt-oss); the SwiGLU's alpha, beta and clamp `limit` (0: none) as the node's attributes."""
     from onnxscript import opset18 as op
 
     experts = op.Shape(gate_up, start=0, end=1)
@@ -75,16 +77,21 @@ def _translate(x: Any, logits: Any, gate_up: Any, down: Any, k: int, normalize: 
     width = op.Div(rows, op.Constant(value_ints=[2]))
     halves = op.Reshape(gate_up, op.Concat(experts, op.Constant(value_ints=[2]), width, hidden, axis=0))
     interleaved = op.Reshape(op.Transpose(halves, perm=[0, 2, 1, 3]), op.Concat(experts, rows, hidden, axis=0))
+    if fc1_bias is not None:  # (experts, 2 x width) [gate | up] -> interleaved likewise
+        bias_halves = op.Reshape(fc1_bias, op.Concat(experts, op.Constant(value_ints=[2]), width, axis=0))
+        fc1_bias = op.Reshape(op.Transpose(bias_halves, perm=[0, 2, 1]), op.Concat(experts, rows, axis=0))
+    activation = dict(activation_type="swiglu", swiglu_fusion=1, activation_alpha=alpha, activation_beta=beta,
+                      **({"swiglu_limit": limit} if limit > 0 else {}))
     # the node always renormalises its top-k weights: ONNX Runtime 1.31 did whatever normalize_routing_weights said
     # (a Qwen3-MoE without norm_topk_prob: 6e-3 off); unrenormalised weights are the renormalised ones times their
     # sum, a factor per token
     if mixer:  # the picks and their weights computed here; the node's top-2 finds them again
         chosen, total = _sparse_mixer(logits, eps)
-        out = _moe_node()(x, op.CastLike(chosen, logits), interleaved, None, down, k=2, activation_type="swiglu",
-                          swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)
+        out = _moe_node()(x, op.CastLike(chosen, logits), interleaved, fc1_bias, down, fc2_bias, k=2,
+                          normalize_routing_weights=1, **activation)
         return op.Mul(out, op.CastLike(total, out))
-    out = _moe_node()(x, logits, interleaved, None, down, k=k, activation_type="swiglu", swiglu_fusion=1,
-                      activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)
+    out = _moe_node()(x, logits, interleaved, fc1_bias, down, fc2_bias, k=k, normalize_routing_weights=1,
+                      **activation)
     if normalize:
         return out
     top, _ = op.TopK(op.Softmax(logits, axis=-1), op.Constant(value_ints=[k]), axis=-1)  # (tokens, k)

@@ -16,6 +16,9 @@ from torch import nn
 
 from ..errors import UnsupportedArchitecture
 
+# why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it: OLMo 2's
+FIXED_HEADS = "a norm spans all the heads' queries and keys together"
+
 
 @dataclass(frozen=True)
 class FamilyAdapter:
@@ -99,8 +102,8 @@ class FamilyAdapter:
     stage_tokens: float = 1.0
     # the config key of an attention window's side (Swin: attention spans window x window tokens, not the image)
     window_key: str | None = None
-    # parameters of the attention holding one column per head (Swin's relative-position bias table), kept with the
-    # heads
+    # parameters of the attention holding one entry per head on their last axis (Swin's relative-position bias table,
+    # gpt-oss's sinks), kept with the heads
     head_columns: tuple[str, ...] = ()
     # whether a layer can be removed whole: no where the blocks differ by their place in a stage (Swin shifts
     # every other block's windows), which a model rebuilt from its config with fewer blocks would misplace
@@ -122,6 +125,9 @@ class FamilyAdapter:
     # (OLMo 2 and 3: q_norm / k_norm over heads x head_dim, so removing a head renormalises every kept one); then the
     # FFN neurons, whole layers and (where `normed_updates` allows) sub-layers are what a job removes
     heads_prunable: bool = True
+    heads_fixed_by: str = FIXED_HEADS  # why not, as refusals and warnings say it
+    # the FFN module returns (output, router scores), which its block unpacks (gpt-oss): its stand-ins return a pair
+    ffn_pair: bool = False
     # a dense FFN beside a MoE layer's routed experts that every token visits, its output scaled per token by a
     # sigmoid gate (Qwen2-MoE's mlp.shared_expert, mlp.shared_expert_gate): its down projection (its input rows are
     # its neurons, a second FFN unit of the layer), its input projections and the config key of its width
@@ -172,8 +178,6 @@ LLAMA_LIKE = FamilyAdapter(layers="model.layers", q="self_attn.q_proj", k="self_
                            down="mlp.down_proj", kv_heads_key="num_key_value_heads", causal=True, config_head_dim=True)
 # Gemma 2 and 3: Llama's names, a norm after each sub-layer as well as before it
 GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
-# why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it
-FIXED_HEADS = "a norm spans all the heads' queries and keys together"
 # OLMo 2 and 3: EXAONE 4's layout (a norm after each sub-layer, none before) with q/k norms over all heads together
 OLMO2 = replace(GEMMA2_LIKE, heads_prunable=False)
 # Mixture-of-Experts decoders: Llama's attention, a router (mlp.gate) and the experts as 3-D tensors (mlp.experts)
@@ -274,6 +278,10 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "starcoder2": STARCODER2,
     "nemotron": UNGATED,
     "mixtral": MOE_LIKE,
+    # gpt-oss: experts stored transposed with interleaved gate / up columns, biases and a clamped SwiGLU
+    # (`experts.INTERLEAVED_EXPERTS`), a router with a bias (mlp.router), sliding-window layers between full ones, a
+    # learned sink logit per head in every softmax (self_attn.sinks, kept with its head)
+    "gpt_oss": replace(MOE_LIKE, ffn_pair=True, head_columns=("self_attn.sinks",)),
     # Phi-3.5-MoE: Mixtral's experts with q/k/v biases, LayerNorms and a router (mlp.router) that picks two experts by
     # the sparse mixer (`experts.sparse_mixer`), not by softmax and top-k
     "phimoe": MOE_LIKE,
@@ -295,8 +303,6 @@ REFUSED: dict[str, str] = {
                    "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
     "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
               "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
-    "gpt_oss": "gpt-oss's experts (a clamped SwiGLU with biases) and its attention sinks are not supported yet; "
-               "Mixtral, Qwen2-MoE and Qwen3-MoE experts are",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention (keys and values from one shared low-rank projection) "
                    "is not a prunable unit yet",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
@@ -487,11 +493,17 @@ def max_sequence(model: nn.Module) -> int | None:
 
 def check_config(config: dict, reference: str) -> None:
     """Refuse a Hugging Face config (config.json as a dict) that no pipeline here prunes, before anything is
-    loaded: post-norm OPT, and a model_type that is neither a family of ADAPTERS nor an image model (a config
-    with num_channels, pruned as a conv graph). Raises UnsupportedArchitecture naming `reference`."""
+    loaded: post-norm OPT, a quantized checkpoint, and a model_type that is neither a family of ADAPTERS nor an image
+    model (a config with num_channels, pruned as a conv graph). Raises UnsupportedArchitecture naming `reference`."""
     model_type = config.get("model_type")
     if model_type in REFUSED:
         raise UnsupportedArchitecture(f"{reference}: {model_type!r} is not supported: {REFUSED[model_type]}")
+    quantized = config.get("quantization_config")
+    if quantized:  # packed integer or MXFP4 blocks (gpt-oss ships so): no rows and columns to remove, nor to refit
+        method = quantized.get("quant_method", "quantized") if isinstance(quantized, dict) else "quantized"
+        raise UnsupportedArchitecture(f"{reference}: its weights are quantized ({method}): pruning reads and refits "
+                                      "float weights; dequantize the checkpoint (bf16, fp16 or fp32, saved with "
+                                      "save_pretrained), prune that, and quantize the pruned model")
     if model_type in REFUSED_CONFIGS and REFUSED_CONFIGS[model_type][0](config):
         raise UnsupportedArchitecture(f"{reference}: {REFUSED_CONFIGS[model_type][1]}")
     if model_type not in ADAPTERS and "num_channels" not in config:

@@ -39,21 +39,26 @@ def gathered_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if is_causal is None:
         is_causal = mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     dropout = dropout if module.training else 0.0
-    softcap = kwargs.get("softcap")
-    if softcap:  # Gemma 2 caps its scores (tanh) before the softmax, which SDPA cannot: the scores are made here
-        out = _capped_attention(query, key, value, mask, scaling, bool(is_causal), dropout, float(softcap))
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    # Gemma 2 caps its scores (tanh) before the softmax, gpt-oss adds a learned sink logit per head to it (`s_aux`,
+    # the module's `sinks`), neither of which SDPA can: the scores are made here
+    if softcap or sinks is not None:
+        out = _explicit_attention(query, key, value, mask, scaling, bool(is_causal), dropout,
+                                  float(softcap) if softcap else None, sinks)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              is_causal=bool(is_causal), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _capped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
-                      is_causal: bool, dropout: float, softcap: float) -> Tensor:
-    """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v, as Gemma 2's eager attention computes it."""
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
+                        is_causal: bool, dropout: float, softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v, as Gemma 2's eager attention computes it; with
+    `sinks` (heads,), each head's sink logit joins its softmax and its weight is dropped after it (gpt-oss's)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = (query @ key.transpose(-1, -2)) * scale  # (batch, heads, q_len, k_len)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     # masked scores at the dtype's minimum, as the eager attention adds them: a padding query that sees no key
     # then averages them all instead of turning NaN
     low = torch.finfo(scores.dtype).min
@@ -63,7 +68,14 @@ def _capped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
         q_len, k_len = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device)
                                     .tril().logical_not(), low)  # top-left, as SDPA's is_causal
-    weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), p=dropout)
+    if sinks is not None:  # (batch, heads, q_len, k_len + 1), the sink last
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values  # as gpt-oss's eager attention
+        weights = torch.softmax(scores.float(), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores.float(), dim=-1)
+    weights = F.dropout(weights.to(query.dtype), p=dropout)
     return weights @ value  # (batch, heads, q_len, head_dim)
 
 

@@ -40,9 +40,56 @@ def is_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and down.dim() == 3
 
 
+# experts stored transposed with interleaved gate / up columns, by class name (along the MRO: `float32_view`
+# parametrizes them into a subclass): gpt-oss's `gate_up_proj` (experts, hidden, 2 x width) as [g0, u0, g1, u1, ...]
+# with a bias of each, `down_proj` (experts, width, hidden) with a bias, and a clamped SwiGLU (gate * sigmoid(alpha
+# gate) * (up + 1), the gate at most `limit`, up within +-limit)
+INTERLEAVED_EXPERTS = ("GptOssExperts",)
+
+
+def interleaved(experts: nn.Module) -> bool:
+    """Whether `experts` are laid out as gpt-oss's (`INTERLEAVED_EXPERTS`)."""
+    return any(cls.__name__ in INTERLEAVED_EXPERTS for cls in type(experts).__mro__)
+
+
 def expert_width(experts: nn.Module) -> int:
     """Neurons of each expert (the layer's one width)."""
-    return int(experts.down_proj.shape[-1])
+    return int(experts.down_proj.shape[1 if interleaved(experts) else -1])
+
+
+def expert_hidden(experts: nn.Module) -> int:
+    """The stream's width, which each expert reads and writes."""
+    return int(experts.down_proj.shape[-1 if interleaved(experts) else 1])
+
+
+def fc1(experts: nn.Module, e: int) -> tuple[Tensor, Tensor | None]:
+    """Expert e's input projection as (2 x width, hidden) rows [gate | up], and its bias (2 x width) or None."""
+    if not interleaved(experts):
+        return experts.gate_up_proj[e], None
+    width = expert_width(experts)
+    halves = experts.gate_up_proj[e].T.reshape(width, 2, -1).transpose(0, 1).reshape(2 * width, -1)
+    return halves, experts.gate_up_proj_bias[e].reshape(width, 2).T.reshape(-1)
+
+
+def down_weight(experts: nn.Module, e: int) -> Tensor:
+    """Expert e's down projection as the solver's W_hat: (width, hidden), in x out."""
+    return experts.down_proj[e] if interleaved(experts) else experts.down_proj[e].T
+
+
+def swiglu(experts: nn.Module) -> tuple[float, float, float]:
+    """(alpha, beta, limit) of the experts' SwiGLU gate * sigmoid(alpha gate) * (up + beta), the gate at most `limit`
+    and up within +-limit when limit > 0: SiLU-gated experts are (1, 0, 0)."""
+    if interleaved(experts):
+        return float(experts.alpha), 1.0, float(experts.limit)
+    return 1.0, 0.0, 0.0
+
+
+def _activation(h: Tensor, width: int, alpha: float, beta: float, limit: float) -> Tensor:
+    """The SwiGLU of (n, 2 x width) rows [gate | up] (`swiglu`): (n, width)."""
+    gate, up = h[:, :width], h[:, width:]
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + beta)
 
 
 def aligned_width(width: int, kept: int) -> int:
@@ -64,8 +111,14 @@ def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weig
     out = []
     for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
         tokens, slots = torch.where(top_k_index == e)  # (token, top-k slot) pairs
-        h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
-        a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
+        weight, bias = fc1(experts, e)
+        h = x[tokens] @ weight.T  # (n, 2 x width)
+        if bias is not None:
+            h = h + bias
+        if interleaved(experts):
+            a = _activation(h, width, *swiglu(experts))
+        else:  # the module's own activation (SiLU)
+            a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
         out.append(a * top_k_weights[tokens, slots, None].to(a.dtype))
     return out
 
@@ -85,6 +138,9 @@ def keep_expert_neurons(experts: nn.Module, keeps: Sequence[Sequence[int] | Tens
         raise ValueError(f"experts keep a multiple of {ALIGN} neurons (transformers' grouped_mm kernel wants 16-byte "
                          f"strides); got {sizes[0]} of {width}")
     down_weights = down_weights or [None] * count
+    if interleaved(experts):
+        _keep_interleaved(experts, keeps, down_weights, sizes[0])
+        return
     gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
     new_gate_up, new_down = [], []
     for e, keep in enumerate(keeps):
@@ -116,6 +172,32 @@ def router_of(block: nn.Module) -> nn.Module | None:
 def is_router(module: nn.Module) -> bool:
     """A MoE router: its weight gives each token's experts (what block fits leave alone)."""
     return hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), Tensor)
+
+
+def _keep_interleaved(experts: nn.Module, keeps: Sequence[Tensor], down_weights: Sequence[Tensor | None],
+                      kept: int) -> None:
+    """`keep_expert_neurons` of gpt-oss's layout (`INTERLEAVED_EXPERTS`): neuron n is columns 2n and 2n + 1 of the
+    input projection and its bias, row n of the down projection (down_weights[e]: hidden x kept, as for the others)."""
+    gate_up, bias, down = experts.gate_up_proj.data, experts.gate_up_proj_bias.data, experts.down_proj.data
+    new_gate_up, new_bias, new_down = [], [], []
+    for e, keep in enumerate(keeps):
+        keep = keep.to(gate_up.device)
+        columns = torch.stack([2 * keep, 2 * keep + 1], -1).reshape(-1)  # [g, u] of each kept neuron, in turn
+        new_gate_up.append(gate_up[e].index_select(1, columns))
+        new_bias.append(bias[e].index_select(0, columns))
+        weight = down_weights[e]
+        if weight is None:
+            new_down.append(down[e].index_select(0, keep))
+        elif tuple(weight.shape) != (down.shape[2], keep.numel()):
+            raise ValueError(f"expert {e}'s new down weight has shape {tuple(weight.shape)}, expected "
+                             f"{(down.shape[2], keep.numel())}")
+        else:
+            new_down.append(weight.T.to(down))
+    experts.gate_up_proj = nn.Parameter(torch.stack(new_gate_up).contiguous(), requires_grad=False)
+    experts.gate_up_proj_bias = nn.Parameter(torch.stack(new_bias).contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(torch.stack(new_down).contiguous(), requires_grad=False)
+    if hasattr(experts, "intermediate_size"):  # what the module says of itself, kept true
+        experts.intermediate_size = kept
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -169,8 +251,9 @@ def moe_op() -> Any:
     experts). The ONNX export translates it into that node (`exporters.experts`)."""
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::{OP_NAME}", mutates_args=())
-    def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool,
-                    mixer: bool, eps: float) -> Tensor:
+    def moe_experts(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, fc1_bias: Tensor | None,
+                    fc2_bias: Tensor | None, k: int, normalize: bool, mixer: bool, eps: float, alpha: float,
+                    beta: float, limit: float) -> Tensor:
         if mixer:  # Phi-3.5-MoE: two experts by the sparse mixer
             weights, index = sparse_mixer(logits, eps)
         else:
@@ -182,31 +265,44 @@ def moe_op() -> Any:
         for e in range(gate_up.shape[0]):
             tokens, slots = torch.where(index == e)
             if tokens.numel():
-                h = x[tokens] @ gate_up[e].T
-                a = nn.functional.silu(h[:, :width]) * h[:, width:]
-                out.index_add_(0, tokens, (a @ down[e].T) * weights[tokens, slots, None].to(x.dtype))
+                h = x[tokens] @ gate_up[e].T  # (n, 2 x width)
+                if fc1_bias is not None:
+                    h = h + fc1_bias[e]
+                y = _activation(h, width, alpha, beta, limit) @ down[e].T  # (n, hidden)
+                if fc2_bias is not None:
+                    y = y + fc2_bias[e]
+                out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
 
     @moe_experts.register_fake
-    def _(x, logits, gate_up, down, k, normalize, mixer, eps):
+    def _(x, logits, gate_up, down, fc1_bias, fc2_bias, k, normalize, mixer, eps, alpha, beta, limit):
         return torch.empty_like(x)
 
     return getattr(getattr(torch.ops, OP_NAMESPACE), OP_NAME)
 
 
-def _as_operator(block: nn.Module, hidden_states: Tensor) -> Tensor:
-    """A sparse MoE block's forward through `moe_op` (eval mode: no router jitter)."""
+def _as_operator(block: nn.Module, hidden_states: Tensor, pair: bool = False) -> Tensor | tuple[Tensor, None]:
+    """A sparse MoE block's forward through `moe_op` (eval mode: no router jitter); `pair`: returned as (output, None),
+    where the block returns its router's scores beside its output (gpt-oss: `FamilyAdapter.ffn_pair`)."""
     batch, length, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     router = router_of(block)
     logits = router_logits(router, x)  # (tokens, experts)
     eps = _mixer_eps(router)
-    y = moe_op()(x, logits, block.experts.gate_up_proj, block.experts.down_proj, int(router.top_k),
-                 _normalised(router), eps is not None, eps or 0.0)
+    experts = block.experts
+    gate_up, down, fc1_bias, fc2_bias = experts.gate_up_proj, experts.down_proj, None, None
+    if interleaved(experts):  # as the others': (experts, 2 x width, hidden) rows [gate | up], (experts, hidden, width)
+        count, width = gate_up.shape[0], expert_width(experts)
+        gate_up = gate_up.transpose(1, 2).reshape(count, width, 2, -1).transpose(1, 2).reshape(count, 2 * width, -1)
+        fc1_bias = experts.gate_up_proj_bias.reshape(count, width, 2).transpose(1, 2).reshape(count, 2 * width)
+        down, fc2_bias = down.transpose(1, 2), experts.down_proj_bias
+    y = moe_op()(x, logits, gate_up, down, fc1_bias, fc2_bias, int(router.top_k), _normalised(router),
+                 eps is not None, eps or 0.0, *swiglu(experts))
     shared = getattr(block, "shared_expert", None)
     if shared is not None:  # Qwen2-MoE: a dense FFN every token visits, scaled by its own gate, beside the experts
         y = y + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
-    return y.reshape(batch, length, hidden)
+    y = y.reshape(batch, length, hidden)
+    return (y, None) if pair else y
 
 
 # a token's experts are ambiguous where its k-th and (k+1)-th router logits lie within this share of the k-th's
@@ -274,6 +370,8 @@ def check_exportable(block: nn.Module) -> None:
         raise ValueError("a shared expert without its sigmoid gate (shared_expert_gate) is not exported: Qwen2-MoE's "
                          "gated shared expert is")
     act = getattr(block.experts, "act_fn", None)
+    if interleaved(block.experts):  # gpt-oss's clamped SwiGLU: the node's swiglu with its alpha, beta and limit
+        return
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' ACT2FN["silu"]
         raise ValueError(f"experts with activation {type(act).__name__} are not exported: ONNX Runtime's MoE "
                          "operator computes SwiGLU (SiLU-gated) experts")
@@ -283,12 +381,18 @@ def check_exportable(block: nn.Module) -> None:
 def experts_as_operator(model: nn.Module) -> Iterator[bool]:
     """Within it, every sparse MoE block of `model` runs as one `moe_op` call (what the ONNX export traces);
     yields whether the model has any."""
+    from .adapters import ADAPTERS
+
     blocks = moe_blocks(model)
+    # the family of the model, or of the one inside a wrapper (the export's named-inputs or decode-step module)
+    types = (getattr(getattr(m, "config", None), "model_type", None) for m in model.modules())
+    adapter = ADAPTERS.get(next((t for t in types if t is not None), None))
+    pair = adapter is not None and adapter.ffn_pair
     for block in blocks:
         check_exportable(block)
     try:
         for block in blocks:
-            block.forward = functools.partial(_as_operator, block)
+            block.forward = functools.partial(_as_operator, block, pair=pair)
         yield bool(blocks)
     finally:
         for block in blocks:

@@ -57,7 +57,6 @@ from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import (
-    FIXED_HEADS,
     FamilyAdapter,
     adapter_for,
     block_hidden,
@@ -68,7 +67,16 @@ from .adapters import (
     stage_exit,
     stage_of,
 )
-from .experts import ALIGN, aligned_width, expert_inputs, expert_width, is_experts, keep_expert_neurons
+from .experts import (
+    ALIGN,
+    aligned_width,
+    down_weight,
+    expert_hidden,
+    expert_inputs,
+    expert_width,
+    is_experts,
+    keep_expert_neurons,
+)
 from .refine import BlockReconstruction, RefineConfig, Sequences, split
 from .sublayers import ATTENTION, FFN, KINDS, check_removable, remove_sublayer, replaced_path, sublayer_removed
 from .surgery import (
@@ -407,7 +415,7 @@ def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
     narrowed = [name for i, name in enumerate(names) if name in plan and plan[name] < query_heads(model, i)]
     if narrowed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit "
-                                      f"({FIXED_HEADS}), but the plan narrows {', '.join(narrowed)}")
+                                      f"({adapter.heads_fixed_by}), but the plan narrows {', '.join(narrowed)}")
 
 
 def prune_blocks(
@@ -475,7 +483,8 @@ def prune_blocks(
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
-        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
+        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit "
+                               f"({adapter.heads_fixed_by}): "
                                "its attentions stay whole, the ratio prunes the FFN neurons"), log)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
@@ -672,7 +681,7 @@ def _prune_experts(name: str, experts: nn.Module, experts_dense: nn.Module, bloc
     count, width = experts.gate_up_proj.shape[0], expert_width(experts)
     kept_width = width - num_prune
     start = time.perf_counter()
-    per_pass = max(1, EXPERT_STATISTICS_BYTES // (8 * width * (width + experts.down_proj.shape[1])))
+    per_pass = max(1, EXPERT_STATISTICS_BYTES // (8 * width * (width + expert_hidden(experts))))
     kept: list[KeptSolution] = []
     objective = energy = 0.0
     cost, stream_energy = costs()
@@ -724,7 +733,7 @@ def _expert_statistics(experts: nn.Module, experts_dense: nn.Module, block: nn.M
                        activation_dtype: torch.dtype, token_cap: float | None, last: bool) -> list[LayerStatistics]:
     """One pass over the streams: the statistics of experts `chosen` (their down projections' H and G); with `last`,
     the dense stream advances through the whole block meanwhile."""
-    stats = [LayerStatistics(experts_dense.down_proj[e].detach().T.to(torch.float64), token_cap) for e in chosen]
+    stats = [LayerStatistics(down_weight(experts_dense, e).detach().to(torch.float64), token_cap) for e in chosen]
     captured: dict[str, tuple[Tensor, ...]] = {}
 
     def capture(key: str, stop: bool) -> Callable[..., None]:

@@ -144,8 +144,8 @@ def _swap(model: nn.Module, index: int, kind: str, update: Tensor | None) -> lis
     attention = kind == ATTENTION
     # the module replaced whole returns what the block unpacks: an attention's (output, weights); a projection
     # standing alone returns one tensor
-    swaps = [(path, RemovedSublayer(update.to(device=device, dtype=dtype), pair=attention and core is None,
-                                    full=adapter.full_updates))]
+    pair = core is None and (attention or adapter.ffn_pair)  # gpt-oss's FFN returns its router's scores too
+    swaps = [(path, RemovedSublayer(update.to(device=device, dtype=dtype), pair=pair, full=adapter.full_updates))]
     if core is not None:
         swaps.append((core, EmptyCore(pair=attention)))
     undo = []

@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
-from .adapters import FIXED_HEADS, adapter_for, dims, layers, layers_path
+from .adapters import adapter_for, dims, layers, layers_path
 from .attention import use_gathered_attention
-from .experts import expert_width, is_experts, keep_expert_neurons
+from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
 
 MANIFEST = "osscar_widths.json"
@@ -69,7 +69,7 @@ def in_features(proj: nn.Module) -> int:
 
 def out_features(proj: nn.Module) -> int:
     if is_experts(proj):
-        return int(proj.down_proj.shape[1])
+        return expert_hidden(proj)
     return proj.nf if _is_conv1d(proj) else proj.out_features
 
 
@@ -177,7 +177,7 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
     adapter, hd = adapter_for(model), dims(model).head_dim
     if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: "
-                                      f"{FIXED_HEADS}, so removing a head would renormalise every kept one")
+                                      f"{adapter.heads_fixed_by}")
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
     qkv = projection(layer, adapter.q)
     if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)
@@ -197,10 +197,10 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
             if path in modules:
                 keep_output_rows(projection(layer, path), q_rows)
     keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
-    for path in adapter.head_columns:  # (positions, heads) tables: the kept heads' columns
+    for path in adapter.head_columns:  # (positions, heads) tables, (heads,) sinks: the kept heads' entries
         owner, name = owner_of(layer, path)
         table = getattr(owner, name)
-        setattr(owner, name, nn.Parameter(table.data.index_select(1, heads.to(table.device)).clone(),
+        setattr(owner, name, nn.Parameter(table.data.index_select(-1, heads.to(table.device)).clone(),
                                           requires_grad=table.requires_grad))
     for attr in adapter.head_count_attrs:
         _set_attr(layer, attr, len(heads))

@@ -14,8 +14,11 @@ from compressor.transformer.adapters import layers
 from compressor.transformer.experts import (
     ALIGN,
     aligned_width,
+    down_weight,
     expert_inputs,
+    expert_width,
     experts_as_operator,
+    interleaved,
     keep_expert_neurons,
     moe_blocks,
     router_of,
@@ -29,7 +32,7 @@ from exporters.onnx import HFReference, ParityError, check_hf_outputs, export_hf
 
 from .transformer_models import MODELS, MOE_EXTRA, example_inputs, first_output, tiny_mixtral, tiny_qwen3_moe
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "phimoe")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "gpt_oss")
 MODELS = {**MODELS, **MOE_EXTRA}
 
 
@@ -51,8 +54,11 @@ def test_each_experts_routed_inputs_through_its_down_projection_sum_to_the_layer
     rows = expert_inputs(block.experts, x, index, weights)
     assert sum(r.shape[0] for r in rows) == 30 * model.config.num_experts_per_tok
     summed = torch.zeros_like(x)
-    for e, (tokens, _) in enumerate(torch.where(index == e) for e in range(len(rows))):
-        summed.index_add_(0, tokens, rows[e] @ block.experts.down_proj[e].T)
+    for e, (tokens, slots) in enumerate(torch.where(index == e) for e in range(len(rows))):
+        y = rows[e] @ down_weight(block.experts, e)
+        if interleaved(block.experts):  # gpt-oss's down projection has a bias, scaled by the routing weight too
+            y = y + weights[tokens, slots, None] * block.experts.down_proj_bias[e]
+        summed.index_add_(0, tokens, y)
     with torch.no_grad():
         torch.testing.assert_close(summed, block.experts(x, index, weights), rtol=1e-5, atol=1e-6)
 
@@ -96,7 +102,8 @@ def test_osscar_reconstructs_the_experts_better_than_magnitude(name):
     for method in ("osscar", "mp"):
         pruned, reports = prune_transformer(model, batches, 0.25, method=method)
         experts = [r for r in reports if r.name.endswith("mlp.experts")]
-        assert [r.width_after for r in experts] == [16, 16]  # 20 - 5, rounded up to a multiple of 8
+        width = expert_width(layers(model)[0].mlp.experts)  # 20: 15 rounded up to a multiple of 8; gpt-oss's 32: 24
+        assert [r.width_after for r in experts] == [aligned_width(width, width - round(0.25 * width))] * 2
         out = first_output(pruned, example_inputs(model, batch=2, length=12, seed=9))
         errors[method] = float((out - dense).norm() / dense.norm())
     assert errors["osscar"] < errors["mp"]
@@ -136,7 +143,8 @@ def test_the_export_runs_each_moe_layer_as_one_onnx_runtime_moe_node(name, tmp_p
     # (the tiny Qwen3-MoE's norm_topk_prob is off) scales the node's output by its top-k weights' sum
     assert {a.i for n in nodes for a in n.attribute if a.name == "normalize_routing_weights"} == {1}
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
-    assert ops.count("TopK") == (0 if name in ("mixtral", "phimoe") else 2)  # the sparse mixer needs none
+    # renormalised top-k (Mixtral, gpt-oss) and the sparse mixer need none
+    assert ops.count("TopK") == (0 if name in ("mixtral", "phimoe", "gpt_oss") else 2)
     feed = example_inputs(model, batch=3, length=17, seed=3)
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
         None, {k: v.numpy() for k, v in feed.items()})[0]
@@ -572,3 +580,60 @@ def test_phi_3_5_moe_is_pruned_exported_decoded_and_reloaded(tmp_path):
     torch.testing.assert_close(first_output(reloaded), first_output(pruned))
     with pytest.raises(UnsupportedArchitecture, match="two experts a token"):
         check_config({**model.config.to_dict(), "model_type": "phimoe", "num_experts_per_tok": 3}, "m")
+
+
+def test_gpt_oss_is_pruned_exported_decoded_and_reloaded(tmp_path):
+    """gpt-oss: each expert keeps interleaved gate / up columns and their biases, solved on its routed rows; each kept
+    query head keeps its sink logit (the gathered attention of unevenly pruned heads adds it to its softmax); an FFN
+    removed alone stands in as the (output, scores) pair its block unpacks; the ONNX graph (the MoE node with
+    gpt-oss's clamped SwiGLU and biases; prefill, decode step, a bf16 model read in float32) matches PyTorch; uniform
+    widths go to a config transformers loads alone."""
+    import copy
+
+    from compressor.precision import float32_view
+    from compressor.transformer.sublayers import FFN, RemovedSublayer
+    from compressor.transformer.surgery import load_pruned
+    from exporters.onnx import check_decode_parity, export_decode_step
+
+    model = MOE_EXTRA["gpt_oss"]()
+    experts = layers(model)[0].mlp.experts
+    keep = [0, 5, 6, 9, 17, 20, 30, 31]
+    trimmed = copy.deepcopy(experts)
+    keep_expert_neurons(trimmed, [keep] * 4)
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(3))
+    index, weights = _routing(layers(model)[0].mlp, x)
+    full, part = expert_inputs(experts, x, index, weights), expert_inputs(trimmed, x, index, weights)
+    torch.testing.assert_close(part[1], full[1][:, keep])  # the kept neurons' activations, biases and clamp included
+    assert trimmed.intermediate_size == 8 and trimmed.gate_up_proj_bias.shape == (4, 16)
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25)
+    assert [r.width_after for r in reports] == [3, 24, 3, 24]  # query heads, expert neurons
+    dense_sinks = layers(model)[0].self_attn.sinks.detach()
+    kept = [int(h) for h in reports[0].kept]
+    torch.testing.assert_close(layers(pruned)[0].self_attn.sinks, dense_sinks[kept])
+    groups = {**{f"model.layers.{i}.self_attn.o_proj": 1 for i in (0, 1)},  # one KV group of two query heads
+              **{f"model.layers.{i}.mlp.experts": 24 for i in (0, 1)}}
+    equal, _ = prune_transformer(model, data, groups, gqa="kv-groups")
+    assert layers(equal)[1].self_attn.sinks.shape == (2,)
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
+    assert check_hf_outputs(path, example, hf_reference(pruned, example, "logits")).max_abs_error < 1e-4
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
+    ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
+    assert check_decode_parity(pruned, decode, ids).max_abs_error < 1e-4
+    assert check_decode_parity(pruned, decode, ids, new=8).max_abs_error < 1e-4
+    half = copy.deepcopy(pruned).to(torch.bfloat16)
+    with float32_view(half) as view:
+        path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
+        assert check_hf_outputs(path, example, hf_reference(view, example, "logits")).max_abs_error < 1e-4
+    assert not save_standard(pruned, tmp_path / "saved")  # 3 query heads over 2 KV heads: the manifest
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+    assert save_standard(equal, tmp_path / "equal")
+    config = json.loads((tmp_path / "equal" / "config.json").read_text())
+    assert (config["intermediate_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (24, 2, 1)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "equal")
+    torch.testing.assert_close(first_output(reloaded), first_output(equal))
+    shallow, _ = prune_transformer(model, data, 0.0, sublayers=[(1, FFN)])
+    assert isinstance(layers(shallow)[1].mlp, RemovedSublayer) and layers(shallow)[1].mlp.pair
+    path = export_hf_onnx(shallow, example, tmp_path / "shallow.onnx", output_name="logits", max_length=32)
+    assert check_hf_outputs(path, example, hf_reference(shallow, example, "logits")).max_abs_error < 1e-4

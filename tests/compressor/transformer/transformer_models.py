@@ -146,9 +146,19 @@ def tiny_phimoe():
         router_jitter_noise=0.01, attention_bias=True))
 
 
-# Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and
-# `tests/exporters/test_families.py`-style end-to-end checks there
-MOE_EXTRA = {"phimoe": tiny_phimoe}
+def tiny_gpt_oss():
+    """gpt-oss: 4 experts of 32 neurons stored transposed with interleaved gate / up columns and biases, a clamped
+    SwiGLU, a router with a bias, two experts a token; attention sinks; sliding-window (4) and full layers; GQA."""
+    return _seeded(transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+# Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and an
+# end-to-end test of its own
+MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss}
 
 
 def _decoder(cls: str, config: str, **fields):
