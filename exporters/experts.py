@@ -80,8 +80,9 @@ def _translate(x: Any, logits: Any, gate_up: Any, down: Any, fc1_bias: Any, fc2_
     if fc1_bias is not None:  # (experts, 2 x width) [gate | up] -> interleaved likewise
         bias_halves = op.Reshape(fc1_bias, op.Concat(experts, op.Constant(value_ints=[2]), width, axis=0))
         fc1_bias = op.Reshape(op.Transpose(bias_halves, perm=[0, 2, 1]), op.Concat(experts, rows, axis=0))
+    # always said: ONNX Runtime's CUDA kernel takes a missing limit as 7 (gpt-oss's), its CPU kernel as none
     activation = dict(activation_type="swiglu", swiglu_fusion=1, activation_alpha=alpha, activation_beta=beta,
-                      **({"swiglu_limit": limit} if limit > 0 else {}))
+                      swiglu_limit=limit if limit > 0 else float("inf"))
     # the node always renormalises its top-k weights: ONNX Runtime 1.31 did whatever normalize_routing_weights said
     # (a Qwen3-MoE without norm_topk_prob: 6e-3 off); unrenormalised weights are the renormalised ones times their
     # sum, a factor per token

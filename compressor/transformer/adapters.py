@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import UnsupportedArchitecture
 
-# why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it: OLMo 2's
+# why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it
 FIXED_HEADS = "a norm spans all the heads' queries and keys together"
 
 
@@ -125,7 +125,6 @@ class FamilyAdapter:
     # (OLMo 2 and 3: q_norm / k_norm over heads x head_dim, so removing a head renormalises every kept one); then the
     # FFN neurons, whole layers and (where `normed_updates` allows) sub-layers are what a job removes
     heads_prunable: bool = True
-    heads_fixed_by: str = FIXED_HEADS  # why not, as refusals and warnings say it
     # the FFN module returns (output, router scores), which its block unpacks (gpt-oss): its stand-ins return a pair
     ffn_pair: bool = False
     # a dense FFN beside a MoE layer's routed experts that every token visits, its output scaled per token by a

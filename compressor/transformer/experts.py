@@ -62,15 +62,6 @@ def expert_hidden(experts: nn.Module) -> int:
     return int(experts.down_proj.shape[-1 if interleaved(experts) else 1])
 
 
-def fc1(experts: nn.Module, e: int) -> tuple[Tensor, Tensor | None]:
-    """Expert e's input projection as (2 x width, hidden) rows [gate | up], and its bias (2 x width) or None."""
-    if not interleaved(experts):
-        return experts.gate_up_proj[e], None
-    width = expert_width(experts)
-    halves = experts.gate_up_proj[e].T.reshape(width, 2, -1).transpose(0, 1).reshape(2 * width, -1)
-    return halves, experts.gate_up_proj_bias[e].reshape(width, 2).T.reshape(-1)
-
-
 def down_weight(experts: nn.Module, e: int) -> Tensor:
     """Expert e's down projection as the solver's W_hat: (width, hidden), in x out."""
     return experts.down_proj[e] if interleaved(experts) else experts.down_proj[e].T
@@ -84,9 +75,8 @@ def swiglu(experts: nn.Module) -> tuple[float, float, float]:
     return 1.0, 0.0, 0.0
 
 
-def _activation(h: Tensor, width: int, alpha: float, beta: float, limit: float) -> Tensor:
-    """The SwiGLU of (n, 2 x width) rows [gate | up] (`swiglu`): (n, width)."""
-    gate, up = h[:, :width], h[:, width:]
+def _activation(gate: Tensor, up: Tensor, alpha: float, beta: float, limit: float) -> Tensor:
+    """The SwiGLU (`swiglu`) of gate and up pre-activations (n, width) each: (n, width)."""
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate * torch.sigmoid(alpha * gate) * (up + beta)
@@ -111,13 +101,11 @@ def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weig
     out = []
     for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
         tokens, slots = torch.where(top_k_index == e)  # (token, top-k slot) pairs
-        weight, bias = fc1(experts, e)
-        h = x[tokens] @ weight.T  # (n, 2 x width)
-        if bias is not None:
-            h = h + bias
-        if interleaved(experts):
-            a = _activation(h, width, *swiglu(experts))
-        else:  # the module's own activation (SiLU)
+        if interleaved(experts):  # (n, 2 x width) as [g0, u0, g1, u1, ...]: the weights as stored, no copy of them
+            h = x[tokens] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+            a = _activation(h[:, ::2], h[:, 1::2], *swiglu(experts))
+        else:  # [gate | up] rows, the module's own activation (SiLU)
+            h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
             a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
         out.append(a * top_k_weights[tokens, slots, None].to(a.dtype))
     return out
@@ -268,7 +256,7 @@ def moe_op() -> Any:
                 h = x[tokens] @ gate_up[e].T  # (n, 2 x width)
                 if fc1_bias is not None:
                     h = h + fc1_bias[e]
-                y = _activation(h, width, alpha, beta, limit) @ down[e].T  # (n, hidden)
+                y = _activation(h[:, :width], h[:, width:], alpha, beta, limit) @ down[e].T  # (n, hidden)
                 if fc2_bias is not None:
                     y = y + fc2_bias[e]
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))

@@ -57,6 +57,7 @@ from ..refine import check_method
 from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import (
+    FIXED_HEADS,
     FamilyAdapter,
     adapter_for,
     block_hidden,
@@ -415,7 +416,7 @@ def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
     narrowed = [name for i, name in enumerate(names) if name in plan and plan[name] < query_heads(model, i)]
     if narrowed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit "
-                                      f"({adapter.heads_fixed_by}), but the plan narrows {', '.join(narrowed)}")
+                                      f"({FIXED_HEADS}), but the plan narrows {', '.join(narrowed)}")
 
 
 def prune_blocks(
@@ -472,8 +473,8 @@ def prune_blocks(
     check_removable_layers(source.model, sorted(skip))  # before any solve, not once every block is pruned
     check_gqa(gqa)
     if adapter_for(source.model).experts and (method in ADDS_BIAS or add_bias):
-        raise UnsupportedArchitecture(f"method {method!r} gives output projections a bias, which a Mixture-of-Experts "
-                                      "layer's experts do not have")
+        raise UnsupportedArchitecture(f"method {method!r} gives output projections a bias, which is not built for a "
+                                      "Mixture-of-Experts layer's experts")
     refine = refine or RefineConfig()
     check_method(refine, method)
     choosing = choose_rows and method not in DENSE_ROWS_METHODS  # the others keep the dense rows anyway
@@ -483,8 +484,7 @@ def prune_blocks(
     model = source.model.eval()
     adapter, d = adapter_for(model), dims(model)
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
-        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit "
-                               f"({adapter.heads_fixed_by}): "
+        emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
                                "its attentions stay whole, the ratio prunes the FFN neurons"), log)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
-from .adapters import adapter_for, dims, layers, layers_path
+from .adapters import FIXED_HEADS, adapter_for, dims, layers, layers_path
 from .attention import use_gathered_attention
 from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
@@ -177,7 +177,7 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
     adapter, hd = adapter_for(model), dims(model).head_dim
     if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: "
-                                      f"{adapter.heads_fixed_by}")
+                                      f"{FIXED_HEADS}, so removing a head would renormalise every kept one")
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
     qkv = projection(layer, adapter.q)
     if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)

@@ -693,8 +693,8 @@ def _streamed(request: CompressRequest, say: Say) -> bool:
     experts = family is not None and family.experts
     if experts and (request.method in ADDS_BIAS or request.add_bias == "yes"):
         what = f"method {request.method!r}" if request.method in ADDS_BIAS else "--add-bias yes"
-        raise UnsupportedArchitecture(f"{what} gives output projections a bias, which a Mixture-of-Experts layer's "
-                                      "experts do not have")
+        raise UnsupportedArchitecture(f"{what} gives output projections a bias, which is not built for a "
+                                      "Mixture-of-Experts layer's experts")
     if experts and request.stream:
         raise UnsupportedArchitecture(f"{request.model}: a Mixture-of-Experts checkpoint keeps each expert's weights "
                                       "apart, which transformers merges into 3-D tensors as it loads: it is not "

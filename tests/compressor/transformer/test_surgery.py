@@ -48,7 +48,8 @@ def removed_parameters(model, index, groups_removed, neurons_removed):
     adapter, d = adapter_for(model), dims(model)
     layer, hidden = layers(model)[index], block_hidden(model, index)
     per_group = d.group * d.head_dim * 2 * hidden + 2 * d.head_dim * hidden  # q and o, k and v
-    per_group += sum(d.group * layer.get_parameter(path).shape[0] for path in adapter.head_columns)  # Swin's bias
+    # a head's entries of each per-head parameter (Swin's bias table: a column; gpt-oss's sinks: one)
+    per_group += sum(d.group * (p.numel() // p.shape[-1]) for p in map(layer.get_parameter, adapter.head_columns))
     if projection(layer, adapter.q).bias is not None:
         per_group += d.group * d.head_dim + 2 * d.head_dim
     for path in adapter.per_head_outputs:  # pruned with the query heads where the block has them

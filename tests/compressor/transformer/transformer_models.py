@@ -148,12 +148,21 @@ def tiny_phimoe():
 
 def tiny_gpt_oss():
     """gpt-oss: 4 experts of 32 neurons stored transposed with interleaved gate / up columns and biases, a clamped
-    SwiGLU, a router with a bias, two experts a token; attention sinks; sliding-window (4) and full layers; GQA."""
-    return _seeded(transformers.GptOssForCausalLM, transformers.GptOssConfig(
+    SwiGLU, a router with a bias, two experts a token; attention sinks; sliding-window (4) and full layers; GQA. Its
+    initialisation zeroes the experts' biases and its pre-activations stay far below the clamp: biases drawn and the
+    clamp at 0.3, so that both count."""
+    model = _seeded(transformers.GptOssForCausalLM, transformers.GptOssConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias, layer.mlp.router.bias):
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen))
+    return model
 
 
 # Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and an
