@@ -2,8 +2,9 @@
 
 transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-MoE):
 `gate_up_proj` (experts, 2 x width, hidden), each expert's rows laid out [gate | up], and `down_proj`
-(experts, hidden, width); its router (`mlp.gate`; Phi-3.5-MoE's `mlp.router`) gives each token its top-k experts and
-their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`).
+(experts, hidden, width); gpt-oss stores them transposed, gate and up columns interleaved, with biases and a clamped
+SwiGLU (`INTERLEAVED_EXPERTS`). Its router (`mlp.gate`; Phi-3.5-MoE's and gpt-oss's `mlp.router`) gives each token its
+top-k experts and their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`).
 Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the

@@ -47,8 +47,9 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
 class RemovedSublayer(nn.Module):
     """Stands in for a removed attention or FFN (or for its output projection): every token gets the same
     update, `update` (hidden,), shaped to broadcast over the tokens of the hidden states it is called with.
-    `pair`: return (update, None), as an attention returns (output, weights). `full`: the update at every token
-    (..., hidden), for a block that reshapes what the sub-layer returns (Swin's windows)."""
+    `pair`: return (update, None), as an attention returns (output, weights) and gpt-oss's FFN (output, scores).
+    `full`: the update at every token (..., hidden), for a block that reshapes what the sub-layer returns (Swin's
+    windows)."""
 
     def __init__(self, update: Tensor, pair: bool, full: bool = False) -> None:
         super().__init__()
