@@ -99,12 +99,12 @@ def expert_inputs(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weig
     width = expert_width(experts)
     if rows is not None:  # the uncounted tokens routed nowhere, once for every expert
         top_k_index = top_k_index.masked_fill(~torch.isin(torch.arange(x.shape[0], device=x.device), rows)[:, None], -1)
-    out = []
+    out, stored_transposed, act = [], interleaved(experts), swiglu(experts)
     for e in range(experts.gate_up_proj.shape[0]) if chosen is None else chosen:
         tokens, slots = torch.where(top_k_index == e)  # (token, top-k slot) pairs
-        if interleaved(experts):  # (n, 2 x width) as [g0, u0, g1, u1, ...]: the weights as stored, no copy of them
+        if stored_transposed:  # (n, 2 x width) as [g0, u0, g1, u1, ...]: the weights as stored, no copy of them
             h = x[tokens] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
-            a = _activation(h[:, ::2], h[:, 1::2], *swiglu(experts))
+            a = _activation(h[:, ::2], h[:, 1::2], *act)
         else:  # [gate | up] rows, the module's own activation (SiLU)
             h = x[tokens] @ experts.gate_up_proj[e].T  # (n, 2 x width)
             a = experts.act_fn(h[:, :width]) * h[:, width:]  # (n, width)
@@ -135,14 +135,7 @@ def keep_expert_neurons(experts: nn.Module, keeps: Sequence[Sequence[int] | Tens
     for e, keep in enumerate(keeps):
         keep = keep.to(gate_up.device)
         new_gate_up.append(gate_up[e].index_select(0, torch.cat([keep, width + keep])))  # [gate | up] rows
-        weight = down_weights[e]
-        if weight is None:
-            new_down.append(down[e].index_select(1, keep))
-        elif tuple(weight.shape) != (down.shape[1], keep.numel()):
-            raise ValueError(f"expert {e}'s new down weight has shape {tuple(weight.shape)}, expected "
-                             f"{(down.shape[1], keep.numel())}")
-        else:
-            new_down.append(weight.to(down))
+        new_down.append(_kept_down(down[e], keep, down_weights[e], e, transposed=False))
     experts.gate_up_proj = nn.Parameter(torch.stack(new_gate_up).contiguous(), requires_grad=False)
     experts.down_proj = nn.Parameter(torch.stack(new_down).contiguous(), requires_grad=False)
     if hasattr(experts, "intermediate_dim"):  # what the module says of itself, kept true (its forward reads shapes)
@@ -163,6 +156,17 @@ def is_router(module: nn.Module) -> bool:
     return hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), Tensor)
 
 
+def _kept_down(down: Tensor, keep: Tensor, weight: Tensor | None, e: int, transposed: bool) -> Tensor:
+    """Expert e's down projection on its kept neurons, as stored (hidden x width; `transposed`: width x hidden):
+    its kept columns (rows), or `weight`, the refit one, hidden x kept whatever the storage."""
+    if weight is None:
+        return down.index_select(0 if transposed else 1, keep)
+    expected = (down.shape[1 if transposed else 0], keep.numel())
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"expert {e}'s new down weight has shape {tuple(weight.shape)}, expected {expected}")
+    return (weight.T if transposed else weight).to(down)
+
+
 def _keep_interleaved(experts: nn.Module, keeps: Sequence[Tensor], down_weights: Sequence[Tensor | None],
                       kept: int) -> None:
     """`keep_expert_neurons` of gpt-oss's layout (`INTERLEAVED_EXPERTS`): neuron n is columns 2n and 2n + 1 of the
@@ -174,14 +178,7 @@ def _keep_interleaved(experts: nn.Module, keeps: Sequence[Tensor], down_weights:
         columns = torch.stack([2 * keep, 2 * keep + 1], -1).reshape(-1)  # [g, u] of each kept neuron, in turn
         new_gate_up.append(gate_up[e].index_select(1, columns))
         new_bias.append(bias[e].index_select(0, columns))
-        weight = down_weights[e]
-        if weight is None:
-            new_down.append(down[e].index_select(0, keep))
-        elif tuple(weight.shape) != (down.shape[2], keep.numel()):
-            raise ValueError(f"expert {e}'s new down weight has shape {tuple(weight.shape)}, expected "
-                             f"{(down.shape[2], keep.numel())}")
-        else:
-            new_down.append(weight.T.to(down))
+        new_down.append(_kept_down(down[e], keep, down_weights[e], e, transposed=True))
     experts.gate_up_proj = nn.Parameter(torch.stack(new_gate_up).contiguous(), requires_grad=False)
     experts.gate_up_proj_bias = nn.Parameter(torch.stack(new_bias).contiguous(), requires_grad=False)
     experts.down_proj = nn.Parameter(torch.stack(new_down).contiguous(), requires_grad=False)

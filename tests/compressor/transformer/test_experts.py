@@ -548,21 +548,15 @@ def test_the_sparse_mixer_routes_as_phi_3_5_moes_router(eps):
     assert (weights > 0).all() and (weights <= 1).all()
 
 
-def test_phi_3_5_moe_is_pruned_exported_decoded_and_reloaded(tmp_path):
-    """The experts solved on the sparse mixer's routing, the ONNX graph's routing equal to transformers' (prefill and
-    decode step), the uniform widths in a config transformers loads alone; a router of another k is refused."""
+def _exports_decodes_and_reads_half(pruned, tmp_path) -> dict:
+    """model.onnx (prefill) and decode.onnx (one new token, then a prefill of 8) of a pruned MoE decoder, and the
+    export of its bf16 copy read in float32 through parametrized (renamed) modules, each within 1e-4 of PyTorch;
+    returns the example the graphs were exported on."""
     import copy
 
-    from compressor.errors import UnsupportedArchitecture
     from compressor.precision import float32_view
-    from compressor.transformer.adapters import check_config
     from exporters.onnx import check_decode_parity, export_decode_step
 
-    model = MOE_EXTRA["phimoe"]()
-    pruned, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)],
-                                        {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in (0, 1)},
-                                         **{f"model.layers.{i}.mlp.experts": 8 for i in (0, 1)}})
-    assert [r.width_after for r in reports] == [4, 8, 4, 8]
     example = example_inputs(pruned, batch=2, length=10)
     path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
     assert check_hf_outputs(path, example, hf_reference(pruned, example, "logits")).max_abs_error < 1e-4
@@ -570,10 +564,26 @@ def test_phi_3_5_moe_is_pruned_exported_decoded_and_reloaded(tmp_path):
     ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
     assert check_decode_parity(pruned, decode, ids).max_abs_error < 1e-4
     assert check_decode_parity(pruned, decode, ids, new=8).max_abs_error < 1e-4
-    half = copy.deepcopy(pruned).to(torch.bfloat16)  # read in float32 through parametrized (renamed) modules
+    half = copy.deepcopy(pruned).to(torch.bfloat16)
     with float32_view(half) as view:
         path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
         assert check_hf_outputs(path, example, hf_reference(view, example, "logits")).max_abs_error < 1e-4
+    return example
+
+
+def test_phi_3_5_moe_is_pruned_exported_decoded_and_reloaded(tmp_path):
+    """The experts solved on the sparse mixer's routing, the ONNX graph's routing equal to transformers' (prefill and
+    decode step), the uniform widths in a config transformers loads alone; a router of another k is refused."""
+
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import check_config
+
+    model = MOE_EXTRA["phimoe"]()
+    pruned, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)],
+                                        {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in (0, 1)},
+                                         **{f"model.layers.{i}.mlp.experts": 8 for i in (0, 1)}})
+    assert [r.width_after for r in reports] == [4, 8, 4, 8]
+    _exports_decodes_and_reads_half(pruned, tmp_path)
     assert save_standard(pruned, tmp_path / "saved")
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["intermediate_size"] == 8
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
@@ -590,10 +600,8 @@ def test_gpt_oss_is_pruned_exported_decoded_and_reloaded(tmp_path):
     widths go to a config transformers loads alone."""
     import copy
 
-    from compressor.precision import float32_view
     from compressor.transformer.sublayers import FFN, RemovedSublayer
     from compressor.transformer.surgery import load_pruned
-    from exporters.onnx import check_decode_parity, export_decode_step
 
     model = MOE_EXTRA["gpt_oss"]()
     experts = layers(model)[0].mlp.experts
@@ -615,17 +623,7 @@ def test_gpt_oss_is_pruned_exported_decoded_and_reloaded(tmp_path):
               **{f"model.layers.{i}.mlp.experts": 24 for i in (0, 1)}}
     equal, _ = prune_transformer(model, data, groups, gqa="kv-groups")
     assert layers(equal)[1].self_attn.sinks.shape == (2,)
-    example = example_inputs(pruned, batch=2, length=10)
-    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
-    assert check_hf_outputs(path, example, hf_reference(pruned, example, "logits")).max_abs_error < 1e-4
-    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
-    ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
-    assert check_decode_parity(pruned, decode, ids).max_abs_error < 1e-4
-    assert check_decode_parity(pruned, decode, ids, new=8).max_abs_error < 1e-4
-    half = copy.deepcopy(pruned).to(torch.bfloat16)
-    with float32_view(half) as view:
-        path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
-        assert check_hf_outputs(path, example, hf_reference(view, example, "logits")).max_abs_error < 1e-4
+    example = _exports_decodes_and_reads_half(pruned, tmp_path)
     assert not save_standard(pruned, tmp_path / "saved")  # 3 query heads over 2 KV heads: the manifest
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
     assert save_standard(equal, tmp_path / "equal")
