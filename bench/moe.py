@@ -4,7 +4,8 @@
     .venv/bin/python bench/moe.py --layers 2 --experts 8 --modes uniform     # a quick run
 
 No Mixture-of-Experts checkpoint ships as a Python package, so the model is random-init (`--family`: qwen3_moe,
-qwen2_moe (a shared expert beside the routed ones, `--shared-width`), phimoe (two experts a token by the sparse mixer:
+qwen2_moe (a shared expert beside the routed ones, `--shared-width`), glm4_moe (a dense first layer, experts picked
+by grouped sigmoid routing, an ungated shared expert), phimoe (two experts a token by the sparse mixer:
 `--top-k 2`), gpt_oss (attention sinks, clamped SwiGLU experts with biases) or mixtral; structure, export, latency,
 time and memory are measured, not quality). Each mode runs the CLI in a fresh process: its row has the job's status, the
 measured speedup of the returned ONNX against the dense one (ONNX Runtime, each MoE layer one com.microsoft.MoE node),
@@ -56,6 +57,16 @@ def _build(path: Path, args: argparse.Namespace) -> int:
         config = transformers.PhimoeConfig(num_local_experts=args.experts, intermediate_size=args.expert_width,
                                            router_jitter_noise=0.01, attention_bias=True, **shared)
         model = transformers.PhimoeForCausalLM(config)
+    elif args.family == "glm4_moe":  # GLM-4.5's layout: a dense first layer, grouped sigmoid routing, a shared expert
+        config = transformers.Glm4MoeConfig(n_routed_experts=args.experts, moe_intermediate_size=args.expert_width,
+                                            n_shared_experts=max(1, args.shared_width // args.expert_width),
+                                            intermediate_size=args.shared_width, first_k_dense_replace=1,
+                                            n_group=args.groups, topk_group=max(1, args.groups // 2),
+                                            head_dim=args.hidden // args.heads, use_qk_norm=True, **shared)
+        model = transformers.Glm4MoeForCausalLM(config)
+        with torch.no_grad():  # its initialisation zeroes the correction bias, which a trained router has
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.01)
     elif args.family == "qwen2_moe":  # Qwen1.5-MoE's layout: a shared expert beside the routed ones
         config = transformers.Qwen2MoeConfig(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                                              shared_expert_intermediate_size=args.shared_width,
@@ -102,7 +113,7 @@ def _job(model: str, mode: str, calibration: str, out: str, extra: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "phimoe", "gpt_oss", "mixtral"),
+    parser.add_argument("--family", choices=("qwen3_moe", "qwen2_moe", "glm4_moe", "phimoe", "gpt_oss", "mixtral"),
                         default="qwen3_moe")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -111,7 +122,10 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--expert-width", type=int, default=512)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--shared-width", type=int, default=2048, help="qwen2_moe: the shared expert's neurons")
+    parser.add_argument("--shared-width", type=int, default=2048,
+                        help="qwen2_moe: the shared expert's neurons; glm4_moe: the dense first layer's (its shared "
+                             "expert: the multiple of --expert-width nearest below)")
+    parser.add_argument("--groups", type=int, default=4, help="glm4_moe: expert groups (half of them chosen a token)")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="uniform,target")
@@ -120,6 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     shape = (f"{args.family}-h{args.hidden}-l{args.layers}-e{args.experts}x{args.expert_width}-k{args.top_k}-"
              f"v{args.vocab}-{args.dtype}")
+    if args.family in ("qwen2_moe", "glm4_moe"):  # the shared expert's (and a dense layer's) width, the groups
+        shape += f"-s{args.shared_width}" + (f"-g{args.groups}" if args.family == "glm4_moe" else "")
     model = args.workdir / shape
     if not (model / "config.json").is_file():
         start = time.perf_counter()

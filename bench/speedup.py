@@ -202,6 +202,8 @@ def flap_global(base: list[str], osscar: dict, work: Path) -> tuple[dict, float,
     if "token_type_ids" in loaded.input_names:
         batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
     d, adapter = dims(loaded.model), adapter_for(loaded.model)
+    if adapter.experts:  # FLAP's structure refuses them too: said before reading a dense layer's width
+        raise SystemExit(f"{loaded.model.config.model_type}: a Mixture-of-Experts model has no FLAP baseline")
     ffn = in_features(projection(layers(loaded.model)[0], adapter.down))
     # what FLAP counts: a query head's q and o rows and its share of k and v, a neuron's up (and gate) and down rows
     weighed = d.layers * d.hidden * (d.heads * head_rows(d) + ffn * (adapter.up_matrices + 1))

@@ -20,7 +20,7 @@ from torch import fx
 from compressor.precision import float32_view
 from compressor.transformer.adapters import ADAPTERS
 from compressor.transformer.attention import GATHERED
-from compressor.transformer.experts import experts_as_operator, routing_settled
+from compressor.transformer.experts import experts_as_operator, routes_itself, routing_settled
 from compressor.transformer.sublayers import kv_layers
 
 from .experts import translation_table
@@ -408,6 +408,11 @@ class Float16(torch.nn.Module):
         for name, buffer in self.model.named_buffers():
             if name.rsplit(".", 1)[-1] in FLOAT32_BUFFERS and kept[name].dtype == torch.float32:
                 buffer.data = kept[name].detach().clone()
+        # a grouped sigmoid router (GLM-4.5's) is kept in float32 as transformers keeps it in a half model: its
+        # correction bias rounded to float16 would pick other experts than the model does
+        for module in self.model.modules():
+            if routes_itself(module):
+                module.float()
         if hasattr(model, "config"):
             self.config = model.config
 

@@ -9,8 +9,10 @@ every HF model has and that say nothing about the pruned widths (`use_cache`, `a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
@@ -133,14 +135,37 @@ class FamilyAdapter:
     shared_down: str | None = None
     shared_up: tuple[str, ...] = ()
     shared_key: str | None = None
+    # whether the shared expert's output is scaled by its own sigmoid gate (Qwen2-MoE) or added as it is (GLM-4.5's
+    # mlp.shared_experts, whose width n_shared_experts x moe_intermediate_size no config key states alone)
+    shared_gated: bool = True
+    # a MoE family's layers whose FFN is dense (GLM-4.5's first first_k_dense_replace layers; Qwen2- / Qwen3-MoE's
+    # mlp_only_layers, decoder_sparse_step): that FFN's input and output projections and the config key of its width
+    # (`at` gives the record as it applies to such a block; `dense_ffn_layers` says which layers the config builds so)
+    dense_up: tuple[str, ...] = ()
+    dense_down: str | None = None
+    dense_key: str = "intermediate_size"
+    # multi-head latent attention (DeepSeek-V3): keys and values are expanded per head from one shared latent (what
+    # the KV cache holds, untouched by pruning heads) by `k` (= `v`, kv_b_proj: qk_nope_head_dim + v_head_dim rows a
+    # head), queries by `q` (q_b_proj, or q_proj without a query latent: qk_nope_head_dim + qk_rope_head_dim rows a
+    # head), and the output projection reads v_head_dim inputs a head (`dims`' head_dim); every head its own keys
+    latent_attention: bool = False
 
     @property
     def shared_gate(self) -> str | None:
         """The shared expert's gate (one output: the sigmoid's logit), beside the shared expert in the MoE block."""
-        if self.shared_down is None:
+        if self.shared_down is None or not self.shared_gated:
             return None
         expert = self.shared_down.rpartition(".")[0]  # mlp.shared_expert
         return f"{expert}_gate"
+
+    def at(self, block: nn.Module) -> FamilyAdapter:
+        """The record as it applies to `block`: a MoE family's block with a dense FFN (`dense_down`) reads that FFN's
+        paths, width key and cost as a dense family's block does; every other block, this record. Told apart by the
+        block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one: ask before removing, or
+        ask `dense_ffn_layers`."""
+        if self.dense_down is None or not _has(block, self.dense_down):
+            return self
+        return _dense_record(self)
 
     @property
     def experts(self) -> bool:
@@ -151,6 +176,22 @@ class FamilyAdapter:
     def up_matrices(self) -> int:
         """Weight matrices that produce the FFN's neurons (a fused gate/up projection counts twice)."""
         return len(self.up) + int(self.fused_up)
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+@functools.cache
+def _dense_record(adapter: FamilyAdapter) -> FamilyAdapter:
+    """`adapter` for its blocks with a dense FFN: no experts, no shared expert."""
+    return replace(adapter, up=adapter.dense_up, down=adapter.dense_down, ffn_key=adapter.dense_key,
+                   experts_per_token_key=None, ffn_pair=False, shared_down=None, shared_up=(), shared_key=None,
+                   dense_up=(), dense_down=None)
 
 
 BERT_LIKE = FamilyAdapter(layers="encoder.layer", q="attention.self.query", k="attention.self.key",
@@ -181,6 +222,16 @@ GEMMA2_LIKE = replace(LLAMA_LIKE, normed_updates=True)
 OLMO2 = replace(GEMMA2_LIKE, heads_prunable=False)
 # Mixture-of-Experts decoders: Llama's attention, a router (mlp.gate) and the experts as 3-D tensors (mlp.experts)
 MOE_LIKE = replace(LLAMA_LIKE, up=(), down="mlp.experts", experts_per_token_key="num_experts_per_tok")
+# the dense FFN of a MoE family's dense layers: Llama's MLP under `mlp`
+DENSE_MLP = dict(dense_up=("mlp.up_proj", "mlp.gate_proj"), dense_down="mlp.down_proj")
+# routed experts picked by grouped sigmoid routing beside ungated shared experts (mlp.shared_experts), dense FFN
+# layers first (GLM-4.5's, dots.llm1's, EXAONE-MoE's)
+GROUPED_MOE = replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.shared_experts.down_proj",
+                      shared_up=("mlp.shared_experts.up_proj", "mlp.shared_experts.gate_proj"), shared_gated=False,
+                      **DENSE_MLP)
+# ... behind multi-head latent attention (DeepSeek-V3's)
+LATENT_MOE = replace(GROUPED_MOE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj", v="self_attn.kv_b_proj",
+                     latent_attention=True, head_count_attrs=("self_attn.num_heads",))
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -284,12 +335,27 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     # Phi-3.5-MoE: Mixtral's experts with q/k/v biases, LayerNorms and a router (mlp.router) that picks two experts by
     # the sparse mixer (`experts.sparse_mixer`), not by softmax and top-k
     "phimoe": MOE_LIKE,
-    "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size"),
+    # OLMoE: OLMo's q/k norms over all the heads together (heads stay whole), a softmax router over 3-D experts
+    "olmoe": replace(MOE_LIKE, heads_prunable=False),
+    # FlexOLMo: OLMoE's experts in OLMo 2's layout (a norm after each sub-layer, none before)
+    "flex_olmo": replace(MOE_LIKE, heads_prunable=False, normed_updates=True),
+    "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size", **DENSE_MLP),
     # Qwen2-MoE: Qwen3-MoE's experts (q/k/v biases, no q/k norms) beside a shared expert that every token visits,
     # scaled by its own sigmoid gate: its neurons are pruned as a unit of their own
     "qwen2_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.shared_expert.down_proj",
                          shared_up=("mlp.shared_expert.up_proj", "mlp.shared_expert.gate_proj"),
-                         shared_key="shared_expert_intermediate_size"),
+                         shared_key="shared_expert_intermediate_size", **DENSE_MLP),
+    # GLM-4.5 / 4.6 (glm4_moe): dense FFNs in the first first_k_dense_replace layers, then routed experts chosen by
+    # sigmoid scores within the best groups (`experts.routes_itself`) beside ungated shared experts; partial rotary.
+    # dots.llm1 (dots1): the same layers with Qwen3's per-head q/k norms; EXAONE-MoE (exaone_moe): its dense layers
+    # by mlp_layer_types, sliding-window layers
+    "glm4_moe": GROUPED_MOE,
+    "dots1": GROUPED_MOE,
+    "exaone_moe": GROUPED_MOE,
+    # DeepSeek-V3 (and Kimi K2, saved as deepseek_v3): GLM-4.5's FFNs behind multi-head latent attention; GLM-4.7-Flash
+    # (glm4_moe_lite): the same, its dense layers by mlp_layer_types
+    "deepseek_v3": LATENT_MOE,
+    "glm4_moe_lite": LATENT_MOE,
 }
 
 VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -302,8 +368,8 @@ REFUSED: dict[str, str] = {
                    "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
     "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
               "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
-    "deepseek_v3": "DeepSeek-V3's multi-head latent attention (keys and values from one shared low-rank projection) "
-                   "is not a prunable unit yet",
+    "deepseek_v2": "DeepSeek-V2's routers (softmax, greedy or group-limited greedy top-k) are not exported yet; "
+                   "DeepSeek-V3 (deepseek_v3) is supported",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
@@ -323,22 +389,47 @@ def _not_silu(config: dict) -> bool:
 _NOT_SWIGLU = (_not_silu, "Mixture-of-Experts experts are exported as ONNX Runtime's MoE operator, which computes "
                           "SwiGLU (hidden_act silu) experts only")
 
-_SPARSE_EVERY_LAYER = (lambda c: _not_silu(c) or bool(c.get("mlp_only_layers")) or c.get("decoder_sparse_step", 1) != 1
-                       or not c.get("num_experts", 1),
-                       "Qwen2-MoE and Qwen3-MoE are supported with SwiGLU experts (hidden_act silu) in every layer: "
-                       "dense FFN layers between the MoE layers (mlp_only_layers, decoder_sparse_step > 1, "
-                       "num_experts 0) are not")
+_QWEN_MOE = (lambda c: _not_silu(c) or not _experts_count(c.get),
+             "Qwen2-MoE and Qwen3-MoE are supported with SwiGLU experts (hidden_act silu); with num_experts 0 every "
+             "layer is a dense FFN: set model_type and architectures in its config.json to qwen2 / qwen3 to prune it "
+             "as those")
 
-REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
+def _grouping_error(c: dict) -> str | None:
+    """Why a grouped-routing config (GLM-4.5, dots.llm1, EXAONE-MoE) is refused, or None."""
+    family = f"{c.get('model_type')} (grouped routing)"
+    if _not_silu(c):
+        return f"{family}: hidden_act {c.get('hidden_act')!r}; experts are exported as SwiGLU (hidden_act silu) only"
+    experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 1)
+    groups, chosen = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
+    k = int(c.get("num_experts_per_tok") or 1)
+    if experts % groups or experts // groups < 2:
+        return f"{family}: {experts} experts in n_group {groups}; the groups must be equal, of 2 experts at least"
+    if not 1 <= chosen <= groups:
+        return f"{family}: topk_group {chosen} of n_group {groups} groups"
+    if k > chosen * experts // groups:
+        return (f"{family}: num_experts_per_tok {k} exceeds the {chosen * experts // groups} experts of the "
+                f"topk_group {chosen} groups a token may visit")
+    return None
+
+
+_GROUPED = (lambda c: _grouping_error(c) is not None, _grouping_error)
+
+# (the config.json test, why: a line, or a function of the config giving it)
+REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], str | None]]] = {
     "mixtral": _NOT_SWIGLU,
+    "olmoe": _NOT_SWIGLU,
+    "flex_olmo": _NOT_SWIGLU,
     # transformers' sparse mixer picks two experts whatever num_experts_per_tok says
     "phimoe": (lambda c: _not_silu(c) or c.get("num_experts_per_tok", 2) != 2,
                "Phi-3.5-MoE is supported with SwiGLU experts (hidden_act silu) and two experts a token (its sparse "
                "mixer routing picks two)"),
-    # Qwen2- and Qwen3-MoE turn some layers into dense FFNs (mlp_only_layers; every decoder_sparse_step-th layer
-    # sparse)
-    "qwen3_moe": _SPARSE_EVERY_LAYER,
-    "qwen2_moe": _SPARSE_EVERY_LAYER,
+    "qwen3_moe": _QWEN_MOE,
+    "qwen2_moe": _QWEN_MOE,
+    "glm4_moe": _GROUPED,
+    "dots1": _GROUPED,
+    "exaone_moe": _GROUPED,
+    "deepseek_v3": _GROUPED,
+    "glm4_moe_lite": _GROUPED,
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,
@@ -354,6 +445,53 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str]] = {
               "MPNet with relative_attention_num_buckets other than 32 does not run in transformers (its encoder "
               "buckets positions into 32 whatever the config says)"),
 }
+
+
+def dense_ffn_layers(config: Any) -> list[bool] | None:
+    """Which layers a MoE family's config (object or config.json dict) builds with a dense FFN, per layer, or None
+    where it builds every FFN alike: EXAONE-MoE's `mlp_layer_types` ("dense" / "sparse"); GLM-4.5's and dots.llm1's
+    first `first_k_dense_replace`; Qwen2- / Qwen3-MoE's `mlp_only_layers` and every layer but each
+    `decoder_sparse_step`-th."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    model_type, n = get("model_type"), int(get("num_hidden_layers") or 0)
+    if model_type not in ADAPTERS or ADAPTERS[model_type].dense_down is None:
+        return None
+    if get("mlp_layer_types") is not None:
+        return [t == "dense" for t in get("mlp_layer_types")]
+    if get("first_k_dense_replace") is not None:
+        return [i < int(get("first_k_dense_replace")) for i in range(n)]
+    only, step = set(get("mlp_only_layers") or ()), int(get("decoder_sparse_step") or 1)
+    experts = _experts_count(get)
+    return [i in only or not experts or (i + 1) % step != 0 for i in range(n)]
+
+
+def _experts_count(get: Callable[..., Any]) -> int:
+    """A Qwen-MoE config's routed experts: `num_experts`, which config.json may hold as `num_local_experts` (the
+    name transformers' attribute map stores it under)."""
+    for key in ("num_experts", "num_local_experts"):
+        if get(key) is not None:
+            return int(get(key))
+    return 1
+
+
+def restate_dense_ffn_layers(config: Any, dense: Sequence[bool]) -> None:
+    """Set the config's keys of which layers have a dense FFN to `dense` (per layer, e.g. the kept ones once layers
+    are removed): EXAONE-MoE's `mlp_layer_types` (its first_k_dense_replace, which only fills a missing list, set to
+    the leading dense layers), GLM-4.5's `first_k_dense_replace` (a prefix), Qwen's `mlp_only_layers` (with
+    decoder_sparse_step 1, which states any pattern)."""
+    if getattr(config, "mlp_layer_types", None) is not None:
+        config.mlp_layer_types = ["dense" if d else "sparse" for d in dense]
+        if getattr(config, "first_k_dense_replace", None) is not None:
+            config.first_k_dense_replace = next((i for i, d in enumerate(dense) if not d), len(dense))
+    elif getattr(config, "first_k_dense_replace", None) is not None:
+        k = sum(dense)
+        if list(dense) != [i < k for i in range(len(dense))]:
+            raise ValueError(f"dense FFN layers {[i for i, d in enumerate(dense) if d]} are not the first ones, which "
+                             "is all first_k_dense_replace can state")
+        config.first_k_dense_replace = k
+    elif hasattr(config, "mlp_only_layers"):
+        config.mlp_only_layers = [i for i, d in enumerate(dense) if d]
+        config.decoder_sparse_step = 1
 
 
 @dataclass(frozen=True)
@@ -469,6 +607,8 @@ def dims(model: nn.Module) -> TransformerDims:
     kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    if adapter.latent_attention:  # each head's keys and values its own; the output projection's inputs a head
+        kv_heads, head_dim = heads, int(config.v_head_dim)
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
 
 
@@ -504,7 +644,8 @@ def check_config(config: dict, reference: str) -> None:
                                       "float weights; dequantize the checkpoint (bf16, fp16 or fp32, saved with "
                                       "save_pretrained), prune that, and quantize the pruned model")
     if model_type in REFUSED_CONFIGS and REFUSED_CONFIGS[model_type][0](config):
-        raise UnsupportedArchitecture(f"{reference}: {REFUSED_CONFIGS[model_type][1]}")
+        why = REFUSED_CONFIGS[model_type][1]
+        raise UnsupportedArchitecture(f"{reference}: {why if isinstance(why, str) else why(config)}")
     if model_type not in ADAPTERS and "num_channels" not in config:
         raise UnsupportedArchitecture(f"{reference}: model_type {model_type!r} is neither a supported transformer "
                                       f"family ({', '.join(sorted(ADAPTERS))}) nor an image model")

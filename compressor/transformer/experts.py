@@ -209,6 +209,14 @@ def _mixer_eps(router: nn.Module) -> float | None:
     return float(router.router_jitter_noise) if mixer else None
 
 
+def routes_itself(router: nn.Module) -> bool:
+    """Whether the router picks its experts otherwise than by the softmax and top-k of its logits, which the MoE node
+    computes: by sigmoid scores plus a correction bias, within the best groups of experts, its weights rescaled
+    (GLM-4.5's, DeepSeek-V3's). Such a router's own forward gives the export its picks and weights
+    (`_as_operator`)."""
+    return hasattr(router, "e_score_correction_bias") and hasattr(router, "topk_group")
+
+
 def router_logits(router: nn.Module, x: Tensor) -> Tensor:
     """The router's logits of x (..., hidden) in x's dtype, (..., experts)."""
     bias = getattr(router, "bias", None)
@@ -267,13 +275,31 @@ def moe_op() -> Any:
     return getattr(getattr(torch.ops, OP_NAMESPACE), OP_NAME)
 
 
+def _shared_of(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """A sparse MoE block's shared expert and its sigmoid gate: Qwen2-MoE's `shared_expert` and
+    `shared_expert_gate`, GLM-4.5's ungated `shared_experts`; (None, None) without."""
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        return shared, getattr(block, "shared_expert_gate", None)
+    return getattr(block, "shared_experts", None), None
+
+
 def _as_operator(block: nn.Module, hidden_states: Tensor, pair: bool = False) -> Tensor | tuple[Tensor, None]:
     """A sparse MoE block's forward through `moe_op` (eval mode: no router jitter); `pair`: returned as (output, None),
     where the block returns its router's scores beside its output (gpt-oss: `FamilyAdapter.ffn_pair`)."""
     batch, length, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     router = router_of(block)
-    logits = router_logits(router, x)  # (tokens, experts)
+    scale = None
+    if routes_itself(router):  # its picks and weights as logits the node's softmax and top-k give back, renormalised
+        _, weights, index = router(x)  # (tokens, k) each
+        weights = weights.float()
+        # (tokens, 1): the weights' sum, by which the output is scaled back (floored as the router floors its own)
+        scale = weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        picked = torch.full((x.shape[0], router.weight.shape[0]), -1e9, dtype=torch.float32, device=x.device)
+        logits = picked.scatter(-1, index, torch.log(weights / scale)).to(x.dtype)  # (tokens, experts)
+    else:
+        logits = router_logits(router, x)  # (tokens, experts)
     eps = _mixer_eps(router)
     experts = block.experts
     gate_up, down, fc1_bias, fc2_bias = experts.gate_up_proj, experts.down_proj, None, None
@@ -282,11 +308,13 @@ def _as_operator(block: nn.Module, hidden_states: Tensor, pair: bool = False) ->
         gate_up = gate_up.transpose(1, 2).reshape(count, width, 2, -1).transpose(1, 2).reshape(count, 2 * width, -1)
         fc1_bias = experts.gate_up_proj_bias.reshape(count, width, 2).transpose(1, 2).reshape(count, 2 * width)
         down, fc2_bias = down.transpose(1, 2), experts.down_proj_bias
-    y = moe_op()(x, logits, gate_up, down, fc1_bias, fc2_bias, int(router.top_k), _normalised(router),
-                 eps is not None, eps or 0.0, *swiglu(experts))
-    shared = getattr(block, "shared_expert", None)
-    if shared is not None:  # Qwen2-MoE: a dense FFN every token visits, scaled by its own gate, beside the experts
-        y = y + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
+    y = moe_op()(x, logits, gate_up, down, fc1_bias, fc2_bias, int(router.top_k),
+                 _normalised(router) or scale is not None, eps is not None, eps or 0.0, *swiglu(experts))
+    if scale is not None:
+        y = y * scale.to(y.dtype)
+    shared, gate = _shared_of(block)
+    if shared is not None:  # a dense FFN every token visits beside the experts (Qwen2-MoE's scaled by its own gate)
+        y = y + (shared(x) if gate is None else torch.sigmoid(gate(x)) * shared(x))
     y = y.reshape(batch, length, hidden)
     return (y, None) if pair else y
 
@@ -312,6 +340,9 @@ def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
         eps = _mixer_eps(router)
         if eps is not None:
             found.append(_mixer_clear(logits, eps, margin))
+            return
+        if routes_itself(router):
+            found.append(_groups_clear(router, logits, margin))
             return
         k = int(router.top_k)
         top = logits.topk(min(k + 1, logits.shape[-1]), -1).values.float()
@@ -349,12 +380,39 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
     return clear
 
 
+def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
+    """Whether a grouped sigmoid router's choices at each token (`routes_itself`: GLM-4.5's) are clear of rounding:
+    its topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups ahead of the
+    next; (...,) bool."""
+    scores = logits.float().sigmoid() + router.e_score_correction_bias.float()  # (..., experts)
+    groups = int(router.num_group)
+    by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
+    group_scores = by_group.topk(min(2, by_group.shape[-1]), -1).values.sum(-1)  # (..., groups)
+    clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
+    chosen = int(router.topk_group)
+    if chosen < groups:
+        top = group_scores.topk(chosen + 1, -1).values
+        clear &= top[..., chosen - 1] - top[..., chosen] > margin
+    best = group_scores.topk(chosen, -1).indices  # (..., chosen)
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, best, True)
+    within = scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], -1), float("-inf"))
+    k = int(router.top_k)
+    if k < chosen * by_group.shape[-1]:  # else every expert of the chosen groups is picked
+        top = within.topk(k + 1, -1).values
+        clear &= top[..., k - 1] - top[..., k] > margin
+    return clear
+
+
 def check_exportable(block: nn.Module) -> None:
     """Refuse, in one line, experts the ONNX operator does not compute (another activation than SiLU) and a shared
-    expert combined otherwise than by Qwen2-MoE's sigmoid gate."""
+    expert combined otherwise than Qwen2-MoE's (`shared_expert` scaled by its sigmoid `shared_expert_gate`) or
+    GLM-4.5's (`shared_experts`, added as it is)."""
     if hasattr(block, "shared_expert") and not hasattr(block, "shared_expert_gate"):
         raise ValueError("a shared expert without its sigmoid gate (shared_expert_gate) is not exported: Qwen2-MoE's "
                          "gated shared expert is")
+    if hasattr(block, "shared_experts") and any(hasattr(block, f"shared_experts{s}") for s in ("_gate", "_gating")):
+        raise ValueError("gated shared_experts are not exported: GLM-4.5's ungated shared_experts and Qwen2-MoE's "
+                         "gated shared_expert are")
     act = getattr(block.experts, "act_fn", None)
     if interleaved(block.experts):  # gpt-oss's clamped SwiGLU: the node's swiglu with its alpha, beta and limit
         return

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS
+from .adapters import ADAPTERS, dense_ffn_layers
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -185,9 +185,17 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     if 0 in heads or 0 in ffn:
         return None  # a removed attention or FFN (`sublayers`): its stand-in is no module of the family
     shared = manifest.get("shared")
-    if shared is not None and (adapter.shared_key is None or len(set(shared)) != 1):
-        return None  # shared experts of unequal widths (or widths of a family with none)
-    if len(set(heads)) != 1 or len(set(ffn)) != 1 or (maps is not None and any(m != maps[0] for m in maps)):
+    dense = dense_ffn_layers(config) or [False] * len(ffn)  # a MoE family's layers with a dense FFN: its own key
+    if len(dense) != len(ffn):
+        return None
+    dense_ffn = sorted({f for f, d in zip(ffn, dense, strict=True) if d})
+    ffn = [f for f, d in zip(ffn, dense, strict=True) if not d]
+    if shared is not None:
+        shared = [w for w, d in zip(shared, dense, strict=True) if not d]
+    if shared is not None and (adapter.shared_key is None or len(set(shared)) > 1):
+        return None  # shared experts of unequal widths (or widths no config key states)
+    if len(set(heads)) != 1 or len(set(ffn)) > 1 or len(dense_ffn) > 1 or \
+            (maps is not None and any(m != maps[0] for m in maps)):
         return None
     kept = heads[0]
     kv_heads = len(set(maps[0])) if maps is not None else kept // group
@@ -195,8 +203,11 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
             (maps is not None and maps[0] != [h // (kept // kv_heads) for h in range(kept)]):
         return None  # uneven query heads per KV head: only the gathered attention reads them
     out = dict(config)
-    out[ffn_key] = int(ffn[0])
-    if shared is not None:
+    if ffn:
+        out[ffn_key] = int(ffn[0])
+    if dense_ffn:
+        out[adapter.dense_key] = int(dense_ffn[0])
+    if shared:
         out[adapter.shared_key] = int(shared[0])
     if (kept, kv_heads) != (heads_before, kv_before):
         if not adapter.config_head_dim:

@@ -390,9 +390,14 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at a wider
     stream. `shared`: one neuron of a MoE layer's shared expert (`FamilyAdapter.shared_down`), which every token
     visits."""
-    adapter, d = adapter_for(model), dims(model)
+    adapter, d = adapter_for(model).at(layers(model)[index]), dims(model)  # a MoE family's dense layer: its own FFN
     hidden = block_hidden(model, index)
     share = adapter.stage_tokens ** stage_of(model, index)[0]
+    if kind == "attention_heads" and adapter.latent_attention:  # a head's query, key / value and output rows
+        c = model.config
+        qk = int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
+        rows = (c.q_lora_rank or hidden) * qk + int(c.kv_lora_rank) * (int(c.qk_nope_head_dim) + int(c.v_head_dim))
+        return share * float(rows + d.head_dim * hidden + sequence_length * (qk + d.head_dim))
     if kind == "attention_heads":
         if adapter.window_key is not None:
             sequence_length = min(sequence_length, int(getattr(model.config, adapter.window_key)) ** 2)
@@ -519,8 +524,9 @@ def prune_blocks(
         dense = copy.deepcopy(block)  # advances the dense stream; its weights are W_hat
         solved = False  # whether a projection of this block was solved (what a reconstruction fits)
         choices: list[_Rows] = []  # with `choosing`: each solved projection's two sets of rows
-        for kind, path, norm in _outputs(adapter):
-            shared = path == adapter.shared_down  # Qwen2-MoE's shared expert: its FFN's removal takes it too
+        here_adapter = adapter.at(block)  # a MoE family's layer with a dense FFN: that FFN's paths
+        for kind, path, norm in _outputs(here_adapter):
+            shared = path == here_adapter.shared_down  # Qwen2-MoE's shared expert: its FFN's removal takes it too
             if shared and (i, FFN) in sublayers:
                 continue
             if (i, kind) in sublayers:  # removed alone: its update becomes a constant, nothing is solved
@@ -572,12 +578,12 @@ def prune_blocks(
                 scale = floored_scale(dense.get_submodule(norm).weight.detach().abs().double())
                 W_hat = W_hat * scale
             stats = LayerStatistics(W_hat, token_cap)
-            last = path == adapter.down  # the dense block runs to its end once: the next dense input
+            last = path == here_adapter.down  # the dense block runs to its end once: the next dense input
             x_store, h1 = _inputs_of(proj, stop=True)
             x_hat_store, h2 = _inputs_of(proj_dense, stop=not last)
             # a shared expert's output is scaled by its gate, s(t) = sigmoid(gate x_t) (each stream's own): its
             # rows are s(t) a(t), whose least squares is the error it adds to the stream
-            gates = [_gate_of(b, adapter) for b in (block, dense)] if shared else []
+            gates = [_gate_of(b, here_adapter) for b in (block, dense)] if shared and here_adapter.shared_gate else []
             try:
                 with torch.no_grad():
                     for s in streams:
@@ -958,16 +964,17 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                 (prune_query_heads if single else prune_heads)(resized, i, keep)
             if (i, FFN) in sublayers:
                 continue
-            down = projection(layers(resized)[i], adapter.down)
+            block = adapter.at(layers(resized)[i])  # a MoE family's layer with a dense FFN: that FFN's paths
+            down = projection(layers(resized)[i], block.down)
             neurons = in_features(down)
-            kept = neurons - planned_prune(f"{here}.{adapter.down}", neurons, plan)
+            kept = neurons - planned_prune(f"{here}.{block.down}", neurons, plan)
             if is_experts(down):
                 kept = aligned_width(neurons, kept)
             if kept < neurons:
                 prune_ffn(resized, i, torch.arange(kept))
-            shared = f"{here}.{adapter.shared_down}"
-            if adapter.shared_down is not None and not (isinstance(plan, Mapping) and shared not in plan):
-                neurons = in_features(projection(layers(resized)[i], adapter.shared_down))
+            shared = f"{here}.{block.shared_down}"
+            if block.shared_down is not None and not (isinstance(plan, Mapping) and shared not in plan):
+                neurons = in_features(projection(layers(resized)[i], block.shared_down))
                 kept = neurons - planned_prune(shared, neurons, plan)  # an earlier release's plan: kept whole
                 if kept < neurons:
                     prune_shared_ffn(resized, i, torch.arange(kept))

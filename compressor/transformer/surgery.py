@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
-from .adapters import FIXED_HEADS, adapter_for, dims, layers, layers_path
+from .adapters import FIXED_HEADS, adapter_for, dense_ffn_layers, dims, layers, layers_path, restate_dense_ffn_layers
 from .attention import use_gathered_attention
 from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
@@ -126,7 +126,8 @@ def keep_input_columns(proj: nn.Module, cols: Tensor, weight: Tensor | None = No
 
 def prune_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor, down_weight: Tensor | None = None) -> None:
     """Keep FFN neurons `keep` of block `index` (down_weight: the refit down projection, out x kept)."""
-    adapter, layer = adapter_for(model), layers(model)[index]
+    layer = layers(model)[index]
+    adapter = adapter_for(model).at(layer)  # a MoE family's layer with a dense FFN: that FFN's paths
     if is_removed(model, index, FFN):
         raise ValueError(f"layer {index}'s FFN is removed: it has no neurons to keep")
     down = projection(layer, adapter.down)
@@ -147,9 +148,10 @@ def prune_shared_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
                      down_weight: Tensor | None = None) -> None:
     """Keep neurons `keep` of block `index`'s shared expert (`FamilyAdapter.shared_down`; down_weight: its refit down
     projection, out x kept)."""
-    adapter, layer = adapter_for(model), layers(model)[index]
+    layer = layers(model)[index]
+    adapter = adapter_for(model).at(layer)
     if adapter.shared_down is None:
-        raise ValueError(f"{model.config.model_type} has no shared expert")
+        raise ValueError(f"{model.config.model_type}'s layer {index} has no shared expert")
     if is_removed(model, index, FFN):
         raise ValueError(f"layer {index}'s FFN is removed: its shared expert has no neurons to keep")
     down = projection(layer, adapter.shared_down)
@@ -160,10 +162,12 @@ def prune_shared_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
 
 
 def shared_width(model: nn.Module, index: int) -> int:
-    """Neurons of block `index`'s shared expert (0 once its FFN is removed)."""
-    if is_removed(model, index, FFN):
+    """Neurons of block `index`'s shared expert (0 once its FFN is removed, or where the layer's FFN is dense)."""
+    layer = layers(model)[index]
+    shared = adapter_for(model).at(layer).shared_down
+    if is_removed(model, index, FFN) or shared is None:
         return 0
-    return in_features(projection(layers(model)[index], adapter_for(model).shared_down))
+    return in_features(projection(layer, shared))
 
 
 def _query_width(model: nn.Module, layer: nn.Module) -> int:
@@ -179,16 +183,18 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: "
                                       f"{FIXED_HEADS}, so removing a head would renormalise every kept one")
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
-    qkv = projection(layer, adapter.q)
-    if adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)
+    if adapter.latent_attention:  # each head's query rows and its key / value rows from the shared latent
+        _keep_latent_heads(model, layer, heads)
+    elif adapter.qkv_per_head:  # [q_h | k_h | v_h] per head (no GQA in this layout)
         assert torch.equal(heads, kv_heads), (heads, kv_heads)
-        keep_output_rows(qkv, group_rows(heads, 3 * hd))
+        keep_output_rows(projection(layer, adapter.q), group_rows(heads, 3 * hd))
     elif adapter.fused_qkv:  # [q | k | v]: the query heads' rows, then the KV heads' in each of k and v
+        qkv = projection(layer, adapter.q)
         q_width = _query_width(model, layer)
         kv_width = (out_features(qkv) - q_width) // 2
         keep_output_rows(qkv, torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows]))
     else:
-        keep_output_rows(qkv, q_rows)
+        keep_output_rows(projection(layer, adapter.q), q_rows)
         keep_output_rows(projection(layer, adapter.k), kv_rows)
         keep_output_rows(projection(layer, adapter.v), kv_rows)
     if adapter.per_head_outputs:
@@ -218,6 +224,16 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         if not isinstance(attention.config, LayerConfig):
             attention.config = LayerConfig(attention.config)
         attention.config.own[adapter.heads_key] = len(heads)
+
+
+def _keep_latent_heads(model: nn.Module, layer: nn.Module, heads: Tensor) -> None:
+    """Multi-head latent attention's query and key / value rows of heads `heads` (`FamilyAdapter.latent_attention`):
+    q_b_proj's (q_proj's without a query latent) qk_nope + qk_rope rows a head, kv_b_proj's qk_nope + v rows a head;
+    the latents, and the cache that holds them, stay whole."""
+    config, attention = model.config, _attention(model, layer)
+    query = getattr(attention, "q_b_proj", None) or attention.q_proj
+    keep_output_rows(query, group_rows(heads, int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)))
+    keep_output_rows(attention.kv_b_proj, group_rows(heads, int(config.qk_nope_head_dim) + int(config.v_head_dim)))
 
 
 def set_bias_rows(module: nn.Module, rows: Sequence[int]) -> None:
@@ -306,10 +322,11 @@ def query_heads(model: nn.Module, index: int) -> int:
 
 
 def ffn_width(model: nn.Module, index: int) -> int:
-    """FFN neurons of block `index` (0 once its FFN is removed)."""
+    """FFN neurons of block `index` (0 once its FFN is removed): each expert's in a MoE layer."""
     if is_removed(model, index, FFN):
         return 0
-    return in_features(projection(layers(model)[index], adapter_for(model).down))
+    layer = layers(model)[index]
+    return in_features(projection(layer, adapter_for(model).at(layer).down))
 
 
 def _attention(model: nn.Module, layer: nn.Module) -> nn.Module:
@@ -391,6 +408,9 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     for new, (old, block) in enumerate((i, b) for i, b in enumerate(blocks) if i not in gone):
         _keep_inverse_layer_scaling(block, old, new)
     config = model.config
+    dense = dense_ffn_layers(config)  # a MoE family's layers with a dense FFN, as the config states them
+    if dense is not None and len(dense) == len(blocks):
+        restate_dense_ffn_layers(config, [flag for i, flag in enumerate(dense) if i not in gone])
     for key in PER_LAYER_CONFIG:
         values = getattr(config, key, None)
         if isinstance(values, list | tuple) and len(values) == len(blocks):
@@ -483,15 +503,18 @@ def added_biases(model: nn.Module) -> list[str]:
     """The output projections ("layer.path") that have a bias where the model its config builds has none
     (`add_bias`)."""
     adapter = adapter_for(model)
-    outputs = ((adapter.o, ATTENTION), (adapter.down, FFN))
+
+    def outputs(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+        return (adapter.o, ATTENTION), (adapter.at(layer).down, FFN)
+
     if all(getattr(projection(layer, path), "bias", None) is None for i, layer in enumerate(layers(model))
-           for path, kind in outputs if not is_removed(model, i, kind)):
+           for path, kind in outputs(layer) if not is_removed(model, i, kind)):
         return []  # nothing to compare: no model is built from the config
     with torch.device("meta"):
         reference = type(model)._from_config(model.config)
     added = []
     for i, (layer, dense) in enumerate(zip(layers(model), layers(reference), strict=True)):
-        for path, kind in outputs:
+        for path, kind in outputs(layer):
             if not is_removed(model, i, kind) and getattr(projection(layer, path), "bias", None) is not None \
                     and getattr(projection(dense, path), "bias", None) is None:
                 added.append(f"{i}.{path}")
@@ -537,9 +560,14 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
     if shared is not None and adapter_for(model).shared_down is None:
         raise ModelReferenceError(f"width manifest: shared expert widths for {model.config.model_type}, which has "
                                   "no shared expert")
-    if shared is not None and any((s == 0) != (f == 0) for s, f in zip(shared, manifest["ffn"], strict=True)):
+    has_shared = [adapter_for(model).at(layer).shared_down is not None for layer in layers(model)]
+    if shared is not None and any((s == 0) != (f == 0) for s, f, h in zip(shared, manifest["ffn"], has_shared,
+                                                                          strict=True) if h):
         raise ModelReferenceError(f"width manifest: a layer's shared expert and its FFN are removed together "
                                   f"(ffn {manifest['ffn']}, shared {shared})")
+    if shared is not None and any(s for s, h in zip(shared, has_shared, strict=True) if not h):
+        raise ModelReferenceError(f"width manifest: shared expert widths {shared} for layers without one (a dense "
+                                  "FFN's layers have 0)")
     for i in range(n):
         if heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
             remove_sublayer(model, i, ATTENTION)
@@ -562,12 +590,12 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             remove_sublayer(model, i, FFN)
         else:
             prune_ffn(model, i, range(manifest["ffn"][i]))
-            if shared is not None:
+            if shared is not None and has_shared[i]:
                 prune_shared_ffn(model, i, range(shared[i]))
     blocks, adapter = layers(model), adapter_for(model)
     for name in manifest.get("biases", []):
         index, _, path = str(name).partition(".")
-        if not index.isdigit() or int(index) >= n or path not in (adapter.o, adapter.down):
+        if not index.isdigit() or int(index) >= n or path not in (adapter.o, adapter.at(blocks[int(index)]).down):
             raise ModelReferenceError(f"width manifest: {name!r} is not an output projection of one of {n} layers")
         add_bias(projection(blocks[int(index)], path))
 

@@ -758,10 +758,10 @@ class _TransformerJob:
             self.say("output sensitivity: a backward pass of the dense model over the planning batches")
             self._sensitivity = output_sensitivity(self.dense, self.planning_batches(), device=self.request.device)
         sensitivity, units = self._sensitivity, self._units()
-        adapter = adapter_for(self.dense)
-        if adapter.shared_down is not None:  # a shared expert's width curve: its error joins its FFN's update
-            units |= {f"{block_path(self.dense, i)}.{adapter.shared_down}": (i, FFN)
-                      for i in range(dims(self.dense).layers)}
+        adapter, blocks = adapter_for(self.dense), layers(self.dense)
+        # a shared expert's width curve: its error joins its FFN's update (MoE layers only: a dense FFN has none)
+        units |= {f"{block_path(self.dense, i)}.{adapter.at(block).shared_down}": (i, FFN)
+                  for i, block in enumerate(blocks) if adapter.at(block).shared_down is not None}
 
         def convert(name: str, loss: float, against: str = "input") -> float:
             if name not in units:
@@ -819,11 +819,11 @@ class _TransformerJob:
         """Every depth unit's name -> (layer index, sub-layer kind, None for the whole layer)."""
         adapter = adapter_for(self.dense)
         units: dict[str, tuple[int, str | None]] = {}
-        for i in range(dims(self.dense).layers):
+        for i, block in enumerate(layers(self.dense)):
             path = block_path(self.dense, i)
             units[path] = (i, None)
             units[f"{path}.{adapter.o}"] = (i, ATTENTION)
-            units[f"{path}.{adapter.down}"] = (i, FFN)
+            units[f"{path}.{adapter.at(block).down}"] = (i, FFN)  # a MoE family's dense FFN: its own path
         return units
 
     def _unit_costs(self) -> dict[str, float]:
@@ -832,10 +832,11 @@ class _TransformerJob:
         costs = {}
         for name, (i, kind) in self._units().items():
             attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i)
-            ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], adapter.down))
-            if adapter.shared_down is not None:  # Qwen2-MoE's shared expert goes with its FFN
+            here = adapter.at(blocks[i])  # a MoE family's layer with a dense FFN: that FFN
+            ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], here.down))
+            if here.shared_down is not None:  # Qwen2-MoE's shared expert goes with its FFN
                 ffn += group_cost(self.dense, FFN, 1, index=i, shared=True) * in_features(
-                    projection(blocks[i], adapter.shared_down))
+                    projection(blocks[i], here.shared_down))
             sublayer = {ATTENTION: attention, FFN: ffn}
             costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
         return costs
@@ -867,8 +868,9 @@ class _TransformerJob:
         adapter = adapter_for(self.dense)
         if unknown:
             first, last = block_path(self.dense, 0), block_path(self.dense, dims(self.dense).layers - 1)
+            dense = f" (LAYER.{adapter.dense_down} where its FFN is dense)" if adapter.dense_down else ""
             raise InputError(f"no layer or sub-layer named {unknown} in this model (its layers: {first} ... {last}, "
-                             f"their sub-layers LAYER.{adapter.o} and LAYER.{adapter.down})")
+                             f"their sub-layers LAYER.{adapter.o} and LAYER.{adapter.down}{dense})")
         fixed = 0 if adapter.first_layer_fixed else None
         chosen = [units[name] for name in names]
         whole = {i for i, kind in chosen if kind is None}

@@ -456,7 +456,8 @@ def depth_section(report: Report) -> str:
         for o in depth["options"])
     tried = depth.get("tried") or []
     replanned = (f" The rounds tried {', then '.join(map(str, tried))} blocks removed: the rounds of a plan that all "
-                 "fell below the accuracy budget made the next plan by planned loss run." if len(tried) > 1 else "")
+                 "fell below the accuracy budget made the next plan by planned loss run, and those that stayed within "
+                 "it but short of the target the next that removes more." if len(tried) > 1 else "")
     trials = depth.get("trials") or []
     tie = ("" if not trials else f" Options planned within {depth['tie']:.0%} of each other were each solved without "
            "the fit and scored, the best first: " + "; ".join(

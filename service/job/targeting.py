@@ -718,8 +718,8 @@ def run_target(request: CompressRequest, job: ModelJob, measure: Measure, rounds
                     retime=measure.retime)
 
 
-# depth options a job tries after the planned one when every round misses the budget: each costs a round's
-# solves and fit (ResNet-56 at 2x on 2 CPU cores: ~17 minutes with 3,000 steps)
+# depth options a job tries after the planned one when every round misses the budget, or stays within it short of
+# the target: each costs a round's solves and fit (ResNet-56 at 2x on 2 CPU cores: ~17 minutes with 3,000 steps)
 MAX_REPLANS = 1
 
 
@@ -730,9 +730,10 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
     plan's blocks or layers; when every round of it lands below the accuracy budget, the next option by
     planned loss (another mix of depth and width, not only another amount; at most MAX_REPLANS of them)
     gets the rounds left, so the planned losses' ranking is corrected by a measurement before the job
-    gives up. Options planned within TIE of the least loss are first measured by trials (`_trials`), and
-    the best trial's option runs first, from the trial's widths. Rounds are numbered across the options
-    (`rounds` is the job's list, which `run_round` fills)."""
+    gives up; when every round stays within the budget but short of the target (the widths at their minimum), the
+    next option by planned loss that removes more (a faster depth speedup). Options planned within TIE of the least
+    loss are first measured by trials (`_trials`), and the best trial's option runs first, from the trial's widths.
+    Rounds are numbered across the options (`rounds` is the job's list, which `run_round` fills)."""
     rule = accuracy_rule(request, job.metric)
     trials = _trials(request, job, plan, curves, baseline_metric, say, enter, measure, version)
     by_option = {id(t.option): t for t in trials}
@@ -740,13 +741,14 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
     if trials:  # the best trial's option first
         order = [trials[0].option, *(o for o in order if o is not trials[0].option)]
     tried: list[DepthOption] = []
-    for option in order[: 1 + MAX_REPLANS]:
+    pending, why = list(order), ""
+    while pending and len(tried) <= MAX_REPLANS:
+        option = pending.pop(0)
         left = request.max_rounds - len(rounds)
         if left <= 0:
             break
         if tried:
-            say(f"depth: every round with {len(tried[-1].blocks)} blocks removed was below the accuracy budget; "
-                f"re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
+            say(f"depth: {why}; re-planning with {len(option.blocks)} blocks removed (planned loss {option.loss:.4f})")
         tried.append(option)
         # an option is reported tried once a round of it ran (a time budget can stop the job before its first)
         job.depth = plan.to_dict(tried if len(tried) == 1 else tried[:-1], trials)
@@ -781,10 +783,26 @@ def depth_and_width(request: CompressRequest, job: Any, plan: DepthPlan, curves:
         finally:
             if len(rounds) > start:
                 job.depth = plan.to_dict(tried, trials)
-        # backing off lowers the widths' speedup, never the depth's: a round within the budget ends the options, and
-        # without one the next option (other blocks, or fewer) is tried as without --back-off
-        if rule is None or any(rule.allows(baseline_metric, r.metric) for r in rounds):
+        mine = rounds[start:]
+        within = [r for r in mine if rule is None or rule.allows(baseline_metric, r.metric)]
+        if not mine:  # stopped before a round of it (its time budget)
             return
+        if not within:  # every round below the budget: the next option by planned loss (other blocks, or fewer)
+            why = f"every round with {len(option.blocks)} blocks removed was below the accuracy budget"
+            continue
+        # met within the budget; or the budget held the widths back (a round past it, then backing off: the depth's
+        # speedup is not what fell short, so a faster mix would not help)
+        if len(within) < len(mine) or any(r.latency.speedup >= MET * request.target_speedup for r in within):
+            return
+        # every round within the budget but short of the target where the widths stopped (their minimum, or what the
+        # rounds measured): the planned losses ranked first a mix the latency cannot reach; an option removing more
+        # goes next
+        pending = [o for o in pending if o.depth_speedup > option.depth_speedup]
+        best = max(r.latency.speedup for r in mine)
+        why = (f"the rounds with {len(option.blocks)} blocks removed reached {best:.3f}x, short of the "
+               f"{request.target_speedup:g}x target")
+        if not pending:
+            say(f"depth: {why}; no other option removes more")
 
 
 def _in_window(trial: Trial, request: CompressRequest) -> bool:

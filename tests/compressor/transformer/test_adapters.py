@@ -24,7 +24,7 @@ from compressor.transformer.surgery import (
 )
 from exporters.onnx import check_decode_parity, check_hf_parity, export_decode_step, export_hf_onnx
 
-from .transformer_models import HEADS_FIXED, LLAMA_SHAPED, MODELS, MOE_EXTRA, example_inputs, first_output
+from .transformer_models import HEADS_FIXED, LLAMA_SHAPED, MODELS, MOE_EXTRA, MOE_MIXED, example_inputs, first_output
 
 
 def _exports_and_decodes(pruned, tmp_path) -> None:
@@ -40,7 +40,7 @@ def _exports_and_decodes(pruned, tmp_path) -> None:
 
 def test_every_family_with_a_record_has_a_tiny_model_under_test():
     """A record without a model under test is a family nobody has run."""
-    tested = set(MODELS) | set(LLAMA_SHAPED) | set(HEADS_FIXED) | set(MOE_EXTRA)
+    tested = set(MODELS) | set(LLAMA_SHAPED) | set(HEADS_FIXED) | set(MOE_EXTRA) | set(MOE_MIXED)
     assert set(ADAPTERS) - tested <= {"roberta", "xlm-roberta", "gemma", "mistral"}
 
 

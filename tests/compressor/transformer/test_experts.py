@@ -30,9 +30,17 @@ from compressor.transformer.pipeline import group_cost, prune_transformer
 from compressor.transformer.surgery import prune_ffn
 from exporters.onnx import HFReference, ParityError, check_hf_outputs, export_hf_onnx, hf_reference
 
-from .transformer_models import MODELS, MOE_EXTRA, example_inputs, first_output, tiny_mixtral, tiny_qwen3_moe
+from .transformer_models import (
+    MODELS,
+    MOE_EXTRA,
+    MOE_MIXED,
+    example_inputs,
+    first_output,
+    tiny_mixtral,
+    tiny_qwen3_moe,
+)
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "gpt_oss")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "gpt_oss", "olmoe", "flex_olmo", "glm4_moe")
 MODELS = {**MODELS, **MOE_EXTRA}
 
 
@@ -144,7 +152,8 @@ def test_the_export_runs_each_moe_layer_as_one_onnx_runtime_moe_node(name, tmp_p
     assert {a.i for n in nodes for a in n.attribute if a.name == "normalize_routing_weights"} == {1}
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     # renormalised top-k (Mixtral, gpt-oss) and the sparse mixer need none
-    assert ops.count("TopK") == (0 if name in ("mixtral", "phimoe", "gpt_oss") else 2)
+    # GLM-4.5's router picks by its own forward (its groups' top-2, the best group, the top-k within it): three a layer
+    assert ops.count("TopK") == {"mixtral": 0, "phimoe": 0, "gpt_oss": 0, "glm4_moe": 6}.get(name, 2)
     feed = example_inputs(model, batch=3, length=17, seed=3)
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
         None, {k: v.numpy() for k, v in feed.items()})[0]
@@ -194,13 +203,14 @@ def test_the_operator_the_export_traces_equals_the_blocks_forward(name):
         torch.testing.assert_close(first_output(model, feed), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe", "glm4_moe"])
 def test_a_router_near_a_tie_leaves_its_tokens_unsettled(name):
     """A zero router gives every expert the same logit at every token: which k experts a token visits is then down to
     rounding (ONNX Runtime's may differ from PyTorch's); a random one decides clearly."""
     model = MODELS[name]()
     with torch.no_grad():
         router_of(layers(model)[0].mlp).weight.zero_()
+        getattr(router_of(layers(model)[0].mlp), "e_score_correction_bias", torch.empty(0)).zero_()
     feed = example_inputs(model, batch=2, length=9)
     with routing_settled(model) as found:
         first_output(model, feed)
@@ -635,3 +645,171 @@ def test_gpt_oss_is_pruned_exported_decoded_and_reloaded(tmp_path):
     assert isinstance(layers(shallow)[1].mlp, RemovedSublayer) and layers(shallow)[1].mlp.pair
     path = export_hf_onnx(shallow, example, tmp_path / "shallow.onnx", output_name="logits", max_length=32)
     assert check_hf_outputs(path, example, hf_reference(shallow, example, "logits")).max_abs_error < 1e-4
+
+
+@pytest.mark.parametrize("name", ["olmoe", "flex_olmo"])
+def test_olmoe_and_flex_olmo_keep_their_attentions_and_prune_their_experts(name, tmp_path):
+    """OLMoE and FlexOLMo normalise all heads' queries (keys) together: the heads stay whole (said once), the experts
+    are pruned; a layer goes whole; the ONNX graphs (prefill, decode step, bf16 read in float32) match PyTorch and
+    uniform widths go to a config transformers loads alone."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import adapter_for, check_config
+    from compressor.transformer.surgery import prune_heads, query_heads, remove_layers
+
+    model = MOE_EXTRA[name]()
+    assert not adapter_for(model).heads_prunable and adapter_for(model).experts
+    check_config({**model.config.to_dict(), "model_type": name}, name)
+    with pytest.raises(UnsupportedArchitecture, match="heads are not a prunable unit"):
+        prune_heads(model, 0, [0])
+    seen = []
+    pruned, reports = prune_transformer(model, [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)],
+                                        0.5, progress=seen.append)
+    assert [(r.name, r.width_after) for r in reports] == [(f"model.layers.{i}.mlp.experts", 16) for i in (0, 1)]
+    assert [p for p in seen if p.stage == WARNING and "its attentions stay whole" in p.message]
+    assert [query_heads(pruned, i) for i in (0, 1)] == [4, 4]
+    assert save_standard(pruned, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["intermediate_size"] == 16
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+    remove_layers(pruned, [0])
+    _exports_decodes_and_reads_half(pruned, tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="SwiGLU"):
+        check_config({**model.config.to_dict(), "model_type": name, "hidden_act": "gelu"}, name)
+
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MIXED))
+def test_a_dense_ffn_layer_between_moe_layers_is_pruned_exported_removed_and_reloaded(name, tmp_path):
+    """A MoE family's dense-FFN layer is pruned as a dense family's FFN (`FamilyAdapter.at`: its paths, one neuron's
+    cost), beside the experts of the others; the ONNX graphs match PyTorch; a removed layer restates which layers are
+    dense (first_k_dense_replace, mlp_only_layers, mlp_layer_types), and uniform widths go to both width keys of a
+    config transformers loads alone (an ungated shared expert's width, n_shared_experts x moe_intermediate_size, is no
+    key of its own: the manifest)."""
+    from compressor.errors import ModelReferenceError
+    from compressor.transformer.adapters import adapter_for, check_config, dense_ffn_layers
+    from compressor.transformer.pipeline import resize_transformer
+    from compressor.transformer.surgery import apply_widths, load_pruned, remove_layers, widths
+
+    build, dense = MOE_MIXED[name]
+    model = build()
+    check_config({**model.config.to_dict(), "model_type": name}, name)
+    assert dense_ffn_layers(model.config) == [i == dense for i in range(3)]
+    adapter = adapter_for(model)
+    here = adapter.at(layers(model)[dense])
+    assert (here.down, here.experts, here.shared_down) == ("mlp.down_proj", False, None)
+    assert adapter.at(layers(model)[2]) is adapter
+    # a dense neuron: its gate, up and down rows at every token; an expert's: at each of the token's 2 experts
+    assert group_cost(model, "ffn_neurons", 1, index=dense) == 32 * 3
+    assert group_cost(model, "ffn_neurons", 1, index=2) == 32 * 3 * 2
+
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25)
+    ffn = {r.name: r.width_after for r in reports if r.kind == "ffn_neurons"}
+    assert ffn[f"model.layers.{dense}.mlp.down_proj"] == 15 and ffn["model.layers.2.mlp.experts"] == 16
+    assert widths(pruned)["ffn"][dense] == 15
+    _exports_decodes_and_reads_half(pruned, tmp_path)
+
+    shared = adapter.shared_down
+    plan = {**{f"model.layers.{i}.self_attn.o_proj": 4 for i in range(3)},
+            **{f"model.layers.{i}.mlp.experts": 8 for i in range(3) if i != dense},
+            **{f"model.layers.{i}.{shared}": 8 for i in range(3) if i != dense and shared},
+            f"model.layers.{dense}.mlp.down_proj": 12}
+    resized = resize_transformer(model, plan)
+    assert widths(resized)["ffn"] == [12 if i == dense else 8 for i in range(3)]
+    remove_layers(resized, [2 if dense == 0 else 0])  # a MoE layer: the dense one is then the first
+    assert dense_ffn_layers(resized.config) == [True, False]
+    restated = {"glm4_moe": ("first_k_dense_replace", 1), "dots1": ("first_k_dense_replace", 1),
+                "deepseek_v3": ("first_k_dense_replace", 1), "qwen3_moe": ("mlp_only_layers", [0]),
+                "exaone_moe": ("mlp_layer_types", ["dense", "sparse"]),
+                "glm4_moe_lite": ("mlp_layer_types", ["dense", "sparse"])}[name]
+    assert getattr(resized.config, restated[0]) == restated[1]
+    if shared:
+        assert widths(resized)["shared"] == [0, 8]  # a dense FFN's layer has no shared expert
+        assert not save_standard(resized, tmp_path / "saved")
+        reloaded = load_pruned(tmp_path / "saved")
+        with pytest.raises(ModelReferenceError, match="for layers without one"):
+            apply_widths(build(), {"heads": [4] * 3, "ffn": [20, 16, 16], "shared": [8 * (i != dense) + 8 for i in
+                                                                                     range(3)]})
+    else:
+        assert save_standard(resized, tmp_path / "saved")
+        config = json.loads((tmp_path / "saved" / "config.json").read_text())
+        assert (config["intermediate_size"], config["moe_intermediate_size"], config["mlp_only_layers"]) == (12, 8, [0])
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(resized))
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_latent_attention_heads_keep_their_query_and_key_value_rows_and_leave_the_cache_whole(q_lora_rank, tmp_path):
+    """A multi-head latent attention head (DeepSeek-V3's) is its query rows (q_b_proj's, or q_proj's without a query
+    latent: 8 + 4 a head), its key / value rows of kv_b_proj (8 + 8 a head) and its output projection's inputs (8 a
+    head): keeping heads 0 and 2 gives the dense model with heads 1 and 3's outputs zeroed; the latent the cache holds
+    keeps its width; the pruned model exports, decodes and reloads."""
+    import copy
+
+    from compressor.transformer.adapters import dims
+    from compressor.transformer.surgery import load_pruned, prune_heads, query_heads, save_pruned
+    from exporters.onnx import _past_of
+
+    from .transformer_models import tiny_latent
+
+    model = tiny_latent(layers=2, q_lora_rank=q_lora_rank)
+    d = dims(model)
+    assert (d.heads, d.kv_heads, d.head_dim) == (4, 4, 8)
+    attention = layers(model)[1].self_attn
+    query = attention.q_b_proj if q_lora_rank else attention.q_proj
+    q, kv, o = (p.weight.detach().clone() for p in (query, attention.kv_b_proj, attention.o_proj))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.model.layers[1].self_attn.o_proj.weight[:, 8:16] = 0  # head 1's output
+        reference.model.layers[1].self_attn.o_proj.weight[:, 24:32] = 0  # head 3's
+    prune_heads(model, 1, [0, 2])
+    assert query_heads(model, 1) == 2 and query_heads(model, 0) == 4
+    torch.testing.assert_close(query.weight, torch.cat([q[0:12], q[24:36]]))
+    torch.testing.assert_close(attention.kv_b_proj.weight, torch.cat([kv[0:16], kv[32:48]]))
+    torch.testing.assert_close(attention.o_proj.weight, torch.cat([o[:, 0:8], o[:, 16:24]], 1))
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-6)
+    ids = example_inputs(model)["input_ids"]
+    assert [tuple(t.shape) for t in _past_of(model, ids)[2:]] == [(2, 1, 9, 16), (2, 1, 9, 4)]  # the latent, whole
+    # a head's rows: q from the 24-wide query latent (or the 32-wide stream), kv_b from the 16-wide latent, o's
+    # inputs; and its scores and values over 10 keys
+    query_inputs = q_lora_rank or 32
+    assert group_cost(model, "attention_heads", 10) == query_inputs * 12 + 16 * 16 + 8 * 32 + 10 * (12 + 8)
+    _exports_decodes_and_reads_half(model, tmp_path)
+    save_pruned(model, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(model))
+
+
+def test_grouped_routing_configs_its_router_cannot_run_are_refused_naming_the_values():
+    """n_group must split the experts into equal groups of 2 at least (the router sums each group's top 2),
+    topk_group must be a count of groups, and a token's experts must fit in its chosen groups; a Qwen-MoE without
+    routed experts (num_experts 0, which config.json holds as num_local_experts) is a dense model."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import check_config
+
+    from .transformer_models import tiny_glm4_moe
+
+    base = {**tiny_glm4_moe().config.to_dict(), "model_type": "glm4_moe"}
+    check_config(base, "m")
+    for change, message in [({"n_group": 3}, "8 experts in n_group 3"), ({"n_group": 8}, "8 experts in n_group 8"),
+                            ({"topk_group": 3}, "topk_group 3 of n_group 2"),
+                            ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds the 4 experts"),
+                            ({"hidden_act": "gelu"}, "hidden_act 'gelu'")]:
+        with pytest.raises(UnsupportedArchitecture, match=f"m: glm4_moe \\(grouped routing\\): {message}"):
+            check_config({**base, **change}, "m")
+    qwen = {**tiny_qwen3_moe().config.to_dict(), "model_type": "qwen3_moe"}
+    assert "num_local_experts" in qwen
+    with pytest.raises(UnsupportedArchitecture, match="num_experts 0 every layer is a dense FFN"):
+        check_config({**qwen, "num_local_experts": 0}, "m")
+
+
+def test_a_half_precision_export_keeps_a_grouped_router_in_float32():
+    """transformers keeps GLM-4.5's router weight and correction bias in float32 in a half model: a float16 export
+    rounding the bias would route otherwise than the model."""
+    from exporters.onnx import Float16
+
+    from .transformer_models import tiny_glm4_moe
+
+    half = Float16(tiny_glm4_moe())
+    gate = layers(half.model)[0].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert layers(half.model)[0].mlp.experts.down_proj.dtype == torch.float16

@@ -165,9 +165,87 @@ def tiny_gpt_oss():
     return model
 
 
+def tiny_olmoe():
+    """OLMoE: 4 experts of 20 neurons, 2 a token, weights not renormalised; q/k norms over all the heads together
+    (heads stay whole), clipped q/k/v."""
+    return _decoder("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2, clip_qkv=0.5)
+
+
+def tiny_flex_olmo():
+    """FlexOLMo: OLMoE's experts and q/k norms in OLMo 2's layout (a norm after each sub-layer, none before)."""
+    return _decoder("FlexOlmoForCausalLM", "FlexOlmoConfig", num_experts=4, num_experts_per_tok=2)
+
+
+def tiny_glm4_moe(dense_layers: int = 0, layers: int = 2):
+    """GLM-4.5: 8 experts of 16 neurons in 2 groups, 2 a token from the better group by sigmoid scores plus a
+    correction bias (drawn: it initialises to 0), weights renormalised and scaled by 2.5; an ungated shared expert of
+    16 neurons; per-head q/k norms, partial rotary; `dense_layers` first layers with a dense FFN of 20 neurons."""
+    model = _decoder("Glm4MoeForCausalLM", "Glm4MoeConfig", num_hidden_layers=layers, n_routed_experts=8,
+                     num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=dense_layers,
+                     moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     use_qk_norm=True, partial_rotary_factor=0.5)
+    return _draw_correction_bias(model)
+
+
+def _draw_correction_bias(model):
+    """`model` with each grouped router's correction bias drawn (transformers initialises it to 0; a trained one is
+    not): small, so that the sigmoid scores still decide."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.01)
+    return model
+
+
+def _grouped(cls: str, config: str, layers: int = 3, **fields):
+    """`tiny_glm4_moe`'s experts, router and shared expert under another family's names (8 experts of 16 neurons in 2
+    groups, 2 a token; the correction bias drawn)."""
+    model = _decoder(cls, config, num_hidden_layers=layers, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     moe_intermediate_size=16, routed_scaling_factor=2.5, norm_topk_prob=True, **fields)
+    return _draw_correction_bias(model)
+
+
+def tiny_latent(cls: str = "DeepseekV3ForCausalLM", config: str = "DeepseekV3Config", layers: int = 3,
+                q_lora_rank: int | None = 24, **fields):
+    """Multi-head latent attention (DeepSeek-V3's): 4 heads, each 8 + 4 query / key rows (no rotary / rotary) and 8
+    value rows expanded from a shared 16-wide latent (what the cache holds) beside a 4-wide shared rotary key; queries
+    through a 24-wide latent (`q_lora_rank`, or a plain q_proj with None); GLM-4.5's experts, router and shared expert,
+    the first layer a dense FFN of 20 neurons. Built without `_decoder`: a head_dim in the config would size the
+    rotary tables for it instead of qk_rope_head_dim."""
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, config)(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=20, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **fields)).eval()
+    return _draw_correction_bias(model)
+
+
+# MoE decoders of 3 layers with one dense-FFN layer (20 neurons) between or before their MoE layers, and its index:
+# GLM-4.5's, dots.llm1's and DeepSeek-V3's first layer (first_k_dense_replace), GLM-4.7-Flash's (mlp_layer_types),
+# Qwen3-MoE's (mlp_only_layers) and EXAONE-MoE's (mlp_layer_types) middle one; `test_experts.py` takes each through
+# pruning, export, layer removal and reload
+MOE_MIXED = {
+    "glm4_moe": (lambda: tiny_glm4_moe(dense_layers=1, layers=3), 0),
+    "dots1": (lambda: _grouped("Dots1ForCausalLM", "Dots1Config", n_routed_experts=8, n_shared_experts=1,
+                               first_k_dense_replace=1), 0),
+    "exaone_moe": (lambda: _grouped("ExaoneMoeForCausalLM", "ExaoneMoeConfig", num_experts=8, num_shared_experts=1,
+                                    mlp_layer_types=["sparse", "dense", "sparse"], sliding_window=4,
+                                    sliding_window_pattern=2), 1),
+    "qwen3_moe": (lambda: _decoder("Qwen3MoeForCausalLM", "Qwen3MoeConfig", num_hidden_layers=3, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1]), 1),
+    # DeepSeek-V3's and GLM-4.7-Flash's multi-head latent attention over GLM-4.5's FFNs
+    "deepseek_v3": (lambda: tiny_latent(first_k_dense_replace=1), 0),
+    "glm4_moe_lite": (lambda: tiny_latent("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig"), 0),
+}
+
+
 # Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and an
 # end-to-end test of its own
-MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss}
+MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss, "olmoe": tiny_olmoe, "flex_olmo": tiny_flex_olmo,
+             "glm4_moe": tiny_glm4_moe}
 
 
 def _decoder(cls: str, config: str, **fields):

@@ -722,26 +722,13 @@ def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned(back_off):
     """Every round with no block removed lands below the default top-1 budget: the next option by planned
     loss (one block removed) gets the rounds left, and its round is the one within the budget. With --back-off
     too: backing off narrows less, and where no round of an option gets within the budget the next one is tried."""
-    from types import SimpleNamespace
 
     from compressor.allocation import DepthOption
     from service.job.targeting import DepthPlan, Measure, Round, depth_and_width
 
     curves = [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.1, 0.5], cost=1.0) for i in range(3)]
 
-    class Job:
-        metric = Metric("top1", True)
-        depth = None
-
-        def __init__(self):
-            self.removed, self.analysis = [], None
-
-        def remove(self, blocks):
-            self.removed.append(tuple(blocks))
-            self.analysis = SimpleNamespace(units=[SimpleNamespace(name=c.name) for c in curves
-                                                   if not any(c.name.startswith(f"{b}.") for b in blocks)])
-
-    job, rounds, lines = Job(), [], []
+    job, rounds, lines = TrialJob(curves), [], []
 
     def run_round(plan, index, predicted=None):
         assert index == len(rounds)  # numbered across the options
@@ -762,8 +749,41 @@ def test_a_depth_option_whose_rounds_all_miss_the_budget_is_replanned(back_off):
     assert len(rounds) == 2 and rounds[0].metric == 0.5
     assert job.depth["tried"] == [0, 1] and job.depth["planned"] == []
     assert any("re-planning with 1 blocks removed" in line for line in lines)
-    chosen, status = choose(request, rounds, Job.metric, 0.92)
+    chosen, status = choose(request, rounds, TrialJob.metric, 0.92)
     assert chosen is rounds[1] and status == "ok"
+
+
+def test_a_depth_option_whose_rounds_stay_short_of_the_target_is_replanned_to_one_removing_more():
+    """Every round with no block removed is within the budget but the widths stop at 1.2x of a 1.5x target (their
+    minimum): the next option by planned loss that removes more (modelled faster: two blocks, not the one-block
+    option planned next) gets the rounds left, and its round meets the target."""
+
+    from compressor.allocation import DepthOption
+    from service.job.targeting import DepthPlan, Measure, Round, depth_and_width
+
+    curves = [LayerCurve(f"b{i}.conv", "conv_channels", [8, 4, 2], [0.0, 0.01, 0.02], cost=1.0) for i in range(3)]
+
+    job, rounds, lines = TrialJob(curves), [], []
+
+    def run_round(plan, index, predicted=None):
+        speedup = 1.55 if len(job.removed[-1]) == 2 else 1.2
+        latency = Latency(100.0, 100 / speedup, 101.0, 101 / speedup, speedup, "cpu", 2, "test", 5)
+        rounds.append(Round(plan, None, [], None, None, latency, 0.9, predicted))
+        return rounds[-1]
+
+    none = DepthOption((), 0.0, 1.0, 0.3, 0.2)
+    same = DepthOption(("b1",), 0.05, 1.0, 0.3, 0.25)  # planned next, but no faster than the one that fell short
+    two = DepthOption(("b0", "b1"), 0.1, 1.6, 0.0, 0.3, measured=True)
+    plan = DepthPlan(none, [none, same, two], aim=1.5, share=0.85)
+    request = CompressRequest(model="m", calibration="c", out_dir="o", target_speedup=1.5, latency_probes=0)
+    depth_and_width(request, job, plan, curves, rounds, 0.92, lines.append, lambda name, i: None,
+                    Measure(run_round, lambda p, i: None, lambda m, i: None), "test")
+    assert job.removed[0] == () and job.removed[-1] == ("b0", "b1") and ("b1",) not in job.removed
+    assert rounds[-1].latency.speedup == 1.55 and job.depth["tried"] == [0, 2]
+    assert any("reached 1.200x, short of the 1.5x target; re-planning with 2 blocks removed" in str(line)
+               for line in lines)
+    chosen, status = choose(request, rounds, TrialJob.metric, 0.92)
+    assert chosen is rounds[-1] and status == "ok"
 
 
 def test_a_replanned_option_that_was_only_modelled_is_measured_before_its_rounds():
