@@ -408,11 +408,12 @@ class Float16(torch.nn.Module):
         for name, buffer in self.model.named_buffers():
             if name.rsplit(".", 1)[-1] in FLOAT32_BUFFERS and kept[name].dtype == torch.float32:
                 buffer.data = kept[name].detach().clone()
-        # a grouped sigmoid router (GLM-4.5's) is kept in float32 as transformers keeps it in a half model: its
-        # correction bias rounded to float16 would pick other experts than the model does
-        for module in self.model.modules():
+        # a grouped sigmoid router (GLM-4.5's) is kept in float32 as transformers keeps it in a half model, with the
+        # model's own values: its correction bias rounded to float16 would pick other experts than the model does
+        originals = dict(model.named_modules())
+        for name, module in self.model.named_modules():
             if routes_itself(module):
-                module.float()
+                module.float().load_state_dict(originals[name].state_dict())
         if hasattr(model, "config"):
             self.config = model.config
 

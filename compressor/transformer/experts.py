@@ -296,7 +296,9 @@ def _as_operator(block: nn.Module, hidden_states: Tensor, pair: bool = False) ->
         weights = weights.float()
         # (tokens, 1): the weights' sum, by which the output is scaled back (floored as the router floors its own)
         scale = weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        picked = torch.full((x.shape[0], router.weight.shape[0]), -1e9, dtype=torch.float32, device=x.device)
+        # the other experts at the dtype's lowest finite value (no infinity in the graph, none where it is float16)
+        low = torch.finfo(x.dtype).min
+        picked = torch.full((x.shape[0], router.weight.shape[0]), low, dtype=torch.float32, device=x.device)
         logits = picked.scatter(-1, index, torch.log(weights / scale)).to(x.dtype)  # (tokens, experts)
     else:
         logits = router_logits(router, x)  # (tokens, experts)

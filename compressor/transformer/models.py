@@ -212,7 +212,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     if (kept, kv_heads) != (heads_before, kv_before):
         if not adapter.config_head_dim:
             return None
-        out["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads_before)
+        if not adapter.latent_attention:  # its head sizes are keys of their own (head_dim: the rotary part's)
+            out["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads_before)
         out[adapter.heads_key] = kept
         out[adapter.kv_heads_key] = kv_heads
     try:  # what transformers itself accepts: Llama's config still wants hidden_size % heads == 0

@@ -411,6 +411,17 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     return share * float(hidden * (1 + adapter.up_matrices))
 
 
+def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
+    """Multiply-adds per token of block `index`'s attention that no head owns, which only its removal saves:
+    multi-head latent attention's down-projections into the query latent and the shared key / value latent with its
+    rotary key (`FamilyAdapter.latent_attention`); 0 elsewhere."""
+    if not adapter_for(model).latent_attention:
+        return 0.0
+    c = model.config
+    hidden = block_hidden(model, index)
+    return float(hidden * ((c.q_lora_rank or 0) + int(c.kv_lora_rank) + int(c.qk_rope_head_dim)))
+
+
 def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
     """Refuse a plan that narrows an attention whose heads are not a prunable unit (`FamilyAdapter.heads_prunable`:
     OLMo 2's), naming every such layer, instead of returning another structure than the one asked for."""

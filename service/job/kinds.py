@@ -71,6 +71,7 @@ from compressor.transformer.offload import STREAM_SHARE, TOKENIZER_FILES, Stream
 from compressor.transformer.pipeline import (
     ADDS_BIAS,
     UNCOMPENSATED,
+    attention_fixed_cost,
     group_cost,
     prune_blocks,
     prune_transformer,
@@ -831,7 +832,8 @@ class _TransformerJob:
         adapter, blocks = adapter_for(self.dense), layers(self.dense)
         costs = {}
         for name, (i, kind) in self._units().items():
-            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i)
+            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i) \
+                + attention_fixed_cost(self.dense, i)  # latent attention's shared projections
             here = adapter.at(blocks[i])  # a MoE family's layer with a dense FFN: that FFN
             ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], here.down))
             if here.shared_down is not None:  # Qwen2-MoE's shared expert goes with its FFN

@@ -69,7 +69,7 @@ def test_a_linked_input_keeps_the_name_it_was_given_and_the_target_that_was_chec
 
 @pytest.mark.parametrize("config, refusal", [
     ({"model_type": "opt", "do_layer_norm_before": False}, "UNSUPPORTED_ARCHITECTURE"),
-    ({"model_type": "qwen2_moe", "mlp_only_layers": [0]}, "UNSUPPORTED_ARCHITECTURE"),  # dense FFN layers between
+    ({"model_type": "qwen2_moe", "num_experts": 0}, "UNSUPPORTED_ARCHITECTURE"),  # no routed experts: a dense model
     ({"model_type": "opt"}, "safetensors"),  # pre-norm OPT passes the architecture check
     ({"model_type": "resnet", "num_channels": 3}, "safetensors"),  # an image model: pruned as a conv graph
     ([1, 2], "not a JSON object"),

@@ -40,7 +40,7 @@ def data(tmp_path_factory) -> Path:
     (root / "weights.pth").write_bytes(b"not a model")
     (root / "no-config").mkdir()
     (root / "qwen2_moe").mkdir()
-    (root / "qwen2_moe" / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "mlp_only_layers": [0]}))
+    (root / "qwen2_moe" / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 0}))
     return root
 
 
