@@ -4,7 +4,8 @@ The dynamo exporter cannot trace transformers' experts loop (which experts a bat
 export runs each sparse MoE block as one custom torch operator (`experts_as_operator`) and translates that
 operator here into the MoE contrib node: router logits in; softmax, top-k and the renormalisation of the top-k
 weights inside (a router without it, Qwen3-MoE's `norm_topk_prob` off, scales the node's output back; Phi-3.5-MoE's
-sparse mixer is computed before the node, which then finds its two picks again); SwiGLU
+sparse mixer is computed before the node, which then finds its two picks again, and so is a grouped sigmoid router's
+choice, GLM-4.5's, by its own forward before the operator: `experts._as_operator`); SwiGLU
 experts whose fc1 weights interleave gate and up rows (the CPU kernel takes only `swiglu_fusion=1`), fc2 the down
 projections, with their biases and gpt-oss's clamped SwiGLU (`swiglu_limit`, alpha 1.702, beta 1) where the experts have
 them. onnxscript ships no schema for the contrib op, so it is declared here with the inputs and attributes

@@ -4,15 +4,16 @@ transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-M
 `gate_up_proj` (experts, 2 x width, hidden), each expert's rows laid out [gate | up], and `down_proj`
 (experts, hidden, width); gpt-oss stores them transposed, gate and up columns interleaved, with biases and a clamped
 SwiGLU (`INTERLEAVED_EXPERTS`). Its router (`mlp.gate`; Phi-3.5-MoE's and gpt-oss's `mlp.router`) gives each token its
-top-k experts and their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`).
+top-k experts and their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`; GLM-4.5's and DeepSeek-V3's:
+by sigmoid scores within the best groups of experts, `routes_itself`).
 Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
 3-D layout and ONNX Runtime's MoE operator (one node per layer: `moe_op`, `experts_as_operator`) take one width.
-Qwen2-MoE's shared expert (every token, scaled by its own sigmoid gate) is a dense FFN beside them, whose neurons
-the pipeline prunes as a unit of their own (`FamilyAdapter.shared_down`). Where a router's
-k-th and (k+1)-th experts are a near tie, rounding may route a token otherwise in ONNX Runtime than in PyTorch: the
-parity check knows those tokens (`routing_settled`).
+Qwen2-MoE's shared expert (every token, scaled by its own sigmoid gate; GLM-4.5's `shared_experts`, ungated) is a dense
+FFN beside them, whose neurons the pipeline prunes as a unit of their own (`FamilyAdapter.shared_down`). Where a
+router's k-th and (k+1)-th experts are a near tie, rounding may route a token otherwise in ONNX Runtime than in
+PyTorch: the parity check knows those tokens (`routing_settled`).
 """
 
 from __future__ import annotations
