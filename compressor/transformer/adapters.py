@@ -394,6 +394,7 @@ _QWEN_MOE = (lambda c: _not_silu(c) or not _experts_count(c.get),
              "layer is a dense FFN: set model_type and architectures in its config.json to qwen2 / qwen3 to prune it "
              "as those")
 
+
 def _grouping_error(c: dict) -> str | None:
     """Why a grouped-routing config (GLM-4.5, dots.llm1, EXAONE-MoE) is refused, or None."""
     family = f"{c.get('model_type')} (grouped routing)"
@@ -610,6 +611,13 @@ def dims(model: nn.Module) -> TransformerDims:
     if adapter.latent_attention:  # each head's keys and values its own; the output projection's inputs a head
         kv_heads, head_dim = heads, int(config.v_head_dim)
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def adapter_at(model: nn.Module, index: int) -> FamilyAdapter:
+    """`adapter_for(model)` as it applies to block `index` (`FamilyAdapter.at`); the block is looked up only where the
+    family has dense-FFN layers (`layers` builds a new list for a family in stages)."""
+    adapter = adapter_for(model)
+    return adapter if adapter.dense_down is None else adapter.at(layers(model)[index])
 
 
 def block_hidden(model: nn.Module, index: int) -> int:

@@ -59,6 +59,7 @@ from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import (
     FIXED_HEADS,
     FamilyAdapter,
+    adapter_at,
     adapter_for,
     block_hidden,
     block_lists,
@@ -390,7 +391,7 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at a wider
     stream. `shared`: one neuron of a MoE layer's shared expert (`FamilyAdapter.shared_down`), which every token
     visits."""
-    adapter, d = adapter_for(model).at(layers(model)[index]), dims(model)  # a MoE family's dense layer: its own FFN
+    adapter, d = adapter_at(model, index), dims(model)  # a MoE family's dense layer: its own FFN
     hidden = block_hidden(model, index)
     share = adapter.stage_tokens ** stage_of(model, index)[0]
     if kind == "attention_heads" and adapter.latent_attention:  # a head's query, key / value and output rows

@@ -761,8 +761,8 @@ class _TransformerJob:
         sensitivity, units = self._sensitivity, self._units()
         adapter, blocks = adapter_for(self.dense), layers(self.dense)
         # a shared expert's width curve: its error joins its FFN's update (MoE layers only: a dense FFN has none)
-        units |= {f"{block_path(self.dense, i)}.{adapter.at(block).shared_down}": (i, FFN)
-                  for i, block in enumerate(blocks) if adapter.at(block).shared_down is not None}
+        units |= {f"{block_path(self.dense, i)}.{shared}": (i, FFN)
+                  for i, block in enumerate(blocks) if (shared := adapter.at(block).shared_down) is not None}
 
         def convert(name: str, loss: float, against: str = "input") -> float:
             if name not in units:
