@@ -225,8 +225,8 @@ def tiny_latent(cls: str = "DeepseekV3ForCausalLM", config: str = "DeepseekV3Con
 
 # MoE decoders of 3 layers with one dense-FFN layer (20 neurons) between or before their MoE layers, and its index:
 # GLM-4.5's, dots.llm1's and DeepSeek-V3's first layer (first_k_dense_replace), GLM-4.7-Flash's (mlp_layer_types),
-# Qwen3-MoE's (mlp_only_layers) and EXAONE-MoE's (mlp_layer_types) middle one; `test_experts.py` takes each through
-# pruning, export, layer removal and reload
+# Qwen3-MoE's (mlp_only_layers) and EXAONE-MoE's (mlp_layer_types) middle one; `test_expert_families.py` takes each
+# through pruning, export, layer removal and reload
 MOE_MIXED = {
     "glm4_moe": (lambda: tiny_glm4_moe(dense_layers=1, layers=3), 0),
     "dots1": (lambda: _grouped("Dots1ForCausalLM", "Dots1Config", n_routed_experts=8, n_shared_experts=1,
