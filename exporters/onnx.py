@@ -153,6 +153,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     _mark_eval(module)
     with torch.no_grad(), _kept_tensor_attributes(module), exact_constant_rules(), contextlib.ExitStack() as stack:
         try:
+            stack.enter_context(_real_rotary(module))
             if stack.enter_context(experts_as_operator(module)):  # MoE layers as ONNX Runtime's MoE node
                 options = {**options, "custom_translation_table": translation_table()}
             program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
@@ -170,6 +171,59 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     finally:
         _drop_constants(program.model.graph)
     return path
+
+
+# rotary embeddings computed in complex numbers (torch.polar, view_as_complex), by class name: the ONNX exporter
+# translates no complex-valued tensor, so the export rotates with their real and imaginary parts (`_real_rotary`)
+COMPLEX_ROTARY = ("DeepseekV2RotaryEmbedding",)
+
+
+def _real_tables(rotary: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """A complex rotary embedding's tables as (cos, sin) pairs: (batch, length, rotary dim / 2, 2)."""
+    freqs = position_ids[..., None].float() * rotary.inv_freq.to(device=x.device, dtype=torch.float)
+    return torch.stack([freqs.cos(), freqs.sin()], -1) * rotary.attention_scaling
+
+
+def _rotated_real(complex_rotate: Any, xq: torch.Tensor, xk: torch.Tensor,
+                  tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What DeepSeek-V2's `apply_rotary_emb` computes (each pair of a head's rotary dims a complex number times
+    cos + i sin) in real arithmetic, from `_real_tables`' (batch, length, dim / 2, 2); complex tables (a model
+    outside the export) go to the model's own function."""
+    if tables.is_complex():
+        return complex_rotate(xq, xk, tables)
+    cos, sin = tables[..., 0].unsqueeze(1), tables[..., 1].unsqueeze(1)  # (batch, 1, length, dim / 2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (batch, heads, length, dim / 2, 2): real, imaginary
+        real, imag = pairs[..., 0], pairs[..., 1]
+        return torch.stack([real * cos - imag * sin, real * sin + imag * cos], -1).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+@contextlib.contextmanager
+def _real_rotary(model: torch.nn.Module) -> Iterator[None]:
+    """Within it, `model`'s complex rotary embeddings (`COMPLEX_ROTARY`) give real (cos, sin) tables and their
+    modeling module rotates with them; complex tables still rotate as before, so another model of the family
+    running meanwhile is unchanged."""
+    import functools
+    import sys
+
+    found = [m for m in model.modules() if type(m).__name__ in COMPLEX_ROTARY]
+    if not found:
+        yield
+        return
+    modeling = sys.modules[type(found[0]).__module__]
+    original = modeling.apply_rotary_emb
+    modeling.apply_rotary_emb = functools.partial(_rotated_real, original)
+    for rotary in found:
+        rotary.forward = functools.partial(_real_tables, rotary)
+    try:
+        yield
+    finally:
+        modeling.apply_rotary_emb = original
+        for rotary in found:
+            rotary.__dict__.pop("forward", None)
 
 
 @contextlib.contextmanager

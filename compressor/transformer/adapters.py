@@ -107,6 +107,11 @@ class FamilyAdapter:
     # parameters of the attention holding one entry per head on their last axis (Swin's relative-position bias table,
     # gpt-oss's sinks), kept with the heads
     head_columns: tuple[str, ...] = ()
+    # per-head norms of the attention, kept with their heads where the block has them: a parameter with one row per
+    # query head on its first axis (Command R+'s q_norm weight, (heads, head_dim)) or a ModuleList of one module per
+    # head (StableLM 2's q_layernorm.norms); `kv_head_rows` the same per KV head (their k norms)
+    head_rows: tuple[str, ...] = ()
+    kv_head_rows: tuple[str, ...] = ()
     # whether a layer can be removed whole: no where the blocks differ by their place in a stage (Swin shifts
     # every other block's windows), which a model rebuilt from its config with fewer blocks would misplace
     whole_layers: bool = True
@@ -240,6 +245,16 @@ PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="se
 # GLM and GLM-4: Llama's attention, gate and up fused in gate_up_proj as [gate | up]; GLM-4 norms each sub-layer's
 # output as Gemma 2 does (post_self_attn_layernorm, post_mlp_layernorm)
 GLM = replace(LLAMA_LIKE, up=("mlp.gate_up_proj",), fused_up=True)
+# Command R / R+ and Command R7B / A (cohere, cohere2): Llama's modules beside a parallel FFN, R+'s q/k LayerNorms one
+# row per head (use_qk_norm)
+COHERE = replace(LLAMA_LIKE, head_rows=("self_attn.q_norm.weight",), kv_head_rows=("self_attn.k_norm.weight",))
+# StableLM (2): Llama's modules, the head counts read from attributes (head_dim is hidden / heads: no config can state
+# pruned heads), StableLM 2 12B's q/k LayerNorms one module per head
+STABLELM = replace(LLAMA_LIKE, head_count_attrs=("self_attn.num_heads",),
+                   kv_count_attrs=("self_attn.num_key_value_heads",), config_head_dim=False,
+                   head_rows=("self_attn.q_layernorm.norms",), kv_head_rows=("self_attn.k_layernorm.norms",))
+# Phi-1.5 / Phi-2 (phi): Llama's q/k/v, an output projection named dense, a GELU FFN fc1 -> fc2 beside the attention
+PHI = replace(LLAMA_LIKE, o="self_attn.dense", up=("mlp.fc1",), down="mlp.fc2")
 # one input projection, no gate: StarCoder2's GELU FFN (c_fc, c_proj, with biases); Nemotron's squared ReLU
 STARCODER2 = replace(LLAMA_LIKE, up=("mlp.c_fc",), down="mlp.c_proj")
 UNGATED = replace(LLAMA_LIKE, up=("mlp.up_proj",))
@@ -327,6 +342,18 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "glm4": replace(GLM, normed_updates=True),
     "starcoder2": STARCODER2,
     "nemotron": UNGATED,
+    # Apertus's xIELU, Arcee (AFM)'s and Jais 2's squared ReLU: one FFN input projection, up_proj
+    "apertus": UNGATED,
+    "arcee": UNGATED,
+    "jais2": UNGATED,
+    "cohere": COHERE,
+    "cohere2": COHERE,  # Command R's layers with sliding-window ones between full-attention ones
+    "stablelm": STABLELM,
+    "phi": PHI,
+    "vaultgemma": LLAMA_LIKE,  # Gemma 2's layers without the norms after each sub-layer
+    "ministral3": LLAMA_LIKE,
+    "cwm": LLAMA_LIKE,  # Code World Model: Llama 3's layers, sliding-window ones between global ones
+    "hyperclovax": LLAMA_LIKE,  # HyperCLOVA X SEED: Granite's multipliers on Llama's modules
     "mixtral": MOE_LIKE,
     # gpt-oss: experts stored transposed with interleaved gate / up columns, biases and a clamped SwiGLU
     # (`experts.INTERLEAVED_EXPERTS`), a router with a bias (mlp.router), sliding-window layers between full ones, a
@@ -356,6 +383,12 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     # (glm4_moe_lite): the same, its dense layers by mlp_layer_types
     "deepseek_v3": LATENT_MOE,
     "glm4_moe_lite": LATENT_MOE,
+    # ERNIE 4.5 MoE (ernie4_5_moe): GLM-4.5's layers, routed by softmax scores plus a correction bias (its router's
+    # moe_statics, `experts.routes_itself`), dense FFN layers outside the MoE range
+    "ernie4_5_moe": GROUPED_MOE,
+    # DeepSeek-V2 (and V2-Lite, DeepSeek-Coder-V2): the same layers, routed by softmax scores, greedily or within the
+    # groups of the best single experts (topk_method), weights scaled and not renormalised
+    "deepseek_v2": LATENT_MOE,
 }
 
 VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
@@ -368,9 +401,16 @@ REFUSED: dict[str, str] = {
                    "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
     "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
               "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
-    "deepseek_v2": "DeepSeek-V2's routers (softmax, greedy or group-limited greedy top-k) are not exported yet; "
-                   "DeepSeek-V3 (deepseek_v3) is supported",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    "Qwen3.5's linear-attention (Gated DeltaNet) layers, three of every four, are not a prunable unit "
+                    "yet, nor exported (their recurrent state is no KV cache); Qwen3 (qwen3, qwen3_moe) is supported"),
+    **dict.fromkeys(("llama4", "llama4_text"),
+                    "Llama 4's experts read their input scaled by the router's sigmoid score, which ONNX Runtime's "
+                    "MoE operator (it scales the experts' outputs) does not compute; Llama 3 (llama) is supported"),
+    "hunyuan_v1_moe": "HunYuan-MoE's router (a wg projection inside its gate, per-layer expert counts) and its shared "
+                      "MLP (sized by the experts' own intermediate_size) are not supported yet; HunYuan dense "
+                      "(hunyuan_v1_dense) is",
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
@@ -403,8 +443,17 @@ def _grouping_error(c: dict) -> str | None:
     experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 1)
     groups, chosen = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
     k = int(c.get("num_experts_per_tok") or 1)
-    if experts % groups or experts // groups < 2:
-        return f"{family}: {experts} experts in n_group {groups}; the groups must be equal, of 2 experts at least"
+    least = 2  # a sigmoid router scores a group by its best two experts; DeepSeek-V2's by its best one
+    if c.get("model_type") == "deepseek_v2":
+        method = c.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            return f"{family}: topk_method {method!r}; DeepSeek-V2's greedy and group_limited_greedy are supported"
+        if method == "greedy":
+            groups, chosen = 1, 1
+        least = 1
+    if experts % groups or experts // groups < least:
+        return (f"{family}: {experts} experts in n_group {groups}; the groups must be equal, of {least} expert"
+                f"{'s' * (least > 1)} at least")
     if not 1 <= chosen <= groups:
         return f"{family}: topk_group {chosen} of n_group {groups} groups"
     if k > chosen * experts // groups:
@@ -431,6 +480,12 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
     "exaone_moe": _GROUPED,
     "deepseek_v3": _GROUPED,
     "glm4_moe_lite": _GROUPED,
+    "deepseek_v2": _GROUPED,
+    "ernie4_5_moe": (lambda c: _not_silu(c) or int(c.get("moe_layer_interval") or 1) != 1
+                     or not int(c.get("moe_num_shared_experts") or 0),
+                     "ERNIE 4.5 MoE is supported with SwiGLU experts (hidden_act silu), its MoE layers one run "
+                     "(moe_layer_interval 1: a removed layer would leave a pattern the config cannot state) and "
+                     "shared experts (moe_num_shared_experts 1 or more)"),
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,
@@ -450,7 +505,8 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
 
 def dense_ffn_layers(config: Any) -> list[bool] | None:
     """Which layers a MoE family's config (object or config.json dict) builds with a dense FFN, per layer, or None
-    where it builds every FFN alike: EXAONE-MoE's `mlp_layer_types` ("dense" / "sparse"); GLM-4.5's and dots.llm1's
+    where it builds every FFN alike: EXAONE-MoE's `mlp_layer_types` ("dense" / "sparse"); ERNIE 4.5's MoE range and
+    interval; GLM-4.5's and dots.llm1's
     first `first_k_dense_replace`; Qwen2- / Qwen3-MoE's `mlp_only_layers` and every layer but each
     `decoder_sparse_step`-th."""
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
@@ -459,11 +515,22 @@ def dense_ffn_layers(config: Any) -> list[bool] | None:
         return None
     if get("mlp_layer_types") is not None:
         return [t == "dense" for t in get("mlp_layer_types")]
+    if get("moe_layer_interval") is not None:  # ERNIE 4.5: MoE from start to end (-1: the last), every interval-th
+        start, end = _ernie_moe_range(get, n)
+        return [not ((i + 1) % int(get("moe_layer_interval")) == 0 and start <= i <= end) for i in range(n)]
     if get("first_k_dense_replace") is not None:
         return [i < int(get("first_k_dense_replace")) for i in range(n)]
     only, step = set(get("mlp_only_layers") or ()), int(get("decoder_sparse_step") or 1)
     experts = _experts_count(get)
     return [i in only or not experts or (i + 1) % step != 0 for i in range(n)]
+
+
+def _ernie_moe_range(get: Callable[..., Any], n: int) -> tuple[int, int]:
+    """ERNIE 4.5's first and last MoE layer (`moe_layer_start_index`, `moe_layer_end_index`; -1 the last layer, which
+    its config class states once built but config.json keeps)."""
+    start, end = get("moe_layer_start_index"), get("moe_layer_end_index")
+    end = n - 1 if end is None or int(end) == -1 else int(end)
+    return (1 if start is None else int(start)), end
 
 
 def _experts_count(get: Callable[..., Any]) -> int:
@@ -478,12 +545,20 @@ def _experts_count(get: Callable[..., Any]) -> int:
 def restate_dense_ffn_layers(config: Any, dense: Sequence[bool]) -> None:
     """Set the config's keys of which layers have a dense FFN to `dense` (per layer, e.g. the kept ones once layers
     are removed): EXAONE-MoE's `mlp_layer_types` (its first_k_dense_replace, which only fills a missing list, set to
-    the leading dense layers), GLM-4.5's `first_k_dense_replace` (a prefix), Qwen's `mlp_only_layers` (with
-    decoder_sparse_step 1, which states any pattern)."""
+    the leading dense layers), ERNIE 4.5's MoE range (one run), GLM-4.5's `first_k_dense_replace` (a prefix), Qwen's
+    `mlp_only_layers` (with decoder_sparse_step 1, which states any pattern)."""
     if getattr(config, "mlp_layer_types", None) is not None:
         config.mlp_layer_types = ["dense" if d else "sparse" for d in dense]
         if getattr(config, "first_k_dense_replace", None) is not None:
             config.first_k_dense_replace = next((i for i, d in enumerate(dense) if not d), len(dense))
+    elif getattr(config, "moe_layer_interval", None) is not None:  # ERNIE 4.5 (interval 1: `REFUSED_CONFIGS`)
+        moe = [i for i, d in enumerate(dense) if not d]
+        if moe != list(range(moe[0], moe[-1] + 1) if moe else []):
+            raise ValueError(f"MoE layers {moe} are not one run of layers, which is all moe_layer_start_index and "
+                             "moe_layer_end_index can state")
+        # none left: a range past the last layer (not -1, which says the last one)
+        config.moe_layer_start_index, config.moe_layer_end_index = (moe[0], moe[-1]) if moe else (len(dense),
+                                                                                                 len(dense))
     elif getattr(config, "first_k_dense_replace", None) is not None:
         k = sum(dense)
         if list(dense) != [i < k for i in range(len(dense))]:

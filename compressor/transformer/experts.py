@@ -5,7 +5,7 @@ transformers 5.x keeps a layer's experts as two 3-D parameters (Mixtral, Qwen3-M
 (experts, hidden, width); gpt-oss stores them transposed, gate and up columns interleaved, with biases and a clamped
 SwiGLU (`INTERLEAVED_EXPERTS`). Its router (`mlp.gate`; Phi-3.5-MoE's and gpt-oss's `mlp.router`) gives each token its
 top-k experts and their weights (Phi-3.5-MoE's: two, by the sparse mixer, `sparse_mixer`; GLM-4.5's and DeepSeek-V3's:
-by sigmoid scores within the best groups of experts, `routes_itself`).
+by sigmoid scores within the best groups of experts, DeepSeek-V2's by softmax scores within them, `routes_itself`).
 Expert e adds w_e(t) * down_e(act(gate_e x_t) * up_e x_t) to the stream of the tokens t routed to it, so
 its down projection's reconstruction problem reads the routing-weighted activations w_e(t) * a_e(t)
 (`expert_inputs`). Each expert keeps neurons of its own, the same number in every expert of a layer: the
@@ -213,9 +213,14 @@ def _mixer_eps(router: nn.Module) -> float | None:
 def routes_itself(router: nn.Module) -> bool:
     """Whether the router picks its experts otherwise than by the softmax and top-k of its logits, which the MoE node
     computes: by sigmoid scores plus a correction bias, within the best groups of experts, its weights rescaled
-    (GLM-4.5's, DeepSeek-V3's). Such a router's own forward gives the export its picks and weights
-    (`_as_operator`)."""
-    return hasattr(router, "e_score_correction_bias") and hasattr(router, "topk_group")
+    (GLM-4.5's, DeepSeek-V3's); by softmax scores within the groups of the best single experts, or greedily, its
+    weights scaled and not renormalised (DeepSeek-V2's `topk_method`); by softmax scores plus a correction bias, the
+    scores renormalised as weights (ERNIE 4.5's `moe_statics`). Such a router's own forward gives the export
+    its picks and weights (`_as_operator`)."""
+    if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus its correction bias pick, the scores weigh
+        return True
+    return hasattr(router, "topk_group") and (hasattr(router, "e_score_correction_bias")
+                                              or getattr(router, "topk_method", None) is not None)
 
 
 def router_logits(router: nn.Module, x: Tensor) -> Tensor:
@@ -384,15 +389,28 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
 
 
 def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
-    """Whether a grouped sigmoid router's choices at each token (`routes_itself`: GLM-4.5's) are clear of rounding:
-    its topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups ahead of the
-    next; (...,) bool."""
-    scores = logits.float().sigmoid() + router.e_score_correction_bias.float()  # (..., experts)
-    groups = int(router.num_group)
-    by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
-    group_scores = by_group.topk(min(2, by_group.shape[-1]), -1).values.sum(-1)  # (..., groups)
+    """Whether a router's choices within groups at each token (`routes_itself`: GLM-4.5's, DeepSeek-V2's) are clear
+    of rounding: its topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups
+    ahead of the next; (...,) bool."""
+    method = getattr(router, "topk_method", None)
+    if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
+        scores = logits.float().softmax(-1) + router.moe_statics.e_score_correction_bias.float().squeeze(0)
+        groups, chosen = 1, 1
+        by_group = scores.unflatten(-1, (1, -1))
+        group_scores = by_group.max(-1).values
+    elif method is not None:  # DeepSeek-V2: softmax scores, a group scored by its best expert; greedy: one group
+        scores = logits.float().softmax(-1)  # (..., experts)
+        groups = int(router.num_group) if method == "group_limited_greedy" else 1
+        by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
+        group_scores = by_group.max(-1).values  # (..., groups)
+        chosen = int(router.topk_group) if groups > 1 else 1
+    else:  # sigmoid scores plus the correction bias, a group scored by its best two
+        scores = logits.float().sigmoid() + router.e_score_correction_bias.float()  # (..., experts)
+        groups = int(router.num_group)
+        by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
+        group_scores = by_group.topk(min(2, by_group.shape[-1]), -1).values.sum(-1)  # (..., groups)
+        chosen = int(router.topk_group)
     clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
-    chosen = int(router.topk_group)
     if chosen < groups:
         top = group_scores.topk(chosen + 1, -1).values
         clear &= top[..., chosen - 1] - top[..., chosen] > margin

@@ -208,6 +208,18 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         table = getattr(owner, name)
         setattr(owner, name, nn.Parameter(table.data.index_select(-1, heads.to(table.device)).clone(),
                                           requires_grad=table.requires_grad))
+    modules = dict(layer.named_modules())
+    for paths, kept in ((adapter.head_rows, heads), (adapter.kv_head_rows, kv_heads)):
+        for path in paths:  # per-head norms, where the block has them
+            owner_path, _, name = path.rpartition(".")
+            if owner_path not in modules or not hasattr(modules[owner_path], name):
+                continue
+            owner, entries = modules[owner_path], getattr(modules[owner_path], name)
+            if isinstance(entries, nn.ModuleList):
+                setattr(owner, name, nn.ModuleList([entries[i] for i in kept.tolist()]))
+            else:
+                setattr(owner, name, nn.Parameter(entries.data.index_select(0, kept.to(entries.device)).clone(),
+                                                  requires_grad=entries.requires_grad))
     for attr in adapter.head_count_attrs:
         _set_attr(layer, attr, len(heads))
     for attr in adapter.width_attrs:

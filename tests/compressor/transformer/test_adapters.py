@@ -77,6 +77,40 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
     torch.testing.assert_close(first_output(reloaded), first_output(pruned))
 
 
+@pytest.mark.parametrize("name, norms", [("cohere", ("q_norm.weight", "k_norm.weight")),
+                                         ("stablelm", ("q_layernorm.norms", "k_layernorm.norms"))])
+def test_per_head_query_and_key_norms_are_kept_with_their_heads(name, norms):
+    """Command R+'s q/k norms hold a row per head, StableLM 2's a LayerNorm module per head: keeping query heads 2
+    and 3 (KV head 1, the second group) keeps their norms, so the pruned model is the dense one with heads 0 and 1's
+    outputs zeroed. The norms are drawn at random: at their initial ones any slice of them would pass."""
+    import copy
+
+    from compressor.modules import get_attr
+
+    def values(entry) -> torch.Tensor:  # a norm module's parameters, or a parameter's row, as one flat copy
+        parts = list(entry.parameters()) if isinstance(entry, torch.nn.Module) else [entry]
+        return torch.cat([t.detach().flatten() for t in parts]).clone()
+
+    model = LLAMA_SHAPED[name]()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.uniform_(0.5, 1.5, generator=gen)
+    attention = layers(model)[1].self_attn
+    q_norm, k_norm = (get_attr(attention, path) for path in norms)
+    dense = [values(q_norm[2]), values(q_norm[3]), values(k_norm[1])]
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.model.layers[1].self_attn.o_proj.weight[:, :16] = 0  # heads 0 and 1's outputs
+    prune_query_heads(model, 1, [2, 3])
+    q_norm, k_norm = (get_attr(attention, path) for path in norms)
+    assert len(q_norm) == 2 and len(k_norm) == 1 and query_heads(model, 1) == 2
+    for kept, before in zip([q_norm[0], q_norm[1], k_norm[0]], dense, strict=True):
+        torch.testing.assert_close(values(kept), before)
+    torch.testing.assert_close(first_output(model), first_output(reference), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(HEADS_FIXED))
 def test_a_family_whose_heads_are_not_a_unit_keeps_its_attention_and_prunes_the_rest(name, tmp_path):
     """OLMo 2 and 3 normalise all heads' queries (keys) together: removing a head would renormalise the kept ones, so

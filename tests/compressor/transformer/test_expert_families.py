@@ -153,9 +153,9 @@ def test_olmoe_and_flex_olmo_keep_their_attentions_and_prune_their_experts(name,
 def test_a_dense_ffn_layer_between_moe_layers_is_pruned_exported_removed_and_reloaded(name, tmp_path):
     """A MoE family's dense-FFN layer is pruned as a dense family's FFN (`FamilyAdapter.at`: its paths, one neuron's
     cost), beside the experts of the others; the ONNX graphs match PyTorch; a removed layer restates which layers are
-    dense (first_k_dense_replace, mlp_only_layers, mlp_layer_types), and uniform widths go to both width keys of a
-    config transformers loads alone (an ungated shared expert's width, n_shared_experts x moe_intermediate_size, is no
-    key of its own: the manifest)."""
+    dense (first_k_dense_replace, mlp_only_layers, mlp_layer_types, ERNIE 4.5's MoE range), and uniform widths go to
+    both width keys of a config transformers loads alone (an ungated shared expert's width, n_shared_experts x
+    moe_intermediate_size, is no key of its own: the manifest)."""
     from compressor.errors import ModelReferenceError
     from compressor.transformer.adapters import adapter_for, check_config, dense_ffn_layers
     from compressor.transformer.pipeline import resize_transformer
@@ -192,7 +192,9 @@ def test_a_dense_ffn_layer_between_moe_layers_is_pruned_exported_removed_and_rel
     remove_layers(resized, [2 if dense == 0 else 0])  # a MoE layer: the dense one is then the first
     assert dense_ffn_layers(resized.config) == [True, False]
     restated = {"glm4_moe": ("first_k_dense_replace", 1), "dots1": ("first_k_dense_replace", 1),
-                "deepseek_v3": ("first_k_dense_replace", 1), "qwen3_moe": ("mlp_only_layers", [0]),
+                "deepseek_v3": ("first_k_dense_replace", 1), "deepseek_v2": ("first_k_dense_replace", 1),
+                "ernie4_5_moe": ("moe_layer_end_index", 1),
+                "qwen3_moe": ("mlp_only_layers", [0]),
                 "exaone_moe": ("mlp_layer_types", ["dense", "sparse"]),
                 "glm4_moe_lite": ("mlp_layer_types", ["dense", "sparse"])}[name]
     assert getattr(resized.config, restated[0]) == restated[1]
@@ -211,13 +213,14 @@ def test_a_dense_ffn_layer_between_moe_layers_is_pruned_exported_removed_and_rel
     torch.testing.assert_close(first_output(reloaded), first_output(resized))
 
 
-@pytest.mark.parametrize("family, q_lora_rank", [("Glm4MoeLite", 24), ("DeepseekV3", None)])
+@pytest.mark.parametrize("family, q_lora_rank", [("Glm4MoeLite", 24), ("DeepseekV2", None)])
 def test_latent_attention_heads_keep_their_query_and_key_value_rows_and_leave_the_cache_whole(family, q_lora_rank,
                                                                                             tmp_path):
-    """A multi-head latent attention head (DeepSeek-V3's, GLM-4.7-Flash's) is its query rows (q_b_proj's, or q_proj's
-    without a query latent: 8 + 4 a head), its key / value rows of kv_b_proj (8 + 8 a head) and its output
-    projection's inputs (8 a head): keeping heads 0 and 2 gives the dense model with heads 1 and 3's outputs zeroed;
-    the latent the cache holds keeps its width; the pruned model exports, decodes and reloads."""
+    """A multi-head latent attention head (DeepSeek-V3's, as GLM-4.7-Flash's class inherits it; DeepSeek-V2's, whose
+    rotary is complex-valued and exported in real arithmetic) is its query rows (q_b_proj's, or q_proj's without a
+    query latent: 8 + 4 a head), its key / value rows of kv_b_proj (8 + 8 a head) and its output projection's inputs
+    (8 a head): keeping heads 0 and 2 gives the dense model with heads 1 and 3's outputs zeroed; the latent the cache
+    holds keeps its width; the pruned model exports, decodes and reloads."""
     import copy
 
     from compressor.transformer.adapters import dims
@@ -259,7 +262,8 @@ def test_latent_attention_heads_keep_their_query_and_key_value_rows_and_leave_th
 
 def test_grouped_routing_configs_its_router_cannot_run_are_refused_naming_the_values():
     """n_group must split the experts into equal groups of 2 at least (the router sums each group's top 2),
-    topk_group must be a count of groups, and a token's experts must fit in its chosen groups; a Qwen-MoE without
+    topk_group must be a count of groups, and a token's experts must fit in its chosen groups (DeepSeek-V2's of one
+    expert, or none when it routes greedily; its two topk_methods only); a Qwen-MoE without
     routed experts (num_experts 0, which config.json holds as num_local_experts) is a dense model."""
     from compressor.errors import UnsupportedArchitecture
     from compressor.transformer.adapters import check_config
@@ -274,6 +278,12 @@ def test_grouped_routing_configs_its_router_cannot_run_are_refused_naming_the_va
                             ({"hidden_act": "gelu"}, "hidden_act 'gelu'")]:
         with pytest.raises(UnsupportedArchitecture, match=f"m: glm4_moe \\(grouped routing\\): {message}"):
             check_config({**base, **change}, "m")
+    # DeepSeek-V2: greedy routing has no groups (n_group unset, as its configs leave it); a group may be one expert
+    v2 = {**base, "model_type": "deepseek_v2", "topk_method": "greedy", "n_group": None, "topk_group": None}
+    check_config(v2, "m")
+    check_config({**v2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 4}, "m")
+    with pytest.raises(UnsupportedArchitecture, match="deepseek_v2 \\(grouped routing\\): topk_method 'noaux_tc'"):
+        check_config({**v2, "topk_method": "noaux_tc"}, "m")
     qwen = {**tiny_qwen3_moe().config.to_dict(), "model_type": "qwen3_moe"}
     assert "num_local_experts" in qwen
     with pytest.raises(UnsupportedArchitecture, match="num_experts 0 every layer is a dense FFN"):
@@ -294,3 +304,25 @@ def test_a_half_precision_export_keeps_a_grouped_router_in_float32():
     assert torch.equal(gate.weight, dense.weight) and torch.equal(gate.e_score_correction_bias,
                                                                   dense.e_score_correction_bias)  # not rounded
     assert layers(half.model)[0].mlp.experts.down_proj.dtype == torch.float16
+
+
+def test_ernie_moe_layers_are_read_from_their_range_and_restated_as_one():
+    """ERNIE 4.5 builds MoE FFNs from moe_layer_start_index to moe_layer_end_index (-1 in config.json: the last
+    layer), dense ones around them; removing layers restates the range, and a config left without MoE layers states
+    a range past its last layer (not -1)."""
+    from types import SimpleNamespace
+
+    from compressor.transformer.adapters import dense_ffn_layers, restate_dense_ffn_layers
+
+    saved = {"model_type": "ernie4_5_moe", "num_hidden_layers": 5, "moe_layer_start_index": 1,
+             "moe_layer_end_index": -1, "moe_layer_interval": 1}
+    assert dense_ffn_layers(saved) == [True, False, False, False, False]
+    assert dense_ffn_layers({**saved, "moe_layer_end_index": 3}) == [True, False, False, False, True]
+    config = SimpleNamespace(**{**saved, "moe_layer_end_index": 3})
+    restate_dense_ffn_layers(config, [True, False, True])  # layers 2 and 3 removed
+    assert (config.moe_layer_start_index, config.moe_layer_end_index) == (1, 1)
+    restate_dense_ffn_layers(config, [True, True])
+    config.num_hidden_layers = 2
+    assert dense_ffn_layers(vars(config)) == [True, True]
+    with pytest.raises(ValueError, match="MoE layers \\[1, 3\\] are not one run"):
+        restate_dense_ffn_layers(config, [True, False, True, False])

@@ -193,7 +193,7 @@ def _draw_correction_bias(model):
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
+            if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias"):  # not DeepSeek-V2's softmax
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.01)
     return model
 
@@ -223,8 +223,22 @@ def tiny_latent(cls: str = "DeepseekV3ForCausalLM", config: str = "DeepseekV3Con
     return _draw_correction_bias(model)
 
 
+def tiny_ernie_moe():
+    """ERNIE 4.5 MoE: GLM-4.5's experts and ungated shared expert of `_grouped`, 2 of 8 experts a token by softmax
+    scores plus a correction bias (drawn: it initialises to 0), their scores renormalised as weights; its first
+    layer a dense FFN of 20 neurons (moe_layer_start_index 1)."""
+    model = _decoder("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", num_hidden_layers=3, moe_num_experts=8, moe_k=2,
+                     moe_intermediate_size=16, moe_num_shared_experts=1, moe_layer_start_index=1)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.moe_statics.e_score_correction_bias.copy_(torch.randn(1, 8, generator=gen) * 0.01)
+    return model
+
+
 # MoE decoders of 3 layers with one dense-FFN layer (20 neurons) between or before their MoE layers, and its index:
-# GLM-4.5's, dots.llm1's and DeepSeek-V3's first layer (first_k_dense_replace), GLM-4.7-Flash's (mlp_layer_types),
+# GLM-4.5's, dots.llm1's, DeepSeek-V3's and V2's first layer (first_k_dense_replace), GLM-4.7-Flash's (mlp_layer_types),
+# ERNIE 4.5's (moe_layer_start_index),
 # Qwen3-MoE's (mlp_only_layers) and EXAONE-MoE's (mlp_layer_types) middle one; `test_expert_families.py` takes each
 # through pruning, export, layer removal and reload
 MOE_MIXED = {
@@ -239,6 +253,10 @@ MOE_MIXED = {
     # DeepSeek-V3's and GLM-4.7-Flash's multi-head latent attention over GLM-4.5's FFNs
     "deepseek_v3": (lambda: tiny_latent(first_k_dense_replace=1), 0),
     "glm4_moe_lite": (lambda: tiny_latent("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig"), 0),
+    "ernie4_5_moe": (tiny_ernie_moe, 0),
+    # DeepSeek-V2's: its router's softmax scores within the groups of the best single experts
+    "deepseek_v2": (lambda: tiny_latent("DeepseekV2ForCausalLM", "DeepseekV2Config", first_k_dense_replace=1,
+                                        topk_method="group_limited_greedy"), 0),
 }
 
 
@@ -320,8 +338,10 @@ MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_sw
 # families whose blocks are Llama's modules under Llama's paths (or GLM's fused gate_up_proj, or one FFN input
 # projection), only their own modeling code around them differing (OLMo's parameter-free LayerNorm and clipped
 # q/k/v, HunYuan's per-head q/k norms, Seed-OSS's q/k/v biases, Nemotron's squared ReLU and LayerNorm1p, GLM's
-# partial rotary): `tests/exporters/test_families.py` takes each through the pruning, the exports and a reload once,
-# where MODELS' families each run the whole family-parametrised suite
+# partial rotary, Apertus's xIELU, Command R's parallel FFN and R+'s q/k norms one row per head, StableLM 2's q/k norms
+# one module per head and attribute head counts, Phi-2's fc1 / fc2 and dense, Cohere 2's sliding-window layers):
+# `test_adapters.py` takes each through the pruning, the exports and a reload once, where MODELS' families each run
+# the whole family-parametrised suite
 LLAMA_SHAPED = {
     "olmo": lambda: _decoder("OlmoForCausalLM", "OlmoConfig", clip_qkv=0.5),
     "helium": lambda: _decoder("HeliumForCausalLM", "HeliumConfig"),
@@ -331,6 +351,19 @@ LLAMA_SHAPED = {
     "hunyuan_v1_dense": lambda: _decoder("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config"),
     "glm": lambda: _decoder("GlmForCausalLM", "GlmConfig", partial_rotary_factor=0.5),
     "nemotron": lambda: _decoder("NemotronForCausalLM", "NemotronConfig", partial_rotary_factor=0.5),
+    "apertus": lambda: _decoder("ApertusForCausalLM", "ApertusConfig"),
+    "arcee": lambda: _decoder("ArceeForCausalLM", "ArceeConfig"),
+    "jais2": lambda: _decoder("Jais2ForCausalLM", "Jais2Config"),
+    "cohere": lambda: _decoder("CohereForCausalLM", "CohereConfig", use_qk_norm=True),
+    "cohere2": lambda: _decoder("Cohere2ForCausalLM", "Cohere2Config", sliding_window=4,
+                                layer_types=["sliding_attention", "full_attention"]),
+    "stablelm": lambda: _decoder("StableLmForCausalLM", "StableLmConfig", qk_layernorm=True,
+                                 use_parallel_residual=True, use_qkv_bias=True),
+    "phi": lambda: _decoder("PhiForCausalLM", "PhiConfig", qk_layernorm=True),
+    "vaultgemma": lambda: _decoder("VaultGemmaForCausalLM", "VaultGemmaConfig"),
+    "ministral3": lambda: _decoder("Ministral3ForCausalLM", "Ministral3Config"),
+    "cwm": lambda: _decoder("CwmForCausalLM", "CwmConfig"),
+    "hyperclovax": lambda: _decoder("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig"),
 }
 
 # families whose attention heads are not a prunable unit (`FamilyAdapter.heads_prunable`): OLMo 2 and 3 normalise
