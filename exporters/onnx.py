@@ -8,6 +8,7 @@ import inspect
 import itertools
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,29 +202,42 @@ def _rotated_real(complex_rotate: Any, xq: torch.Tensor, xk: torch.Tensor,
     return rotate(xq), rotate(xk)
 
 
+# modeling modules whose `apply_rotary_emb` `_real_rotary` replaced, with how many exports use the replacement
+_REAL_ROTARY_USERS: dict[str, int] = {}
+_REAL_ROTARY_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _real_rotary(model: torch.nn.Module) -> Iterator[None]:
-    """Within it, `model`'s complex rotary embeddings (`COMPLEX_ROTARY`) give real (cos, sin) tables and their
-    modeling module rotates with them; complex tables still rotate as before, so another model of the family
-    running meanwhile is unchanged."""
+    """Within it, `model`'s complex rotary embeddings (`COMPLEX_ROTARY`) give real (cos, sin) tables (through the
+    family's `dynamic_rope_update`, as their forward: longrope's tables per input length) and their modeling module
+    rotates with them. Complex tables still rotate as before, so another model of the family running meanwhile is
+    unchanged, and the module's function is restored when the last export using it ends."""
     import functools
     import sys
+
+    from transformers.modeling_rope_utils import dynamic_rope_update
 
     found = [m for m in model.modules() if type(m).__name__ in COMPLEX_ROTARY]
     if not found:
         yield
         return
     modeling = sys.modules[type(found[0]).__module__]
-    original = modeling.apply_rotary_emb
-    modeling.apply_rotary_emb = functools.partial(_rotated_real, original)
+    with _REAL_ROTARY_LOCK:
+        if not _REAL_ROTARY_USERS.get(modeling.__name__):
+            modeling.apply_rotary_emb = functools.partial(_rotated_real, modeling.apply_rotary_emb)
+        _REAL_ROTARY_USERS[modeling.__name__] = _REAL_ROTARY_USERS.get(modeling.__name__, 0) + 1
     for rotary in found:
-        rotary.forward = functools.partial(_real_tables, rotary)
+        rotary.forward = functools.partial(dynamic_rope_update(_real_tables), rotary)
     try:
         yield
     finally:
-        modeling.apply_rotary_emb = original
         for rotary in found:
             rotary.__dict__.pop("forward", None)
+        with _REAL_ROTARY_LOCK:
+            _REAL_ROTARY_USERS[modeling.__name__] -= 1
+            if not _REAL_ROTARY_USERS[modeling.__name__]:
+                modeling.apply_rotary_emb = modeling.apply_rotary_emb.args[0]
 
 
 @contextlib.contextmanager

@@ -353,7 +353,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "vaultgemma": LLAMA_LIKE,  # Gemma 2's layers without the norms after each sub-layer
     "ministral3": LLAMA_LIKE,
     "cwm": LLAMA_LIKE,  # Code World Model: Llama 3's layers, sliding-window ones between global ones
-    "hyperclovax": LLAMA_LIKE,  # HyperCLOVA X SEED: Granite's multipliers on Llama's modules
+    # HyperCLOVA X SEED: Granite's multipliers on Llama's modules, a norm after each sub-layer too (use_post_norm)
+    "hyperclovax": GEMMA2_LIKE,
     "mixtral": MOE_LIKE,
     # gpt-oss: experts stored transposed with interleaved gate / up columns, biases and a clamped SwiGLU
     # (`experts.INTERLEAVED_EXPERTS`), a router with a bias (mlp.router), sliding-window layers between full ones, a
@@ -450,6 +451,8 @@ def _grouping_error(c: dict) -> str | None:
             return f"{family}: topk_method {method!r}; DeepSeek-V2's greedy and group_limited_greedy are supported"
         if method == "greedy":
             groups, chosen = 1, 1
+        elif not c.get("n_group") or not c.get("topk_group"):
+            return f"{family}: group_limited_greedy routing without n_group and topk_group"
         least = 1
     if experts % groups or experts // groups < least:
         return (f"{family}: {experts} experts in n_group {groups}; the groups must be equal, of {least} expert"
@@ -482,7 +485,7 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
     "glm4_moe_lite": _GROUPED,
     "deepseek_v2": _GROUPED,
     "ernie4_5_moe": (lambda c: _not_silu(c) or int(c.get("moe_layer_interval") or 1) != 1
-                     or not int(c.get("moe_num_shared_experts") or 0),
+                     or not int(c.get("moe_num_shared_experts", 2) or 0),  # its config class's default: 2
                      "ERNIE 4.5 MoE is supported with SwiGLU experts (hidden_act silu), its MoE layers one run "
                      "(moe_layer_interval 1: a removed layer would leave a pattern the config cannot state) and "
                      "shared experts (moe_num_shared_experts 1 or more)"),

@@ -393,13 +393,17 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
     of rounding: its topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups
     ahead of the next; (...,) bool."""
     method = getattr(router, "topk_method", None)
+    # two scores are apart by more than `margin` times the first's magnitude clamped to (low, high): sigmoid scores
+    # (about 0.5) by `margin` itself, ERNIE's (near 1 / experts) by a share of the first, logits as a plain router's
+    low, high = 1.0, 1.0
     if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
         scores = logits.float().softmax(-1) + router.moe_statics.e_score_correction_bias.float().squeeze(0)
-        groups, chosen = 1, 1
+        groups, chosen, low, high = 1, 1, 0.0, None
         by_group = scores.unflatten(-1, (1, -1))
         group_scores = by_group.max(-1).values
     elif method is not None:  # DeepSeek-V2: softmax scores, a group scored by its best expert; greedy: one group
-        scores = logits.float().softmax(-1)  # (..., experts)
+        # its logits, which order the experts and the groups as their softmax does
+        scores, high = logits.float(), None  # (..., experts)
         groups = int(router.num_group) if method == "group_limited_greedy" else 1
         by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
         group_scores = by_group.max(-1).values  # (..., groups)
@@ -411,16 +415,20 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
         group_scores = by_group.topk(min(2, by_group.shape[-1]), -1).values.sum(-1)  # (..., groups)
         chosen = int(router.topk_group)
     clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
+
+    def apart(first: Tensor, second: Tensor) -> Tensor:
+        return first - second > margin * first.abs().clamp(min=low, max=high)
+
     if chosen < groups:
         top = group_scores.topk(chosen + 1, -1).values
-        clear &= top[..., chosen - 1] - top[..., chosen] > margin
+        clear &= apart(top[..., chosen - 1], top[..., chosen])
     best = group_scores.topk(chosen, -1).indices  # (..., chosen)
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, best, True)
     within = scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], -1), float("-inf"))
     k = int(router.top_k)
     if k < chosen * by_group.shape[-1]:  # else every expert of the chosen groups is picked
         top = within.topk(k + 1, -1).values
-        clear &= top[..., k - 1] - top[..., k] > margin
+        clear &= apart(top[..., k - 1], top[..., k])
     return clear
 
 

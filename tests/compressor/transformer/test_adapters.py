@@ -48,6 +48,11 @@ def test_every_family_with_a_record_has_a_tiny_model_under_test():
 def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp_path):
     model = LLAMA_SHAPED[name]()
     assert type(model).__name__.endswith("ForCausalLM") and adapter_for(model) is ADAPTERS[name]
+    # a norm of a sub-layer's update (Gemma 2's post_feedforward_layernorm, HyperCLOVA X's post_norm1 / post_norm2;
+    # Llama's post_attention_layernorm is the FFN's input norm) makes a removed sub-layer's stand-in a normed vector
+    post = [n for n, _ in layers(model)[0].named_children()
+            if n.startswith("post_") and n != "post_attention_layernorm"]
+    assert adapter_for(model).normed_updates == bool(post), post
     check_config({**model.config.to_dict(), "model_type": name}, name)  # the CLI's and the server's check passes
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
 

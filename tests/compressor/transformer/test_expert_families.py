@@ -284,6 +284,13 @@ def test_grouped_routing_configs_its_router_cannot_run_are_refused_naming_the_va
     check_config({**v2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 4}, "m")
     with pytest.raises(UnsupportedArchitecture, match="deepseek_v2 \\(grouped routing\\): topk_method 'noaux_tc'"):
         check_config({**v2, "topk_method": "noaux_tc"}, "m")
+    with pytest.raises(UnsupportedArchitecture, match="group_limited_greedy routing without n_group and topk_group"):
+        check_config({**v2, "topk_method": "group_limited_greedy"}, "m")
+    # ERNIE 4.5: a config.json without moe_num_shared_experts builds its class's default, 2 shared experts
+    ernie = {"model_type": "ernie4_5_moe", "hidden_act": "silu", "moe_layer_interval": 1}
+    check_config(ernie, "m")
+    with pytest.raises(UnsupportedArchitecture, match="shared experts \\(moe_num_shared_experts 1 or more\\)"):
+        check_config({**ernie, "moe_num_shared_experts": 0}, "m")
     qwen = {**tiny_qwen3_moe().config.to_dict(), "model_type": "qwen3_moe"}
     assert "num_local_experts" in qwen
     with pytest.raises(UnsupportedArchitecture, match="num_experts 0 every layer is a dense FFN"):
@@ -326,3 +333,44 @@ def test_ernie_moe_layers_are_read_from_their_range_and_restated_as_one():
     assert dense_ffn_layers(vars(config)) == [True, True]
     with pytest.raises(ValueError, match="MoE layers \\[1, 3\\] are not one run"):
         restate_dense_ffn_layers(config, [True, False, True, False])
+
+
+def test_deepseek_v2s_complex_rotary_is_rotated_in_real_arithmetic_within_overlapping_exports():
+    """Within an export, DeepSeek-V2's rotary gives (cos, sin) tables (yarn's attention scaling; longrope's tables of
+    the input's length, whatever length the model ran last) and its module's apply_rotary_emb rotates with them as
+    the complex one does; complex tables always go to the model's function, which the last export to end restores
+    (two exports overlapping in threads end in either order)."""
+    import sys
+
+    from exporters.onnx import _real_rotary
+
+    from .transformer_models import tiny_latent
+
+    ropes = [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0},
+             {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [3.0, 5.0], "factor": 4.0,
+              "original_max_position_embeddings": 8, "rope_theta": 10000.0}]
+    models = [tiny_latent("DeepseekV2ForCausalLM", "DeepseekV2Config", layers=1, rope_parameters=rope)
+              for rope in ropes]
+    modeling = sys.modules[type(models[0].model.rotary_emb).__module__]
+    original = modeling.apply_rotary_emb
+    gen = torch.Generator().manual_seed(0)
+    x, positions = torch.randn(2, 20, 32, generator=gen), torch.arange(20).expand(2, 20)  # past the original 8
+    q, k = torch.randn(2, 4, 20, 4, generator=gen), torch.randn(2, 1, 20, 4, generator=gen)
+    expected = [original(q, k, m.model.rotary_emb(x, positions)) for m in models]
+    for m in models:  # a short input last: longrope's short factors in place
+        m.model.rotary_emb(x[:, :4], positions[:, :4])
+    first, second = (_real_rotary(m) for m in models)
+    first.__enter__()
+    second.__enter__()
+    for m, want in zip(models, expected, strict=True):
+        tables = m.model.rotary_emb(x, positions)
+        assert not tables.is_complex() and tables.shape == (2, 20, 2, 2)
+        for got, wanted in zip(modeling.apply_rotary_emb(q, k, tables), want, strict=True):
+            torch.testing.assert_close(got, wanted)
+    first.__exit__(None, None, None)  # the first to start ends first: the second still exports
+    assert modeling.apply_rotary_emb is not original
+    complex_tables = type(models[0].model.rotary_emb).forward(models[0].model.rotary_emb, x, positions)
+    for got, wanted in zip(modeling.apply_rotary_emb(q, k, complex_tables), expected[0], strict=True):
+        torch.testing.assert_close(got, wanted)
+    second.__exit__(None, None, None)
+    assert modeling.apply_rotary_emb is original and not any("forward" in vars(m.model.rotary_emb) for m in models)

@@ -556,3 +556,26 @@ def test_the_sparse_mixer_routes_as_phi_3_5_moes_router(eps):
     torch.testing.assert_close(weights, expected_weights)
     assert (weights > 0).all() and (weights <= 1).all()
 
+
+
+def test_deepseek_v2_and_ernie_near_ties_are_measured_on_their_own_scale():
+    """DeepSeek-V2's choices are read on its logits (which order experts and groups as their softmax does) and ERNIE
+    4.5's scores apart by a share of the k-th: a half-precision pass's margin (4 roundings: 3.9e-3) on softmax
+    probabilities of 160 experts (~0.006 each) would call nearly every token a near tie, and the parity check could
+    never set a rounding's routing flip apart. Ties built in are still found."""
+    from types import SimpleNamespace
+
+    from compressor.transformer.experts import _groups_clear
+
+    margin = 4 * torch.finfo(torch.float16).eps
+    logits = torch.randn(400, 160, generator=torch.Generator().manual_seed(0)) * 2
+    greedy = SimpleNamespace(topk_method="greedy", top_k=6, num_group=None, topk_group=None)
+    grouped = SimpleNamespace(topk_method="group_limited_greedy", top_k=6, num_group=8, topk_group=3)
+    ernie = SimpleNamespace(top_k=6, moe_statics=SimpleNamespace(e_score_correction_bias=torch.zeros(1, 160)))
+    for router in (greedy, grouped, ernie):
+        assert _groups_clear(router, logits, margin).float().mean() > 0.9
+    tied = logits.clone()
+    order = tied[0].argsort(descending=True)
+    tied[0, order[6]] = tied[0, order[5]]  # the 6th and 7th experts of token 0 tie
+    for router in (greedy, ernie):
+        assert not _groups_clear(router, tied, margin)[0]

@@ -112,7 +112,15 @@ def _phi3():
     return model
 
 
-@pytest.mark.parametrize("make", [_uneven_kv_map, _phi3])
+def _stablelm_norms():
+    from .transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED["stablelm"]()  # q/k LayerNorm modules one per head: the removed heads' are gone
+    prune_heads(model, 0, [1])
+    return model
+
+
+@pytest.mark.parametrize("make", [_uneven_kv_map, _phi3, _stablelm_norms])
 def test_changes_the_file_cannot_make_leave_the_manifest_alone(make, tmp_path):
     model = make()
     assert not save_standard(model, tmp_path)
