@@ -139,6 +139,13 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                 eos_token_id=2, **GQA), "text"),
     ("hyperclovax", _lm("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", head_dim=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2, **GQA), "text"),
+    # multi-head latent attention over a dense MLP (MiniCPM3's residual updates scaled by the depth)
+    ("minicpm3", _lm("MiniCPM3ForCausalLM", "MiniCPM3Config", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=8,
+                     qk_rope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     **{**GQA, "num_key_value_heads": 8}), "text"),
+    ("youtu", _lm("YoutuForCausalLM", "YoutuConfig", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=8,
+                  qk_rope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  **{**GQA, "num_key_value_heads": 8}), "text"),
     ("gpt_neox", _lm("GPTNeoXForCausalLM", "GPTNeoXConfig", **ENCODER), "text"),
     ("opt", _lm("OPTForCausalLM", "OPTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                 ffn_dim=96, word_embed_proj_dim=64, **TEXT), "text"),

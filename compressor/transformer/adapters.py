@@ -112,6 +112,9 @@ class FamilyAdapter:
     # head (StableLM 2's q_layernorm.norms); `kv_head_rows` the same per KV head (their k norms)
     head_rows: tuple[str, ...] = ()
     kv_head_rows: tuple[str, ...] = ()
+    # the config key of a factor of every residual update divided by sqrt(num_hidden_layers) as a block is built
+    # (MiniCPM3's scale_depth): restated when layers go, so that the kept blocks keep their scale once rebuilt
+    depth_scale_key: str | None = None
     # whether a layer can be removed whole: no where the blocks differ by their place in a stage (Swin shifts
     # every other block's windows), which a model rebuilt from its config with fewer blocks would misplace
     whole_layers: bool = True
@@ -237,6 +240,9 @@ GROUPED_MOE = replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="ml
 # ... behind multi-head latent attention (DeepSeek-V3's)
 LATENT_MOE = replace(GROUPED_MOE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj", v="self_attn.kv_b_proj",
                      latent_attention=True, head_count_attrs=("self_attn.num_heads",))
+# multi-head latent attention over Llama's MLP (MiniCPM3, Youtu-LLM)
+LATENT = replace(LLAMA_LIKE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj", v="self_attn.kv_b_proj",
+                 latent_attention=True, head_count_attrs=("self_attn.num_heads",))
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -355,6 +361,10 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "cwm": LLAMA_LIKE,  # Code World Model: Llama 3's layers, sliding-window ones between global ones
     # HyperCLOVA X SEED: Granite's multipliers on Llama's modules, a norm after each sub-layer too (use_post_norm)
     "hyperclovax": GEMMA2_LIKE,
+    # MiniCPM3: DeepSeek-V3's latent attention over Llama's MLP, each residual update scaled by scale_depth /
+    # sqrt(num_hidden_layers) (restated when layers go), scaled embeddings and logits; Youtu-LLM: the same attention
+    "minicpm3": replace(LATENT, depth_scale_key="scale_depth"),
+    "youtu": LATENT,
     "mixtral": MOE_LIKE,
     # gpt-oss: experts stored transposed with interleaved gate / up columns, biases and a clamped SwiGLU
     # (`experts.INTERLEAVED_EXPERTS`), a router with a bias (mlp.router), sliding-window layers between full ones, a

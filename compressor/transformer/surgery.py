@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,9 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         if isinstance(values, list | tuple) and len(values) == len(blocks):
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
     _restate_legacy_patterns(config)
+    key = adapter_for(model).depth_scale_key
+    if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
+        setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
     owner, name = owner_of(model, layers_path(model))
     setattr(owner, name, nn.ModuleList(kept))
     config.num_hidden_layers = len(kept)

@@ -274,6 +274,15 @@ def _decoder(cls: str, config: str, **fields):
     return _seeded(getattr(transformers, cls), getattr(transformers, config)(**{**sizes, **fields}))
 
 
+def _latent_dense(cls: str, config: str, **fields):
+    """`tiny_latent`'s multi-head latent attention (4 heads; queries through a 24-wide latent) over a Llama MLP of 20
+    neurons, 2 layers."""
+    return _seeded(getattr(transformers, cls), getattr(transformers, config)(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=20, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **fields))
+
+
 def tiny_smollm3():
     """Llama with rotary-free layers (no_rope_layers: the second layer has no positions)."""
     return _decoder("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0], use_sliding_window=False)
@@ -339,7 +348,8 @@ MODELS = {"bert": tiny_bert, "vit": tiny_vit, "deit": tiny_deit, "swin": tiny_sw
 # projection), only their own modeling code around them differing (OLMo's parameter-free LayerNorm and clipped
 # q/k/v, HunYuan's per-head q/k norms, Seed-OSS's q/k/v biases, Nemotron's squared ReLU and LayerNorm1p, GLM's
 # partial rotary, Apertus's xIELU, Command R's parallel FFN and R+'s q/k norms one row per head, StableLM 2's q/k norms
-# one module per head and attribute head counts, Phi-2's fc1 / fc2 and dense, Cohere 2's sliding-window layers):
+# one module per head and attribute head counts, Phi-2's fc1 / fc2 and dense, Cohere 2's sliding-window layers,
+# MiniCPM3's and Youtu-LLM's latent attention over a dense MLP):
 # `test_adapters.py` takes each through the pruning, the exports and a reload once, where MODELS' families each run
 # the whole family-parametrised suite
 LLAMA_SHAPED = {
@@ -364,6 +374,10 @@ LLAMA_SHAPED = {
     "ministral3": lambda: _decoder("Ministral3ForCausalLM", "Ministral3Config"),
     "cwm": lambda: _decoder("CwmForCausalLM", "CwmConfig"),
     "hyperclovax": lambda: _decoder("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig"),
+    # latent attention over a dense MLP; MiniCPM3's residual scale restated with the depth (a layer goes below)
+    "minicpm3": lambda: _latent_dense("MiniCPM3ForCausalLM", "MiniCPM3Config", scale_emb=4.0, scale_depth=1.4,
+                                      dim_model_base=8),
+    "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
 }
 
 # families whose attention heads are not a prunable unit (`FamilyAdapter.heads_prunable`): OLMo 2 and 3 normalise
