@@ -394,11 +394,13 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
     ahead of the next; (...,) bool."""
     method = getattr(router, "topk_method", None)
     # two scores are apart by more than `margin` times the first's magnitude clamped to (low, high): sigmoid scores
-    # (about 0.5) by `margin` itself, ERNIE's (near 1 / experts) by a share of the first, logits as a plain router's
-    low, high = 1.0, 1.0
+    # (about 0.5) by `margin` itself, logits as a plain router's; ERNIE's by a share of the two experts' softmax scores
+    low, high, unbiased = 1.0, 1.0, None
     if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
-        scores = logits.float().softmax(-1) + router.moe_statics.e_score_correction_bias.float().squeeze(0)
-        groups, chosen, low, high = 1, 1, 0.0, None
+        # rounding moves the softmax scores, not the bias: near ties by a share of the two experts' own scores
+        unbiased = logits.float().softmax(-1)
+        scores = unbiased + router.moe_statics.e_score_correction_bias.float().squeeze(0)
+        groups, chosen = 1, 1
         by_group = scores.unflatten(-1, (1, -1))
         group_scores = by_group.max(-1).values
     elif method is not None:  # DeepSeek-V2: softmax scores, a group scored by its best expert; greedy: one group
@@ -427,8 +429,13 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
     within = scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], -1), float("-inf"))
     k = int(router.top_k)
     if k < chosen * by_group.shape[-1]:  # else every expert of the chosen groups is picked
-        top = within.topk(k + 1, -1).values
-        clear &= apart(top[..., k - 1], top[..., k])
+        top = within.topk(k + 1, -1)
+        first, second = top.values[..., k - 1], top.values[..., k]
+        if unbiased is None:
+            clear &= apart(first, second)
+        else:
+            size = unbiased.gather(-1, top.indices[..., k - 1:k + 1]).amax(-1)
+            clear &= first - second > margin * size
     return clear
 
 

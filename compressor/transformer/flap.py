@@ -91,6 +91,9 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if not adapter.heads_prunable:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
                                       "'s attention heads are not a prunable unit")
+    if adapter.latent_attention:  # a head's rows come from latents of their own widths, not 4 x head_dim x hidden
+        raise UnsupportedArchitecture(f"FLAP weighs a head as 4 x head_dim x hidden parameters; "
+                                      f"{model.config.model_type}'s multi-head latent attention heads are not")
     attention, ffn = fluctuation_scores(model, batches)
     head_weight = head_rows(d) / (adapter.up_matrices + 1)
     heads, neurons = flap_allocation(attention, ffn, d.head_dim, head_weight, keep)

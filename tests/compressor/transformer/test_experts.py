@@ -579,3 +579,10 @@ def test_deepseek_v2_and_ernie_near_ties_are_measured_on_their_own_scale():
     tied[0, order[6]] = tied[0, order[5]]  # the 6th and 7th experts of token 0 tie
     for router in (greedy, ernie):
         assert not _groups_clear(router, tied, margin)[0]
+    # ERNIE: a bias that brings token 0's scores near 0 leaves its 6th and 7th experts 6e-8 apart, far within a
+    # rounding of their softmax scores (6e-3 on average): a near tie, however small the biased scores are
+    p = logits[0].softmax(-1)
+    offsets = torch.linspace(1e-5, 0, 160)
+    ernie.moe_statics.e_score_correction_bias = (offsets - p).unsqueeze(0)
+    assert not _groups_clear(ernie, logits, margin)[0]
+    assert _groups_clear(ernie, logits, margin)[1:].float().mean() > 0.5

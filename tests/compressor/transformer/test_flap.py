@@ -88,3 +88,15 @@ def test_a_bias_is_added_by_flap_or_when_asked_and_only_by_methods_that_compensa
     model, _ = prune_transformer(dense, batches, 0.25, method=method, add_bias=add_bias)
     assert all((layer.mlp.down_proj.bias is not None) == biased for layer in layers(model))
     assert bool(widths_of(model).get("biases")) == biased
+
+
+def test_flap_refuses_latent_attention_heads_whose_rows_it_does_not_weigh():
+    """FLAP's allocation weighs a head as 4 x head_dim x hidden parameters; a latent attention head's rows come from
+    latents of their own widths (MiniCPM3-4B's: 2.4x fewer), so its budget would be sized wrong: refused in one line."""
+    from compressor.errors import UnsupportedArchitecture
+
+    from .transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED["minicpm3"]()
+    with pytest.raises(UnsupportedArchitecture, match="minicpm3's multi-head latent attention heads are not"):
+        flap_structure(model, [example_inputs(model)], 0.5)
