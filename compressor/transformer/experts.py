@@ -389,9 +389,9 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
 
 
 def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
-    """Whether a router's choices within groups at each token (`routes_itself`: GLM-4.5's, DeepSeek-V2's) are clear
-    of rounding: its topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups
-    ahead of the next; (...,) bool."""
+    """Whether the choices of a router that routes itself (`routes_itself`: GLM-4.5's, DeepSeek-V2's, ERNIE 4.5's)
+    are clear of rounding at each token: its topk_group-th group ahead of the next by `margin`, and its k-th expert
+    within the chosen groups ahead of the next; (...,) bool."""
     method = getattr(router, "topk_method", None)
     # two scores are apart by more than `margin` times the first's magnitude clamped to (low, high): sigmoid scores
     # (about 0.5) by `margin` itself, logits as a plain router's; ERNIE's by a share of the two experts' softmax scores

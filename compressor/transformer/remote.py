@@ -183,8 +183,8 @@ def module_changes(pruned: nn.Module, dense: nn.Module) -> list[dict[str, Any]] 
             changes.append({"path": path, "kind": "attributes", "values": differing})
     # modules the pruned model dropped outside a replaced one (StableLM 2's per-head norms of removed heads): the
     # file makes no such change, and a model it built would hold them, initialised anew
-    kept, replaced = {p for p, _ in pruned.named_modules()}, [c["path"] for c in changes if c["kind"] in ("removed",
-                                                                                                        "empty")]
+    kept = {p for p, _ in pruned.named_modules()}
+    replaced = [c["path"] for c in changes if c["kind"] in ("removed", "empty")]
     gone = [p for p in dense_modules if p not in kept and not any(p.startswith(r + ".") for r in replaced)]
     if gone:
         log.info("%s: in the model its config builds, not in the pruned one", gone[0])

@@ -263,8 +263,8 @@ def test_latent_attention_heads_keep_their_query_and_key_value_rows_and_leave_th
 def test_grouped_routing_configs_its_router_cannot_run_are_refused_naming_the_values():
     """n_group must split the experts into equal groups of 2 at least (the router sums each group's top 2),
     topk_group must be a count of groups, and a token's experts must fit in its chosen groups (DeepSeek-V2's of one
-    expert, or none when it routes greedily; its two topk_methods only); a Qwen-MoE without
-    routed experts (num_experts 0, which config.json holds as num_local_experts) is a dense model."""
+    expert, or none when it routes greedily; its two topk_methods only); a Qwen-MoE without routed experts
+    (num_experts 0, which config.json holds as num_local_experts) is a dense model."""
     from compressor.errors import UnsupportedArchitecture
     from compressor.transformer.adapters import check_config
 
