@@ -393,14 +393,14 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
     are clear of rounding at each token: its topk_group-th group ahead of the next by `margin`, and its k-th expert
     within the chosen groups ahead of the next; (...,) bool."""
     method = getattr(router, "topk_method", None)
-    # two scores are apart by more than `margin` times the first's magnitude clamped to (low, high): sigmoid scores
-    # (about 0.5) by `margin` itself, logits as a plain router's; ERNIE's by a share of the two experts' softmax scores
+    # two scores are apart by more than `margin` times a size clamped to (low, high): sigmoid scores (about 0.5) by
+    # `margin` itself, logits as a plain router's (by the first's magnitude); ERNIE's by a share of the two experts'
+    # own softmax scores, which rounding moves, not the bias
     low, high, unbiased = 1.0, 1.0, None
     if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
-        # rounding moves the softmax scores, not the bias: near ties by a share of the two experts' own scores
         unbiased = logits.float().softmax(-1)
         scores = unbiased + router.moe_statics.e_score_correction_bias.float().squeeze(0)
-        groups, chosen = 1, 1
+        groups, chosen, low, high = 1, 1, 0.0, None
         by_group = scores.unflatten(-1, (1, -1))
         group_scores = by_group.max(-1).values
     elif method is not None:  # DeepSeek-V2: softmax scores, a group scored by its best expert; greedy: one group
@@ -418,12 +418,12 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
         chosen = int(router.topk_group)
     clear = torch.ones(scores.shape[:-1], dtype=torch.bool, device=scores.device)
 
-    def apart(first: Tensor, second: Tensor) -> Tensor:
-        return first - second > margin * first.abs().clamp(min=low, max=high)
+    def apart(first: Tensor, second: Tensor, size: Tensor) -> Tensor:
+        return first - second > margin * size.abs().clamp(min=low, max=high)
 
     if chosen < groups:
         top = group_scores.topk(chosen + 1, -1).values
-        clear &= apart(top[..., chosen - 1], top[..., chosen])
+        clear &= apart(top[..., chosen - 1], top[..., chosen], top[..., chosen - 1])
     best = group_scores.topk(chosen, -1).indices  # (..., chosen)
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, best, True)
     within = scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], -1), float("-inf"))
@@ -431,11 +431,8 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
     if k < chosen * by_group.shape[-1]:  # else every expert of the chosen groups is picked
         top = within.topk(k + 1, -1)
         first, second = top.values[..., k - 1], top.values[..., k]
-        if unbiased is None:
-            clear &= apart(first, second)
-        else:
-            size = unbiased.gather(-1, top.indices[..., k - 1:k + 1]).amax(-1)
-            clear &= first - second > margin * size
+        size = first if unbiased is None else unbiased.gather(-1, top.indices[..., k - 1:k + 1]).amax(-1)
+        clear &= apart(first, second, size)
     return clear
 
 

@@ -198,28 +198,23 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         keep_output_rows(projection(layer, adapter.q), q_rows)
         keep_output_rows(projection(layer, adapter.k), kv_rows)
         keep_output_rows(projection(layer, adapter.v), kv_rows)
-    if adapter.per_head_outputs:
-        modules = dict(layer.named_modules())
-        for path in adapter.per_head_outputs:  # where the block has them
-            if path in modules:
-                keep_output_rows(projection(layer, path), q_rows)
-    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
-    for path in adapter.head_columns:  # (positions, heads) tables, (heads,) sinks: the kept heads' entries
-        owner, name = owner_of(layer, path)
-        table = getattr(owner, name)
-        setattr(owner, name, nn.Parameter(table.data.index_select(-1, heads.to(table.device)).clone(),
-                                          requires_grad=table.requires_grad))
     modules = dict(layer.named_modules())
-    for paths, kept in ((adapter.head_rows, heads), (adapter.kv_head_rows, kv_heads)):
-        for path in paths:  # per-head norms, where the block has them
+    for path in adapter.per_head_outputs:  # where the block has them
+        if path in modules:
+            keep_output_rows(projection(layer, path), q_rows)
+    keep_input_columns(projection(layer, adapter.o), q_rows, o_weight)
+    # the kept heads' entries of per-head tables, where the block has them: one column per head ((positions, heads)
+    # bias tables, (heads,) sinks), one row or module per query or KV head (per-head q / k norms)
+    for paths, kept, axis in ((adapter.head_columns, heads, -1), (adapter.head_rows, heads, 0),
+                              (adapter.kv_head_rows, kv_heads, 0)):
+        for path in paths:
             owner_path, _, name = path.rpartition(".")
-            if owner_path not in modules or not hasattr(modules[owner_path], name):
-                continue
-            owner, entries = modules[owner_path], getattr(modules[owner_path], name)
+            owner = modules.get(owner_path)
+            entries = getattr(owner, name, None)
             if isinstance(entries, nn.ModuleList):
                 setattr(owner, name, nn.ModuleList([entries[i] for i in kept.tolist()]))
-            else:
-                setattr(owner, name, nn.Parameter(entries.data.index_select(0, kept.to(entries.device)).clone(),
+            elif entries is not None:
+                setattr(owner, name, nn.Parameter(entries.data.index_select(axis, kept.to(entries.device)).clone(),
                                                   requires_grad=entries.requires_grad))
     for attr in adapter.head_count_attrs:
         _set_attr(layer, attr, len(heads))
