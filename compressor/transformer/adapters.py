@@ -38,6 +38,8 @@ class FamilyAdapter:
     down: str  # FFN output projection: its input rows are the neurons
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention
+    # the config flag of multi-query attention, one KV head read by every query head (GPT-BigCode's multi_query)
+    multi_query_key: str | None = None
     # q, k and v are one projection with [q | k | v] output rows (GPT-2's c_attn; Phi-3's qkv_proj, whose k and v
     # parts are KV heads under grouped-query attention)
     fused_qkv: bool = False
@@ -217,6 +219,22 @@ GPT2_LIKE = FamilyAdapter(layers="h", q="attn.c_attn", k="attn.c_attn", v="attn.
                           up=("mlp.c_fc",), down="mlp.c_proj", fused_qkv=True,
                           head_count_attrs=("attn.num_heads",), width_attrs=("attn.split_size",), causal=True,
                           ffn_key="n_inner", positions_from_mask=True)
+# GPT-J: separate q/k/v (reshaped with -1), the FFN beside the attention on one input norm
+GPTJ = FamilyAdapter(layers="h", q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj",
+                     up=("mlp.fc_in",), down="mlp.fc_out", causal=True, ffn_key="n_inner")
+# GPT-BigCode (StarCoder, SantaCoder): GPT-2's blocks under multi-query attention, c_attn fused as [q | k | v] with one
+# KV head's k and v; the attention splits it at embed_dim and repeats its KV head num_key_value_groups times
+GPT_BIGCODE = replace(GPT2_LIKE, width_attrs=("attn.embed_dim",),
+                      head_count_attrs=("attn.num_heads", "attn.num_key_value_groups"),
+                      multi_query_key="multi_query", kv_count_attrs=("attn.kv_heads",))
+# Falcon (the 7B layout: multi_query, rotary): query_key_value fused as [q | k | v] with one KV head's k and v, split by
+# the attention's head count; the FFN beside the attention (parallel_attn) or after it, the attention's output added
+# into the FFN's in place (so a removed FFN's stand-in returns its update at every token)
+FALCON = FamilyAdapter(layers="h", q="self_attention.query_key_value", k="self_attention.query_key_value",
+                       v="self_attention.query_key_value", o="self_attention.dense", up=("mlp.dense_h_to_4h",),
+                       down="mlp.dense_4h_to_h", fused_qkv=True, multi_query_key="multi_query", causal=True,
+                       head_count_attrs=("self_attention.num_heads", "self_attention.num_key_value_groups"),
+                       ffn_key="ffn_hidden_size", full_updates=True)
 # parallel or sequential residual alike (use_parallel_residual): the projections' inputs are what they are
 GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value", k="attention.query_key_value",
                          v="attention.query_key_value", o="attention.dense", up=("mlp.dense_h_to_4h",),
@@ -291,6 +309,22 @@ DISTILBERT = FamilyAdapter(layers="transformer.layer", q="attention.q_lin", k="a
                            o="attention.out_lin", up=("ffn.lin1",), down="ffn.lin2", o_norm="sa_layer_norm",
                            down_norm="output_layer_norm", ffn_key="hidden_dim")
 
+# BERT's layout whose attention reshapes by its own head count and width (RoFormer: rotary positions computed once by
+# the encoder, one table of head_dim for every head)
+ROFORMER = replace(BERT_LIKE, head_count_attrs=("attention.self.num_attention_heads",),
+                   width_attrs=("attention.self.all_head_size",))
+# XLM-R XL / XXL: RoBERTa's modules, pre-norm (a LayerNorm before each sub-layer inside it, none after the residual add)
+XLMR_XL = replace(ROBERTA_LIKE, o_norm=None, down_norm=None)
+# DINOv2 (with registers too): ViT's pre-norm blocks under encoder.layer, each update scaled per channel (layer_scale1
+# / 2, outside the projections); its FFN width is hidden x mlp_ratio and its head size hidden / heads, so no config
+# states pruned widths. DINOv3: the same under model.layer, rotary positions, an attention reshaping by its own count
+DINOV2 = replace(VIT_LIKE, layers="encoder.layer", config_widths=False)
+DINOV3 = replace(VIT_LIKE, layers="model.layer", up=("mlp.up_proj",), down="mlp.down_proj",
+                 head_count_attrs=("attention.num_heads",))
+# CLIP's and SigLIP's vision towers: pre-norm blocks under encoder.layers, attention output out_proj
+CLIP_VISION = replace(VIT_LIKE, layers="encoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
+                      v="self_attn.v_proj", o="self_attn.out_proj")
+
 # hierarchical vision transformer: blocks in stages (encoder.layers.S.blocks.B), patch merging between stages
 # (half the grid, twice the width), windowed attention with a relative-position bias table of one column per head;
 # transformers 5.x's attention reshapes with -1, so only the weights and the table change with the heads
@@ -313,12 +347,28 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "deberta-v2": DEBERTA_V2,
     "mpnet": MPNET,
     "modernbert": MODERNBERT,
+    # BERT's layout under other names: ELECTRA (its embeddings projected to the blocks' width first), ERNIE, RoFormer
+    # (rotary positions), CamemBERT and Data2Vec-Text (RoBERTa's), XLM-R XL (pre-norm)
+    "electra": BERT_LIKE,
+    "ernie": BERT_LIKE,
+    "roformer": ROFORMER,
+    "camembert": ROBERTA_LIKE,
+    "data2vec-text": ROBERTA_LIKE,
+    "xlm-roberta-xl": XLMR_XL,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
+    "dinov2": DINOV2,
+    "dinov2_with_registers": DINOV2,  # register tokens beside [CLS]
+    "dinov3_vit": DINOV3,
+    "clip_vision_model": CLIP_VISION,
+    "siglip_vision_model": CLIP_VISION,  # no [CLS]; an attention-pooling head after the blocks
     "swin": SWIN,
     "opt": OPT_LIKE,
     "gpt2": GPT2_LIKE,
     "gpt_neox": GPT_NEOX,
+    "gptj": GPTJ,
+    "gpt_bigcode": GPT_BIGCODE,
+    "falcon": FALCON,
     "llama": LLAMA_LIKE,
     "mistral": LLAMA_LIKE,
     "qwen2": LLAMA_LIKE,
@@ -402,7 +452,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "deepseek_v2": LATENT_MOE,
 }
 
-VISION_FAMILIES = ("vit", "deit", "swin")  # the vision transformers of ADAPTERS (images in, patches as tokens)
+VISION_FAMILIES = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "dinov3_vit", "clip_vision_model",
+                   "siglip_vision_model")  # the vision transformers of ADAPTERS (images in, patches as tokens)
 
 # families that load but are refused, each with the unit or step that stops it (one line a user can act on)
 REFUSED: dict[str, str] = {
@@ -422,6 +473,9 @@ REFUSED: dict[str, str] = {
     "hunyuan_v1_moe": "HunYuan-MoE's router (a wg projection inside its gate, per-layer expert counts) and its shared "
                       "MLP (sized by the experts' own intermediate_size) are not supported yet; HunYuan dense "
                       "(hunyuan_v1_dense) is",
+    **{name: f"{label} checkpoints hold a text tower and a vision tower; prune the vision tower alone, saved as "
+                 f"{name}_vision_model: {tower}.from_pretrained(path).save_pretrained(out)"
+       for name, label, tower in (("clip", "CLIP", "CLIPVisionModel"), ("siglip", "SigLIP", "SiglipVisionModel"))},
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
@@ -499,15 +553,33 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                      "ERNIE 4.5 MoE is supported with SwiGLU experts (hidden_act silu), its MoE layers one run "
                      "(moe_layer_interval 1: a removed layer would leave a pattern the config cannot state) and "
                      "shared experts (moe_num_shared_experts 1 or more)"),
+    # DINOv2 giant's SwiGLU FFN (weights_in, [x | gate] fused) and DINOv3's gated one (the 7B, H+) are FFNs of another
+    # layout than the family's plain one
+    "dinov2": (lambda c: bool(c.get("use_swiglu_ffn")),
+               "DINOv2 with a SwiGLU FFN (use_swiglu_ffn, the giant checkpoints) is not supported yet; the plain FFN "
+               "of the small, base and large ones is"),
+    "dinov2_with_registers": (lambda c: bool(c.get("use_swiglu_ffn")),
+                              "DINOv2 with a SwiGLU FFN (use_swiglu_ffn, the giant checkpoints) is not supported yet; "
+                              "the plain FFN of the small, base and large ones is"),
+    "dinov3_vit": (lambda c: bool(c.get("use_gated_mlp")),
+                   "DINOv3 with a gated FFN (use_gated_mlp, the H+ and 7B checkpoints) is not supported yet; the plain "
+                   "FFN of the small, base and large ones is"),
+    "gpt_bigcode": (lambda c: not c.get("multi_query", True),
+                    "GPT-BigCode without multi-query attention (multi_query false: q/k/v interleaved per head in "
+                    "c_attn) is not supported yet; the multi-query checkpoints (StarCoder, SantaCoder) are"),
+    "falcon": (lambda c: bool(c.get("new_decoder_architecture")) or not c.get("multi_query", True)
+               or bool(c.get("alibi")),
+               "Falcon is supported in Falcon-7B's layout (multi_query, rotary positions); the grouped q/k/v of "
+               "new_decoder_architecture (Falcon-40B, 180B), per-head q/k/v without multi_query and ALiBi positions "
+               "(Falcon-RW) are not yet (Falcon 3 is saved as llama, which is)"),
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,
                    "DeBERTa-v2 with a convolution after its first layer (conv_kernel_size, the v2 xlarge / xxlarge "
                    "checkpoints) is not supported: the convolution sits between blocks, which are pruned one at a "
                    "time"),
-    "bert": _RELATIVE_POSITIONS,
-    "roberta": _RELATIVE_POSITIONS,
-    "xlm-roberta": _RELATIVE_POSITIONS,
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "ernie", "camembert", "data2vec-text",
+                     "xlm-roberta-xl"), _RELATIVE_POSITIONS),
     # transformers' MPNetEncoder computes its position bias with 32 buckets whatever the config says: another table
     # size does not run (an IndexError in the first forward)
     "mpnet": (lambda c: c.get("relative_attention_num_buckets", 32) != 32,
@@ -693,12 +765,19 @@ def dims(model: nn.Module) -> TransformerDims:
         hidden = int(config.embed_dim)
         return TransformerDims(sum(config.depths), heads, heads, hidden // heads, hidden)  # blocks of every stage
     heads = int(heads_value)
-    kv_heads = int(getattr(config, adapter.kv_heads_key, None) or heads) if adapter.kv_heads_key else heads
+    kv_heads = kv_heads_of(adapter, lambda key: getattr(config, key, None), heads)
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     if adapter.latent_attention:  # each head's keys and values its own; the output projection's inputs a head
         kv_heads, head_dim = heads, int(config.v_head_dim)
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def kv_heads_of(adapter: FamilyAdapter, get: Callable[[str], Any], heads: int) -> int:
+    """The KV heads of a config (`get`: a config field by name, None where it has none) of `heads` query heads."""
+    if adapter.multi_query_key is not None and get(adapter.multi_query_key):
+        return 1
+    return int(get(adapter.kv_heads_key) or heads) if adapter.kv_heads_key else heads
 
 
 def adapter_at(model: nn.Module, index: int) -> FamilyAdapter:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS, dense_ffn_layers
+from .adapters import ADAPTERS, dense_ffn_layers, kv_heads_of
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -174,7 +174,7 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     # config.json keeps a family's own names (GPT-2: n_head for num_attention_heads)
     key = transformers.CONFIG_MAPPING[model_type].attribute_map.get
     heads_before = int(config[key(adapter.heads_key, adapter.heads_key)])
-    kv_before = int(config.get(adapter.kv_heads_key) or heads_before) if adapter.kv_heads_key else heads_before
+    kv_before = kv_heads_of(adapter, config.get, heads_before)
     group = heads_before // kv_before
     heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")

@@ -424,6 +424,7 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         if isinstance(values, list | tuple) and len(values) == len(blocks):
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
     _restate_legacy_patterns(config)
+    _restate_backbone_outputs(config, [i for i in range(len(blocks)) if i not in gone])
     key = adapter_for(model).depth_scale_key
     if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
         setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
@@ -454,6 +455,21 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "
                                       "never removed whole")
+
+
+def _restate_backbone_outputs(config: Any, kept: Sequence[int]) -> None:
+    """A backbone config's stages (DINOv2's: "stem" and "stageN", the output after block N - 1) and the ones its
+    backbone outputs (`out_indices`), restated for the blocks `kept`: a config still naming a removed block's stage
+    is refused as it loads. A removed block's stage is its last kept predecessor's (the block is the identity now);
+    two outputs that become one stage are output once."""
+    names = getattr(config, "stage_names", None)
+    old = len(names) - 1 if isinstance(names, list) else -1
+    if names != ["stem"] + [f"stage{i}" for i in range(1, old + 1)] or old <= len(kept) - 1 \
+            or not hasattr(config, "set_output_features_output_indices"):
+        return
+    stages = sorted({sum(k < i % (old + 1) for k in kept) for i in config.out_indices or [old]})
+    config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, len(kept) + 1)]
+    config.set_output_features_output_indices(out_features=None, out_indices=stages)
 
 
 def _restate_legacy_patterns(config: Any) -> None:

@@ -1242,10 +1242,29 @@ class TextJob(_TransformerJob):
                                    sequence_length=self.draw.length, min_sequence_length=self.draw.min_length)
 
 
+def image_tokens(model: nn.Module) -> int:
+    """Tokens a vision transformer's blocks see per image at its config's size: the patches and the tokens beside
+    them ([CLS], DeiT's distillation token), as the position embeddings count them (a parameter, or CLIP's and
+    SigLIP's table), plus register tokens (DINOv2's and DINOv3's, outside the position embeddings); without position
+    embeddings (DINOv3's rotary, Swin's first stage) the patches and a [CLS] where there is one."""
+    config = model.config
+    embeddings = next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "embeddings"), None)
+    positions, table = getattr(embeddings, "position_embeddings", None), getattr(embeddings, "position_embedding", None)
+    if isinstance(positions, torch.Tensor):
+        tokens = int(positions.shape[1])  # (1, tokens, hidden)
+    elif isinstance(table, nn.Embedding):
+        tokens = table.num_embeddings
+    else:
+        classes = any(getattr(embeddings, name, None) is not None for name in ("cls_token", "class_embedding"))
+        tokens = (int(config.image_size) // int(config.patch_size)) ** 2 + int(classes)
+    return tokens + int(getattr(config, "num_register_tokens", 0) or 0)
+
+
 class ImageTransformerJob(_TransformerJob):
-    """A ViT, DeiT or Swin: calibration images (as for CNNs) through the transformer pipeline. An image classifier
-    (its head kept) is scored by top-1 on labelled --eval images, else by top-1 agreement with the dense model; a
-    bare model by the cosine of the mean-pooled last hidden state to the dense model's."""
+    """A vision transformer (ViT, DeiT, Swin, DINOv2 / v3, CLIP's or SigLIP's vision tower): calibration images (as
+    for CNNs) through the transformer pipeline. An image classifier (its head kept) is scored by top-1 on labelled
+    --eval images, else by top-1 agreement with the dense model; a bare model by the cosine of the mean-pooled last
+    hidden state to the dense model's."""
 
     EVAL_SAMPLES = 64
 
@@ -1267,13 +1286,7 @@ class ImageTransformerJob(_TransformerJob):
         self.metric = _image_metric(self.eval_y, int(config.num_labels) if self.classifier else None,
                                     request.eval or request.calibration)
         self.shape = {"batch": request.shape.get("batch", 8)}
-        # the patches and the tokens before them ([CLS]; DeiT's distillation token too), as the position
-        # embeddings count them; Swin has neither (its first stage's patches)
-        embeddings = getattr(getattr(self.dense, "base_model", self.dense), "embeddings", None)
-        positions = getattr(embeddings, "position_embeddings", None)
-        classes = int(getattr(embeddings, "cls_token", None) is not None)
-        self.tokens = int(positions.shape[1]) if positions is not None else \
-            (size // int(config.patch_size)) ** 2 + classes
+        self.tokens = image_tokens(self.dense)
         say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
             f"{request.method}")
 

@@ -13,6 +13,7 @@ from compressor.transformer.adapters import ADAPTERS, adapter_for, check_config,
 from compressor.transformer.flap import flap_structure
 from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
+from compressor.transformer.sublayers import FFN, remove_sublayer
 from compressor.transformer.surgery import (
     ffn_width,
     load_pruned,
@@ -24,7 +25,16 @@ from compressor.transformer.surgery import (
 )
 from exporters.onnx import check_decode_parity, check_hf_parity, export_decode_step, export_hf_onnx
 
-from .transformer_models import HEADS_FIXED, LLAMA_SHAPED, MODELS, MOE_EXTRA, MOE_MIXED, example_inputs, first_output
+from .transformer_models import (
+    ENCODER_SHAPED,
+    HEADS_FIXED,
+    LLAMA_SHAPED,
+    MODELS,
+    MOE_EXTRA,
+    MOE_MIXED,
+    example_inputs,
+    first_output,
+)
 
 
 def _exports_and_decodes(pruned, tmp_path) -> None:
@@ -40,7 +50,7 @@ def _exports_and_decodes(pruned, tmp_path) -> None:
 
 def test_every_family_with_a_record_has_a_tiny_model_under_test():
     """A record without a model under test is a family nobody has run."""
-    tested = set(MODELS) | set(LLAMA_SHAPED) | set(HEADS_FIXED) | set(MOE_EXTRA) | set(MOE_MIXED)
+    tested = set(MODELS) | set(LLAMA_SHAPED) | set(ENCODER_SHAPED) | set(HEADS_FIXED) | set(MOE_EXTRA) | set(MOE_MIXED)
     assert set(ADAPTERS) - tested <= {"roberta", "xlm-roberta", "gemma", "mistral"}
 
 
@@ -56,8 +66,27 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
     check_config({**model.config.to_dict(), "model_type": name}, name)  # the CLI's and the server's check passes
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
 
-    # each block replayed on its captured inputs gives what it gives inside the model (the family's own forward:
-    # multipliers, clipping, norms)
+    _replays_its_blocks(model, data)
+
+    # both units pruned by the pipeline (single query heads: a layer may keep 3 of 4), then a layer removed
+    pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
+    assert {r.kind for r in reports} >= {"ffn_neurons"} and any(r.width_after < r.width_before for r in reports)
+    assert sum(query_heads(pruned, i) for i in range(2)) < 8
+    assert torch.isfinite(first_output(pruned)).all()
+    remove_layers(pruned, [0])
+    if not adapter_for(pruned).normed_updates:  # its FFN alone too (Falcon adds into the FFN's output in place)
+        remove_sublayer(pruned, 0, FFN, torch.randn(32, generator=torch.Generator().manual_seed(0)))
+    _exports_and_decodes(pruned, tmp_path)
+
+    save_pruned(pruned, tmp_path / "saved")
+    reloaded = load_pruned(tmp_path / "saved")
+    assert type(reloaded) is type(pruned) and reloaded.config.model_type == name
+    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+
+
+def _replays_its_blocks(model, data) -> None:
+    """Each block replayed on its captured inputs gives what it gives inside the model (the family's own forward:
+    multipliers, clipping, norms, layer scales, rotary tables)."""
     stream = capture_block_inputs(model, data[:1], torch.device("cpu"), torch.float32)[0]
     with torch.no_grad():
         expected = model(**data[0], output_hidden_states=True).hidden_states
@@ -68,18 +97,43 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
             if i + 1 < len(layers(model)):
                 torch.testing.assert_close(hidden, expected[i + 1], rtol=1e-5, atol=1e-5)
 
-    # both units pruned by the pipeline (single query heads: a layer may keep 3 of 4), then a layer removed
-    pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
-    assert {r.kind for r in reports} >= {"ffn_neurons"} and any(r.width_after < r.width_before for r in reports)
-    assert sum(query_heads(pruned, i) for i in range(2)) < 8
-    assert torch.isfinite(first_output(pruned)).all()
-    remove_layers(pruned, [0])
-    _exports_and_decodes(pruned, tmp_path)
 
+@pytest.mark.parametrize("name", sorted(ENCODER_SHAPED))
+def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path):
+    """Text encoders and vision transformers on BERT's or ViT's modules: heads and neurons pruned by the pipeline, a
+    layer and then the last layer's FFN removed (its update a constant vector), exported within 1e-4 and reloaded."""
+    model = ENCODER_SHAPED[name]()
+    assert adapter_for(model) is ADAPTERS[name] and not adapter_for(model).causal
+    check_config({**model.config.to_dict(), "model_type": name}, name)
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    _replays_its_blocks(model, data)
+    pruned, reports = prune_transformer(model, data, 0.3)
+    assert {r.kind for r in reports} == {"attention_heads", "ffn_neurons"}
+    assert all(r.width_after < r.width_before for r in reports)
+    remove_layers(pruned, [0])
+    remove_sublayer(pruned, 0, FFN, torch.randn(pruned.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+    example = example_inputs(pruned, batch=2, length=10, seed=5)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="last_hidden_state")
+    assert check_hf_parity(pruned, path, example, "last_hidden_state").max_abs_error < 1e-4
     save_pruned(pruned, tmp_path / "saved")
     reloaded = load_pruned(tmp_path / "saved")
-    assert type(reloaded) is type(pruned) and reloaded.config.model_type == name
-    torch.testing.assert_close(first_output(reloaded), first_output(pruned))
+    assert type(reloaded) is type(pruned) and reloaded.config.num_hidden_layers == 1
+    torch.testing.assert_close(first_output(reloaded, example), first_output(pruned, example))
+
+
+def test_a_backbone_config_names_the_stages_of_the_blocks_kept():
+    """DINOv2's config lists a stage per block and the stages its backbone outputs: removing blocks restates both
+    (a config naming a removed block's stage is refused as it loads); a removed block's stage is its last kept
+    predecessor's, and two outputs that land on one stage are output once."""
+    model = transformers.Dinov2Model(transformers.Dinov2Config(
+        hidden_size=16, num_hidden_layers=4, num_attention_heads=2, image_size=8, patch_size=4,
+        out_indices=[1, 2, 4])).eval()
+    remove_layers(model, [1, 2])
+    assert model.config.stage_names == ["stem", "stage1", "stage2"]
+    assert model.config.out_indices == [1, 2] and model.config.out_features == ["stage1", "stage2"]
+    transformers.Dinov2Config.from_dict(model.config.to_dict())  # what a reload builds: valid
+    remove_layers(model, [0])  # the first block's output is now the embeddings' (the stem's)
+    assert model.config.stage_names == ["stem", "stage1"] and model.config.out_features == ["stem", "stage1"]
 
 
 @pytest.mark.parametrize("name, norms", [("cohere", ("q_norm.weight", "k_norm.weight")),

@@ -19,11 +19,15 @@ from compressor.transformer.surgery import (
     remove_layers,
 )
 
-from .transformer_models import MODELS, example_inputs, first_output, tiny_llama
+from .transformer_models import ENCODER_SHAPED, LLAMA_SHAPED, MODELS, example_inputs, first_output, tiny_llama
 
 # every family whose pruning the file can state; the rest below keep the manifest alone
 REMOTE = ["bert", "distilbert", "modernbert", "deberta-v2", "mpnet", "vit", "deit", "swin", "opt", "gpt2", "gpt_neox",
-          "llama", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+          "llama", "qwen2", "qwen3", "gemma2", "gemma3_text",
+          # records on the modules of the families above: a pre-norm BERT, a ViT of layer scales whose config cannot
+          # state widths, one of rotary patches, CLIP's vision tower, GPT-J
+          "xlm-roberta-xl", "dinov2", "dinov3_vit", "clip_vision_model", "gptj"]
+BUILDERS = {**MODELS, **ENCODER_SHAPED, **LLAMA_SHAPED}
 
 
 def _prune_unevenly(model) -> None:
@@ -47,7 +51,7 @@ def _auto_load(directory, model):
 
 @pytest.mark.parametrize("family", REMOTE)
 def test_unequal_widths_load_with_trust_remote_code_and_give_the_pruned_outputs(family, tmp_path):
-    model = MODELS[family]()
+    model = BUILDERS[family]()
     _prune_unevenly(model)
     assert not save_standard(model, tmp_path)
     assert (tmp_path / f"{MODULE}.py").is_file() and (tmp_path / MANIFEST).is_file()  # load_pruned still reads it

@@ -378,6 +378,48 @@ LLAMA_SHAPED = {
     "minicpm3": lambda: _latent_dense("MiniCPM3ForCausalLM", "MiniCPM3Config", scale_emb=4.0, scale_depth=1.4,
                                       dim_model_base=8),
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
+    # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
+    # attention (one KV head in c_attn, [q | k | v]) and learned positions
+    "gptj": lambda: _seeded(transformers.GPTJForCausalLM, transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=20, n_positions=32, rotary_dim=4, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)),
+    "gpt_bigcode": lambda: _seeded(transformers.GPTBigCodeForCausalLM, transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=20, n_positions=32, multi_query=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Falcon-7B's layout: multi-query attention fused as [q | k | v], the FFN beside the attention
+    "falcon": lambda: _seeded(transformers.FalconForCausalLM, transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=20,
+        max_position_embeddings=32, multi_query=True, parallel_attn=True, bias=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)),
+}
+
+_TEXT_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+                     max_position_embeddings=40)
+_IMAGE_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24, image_size=16,
+                      patch_size=4)
+
+
+def _encoder(cls: str, config: str, **fields):
+    return lambda: _seeded(getattr(transformers, cls), getattr(transformers, config)(**fields))
+
+
+# encoders whose blocks are BERT's or ViT's modules under their own paths, each taken through the pruning, the export
+# and a reload once by `test_adapters.py`: ELECTRA's embedding projection, RoFormer's rotary positions, XLM-R XL's
+# pre-norm; DINOv2's layer scales (its FFN 4 x hidden whatever intermediate_size says), register tokens, DINOv3's
+# rotary patches, CLIP's and SigLIP's vision towers
+ENCODER_SHAPED = {
+    "electra": _encoder("ElectraModel", "ElectraConfig", embedding_size=16, **_TEXT_ENCODER),
+    "ernie": _encoder("ErnieModel", "ErnieConfig", **_TEXT_ENCODER),
+    "roformer": _encoder("RoFormerModel", "RoFormerConfig", **_TEXT_ENCODER),
+    "camembert": _encoder("CamembertModel", "CamembertConfig", pad_token_id=1, **_TEXT_ENCODER),
+    "data2vec-text": _encoder("Data2VecTextModel", "Data2VecTextConfig", pad_token_id=1, **_TEXT_ENCODER),
+    "xlm-roberta-xl": _encoder("XLMRobertaXLModel", "XLMRobertaXLConfig", pad_token_id=1, **_TEXT_ENCODER),
+    "dinov2": _encoder("Dinov2Model", "Dinov2Config", layerscale_value=0.5, **_IMAGE_ENCODER),
+    "dinov2_with_registers": _encoder("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig", num_register_tokens=2,
+                                      **_IMAGE_ENCODER),
+    "dinov3_vit": _encoder("DINOv3ViTModel", "DINOv3ViTConfig", num_register_tokens=2, **_IMAGE_ENCODER),
+    "clip_vision_model": _encoder("CLIPVisionModel", "CLIPVisionConfig", **_IMAGE_ENCODER),
+    "siglip_vision_model": _encoder("SiglipVisionModel", "SiglipVisionConfig", **_IMAGE_ENCODER),
 }
 
 # families whose attention heads are not a prunable unit (`FamilyAdapter.heads_prunable`): OLMo 2 and 3 normalise
@@ -400,7 +442,7 @@ def ffn_keep(model, keep: list[int]) -> list[int]:
 
 def example_inputs(model, batch: int = 2, length: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    if model.config.model_type in ("vit", "deit", "swin"):
+    if hasattr(model.config, "num_channels"):  # a vision transformer
         size = model.config.image_size
         return {"pixel_values": torch.randn(batch, 3, size, size, generator=gen)}
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)

@@ -960,6 +960,14 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
     ({"model_type": "bert", "position_embedding_type": "relative_key"}, "relative_key / relative_key_query"),
     ({"model_type": "mpnet", "relative_attention_num_buckets": 16}, "relative_attention_num_buckets other than 32"),
     ({"model_type": "convnextv2", "num_channels": 3}, "ConvNeXt V2's GRN layers"),
+    ({"model_type": "clip"}, "prune the vision tower alone, saved as clip_vision_model: CLIPVisionModel"),
+    ({"model_type": "siglip"}, "saved as siglip_vision_model: SiglipVisionModel.from_pretrained"),
+    ({"model_type": "dinov2", "num_channels": 3, "use_swiglu_ffn": True}, "DINOv2 with a SwiGLU FFN (use_swiglu_ffn"),
+    ({"model_type": "dinov3_vit", "num_channels": 3, "use_gated_mlp": True}, "DINOv3 with a gated FFN"),
+    ({"model_type": "gpt_bigcode", "multi_query": False}, "GPT-BigCode without multi-query attention"),
+    ({"model_type": "falcon", "new_decoder_architecture": True}, "the grouped q/k/v of new_decoder_architecture"),
+    ({"model_type": "falcon", "alibi": True}, "ALiBi positions (Falcon-RW)"),
+    ({"model_type": "electra", "position_embedding_type": "relative_key_query"}, "relative_key / relative_key_query"),
 ])
 def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, config, words, capsys):
     """The CLI applies the server's architecture rule (check_config) before loading anything: the line names

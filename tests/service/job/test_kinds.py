@@ -628,3 +628,17 @@ def test_mis_scaled_calibration_images_are_warned_of(tmp_path):
     binary = (torch.randint(0, 2, (4, 3, 8, 8)) / 255 - 0.5) / 0.25  # uint8 pixels of 0 and 1, normalised
     assert "every pixel is 0 or 1 of 255" in _image_value_warnings(binary, npz)[0]
     assert _image_value_warnings((torch.rand(4, 3, 8, 8) - 0.5) / 0.25, npz) == []
+
+
+@pytest.mark.parametrize("name", ["vit", "deit", "dinov2", "dinov2_with_registers", "dinov3_vit", "clip_vision_model",
+                                  "siglip_vision_model"])
+def test_a_vision_transformer_is_costed_at_the_tokens_its_blocks_see(name):
+    """The latency model's sequence length: the patches, [CLS], DeiT's distillation token, register tokens (outside
+    DINOv2's position embeddings; DINOv3 has none), as many as the blocks' outputs hold."""
+    from service.job.kinds import image_tokens
+    from tests.compressor.transformer.transformer_models import ENCODER_SHAPED, MODELS, example_inputs
+
+    model = {**MODELS, **ENCODER_SHAPED}[name]()
+    with torch.no_grad():
+        seen = model(**example_inputs(model), output_hidden_states=True).hidden_states[1].shape[1]
+    assert image_tokens(model) == seen
