@@ -213,6 +213,10 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                          **{**GQA, "num_hidden_layers": 3}), "text"),
     ("qwen2_moe", _lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=96, shared_expert_intermediate_size=128, **GQA), "text"),
+    # decoders served as encoders: an embedding model's base model (Qwen3-Embedding), a reranker's score head
+    ("qwen3-embedding", _lm("Qwen3Model", "Qwen3Config", head_dim=8, pad_token_id=0, **GQA), "text"),
+    ("qwen3-reranker", _lm("Qwen3ForSequenceClassification", "Qwen3Config", head_dim=8, pad_token_id=0, num_labels=1,
+                           **GQA), "text"),
     ("bert", _lm("BertModel", "BertConfig", **ENCODER), "text"),
     ("roberta", _lm("RobertaModel", "RobertaConfig", pad_token_id=1, **ENCODER), "text"),
     ("distilbert", _lm("DistilBertModel", "DistilBertConfig", dim=64, n_layers=2, n_heads=8, hidden_dim=96, **TEXT),

@@ -193,6 +193,10 @@ def _reduce(kind: str, output: np.ndarray, feed: dict[str, np.ndarray]) -> Any:
         return (output * mask).sum(1) / np.maximum(mask.sum(1), 1)
     if kind == "cls_pool":  # a sentence model that pools its first token's state (BGE-style)
         return output[:, 0]
+    if kind == "lasttoken_pool":  # a decoder's embedding: the state of each row's last non-padding token (either side)
+        mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64)).astype(bool)
+        last = np.where(mask, np.arange(mask.shape[1]), -1).max(1)  # (batch,); -1 (the last) for a row all padding
+        return output[np.arange(len(output)), last]
     if kind == "max_pool":  # one that pools each channel's largest value over non-padding tokens
         mask = feed.get("attention_mask", np.ones(output.shape[:2], np.int64))[..., None].astype(bool)
         return np.where(mask, output, -np.inf).max(1)
@@ -367,7 +371,8 @@ def _child(answer_fd: int, parent_pid: int) -> None:
 def run_outputs(path: str | Path, batches: list[Batch], *, provider: str = "cpu", threads: int | None = None,
                 reduce: str = "all", piece_bytes: int | None = None) -> list[Any]:
     """Run `path` on each batch (a list in input order, or a dict by name) in a subprocess; per batch all
-    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "cls_pool", "max_pool", "nll").
+    outputs (`reduce="all"`) or the first output reduced ("raw", "mean_pool", "cls_pool", "max_pool",
+    "lasttoken_pool", "nll").
     A graph whose one session the host cannot hold (`piece_budget`), or any graph given `piece_bytes`, runs in
     pieces of at most that many bytes of weights, one session at a time (`exporters.pieces`)."""
     if piece_bytes is None:

@@ -58,9 +58,10 @@ def link_onnx(onnx: Path, model_dir: Path) -> Path:
 
 
 def sentence_pooling(source: Path) -> str:
-    """How a sentence-transformers model pools its token states into the embedding it serves: "cls", "max" or
-    "mean" (also for a model that is none, and for the rarer modes, whose cosine mean pooling approximates).
-    sentence-transformers 5 writes flags (`pooling_mode_cls_token`, ...), 6 one `pooling_mode`."""
+    """How a sentence-transformers model pools its token states into the embedding it serves: "cls", "max",
+    "lasttoken" (a decoder's embedding: Qwen3-Embedding, gte-Qwen2, e5-mistral) or "mean" (also for a model that is
+    none, and for the rarer modes, whose cosine mean pooling approximates). sentence-transformers 5 writes flags
+    (`pooling_mode_cls_token`, ...), 6 one `pooling_mode`."""
     try:
         modules = sentence_modules(Path(source)) or []
     except LayoutError:
@@ -75,8 +76,10 @@ def sentence_pooling(source: Path) -> str:
         if not isinstance(config, dict):
             return "mean"
         mode = config.get("pooling_mode")
-        if mode in ("cls", "max"):
+        if mode in ("cls", "max", "lasttoken"):
             return mode
+        if mode is None and config.get("pooling_mode_lasttoken") and not config.get("pooling_mode_mean_tokens"):
+            return "lasttoken"
         if mode is None and config.get("pooling_mode_cls_token") and not config.get("pooling_mode_mean_tokens"):
             return "cls"
         if mode is None and config.get("pooling_mode_max_tokens") and not config.get("pooling_mode_mean_tokens"):

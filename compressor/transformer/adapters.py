@@ -189,11 +189,7 @@ class FamilyAdapter:
 
 
 def _has(block: nn.Module, path: str) -> bool:
-    try:
-        block.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
+    return _submodule(block, path) is not None
 
 
 @functools.cache
@@ -681,24 +677,30 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     return adapter
 
 
-def _base(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
-    """The module that holds `adapter.layers` (task heads wrap the base model under a prefix)."""
-    root = adapter.layers.split(".")[0]
-    if hasattr(model, root):
-        return model
-    for child in model.children():
-        if hasattr(child, root):
-            return child
+def layers_path(model: nn.Module) -> str:
+    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h"); of the stages'
+    where blocks are grouped in stages (`FamilyAdapter.stage_blocks`). The record's path is the family's task models'
+    (Qwen3ForCausalLM's model.layers); a task head may wrap the base model under another prefix, and the base model
+    alone (Qwen3Model, what an embedding checkpoint such as Qwen3-Embedding saves) holds the path's end (layers)."""
+    adapter = adapter_for(model)
+    parts = adapter.layers.split(".")
+    if hasattr(model, parts[0]):
+        return adapter.layers
+    for name, child in model.named_children():
+        if hasattr(child, parts[0]):
+            return f"{name}.{adapter.layers}"
+    for start in range(1, len(parts)):
+        path = ".".join(parts[start:])
+        if isinstance(_submodule(model, path), nn.ModuleList):
+            return path
     raise UnsupportedArchitecture(f"no {adapter.layers!r} in {type(model).__name__}")
 
 
-def layers_path(model: nn.Module) -> str:
-    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h"); of the stages'
-    where blocks are grouped in stages (`FamilyAdapter.stage_blocks`)."""
-    adapter = adapter_for(model)
-    base = _base(model, adapter)
-    prefix = next((name for name, module in model.named_modules() if module is base), "")
-    return f"{prefix}.{adapter.layers}" if prefix else adapter.layers
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def block_lists(model: nn.Module) -> list[str]:

@@ -59,8 +59,8 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), True
     adapter = ADAPTERS.get(config.model_type)
-    if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None and not adapter.causal:
-        return getattr(transformers, arch), False
+    if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None:
+        return getattr(transformers, arch), False  # a decoder's too (a reranker's or reward model's score head)
     if not arch and adapter is not None and adapter.causal:
         name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
         if hasattr(transformers, name):

@@ -1122,7 +1122,10 @@ class TextJob(_TransformerJob):
         check_token_ids(held, vocabulary, request.eval or request.calibration)
         self.batches, self.eval_batches = self._typed(calibration), self._typed(held)
         self._pool: list[dict[str, torch.Tensor]] | None = None  # drawn for the first whole-model fit
-        self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier else COSINE
+        # a head of one output (a cross-encoder reranker's or a reward model's score) has no top-1 to agree on (its
+        # argmax is always 0): its scores are compared over the samples, centred, by `cosine`
+        scores = self.classifier and int(getattr(self.dense.config, "num_labels", 2) or 2) == 1
+        self.metric = PERPLEXITY if self.causal else AGREEMENT if self.classifier and not scores else COSINE
         # an embedding model's cosine is of the embedding it serves: its sentence-transformers pooling
         self.pooling = "mean" if self.causal or self.classifier else \
             sentence_pooling(Path(str(request.model)).expanduser())
@@ -1201,10 +1204,10 @@ class TextJob(_TransformerJob):
         return run_outputs(path, [{k: v.numpy() for k, v in b.items()} for b in batches], reduce=reduce)
 
     def secondary(self, outputs: list, reference: list) -> dict[str, float]:
-        return {COSINE.name: cosine(outputs, reference)} if self.classifier else {}
+        return {COSINE.name: cosine(outputs, reference)} if self.metric == AGREEMENT else {}
 
     def baseline_warnings(self, reference: list) -> list[str]:
-        if not self.classifier:
+        if self.metric != AGREEMENT:
             return []
         return _one_class_warnings(np.concatenate(reference), "windows", "calibrate on text of the model's task")
 

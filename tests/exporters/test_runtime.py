@@ -450,6 +450,10 @@ def test_the_cls_and_max_poolings_read_the_served_embedding():
     mask = np.array([[1, 1, 1], [1, 1, 0]])
     np.testing.assert_array_equal(_reduce("cls_pool", states, {"attention_mask": mask}), states[:, 0])
     np.testing.assert_array_equal(_reduce("max_pool", states, {"attention_mask": mask}), [[4, 5], [8, 9]])
+    # a decoder's embedding: each row's last real token, right- or left-padded
+    np.testing.assert_array_equal(_reduce("lasttoken_pool", states, {"attention_mask": mask}), [[4, 5], [8, 9]])
+    left = np.array([[1, 1, 1], [0, 1, 1]])
+    np.testing.assert_array_equal(_reduce("lasttoken_pool", states, {"attention_mask": left}), [[4, 5], [100, 100]])
 
 
 def test_the_default_threads_keep_within_the_cgroups_cpu_quota(tmp_path, monkeypatch):

@@ -164,7 +164,9 @@ def test_sentence_transformers_6_module_names_are_read(tmp_path):
     ({"word_embedding_dimension": 32, "pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}, "max"),
     ({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, "mean"),
     ({"embedding_dimension": 32, "pooling_mode": "cls"}, "cls"),  # sentence-transformers 6
-    ({"embedding_dimension": 32, "pooling_mode": "lasttoken"}, "mean"),
+    ({"embedding_dimension": 32, "pooling_mode": "lasttoken"}, "lasttoken"),  # a decoder's (Qwen3-Embedding)
+    ({"word_embedding_dimension": 32, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, "lasttoken"),
+    ({"embedding_dimension": 32, "pooling_mode": "weightedmean"}, "mean"),  # approximated by the mean
 ])
 def test_the_pooling_a_sentence_model_serves_is_read(tmp_path, config, pooling):
     source = _sentence_model(tmp_path / "src")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from compressor.transformer.adapters import dims, layers
+from compressor.transformer.adapters import dims, layers, layers_path
 from compressor.transformer.models import hf_model_class, load_transformer
 from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks
@@ -279,3 +279,25 @@ def test_an_encoder_classifier_keeps_its_head_and_other_heads_are_dropped(tmp_pa
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "mlm")
     loaded = load_transformer(str(tmp_path / "mlm"))
     assert (type(loaded.model).__name__, loaded.output_name) == ("BertModel", "last_hidden_state")
+
+
+@pytest.mark.parametrize("cls, config, path", [
+    ("Qwen3Model", "Qwen3Config", "layers"),  # an embedding model's checkpoint (Qwen3-Embedding, gte-Qwen2)
+    ("MistralModel", "MistralConfig", "layers"),  # e5-mistral's
+    ("Qwen3ForSequenceClassification", "Qwen3Config", "model.layers"),  # a reranker's or reward model's score head
+    ("OPTModel", "OPTConfig", "decoder.layers"),
+])
+def test_a_decoder_familys_base_model_and_score_head_load_as_encoders(cls, config, path, tmp_path):
+    """A decoder family's base model (no LM head) or sequence classifier is an encoder here: its last hidden state or
+    its logits out, no decode step; its blocks where the family's causal LM holds them under `model.`."""
+    import transformers
+
+    torch.manual_seed(0)
+    getattr(transformers, cls)(getattr(transformers, config)(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=20, ffn_dim=20, max_position_embeddings=32, pad_token_id=0, num_labels=1,
+        word_embed_proj_dim=32)).save_pretrained(tmp_path / cls)
+    loaded = load_transformer(str(tmp_path / cls))
+    assert type(loaded.model).__name__ == cls and not loaded.causal
+    assert loaded.output_name == ("logits" if cls.endswith("Classification") else "last_hidden_state")
+    assert layers_path(loaded.model) == path and layers(loaded.model) is loaded.model.get_submodule(path)

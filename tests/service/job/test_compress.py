@@ -982,6 +982,30 @@ def test_an_unsupported_family_is_refused_in_one_line_before_loading(tmp_path, c
     assert words in err and "not an image model" not in err
 
 
+def test_a_decoder_reranker_is_compressed_as_an_encoder_scored_by_its_scores(tmp_path):
+    """A Qwen3 reranker's score head (num_labels 1) through the CLI: an encoder job (no decode step), exported with its
+    last-token pooling (the last token that is not padding) within parity, scored by the centred cosine of its
+    scores, never by the top-1 agreement of a single column (1.0 for any model)."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=20, max_position_embeddings=64, pad_token_id=0, num_labels=1)).save_pretrained(tmp_path / "m")
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=1200), offsets=[0, 600, 1200])
+    code = cli.main(["compress", str(tmp_path / "m"), "--uniform-ratio", "0.25", "--calibration",
+                     str(tmp_path / "ids.npz"), "--sequences", "16", "--sequence-length", "16", "--repeats", "3",
+                     "--refine-steps", "0", "--accuracy-budget", "none", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (code, report["status"]) in ((0, "ok"), (2, "slower_than_dense"))
+    assert report["metric"]["name"] == "cosine" and report["metric"]["compressed"] < 1.0
+    assert "decode_step" not in report["artifacts"] and not (tmp_path / "out" / "decode.onnx").exists()
+    assert report["artifacts"]["parity"]["peak_error"] < 1e-4
+    assert report["artifacts"]["serving"]["optimum"] == "ORTModelForSequenceClassification"
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"))
+    assert [(o.name, o.shape[-1]) for o in session.get_outputs()][:1] == [("logits", 1)]
+
+
 @pytest.mark.parametrize("family", ["gpt2", "phi3", "modernbert", "qwen3_moe"])
 def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path):
     """GPT-2 (Conv1D projections: block reconstruction fits them too), Phi-3 (fused qkv / gate_up, a per-layer

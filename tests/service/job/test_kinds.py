@@ -557,6 +557,43 @@ def test_an_earlier_jobs_listed_files_in_the_models_own_folder_stay(tmp_path):
     assert not (model / "config.json").exists() and not (model / "preprocessor_config.json").exists()
 
 
+@pytest.mark.parametrize("cls, labels, metric, reduce", [
+    ("Qwen3Model", None, "cosine", "lasttoken_pool"),  # Qwen3-Embedding: its last token's state, as it serves it
+    ("Qwen3ForSequenceClassification", 1, "cosine", "raw"),  # a reranker's score: no top-1 to agree on
+    ("Qwen3ForSequenceClassification", 3, "agreement", "raw"),
+    ("BertForSequenceClassification", 1, "cosine", "raw"),  # a cross-encoder's (ms-marco-MiniLM)
+])
+def test_a_decoder_embedding_or_a_score_head_is_scored_on_what_it_serves(tmp_path, monkeypatch, cls, labels, metric,
+                                                                          reduce):
+    """A decoder family's base model (an embedding model) or sequence classifier is an encoder job: no decode step,
+    its pooling read from its sentence-transformers modules (last token); a head of one output (a reranker's or a
+    reward model's score), whose argmax is always 0, was scored by top-1 agreement, 1.0 for any model."""
+    import json
+
+    import transformers
+
+    fields = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=20,
+                  max_position_embeddings=64, pad_token_id=0, **({"num_labels": labels} if labels else {}))
+    config = getattr(transformers, cls.replace("ForSequenceClassification", "").replace("Model", "") + "Config")
+    torch.manual_seed(0)
+    getattr(transformers, cls)(config(**fields)).save_pretrained(tmp_path / "m")
+    if labels is None:  # sentence-transformers' modules of a last-token-pooled decoder
+        (tmp_path / "m" / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (tmp_path / "m" / "1_Pooling").mkdir()
+        (tmp_path / "m" / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}))
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=4000), offsets=[0, 2000, 4000])
+    job = TextJob(CompressRequest(model=str(tmp_path / "m"), uniform_ratio=0.5, calibration=tmp_path / "ids.npz",
+                                  sequences=16, sequence_length=32), lambda line: None)
+    assert not job.causal and job.metric.name == metric
+    calls = []
+    monkeypatch.setattr("service.job.kinds.run_outputs", lambda path, batches, reduce: calls.append(reduce) or [])
+    job.outputs(tmp_path / "model.onnx")
+    assert calls == [reduce]
+
+
 def test_an_embedding_model_is_scored_on_the_pooling_it_serves(tmp_path, monkeypatch):
     """A CLS-pooled sentence model's cosine was of its mean-pooled states, not of the embedding it serves."""
     import json
