@@ -152,6 +152,8 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     # multi-query attention: one KV head for the eight query heads
     ("gpt_bigcode", _lm("GPTBigCodeForCausalLM", "GPTBigCodeConfig", n_embd=64, n_layer=2, n_head=8, n_inner=96,
                         n_positions=64, multi_query=True, vocab_size=50, bos_token_id=1, eos_token_id=2), "text"),
+    ("gpt_bigcode-mha", _lm("GPTBigCodeForCausalLM", "GPTBigCodeConfig", n_embd=64, n_layer=2, n_head=8, n_inner=96,
+                            n_positions=64, multi_query=False, vocab_size=50, bos_token_id=1, eos_token_id=2), "text"),
     ("falcon", _lm("FalconForCausalLM", "FalconConfig", ffn_hidden_size=96, multi_query=True, parallel_attn=True,
                    bos_token_id=1, eos_token_id=2, **ENCODER), "text"),
     ("opt", _lm("OPTForCausalLM", "OPTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -242,6 +244,12 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                                   num_register_tokens=4, **IMAGE), "image"),
     ("dinov3_vit", _lm("DINOv3ViTModel", "DINOv3ViTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                        intermediate_size=96, patch_size=8, num_register_tokens=4, **IMAGE), "image"),
+    # the gated FFNs of DINOv2 giant and DINOv3 H+ / 7B
+    ("dinov2-swiglu", _lm("Dinov2Model", "Dinov2Config", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                          mlp_ratio=2, use_swiglu_ffn=True, patch_size=8, **IMAGE), "image"),
+    ("dinov3_vit-gated", _lm("DINOv3ViTModel", "DINOv3ViTConfig", hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=8, intermediate_size=96, use_gated_mlp=True, patch_size=8,
+                             num_register_tokens=4, **IMAGE), "image"),
     ("clip_vision_model", _lm("CLIPVisionModel", "CLIPVisionConfig", hidden_size=64, num_hidden_layers=2,
                               num_attention_heads=8, intermediate_size=96, patch_size=8, **IMAGE), "image"),
     ("siglip_vision_model", _lm("SiglipVisionModel", "SiglipVisionConfig", hidden_size=64, num_hidden_layers=2,

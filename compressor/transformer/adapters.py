@@ -231,6 +231,8 @@ FALCON = FamilyAdapter(layers="h", q="self_attention.query_key_value", k="self_a
                        down="mlp.dense_4h_to_h", fused_qkv=True, multi_query_key="multi_query", causal=True,
                        head_count_attrs=("self_attention.num_heads", "self_attention.num_key_value_groups"),
                        ffn_key="ffn_hidden_size", full_updates=True)
+# GPT-BigCode without multi-query attention (multi_query false): c_attn per head, [q_h | k_h | v_h], viewed by num_heads
+GPT_BIGCODE_MHA = replace(GPT_BIGCODE, qkv_per_head=True, head_count_attrs=("attn.num_heads",))
 # parallel or sequential residual alike (use_parallel_residual): the projections' inputs are what they are
 GPT_NEOX = FamilyAdapter(layers="gpt_neox.layers", q="attention.query_key_value", k="attention.query_key_value",
                          v="attention.query_key_value", o="attention.dense", up=("mlp.dense_h_to_4h",),
@@ -317,6 +319,9 @@ XLMR_XL = replace(ROBERTA_LIKE, o_norm=None, down_norm=None)
 DINOV2 = replace(VIT_LIKE, layers="encoder.layer", config_widths=False)
 DINOV3 = replace(VIT_LIKE, layers="model.layer", up=("mlp.up_proj",), down="mlp.down_proj",
                  head_count_attrs=("attention.num_heads",))
+# DINOv2 giant's SwiGLU FFN (use_swiglu_ffn) and DINOv3's gated one (use_gated_mlp, the H+ and 7B): Llama's MLP
+DINOV2_SWIGLU = replace(DINOV2, up=("mlp.up_proj", "mlp.gate_proj"), down="mlp.down_proj")
+DINOV3_GATED = replace(DINOV3, up=("mlp.up_proj", "mlp.gate_proj"))
 # CLIP's and SigLIP's vision towers: pre-norm blocks under encoder.layers, attention output out_proj
 CLIP_VISION = replace(VIT_LIKE, layers="encoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                       v="self_attn.v_proj", o="self_attn.out_proj")
@@ -448,6 +453,23 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "deepseek_v2": LATENT_MOE,
 }
 
+# configurations of a family that lay its modules out otherwise, each with a record of its own: (the config test, on
+# config.json as a dict or a config object's fields, the record it takes)
+VARIANTS: dict[str, tuple[Callable[[dict], bool], FamilyAdapter]] = {
+    "dinov2": (lambda c: bool(c.get("use_swiglu_ffn")), DINOV2_SWIGLU),
+    "dinov2_with_registers": (lambda c: bool(c.get("use_swiglu_ffn")), DINOV2_SWIGLU),
+    "dinov3_vit": (lambda c: bool(c.get("use_gated_mlp")), DINOV3_GATED),
+    "gpt_bigcode": (lambda c: not c.get("multi_query", True), GPT_BIGCODE_MHA),
+}
+
+
+def family_record(model_type: str, config: dict) -> FamilyAdapter:
+    """The record of a family of ADAPTERS for `config` (config.json as a dict, or `vars` of a config object): its
+    variant's where the config lays the modules out otherwise (`VARIANTS`)."""
+    test, variant = VARIANTS.get(model_type, (None, None))
+    return variant if test is not None and test(config) else ADAPTERS[model_type]
+
+
 VISION_FAMILIES = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "dinov3_vit", "clip_vision_model",
                    "siglip_vision_model")  # the vision transformers of ADAPTERS (images in, patches as tokens)
 
@@ -549,20 +571,6 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                      "ERNIE 4.5 MoE is supported with SwiGLU experts (hidden_act silu), its MoE layers one run "
                      "(moe_layer_interval 1: a removed layer would leave a pattern the config cannot state) and "
                      "shared experts (moe_num_shared_experts 1 or more)"),
-    # DINOv2 giant's SwiGLU FFN (weights_in, [x | gate] fused) and DINOv3's gated one (the 7B, H+) are FFNs of another
-    # layout than the family's plain one
-    "dinov2": (lambda c: bool(c.get("use_swiglu_ffn")),
-               "DINOv2 with a SwiGLU FFN (use_swiglu_ffn, the giant checkpoints) is not supported yet; the plain FFN "
-               "of the small, base and large ones is"),
-    "dinov2_with_registers": (lambda c: bool(c.get("use_swiglu_ffn")),
-                              "DINOv2 with a SwiGLU FFN (use_swiglu_ffn, the giant checkpoints) is not supported yet; "
-                              "the plain FFN of the small, base and large ones is"),
-    "dinov3_vit": (lambda c: bool(c.get("use_gated_mlp")),
-                   "DINOv3 with a gated FFN (use_gated_mlp, the H+ and 7B checkpoints) is not supported yet; the plain "
-                   "FFN of the small, base and large ones is"),
-    "gpt_bigcode": (lambda c: not c.get("multi_query", True),
-                    "GPT-BigCode without multi-query attention (multi_query false: q/k/v interleaved per head in "
-                    "c_attn) is not supported yet; the multi-query checkpoints (StarCoder, SantaCoder) are"),
     "falcon": (lambda c: bool(c.get("new_decoder_architecture")) or not c.get("multi_query", True)
                or bool(c.get("alibi")),
                "Falcon is supported in Falcon-7B's layout (multi_query, rotary positions); the grouped q/k/v of "
@@ -669,7 +677,7 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ADAPTERS:
         raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
-    adapter = ADAPTERS[model_type]
+    adapter = family_record(model_type, vars(model.config))
     if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json (its fields, not copied)
         check_config({**vars(model.config), "model_type": model_type}, type(model).__name__)
     if adapter.stage_blocks is not None:

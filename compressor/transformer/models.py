@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS, dense_ffn_layers, kv_heads_of
+from .adapters import ADAPTERS, dense_ffn_layers, family_record, kv_heads_of
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -165,7 +165,7 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
         return None
-    adapter = ADAPTERS[model_type]
+    adapter = family_record(model_type, config)
     if not adapter.config_widths:
         return None
     ffn_key = adapter.ffn_key

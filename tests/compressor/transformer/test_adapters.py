@@ -9,7 +9,7 @@ import transformers
 
 from compressor.errors import UnsupportedArchitecture
 from compressor.progress import WARNING
-from compressor.transformer.adapters import ADAPTERS, adapter_for, check_config, layers
+from compressor.transformer.adapters import ADAPTERS, VARIANTS, adapter_for, check_config, family_record, layers
 from compressor.transformer.flap import flap_structure
 from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
@@ -49,7 +49,9 @@ def _exports_and_decodes(pruned, tmp_path) -> None:
 
 
 def test_every_family_with_a_record_has_a_tiny_model_under_test():
-    """A record without a model under test is a family nobody has run."""
+    """A record without a model under test is a family nobody has run; a variant of a family's layout too."""
+    assert {VARIANTS[name.split(":")[0]][1] for name in {*ENCODER_SHAPED, *LLAMA_SHAPED} if ":" in name} == \
+        {record for _, record in VARIANTS.values()}
     tested = set(MODELS) | set(LLAMA_SHAPED) | set(ENCODER_SHAPED) | set(HEADS_FIXED) | set(MOE_EXTRA) | set(MOE_MIXED)
     assert set(ADAPTERS) - tested <= {"roberta", "xlm-roberta", "gemma", "mistral"}
 
@@ -57,7 +59,9 @@ def test_every_family_with_a_record_has_a_tiny_model_under_test():
 @pytest.mark.parametrize("name", sorted(LLAMA_SHAPED))
 def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp_path):
     model = LLAMA_SHAPED[name]()
-    assert type(model).__name__.endswith("ForCausalLM") and adapter_for(model) is ADAPTERS[name]
+    name = name.split(":")[0]  # a variant of the family's layout: "gpt_bigcode:mha"
+    assert type(model).__name__.endswith("ForCausalLM") and model.config.model_type == name
+    assert adapter_for(model) is family_record(name, vars(model.config))
     # a norm of a sub-layer's update (Gemma 2's post_feedforward_layernorm, HyperCLOVA X's post_norm1 / post_norm2;
     # Llama's post_attention_layernorm is the FFN's input norm) makes a removed sub-layer's stand-in a normed vector
     post = [n for n, _ in layers(model)[0].named_children()
@@ -103,7 +107,9 @@ def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path
     """Text encoders and vision transformers on BERT's or ViT's modules: heads and neurons pruned by the pipeline, a
     layer and then the last layer's FFN removed (its update a constant vector), exported within 1e-4 and reloaded."""
     model = ENCODER_SHAPED[name]()
-    assert adapter_for(model) is ADAPTERS[name] and not adapter_for(model).causal
+    name = name.split(":")[0]  # a variant of the family's layout: "dinov2:swiglu"
+    assert model.config.model_type == name and not adapter_for(model).causal
+    assert adapter_for(model) is family_record(name, vars(model.config))
     check_config({**model.config.to_dict(), "model_type": name}, name)
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
     _replays_its_blocks(model, data)

@@ -386,6 +386,10 @@ LLAMA_SHAPED = {
     "gpt_bigcode": lambda: _seeded(transformers.GPTBigCodeForCausalLM, transformers.GPTBigCodeConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=20, n_positions=32, multi_query=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # GPT-BigCode without multi-query attention: c_attn per head, [q_h | k_h | v_h] (`adapters.VARIANTS`)
+    "gpt_bigcode:mha": lambda: _seeded(transformers.GPTBigCodeForCausalLM, transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=20, n_positions=32, multi_query=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     # Falcon-7B's layout: multi-query attention fused as [q | k | v], the FFN beside the attention
     "falcon": lambda: _seeded(transformers.FalconForCausalLM, transformers.FalconConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=20,
@@ -420,6 +424,9 @@ ENCODER_SHAPED = {
     "dinov3_vit": _encoder("DINOv3ViTModel", "DINOv3ViTConfig", num_register_tokens=2, **_IMAGE_ENCODER),
     "clip_vision_model": _encoder("CLIPVisionModel", "CLIPVisionConfig", **_IMAGE_ENCODER),
     "siglip_vision_model": _encoder("SiglipVisionModel", "SiglipVisionConfig", **_IMAGE_ENCODER),
+    # variants of a family's layout (`adapters.VARIANTS`): DINOv2 giant's SwiGLU FFN, DINOv3 7B's gated one
+    "dinov2:swiglu": _encoder("Dinov2Model", "Dinov2Config", use_swiglu_ffn=True, **_IMAGE_ENCODER),
+    "dinov3_vit:gated": _encoder("DINOv3ViTModel", "DINOv3ViTConfig", use_gated_mlp=True, **_IMAGE_ENCODER),
 }
 
 # families whose attention heads are not a prunable unit (`FamilyAdapter.heads_prunable`): OLMo 2 and 3 normalise
