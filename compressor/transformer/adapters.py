@@ -313,6 +313,12 @@ ROFORMER = replace(BERT_LIKE, head_count_attrs=("attention.self.num_attention_he
                    width_attrs=("attention.self.all_head_size",))
 # XLM-R XL / XXL: RoBERTa's modules, pre-norm (a LayerNorm before each sub-layer inside it, none after the residual add)
 XLMR_XL = replace(ROBERTA_LIKE, o_norm=None, down_norm=None)
+# Megatron-BERT: the same pre-norm layout, an attention reshaping by its own head count and width
+MEGATRON_BERT = replace(ROFORMER, o_norm=None, down_norm=None)
+# Jina Embeddings v3: XLM-R's post-norm blocks under Llama-like names (self_attn.*_proj, mlp.fc1 / fc2, the residual
+# added in the block, then post_attention_layernorm / post_mlp_layernorm), rotary positions
+JINA_V3 = replace(VIT_LIKE, q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
+                  o_norm="post_attention_layernorm", down_norm="post_mlp_layernorm")
 # DINOv2 (with registers too): ViT's pre-norm blocks under encoder.layer, each update scaled per channel (layer_scale1
 # / 2, outside the projections); its FFN width is hidden x mlp_ratio and its head size hidden / heads, so no config
 # states pruned widths. DINOv3: the same under model.layer, rotary positions, an attention reshaping by its own count
@@ -356,6 +362,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "camembert": ROBERTA_LIKE,
     "data2vec-text": ROBERTA_LIKE,
     "xlm-roberta-xl": XLMR_XL,
+    "megatron-bert": MEGATRON_BERT,
+    "jina_embeddings_v3": JINA_V3,
+    "eurobert": replace(LLAMA_LIKE, causal=False),  # EuroBERT: Llama's layers, bidirectional
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
     "dinov2": DINOV2,
@@ -583,7 +592,7 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                    "checkpoints) is not supported: the convolution sits between blocks, which are pruned one at a "
                    "time"),
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "ernie", "camembert", "data2vec-text",
-                     "xlm-roberta-xl"), _RELATIVE_POSITIONS),
+                     "xlm-roberta-xl", "megatron-bert"), _RELATIVE_POSITIONS),
     # transformers' MPNetEncoder computes its position bias with 32 buckets whatever the config says: another table
     # size does not run (an IndexError in the first forward)
     "mpnet": (lambda c: c.get("relative_attention_num_buckets", 32) != 32,
@@ -785,8 +794,8 @@ def dims(model: nn.Module) -> TransformerDims:
 
 def kv_heads_of(adapter: FamilyAdapter, get: Callable[[str], Any], heads: int) -> int:
     """The KV heads of a config (`get`: a config field by name, None where it has none) of `heads` query heads."""
-    if adapter.multi_query_key is not None and get(adapter.multi_query_key):
-        return 1
+    if adapter.multi_query_key is not None and get(adapter.multi_query_key) in (None, True):
+        return 1  # the families' config classes default to multi-query attention (a config.json may omit the flag)
     return int(get(adapter.kv_heads_key) or heads) if adapter.kv_heads_key else heads
 
 

@@ -912,7 +912,7 @@ def _mean_update(dense: nn.Module, path: str, streams: Sequence[_Stream], device
 
     def hook(_module, _inputs, output):
         first = output[0] if isinstance(output, tuple | list) else output  # an attention's (output, weights)
-        store["y"] = first.detach()
+        store["y"] = first.detach().clone()  # the block may add into it in place (Falcon: mlp_output += attention)
         if not last:
             raise _Stop
 

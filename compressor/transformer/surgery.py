@@ -361,6 +361,11 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
     mapping = kv_index(model, index)
     keep = check_keep(keep_heads, len(mapping), f"layer {index} query heads")
     kv_keep = torch.unique(mapping[keep])  # sorted
+    if _multi_query(model, index):
+        # one KV head that every query head reads: the family's own attention repeats it for the heads kept (its
+        # num_key_value_groups follows them), so no map is needed and transformers' code still runs the layer
+        _keep_heads(model, layers(model)[index], keep, kv_keep, o_weight)
+        return
     if not hasattr(_attention(model, layers(model)[index]), "kv_map") and torch.equal(
             keep, group_rows(kv_keep, dims(model).group)):
         # whole groups kept (every head, say, where only the FFN narrows): the family's own attention reads them,
@@ -368,6 +373,14 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
         prune_heads(model, index, kv_keep, o_weight)
         return
     _resize_attention(model, index, keep, kv_keep, torch.searchsorted(kv_keep, mapping[keep]), o_weight)
+
+
+def _multi_query(model: nn.Module, index: int) -> bool:
+    """Whether block `index` runs multi-query attention as its family's own code (`FamilyAdapter.multi_query_key`;
+    no gathered map)."""
+    attention = _attention(model, layers(model)[index])
+    return adapter_for(model).multi_query_key is not None and dims(model).kv_heads == 1 and \
+        not hasattr(attention, "kv_map")
 
 
 def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Tensor, new_index: Tensor,
@@ -424,7 +437,7 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         if isinstance(values, list | tuple) and len(values) == len(blocks):
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
     _restate_legacy_patterns(config)
-    _restate_backbone_outputs(config, [i for i in range(len(blocks)) if i not in gone])
+    _restate_backbone_outputs(config, [i for i in range(len(blocks)) if i not in gone], len(blocks))
     key = adapter_for(model).depth_scale_key
     if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
         setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
@@ -457,17 +470,21 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
                                       "never removed whole")
 
 
-def _restate_backbone_outputs(config: Any, kept: Sequence[int]) -> None:
-    """A backbone config's stages (DINOv2's: "stem" and "stageN", the output after block N - 1) and the ones its
-    backbone outputs (`out_indices`), restated for the blocks `kept`: a config still naming a removed block's stage
-    is refused as it loads. A removed block's stage is its last kept predecessor's (the block is the identity now);
-    two outputs that become one stage are output once."""
+def _restate_backbone_outputs(config: Any, kept: Sequence[int], count: int) -> None:
+    """A backbone config's stages (DINOv2's: "stem" and "stageN", the output after block N - 1, one per block of the
+    `count`) and the ones its backbone outputs (`out_indices`), restated for the blocks `kept`: a config still naming a
+    removed block's stage is refused as it loads. A removed block's stage is its last kept predecessor's (the block is
+    the identity now); two outputs that become one stage are output once (with a warning: a neck reading every
+    output then gets fewer)."""
     names = getattr(config, "stage_names", None)
-    old = len(names) - 1 if isinstance(names, list) else -1
-    if names != ["stem"] + [f"stage{i}" for i in range(1, old + 1)] or old <= len(kept) - 1 \
-            or not hasattr(config, "set_output_features_output_indices"):
+    if names != ["stem"] + [f"stage{i}" for i in range(1, count + 1)] or \
+            not hasattr(config, "set_output_features_output_indices"):
         return
-    stages = sorted({sum(k < i % (old + 1) for k in kept) for i in config.out_indices or [old]})
+    before = [i % (count + 1) for i in (config.out_indices or [count])]
+    stages = sorted({sum(k < i for k in kept) for i in before})
+    if len(stages) < len(before):
+        log.warning("the backbone's outputs after blocks %s land on %d stage(s) once blocks are removed: it outputs "
+                    "%s", before, len(stages), stages)
     config.stage_names = ["stem"] + [f"stage{i}" for i in range(1, len(kept) + 1)]
     config.set_output_features_output_indices(out_features=None, out_indices=stages)
 
@@ -605,6 +622,8 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
                 raise ModelReferenceError(f"width manifest: layer {i}'s kv_index {maps[i]} does not map "
                                           f"{heads[i]} query heads onto the kept KV heads")
             _resize_attention(model, i, torch.arange(heads[i]), torch.arange(len(kv)), mapping, None)
+        elif _multi_query(model, i):  # any number of query heads over the one KV head
+            _keep_heads(model, layers(model)[i], torch.arange(heads[i]), torch.arange(1), None)
         else:
             prune_heads(model, i, range(heads[i] // d.group))
         if "bias_rows" in manifest:

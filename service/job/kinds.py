@@ -51,7 +51,7 @@ from compressor.cnn.models import load_model, save_program
 from compressor.cnn.pipeline import channel_cost, fit_conv_graph, prune_conv_graph, resize_conv_graph
 from compressor.cnn.refine import DEFAULT_STEPS as GRAPH_STEPS
 from compressor.cnn.refine import graph_config
-from compressor.errors import CalibrationError, InputError, UnsupportedArchitecture
+from compressor.errors import CalibrationError, InputError, ModelReferenceError, UnsupportedArchitecture
 from compressor.layerstats import LayerObservation, Widths, compute_device
 from compressor.modules import count_parameters
 from compressor.progress import RECONSTRUCTION, SOLVE, STATISTICS, Progress, warning
@@ -498,7 +498,10 @@ def _check_labels(labels: np.ndarray, classes: int | None, source: object) -> No
 
 def _image_metric(labels: np.ndarray | None, classes: int | None, source: object) -> Metric:
     """An image model's metric: top-1 on labelled evaluation images, else top-1 agreement with the dense model for
-    a classifier (`classes` scores an image), else the cosine of the outputs."""
+    a classifier (`classes` scores an image), else the cosine of the outputs. One output (a score) has no top-1: its
+    argmax is always 0, so top-1 and agreement would read 1.0 for any model; it is compared by cosine, labels or not."""
+    if classes == 1:
+        return COSINE
     if labels is not None:
         _check_labels(labels, classes, source)
         return TOP1
@@ -1087,6 +1090,15 @@ class TextJob(_TransformerJob):
         self.causal = self.loaded.causal
         # an encoder with its sequence-classification head: scored by top-1 agreement with the dense model
         self.classifier = self.loaded.output_name == "logits" and not self.causal
+        # a decoder's sequence classifier (a reranker, a reward model) scores each row at its last token whose id is
+        # not config.pad_token_id (transformers' rule, which reads no attention mask): padding carries that id
+        self.pad_id: int | None = None
+        if self.classifier and adapter_for(self.dense).causal:
+            self.pad_id = getattr(self.dense.config, "pad_token_id", None)
+            if self.pad_id is None:
+                raise ModelReferenceError(
+                    f"{request.model}: {type(self.dense).__name__} scores each sequence at its last token that is not "
+                    "the pad token, and config.json sets no pad_token_id: set it to the tokenizer's pad token id")
         self.draw = request.text_calibration(self.causal)
         limit = max_sequence(self.dense)
         if limit and self.draw.length > limit:  # a window past the position embeddings indexes out of their table
@@ -1160,6 +1172,9 @@ class TextJob(_TransformerJob):
     def _typed(self, batches: list[dict]) -> list[dict]:
         if "token_type_ids" in self.loaded.input_names:
             batches = [{**b, "token_type_ids": torch.zeros_like(b["input_ids"])} for b in batches]
+        if self.pad_id is not None:
+            batches = [{**b, "input_ids": b["input_ids"].masked_fill(b["attention_mask"] == 0, self.pad_id)}
+                       for b in batches]
         return batches
 
     def export_decode_step(self, module: nn.Module, path: Path) -> Parity:

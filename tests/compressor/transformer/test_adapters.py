@@ -127,16 +127,18 @@ def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path
     torch.testing.assert_close(first_output(reloaded, example), first_output(pruned, example))
 
 
-def test_a_backbone_config_names_the_stages_of_the_blocks_kept():
+def test_a_backbone_config_names_the_stages_of_the_blocks_kept(caplog):
     """DINOv2's config lists a stage per block and the stages its backbone outputs: removing blocks restates both
     (a config naming a removed block's stage is refused as it loads); a removed block's stage is its last kept
     predecessor's, and two outputs that land on one stage are output once."""
     model = transformers.Dinov2Model(transformers.Dinov2Config(
         hidden_size=16, num_hidden_layers=4, num_attention_heads=2, image_size=8, patch_size=4,
         out_indices=[1, 2, 4])).eval()
-    remove_layers(model, [1, 2])
+    with caplog.at_level("WARNING"):
+        remove_layers(model, [1, 2])
     assert model.config.stage_names == ["stem", "stage1", "stage2"]
     assert model.config.out_indices == [1, 2] and model.config.out_features == ["stage1", "stage2"]
+    assert "land on 2 stage(s)" in caplog.text  # three outputs, two of them now one stage
     transformers.Dinov2Config.from_dict(model.config.to_dict())  # what a reload builds: valid
     remove_layers(model, [0])  # the first block's output is now the embeddings' (the stem's)
     assert model.config.stage_names == ["stem", "stage1"] and model.config.out_features == ["stem", "stage1"]

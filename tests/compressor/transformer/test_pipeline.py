@@ -314,7 +314,7 @@ def _mean_output(model, index, path, data):
     """The mean output of a projection over the counted tokens of the calibration batches, by hand."""
     seen = []
     handle = projection(layers(model)[index], path).register_forward_hook(
-        lambda _m, _i, out: seen.append(out.detach()))
+        lambda _m, _i, out: seen.append(out.detach().clone()))  # Falcon's block adds into it in place
     total, count = 0, 0
     with torch.no_grad():
         for batch in data:
@@ -371,6 +371,18 @@ def test_sublayers_removed_while_pruning_get_their_mean_update_and_the_rest_is_s
     assert torch.isfinite(first_output(pruned)).all()
     with pytest.raises(ValueError, match="in-memory models only"):
         prune_blocks(type("Streamed", (), {"model": model})(), data, 0.25, sublayers=[(0, FFN)])
+
+
+def test_a_removed_ffn_that_its_block_adds_into_in_place_gets_its_own_mean():
+    """Falcon's parallel block adds the attention's output into the FFN's in place (mlp_output += attention_output):
+    the mean update of a removed FFN is the FFN's own, not the FFN's plus the attention's."""
+    from .transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED["falcon"]()
+    data = batches(model, 2)
+    pruned, _ = prune_transformer(model, data, 0.25, sublayers=[(1, FFN)])
+    expected = _mean_output(model, 1, adapter_for(model).down, data)
+    torch.testing.assert_close(layers(pruned)[1].mlp.update, expected, rtol=1e-4, atol=1e-6)
 
 
 def test_a_token_cap_weighs_the_solves_and_a_cap_no_token_reaches_changes_nothing():

@@ -25,8 +25,9 @@ from .transformer_models import ENCODER_SHAPED, LLAMA_SHAPED, MODELS, example_in
 REMOTE = ["bert", "distilbert", "modernbert", "deberta-v2", "mpnet", "vit", "deit", "swin", "opt", "gpt2", "gpt_neox",
           "llama", "qwen2", "qwen3", "gemma2", "gemma3_text",
           # records on the modules of the families above: a pre-norm BERT, a ViT of layer scales whose config cannot
-          # state widths, one of rotary patches, CLIP's vision tower, GPT-J
-          "xlm-roberta-xl", "dinov2", "dinov3_vit", "clip_vision_model", "gptj"]
+          # state widths, one of rotary patches, CLIP's vision tower, GPT-J, multi-query attention (GPT-BigCode, Falcon:
+          # query heads over their one KV head as the family's own attention repeats it)
+          "xlm-roberta-xl", "dinov2", "dinov3_vit", "clip_vision_model", "gptj", "gpt_bigcode", "falcon"]
 BUILDERS = {**MODELS, **ENCODER_SHAPED, **LLAMA_SHAPED}
 
 
@@ -35,7 +36,10 @@ def _prune_unevenly(model) -> None:
     which remove no sub-layer alone, two neurons of it instead)."""
     d = dims(model)
     prune_ffn(model, 0, range(7))
-    prune_heads(model, 0, range(d.heads // d.group - 1))
+    if d.kv_heads == 1:  # multi-query attention, one group: a query head goes alone
+        prune_query_heads(model, 0, range(d.heads - 1))
+    else:
+        prune_heads(model, 0, range(d.heads // d.group - 1))
     torch.manual_seed(1)
     last = len(layers(model)) - 1
     if adapter_for(model).normed_updates:

@@ -407,10 +407,11 @@ def _encoder(cls: str, config: str, **fields):
     return lambda: _seeded(getattr(transformers, cls), getattr(transformers, config)(**fields))
 
 
-# encoders whose blocks are BERT's or ViT's modules under their own paths, each taken through the pruning, the export
-# and a reload once by `test_adapters.py`: ELECTRA's embedding projection, RoFormer's rotary positions, XLM-R XL's
-# pre-norm; DINOv2's layer scales (its FFN 4 x hidden whatever intermediate_size says), register tokens, DINOv3's
-# rotary patches, CLIP's and SigLIP's vision towers
+# encoders whose blocks are BERT's, ViT's or Llama's modules under their own paths, each taken through the pruning, the
+# export and a reload once by `test_adapters.py`: ELECTRA's embedding projection, RoFormer's rotary positions, XLM-R
+# XL's and Megatron-BERT's pre-norm, Jina v3's post-norm under Llama-like names, EuroBERT's bidirectional Llama;
+# DINOv2's layer scales (its FFN 4 x hidden whatever intermediate_size says), register tokens, DINOv3's rotary
+# patches, CLIP's and SigLIP's vision towers
 ENCODER_SHAPED = {
     "electra": _encoder("ElectraModel", "ElectraConfig", embedding_size=16, **_TEXT_ENCODER),
     "ernie": _encoder("ErnieModel", "ErnieConfig", **_TEXT_ENCODER),
@@ -418,6 +419,10 @@ ENCODER_SHAPED = {
     "camembert": _encoder("CamembertModel", "CamembertConfig", pad_token_id=1, **_TEXT_ENCODER),
     "data2vec-text": _encoder("Data2VecTextModel", "Data2VecTextConfig", pad_token_id=1, **_TEXT_ENCODER),
     "xlm-roberta-xl": _encoder("XLMRobertaXLModel", "XLMRobertaXLConfig", pad_token_id=1, **_TEXT_ENCODER),
+    "megatron-bert": _encoder("MegatronBertModel", "MegatronBertConfig", **_TEXT_ENCODER),
+    "jina_embeddings_v3": _encoder("JinaEmbeddingsV3Model", "JinaEmbeddingsV3Config", pad_token_id=1, **_TEXT_ENCODER),
+    "eurobert": _encoder("EuroBertModel", "EuroBertConfig", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, **_TEXT_ENCODER),
     "dinov2": _encoder("Dinov2Model", "Dinov2Config", layerscale_value=0.5, **_IMAGE_ENCODER),
     "dinov2_with_registers": _encoder("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig", num_register_tokens=2,
                                       **_IMAGE_ENCODER),

@@ -387,6 +387,8 @@ def test_evaluation_images_without_labels_are_scored_as_held_out_ones_and_unread
         _, eval_x, eval_y, held = _images_and_held_out(request, 64, labels=True)
         assert eval_y is None and len(eval_x) == 64 and held.evaluation == 64
         assert _image_metric(eval_y, 10, name) == AGREEMENT and _image_metric(eval_y, None, name) == COSINE
+        # one output (a score): no top-1 to agree on, labels or not (its argmax is always 0: 1.0 for any model)
+        assert _image_metric(eval_y, 1, name) == COSINE == _image_metric(np.zeros(100, np.int64), 1, name)
     np.savez(tmp_path / "eval.npz", x=rng.integers(0, 256, (100, 8, 8, 3), dtype=np.uint8),
              y=np.array([[1], 2] * 50, dtype=object))
     with pytest.raises(CalibrationError, match=r"eval\.npz: not a readable \.npz file \(ValueError: Object arrays"):
@@ -573,7 +575,8 @@ def test_a_decoder_embedding_or_a_score_head_is_scored_on_what_it_serves(tmp_pat
     import transformers
 
     fields = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=20,
-                  max_position_embeddings=64, pad_token_id=0, **({"num_labels": labels} if labels else {}))
+                  max_position_embeddings=64, pad_token_id=0, **({"num_labels": labels} if labels else {}),
+                  **({"num_key_value_heads": 2, "head_dim": 8} if cls.startswith("Qwen3") else {}))
     config = getattr(transformers, cls.replace("ForSequenceClassification", "").replace("Model", "") + "Config")
     torch.manual_seed(0)
     getattr(transformers, cls)(config(**fields)).save_pretrained(tmp_path / "m")
@@ -592,6 +595,37 @@ def test_a_decoder_embedding_or_a_score_head_is_scored_on_what_it_serves(tmp_pat
     monkeypatch.setattr("service.job.kinds.run_outputs", lambda path, batches, reduce: calls.append(reduce) or [])
     job.outputs(tmp_path / "model.onnx")
     assert calls == [reduce]
+
+
+def test_a_decoder_score_head_reads_its_padding_by_its_pad_token_id(tmp_path):
+    """transformers scores a decoder's sequence classifier at each row's last token whose id is not pad_token_id (no
+    attention mask read): the job's padded windows carry that id, so a short window is scored at its last real token,
+    not at a padding column; without a pad_token_id the job is refused before it reads the text."""
+    import transformers
+
+    fields = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, intermediate_size=20, max_position_embeddings=64, num_labels=1)
+    np.savez(tmp_path / "ids.npz", ids=np.random.default_rng(0).integers(3, 50, size=4000),
+             offsets=[0, 5, 11, 2000, 4000])  # two short documents: padded windows
+    for pad, name in ((7, "m"), (None, "nopad")):
+        torch.manual_seed(0)
+        transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(**fields, pad_token_id=pad)
+                                                    ).save_pretrained(tmp_path / name)
+    request = CompressRequest(model=str(tmp_path / "m"), uniform_ratio=0.5, calibration=tmp_path / "ids.npz",
+                              sequences=16, sequence_length=32)
+    job = TextJob(request, lambda line: None)
+    padded = [b for b in job.batches + job.eval_batches if (b["attention_mask"] == 0).any()]
+    assert padded and all(bool((b["input_ids"][b["attention_mask"] == 0] == 7).all()) for b in padded)
+    batch = padded[0]
+    row = int((batch["attention_mask"] == 0).any(1).nonzero()[0])
+    last = int(batch["attention_mask"][row].sum()) - 1  # right padding: the last real token
+    with torch.no_grad():
+        states = job.dense.model(input_ids=batch["input_ids"][row:row + 1],
+                                 attention_mask=batch["attention_mask"][row:row + 1]).last_hidden_state
+        scored = job.dense(**{k: v[row:row + 1] for k, v in batch.items()}).logits
+    torch.testing.assert_close(scored[0], job.dense.score(states[0, last]))
+    with pytest.raises(InputError, match=r"config\.json sets no pad_token_id"):
+        TextJob(dataclasses.replace(request, model=str(tmp_path / "nopad")), lambda line: None)
 
 
 def test_an_embedding_model_is_scored_on_the_pooling_it_serves(tmp_path, monkeypatch):
