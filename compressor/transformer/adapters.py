@@ -154,6 +154,10 @@ class FamilyAdapter:
     dense_up: tuple[str, ...] = ()
     dense_down: str | None = None
     dense_key: str = "intermediate_size"
+    # a vision transformer that takes images of any size (DINOv2 interpolates its position embeddings, DINOv3's are
+    # rotary): it is calibrated, costed and exported at the size its preprocessor crops to (224 for DINOv2, whose
+    # config.image_size says 518), not at config.image_size
+    any_image_size: bool = False
     # multi-head latent attention (DeepSeek-V3): keys and values are expanded per head from one shared latent (what
     # the KV cache holds, untouched by pruning heads) by `k` (= `v`, kv_b_proj: qk_nope_head_dim + v_head_dim rows a
     # head), queries by `q` (q_b_proj, or q_proj without a query latent: qk_nope_head_dim + qk_rope_head_dim rows a
@@ -322,9 +326,9 @@ JINA_V3 = replace(VIT_LIKE, q="self_attn.q_proj", k="self_attn.k_proj", v="self_
 # DINOv2 (with registers too): ViT's pre-norm blocks under encoder.layer, each update scaled per channel (layer_scale1
 # / 2, outside the projections); its FFN width is hidden x mlp_ratio and its head size hidden / heads, so no config
 # states pruned widths. DINOv3: the same under model.layer, rotary positions, an attention reshaping by its own count
-DINOV2 = replace(VIT_LIKE, layers="encoder.layer", config_widths=False)
+DINOV2 = replace(VIT_LIKE, layers="encoder.layer", config_widths=False, any_image_size=True)
 DINOV3 = replace(VIT_LIKE, layers="model.layer", up=("mlp.up_proj",), down="mlp.down_proj",
-                 head_count_attrs=("attention.num_heads",))
+                 head_count_attrs=("attention.num_heads",), any_image_size=True)
 # DINOv2 giant's SwiGLU FFN (use_swiglu_ffn) and DINOv3's gated one (use_gated_mlp, the H+ and 7B): Llama's MLP
 DINOV2_SWIGLU = replace(DINOV2, up=("mlp.up_proj", "mlp.gate_proj"), down="mlp.down_proj")
 DINOV3_GATED = replace(DINOV3, up=("mlp.up_proj", "mlp.gate_proj"))

@@ -1260,22 +1260,45 @@ class TextJob(_TransformerJob):
                                    sequence_length=self.draw.length, min_sequence_length=self.draw.min_length)
 
 
-def image_tokens(model: nn.Module) -> int:
-    """Tokens a vision transformer's blocks see per image at its config's size: the patches and the tokens beside
-    them ([CLS], DeiT's distillation token), as the position embeddings count them (a parameter, or CLIP's and
-    SigLIP's table), plus register tokens (DINOv2's and DINOv3's, outside the position embeddings); without position
-    embeddings (DINOv3's rotary, Swin's first stage) the patches and a [CLS] where there is one."""
+def image_tokens(model: nn.Module, size: int | None = None) -> int:
+    """Tokens a vision transformer's blocks see per image of side `size` (default: its config's): the patches and the
+    tokens beside them ([CLS], DeiT's distillation token), as the position embeddings count them at the config's size
+    (a parameter, or CLIP's and SigLIP's table), plus register tokens (DINOv2's and DINOv3's, outside the position
+    embeddings); at another size (DINOv2 interpolates its positions) or without position embeddings (DINOv3's rotary,
+    Swin's first stage) the patches and a [CLS] where there is one."""
     config = model.config
     embeddings = next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "embeddings"), None)
     positions, table = getattr(embeddings, "position_embeddings", None), getattr(embeddings, "position_embedding", None)
+    if size not in (None, int(config.image_size)):
+        positions = table = None
     if isinstance(positions, torch.Tensor):
         tokens = int(positions.shape[1])  # (1, tokens, hidden)
     elif isinstance(table, nn.Embedding):
         tokens = table.num_embeddings
     else:
         classes = any(getattr(embeddings, name, None) is not None for name in ("cls_token", "class_embedding"))
-        tokens = (int(config.image_size) // int(config.patch_size)) ** 2 + int(classes)
+        tokens = ((size or int(config.image_size)) // int(config.patch_size)) ** 2 + int(classes)
     return tokens + int(getattr(config, "num_register_tokens", 0) or 0)
+
+
+def served_image_size(model: nn.Module, directory: Path) -> int:
+    """The side of the images a vision transformer is calibrated, costed and exported at: its config's image_size,
+    or for a family that takes any size (`FamilyAdapter.any_image_size`) the square its preprocessor_config.json crops
+    to (DINOv2's 224, where its config says 518), where it says one."""
+    size = int(model.config.image_size)
+    path = Path(directory) / "preprocessor_config.json"
+    if not adapter_for(model).any_image_size or not path.is_file():
+        return size
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return size
+    crop = config.get("crop_size") if config.get("do_center_crop", True) else None
+    crop = crop if crop is not None else config.get("size")
+    sides = {crop.get("height"), crop.get("width")} if isinstance(crop, dict) else {crop}
+    if len(sides) != 1 or not isinstance(side := sides.pop(), int) or isinstance(side, bool) or side <= 0:
+        return size  # a shortest edge without a crop, a rectangle: the config's square
+    return side
 
 
 class ImageTransformerJob(_TransformerJob):
@@ -1290,7 +1313,10 @@ class ImageTransformerJob(_TransformerJob):
         super().__init__(request, say)
         self.traits = _image_traits(request, TRANSFORMER)
         config = self.dense.config
-        size, channels = int(config.image_size), int(config.num_channels)
+        size, channels = served_image_size(self.dense, Path(str(request.model)).expanduser()), int(config.num_channels)
+        if size != int(config.image_size):
+            say(f"images of {size} x {size}, as its preprocessor crops them (config.json's image_size: "
+                f"{config.image_size})")
         self.input_shape = (channels, size, size)
         self.classifier = self.loaded.output_name == "logits"
         self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES,
@@ -1304,7 +1330,7 @@ class ImageTransformerJob(_TransformerJob):
         self.metric = _image_metric(self.eval_y, int(config.num_labels) if self.classifier else None,
                                     request.eval or request.calibration)
         self.shape = {"batch": request.shape.get("batch", 8)}
-        self.tokens = image_tokens(self.dense)
+        self.tokens = image_tokens(self.dense, size)
         say(f"{request.model}: {type(self.dense).__name__}, {len(self.images)} calibration images, method "
             f"{request.method}")
 

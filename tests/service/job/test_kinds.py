@@ -559,6 +559,28 @@ def test_an_earlier_jobs_listed_files_in_the_models_own_folder_stay(tmp_path):
     assert not (model / "config.json").exists() and not (model / "preprocessor_config.json").exists()
 
 
+def test_dinov2_is_served_at_its_preprocessors_crop_not_its_configs_image_size(tmp_path):
+    """DINOv2's config says image_size 518 where its processor crops 224 and the model interpolates its positions:
+    the job takes the crop's size (its images, its export, the latency model's tokens); a family of fixed positions
+    (ViT) keeps its config's."""
+    import json
+
+    from service.job.kinds import image_tokens, served_image_size
+    from tests.compressor.transformer.transformer_models import ENCODER_SHAPED, MODELS
+
+    dinov2, vit = ENCODER_SHAPED["dinov2"](), MODELS["vit"]()  # config image_size 16, patch 4
+    assert served_image_size(dinov2, tmp_path) == 16  # no preprocessor_config.json
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_center_crop": True,
+                                                                   "crop_size": {"height": 8, "width": 8}}))
+    assert served_image_size(dinov2, tmp_path) == 8 and served_image_size(vit, tmp_path) == 16
+    with torch.no_grad():
+        seen = dinov2(pixel_values=torch.randn(1, 3, 8, 8), output_hidden_states=True).hidden_states[1].shape[1]
+    assert image_tokens(dinov2, 8) == seen == 5  # 2 x 2 patches and [CLS]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_center_crop": False,
+                                                                   "size": {"height": 8, "width": 12}}))
+    assert served_image_size(dinov2, tmp_path) == 16  # a rectangle: the config's square
+
+
 @pytest.mark.parametrize("cls, labels, metric, reduce", [
     ("Qwen3Model", None, "cosine", "lasttoken_pool"),  # Qwen3-Embedding: its last token's state, as it serves it
     ("Qwen3ForSequenceClassification", 1, "cosine", "raw"),  # a reranker's score: no top-1 to agree on
