@@ -526,18 +526,22 @@ def exported_in(model: torch.nn.Module, precision: str) -> Iterator[torch.nn.Mod
 
 
 class _NamedInputs(torch.nn.Module):
-    """Positional inputs in a fixed order -> the HF model's keyword inputs; returns one output."""
+    """Positional inputs in a fixed order -> the HF model's keyword inputs; returns the named output, or the named
+    outputs in order (a CLIP vision tower's pooler_output, then its last_hidden_state)."""
 
-    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], output: str) -> None:
+    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], output: str | tuple[str, ...]) -> None:
         super().__init__()
         self.model, self.names, self.output = model, names, output
         self.positions = _positions_from_mask(model) and "attention_mask" in names
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         named = dict(zip(self.names, inputs, strict=True))
         if self.positions:
             named["position_ids"] = mask_positions(named["attention_mask"])
-        return getattr(self.model(**named), self.output)
+        out = self.model(**named)
+        if isinstance(self.output, str):
+            return getattr(out, self.output)
+        return tuple(getattr(out, name) for name in self.output)
 
 
 def _positions_from_mask(model: torch.nn.Module) -> bool:
@@ -555,13 +559,13 @@ def export_hf_onnx(
     example: dict[str, torch.Tensor],
     path: str | Path,
     *,
-    output_name: str,
+    output_name: str | tuple[str, ...],
     max_length: int | None = None,
     opset: int = 18,
 ) -> Path:
     """Export a HF model with its input names (input_ids, attention_mask, token_type_ids; pixel_values),
     a dynamic batch, a dynamic sequence length for token inputs, and `output_name` (last_hidden_state,
-    logits) as the first output."""
+    logits) as the first output, or the outputs of a tuple of names in order."""
     names = tuple(example)
     batch = torch.export.Dim("batch")
     seq = torch.export.Dim("sequence", max=max_length) if max_length else torch.export.Dim("sequence")
@@ -578,7 +582,8 @@ def export_hf_onnx(
         config._attn_implementation = family.export_attention
     try:
         return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
-                       output_names=[output_name], dynamic_shapes=(dynamic,),  # one entry: *inputs
+                       output_names=[output_name] if isinstance(output_name, str) else list(output_name),
+                       dynamic_shapes=(dynamic,),  # one entry: *inputs
                        opset_version=opset)
     finally:
         if switch:
@@ -682,7 +687,8 @@ class HFReference:
     settled: torch.Tensor | None = None
 
 
-def hf_reference(model: torch.nn.Module, inputs: dict[str, torch.Tensor], output_name: str) -> HFReference:
+def hf_reference(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                 output_name: str | tuple[str, ...]) -> HFReference:
     """`reference_outputs` of a HF model: named inputs, the one named output; and, where a router's top-k experts
     were a near tie at some token, the tokens before it (ONNX Runtime's rounding may pick the other expert there,
     and the causal tokens after it read that token)."""
@@ -726,7 +732,8 @@ def check_hf_outputs(path: str | Path, inputs: dict[str, torch.Tensor], expected
         return parity
 
 
-def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, torch.Tensor], output_name: str,
+def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, torch.Tensor],
+                    output_name: str | tuple[str, ...],
                     *, tolerance: ParityTolerance = PARITY_TOLERANCES["fp32"]) -> Parity:
     """`check_parity` for a HF model: named inputs, one named output, at the tokens that are not padding.
     A padding token's output is not defined alike everywhere: under a sliding window a padding query may

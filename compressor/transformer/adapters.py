@@ -158,6 +158,10 @@ class FamilyAdapter:
     # rotary): it is calibrated, costed and exported at the size its preprocessor crops to (224 for DINOv2, whose
     # config.image_size says 518), not at config.image_size
     any_image_size: bool = False
+    # the embedding a base model serves where it is not its last hidden state (CLIP's and SigLIP's vision towers:
+    # pooler_output, the [CLS] state after post_layernorm or SigLIP's attention-pooling head): the export's first output
+    # (what the job scores), the last hidden state after it
+    pooled_output: str | None = None
     # multi-head latent attention (DeepSeek-V3): keys and values are expanded per head from one shared latent (what
     # the KV cache holds, untouched by pruning heads) by `k` (= `v`, kv_b_proj: qk_nope_head_dim + v_head_dim rows a
     # head), queries by `q` (q_b_proj, or q_proj without a query latent: qk_nope_head_dim + qk_rope_head_dim rows a
@@ -334,7 +338,7 @@ DINOV2_SWIGLU = replace(DINOV2, up=("mlp.up_proj", "mlp.gate_proj"), down="mlp.d
 DINOV3_GATED = replace(DINOV3, up=("mlp.up_proj", "mlp.gate_proj"))
 # CLIP's and SigLIP's vision towers: pre-norm blocks under encoder.layers, attention output out_proj
 CLIP_VISION = replace(VIT_LIKE, layers="encoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
-                      v="self_attn.v_proj", o="self_attn.out_proj")
+                      v="self_attn.v_proj", o="self_attn.out_proj", pooled_output="pooler_output")
 
 # hierarchical vision transformer: blocks in stages (encoder.layers.S.blocks.B), patch merging between stages
 # (half the grid, twice the width), windowed attention with a relative-position bias table of one column per head;

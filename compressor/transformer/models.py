@@ -27,6 +27,13 @@ class LoadedTransformer:
     output_name: str  # "last_hidden_state" (encoders) or "logits" (language models, sequence classifiers)
     input_names: tuple[str, ...]  # ONNX inputs, as the source model takes them
     causal: bool = False  # a causal LM ("logits" are next-token scores); an encoder's "logits" are its classes'
+    # ONNX outputs after the first (a CLIP vision tower's last_hidden_state after its pooler_output)
+    extra_outputs: tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The export's outputs in order: `output_name`, then `extra_outputs`."""
+        return (self.output_name, *self.extra_outputs)
 
 
 def transformer_config(reference: str) -> dict | None:
@@ -138,6 +145,10 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
     elif not causal and _takes_token_types(model, config, tokenizer):
         names += ("token_type_ids",)
     classifier = type(model).__name__.endswith(CLASSIFIER_SUFFIX)
+    pooled = ADAPTERS[config.model_type].pooled_output
+    if pooled is not None and not causal and not classifier and getattr(config, "vision_use_head", True) is not False:
+        # the embedding the base model serves (SigLIP without its head has none), then the token states
+        return LoadedTransformer(model, tokenizer, pooled, names, extra_outputs=("last_hidden_state",))
     return LoadedTransformer(model, tokenizer, "logits" if causal or classifier else "last_hidden_state", names,
                              causal=causal)
 

@@ -1007,8 +1007,9 @@ class _TransformerJob:
         # (4.9 GB at 1.2 B parameters: exporters.onnx.float32_view), and the outputs are computed before the
         # fusion and the checks load the export into ONNX Runtime
         with exported_in(module, self.request.precision) as exported:
-            export_hf_onnx(exported, example, path, output_name=self.loaded.output_name, opset=self.request.opset)
-            expected = hf_reference(exported, inputs, self.loaded.output_name)
+            outputs = self.loaded.outputs if self.loaded.extra_outputs else self.loaded.output_name
+            export_hf_onnx(exported, example, path, output_name=outputs, opset=self.request.opset)
+            expected = hf_reference(exported, inputs, outputs)
         # ONNX Runtime's fused attention / skip-LayerNorm / GELU kernels, for the dense baseline and every
         # round alike: the speedup is measured between the fastest graphs of both (exporters.fusion)
         parity, fusion = fuse_checked(path, lambda graph: check_hf_outputs(graph, inputs, expected,
@@ -1304,8 +1305,9 @@ def served_image_size(model: nn.Module, directory: Path) -> int:
 class ImageTransformerJob(_TransformerJob):
     """A vision transformer (ViT, DeiT, Swin, DINOv2 / v3, CLIP's or SigLIP's vision tower): calibration images (as
     for CNNs) through the transformer pipeline. An image classifier (its head kept) is scored by top-1 on labelled
-    --eval images, else by top-1 agreement with the dense model; a bare model by the cosine of the mean-pooled last
-    hidden state to the dense model's."""
+    --eval images, else by top-1 agreement with the dense model; a bare model by the cosine of the embedding it serves
+    to the dense model's: its pooled output (CLIP's, SigLIP's: `FamilyAdapter.pooled_output`), else its mean-pooled
+    last hidden state."""
 
     EVAL_SAMPLES = 64
 
@@ -1339,7 +1341,7 @@ class ImageTransformerJob(_TransformerJob):
 
     def outputs(self, path: Path) -> list:
         return run_outputs(path, [{"pixel_values": b.numpy()} for b in self.eval_x.split(32)],
-                           reduce="raw" if self.classifier else "mean_pool")
+                           reduce="mean_pool" if self.loaded.output_name == "last_hidden_state" else "raw")
 
     # its outputs come a batch at a time: scored as the conv graph's, one array of them
     def score(self, outputs: list, reference: list) -> float:

@@ -301,3 +301,29 @@ def test_a_decoder_familys_base_model_and_score_head_load_as_encoders(cls, confi
     assert type(loaded.model).__name__ == cls and not loaded.causal
     assert loaded.output_name == ("logits" if cls.endswith("Classification") else "last_hidden_state")
     assert layers_path(loaded.model) == path and layers(loaded.model) is loaded.model.get_submodule(path)
+
+
+@pytest.mark.parametrize("name, head", [("clip_vision_model", True), ("siglip_vision_model", True),
+                                        ("siglip_vision_model", False)])
+def test_a_vision_tower_serves_its_pooled_embedding_first_and_its_token_states_after(name, head, tmp_path):
+    """CLIP's and SigLIP's vision towers serve pooler_output (the [CLS] state after post_layernorm, SigLIP's
+    attention-pooling head): the export's first output, which the job scores, the last hidden state after it, both
+    within parity; a SigLIP tower without its head serves its token states alone."""
+    from exporters.onnx import check_hf_parity, export_hf_onnx
+
+    from .transformer_models import ENCODER_SHAPED
+
+    model = ENCODER_SHAPED[name]()
+    model.config.vision_use_head = head
+    if not head:
+        model = type(model)(model.config).eval()
+    model.save_pretrained(tmp_path / name)
+    loaded = load_transformer(str(tmp_path / name))
+    assert loaded.outputs == (("pooler_output", "last_hidden_state") if head else ("last_hidden_state",))
+    if head:
+        example = example_inputs(loaded.model)
+        path = export_hf_onnx(loaded.model, example, tmp_path / "model.onnx", output_name=loaded.outputs)
+        assert check_hf_parity(loaded.model, path, example, loaded.outputs).max_abs_error < 1e-5
+        import onnxruntime as ort
+
+        assert [o.name for o in ort.InferenceSession(str(path)).get_outputs()] == list(loaded.outputs)
