@@ -233,6 +233,8 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("camembert", _lm("CamembertModel", "CamembertConfig", pad_token_id=1, **ENCODER), "text"),
     ("data2vec-text", _lm("Data2VecTextModel", "Data2VecTextConfig", pad_token_id=1, **ENCODER), "text"),
     ("xlm-roberta-xl", _lm("XLMRobertaXLModel", "XLMRobertaXLConfig", pad_token_id=1, **ENCODER), "text"),
+    ("esm", _lm("EsmModel", "EsmConfig", pad_token_id=1, mask_token_id=2, position_embedding_type="rotary",
+                **ENCODER), "text"),
     ("megatron-bert", _lm("MegatronBertModel", "MegatronBertConfig", **ENCODER), "text"),
     ("jina_embeddings_v3", _lm("JinaEmbeddingsV3Model", "JinaEmbeddingsV3Config", pad_token_id=1, **ENCODER), "text"),
     ("eurobert", _lm("EuroBertModel", "EuroBertConfig", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,

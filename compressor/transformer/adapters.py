@@ -158,6 +158,9 @@ class FamilyAdapter:
     # rotary): it is calibrated, costed and exported at the size its preprocessor crops to (224 for DINOv2, whose
     # config.image_size says 518), not at config.image_size
     any_image_size: bool = False
+    # linear layers of the base model reading one block of inputs per layer, layer after layer (ESM's contact head:
+    # every layer's every head's attention map, layers x heads inputs): a removed layer's block of columns goes with it
+    layer_columns: tuple[str, ...] = ()
     # the embedding a base model serves where it is not its last hidden state (CLIP's and SigLIP's vision towers:
     # pooler_output, the [CLS] state after post_layernorm or SigLIP's attention-pooling head): the export's first output
     # (what the job scores), the last hidden state after it
@@ -321,6 +324,9 @@ ROFORMER = replace(BERT_LIKE, head_count_attrs=("attention.self.num_attention_he
                    width_attrs=("attention.self.all_head_size",))
 # XLM-R XL / XXL: RoBERTa's modules, pre-norm (a LayerNorm before each sub-layer inside it, none after the residual add)
 XLMR_XL = replace(ROBERTA_LIKE, o_norm=None, down_norm=None)
+# ESM (ESM-2, ESM-1b: protein language models): the same pre-norm layout, rotary or absolute positions counted after the
+# padding index; its contact head reads every layer's heads' attention maps (layers x heads inputs)
+ESM = replace(XLMR_XL, layer_columns=("contact_head.regression",))
 # Megatron-BERT: the same pre-norm layout, an attention reshaping by its own head count and width
 MEGATRON_BERT = replace(ROFORMER, o_norm=None, down_norm=None)
 # Jina Embeddings v3: XLM-R's post-norm blocks under Llama-like names (self_attn.*_proj, mlp.fc1 / fc2, the residual
@@ -371,6 +377,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "data2vec-text": ROBERTA_LIKE,
     "xlm-roberta-xl": XLMR_XL,
     "megatron-bert": MEGATRON_BERT,
+    "esm": ESM,
     "jina_embeddings_v3": JINA_V3,
     "eurobert": replace(LLAMA_LIKE, causal=False),  # EuroBERT: Llama's layers, bidirectional
     "vit": VIT_LIKE,
@@ -719,6 +726,17 @@ def layers_path(model: nn.Module) -> str:
         if isinstance(_submodule(model, path), nn.ModuleList):
             return path
     raise UnsupportedArchitecture(f"no {adapter.layers!r} in {type(model).__name__}")
+
+
+def base_path(model: nn.Module) -> str:
+    """Path of the module that holds the family's blocks as its record names them ("" for the model itself; "esm" in
+    EsmForMaskedLM): where the base model's other modules (`FamilyAdapter.layer_columns`) are."""
+    path, tail = layers_path(model), adapter_for(model).layers
+    for start in range(len(tail.split("."))):  # the record's path, or the end of it a bare base model holds
+        end = ".".join(tail.split(".")[start:])
+        if path == end or path.endswith("." + end):
+            return path[: len(path) - len(end)].rstrip(".")
+    raise AssertionError((path, tail))
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

@@ -32,7 +32,16 @@ from torch import Tensor, nn
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
-from .adapters import FIXED_HEADS, adapter_for, dense_ffn_layers, dims, layers, layers_path, restate_dense_ffn_layers
+from .adapters import (
+    FIXED_HEADS,
+    adapter_for,
+    base_path,
+    dense_ffn_layers,
+    dims,
+    layers,
+    layers_path,
+    restate_dense_ffn_layers,
+)
 from .attention import use_gathered_attention
 from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
 from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
@@ -438,6 +447,7 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
     _restate_legacy_patterns(config)
     _restate_backbone_outputs(config, [i for i in range(len(blocks)) if i not in gone], len(blocks))
+    _keep_layer_columns(model, [i for i in range(len(blocks)) if i not in gone], len(blocks))
     key = adapter_for(model).depth_scale_key
     if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
         setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
@@ -468,6 +478,25 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "
                                       "never removed whole")
+
+
+def _keep_layer_columns(model: nn.Module, kept: Sequence[int], count: int) -> None:
+    """The input columns of the kept layers in each linear of `FamilyAdapter.layer_columns` (one equal block of columns
+    per layer of the `count`, layer after layer), so that the model the config builds with fewer layers loads them."""
+    base = base_path(model)
+    for path in adapter_for(model).layer_columns:
+        full = f"{base}.{path}" if base else path
+        try:
+            linear = model.get_submodule(full)
+        except AttributeError:  # a checkpoint without that head
+            continue
+        width = in_features(linear)
+        assert width % count == 0, (full, width, count)
+        block = width // count
+        keep_input_columns(linear, torch.cat([torch.arange(i * block, (i + 1) * block) for i in kept]))
+        head = owner_of(model, full)[0]
+        if isinstance(getattr(head, "in_features", None), int):  # ESM's contact head states its width too
+            head.in_features = in_features(linear)
 
 
 def _restate_backbone_outputs(config: Any, kept: Sequence[int], count: int) -> None:

@@ -144,6 +144,27 @@ def test_a_backbone_config_names_the_stages_of_the_blocks_kept(caplog):
     assert model.config.stage_names == ["stem", "stage1"] and model.config.out_features == ["stem", "stage1"]
 
 
+def test_esms_contact_head_keeps_the_columns_of_the_layers_kept(tmp_path):
+    """ESM's contact head reads every layer's heads' attention maps (layers x heads inputs, layer after layer): a
+    removed layer takes its columns with it, so the model reloads (its config builds the head from the layers left)
+    and predicts contacts from the kept layers' maps with their own weights."""
+    model = ENCODER_SHAPED["esm"]()
+    weight = model.contact_head.regression.weight.detach().clone()  # (1, 2 layers x 4 heads)
+    remove_layers(model, [0])
+    assert model.contact_head.in_features == 4
+    torch.testing.assert_close(model.contact_head.regression.weight, weight[:, 4:])
+    save_pruned(model, tmp_path / "saved")
+    reloaded = load_pruned(tmp_path / "saved")
+    tokens = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    for each in (model, reloaded):
+        each.set_attn_implementation("eager")  # attention maps are returned by the eager attention only
+    with torch.no_grad():
+        contacts = model.predict_contacts(tokens, mask)
+        torch.testing.assert_close(reloaded.predict_contacts(tokens, mask), contacts)
+    assert contacts.shape == (2, 7, 7)
+
+
 @pytest.mark.parametrize("name, norms", [("cohere", ("q_norm.weight", "k_norm.weight")),
                                          ("stablelm", ("q_layernorm.norms", "k_layernorm.norms"))])
 def test_per_head_query_and_key_norms_are_kept_with_their_heads(name, norms):

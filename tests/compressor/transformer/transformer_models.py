@@ -420,6 +420,9 @@ ENCODER_SHAPED = {
     "data2vec-text": _encoder("Data2VecTextModel", "Data2VecTextConfig", pad_token_id=1, **_TEXT_ENCODER),
     "xlm-roberta-xl": _encoder("XLMRobertaXLModel", "XLMRobertaXLConfig", pad_token_id=1, **_TEXT_ENCODER),
     "megatron-bert": _encoder("MegatronBertModel", "MegatronBertConfig", **_TEXT_ENCODER),
+    # ESM-2: rotary positions, a contact head over every layer's heads' attention maps
+    "esm": _encoder("EsmModel", "EsmConfig", pad_token_id=1, mask_token_id=2, position_embedding_type="rotary",
+                    **_TEXT_ENCODER),
     "jina_embeddings_v3": _encoder("JinaEmbeddingsV3Model", "JinaEmbeddingsV3Config", pad_token_id=1, **_TEXT_ENCODER),
     "eurobert": _encoder("EuroBertModel", "EuroBertConfig", num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2, **_TEXT_ENCODER),
