@@ -233,6 +233,13 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("camembert", _lm("CamembertModel", "CamembertConfig", pad_token_id=1, **ENCODER), "text"),
     ("data2vec-text", _lm("Data2VecTextModel", "Data2VecTextConfig", pad_token_id=1, **ENCODER), "text"),
     ("xlm-roberta-xl", _lm("XLMRobertaXLModel", "XLMRobertaXLConfig", pad_token_id=1, **ENCODER), "text"),
+    # T5's encoder (Flux's, SD3's text encoder; T5 v1.1 / Flan-T5's gated FFN), UMT5's (Wan's)
+    ("t5", _lm("T5EncoderModel", "T5Config", d_model=64, num_layers=2, num_heads=8, d_kv=8, d_ff=96, vocab_size=50),
+     "text"),
+    ("t5-gated", _lm("T5EncoderModel", "T5Config", d_model=64, num_layers=3, num_heads=8, d_kv=8, d_ff=96,
+                     feed_forward_proj="gated-gelu", vocab_size=50), "text"),
+    ("umt5", _lm("UMT5EncoderModel", "UMT5Config", d_model=64, num_layers=2, num_heads=8, d_kv=8, d_ff=96,
+                 vocab_size=50), "text"),
     ("esm", _lm("EsmModel", "EsmConfig", pad_token_id=1, mask_token_id=2, position_embedding_type="rotary",
                 **ENCODER), "text"),
     ("megatron-bert", _lm("MegatronBertModel", "MegatronBertConfig", **ENCODER), "text"),

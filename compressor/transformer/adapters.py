@@ -55,6 +55,15 @@ class FamilyAdapter:
     # the module taking `position_bias`, a score bias per head computed once for every layer (MPNet's relative
     # attention bias): a pruned layer reads the bias rows of the heads it kept (`surgery.set_bias_rows`)
     head_bias: str | None = None
+    # the module that hands the per-head score bias on to the next layer (T5's layer.0 returns the position_bias its
+    # attention read): with `head_bias` pruned, it hands on the whole bias, computed where the first layer's attention
+    # would (`surgery.relay_bias`), so a later layer reads its own heads' rows of it
+    bias_relay: str | None = None
+    # whether an attention alone can be removed: not where it returns what later layers read (T5's position bias)
+    attention_alone: bool = True
+    # how many values a block returns that its model unpacks (T5's 3: its hidden states, its position bias, the
+    # cross-attention's); the rest of the families' 2 or fewer read as (hidden states, None)
+    block_returns: int = 2
     # attention attributes holding the KV-head count (Phi-3 slices its fused q/k/v by it)
     kv_count_attrs: tuple[str, ...] = ()
     # the attention reads its query-head count from the config, which every layer shares (Phi-3 splits qkv_proj
@@ -346,6 +355,24 @@ DINOV3_GATED = replace(DINOV3, up=("mlp.up_proj", "mlp.gate_proj"))
 CLIP_VISION = replace(VIT_LIKE, layers="encoder.layers", q="self_attn.q_proj", k="self_attn.k_proj",
                       v="self_attn.v_proj", o="self_attn.out_proj", pooled_output="pooler_output")
 
+# T5's encoder (T5EncoderModel: Flux's and SD3's text encoder, sentence-T5; mT5's): pre-norm blocks of layer.0
+# (attention) and layer.1 (the FFN, DenseReluDense), a head size of its own (d_kv); the first layer's attention
+# computes a relative position bias of one row per head that every later layer reads as it is handed on
+# (position_bias): a pruned layer reads its kept heads' rows and hands the whole bias on; the first layer never goes,
+# nor an attention alone
+T5 = FamilyAdapter(layers="encoder.block", q="layer.0.SelfAttention.q", k="layer.0.SelfAttention.k",
+                   v="layer.0.SelfAttention.v", o="layer.0.SelfAttention.o", up=("layer.1.DenseReluDense.wi",),
+                   down="layer.1.DenseReluDense.wo", ffn_key="d_ff", config_head_dim=True, first_layer_fixed=True,
+                   head_bias="layer.0.SelfAttention", bias_relay="layer.0", attention_alone=False, block_returns=3)
+# T5 v1.1's, Flan-T5's and T5-XXL's gated FFN (feed_forward_proj gated-gelu): wi_0 (through the activation) x wi_1
+T5_GATED = replace(T5, up=("layer.1.DenseReluDense.wi_0", "layer.1.DenseReluDense.wi_1"))
+# UMT5 (Wan's text encoder): every layer's attention its own relative position bias table, a column per head, kept
+# with its heads; its attention reshapes by its own head count
+UMT5 = replace(T5_GATED, head_bias=None, bias_relay=None, first_layer_fixed=False, attention_alone=True,
+               head_columns=("layer.0.SelfAttention.relative_attention_bias.weight",),
+               head_count_attrs=("layer.0.SelfAttention.n_heads",), width_attrs=("layer.0.SelfAttention.inner_dim",))
+UMT5_UNGATED = replace(UMT5, up=("layer.1.DenseReluDense.wi",))
+
 # hierarchical vision transformer: blocks in stages (encoder.layers.S.blocks.B), patch merging between stages
 # (half the grid, twice the width), windowed attention with a relative-position bias table of one column per head;
 # transformers 5.x's attention reshapes with -1, so only the weights and the table change with the heads
@@ -380,6 +407,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "esm": ESM,
     "jina_embeddings_v3": JINA_V3,
     "eurobert": replace(LLAMA_LIKE, causal=False),  # EuroBERT: Llama's layers, bidirectional
+    "t5": T5,
+    "mt5": T5,
+    "umt5": UMT5,
     "vit": VIT_LIKE,
     "deit": VIT_LIKE,  # ViT's blocks; a distillation token beside [CLS]
     "dinov2": DINOV2,
@@ -484,6 +514,10 @@ VARIANTS: dict[str, tuple[Callable[[dict], bool], FamilyAdapter]] = {
     "dinov2_with_registers": (lambda c: bool(c.get("use_swiglu_ffn")), DINOV2_SWIGLU),
     "dinov3_vit": (lambda c: bool(c.get("use_gated_mlp")), DINOV3_GATED),
     "gpt_bigcode": (lambda c: not c.get("multi_query", True), GPT_BIGCODE_MHA),
+    # T5 v1.1, Flan-T5, T5-XXL, mT5: feed_forward_proj "gated-gelu"; UMT5 without it
+    "t5": (lambda c: str(c.get("feed_forward_proj", "relu")).startswith("gated-"), T5_GATED),
+    "mt5": (lambda c: str(c.get("feed_forward_proj", "gated-gelu")).startswith("gated-"), T5_GATED),
+    "umt5": (lambda c: not str(c.get("feed_forward_proj", "gated-gelu")).startswith("gated-"), UMT5_UNGATED),
 }
 
 
@@ -572,6 +606,7 @@ def _grouping_error(c: dict) -> str | None:
 
 
 _GROUPED = (lambda c: _grouping_error(c) is not None, _grouping_error)
+_T5_ENCODERS = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
 
 # (the config.json test, why: a line, or a function of the config giving it)
 REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], str | None]]] = {
@@ -600,6 +635,11 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                "Falcon is supported in Falcon-7B's layout (multi_query, rotary positions); the grouped q/k/v of "
                "new_decoder_architecture (Falcon-40B, 180B), per-head q/k/v without multi_query and ALiBi positions "
                "(Falcon-RW) are not yet (Falcon 3 is saved as llama, which is)"),
+    **dict.fromkeys(("t5", "mt5", "umt5"), (
+        lambda c: not any(str(a).endswith("EncoderModel") for a in c.get("architectures") or []),
+        lambda c: f"{c.get('model_type')}: its encoder is supported (the text encoder of Flux, SD3 or Wan, "
+                  f"sentence-T5), saved as one: {_T5_ENCODERS.get(c.get('model_type'), 'T5EncoderModel')}"
+                  ".from_pretrained(path).save_pretrained(out); its decoder (generation) is not pruned")),
     "opt": (lambda c: c.get("do_layer_norm_before") is False,
             "post-norm OPT (do_layer_norm_before=False, e.g. opt-350m) is not supported"),
     "deberta-v2": (lambda c: (c.get("conv_kernel_size") or 0) > 0,
@@ -703,7 +743,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
         raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
     adapter = family_record(model_type, vars(model.config))
     if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json (its fields, not copied)
-        check_config({**vars(model.config), "model_type": model_type}, type(model).__name__)
+        check_config({**vars(model.config), "model_type": model_type,  # a model built in memory: its own class
+                      "architectures": model.config.architectures or [type(model).__name__]}, type(model).__name__)
     if adapter.stage_blocks is not None:
         _check_stages(vars(model.config), type(model).__name__)
     return adapter

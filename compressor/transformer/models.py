@@ -65,6 +65,8 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     arch = (config.architectures or [""])[0]
     if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), True
+    if arch.endswith("EncoderModel") and hasattr(transformers, arch):  # T5's encoder alone (AutoModel: both halves)
+        return getattr(transformers, arch), False
     adapter = ADAPTERS.get(config.model_type)
     if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None:
         return getattr(transformers, arch), False  # a decoder's too (a reranker's or reward model's score head)
@@ -224,9 +226,11 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
         if not adapter.config_head_dim:
             return None
         if not adapter.latent_attention:  # its head sizes are keys of their own (head_dim: the rotary part's)
-            out["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads_before)
-        out[adapter.heads_key] = kept
-        out[adapter.kv_heads_key] = kv_heads
+            head_dim = key("head_dim", "head_dim")  # T5's d_kv
+            out[head_dim] = int(config.get(head_dim) or config[key("hidden_size", "hidden_size")] // heads_before)
+        out[key(adapter.heads_key, adapter.heads_key)] = kept
+        if adapter.kv_heads_key is not None:
+            out[key(adapter.kv_heads_key, adapter.kv_heads_key)] = kv_heads
     try:  # what transformers itself accepts: Llama's config still wants hidden_size % heads == 0
         transformers.CONFIG_MAPPING[model_type].from_dict(out)
     except Exception:  # its validators raise ValueError, or huggingface_hub's validation error

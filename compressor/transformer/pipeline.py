@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import inspect
 import itertools
 import logging
 import sys
@@ -248,15 +249,16 @@ def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iter
     passes the pair on to the next stand-in, which reads nothing of it: only the first block's hidden states
     are kept, the blocks' own outputs come from running them."""
     blocks = list(layers(model))
+    returns = adapter_for(model).block_returns
 
-    def recorder(index: int) -> Callable[..., tuple[Any, None]]:
-        def forward(*args: Any, **kwargs: Any) -> tuple[Any, None]:
+    def recorder(index: int) -> Callable[..., tuple[Any, ...]]:
+        def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
             sink.append((hidden, args[1:], kwargs))
             if index == len(blocks) - 1:
                 raise _Stop
-            return hidden, None
+            return (hidden, *[None] * (returns - 1))
         return forward
 
     for i, block in enumerate(blocks):
@@ -266,6 +268,25 @@ def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iter
     finally:
         for block in blocks:
             del block.forward
+
+
+def _with_relayed_bias(model: nn.Module, seen: list[tuple[Tensor, tuple, dict]]) -> list[tuple[Tensor, tuple, dict]]:
+    """Every block's recorded call with the per-head bias the first block computes and every later one is handed
+    (`FamilyAdapter.bias_relay`: T5's position bias; the stand-ins handed on none): each block replays alone on its own
+    inputs, as inside the model."""
+    adapter, first = adapter_for(model), layers(model)[0]
+    attention = first.get_submodule(adapter.head_bias)
+    hidden = seen[0][0]  # (batch, length, hidden)
+    bias = attention.compute_bias(hidden.shape[1], hidden.shape[1], device=hidden.device)  # (1, heads, length, length)
+    at = list(inspect.signature(type(first).forward).parameters).index("position_bias") - 2  # past self, hidden
+    out = []
+    for hidden_states, args, kwargs in seen:
+        if len(args) > at:
+            args = (*args[:at], bias, *args[at + 1:])
+        else:
+            kwargs = {**kwargs, "position_bias": bias}
+        out.append((hidden_states, args, kwargs))
+    return out
 
 
 def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]], device: torch.device,
@@ -286,6 +307,8 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
                     model(**_to(batch, device, non_blocking=True))
                 if len(seen) != len(layers(model)):
                     raise RuntimeError(f"the model called {len(seen)} of its {len(layers(model))} blocks")
+                if adapter_for(model).bias_relay is not None:
+                    seen = _with_relayed_bias(model, seen)
                 hidden = _offload(seen[0][0].detach(), activation_dtype)
                 mask = batch.get("attention_mask")
                 mask = mask.bool().cpu() if mask is not None else None

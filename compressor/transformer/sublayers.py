@@ -121,6 +121,9 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type} norms each sub-layer's output before the residual "
                                       "add, which would turn a removed sub-layer's constant into a full-size update: "
                                       "an attention or an FFN alone is not removed (whole layers are)")
+    if kind == ATTENTION and not adapter_for(model).attention_alone:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
+                                      "layer reads: an attention alone is not removed (whole layers are)")
     if kind == ATTENTION and adapter_for(model).causal and kv_layers(model) == 1:
         raise UnsupportedArchitecture(f"layer {index}'s attention is the last one left: a decoder without any would "
                                       "read no context, and its KV cache (empty) would give every decoded token "

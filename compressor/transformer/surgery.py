@@ -236,6 +236,8 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         current = getattr(bias_module, "bias_rows", None)
         rows = heads if current is None else torch.tensor(current, dtype=torch.long)[heads]
         set_bias_rows(bias_module, rows.tolist())
+        if adapter.bias_relay is not None:
+            relay_bias(layer.get_submodule(adapter.bias_relay), bias_module)
     if adapter.config_head_count:
         attention = _attention(model, layer)
         if not isinstance(attention.config, LayerConfig):
@@ -277,6 +279,38 @@ def _select_bias_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     elif len(args) > at and args[at] is not None:
         args = (*args[:at], args[at].index_select(1, module.bias_index), *args[at + 1:])
     return args, kwargs
+
+
+def relay_bias(relay: nn.Module, attention: nn.Module) -> None:
+    """Make `relay` (T5's layer.0, which calls `attention` with the per-head position bias it was handed and returns the
+    bias the attention returns) hand on the whole bias it was given, not the rows of the heads `attention` kept
+    (`set_bias_rows`), and compute it where it was handed none and the attention would (the first layer's): a later
+    layer reads its own heads' rows of the dense bias. Two hooks, installed once, kept by deepcopy and traced by the
+    export."""
+    if getattr(relay, "bias_relayed", False):
+        return
+    relay.register_forward_pre_hook(_whole_bias_in, with_kwargs=True)
+    relay.register_forward_hook(_whole_bias_on, with_kwargs=True)
+    relay.bias_relayed = True
+
+
+def _relayed_attention(relay: nn.Module) -> nn.Module:
+    return next(m for m in relay.children() if getattr(m, "bias_hooked", False))
+
+
+def _whole_bias_in(relay: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if kwargs.get("position_bias") is not None:
+        return None
+    attention = _relayed_attention(relay)
+    if not getattr(attention, "has_relative_attention_bias", False):
+        return None
+    length = args[0].shape[1] if args else kwargs["hidden_states"].shape[1]  # (batch, length, hidden)
+    bias = attention.compute_bias(length, length, device=attention.relative_attention_bias.weight.device)
+    return args, {**kwargs, "position_bias": bias}  # (1, dense heads, length, length)
+
+
+def _whole_bias_on(relay: nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+    return (output[0], kwargs.get("position_bias"), *output[2:])
 
 
 class LayerConfig:
@@ -660,7 +694,10 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             if len(rows) != heads[i]:
                 raise ModelReferenceError(f"width manifest: layer {i}'s bias_rows {rows} are not one per query head")
             if heads[i]:
-                set_bias_rows(layers(model)[i].get_submodule(adapter_for(model).head_bias), rows)
+                adapter = adapter_for(model)
+                set_bias_rows(attention := layers(model)[i].get_submodule(adapter.head_bias), rows)
+                if adapter.bias_relay is not None:
+                    relay_bias(layers(model)[i].get_submodule(adapter.bias_relay), attention)
         if manifest["ffn"][i] == 0:
             remove_sublayer(model, i, FFN)
         else:

@@ -2,6 +2,9 @@
 and this end-to-end test on a tiny random-init model of it (the families of `transformer_models.MODELS` each run the
 whole family-parametrised suite instead)."""
 
+import contextlib
+import json
+
 import onnxruntime as ort
 import pytest
 import torch
@@ -13,10 +16,11 @@ from compressor.transformer.adapters import ADAPTERS, VARIANTS, adapter_for, che
 from compressor.transformer.flap import flap_structure
 from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
-from compressor.transformer.sublayers import FFN, remove_sublayer
+from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
 from compressor.transformer.surgery import (
     ffn_width,
     load_pruned,
+    prune_ffn,
     prune_heads,
     prune_query_heads,
     query_heads,
@@ -104,19 +108,20 @@ def _replays_its_blocks(model, data) -> None:
 
 @pytest.mark.parametrize("name", sorted(ENCODER_SHAPED))
 def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path):
-    """Text encoders and vision transformers on BERT's or ViT's modules: heads and neurons pruned by the pipeline, a
-    layer and then the last layer's FFN removed (its update a constant vector), exported within 1e-4 and reloaded."""
+    """Text encoders and vision transformers on BERT's, ViT's or T5's modules: heads and neurons pruned by the pipeline,
+    a layer and then the other layer's FFN removed (its update a constant vector), exported within 1e-4 and reloaded."""
     model = ENCODER_SHAPED[name]()
     name = name.split(":")[0]  # a variant of the family's layout: "dinov2:swiglu"
     assert model.config.model_type == name and not adapter_for(model).causal
     assert adapter_for(model) is family_record(name, vars(model.config))
-    check_config({**model.config.to_dict(), "model_type": name}, name)
+    # the CLI's and the server's check passes on the config.json it saves (which names its class: T5's encoder alone)
+    check_config({**model.config.to_dict(), "model_type": name, "architectures": [type(model).__name__]}, name)
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
     _replays_its_blocks(model, data)
     pruned, reports = prune_transformer(model, data, 0.3)
     assert {r.kind for r in reports} == {"attention_heads", "ffn_neurons"}
     assert all(r.width_after < r.width_before for r in reports)
-    remove_layers(pruned, [0])
+    remove_layers(pruned, [1 if adapter_for(pruned).first_layer_fixed else 0])  # T5's first layer holds its bias
     remove_sublayer(pruned, 0, FFN, torch.randn(pruned.config.hidden_size, generator=torch.Generator().manual_seed(0)))
     example = example_inputs(pruned, batch=2, length=10, seed=5)
     path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="last_hidden_state")
@@ -142,6 +147,51 @@ def test_a_backbone_config_names_the_stages_of_the_blocks_kept(caplog):
     transformers.Dinov2Config.from_dict(model.config.to_dict())  # what a reload builds: valid
     remove_layers(model, [0])  # the first block's output is now the embeddings' (the stem's)
     assert model.config.stage_names == ["stem", "stage1"] and model.config.out_features == ["stem", "stage1"]
+
+
+@pytest.mark.parametrize("name", ["t5", "umt5"])
+def test_t5s_position_bias_follows_each_layers_kept_heads(name, tmp_path):
+    """T5's first layer computes a position bias of a row per head and hands it on through every later layer, UMT5's
+    layers each their own: heads kept unevenly (layer 0: 1 and 3, layer 1: 0, 2 and 3) read their own rows, so the
+    pruned encoder is the dense one with the removed heads' outputs zeroed; exported and reloaded alike."""
+    import copy
+
+    from .transformer_models import _encoder
+
+    model = _encoder("T5EncoderModel" if name == "t5" else "UMT5EncoderModel", "T5Config" if name == "t5" else
+                     "UMT5Config", vocab_size=50, d_model=32, num_layers=3, num_heads=4, d_kv=8, d_ff=24,
+                     relative_attention_num_buckets=8, relative_attention_max_distance=16)()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, gone in ((0, (0, 2)), (1, (1,))):
+            o = layers(reference)[i].layer[0].SelfAttention.o.weight
+            for head in gone:
+                o[:, head * 8:(head + 1) * 8] = 0
+    prune_heads(model, 0, [1, 3])
+    prune_heads(model, 1, [0, 2, 3])
+    example = example_inputs(model, batch=2, length=10, seed=3)
+    torch.testing.assert_close(first_output(model, example), first_output(reference, example), rtol=1e-5, atol=1e-5)
+    path = export_hf_onnx(model, example, tmp_path / "model.onnx", output_name="last_hidden_state")
+    assert check_hf_parity(model, path, example, "last_hidden_state").max_abs_error < 1e-5
+    save_pruned(model, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved"), example), first_output(model, example))
+    with pytest.raises(UnsupportedArchitecture, match=r"an attention alone is not removed") if name == "t5" \
+            else contextlib.nullcontext():
+        remove_sublayer(model, 1, ATTENTION)
+
+
+def test_a_uniformly_pruned_umt5_encoder_loads_in_transformers_alone(tmp_path):
+    """UMT5's config names its widths its own way (num_heads, d_kv, d_ff: attribute_map): a pruning that keeps equal
+    widths in every layer is written as a config transformers builds the pruned encoder from."""
+    model = ENCODER_SHAPED["umt5"]()
+    for i in range(2):
+        prune_heads(model, i, [0, 2, 3])
+        prune_ffn(model, i, range(16))
+    assert save_standard(model, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (config["num_heads"], config["d_kv"], config["d_ff"]) == (3, 8, 16) and "num_attention_heads" not in config
+    reloaded = transformers.UMT5EncoderModel.from_pretrained(tmp_path / "saved").eval()
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
 def test_esms_contact_head_keeps_the_columns_of_the_layers_kept(tmp_path):
