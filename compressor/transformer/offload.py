@@ -154,11 +154,6 @@ class StreamedCheckpoint:
         if adapter.stage_blocks is not None:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
                                           "streamed (it is pruned in memory: compress without --stream)")
-        if adapter.bias_relay is not None:
-            raise UnsupportedArchitecture(f"{source}: {config.model_type}'s first layer computes the position bias "
-                                          "every later layer reads, which a streamed capture does not hold: it is "
-                                          "pruned in memory (compress without --stream, on a host with the memory for "
-                                          "it)")
         if adapter.experts:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s checkpoint keeps each expert's weights "
                                           "apart, which transformers merges into 3-D tensors as it loads: a Mixture-"

@@ -526,6 +526,8 @@ def prune_blocks(
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
         emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
                                "its attentions stay whole, the ratio prunes the FFN neurons"), log)
+    if adapter.bias_relay is not None:
+        source.load(0)  # the first block computes the bias every block is handed (a streamed one: read early)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
     head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group

@@ -40,6 +40,21 @@ def test_streamed_pruning_equals_in_memory_pruning(name, tmp_path):
     assert not list(out.glob(".*"))  # no temporary shard left behind
 
 
+def test_t5s_encoder_streams_with_the_bias_its_first_block_computes(tmp_path):
+    """T5's first block computes the position bias every later block is handed: a streamed capture reads that block
+    first, so the streamed pruning equals the in-memory one."""
+    from .transformer_models import ENCODER_SHAPED
+
+    model = ENCODER_SHAPED["t5"]()
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    expected, expected_reports = prune_transformer(model, data(model), 0.5)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    reports = prune_blocks(checkpoint, data(model), 0.5)
+    out = checkpoint.finish()
+    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "opt"])  # rotary tables; position ids; causal masks
 def test_opening_draws_no_weights_and_holds_the_checkpoints_own(name, tmp_path, monkeypatch):
     """The one-block model that carries the weights outside the blocks is built without drawing random weights
