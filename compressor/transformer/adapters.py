@@ -369,7 +369,7 @@ T5_GATED = replace(T5, up=("layer.1.DenseReluDense.wi_0", "layer.1.DenseReluDens
 # UMT5 (Wan's text encoder): every layer's attention its own relative position bias table, a column per head, kept
 # with its heads; its attention reshapes by its own head count
 UMT5 = replace(T5_GATED, head_bias=None, bias_relay=None, first_layer_fixed=False, attention_alone=True,
-               head_columns=("layer.0.SelfAttention.relative_attention_bias.weight",),
+               block_returns=2, head_columns=("layer.0.SelfAttention.relative_attention_bias.weight",),
                head_count_attrs=("layer.0.SelfAttention.n_heads",), width_attrs=("layer.0.SelfAttention.inner_dim",))
 UMT5_UNGATED = replace(UMT5, up=("layer.1.DenseReluDense.wi",))
 
@@ -743,8 +743,10 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
         raise UnsupportedArchitecture(f"unsupported transformer family {model_type!r}; supported: {sorted(ADAPTERS)}")
     adapter = family_record(model_type, vars(model.config))
     if model_type in REFUSED_CONFIGS:  # refused by the same rule as a config.json (its fields, not copied)
-        check_config({**vars(model.config), "model_type": model_type,  # a model built in memory: its own class
-                      "architectures": model.config.architectures or [type(model).__name__]}, type(model).__name__)
+        # the model's own class, not the one its config names (T5EncoderModel.from_pretrained keeps a whole T5's
+        # ["T5ForConditionalGeneration"])
+        check_config({**vars(model.config), "model_type": model_type, "architectures": [type(model).__name__]},
+                     type(model).__name__)
     if adapter.stage_blocks is not None:
         _check_stages(vars(model.config), type(model).__name__)
     return adapter

@@ -67,6 +67,8 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
         return getattr(transformers, arch), True
     if arch.endswith("EncoderModel") and hasattr(transformers, arch):  # T5's encoder alone (AutoModel: both halves)
         return getattr(transformers, arch), False
+    if arch.endswith("VisionModelWithProjection") and hasattr(transformers, arch):  # CLIP's with its projection
+        return getattr(transformers, arch), False
     adapter = ADAPTERS.get(config.model_type)
     if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None:
         return getattr(transformers, arch), False  # a decoder's too (a reranker's or reward model's score head)
@@ -148,6 +150,8 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         names += ("token_type_ids",)
     classifier = type(model).__name__.endswith(CLASSIFIER_SUFFIX)
     pooled = ADAPTERS[config.model_type].pooled_output
+    if type(model).__name__.endswith("VisionModelWithProjection"):  # IP-Adapter's, SVD's image encoders serve these
+        pooled = "image_embeds"
     if pooled is not None and not causal and not classifier and getattr(config, "vision_use_head", True) is not False:
         # the embedding the base model serves (SigLIP without its head has none), then the token states
         return LoadedTransformer(model, tokenizer, pooled, names, extra_outputs=("last_hidden_state",))

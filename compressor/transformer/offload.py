@@ -154,6 +154,11 @@ class StreamedCheckpoint:
         if adapter.stage_blocks is not None:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s blocks sit in stages, which are not "
                                           "streamed (it is pruned in memory: compress without --stream)")
+        if adapter.layer_columns:
+            raise UnsupportedArchitecture(f"{source}: {config.model_type}'s {', '.join(adapter.layer_columns)} reads "
+                                          "every layer, narrowed as layers go, which a streamed checkpoint rereads "
+                                          "whole as it is written: it is pruned in memory (compress without --stream, "
+                                          "on a host with the memory for it)")
         if adapter.experts:
             raise UnsupportedArchitecture(f"{source}: {config.model_type}'s checkpoint keeps each expert's weights "
                                           "apart, which transformers merges into 3-D tensors as it loads: a Mixture-"

@@ -209,13 +209,26 @@ def stored_dtype(module: nn.Module) -> torch.dtype:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _to_compute(block: nn.Module, device: torch.device) -> torch.dtype:
+def _to_compute(block: nn.Module, device: torch.device) -> dict[str, torch.dtype]:
     """Move a block to the device for its turn; a half-precision (bf16 / fp16) block is upcast there, so the
     statistics, the solve and the reconstruction see float32 and the host keeps the checkpoint's dtype.
-    Returns the dtype it goes back to (`block.to(dtype=...)` before it is stored)."""
+    Returns each floating tensor's dtype by name, which `_to_stored` gives back to it before the block is stored."""
+    dtypes = {name: t.dtype for name, t in itertools.chain(block.named_parameters(), block.named_buffers())
+              if t.is_floating_point()}
     dtype = stored_dtype(block)
     block.to(device=device, dtype=COMPUTE_DTYPE if dtype in HALF_DTYPES else None)
-    return dtype
+    return dtypes
+
+
+def _to_stored(block: nn.Module, dtypes: dict[str, torch.dtype], device: torch.device | str | None = None) -> None:
+    """Each of the block's tensors back in the dtype `_to_compute` found it in (by name: surgery replaces the
+    parameters it resizes), not one dtype for all: an fp16 T5 keeps its FFN output projection in float32
+    (transformers' `_keep_in_fp32_modules`, against fp16 overflow), which a round trip through fp16 would undo."""
+    if device is not None:
+        block.to(device)
+    for name, t in itertools.chain(block.named_parameters(), block.named_buffers()):
+        if name in dtypes and t.dtype != dtypes[name]:
+            t.data = t.data.to(dtypes[name])
 
 
 def _host_ready(device: torch.device) -> None:
@@ -270,14 +283,22 @@ def _recording(model: nn.Module, sink: list[tuple[Tensor, tuple, dict]]) -> Iter
             del block.forward
 
 
-def _with_relayed_bias(model: nn.Module, seen: list[tuple[Tensor, tuple, dict]]) -> list[tuple[Tensor, tuple, dict]]:
+def _with_relayed_bias(model: nn.Module, seen: list[tuple[Tensor, tuple, dict]],
+                       biases: dict[int, Tensor]) -> list[tuple[Tensor, tuple, dict]]:
     """Every block's recorded call with the per-head bias the first block computes and every later one is handed
     (`FamilyAdapter.bias_relay`: T5's position bias; the stand-ins handed on none): each block replays alone on its own
-    inputs, as inside the model."""
+    inputs, as inside the model. `biases`: one per sequence length, shared by the batches of that length (a T5-XXL's
+    is 64 heads x length^2). Computed where the first block's bias table is (on the host: the blocks stay there until
+    their turn), in float32, as the blocks compute."""
     adapter, first = adapter_for(model), layers(model)[0]
     attention = first.get_submodule(adapter.head_bias)
     hidden = seen[0][0]  # (batch, length, hidden)
-    bias = attention.compute_bias(hidden.shape[1], hidden.shape[1], device=hidden.device)  # (1, heads, length, length)
+    length = hidden.shape[1]
+    if length not in biases:
+        table = attention.relative_attention_bias.weight
+        bias = attention.compute_bias(length, length, device=table.device)  # (1, heads, length, length)
+        biases[length] = bias.to(device=hidden.device, dtype=torch.float32)
+    bias = biases[length]
     at = list(inspect.signature(type(first).forward).parameters).index("position_bias") - 2  # past self, hidden
     out = []
     for hidden_states, args, kwargs in seen:
@@ -299,6 +320,8 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
     use_cache = getattr(model.config, "use_cache", None)
     if use_cache is not None:
         model.config.use_cache = False  # no KV cache is built, nor passed to the blocks
+    biases: dict[int, Tensor] = {}  # a relayed bias per sequence length (`_with_relayed_bias`)
+    shared: dict[int, Tensor] = {}  # ... as stored: one copy for every batch of that length
     try:
         with torch.no_grad():
             for batch in batches:
@@ -308,15 +331,16 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
                 if len(seen) != len(layers(model)):
                     raise RuntimeError(f"the model called {len(seen)} of its {len(layers(model))} blocks")
                 if adapter_for(model).bias_relay is not None:
-                    seen = _with_relayed_bias(model, seen)
+                    seen = _with_relayed_bias(model, seen, biases)
                 hidden = _offload(seen[0][0].detach(), activation_dtype)
                 mask = batch.get("attention_mask")
                 mask = mask.bool().cpu() if mask is not None else None
                 counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
                 if counted is not None and device.type == "cuda":
                     counted = counted.pin_memory()  # uploaded per batch and layer: asynchronously
-                memo: dict[int, Tensor] = {}  # layers of one kind share their masks and rotary tables: stored once
+                memo: dict[int, Tensor] = dict(shared)  # layers of one kind share their masks and rotary tables
                 inputs = [_to((args, kwargs), "cpu", non_blocking=True, memo=memo) for _, args, kwargs in seen]
+                shared.update((key, memo[key]) for key in map(id, biases.values()) if key in memo)
                 streams.append(_Stream(hidden, hidden, inputs, mask, counted))
     finally:
         if use_cache is not None:
@@ -347,7 +371,7 @@ def _exit_stage(model: nn.Module, index: int, streams: Sequence[_Stream], device
                 if pruned:
                     s.pruned = _offload(module(s.pruned.to(device, torch.float32), *args), activation_dtype)
     finally:
-        module.to("cpu", stored)
+        _to_stored(module, stored, "cpu")
 
 
 def _run(block: nn.Module, hidden: Tensor, stream: _Stream | Sequences, device: torch.device) -> Tensor | None:
@@ -551,7 +575,7 @@ def prune_blocks(
                 for s in streams:
                     s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
             emit(progress, Progress(REMOVED, here, i + 1, d.layers), log)
-            block.to(dtype=stored)
+            _to_stored(block, stored)
             source.store(i)
             _exit_stage(model, i, streams, device, activation_dtype)
             continue
@@ -682,7 +706,7 @@ def prune_blocks(
                 s.pruned = _offload(_run(block, s.pruned, s, device), activation_dtype)
         _exit_stage(model, i, streams, device, activation_dtype)
         del dense
-        block.to(dtype=stored)  # kept in the checkpoint's dtype: the refit weights round once, here
+        _to_stored(block, stored)  # kept in the checkpoint's dtypes: the refit weights round once, here
         source.store(i)
         _release_memory()
     if skip:
@@ -1085,7 +1109,7 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
             s.hidden = out
         del outputs
         _exit_stage(model, i, streams, device, activation_dtype, pruned=False)
-        block.to("cpu", stored)
+        _to_stored(block, stored, "cpu")
         losses.append(RemovalLoss(update_energy / stream, alone.get(ATTENTION), alone.get(FFN)))
     return losses
 

@@ -1100,6 +1100,10 @@ class TextJob(_TransformerJob):
                 raise ModelReferenceError(
                     f"{request.model}: {type(self.dense).__name__} scores each sequence at its last token that is not "
                     "the pad token, and config.json sets no pad_token_id: set it to the tokenizer's pad token id")
+            vocabulary = self.dense.get_input_embeddings().num_embeddings
+            if not 0 <= int(self.pad_id) < vocabulary:
+                raise ModelReferenceError(f"{request.model}: config.json's pad_token_id {self.pad_id} is no token of "
+                                          f"its {vocabulary}-token vocabulary: set the tokenizer's pad token id")
         self.draw = request.text_calibration(self.causal)
         limit = max_sequence(self.dense)
         if limit and self.draw.length > limit:  # a window past the position embeddings indexes out of their table
@@ -1316,13 +1320,17 @@ class ImageTransformerJob(_TransformerJob):
         self.traits = _image_traits(request, TRANSFORMER)
         config = self.dense.config
         size, channels = served_image_size(self.dense, Path(str(request.model)).expanduser()), int(config.num_channels)
-        if size != int(config.image_size):
-            say(f"images of {size} x {size}, as its preprocessor crops them (config.json's image_size: "
-                f"{config.image_size})")
-        self.input_shape = (channels, size, size)
         self.classifier = self.loaded.output_name == "logits"
         self.images, self.eval_x, self.eval_y, self.held_out = _images_and_held_out(request, self.EVAL_SAMPLES,
                                                                                     labels=self.classifier)
+        side = self.images.shape[-1]
+        if adapter_for(self.dense).any_image_size and self.images.shape[-2] == side and \
+                side % int(config.patch_size) == 0:
+            size = side  # a model that takes any size: the images' own, a square of whole patches
+        if size != int(config.image_size):
+            say(f"images of {size} x {size} (config.json's image_size: {config.image_size}; the model takes any "
+                f"size of whole {config.patch_size}-pixel patches)")
+        self.input_shape = (channels, size, size)
         _check_image_shapes(self.images, self.eval_x, self.input_shape, request)
         for text in _image_value_warnings(self.images, request):
             say(warning(text))

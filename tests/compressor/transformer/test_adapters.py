@@ -180,6 +180,29 @@ def test_t5s_position_bias_follows_each_layers_kept_heads(name, tmp_path):
         remove_sublayer(model, 1, ATTENTION)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_t5_encoder_prunes_and_keeps_its_float32_ffn_output(dtype, tmp_path):
+    """A half-precision T5 (SD3 ships its encoder in fp16) is pruned with its relayed position bias in float32, as its
+    blocks compute; transformers keeps the FFN's output projection in float32 against fp16 overflow
+    (`_keep_in_fp32_modules`), which the pipeline's round trip through the checkpoint's dtype kept too. And a T5 encoder
+    loaded from a whole T5's checkpoint (its config names T5ForConditionalGeneration) is the encoder it is."""
+    torch.manual_seed(0)
+    whole = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=32, num_layers=2, num_heads=4, d_kv=8, d_ff=24, relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu"))
+    whole.save_pretrained(tmp_path / "whole")
+    model = transformers.T5EncoderModel.from_pretrained(tmp_path / "whole", dtype=dtype).eval()
+    assert model.config.architectures == ["T5ForConditionalGeneration"] and adapter_for(model).bias_relay
+    wo = layers(model)[0].layer[1].DenseReluDense.wo
+    assert wo.weight.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    pruned, _ = prune_transformer(model, data, 0.3)
+    for block in layers(pruned):
+        ffn = block.layer[1].DenseReluDense
+        assert ffn.wi_0.weight.dtype == dtype and ffn.wo.weight.dtype == wo.weight.dtype
+    assert query_heads(pruned, 0) == 3 and torch.isfinite(first_output(pruned).float()).all()
+
+
 def test_a_uniformly_pruned_umt5_encoder_loads_in_transformers_alone(tmp_path):
     """UMT5's config names its widths its own way (num_heads, d_kv, d_ff: attribute_map): a pruning that keeps equal
     widths in every layer is written as a config transformers builds the pruned encoder from."""

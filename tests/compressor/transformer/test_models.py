@@ -304,22 +304,30 @@ def test_a_decoder_familys_base_model_and_score_head_load_as_encoders(cls, confi
 
 
 @pytest.mark.parametrize("name, head", [("clip_vision_model", True), ("siglip_vision_model", True),
-                                        ("siglip_vision_model", False)])
+                                        ("siglip_vision_model", False), ("clip_projection", True)])
 def test_a_vision_tower_serves_its_pooled_embedding_first_and_its_token_states_after(name, head, tmp_path):
     """CLIP's and SigLIP's vision towers serve pooler_output (the [CLS] state after post_layernorm, SigLIP's
-    attention-pooling head): the export's first output, which the job scores, the last hidden state after it, both
-    within parity; a SigLIP tower without its head serves its token states alone."""
+    attention-pooling head), CLIP's with its projection (IP-Adapter's, SVD's image encoder) its image_embeds: the
+    export's first output, which the job scores, the last hidden state after it, both within parity; a SigLIP tower
+    without its head serves its token states alone."""
+    import transformers
+
     from exporters.onnx import check_hf_parity, export_hf_onnx
 
     from .transformer_models import ENCODER_SHAPED
 
-    model = ENCODER_SHAPED[name]()
+    model = ENCODER_SHAPED[name if name != "clip_projection" else "clip_vision_model"]()
+    if name == "clip_projection":
+        torch.manual_seed(0)
+        model = transformers.CLIPVisionModelWithProjection(model.config).eval()
     model.config.vision_use_head = head
     if not head:
         model = type(model)(model.config).eval()
     model.save_pretrained(tmp_path / name)
     loaded = load_transformer(str(tmp_path / name))
-    assert loaded.outputs == (("pooler_output", "last_hidden_state") if head else ("last_hidden_state",))
+    pooled = "image_embeds" if name == "clip_projection" else "pooler_output"
+    assert type(loaded.model) is type(model)
+    assert loaded.outputs == ((pooled, "last_hidden_state") if head else ("last_hidden_state",))
     if head:
         example = example_inputs(loaded.model)
         path = export_hf_onnx(loaded.model, example, tmp_path / "model.onnx", output_name=loaded.outputs)

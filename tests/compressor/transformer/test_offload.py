@@ -55,6 +55,16 @@ def test_t5s_encoder_streams_with_the_bias_its_first_block_computes(tmp_path):
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
 
 
+def test_esm_is_not_streamed(tmp_path):
+    """ESM's contact head reads every layer and is narrowed as layers go, which a streamed checkpoint would reread
+    whole from the source as it writes the pruned one: refused before anything is pruned, in one line."""
+    from .transformer_models import ENCODER_SHAPED
+
+    ENCODER_SHAPED["esm"]().save_pretrained(tmp_path / "src")
+    with pytest.raises(UnsupportedArchitecture, match=r"contact_head\.regression reads every layer.*pruned in memory"):
+        StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+
+
 @pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "opt"])  # rotary tables; position ids; causal masks
 def test_opening_draws_no_weights_and_holds_the_checkpoints_own(name, tmp_path, monkeypatch):
     """The one-block model that carries the weights outside the blocks is built without drawing random weights

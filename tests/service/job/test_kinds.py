@@ -4,6 +4,7 @@ through as the pipeline says it) and what each kind refuses."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -559,6 +560,24 @@ def test_an_earlier_jobs_listed_files_in_the_models_own_folder_stay(tmp_path):
     assert not (model / "config.json").exists() and not (model / "preprocessor_config.json").exists()
 
 
+def test_a_model_of_any_image_size_takes_its_images_size(tmp_path):
+    """DINOv2 takes images of any size in whole patches: calibration images of 8 x 8 (its config says 16) make the job's
+    input, export and token count that size, where a ViT's fixed positions refuse them."""
+    from compressor.errors import CalibrationError
+    from service.job.kinds import ImageTransformerJob
+    from tests.compressor.transformer.transformer_models import ENCODER_SHAPED, MODELS
+
+    for name, model in (("dinov2", ENCODER_SHAPED["dinov2"]()), ("vit", MODELS["vit"]())):
+        model.save_pretrained(tmp_path / name)
+    np.savez(tmp_path / "images.npz", x=np.random.default_rng(0).integers(0, 256, (160, 8, 8, 3), dtype=np.uint8))
+    request = CompressRequest(model=str(tmp_path / "dinov2"), uniform_ratio=0.5, calibration=tmp_path / "images.npz")
+    said: list = []
+    job = ImageTransformerJob(request, said.append)
+    assert job.input_shape == (3, 8, 8) and job.tokens == 5 and any("images of 8 x 8" in str(s) for s in said)
+    with pytest.raises(CalibrationError, match=r"the model expects \(3, 16, 16\)"):
+        ImageTransformerJob(dataclasses.replace(request, model=str(tmp_path / "vit")), said.append)
+
+
 def test_dinov2_is_served_at_its_preprocessors_crop_not_its_configs_image_size(tmp_path):
     """DINOv2's config says image_size 518 where its processor crops 224 and the model interpolates its positions:
     the job takes the crop's size (its images, its export, the latency model's tokens); a family of fixed positions
@@ -647,6 +666,10 @@ def test_a_decoder_score_head_reads_its_padding_by_its_pad_token_id(tmp_path):
         scored = job.dense(**{k: v[row:row + 1] for k, v in batch.items()}).logits
     torch.testing.assert_close(scored[0], job.dense.score(states[0, last]))
     with pytest.raises(InputError, match=r"config\.json sets no pad_token_id"):
+        TextJob(dataclasses.replace(request, model=str(tmp_path / "nopad")), lambda line: None)
+    config = json.loads((tmp_path / "nopad" / "config.json").read_text())
+    (tmp_path / "nopad" / "config.json").write_text(json.dumps({**config, "pad_token_id": -1}))
+    with pytest.raises(InputError, match="pad_token_id -1 is no token of its 50-token vocabulary"):
         TextJob(dataclasses.replace(request, model=str(tmp_path / "nopad")), lambda line: None)
 
 
