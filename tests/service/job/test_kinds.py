@@ -281,7 +281,7 @@ def test_a_decoders_export_is_checked_on_the_windows_whose_logits_fit_without_a_
     torch.manual_seed(0)
     job = TextJob.__new__(TextJob)
     job.dense = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    job.loaded = SimpleNamespace(input_names=("input_ids", "attention_mask"), output_name="logits")
+    job.loaded = SimpleNamespace(input_names=("input_ids", "attention_mask"), output_name="logits", extra_outputs=())
     ids = torch.randint(0, 64, (6, 10))
     job.batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     job.request = CompressRequest(model="m", calibration=tmp_path / "c.txt", out_dir=tmp_path, uniform_ratio=0.5,
