@@ -480,8 +480,9 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         if isinstance(values, list | tuple) and len(values) == len(blocks):
             setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
     _restate_legacy_patterns(config)
-    _restate_backbone_outputs(config, [i for i in range(len(blocks)) if i not in gone], len(blocks))
-    _keep_layer_columns(model, [i for i in range(len(blocks)) if i not in gone], len(blocks))
+    left = [i for i in range(len(blocks)) if i not in gone]
+    _restate_backbone_outputs(config, left, len(blocks))
+    _keep_layer_columns(model, left, len(blocks))
     key = adapter_for(model).depth_scale_key
     if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
         setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
