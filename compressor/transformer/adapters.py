@@ -164,8 +164,8 @@ class FamilyAdapter:
     dense_down: str | None = None
     dense_key: str = "intermediate_size"
     # a vision transformer that takes images of any size (DINOv2 interpolates its position embeddings, DINOv3's are
-    # rotary): it is calibrated, costed and exported at the size its preprocessor crops to (224 for DINOv2, whose
-    # config.image_size says 518), not at config.image_size
+    # rotary): it is calibrated, costed and exported at its images' size (squares of whole patches), else at the size
+    # its preprocessor crops to (224 for DINOv2, whose config.image_size says 518), not at config.image_size
     any_image_size: bool = False
     # linear layers of the base model reading one block of inputs per layer, layer after layer (ESM's contact head:
     # every layer's every head's attention map, layers x heads inputs): a removed layer's block of columns goes with it
@@ -752,34 +752,36 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     return adapter
 
 
-def layers_path(model: nn.Module) -> str:
-    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h"); of the stages'
-    where blocks are grouped in stages (`FamilyAdapter.stage_blocks`). The record's path is the family's task models'
-    (Qwen3ForCausalLM's model.layers); a task head may wrap the base model under another prefix, and the base model
-    alone (Qwen3Model, what an embedding checkpoint such as Qwen3-Embedding saves) holds the path's end (layers)."""
+def _located(model: nn.Module) -> tuple[str, str]:
+    """(the path of the module that holds the blocks as the family's record names them, the blocks' path in it). The
+    record's path is the family's task models' (Qwen3ForCausalLM's model.layers); a task head may wrap the base model
+    under another prefix ("esm" in EsmForMaskedLM), and the base model alone (Qwen3Model, what an embedding checkpoint
+    such as Qwen3-Embedding saves) holds the path's end (layers)."""
     adapter = adapter_for(model)
     parts = adapter.layers.split(".")
     if hasattr(model, parts[0]):
-        return adapter.layers
+        return "", adapter.layers
     for name, child in model.named_children():
         if hasattr(child, parts[0]):
-            return f"{name}.{adapter.layers}"
+            return name, adapter.layers
     for start in range(1, len(parts)):
         path = ".".join(parts[start:])
         if isinstance(_submodule(model, path), nn.ModuleList):
-            return path
+            return "", path
     raise UnsupportedArchitecture(f"no {adapter.layers!r} in {type(model).__name__}")
+
+
+def layers_path(model: nn.Module) -> str:
+    """Full path of the blocks' ModuleList from the model (e.g. "model.layers", "transformer.h"); of the stages'
+    where blocks are grouped in stages (`FamilyAdapter.stage_blocks`)."""
+    base, path = _located(model)
+    return f"{base}.{path}" if base else path
 
 
 def base_path(model: nn.Module) -> str:
     """Path of the module that holds the family's blocks as its record names them ("" for the model itself; "esm" in
     EsmForMaskedLM): where the base model's other modules (`FamilyAdapter.layer_columns`) are."""
-    path, tail = layers_path(model), adapter_for(model).layers
-    for start in range(len(tail.split("."))):  # the record's path, or the end of it a bare base model holds
-        end = ".".join(tail.split(".")[start:])
-        if path == end or path.endswith("." + end):
-            return path[: len(path) - len(end)].rstrip(".")
-    raise AssertionError((path, tail))
+    return _located(model)[0]
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

@@ -46,6 +46,9 @@ def transformer_config(reference: str) -> dict | None:
 
 
 LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# base models built as the class their checkpoint names, where AutoModel would build another: T5's encoder alone
+# (AutoModel: both halves), CLIP's vision tower with its projection
+OWN_CLASS_SUFFIXES = ("EncoderModel", "VisionModelWithProjection")
 # an encoder with its classification head, kept and exported: a text one's, or a vision transformer's (DeiT's with
 # its distillation head too, whose logits average the two)
 CLASSIFIER_SUFFIX = ("ForSequenceClassification", "ForImageClassification", "ForImageClassificationWithTeacher")
@@ -65,9 +68,7 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     arch = (config.architectures or [""])[0]
     if arch.endswith(LM_HEAD_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), True
-    if arch.endswith("EncoderModel") and hasattr(transformers, arch):  # T5's encoder alone (AutoModel: both halves)
-        return getattr(transformers, arch), False
-    if arch.endswith("VisionModelWithProjection") and hasattr(transformers, arch):  # CLIP's with its projection
+    if arch.endswith(OWN_CLASS_SUFFIXES) and hasattr(transformers, arch):
         return getattr(transformers, arch), False
     adapter = ADAPTERS.get(config.model_type)
     if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None:

@@ -289,7 +289,7 @@ def _with_relayed_bias(model: nn.Module, seen: list[tuple[Tensor, tuple, dict]],
     (`FamilyAdapter.bias_relay`: T5's position bias; the stand-ins handed on none): each block replays alone on its own
     inputs, as inside the model. `biases`: one per sequence length, shared by the batches of that length (a T5-XXL's
     is 64 heads x length^2). Computed where the first block's bias table is (on the host: the blocks stay there until
-    their turn), in float32, as the blocks compute."""
+    their turn) and kept there, as the streams are, in float32, as the blocks compute."""
     adapter, first = adapter_for(model), layers(model)[0]
     attention = first.get_submodule(adapter.head_bias)
     hidden = seen[0][0]  # (batch, length, hidden)
@@ -297,7 +297,7 @@ def _with_relayed_bias(model: nn.Module, seen: list[tuple[Tensor, tuple, dict]],
     if length not in biases:
         table = attention.relative_attention_bias.weight
         bias = attention.compute_bias(length, length, device=table.device)  # (1, heads, length, length)
-        biases[length] = bias.to(device=hidden.device, dtype=torch.float32)
+        biases[length] = bias.to(device="cpu", dtype=torch.float32)  # stored as it is: one copy per length
     bias = biases[length]
     at = list(inspect.signature(type(first).forward).parameters).index("position_bias") - 2  # past self, hidden
     out = []
@@ -321,7 +321,6 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
     if use_cache is not None:
         model.config.use_cache = False  # no KV cache is built, nor passed to the blocks
     biases: dict[int, Tensor] = {}  # a relayed bias per sequence length (`_with_relayed_bias`)
-    shared: dict[int, Tensor] = {}  # ... as stored: one copy for every batch of that length
     try:
         with torch.no_grad():
             for batch in batches:
@@ -338,9 +337,8 @@ def capture_block_inputs(model: nn.Module, batches: Sequence[dict[str, Tensor]],
                 counted = None if mask is None or bool(mask.all()) else torch.nonzero(mask.reshape(-1)).squeeze(1)
                 if counted is not None and device.type == "cuda":
                     counted = counted.pin_memory()  # uploaded per batch and layer: asynchronously
-                memo: dict[int, Tensor] = dict(shared)  # layers of one kind share their masks and rotary tables
+                memo: dict[int, Tensor] = {}  # layers of one kind share their masks and rotary tables: stored once
                 inputs = [_to((args, kwargs), "cpu", non_blocking=True, memo=memo) for _, args, kwargs in seen]
-                shared.update((key, memo[key]) for key in map(id, biases.values()) if key in memo)
                 streams.append(_Stream(hidden, hidden, inputs, mask, counted))
     finally:
         if use_cache is not None:
