@@ -5,6 +5,8 @@
     python bench/memory.py --intermediate 8192 --vocab 128256 --heads 32 --kv-heads 8 --tie \
         --dtype bfloat16 --modes streamed      # Llama-3.2-1B's shape, bf16 safetensors
     python bench/memory.py ... --device cuda --refine-steps 50   # solved (and fitted) on a GPU: its peak memory too
+    python bench/memory.py --hidden 1024 --layers 8 --experts 32 --intermediate 512 --top-k 4 --dtype bfloat16
+                                                  # a Qwen3-MoE-shaped model (--intermediate: each expert's width)
 
 Builds (once, cached in --workdir) a random-init decoder saved as safetensors shards, then prunes it
 in two fresh processes, one after the other: `streamed` (StreamedCheckpoint: blocks read one at a
@@ -37,16 +39,21 @@ def _peak_rss_mb() -> float:
 
 
 def _build(path: str, hidden: int, layers: int, intermediate: int, vocab: int, heads: int, kv_heads: int,
-           tie: bool, dtype: str) -> float:
+           tie: bool, dtype: str, experts: int = 0, top_k: int = 0) -> float:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                      intermediate_size=intermediate, max_position_embeddings=1024,
-                                      tie_word_embeddings=tie)
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=1024,
+                 tie_word_embeddings=tie)
+    if experts:  # Qwen3-MoE's layout; save_pretrained stores each expert's projections apart, as its checkpoints do
+        config = transformers.Qwen3MoeConfig(**sizes, head_dim=hidden // heads, num_experts=experts,
+                                             num_experts_per_tok=top_k, moe_intermediate_size=intermediate)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
+    model = cls(config).eval().to(getattr(torch, dtype))
     model.save_pretrained(path, max_shard_size="1GB")
     return sum(p.numel() for p in model.parameters()) / 1e6
 
@@ -126,6 +133,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=0, help="query heads (default hidden / 128)")
     parser.add_argument("--kv-heads", type=int, default=0, help="KV heads (default hidden / 256)")
     parser.add_argument("--tie", action="store_true", help="tie the LM head to the embeddings (Llama 3.2)")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE-shaped model of this many experts a "
+                        "layer, each --intermediate wide (0: a dense Llama)")
+    parser.add_argument("--top-k", type=int, default=4, help="experts a token visits (with --experts)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="the checkpoint's dtype (pruning upcasts each block on the device)")
     parser.add_argument("--ratio", type=float, default=0.25)
@@ -143,13 +153,15 @@ def main() -> None:
     shape = f"h{args.hidden}-l{args.layers}-i{args.intermediate}-v{args.vocab}"
     if (heads, kv_heads, args.tie, args.dtype) != (args.hidden // 128, args.hidden // 256, False, "float32"):
         shape += f"-q{heads}-kv{kv_heads}{'-tied' if args.tie else ''}-{args.dtype}"
+    if args.experts:
+        shape += f"-moe{args.experts}x{args.top_k}"
     source = args.workdir / shape
     spawn = get_context("spawn")
     if not (source / "config.json").is_file():
         log.info("building %s", source)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
             pool.submit(_build, str(source), args.hidden, args.layers, args.intermediate, args.vocab, heads, kv_heads,
-                        args.tie, args.dtype).result()
+                        args.tie, args.dtype, args.experts, args.top_k).result()
     size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
     rows = []
     for mode, method in [(m, k) for m in args.modes.split(",") for k in args.methods.split(",")]:

@@ -19,6 +19,7 @@ import re
 import shutil
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,57 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+# transformers' conversion operations that a streamed block applies as it reads a Mixture-of-Experts layer's
+# experts: one tensor per expert stacked into a 3-D tensor, gate and up concatenated (Qwen3-MoE's, Mixtral's,
+# DeepSeek-V3's checkpoints, as every save_pretrained of transformers 5 writes them)
+_EXPERT_MERGES = {"MergeModulelist", "Concatenate"}
+
+
+def _in_model(name: str, expected: set[str], base: str) -> str:
+    """A checkpoint name (renamed) as the model names it: with or without the base model's prefix."""
+    if name not in expected and base and f"{base}.{name}" in expected:
+        return f"{base}.{name}"
+    if name not in expected and base and name.startswith(f"{base}.") and name[len(base) + 1:] in expected:
+        return name[len(base) + 1:]  # a task model's checkpoint (BertForMaskedLM's `bert.`) for its base
+    return name
+
+
+@dataclass
+class _MergedTensor:
+    """A model tensor that from_pretrained merges from several checkpoint tensors (a MoE layer's `gate_up_proj` from
+    every expert's gate_proj and up_proj): its parts by source pattern and expert index, merged by the conversion's
+    own operations, so a streamed block holds what an in-memory load holds."""
+
+    transform: Any  # transformers' WeightConverter
+    # source pattern -> expert index -> (checkpoint name, its shard)
+    parts: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
+
+    def check(self, name: str, source: Path) -> None:
+        """Every source pattern stored for the same experts 0..E-1 (a missing expert would shift the rest)."""
+        experts = max((max(found) + 1 for found in self.parts.values()), default=0)
+        gaps = {pattern: sorted(set(range(experts)) - set(self.parts.get(pattern, {})))
+                for pattern in self.transform.source_patterns}
+        gaps = {pattern: missing for pattern, missing in gaps.items() if missing}
+        if gaps:
+            said = "; ".join(f"{pattern}: experts {missing[:5]}" for pattern, missing in gaps.items())
+            raise ModelReferenceError(f"{source}: {name} is merged from every expert's "
+                                      f"{' and '.join(self.transform.source_patterns)}, but the checkpoint lacks "
+                                      f"{said}")
+
+    def stored(self) -> dict[str, str]:
+        return dict(part for found in self.parts.values() for part in found.values())
+
+    def assemble(self, name: str, read: dict[str, Tensor]) -> Tensor:
+        collected: dict[str, Any] = {pattern: [read.pop(found[i][0]) for i in sorted(found)]
+                                     for pattern, found in self.parts.items()}
+        for op in self.transform.operations:
+            collected = op.convert(collected, source_patterns=list(self.transform.source_patterns),
+                                   target_patterns=list(self.transform.target_patterns), full_layer_name=name,
+                                   model=None, config=None, missing_keys=None)
+        (tensor,) = collected.values()
+        return tensor
+
+
 class StreamedCheckpoint:
     """A `BlockSource` over a local HF directory of safetensors weights (see the module docstring)."""
 
@@ -134,6 +186,7 @@ class StreamedCheckpoint:
                                     "(streaming needs safetensors weights)")
         self.where: dict[str, str] = {}
         self._source_name: dict[str, str] = {}  # model name -> checkpoint name
+        self._merged: dict[str, _MergedTensor] = {}  # model name -> the checkpoint tensors it is merged from
         first_floating: torch.dtype | None = None
         for name in files:
             with safe_open(str(self.source / name), "pt", device="cpu") as f:
@@ -159,11 +212,6 @@ class StreamedCheckpoint:
                                           "every layer, narrowed as layers go, which a streamed checkpoint rereads "
                                           "whole as it is written: it is pruned in memory (compress without --stream, "
                                           "on a host with the memory for it)")
-        if adapter.experts:
-            raise UnsupportedArchitecture(f"{source}: {config.model_type}'s checkpoint keeps each expert's weights "
-                                          "apart, which transformers merges into 3-D tensors as it loads: a Mixture-"
-                                          "of-Experts model is not streamed (it is pruned in memory: compress "
-                                          "without --stream, on a host with the memory for it)")
         # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
         # a one-block model; its block is the template for those buffers
         small_config = copy.deepcopy(config)
@@ -184,14 +232,23 @@ class StreamedCheckpoint:
     def _model_names(self, where: dict[str, str]) -> dict[str, str]:
         """Checkpoint tensor names -> the model's names, as from_pretrained renames them (legacy layouts,
         e.g. ViT's encoder.layer.N.attention.attention.query; checkpoints of the base model without the
-        task model's prefix). Conversions that merge or split tensors cannot be streamed."""
+        task model's prefix). A Mixture-of-Experts layer's experts, stored one tensor per expert and merged into 3-D
+        tensors as they load, are merged the same way as their block is read (`_MergedTensor`); other conversions
+        that merge or split tensors cannot be streamed."""
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        renames = []
+        renames, merges = [], []
         for transform in get_model_conversion_mapping(self.model):
-            if type(transform).__name__ != "WeightRenaming":
+            kind = type(transform).__name__
+            ops = {type(op).__name__ for op in getattr(transform, "operations", ())}
+            if kind == "WeightConverter" and ops <= _EXPERT_MERGES:
+                # `*` stands for the expert's index (transformers' own reading of these patterns)
+                merges += [(re.compile(re.escape(source).replace(r"\*", r"(\d+)")), source, transform)
+                           for source in transform.source_patterns]
+                continue
+            if kind != "WeightRenaming":
                 raise ModelReferenceError(f"{self.source}: loading this checkpoint converts tensors "
-                                          f"({type(transform).__name__}); stream a checkpoint saved by this "
+                                          f"({kind}: {', '.join(sorted(ops))}); stream a checkpoint saved by this "
                                           "transformers version instead")
             sources, targets = list(transform.source_patterns), list(transform.target_patterns)
             targets = targets * len(sources) if len(targets) == 1 else targets  # many sources, one target
@@ -203,30 +260,48 @@ class StreamedCheckpoint:
             name = key
             for pattern, target in renames:
                 name = pattern.sub(target, name)
-            if name not in expected and base and f"{base}.{name}" in expected:
-                name = f"{base}.{name}"
-            elif name not in expected and base and name.startswith(f"{base}.") and name[len(base) + 1:] in expected:
-                name = name[len(base) + 1:]  # a task model's checkpoint (BertForMaskedLM's `bert.`) for its base
+            merged = next(((m, source, transform) for pattern, source, transform in merges
+                           if (m := pattern.search(name))), None)
+            if merged is not None:  # one expert's part of a merged tensor
+                m, source, transform = merged
+                (target,) = transform.target_patterns
+                name = _in_model(name[:m.start()] + target + name[m.end():], expected, base)
+                entry = self._merged.setdefault(name, _MergedTensor(transform))
+                entry.parts[source][int(m.group(1))] = (key, file)
+                continue
+            name = _in_model(name, expected, base)
             self._source_name[name] = key
             out[name] = file
+        for name, entry in self._merged.items():
+            entry.check(name, self.source)
         return out
 
     def _read(self, keys: list[str]) -> dict[str, Tensor]:
         """Tensors by name; each shard is mapped only while it is read (its pages then leave RSS)."""
         from safetensors import safe_open
 
-        missing = [k for k in keys if k not in self.where]
+        missing = [k for k in keys if k not in self.where and k not in self._merged]
         if missing:
             raise ModelReferenceError(f"{self.source}: the checkpoint lacks {len(missing)} tensors the model "
                                       f"expects, e.g. {missing[:5]}")
-        by_file: dict[str, list[str]] = defaultdict(list)
+        plain = [k for k in keys if k not in self._merged]
+        # checkpoint name -> its shard, for the plain tensors and every part of the merged ones
+        wanted = {self._source_name.get(k, k): self.where[k] for k in plain}
         for key in keys:
-            by_file[self.where[key]].append(key)
-        out = {}
+            if key in self._merged:
+                wanted.update(self._merged[key].stored())
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for stored, file in wanted.items():
+            by_file[file].append(stored)
+        read = {}
         for name, names in by_file.items():
             with safe_open(str(self.source / name), "pt", device="cpu") as f:
-                for key in names:
-                    out[key] = f.get_tensor(self._source_name.get(key, key))
+                for stored in names:
+                    read[stored] = f.get_tensor(stored)
+        out = {k: read.pop(self._source_name.get(k, k)) for k in plain}
+        for key in keys:
+            if key in self._merged:
+                out[key] = self._merged[key].assemble(key, read)
         return out
 
     def _load_rest(self) -> None:

@@ -688,26 +688,17 @@ class ConvJob:
                           refine_steps=self._refine_steps(bool(removed)), depth=self.depth)
 
 
-def _streamed(request: CompressRequest, say: Say) -> bool:
+def _streamed(request: CompressRequest) -> bool:
     """Whether a transformer job streams its checkpoint: asked (--stream), or on by itself where pruning it in memory
-    would take more than STREAM_SHARE of the available memory. A Mixture-of-Experts checkpoint is never streamed (it
-    keeps each expert apart, merged as it loads): refused when asked, warned of when large; and refused a bias for its
-    experts. All before anything loads."""
+    would take more than STREAM_SHARE of the available memory (Mixture-of-Experts checkpoints too: a streamed block
+    merges its experts as it is read). A bias for a MoE layer's experts is refused before anything loads."""
     family = ADAPTERS.get((transformer_config(request.model) or {}).get("model_type"))
     experts = family is not None and family.experts
     if experts and (request.method in ADDS_BIAS or request.add_bias == "yes"):
         what = f"method {request.method!r}" if request.method in ADDS_BIAS else "--add-bias yes"
         raise UnsupportedArchitecture(f"{what} gives output projections a bias, which is not built for a "
                                       "Mixture-of-Experts layer's experts")
-    if experts and request.stream:
-        raise UnsupportedArchitecture(f"{request.model}: a Mixture-of-Experts checkpoint keeps each expert's weights "
-                                      "apart, which transformers merges into 3-D tensors as it loads: it is not "
-                                      "streamed (compress it without --stream)")
-    large = not request.stream and needs_streaming(request.model)
-    if large and experts:
-        say(warning(f"pruning the model in memory may take more than {STREAM_SHARE:.0%} of the available memory; a "
-                    "Mixture-of-Experts checkpoint is not streamed (its experts are merged as it loads)"))
-    return request.stream or (large and not experts)
+    return request.stream or needs_streaming(request.model)
 
 
 class _TransformerJob:
@@ -729,7 +720,7 @@ class _TransformerJob:
                              "whole layers are weighed in target mode (report.json `depth`); --remove-blocks 0 "
                              "turns that off")
         self.request, self.say = request, say
-        self.stream = _streamed(request, say)
+        self.stream = _streamed(request)
         if self.stream and not request.stream:
             say(warning(f"pruning streams the checkpoint block by block (--stream): pruning it in memory would take "
                         f"more than {STREAM_SHARE:.0%} of the available memory; whole layers are not weighed for "

@@ -1049,12 +1049,10 @@ def test_families_compress_end_to_end_with_block_reconstruction(family, tmp_path
 
 
 @pytest.mark.parametrize("flags, words", [(["--method", "flap"], "method 'flap' gives output projections a bias"),
-                                          (["--add-bias", "yes"], "--add-bias yes gives output projections a bias"),
-                                          (["--stream"], "it is not streamed (compress it without --stream)")])
+                                          (["--add-bias", "yes"], "--add-bias yes gives output projections a bias")])
 def test_what_moe_experts_cannot_take_is_refused_before_the_model_loads(flags, words, tmp_path, capsys, monkeypatch):
-    """FLAP's bias compensation (or --add-bias yes) has no bias to write into a MoE layer's experts, and a MoE
-    checkpoint is not streamed: refused in one line before anything loads (they were refused once the dense model
-    had been loaded and exported)."""
+    """FLAP's bias compensation (or --add-bias yes) has no bias to write into a MoE layer's experts: refused in one
+    line before anything loads (it was refused once the dense model had been loaded and exported)."""
     from service.job import kinds
     from tests.compressor.transformer.transformer_models import MODELS
 
@@ -1080,18 +1078,21 @@ def _quick_uniform_job(tmp_path) -> dict:
     return report
 
 
-def test_a_moe_model_too_large_to_prune_in_memory_is_not_streamed_but_warned_of(tmp_path, monkeypatch):
-    """A checkpoint over the memory share that turns streaming on: a MoE model (not streamable: its experts merge as
-    it loads) is pruned in memory with a warning, where it ended in "compress without --stream", a flag the user had
-    not given."""
+def test_a_moe_model_too_large_to_prune_in_memory_is_streamed(tmp_path, monkeypatch):
+    """A checkpoint over the memory share that turns streaming on: a MoE model, its experts stored one tensor each, is
+    streamed block by block as a dense one is (it was pruned in memory with a warning: a model too large for that
+    host ran out of memory instead), and its model/ reloads at the widths reported."""
+    from compressor.transformer.surgery import load_pruned
     from service.job import kinds
     from tests.compressor.transformer.transformer_models import MODELS
 
     MODELS["qwen3_moe"]().save_pretrained(tmp_path / "m")
     monkeypatch.setattr(kinds, "needs_streaming", lambda _model: True)
     report = _quick_uniform_job(tmp_path)
-    assert any("Mixture-of-Experts checkpoint is not streamed" in w for w in report["warnings"])
+    assert any("pruning streams the checkpoint block by block" in w for w in report["warnings"])
     assert report["params_after"] < report["params_before"]
+    model = load_pruned(tmp_path / "out" / "model")
+    assert sum(p.numel() for p in model.parameters()) == report["params_after"]
 
 
 def test_a_model_this_service_pruned_to_uneven_widths_compresses_again(tmp_path):
