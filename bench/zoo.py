@@ -86,6 +86,10 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("mistral", _lm("MistralForCausalLM", "MistralConfig", head_dim=8, **GQA), "text"),
     ("qwen2", _lm("Qwen2ForCausalLM", "Qwen2Config", **GQA), "text"),
     ("qwen3", _lm("Qwen3ForCausalLM", "Qwen3Config", head_dim=8, **GQA), "text"),
+    # Qwen3.5's language model: Gated DeltaNet mixers in three of every four layers (its default layout)
+    ("qwen3_5_text", _lm("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", head_dim=8, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
+                         **{**GQA, "num_hidden_layers": 4}), "text"),
     ("gemma", _lm("GemmaForCausalLM", "GemmaConfig", head_dim=8, **GQA), "text"),
     ("gemma2", _lm("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, sliding_window=16, **GQA), "text"),
     ("gemma3_text", _lm("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=16, **GQA), "text"),

@@ -19,12 +19,20 @@ import torch
 from torch import fx
 
 from compressor.precision import float32_view
-from compressor.transformer.adapters import ADAPTERS
+from compressor.transformer.adapters import ADAPTERS, adapter_at, max_sequence
 from compressor.transformer.attention import GATHERED
 from compressor.transformer.experts import experts_as_operator, routes_itself, routing_settled
 from compressor.transformer.sublayers import kv_layers
 
 from .experts import translation_table
+from .recurrent import (
+    CHUNK,
+    chunk_for,
+    has_delta_nets,
+    scanned_delta_rule,
+    spanning_chunks,
+    traced_chunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +163,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     with torch.no_grad(), _kept_tensor_attributes(module), exact_constant_rules(), contextlib.ExitStack() as stack:
         try:
             stack.enter_context(_real_rotary(module))
+            stack.enter_context(scanned_delta_rule(module))  # linear attention's chunks as a Scan: any length
             if stack.enter_context(experts_as_operator(module)):  # MoE layers as ONNX Runtime's MoE node
                 options = {**options, "custom_translation_table": translation_table()}
             program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
@@ -566,6 +575,10 @@ def export_hf_onnx(
     """Export a HF model with its input names (input_ids, attention_mask, token_type_ids; pixel_values),
     a dynamic batch, a dynamic sequence length for token inputs, and `output_name` (last_hidden_state,
     logits) as the first output, or the outputs of a tuple of names in order."""
+    chunked = contextlib.nullcontext()
+    if has_delta_nets(model):  # linear attention traced over several of its chunks: nothing specialised to one
+        example, chunk = spanning_chunks(example, max_length or max_sequence(model))
+        chunked = traced_chunk(chunk)
     names = tuple(example)
     batch = torch.export.Dim("batch")
     seq = torch.export.Dim("sequence", max=max_length) if max_length else torch.export.Dim("sequence")
@@ -581,10 +594,11 @@ def export_hf_onnx(
     if switch:
         config._attn_implementation = family.export_attention
     try:
-        return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
-                       output_names=[output_name] if isinstance(output_name, str) else list(output_name),
-                       dynamic_shapes=(dynamic,),  # one entry: *inputs
-                       opset_version=opset)
+        with chunked:
+            return _export(wrapper, tuple(example[n] for n in names), path, weights=model, input_names=list(names),
+                           output_names=[output_name] if isinstance(output_name, str) else list(output_name),
+                           dynamic_shapes=(dynamic,),  # one entry: *inputs
+                           opset_version=opset)
     finally:
         if switch:
             config._attn_implementation = previous
@@ -745,27 +759,72 @@ def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, 
 class _DecodeStep(torch.nn.Module):
     """One decoding step of a HF causal LM with its KV cache as plain tensors: (input_ids, attention_mask,
     past key/value per layer with an attention) -> (logits, present key/value of those layers). Layers may have
-    different KV head counts (pruned models)."""
+    different KV head counts (pruned models). A layer mixing tokens by linear attention (`recurrent_layers`) carries
+    its conv state (batch, channels, kernel) and its recurrent state (batch, value heads, key size, value size) in
+    its key's and value's places."""
 
     def __init__(self, model: torch.nn.Module, layers: int) -> None:
         super().__init__()
         self.model, self.layers = model, layers
-        self.positions = _positions_from_mask(model)
+        self.recurrent = recurrent_layers(model)
+        # rotary positions of a hybrid cache are counted along the mask: its first layer may keep no positions
+        self.positions = _positions_from_mask(model) or any(self.recurrent)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        for i in range(self.layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
+        cache = _cache_of(self.model, past, self.recurrent)
         extra = {}
         if self.positions:  # the new tokens' positions: the last columns of the whole mask's count
             extra["position_ids"] = mask_positions(attention_mask)[:, -input_ids.shape[1]:]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                          **{_cache_argument(self.model): cache}, **extra)
-        present = _returned_cache(out).layers
-        return (out.logits, *[t for i in range(self.layers) for t in (present[i].keys, present[i].values)])
+        return (out.logits, *_state_of(_returned_cache(out), self.layers, self.recurrent))
+
+
+def recurrent_layers(model: torch.nn.Module) -> list[bool]:
+    """Whether each cached layer mixes tokens by linear attention (`FamilyAdapter.linear_attention`: Qwen3.5's
+    Gated DeltaNet); empty where the family has no such layers. Their attentions are never removed alone, so the
+    cached layers are the blocks."""
+    family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None or family.linear_attention is None:
+        return []
+    return [adapter_at(model, i).recurrent for i in range(kv_layers(model))]
+
+
+def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], recurrent: list[bool]) -> Any:
+    """The model's cache holding `past` (two tensors a layer). A linear-attention layer's states are copies (its
+    layer updates them in place), marked as following earlier tokens: zeros are the states of no token at all."""
+    from transformers import DynamicCache
+
+    if not any(recurrent):
+        cache = DynamicCache()
+        for i in range(len(past) // 2):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        return cache
+    cache = DynamicCache(config=model.config)  # a linear-attention layer's slot where the config builds one
+    for i, linear in enumerate(recurrent):
+        first, second = past[2 * i], past[2 * i + 1]
+        layer = cache.layers[i]
+        if not linear:
+            layer.update(first, second)
+            continue
+        layer.device, layer.dtype = first.device, first.dtype
+        layer.conv_states[0], layer.recurrent_states[0] = first.clone(), second.clone()
+        layer.conv_kernel_size[0] = first.shape[-1]
+        layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+        layer.has_previous_state[0] = True
+    return cache
+
+
+def _state_of(cache: Any, layers: int, recurrent: list[bool]) -> list[torch.Tensor]:
+    """Two tensors per cached layer: its keys and values, or a linear-attention layer's conv and recurrent states."""
+    out = []
+    for i, layer in enumerate(cache.layers[:layers]):
+        if recurrent and recurrent[i]:
+            out += [layer.conv_states[0], layer.recurrent_states[0]]
+        else:
+            out += [layer.keys, layer.values]
+    return out
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
@@ -780,10 +839,19 @@ def _returned_cache(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
-def decode_step_names(layers: int) -> tuple[list[str], list[str]]:
-    kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
-    return ["input_ids", "attention_mask"] + [f"past_key_values.{n}" for n in kv], ["logits"] + [f"present.{n}"
-                                                                                               for n in kv]
+def decode_step_names(layers: int, recurrent: list[bool] | None = None) -> tuple[list[str], list[str]]:
+    """The decode step's input and output names: optimum's past_key_values.N.key / present.N.value for a layer with
+    an attention; past_conv.N / past_recurrent.N and present_conv.N / present_recurrent.N for a linear-attention
+    layer's states (N the layer's index)."""
+    past, present = [], []
+    for i in range(layers):
+        if recurrent and recurrent[i]:
+            past += [f"past_conv.{i}", f"past_recurrent.{i}"]
+            present += [f"present_conv.{i}", f"present_recurrent.{i}"]
+        else:
+            past += [f"past_key_values.{i}.{part}" for part in ("key", "value")]
+            present += [f"present.{i}.{part}" for part in ("key", "value")]
+    return ["input_ids", "attention_mask", *past], ["logits", *present]
 
 
 def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -792,10 +860,13 @@ def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     model builds from its config keeps only a sliding layer's last window, which is not what the graph takes."""
     from transformers import DynamicCache
 
+    recurrent = recurrent_layers(model)
+    # a linear-attention layer's slot is the one its config builds (no sliding-window layer beside such layers)
+    empty = DynamicCache(config=model.config) if any(recurrent) else DynamicCache()
     with torch.no_grad():
-        cache = _returned_cache(model(input_ids=ids, use_cache=True, **{_cache_argument(model): DynamicCache()}))
+        cache = _returned_cache(model(input_ids=ids, use_cache=True, **{_cache_argument(model): empty}))
     # the attentions left are numbered 0, 1, ... (`sublayers`): one cache layer each, none for a removed attention
-    return [t for layer in cache.layers[:kv_layers(model)] for t in (layer.keys, layer.values)]
+    return _state_of(cache, kv_layers(model), recurrent)
 
 
 def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: str | Path, *,
@@ -808,8 +879,13 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     Input and output names follow the
     optimum convention (past_key_values.N.key / present.N.value); N counts the layers that keep an attention
     (a removed one keeps no cache)."""
-    layers = kv_layers(model)
-    past_len = example_ids.shape[1] - 2  # two new tokens, so the export does not specialise the step to one
+    layers, recurrent = kv_layers(model), recurrent_layers(model)
+    # two new tokens, so the export does not specialise the step to one; linear attention's, over more than one of its
+    # chunks (a step of one chunk would be traced as one)
+    new = CHUNK + 2 if any(recurrent) else 2
+    if any(recurrent) and example_ids.shape[1] < new + 2:
+        example_ids = example_ids.repeat(1, -(-(new + 2) // example_ids.shape[1]))[:, :new + 2]
+    past_len = example_ids.shape[1] - new
     if past_len < 2:
         raise ValueError("the example needs at least 4 tokens (a past and a step of two, neither traced as 1)")
     past = _past_of(model, example_ids[:, :past_len])
@@ -817,8 +893,10 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     batch = torch.export.Dim("batch")
     step, length = torch.export.Dim("sequence", min=1, max=max_length), torch.export.Dim("past", min=0, max=max_length)
     total = torch.export.Dim("total", min=1, max=2 * max_length)  # past + sequence
-    dynamic = ({0: batch, 1: step}, {0: batch, 1: total}, tuple({0: batch, 2: length} for _ in past))
-    inputs, outputs = decode_step_names(layers)
+    # a linear-attention layer's states have no length: only their batch varies
+    per_layer = [{0: batch} if recurrent and recurrent[i // 2] else {0: batch, 2: length} for i in range(len(past))]
+    dynamic = ({0: batch, 1: step}, {0: batch, 1: total}, tuple(per_layer))
+    inputs, outputs = decode_step_names(layers, recurrent)
     # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
     # both compute the same attention. Pruned query heads keep their gathered attention (eager's repeat_kv
     # assumes even groups); it never sets is_causal for the one-token step.
@@ -826,9 +904,11 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     if previous != GATHERED:
         model.config._attn_implementation = "eager"
     try:
-        return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
-                       weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,
-                       opset_version=opset)
+        chunked = traced_chunk(chunk_for(new)) if any(recurrent) else contextlib.nullcontext()
+        with chunked:
+            return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
+                           weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,
+                           opset_version=opset)
     finally:
         model.config._attn_implementation = previous
 
@@ -886,5 +966,8 @@ def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Ten
 
 
 def _empty_past(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Each cached layer's key and value with no position yet: (batch, its KV heads, 0, head size)."""
-    return [t[:, :, :0] for t in _past_of(model, ids[:, :1])]
+    """Each cached layer's key and value with no position yet: (batch, its KV heads, 0, head size); a linear-attention
+    layer's states of no token, zeros."""
+    recurrent = recurrent_layers(model)
+    return [torch.zeros_like(t) if recurrent and recurrent[i // 2] else t[:, :, :0]
+            for i, t in enumerate(_past_of(model, ids[:, :1]))]

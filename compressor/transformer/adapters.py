@@ -20,6 +20,11 @@ from ..errors import UnsupportedArchitecture
 
 # why a family's heads are not a unit (`FamilyAdapter.heads_prunable`), as the refusals and warnings say it
 FIXED_HEADS = "a norm spans all the heads' queries and keys together"
+# the `layer_types` entry of a layer built with a linear-attention mixer (transformers' name: Qwen3.5's, Qwen3-Next's)
+LINEAR_LAYER = "linear_attention"
+# ... why a linear-attention mixer's heads are not (`FamilyAdapter.linear_attention`)
+LINEAR_MIXER = ("a linear-attention (Gated DeltaNet) mixer's heads share its causal conv and each value head reads a "
+                "key head of a group: kept whole, with the mixer")
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,15 @@ class FamilyAdapter:
     # head), queries by `q` (q_b_proj, or q_proj without a query latent: qk_nope_head_dim + qk_rope_head_dim rows a
     # head), and the output projection reads v_head_dim inputs a head (`dims`' head_dim); every head its own keys
     latent_attention: bool = False
+    # q's output rows are each head's query then its output gate ([q_h | gate_h], 2 x head_dim rows a head: Qwen3.5's
+    # attention, whose output is scaled by sigmoid(gate) before o_proj), kept and removed with the head
+    gated_query: bool = False
+    # the token mixer that some blocks are built with instead of the attention (Qwen3.5's Gated DeltaNet,
+    # `linear_attn`: a causal conv and a gated delta rule whose state is a matrix a head, not a KV cache): kept whole
+    # (neither a head nor the mixer alone is a unit), its FFN pruned as any other; `at` gives such a block's record
+    linear_attention: str | None = None
+    # this record is a block's linear-attention mixer's (`at`): `o` its output projection, heads kept whole
+    recurrent: bool = False
 
     @property
     def shared_gate(self) -> str | None:
@@ -190,9 +204,12 @@ class FamilyAdapter:
 
     def at(self, block: nn.Module) -> FamilyAdapter:
         """The record as it applies to `block`: a MoE family's block with a dense FFN (`dense_down`) reads that FFN's
-        paths, width key and cost as a dense family's block does; every other block, this record. Told apart by the
-        block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one: ask before removing, or
-        ask `dense_ffn_layers`."""
+        paths, width key and cost as a dense family's block does; a block built with a linear-attention mixer
+        (`linear_attention`) reads that mixer as its attention, whose heads stay whole; every other block, this
+        record. Told apart by the block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one:
+        ask before removing, or ask `dense_ffn_layers`."""
+        if self.linear_attention is not None and _has(block, self.linear_attention):
+            return _recurrent_record(self)
         if self.dense_down is None or not _has(block, self.dense_down):
             return self
         return _dense_record(self)
@@ -210,6 +227,16 @@ class FamilyAdapter:
 
 def _has(block: nn.Module, path: str) -> bool:
     return _submodule(block, path) is not None
+
+
+@functools.cache
+def _recurrent_record(adapter: FamilyAdapter) -> FamilyAdapter:
+    """`adapter` for its blocks with a linear-attention mixer (`FamilyAdapter.linear_attention`): the mixer's input
+    and output projections in the attention's place, its heads kept whole, never removed alone."""
+    mixer = adapter.linear_attention
+    return replace(adapter, q=f"{mixer}.in_proj_qkv", k=f"{mixer}.in_proj_qkv", v=f"{mixer}.in_proj_qkv",
+                   o=f"{mixer}.out_proj", heads_prunable=False, attention_alone=False, gated_query=False,
+                   head_rows=(), kv_head_rows=(), recurrent=True)
 
 
 @functools.cache
@@ -280,6 +307,9 @@ LATENT_MOE = replace(GROUPED_MOE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj
 LATENT = replace(LLAMA_LIKE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj", v="self_attn.kv_b_proj",
                  latent_attention=True, head_count_attrs=("self_attn.num_heads",))
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
+# Qwen3.5 (its language model, qwen3_5_text): Gated DeltaNet mixers (linear_attn) in three of every four layers, Qwen3's
+# attention with an output gate (q_proj: [q_h | gate_h] a head) in the fourth, Llama's MLP in every layer
+QWEN3_5 = replace(LLAMA_LIKE, gated_query=True, linear_attention="linear_attn")
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
                kv_count_attrs=("self_attn.num_key_value_heads",), config_head_count=True)
@@ -428,6 +458,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "mistral": LLAMA_LIKE,
     "qwen2": LLAMA_LIKE,
     "qwen3": LLAMA_LIKE,
+    "qwen3_5_text": QWEN3_5,
     "gemma": LLAMA_LIKE,
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
@@ -540,9 +571,12 @@ REFUSED: dict[str, str] = {
     "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
               "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
-    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
-                    "Qwen3.5's linear-attention (Gated DeltaNet) layers, three of every four, are not a prunable unit "
-                    "yet, nor exported (their recurrent state is no KV cache); Qwen3 (qwen3, qwen3_moe) is supported"),
+    "qwen3_5": "Qwen3.5 checkpoints with a vision tower are multimodal (images and text in one model); their "
+               "language model alone is supported, saved as a qwen3_5_text checkpoint: "
+               "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out)",
+    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
+                    "Qwen3.5-MoE's experts beside its Gated DeltaNet layers are not supported yet; the dense Qwen3.5 "
+                    "language model (qwen3_5_text) and Qwen3-MoE (qwen3_moe) are"),
     **dict.fromkeys(("llama4", "llama4_text"),
                     "Llama 4's experts read their input scaled by the router's sigmoid score, which ONNX Runtime's "
                     "MoE operator (it scales the experts' outputs) does not compute; Llama 3 (llama) is supported"),
@@ -872,9 +906,11 @@ def kv_heads_of(adapter: FamilyAdapter, get: Callable[[str], Any], heads: int) -
 
 def adapter_at(model: nn.Module, index: int) -> FamilyAdapter:
     """`adapter_for(model)` as it applies to block `index` (`FamilyAdapter.at`); the block is looked up only where the
-    family has dense-FFN layers (`layers` builds a new list for a family in stages)."""
+    family has dense-FFN or linear-attention layers (`layers` builds a new list for a family in stages)."""
     adapter = adapter_for(model)
-    return adapter if adapter.dense_down is None else adapter.at(layers(model)[index])
+    if adapter.dense_down is None and adapter.linear_attention is None:
+        return adapter
+    return adapter.at(layers(model)[index])
 
 
 def block_hidden(model: nn.Module, index: int) -> int:

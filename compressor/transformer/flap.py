@@ -88,9 +88,9 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if adapter.experts:
         raise UnsupportedArchitecture(f"FLAP scores a dense FFN's neurons; {model.config.model_type}'s FFN is a "
                                       "Mixture-of-Experts layer")
-    if not adapter.heads_prunable:
+    if not adapter.heads_prunable or adapter.linear_attention is not None:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
-                                      "'s attention heads are not a prunable unit")
+                                      "'s attention heads are not a prunable unit (in every layer)")
     if adapter.latent_attention:  # a head's rows come from latents of their own widths, not 4 x head_dim x hidden
         raise UnsupportedArchitecture(f"FLAP weighs a head as 4 x head_dim x hidden parameters; "
                                       f"{model.config.model_type}'s multi-head latent attention heads are not")

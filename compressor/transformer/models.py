@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS, dense_ffn_layers, family_record, kv_heads_of
+from .adapters import ADAPTERS, LINEAR_LAYER, dense_ffn_layers, family_record, kv_heads_of
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -196,6 +196,12 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     group = heads_before // kv_before
     heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
+    if adapter.linear_attention is not None:  # a linear-attention layer's mixer is whole: no head count to state
+        attends = [kind != LINEAR_LAYER for kind in config.get("layer_types") or []]
+        if len(attends) != len(heads):
+            return None
+        heads = [h for h, a in zip(heads, attends, strict=True) if a]
+        maps = None if maps is None else [m for m, a in zip(maps, attends, strict=True) if a]
     if any(rows != list(range(heads_before)) for rows in manifest.get("bias_rows", [])):
         return None  # layers read other rows of a shared per-head bias than the first ones
     if manifest.get("biases"):

@@ -246,7 +246,7 @@ class StreamedCheckpoint:
                 merges += [(re.compile(re.escape(source).replace(r"\*", r"(\d+)")), source, transform)
                            for source in transform.source_patterns]
                 continue
-            if kind != "WeightRenaming":
+            if kind not in ("WeightRenaming", "PrefixChange"):  # a prefix added or removed: a renaming's regex
                 raise ModelReferenceError(f"{self.source}: loading this checkpoint converts tensors "
                                           f"({kind}: {', '.join(sorted(ops))}); stream a checkpoint saved by this "
                                           "transformers version instead")

@@ -59,6 +59,7 @@ from ..reports import LayerReport, RefineReport, fit_numbers
 from ..solver.solve import DENSE_ROWS_METHODS, NO_REFIT_METHODS
 from .adapters import (
     FIXED_HEADS,
+    LINEAR_MIXER,
     FamilyAdapter,
     adapter_at,
     adapter_for,
@@ -444,11 +445,14 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         qk = int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
         rows = (c.q_lora_rank or hidden) * qk + int(c.kv_lora_rank) * (int(c.qk_nope_head_dim) + int(c.v_head_dim))
         return share * float(rows + d.head_dim * hidden + sequence_length * (qk + d.head_dim))
+    if kind == "attention_heads" and adapter.recurrent:  # a linear-attention mixer: no head is a unit
+        return 0.0
     if kind == "attention_heads":
         if adapter.window_key is not None:
             sequence_length = min(sequence_length, int(getattr(model.config, adapter.window_key)) ** 2)
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
-        projections = hidden * d.head_dim * (2 * heads + 2 * heads / d.group)  # q and o; k and v shared
+        q = 2 if adapter.gated_query else 1  # a gated query's rows: its query's and its gate's
+        projections = hidden * d.head_dim * ((q + 1) * heads + 2 * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
     if shared:  # its input projections' rows and its down projection's column, at every token
         return share * float(hidden * (1 + len(adapter.shared_up)))
@@ -460,7 +464,13 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
 def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
     """Multiply-adds per token of block `index`'s attention that no head owns, which only its removal saves:
     multi-head latent attention's down-projections into the query latent and the shared key / value latent with its
-    rotary key (`FamilyAdapter.latent_attention`); 0 elsewhere."""
+    rotary key (`FamilyAdapter.latent_attention`); a linear-attention mixer's projections and its state's reads and
+    writes, all of it (`FamilyAdapter.linear_attention`); 0 elsewhere."""
+    if adapter_at(model, index).recurrent:  # a linear-attention mixer, whole: its projections and its state's update
+        mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
+        weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear))
+        state = int(mixer.num_v_heads) * int(mixer.head_k_dim) * int(mixer.head_v_dim)  # a token reads and writes it
+        return float(weights + 4 * state)
     if not adapter_for(model).latent_attention:
         return 0.0
     c = model.config
@@ -471,14 +481,15 @@ def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
 def check_fixed_heads(model: nn.Module, plan: Widths) -> None:
     """Refuse a plan that narrows an attention whose heads are not a prunable unit (`FamilyAdapter.heads_prunable`:
     OLMo 2's), naming every such layer, instead of returning another structure than the one asked for."""
-    adapter = adapter_for(model)
-    if adapter.heads_prunable or not isinstance(plan, Mapping):
+    if not isinstance(plan, Mapping):
         return
-    names = [f"{block_path(model, i)}.{adapter.o}" for i in range(len(layers(model)))]
-    narrowed = [name for i, name in enumerate(names) if name in plan and plan[name] < query_heads(model, i)]
+    fixed = [(i, record) for i in range(len(layers(model))) if not (record := adapter_at(model, i)).heads_prunable]
+    names = [(f"{block_path(model, i)}.{record.o}", i, record) for i, record in fixed]
+    narrowed = [(name, record) for name, i, record in names if name in plan and plan[name] < query_heads(model, i)]
     if narrowed:
+        why = LINEAR_MIXER if narrowed[0][1].recurrent else FIXED_HEADS
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit "
-                                      f"({FIXED_HEADS}), but the plan narrows {', '.join(narrowed)}")
+                                      f"({why}), but the plan narrows {', '.join(n for n, _ in narrowed)}")
 
 
 def prune_blocks(
@@ -548,6 +559,9 @@ def prune_blocks(
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
         emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
                                "its attentions stay whole, the ratio prunes the FFN neurons"), log)
+    if adapter.linear_attention is not None and not isinstance(ratio, Mapping) and ratio > 0:
+        log.info("%s's linear-attention mixers stay whole (%s): the ratio prunes the FFN neurons and the attention "
+                 "layers' heads", model.config.model_type, LINEAR_MIXER)
     if adapter.bias_relay is not None:
         source.load(0)  # the first block computes the bias every block is handed (a streamed one: read early)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
@@ -595,7 +609,7 @@ def prune_blocks(
                 remove_sublayer(model, i, kind, update if compensate else None)
                 emit(progress, Progress(REMOVED, f"{here}.{path}", i + 1, d.layers), log)
                 continue
-            if kind == ATTENTION and not adapter.heads_prunable:  # OLMo 2: the attention stays whole
+            if kind == ATTENTION and not here_adapter.heads_prunable:  # OLMo 2's, a linear-attention mixer: whole
                 continue
             name = f"{here}.{path}"
             if shared and isinstance(ratio, Mapping) and name not in ratio:  # a plan of an earlier release
@@ -1014,8 +1028,9 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
                     remove_sublayer(resized, i, kind)
             heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
             here = block_path(resized, i)
-            prunable = heads and adapter.heads_prunable  # OLMo 2's heads stay whole
-            kept = heads - planned_prune(f"{here}.{adapter.o}", heads, plan) if prunable else heads
+            record = adapter.at(layers(resized)[i])  # a linear-attention block's mixer
+            prunable = heads and record.heads_prunable  # OLMo 2's heads stay whole, a linear-attention mixer too
+            kept = heads - planned_prune(f"{here}.{record.o}", heads, plan) if prunable else heads
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)

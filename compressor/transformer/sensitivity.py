@@ -124,7 +124,8 @@ def output_sensitivity(model: nn.Module, batches: Sequence[dict[str, Tensor]], d
 
         hooks.append(block.register_forward_pre_hook(before_block, with_kwargs=True))
         hooks.append(block.register_forward_hook(after_block))
-        for key, path in (("attention", adapter.o), ("ffn", adapter.at(block).down)):
+        here = adapter.at(block)  # a dense FFN's or a linear-attention mixer's paths where the block has them
+        for key, path in (("attention", here.o), ("ffn", here.down)):
             hooks.append(projection(block, path).register_forward_hook(
                 lambda _m, _args, out, key=key, i=i: gradient_of(key, i, out)))
     # the stream needs a gradient although no weight does: the embeddings' output is made to want one

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedArchitecture
 from ..modules import owner_of
-from .adapters import FamilyAdapter, adapter_for, block_hidden, layers
+from .adapters import FamilyAdapter, adapter_at, adapter_for, block_hidden, layers
 
 ATTENTION, FFN = "attention_heads", "ffn_neurons"  # the unit kinds of the width curves: a sub-layer is all of one
 KINDS = (ATTENTION, FFN)
@@ -102,7 +102,7 @@ def replaced_path(adapter: FamilyAdapter, kind: str) -> str:
 
 def is_removed(model: nn.Module, index: int, kind: str) -> bool:
     """Whether block `index`'s attention (`ATTENTION`) or FFN (`FFN`) was removed."""
-    path, _ = _paths(adapter_for(model), kind)
+    path, _ = _paths(adapter_at(model, index), kind)  # a linear-attention block's mixer is its attention
     return isinstance(layers(model)[index].get_submodule(path), RemovedSublayer)
 
 
@@ -121,6 +121,10 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
         raise UnsupportedArchitecture(f"{model.config.model_type} norms each sub-layer's output before the residual "
                                       "add, which would turn a removed sub-layer's constant into a full-size update: "
                                       "an attention or an FFN alone is not removed (whole layers are)")
+    if kind == ATTENTION and adapter_at(model, index).recurrent:
+        raise UnsupportedArchitecture(f"layer {index} of {model.config.model_type} mixes tokens by linear attention "
+                                      "(its state a matrix a head, carried by the decode step): that mixer is not "
+                                      "removed alone (whole layers are)")
     if kind == ATTENTION and not adapter_for(model).attention_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
                                       "layer reads: an attention alone is not removed (whole layers are)")
@@ -137,7 +141,7 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
 
 def _swap(model: nn.Module, index: int, kind: str, update: Tensor | None) -> list[tuple[nn.Module, str, nn.Module]]:
     """Put the stand-ins of a removed sub-layer in place; returns (owner, name, module replaced) to undo it."""
-    adapter, layer, hidden = adapter_for(model), layers(model)[index], block_hidden(model, index)
+    adapter, layer, hidden = adapter_at(model, index), layers(model)[index], block_hidden(model, index)
     path, core = _paths(adapter, kind)
     dtype = next((p.dtype for p in layer.get_submodule(path).parameters() if p.is_floating_point()), torch.float32)
     device = next((p.device for p in layer.get_submodule(path).parameters()), torch.device("cpu"))

@@ -34,6 +34,8 @@ from ..modules import check_keep, owner_of
 from ..solver.problem import group_rows
 from .adapters import (
     FIXED_HEADS,
+    LINEAR_MIXER,
+    adapter_at,
     adapter_for,
     base_path,
     dense_ffn_layers,
@@ -181,17 +183,21 @@ def shared_width(model: nn.Module, index: int) -> int:
 
 
 def _query_width(model: nn.Module, layer: nn.Module) -> int:
-    """Query heads x head_dim: the output projection's inputs, whatever the q/k/v layout."""
-    return in_features(projection(layer, adapter_for(model).o))
+    """Query heads x head_dim: the output projection's inputs, whatever the q/k/v layout (a linear-attention mixer's:
+    its value heads x their size, `FamilyAdapter.at`)."""
+    return in_features(projection(layer, adapter_for(model).at(layer).o))
 
 
 def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Tensor, o_weight: Tensor | None) -> None:
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones) in q/k/v and the output
     projection, and every count the attention reads (its attributes, its config view)."""
-    adapter, hd = adapter_for(model), dims(model).head_dim
+    adapter, hd = adapter_for(model).at(layer), dims(model).head_dim
     if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
-        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: "
-                                      f"{FIXED_HEADS}, so removing a head would renormalise every kept one")
+        why = LINEAR_MIXER if adapter.recurrent else \
+            f"{FIXED_HEADS}, so removing a head would renormalise every kept one"
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: {why}")
+    if adapter.recurrent:  # a linear-attention mixer keeps every head: nothing to cut
+        return
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
     if adapter.latent_attention:  # each head's query rows and its key / value rows from the shared latent
         _keep_latent_heads(model, layer, heads)
@@ -203,8 +209,8 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
         q_width = _query_width(model, layer)
         kv_width = (out_features(qkv) - q_width) // 2
         keep_output_rows(qkv, torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows]))
-    else:
-        keep_output_rows(projection(layer, adapter.q), q_rows)
+    else:  # a gated query's head is its query rows and its gate's (`FamilyAdapter.gated_query`)
+        keep_output_rows(projection(layer, adapter.q), group_rows(heads, 2 * hd) if adapter.gated_query else q_rows)
         keep_output_rows(projection(layer, adapter.k), kv_rows)
         keep_output_rows(projection(layer, adapter.v), kv_rows)
     modules = dict(layer.named_modules())
@@ -381,8 +387,8 @@ def ffn_width(model: nn.Module, index: int) -> int:
 
 
 def _attention(model: nn.Module, layer: nn.Module) -> nn.Module:
-    """The attention module of a block (the owner of its q projection)."""
-    return layer.get_submodule(adapter_for(model).q.rpartition(".")[0])
+    """The attention module of a block (the owner of its q projection; a linear-attention block's mixer)."""
+    return layer.get_submodule(adapter_for(model).at(layer).q.rpartition(".")[0])
 
 
 def kv_index(model: nn.Module, index: int) -> Tensor:
@@ -430,7 +436,7 @@ def _resize_attention(model: nn.Module, index: int, heads: Tensor, kv_heads: Ten
                       o_weight: Tensor | None) -> None:
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones); `new_index`: the
     kept KV head (0..len(kv_heads)-1) each kept query head reads."""
-    adapter, layer = adapter_for(model), layers(model)[index]
+    adapter, layer = adapter_at(model, index), layers(model)[index]
     assert len(new_index) == len(heads) and set(new_index.tolist()) == set(range(len(kv_heads))), new_index
     _keep_heads(model, layer, heads, kv_heads, o_weight)
     attention = _attention(model, layer)
@@ -613,7 +619,8 @@ def added_biases(model: nn.Module) -> list[str]:
     adapter = adapter_for(model)
 
     def outputs(layer: nn.Module) -> tuple[tuple[str, str], ...]:
-        return (adapter.o, ATTENTION), (adapter.at(layer).down, FFN)
+        here = adapter.at(layer)  # a dense FFN's or a linear-attention mixer's paths where the block has them
+        return (here.o, ATTENTION), (here.down, FFN)
 
     if all(getattr(projection(layer, path), "bias", None) is None for i, layer in enumerate(layers(model))
            for path, kind in outputs(layer) if not is_removed(model, i, kind)):
@@ -677,7 +684,11 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
         raise ModelReferenceError(f"width manifest: shared expert widths {shared} for layers without one (a dense "
                                   "FFN's layers have 0)")
     for i in range(n):
-        if heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
+        if adapter_at(model, i).recurrent:  # a linear-attention mixer: kept whole
+            if heads[i] != query_heads(model, i):
+                raise ModelReferenceError(f"width manifest: layer {i} mixes tokens by linear attention, kept whole, "
+                                          f"but the manifest gives it {heads[i]} of {query_heads(model, i)} heads")
+        elif heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
             remove_sublayer(model, i, ATTENTION)
         elif maps is not None:
             mapping = torch.tensor(maps[i], dtype=torch.long)
@@ -708,7 +719,8 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
     blocks, adapter = layers(model), adapter_for(model)
     for name in manifest.get("biases", []):
         index, _, path = str(name).partition(".")
-        if not index.isdigit() or int(index) >= n or path not in (adapter.o, adapter.at(blocks[int(index)]).down):
+        if not index.isdigit() or int(index) >= n or path not in (
+                (here := adapter.at(blocks[int(index)])).o, here.down):
             raise ModelReferenceError(f"width manifest: {name!r} is not an output projection of one of {n} layers")
         add_bias(projection(blocks[int(index)], path))
 

@@ -817,8 +817,9 @@ class _TransformerJob:
         for i, block in enumerate(layers(self.dense)):
             path = block_path(self.dense, i)
             units[path] = (i, None)
-            units[f"{path}.{adapter.o}"] = (i, ATTENTION)
-            units[f"{path}.{adapter.at(block).down}"] = (i, FFN)  # a MoE family's dense FFN: its own path
+            here = adapter.at(block)  # a MoE family's dense FFN, a linear-attention mixer: their own paths
+            units[f"{path}.{here.o}"] = (i, ATTENTION)
+            units[f"{path}.{here.down}"] = (i, FFN)
         return units
 
     def _unit_costs(self) -> dict[str, float]:

@@ -3,6 +3,7 @@ and this end-to-end test on a tiny random-init model of it (the families of `tra
 whole family-parametrised suite instead)."""
 
 import contextlib
+import copy
 import json
 
 import onnxruntime as ort
@@ -38,6 +39,7 @@ from .transformer_models import (
     MOE_MIXED,
     example_inputs,
     first_output,
+    tiny_qwen3_5,
 )
 
 
@@ -130,6 +132,56 @@ def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path
     reloaded = load_pruned(tmp_path / "saved")
     assert type(reloaded) is type(pruned) and reloaded.config.num_hidden_layers == 1
     torch.testing.assert_close(first_output(reloaded, example), first_output(pruned, example))
+
+
+def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers keep their mixers whole (their heads are no unit: a plan narrowing one and
+    a removal of one alone are refused) while their FFNs and the gated-query attention's heads are pruned; a layer of
+    each kind removed whole restates layer_types. The graphs, exported on 10 tokens, run prompts of 1 to 130 tokens
+    (several chunks of the delta rule's scan) and decode after any cache, one token or a prompt of two chunks, within
+    1e-4 of PyTorch (whose one-token step runs transformers' own recurrent kernel); reloaded as pruned."""
+    model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    with pytest.raises(UnsupportedArchitecture, match=r"linear-attention \(Gated DeltaNet\) mixer.s heads"):
+        resize_transformer(model, {"model.layers.0.linear_attn.out_proj": 2})
+    with pytest.raises(UnsupportedArchitecture, match="layer 0 of qwen3_5_text mixes tokens by linear attention"):
+        remove_sublayer(copy.deepcopy(model), 0, ATTENTION)
+    pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
+    assert {r.name for r in reports if r.kind == "attention_heads"} == {"model.layers.1.self_attn.o_proj"}
+    assert [query_heads(pruned, i) for i in range(3)] == [4, 3, 4]  # a linear layer's 32 value columns, whole
+    assert all(ffn_width(pruned, i) < 20 for i in range(3))
+    remove_layers(pruned, [2])
+    assert pruned.config.layer_types == ["linear_attention", "full_attention"]
+
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits")
+    for length in (1, 10, 70, 130):
+        assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
+                               "logits").max_abs_error < 1e-4, length
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=256)
+    session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
+                                                          "past_key_values.1.key", "past_key_values.1.value"]
+    ids = torch.randint(3, 50, (3, 80), generator=torch.Generator().manual_seed(1))
+    for rows, new in ((3, 1), (3, 8), (3, 80), (1, 1)):
+        assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
+
+    save_pruned(pruned, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+
+
+def test_a_uniformly_pruned_qwen3_5_loads_in_transformers_alone(tmp_path):
+    """Its attention layers' kept heads and every layer's FFN width, equal across layers, are stated in config.json (a
+    DeltaNet layer's whole mixer states nothing): AutoModelForCausalLM builds the pruned model with no code of ours."""
+    model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
+    for i in range(3):
+        prune_ffn(model, i, range(12))
+    prune_heads(model, 1, [1])  # the second KV group and its 2 query heads
+    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (2, 1, 12)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
 def test_a_backbone_config_names_the_stages_of_the_blocks_kept(caplog):

@@ -13,7 +13,7 @@ from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer
 from compressor.transformer.surgery import MANIFEST, load_pruned, widths
 
-from .transformer_models import MODELS, MOE_EXTRA, MOE_MIXED, example_inputs, first_output
+from .transformer_models import MODELS, MOE_EXTRA, MOE_MIXED, example_inputs, first_output, tiny_qwen3_5
 
 
 def data(model):
@@ -52,6 +52,20 @@ def test_every_moe_family_streams_as_it_prunes_in_memory(name, tmp_path):
     attention and dense layers streamed as they are pruned in memory."""
     family, _, mixed = name.partition(":")
     model = MOE_MIXED[family][0]() if mixed else MOE_EXTRA[family]()
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    expected, expected_reports = prune_transformer(model, data(model), 0.5)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    reports = prune_blocks(checkpoint, data(model), 0.5)
+    out = checkpoint.finish()
+    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_5_streams_its_linear_attention_layers_as_it_prunes_in_memory(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers (kept whole, their FFNs pruned) stream as its attention layers do; its loading
+    renames by a prefix change (a multimodal checkpoint's language model), which a streamed checkpoint reads as a
+    renaming (it was refused as a conversion)."""
+    model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     expected, expected_reports = prune_transformer(model, data(model), 0.5)
     checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")

@@ -283,6 +283,14 @@ def _latent_dense(cls: str, config: str, **fields):
         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **fields))
 
 
+def tiny_qwen3_5(layer_types: tuple[str, ...] = ("linear_attention", "full_attention")):
+    """Qwen3.5's language model: Gated DeltaNet layers (2 key heads of 8 over 4 value heads of 8: 4 "heads" of the
+    output projection's 32 inputs) beside gated-query attention layers, Llama's MLP in each."""
+    return _decoder("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", num_hidden_layers=len(layer_types),
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=list(layer_types))
+
+
 def tiny_smollm3():
     """Llama with rotary-free layers (no_rope_layers: the second layer has no positions)."""
     return _decoder("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0], use_sliding_window=False)
@@ -378,6 +386,8 @@ LLAMA_SHAPED = {
     "minicpm3": lambda: _latent_dense("MiniCPM3ForCausalLM", "MiniCPM3Config", scale_emb=4.0, scale_depth=1.4,
                                       dim_model_base=8),
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
+    # a Gated DeltaNet layer (kept whole) before a gated-query attention layer
+    "qwen3_5_text": tiny_qwen3_5,
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
     # attention (one KV head in c_attn, [q | k | v]) and learned positions
     "gptj": lambda: _seeded(transformers.GPTJForCausalLM, transformers.GPTJConfig(

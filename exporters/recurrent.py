@@ -1,0 +1,213 @@
+"""Linear attention (Qwen3.5's Gated DeltaNet) in a graph that runs any sequence length.
+
+transformers computes the gated delta rule chunk by chunk, its recurrent state carried from one chunk of 64 tokens to
+the next in a Python loop over `sequence_length // 64`: torch.export unrolls that loop for the traced length, so an
+exported graph would run that length only. During an export `scanned_delta_rule` puts in its place the same
+computation with the loop over chunks as a `torch.ops.higher_order.scan` (ONNX's Scan), and the triangular solve
+inside a chunk, which ONNX has no operator for, as the product its Neumann series factors into (`unit_lower_inverse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# the chunk length transformers' rule runs at: an export traces more than one chunk, so none is specialised to one
+CHUNK = 64
+# the chunk length the exported graph computes with (`traced_chunk`)
+_chunk: ContextVar[int] = ContextVar("chunk", default=CHUNK)
+# the module-level function a Gated DeltaNet layer calls for a prompt (and, from a cache, for several new tokens),
+# looked up in its modeling module at call time
+CHUNK_RULE = "torch_chunk_gated_delta_rule"
+# the mask builder a hybrid model calls for its linear-attention layers, looked up in its modeling module
+MASK = "create_recurrent_attention_mask"
+
+
+def unit_lower_inverse(a: Tensor) -> Tensor:
+    """(I + A)^-1 for A strictly lower triangular, (..., n, n) with n a power of two: A is nilpotent (A^n = 0), so
+    the inverse is the Neumann series sum_k (-A)^k = (I - A)(I + A^2)(I + A^4) ... (I + A^(n/2)), log2(n) products
+    instead of n - 1 substitution steps."""
+    n = a.shape[-1]
+    assert n & (n - 1) == 0, f"the chunk size {n} is not a power of two"
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    inverse, power, reached = eye - a, a, 2  # inverse = sum_{k < reached} (-A)^k
+    while reached < n:
+        power = power @ power  # A^reached
+        inverse = inverse @ (eye + power)
+        reached *= 2
+    return inverse
+
+
+def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
+                           initial_state: Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, **_: Any) -> tuple[Tensor, Tensor | None]:
+    """transformers' `torch_chunk_gated_delta_rule` (same arguments and results) with its loop over chunks as a scan.
+
+    query, key: (batch, length, key heads, key size); value: (batch, length, value heads, value size); g (the decay's
+    log) and beta: (batch, length, value heads); initial_state: (batch, value heads, key size, value size)."""
+    dtype = query.dtype
+    batch, length, key_heads, key_size = key.shape
+    value_heads, value_size = value.shape[-2:]
+    if key_heads != value_heads:  # each query / key head serves value_heads // key_heads consecutive value heads
+        query = query.repeat_interleave(value_heads // key_heads, dim=2)
+        key = key.repeat_interleave(value_heads // key_heads, dim=2)
+    # (batch, heads, length, ...) in float32
+    query, key, value, beta, decay = (x.transpose(1, 2).to(torch.float32).contiguous()
+                                      for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query = query * torch.rsqrt(query.square().sum(-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt(key.square().sum(-1, keepdim=True) + 1e-6)
+    query = query * key_size ** -0.5
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    v_beta, k_beta = value * beta.unsqueeze(-1), key * beta.unsqueeze(-1)
+    # (batch, heads, chunks, chunk_size, ...)
+    query, key, k_beta, v_beta = (x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta))
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size).cumsum(-1)  # the decay's log since the
+    # chunk began; pairwise[i, j]: the decay from position j to position i of a chunk (none above the diagonal)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    # the UT transform: the chunk's delta-rule updates condensed into (I + A)^-1 applied to its values and keys
+    transform = unit_lower_inverse(((k_beta @ key.transpose(-1, -2)) * pairwise).tril(-1))
+    new_values = transform @ v_beta
+    k_cumdecay = transform @ (k_beta * decay.exp().unsqueeze(-1))
+    intra = (query @ key.transpose(-1, -2)) * pairwise  # attention within the chunk
+    query = query * decay.exp().unsqueeze(-1)
+    key = key * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # (batch, heads, chunks, 1, 1)
+    state = (torch.zeros(batch, value_heads, key_size, value_size, dtype=torch.float32, device=query.device)
+             if initial_state is None else initial_state.to(torch.float32))
+
+    def step(state: Tensor, chunk: list[Tensor]) -> tuple[Tensor, Tensor]:
+        values, k_decayed, q, attention, kept, k = chunk
+        corrected = values - k_decayed @ state  # what the state does not predict already: the delta rule
+        out = q @ state + attention @ corrected
+        return state * kept + k.transpose(-1, -2) @ corrected, out
+
+    from torch._higher_order_ops.scan import scan
+
+    chunks = [x.movedim(2, 0) for x in (new_values, k_cumdecay, query, intra, chunk_decay, key)]  # chunks first
+    state, out = scan(step, state, chunks)
+    out = out.movedim(0, 2).flatten(2, 3).narrow(2, 0, length)  # (batch, heads, length, value size)
+    return out.transpose(1, 2).to(dtype).contiguous(), state if output_final_state else None
+
+
+def _recurrent_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor | None, cache: Any = None,
+                    **_: Any) -> Tensor | None:
+    """transformers' `create_recurrent_attention_mask` without its shortcuts on the traced length (a one-token step
+    and an all-ones mask return None there, which a graph would keep as an assertion that the step is longer than one
+    token): the 2-D mask's columns of the new tokens, whatever their number."""
+    if attention_mask is None or attention_mask.ndim != 2:
+        return None
+    length = inputs_embeds.shape[1]  # narrowed, not sliced from the end: exactly `length` columns to the tracer
+    return attention_mask.narrow(1, attention_mask.shape[1] - length, length)
+
+
+def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache: Any = None,
+                             attention_mask: Tensor | None = None, **_: Any) -> Tensor:
+    """Qwen3.5's `Qwen3_5GatedDeltaNet.forward` as one path for any number of new tokens after any cache: transformers
+    branches on a one-token step (its recurrent kernel and in-place conv update), which a traced graph would keep as an
+    assertion on the step's length; the chunked rule (`chunk_gated_delta_rule`) computes the same for one token. The
+    conv reads the cached last `kernel` inputs before the new ones (zeros before a prompt, as the causal conv pads),
+    and the layer's states are replaced by the new ones."""
+    if attention_mask is not None:  # padding tokens write nothing into the states
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, length, _ = hidden_states.shape
+    layer = cache.layers[self.layer_idx] if cache is not None else None
+    cached = layer is not None and layer.is_conv_states_initialized[0]
+    mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (batch, conv channels, length)
+    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    beta = self.in_proj_b(hidden_states).sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+    kernel = self.conv1d.kernel_size[0]
+    weight = self.conv1d.weight  # (channels, 1, kernel): depthwise
+    history = layer.conv_states[0].to(mixed.dtype) if cached else mixed.new_zeros(batch, mixed.shape[1], kernel)
+    inputs = torch.cat([history, mixed], dim=-1)  # (batch, channels, kernel + length)
+    # a valid conv over kernel + length inputs: length + 1 outputs, the first of them the history's own
+    conv = F.conv1d(inputs.to(weight.dtype), weight, self.conv1d.bias, groups=mixed.shape[1])[..., 1:]
+    mixed = F.silu(conv).to(hidden_states.dtype).transpose(1, 2).contiguous()  # (batch, length, channels)
+    query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, self.head_k_dim)
+    key = key.reshape(batch, length, -1, self.head_k_dim)
+    value = value.reshape(batch, length, -1, self.head_v_dim)
+    state = layer.recurrent_states[0] if cached else None
+    out, state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, chunk_size=_chunk.get(), initial_state=state,
+                                        output_final_state=layer is not None, use_qk_l2norm_in_kernel=True)
+    if layer is not None:
+        if not cached:  # a prompt into an empty cache: the layer's slots as transformers would lay them out
+            layer.lazy_initialization(conv_states=inputs[..., -kernel:], recurrent_states=state,
+                                      conv_kernel_size=kernel)
+            layer.has_previous_state[0] = True
+        layer.conv_states[0], layer.recurrent_states[0] = inputs[..., -kernel:], state.to(layer.recurrent_states[0])
+    out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(out.reshape(batch, length, -1))
+
+
+def chunk_for(length: int) -> int:
+    """The chunk length an export traced on `length` new tokens computes with: `CHUNK` where that length spans more
+    than one chunk, else the largest power of two below it (a model whose positions end within one chunk), so that
+    the tracer sees several chunks and specialises nothing to one."""
+    return min(CHUNK, 1 << max(length - 1, 1).bit_length() - 1)  # the largest power of two below `length`
+
+
+@contextlib.contextmanager
+def traced_chunk(chunk: int) -> Iterator[None]:
+    """Within the block, exported Gated DeltaNet layers compute with chunks of `chunk` tokens (`chunk_for`)."""
+    token = _chunk.set(chunk)
+    try:
+        yield
+    finally:
+        _chunk.reset(token)
+
+
+def _delta_nets(model: torch.nn.Module) -> list[type]:
+    """The classes of the model's Gated DeltaNet layers (Qwen3.5's) that `_gated_delta_net_forward` computes."""
+    return sorted({type(m) for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"},
+                  key=lambda c: c.__module__)
+
+
+def has_delta_nets(model: torch.nn.Module) -> bool:
+    """Whether the model (or a wrapper of it) has Gated DeltaNet layers, which an export traces over several chunks."""
+    return bool(_delta_nets(model))
+
+
+def spanning_chunks(example: dict[str, Tensor], limit: int | None) -> tuple[dict[str, Tensor], int]:
+    """`example`'s token inputs (integer, (batch, length)) repeated along their length to more than one `CHUNK`, as far
+    as `limit` (the longest sequence the export takes) allows, and the chunk an export traced on them computes with
+    (`chunk_for`): a prompt of one chunk would be traced as one, the graph's length fixed to it."""
+    tokens = [name for name, t in example.items() if not t.is_floating_point()]
+    length = max((example[name].shape[1] for name in tokens), default=0)
+    want = min(CHUNK + 2, limit) if limit else CHUNK + 2
+    if tokens and length < want:
+        repeats = -(-want // length)
+        example = {name: t.repeat(1, repeats)[:, :want] if name in tokens else t for name, t in example.items()}
+        length = want
+    return example, chunk_for(length)
+
+
+@contextlib.contextmanager
+def scanned_delta_rule(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block, the model's Gated DeltaNet layers run `_gated_delta_net_forward` (one path for any number of
+    tokens, the chunks as a Scan) and their masks `_recurrent_mask`: an export that runs any length, from any cache;
+    yields whether the model has such layers."""
+    classes = _delta_nets(model)
+    modules = [sys.modules[c.__module__] for c in classes]
+    saved = [(c, "forward", c.forward) for c in classes]
+    saved += [(m, name, getattr(m, name)) for m in modules for name in (CHUNK_RULE, MASK) if hasattr(m, name)]
+    replacements = {"forward": _gated_delta_net_forward, CHUNK_RULE: chunk_gated_delta_rule, MASK: _recurrent_mask}
+    for owner, name, _ in saved:
+        setattr(owner, name, replacements[name])
+    try:
+        yield bool(classes)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
