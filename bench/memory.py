@@ -48,7 +48,8 @@ def _build(path: str, hidden: int, layers: int, intermediate: int, vocab: int, h
                  tie_word_embeddings=tie)
     if experts:  # Qwen3-MoE's layout; save_pretrained stores each expert's projections apart, as its checkpoints do
         config = transformers.Qwen3MoeConfig(**sizes, head_dim=hidden // heads, num_experts=experts,
-                                             num_experts_per_tok=top_k, moe_intermediate_size=intermediate)
+                                             num_experts_per_tok=min(top_k, experts),
+                                             moe_intermediate_size=intermediate)
         cls = transformers.Qwen3MoeForCausalLM
     else:
         config, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM

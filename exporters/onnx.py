@@ -882,7 +882,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     layers, recurrent = kv_layers(model), recurrent_layers(model)
     # two new tokens, so the export does not specialise the step to one; linear attention's, over more than one of its
     # chunks (a step of one chunk would be traced as one)
-    new = CHUNK + 2 if any(recurrent) else 2
+    new = min(CHUNK + 2, max_length) if any(recurrent) else 2
     if any(recurrent) and example_ids.shape[1] < new + 2:
         example_ids = example_ids.repeat(1, -(-(new + 2) // example_ids.shape[1]))[:, :new + 2]
     past_len = example_ids.shape[1] - new

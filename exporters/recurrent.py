@@ -4,7 +4,7 @@ transformers computes the gated delta rule chunk by chunk, its recurrent state c
 the next in a Python loop over `sequence_length // 64`: torch.export unrolls that loop for the traced length, so an
 exported graph would run that length only. During an export `scanned_delta_rule` puts in its place the same
 computation with the loop over chunks as a `torch.ops.higher_order.scan` (ONNX's Scan), and the triangular solve
-inside a chunk, which ONNX has no operator for, as the product its Neumann series factors into (`unit_lower_inverse`).
+inside a chunk, which ONNX has no operator for, by recursive blocks (`unit_lower_inverse`).
 """
 
 from __future__ import annotations
@@ -31,18 +31,28 @@ MASK = "create_recurrent_attention_mask"
 
 
 def unit_lower_inverse(a: Tensor) -> Tensor:
-    """(I + A)^-1 for A strictly lower triangular, (..., n, n) with n a power of two: A is nilpotent (A^n = 0), so
-    the inverse is the Neumann series sum_k (-A)^k = (I - A)(I + A^2)(I + A^4) ... (I + A^(n/2)), log2(n) products
-    instead of n - 1 substitution steps."""
+    """(I + A)^-1 for A strictly lower triangular, (..., n, n) with n a power of two, by recursive blocks:
+    [[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]], from the 1 x 1 diagonal blocks up, log2(n) levels of
+    batched products with no loop over the rows. Stable as substitution is (a Neumann series' product form is not:
+    a chunk of near-identical keys makes its partial sums grow like binomials before they cancel, in float32 to
+    garbage)."""
     n = a.shape[-1]
     assert n & (n - 1) == 0, f"the chunk size {n} is not a power of two"
-    eye = torch.eye(n, dtype=a.dtype, device=a.device)
-    inverse, power, reached = eye - a, a, 2  # inverse = sum_{k < reached} (-A)^k
-    while reached < n:
-        power = power @ power  # A^reached
-        inverse = inverse @ (eye + power)
-        reached *= 2
-    return inverse
+    lead = a.shape[:-2]
+    a = a.reshape(-1, n, n)  # one batch axis: the tracer reasons about one symbolic size, not every leading one
+    inverse = torch.ones(a.shape[0], n, 1, 1, dtype=a.dtype, device=a.device)  # the 1 x 1 diagonal blocks' inverses
+    size = 1
+    while size < n:
+        pairs = n // (2 * size)
+        # the lower-left size x size block of each 2 size x 2 size diagonal block of A: (batch, pairs, size, size)
+        lower_left = torch.diagonal(a.reshape(-1, pairs, 2 * size, pairs, 2 * size), dim1=1, dim2=3)[
+            :, size:, :size].permute(0, 3, 1, 2)
+        halves = inverse.reshape(-1, pairs, 2, size, size)
+        first, second = halves[:, :, 0], halves[:, :, 1]
+        lower = -(second @ lower_left @ first)
+        inverse = torch.cat([torch.cat([first, torch.zeros_like(first)], -1), torch.cat([lower, second], -1)], -2)
+        size *= 2
+    return inverse.reshape(*lead, n, n)
 
 
 def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
@@ -119,6 +129,8 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
     assertion on the step's length; the chunked rule (`chunk_gated_delta_rule`) computes the same for one token. The
     conv reads the cached last `kernel` inputs before the new ones (zeros before a prompt, as the causal conv pads),
     and the layer's states are replaced by the new ones."""
+    from transformers.activations import ACT2FN
+
     if attention_mask is not None:  # padding tokens write nothing into the states
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     batch, length, _ = hidden_states.shape
@@ -134,12 +146,14 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
     inputs = torch.cat([history, mixed], dim=-1)  # (batch, channels, kernel + length)
     # a valid conv over kernel + length inputs: length + 1 outputs, the first of them the history's own
     conv = F.conv1d(inputs.to(weight.dtype), weight, self.conv1d.bias, groups=mixed.shape[1])[..., 1:]
-    mixed = F.silu(conv).to(hidden_states.dtype).transpose(1, 2).contiguous()  # (batch, length, channels)
+    mixed = ACT2FN[self.activation](conv).to(hidden_states.dtype).transpose(1, 2).contiguous()  # (batch, length, ch.)
     query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, length, -1, self.head_k_dim)
     key = key.reshape(batch, length, -1, self.head_k_dim)
     value = value.reshape(batch, length, -1, self.head_v_dim)
     state = layer.recurrent_states[0] if cached else None
+    # a one-token step too is a (padded) chunk: a branch for it (torch.cond) does not export (its branch is taken
+    # for aliasing its inputs), so generation pays a chunk's products a token
     out, state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, chunk_size=_chunk.get(), initial_state=state,
                                         output_final_state=layer is not None, use_qk_l2norm_in_kernel=True)
     if layer is not None:
@@ -148,6 +162,7 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
                                       conv_kernel_size=kernel)
             layer.has_previous_state[0] = True
         layer.conv_states[0], layer.recurrent_states[0] = inputs[..., -kernel:], state.to(layer.recurrent_states[0])
+        layer.cumulative_length_linear = layer.cumulative_length_linear + length  # the tokens it has seen
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(batch, length, -1))
 

@@ -135,12 +135,17 @@ class _MergedTensor:
     # source pattern -> expert index -> (checkpoint name, its shard)
     parts: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
 
-    def check(self, name: str, source: Path) -> None:
-        """Every source pattern stored for the same experts 0..E-1 (a missing expert would shift the rest)."""
-        experts = max((max(found) + 1 for found in self.parts.values()), default=0)
+    def check(self, name: str, source: Path, shape: tuple[int, ...] | None) -> None:
+        """Every source pattern stored for each of the model's experts 0..E-1 (E: `shape`'s first size, the merged
+        tensor's in the model): a missing expert would shift the rest, or fail as its block is read, hours in."""
+        found_max = max((max(found) + 1 for found in self.parts.values()), default=0)
+        experts = shape[0] if shape else found_max
         gaps = {pattern: sorted(set(range(experts)) - set(self.parts.get(pattern, {})))
                 for pattern in self.transform.source_patterns}
         gaps = {pattern: missing for pattern, missing in gaps.items() if missing}
+        if found_max > experts:
+            raise ModelReferenceError(f"{source}: {name} is merged from {experts} experts, but the checkpoint stores "
+                                      f"{found_max}: another model's shards")
         if gaps:
             said = "; ".join(f"{pattern}: experts {missing[:5]}" for pattern, missing in gaps.items())
             raise ModelReferenceError(f"{source}: {name} is merged from every expert's "
@@ -241,10 +246,12 @@ class StreamedCheckpoint:
         for transform in get_model_conversion_mapping(self.model):
             kind = type(transform).__name__
             ops = {type(op).__name__ for op in getattr(transform, "operations", ())}
-            if kind == "WeightConverter" and ops <= _EXPERT_MERGES:
-                # `*` stands for the expert's index (transformers' own reading of these patterns)
-                merges += [(re.compile(re.escape(source).replace(r"\*", r"(\d+)")), source, transform)
-                           for source in transform.source_patterns]
+            sources = list(getattr(transform, "source_patterns", ()))
+            if kind == "WeightConverter" and "MergeModulelist" in ops and ops <= _EXPERT_MERGES and all(
+                    source.count("*") == 1 and "\\" not in source for source in sources):
+                # `*` stands for the expert's index (transformers' own reading of these plain patterns)
+                merges += [(re.compile(re.escape(source).replace(r"\*", r"(\d+)") + r"(?!\w)"), source, transform)
+                           for source in sources]
                 continue
             if kind not in ("WeightRenaming", "PrefixChange"):  # a prefix added or removed: a renaming's regex
                 raise ModelReferenceError(f"{self.source}: loading this checkpoint converts tensors "
@@ -272,8 +279,9 @@ class StreamedCheckpoint:
             name = _in_model(name, expected, base)
             self._source_name[name] = key
             out[name] = file
+        shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}  # the blocks' on meta
         for name, entry in self._merged.items():
-            entry.check(name, self.source)
+            entry.check(name, self.source, shapes.get(name))
         return out
 
     def _read(self, keys: list[str]) -> dict[str, Tensor]:

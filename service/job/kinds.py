@@ -866,8 +866,10 @@ class _TransformerJob:
         if unknown:
             first, last = block_path(self.dense, 0), block_path(self.dense, dims(self.dense).layers - 1)
             dense = f" (LAYER.{adapter.dense_down} where its FFN is dense)" if adapter.dense_down else ""
+            mixer = f" (LAYER.{adapter.linear_attention}.out_proj in its linear-attention layers)" \
+                if adapter.linear_attention else ""
             raise InputError(f"no layer or sub-layer named {unknown} in this model (its layers: {first} ... {last}, "
-                             f"their sub-layers LAYER.{adapter.o} and LAYER.{adapter.down}{dense})")
+                             f"their sub-layers LAYER.{adapter.o}{mixer} and LAYER.{adapter.down}{dense})")
         fixed = 0 if adapter.first_layer_fixed else None
         chosen = [units[name] for name in names]
         whole = {i for i, kind in chosen if kind is None}

@@ -51,6 +51,22 @@ def test_the_scanned_rule_computes_transformers_chunked_and_token_by_token_rules
         torch.testing.assert_close(final, expected_final, rtol=1e-4, atol=1e-4)
 
 
+def test_the_scanned_rule_stays_exact_in_float32_on_a_run_of_near_identical_tokens():
+    """A run of one token (a "=====" line, repeated digits) gives near-identical keys with beta near 1 and little
+    decay: the chunk's inverse then has entries that a Neumann series' product form reached through partial sums of
+    ~1e19 before they cancelled (float32: outputs 2e19 off); the recursive blocks stay within 1e-5."""
+    gen = torch.Generator().manual_seed(0)
+    length = 130
+    key = torch.randn(1, 1, 2, 16, generator=gen).expand(1, length, 2, 16) + 0.01 * torch.randn(
+        1, length, 2, 16, generator=gen)
+    query, value = torch.randn(1, length, 2, 16, generator=gen), torch.randn(1, length, 4, 16, generator=gen)
+    beta, g = torch.full((1, length, 4), 0.99), torch.zeros(1, length, 4)
+    out, _ = chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True)
+    expected, _ = qwen3_5.torch_recurrent_gated_delta_rule(query, key, value, g=g, beta=beta,
+                                                           use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_an_export_traces_more_than_one_chunk_within_the_models_length():
     """A prompt of one chunk would fix the graph's length to it: the example is repeated past a chunk where the
     model's positions allow, else the chunk shrinks to the largest power of two below the length."""

@@ -136,8 +136,8 @@ def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path
 
 def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tmp_path):
     """Qwen3.5's Gated DeltaNet layers keep their mixers whole (their heads are no unit: a plan narrowing one and
-    a removal of one alone are refused) while their FFNs and the gated-query attention's heads are pruned; a layer of
-    each kind removed whole restates layer_types. The graphs, exported on 10 tokens, run prompts of 1 to 130 tokens
+    a removal of one alone are refused) while their FFNs and the gated-query attention's heads are pruned; a DeltaNet
+    layer removed whole restates layer_types. The graphs, exported on 10 tokens, run prompts of 1 to 130 tokens
     (several chunks of the delta rule's scan) and decode after any cache, one token or a prompt of two chunks, within
     1e-4 of PyTorch (whose one-token step runs transformers' own recurrent kernel); reloaded as pruned."""
     model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
@@ -155,15 +155,16 @@ def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tm
 
     example = example_inputs(pruned, batch=2, length=10)
     path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits")
-    for length in (1, 10, 70, 130):
+    for length in (1, 130):
         assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
                                "logits").max_abs_error < 1e-4, length
-    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=256)
+    # within 32 positions: the step is traced on them, its chunks shrunk to 16 tokens to span more than one
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
     session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
                                                           "past_key_values.1.key", "past_key_values.1.value"]
-    ids = torch.randint(3, 50, (3, 80), generator=torch.Generator().manual_seed(1))
-    for rows, new in ((3, 1), (3, 8), (3, 80), (1, 1)):
+    ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
+    for rows, new in ((3, 1), (1, 30)):
         assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
 
     save_pruned(pruned, tmp_path / "saved")

@@ -87,6 +87,14 @@ def test_a_checkpoint_missing_an_experts_tensor_is_refused_naming_it(tmp_path):
     with pytest.raises(ModelReferenceError, match=r"model.layers.1.mlp.experts.gate_up_proj is merged from every "
                                                   r"expert.*lacks mlp.experts.\*.up_proj.weight: experts \[2\]"):
         StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    # the last expert gone from every pattern: the model's expert count says so, as the checkpoint opens
+    for key in [k for k in state if ".experts.3." in k]:
+        del state[key]
+    state["model.layers.1.mlp.experts.2.up_proj.weight"] = state["model.layers.1.mlp.experts.1.up_proj.weight"] + 1
+    save_file(state, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelReferenceError, match=r"model.layers.0.mlp.experts.(gate_up|down)_proj is merged from "
+                                                  r"every expert.*experts \[3\]"):
+        StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
 
 
 def test_t5s_encoder_streams_with_the_bias_its_first_block_computes(tmp_path):

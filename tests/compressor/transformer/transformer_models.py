@@ -386,7 +386,7 @@ LLAMA_SHAPED = {
     "minicpm3": lambda: _latent_dense("MiniCPM3ForCausalLM", "MiniCPM3Config", scale_emb=4.0, scale_depth=1.4,
                                       dim_model_base=8),
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
-    # a Gated DeltaNet layer (kept whole) before a gated-query attention layer
+    # a Gated DeltaNet layer (kept whole) before a gated-query attention layer (`test_adapters.py` exports both kinds)
     "qwen3_5_text": tiny_qwen3_5,
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
     # attention (one KV head in c_attn, [q | k | v]) and learned positions
