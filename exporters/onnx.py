@@ -813,6 +813,7 @@ def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], recurrent:
         layer.conv_kernel_size[0] = first.shape[-1]
         layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
         layer.has_previous_state[0] = True
+    # its token count stays 0: the step's positions come from the mask (`_DecodeStep.positions`), never the cache
     return cache
 
 
@@ -883,7 +884,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     # two new tokens, so the export does not specialise the step to one; linear attention's, over more than one of its
     # chunks (a step of one chunk would be traced as one)
     new = min(CHUNK + 2, max_length) if any(recurrent) else 2
-    if any(recurrent) and example_ids.shape[1] < new + 2:
+    if any(recurrent):  # a past of two tokens: within any max_length
         example_ids = example_ids.repeat(1, -(-(new + 2) // example_ids.shape[1]))[:, :new + 2]
     past_len = example_ids.shape[1] - new
     if past_len < 2:

@@ -142,7 +142,8 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
     g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
     kernel = self.conv1d.kernel_size[0]
     weight = self.conv1d.weight  # (channels, 1, kernel): depthwise
-    history = layer.conv_states[0].to(mixed.dtype) if cached else mixed.new_zeros(batch, mixed.shape[1], kernel)
+    history = layer.conv_states[0][..., -kernel:].to(mixed.dtype) if cached else \
+        mixed.new_zeros(batch, mixed.shape[1], kernel)  # (a cache recording its past keeps more than `kernel`)
     inputs = torch.cat([history, mixed], dim=-1)  # (batch, channels, kernel + length)
     # a valid conv over kernel + length inputs: length + 1 outputs, the first of them the history's own
     conv = F.conv1d(inputs.to(weight.dtype), weight, self.conv1d.bias, groups=mixed.shape[1])[..., 1:]
@@ -160,7 +161,7 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
         if not cached:  # a prompt into an empty cache: the layer's slots as transformers would lay them out
             layer.lazy_initialization(conv_states=inputs[..., -kernel:], recurrent_states=state,
                                       conv_kernel_size=kernel)
-            layer.has_previous_state[0] = True
+        layer.has_previous_state[0] = True  # the next forward continues these tokens
         layer.conv_states[0], layer.recurrent_states[0] = inputs[..., -kernel:], state.to(layer.recurrent_states[0])
         layer.cumulative_length_linear = layer.cumulative_length_linear + length  # the tokens it has seen
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

@@ -229,6 +229,11 @@ class StreamedCheckpoint:
         adapter_for(self.model)  # refuses unsupported families before any work
         self.where = self._model_names(self.where)
         self.prefix = layers_path(self.model) + "."
+        absent = [name for name in self.model.state_dict() if name.startswith(self.prefix)
+                  and name not in self.where and name not in self._merged]
+        if absent:  # as the checkpoint opens, not as that block is read, hours in
+            raise ModelReferenceError(f"{self.source}: the checkpoint lacks {len(absent)} tensors of the blocks, "
+                                      f"e.g. {absent[:5]}")
         self._weight_map: dict[str, str] = {}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._load_rest()
