@@ -31,6 +31,7 @@ from .recurrent import (
     has_delta_nets,
     scanned_delta_rule,
     spanning_chunks,
+    tiled,
     traced_chunk,
 )
 
@@ -885,7 +886,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     # chunks (a step of one chunk would be traced as one)
     new = min(CHUNK + 2, max_length) if any(recurrent) else 2
     if any(recurrent):  # a past of two tokens: within any max_length
-        example_ids = example_ids.repeat(1, -(-(new + 2) // example_ids.shape[1]))[:, :new + 2]
+        example_ids = tiled(example_ids, new + 2)
     past_len = example_ids.shape[1] - new
     if past_len < 2:
         raise ValueError("the example needs at least 4 tokens (a past and a step of two, neither traced as 1)")

@@ -204,10 +204,14 @@ def spanning_chunks(example: dict[str, Tensor], limit: int | None) -> tuple[dict
     length = max((example[name].shape[1] for name in tokens), default=0)
     want = min(CHUNK + 2, limit) if limit else CHUNK + 2
     if tokens and length < want:
-        repeats = -(-want // length)
-        example = {name: t.repeat(1, repeats)[:, :want] if name in tokens else t for name, t in example.items()}
+        example = {name: tiled(t, want) if name in tokens else t for name, t in example.items()}
         length = want
     return example, chunk_for(length)
+
+
+def tiled(tokens: Tensor, length: int) -> Tensor:
+    """(batch, n) token inputs repeated along their length and cut to (batch, `length`)."""
+    return tokens.repeat(1, -(-length // tokens.shape[1]))[:, :length]
 
 
 @contextlib.contextmanager

@@ -265,7 +265,8 @@ class StreamedCheckpoint:
             sources, targets = list(transform.source_patterns), list(transform.target_patterns)
             targets = targets * len(sources) if len(targets) == 1 else targets  # many sources, one target
             renames += [(re.compile(source), target) for source, target in zip(sources, targets, strict=True)]
-        expected = set(self.model.state_dict())
+        state = self.model.state_dict()  # the blocks' tensors on the meta device: names and shapes, no memory
+        expected = set(state)
         base = getattr(self.model, "base_model_prefix", "")
         out = {}
         for key, file in where.items():
@@ -284,9 +285,8 @@ class StreamedCheckpoint:
             name = _in_model(name, expected, base)
             self._source_name[name] = key
             out[name] = file
-        shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}  # the blocks' on meta
         for name, entry in self._merged.items():
-            entry.check(name, self.source, shapes.get(name))
+            entry.check(name, self.source, tuple(state[name].shape) if name in state else None)
         return out
 
     def _read(self, keys: list[str]) -> dict[str, Tensor]:

@@ -20,6 +20,17 @@ def data(model):
     return [example_inputs(model, batch=3, length=12, seed=i) for i in range(3)]
 
 
+def _streamed_and_in_memory(model, tmp_path):
+    """The model saved in tmp_path/src pruned at 0.5 streamed and in memory, the same widths reported by both:
+    (the streamed output directory, the model pruned in memory)."""
+    expected, expected_reports = prune_transformer(model, data(model), 0.5)
+    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
+    reports = prune_blocks(checkpoint, data(model), 0.5)
+    out = checkpoint.finish()
+    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    return out, expected
+
+
 STAGED = ("swin",)  # blocks in stages: pruned in memory only (test below)
 
 
@@ -34,11 +45,7 @@ def test_streamed_pruning_equals_in_memory_pruning(name, tmp_path):
     if ADAPTERS[name].experts:  # one tensor per expert, merged as the block is read
         assert any(".experts.0." in k for k in json.loads((tmp_path / "src" / "model.safetensors.index.json")
                                                                .read_text())["weight_map"])
-    expected, expected_reports = prune_transformer(model, data(model), 0.5)
-    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    reports = prune_blocks(checkpoint, data(model), 0.5)
-    out = checkpoint.finish()
-    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    out, expected = _streamed_and_in_memory(model, tmp_path)
     assert json.loads((out / MANIFEST).read_text()) == widths(expected)
     reloaded = load_pruned(out)
     torch.testing.assert_close(first_output(reloaded), first_output(expected), rtol=1e-4, atol=1e-4)
@@ -53,11 +60,7 @@ def test_every_moe_family_streams_as_it_prunes_in_memory(name, tmp_path):
     family, _, mixed = name.partition(":")
     model = MOE_MIXED[family][0]() if mixed else MOE_EXTRA[family]()
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
-    expected, expected_reports = prune_transformer(model, data(model), 0.5)
-    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    reports = prune_blocks(checkpoint, data(model), 0.5)
-    out = checkpoint.finish()
-    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    out, expected = _streamed_and_in_memory(model, tmp_path)
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
 
 
@@ -67,11 +70,7 @@ def test_qwen3_5_streams_its_linear_attention_layers_as_it_prunes_in_memory(tmp_
     renaming (it was refused as a conversion)."""
     model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
-    expected, expected_reports = prune_transformer(model, data(model), 0.5)
-    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    reports = prune_blocks(checkpoint, data(model), 0.5)
-    out = checkpoint.finish()
-    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    out, expected = _streamed_and_in_memory(model, tmp_path)
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
 
 
@@ -104,11 +103,7 @@ def test_t5s_encoder_streams_with_the_bias_its_first_block_computes(tmp_path):
 
     model = ENCODER_SHAPED["t5"]()
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
-    expected, expected_reports = prune_transformer(model, data(model), 0.5)
-    checkpoint = StreamedCheckpoint(tmp_path / "src", tmp_path / "out")
-    reports = prune_blocks(checkpoint, data(model), 0.5)
-    out = checkpoint.finish()
-    assert [r.width_after for r in reports] == [r.width_after for r in expected_reports]
+    out, expected = _streamed_and_in_memory(model, tmp_path)
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
 
 
