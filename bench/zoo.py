@@ -219,6 +219,16 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
                          **{**GQA, "num_hidden_layers": 3}), "text"),
     ("qwen2_moe", _lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=96, shared_expert_intermediate_size=128, **GQA), "text"),
+    # Qwen3.5-MoE's language model: Qwen3.5's Gated DeltaNet and gated-query attention layers over Qwen2-MoE's FFNs
+    ("qwen3_5_moe_text", _lm("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", head_dim=8, linear_key_head_dim=8,
+                             linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=128,
+                             **{**GQA, "num_hidden_layers": 4}), "text"),
+    # Qwen3-Next: the same layers, its DeltaNet's projections fused
+    ("qwen3_next", _lm("Qwen3NextForCausalLM", "Qwen3NextConfig", head_dim=8, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=128,
+                       **{**GQA, "num_hidden_layers": 4}), "text"),
     # decoders served as encoders: an embedding model's base model (Qwen3-Embedding), a reranker's score head
     ("qwen3-embedding", _lm("Qwen3Model", "Qwen3Config", head_dim=8, pad_token_id=0, **GQA), "text"),
     ("qwen3-reranker", _lm("Qwen3ForSequenceClassification", "Qwen3Config", head_dim=8, pad_token_id=0, num_labels=1,

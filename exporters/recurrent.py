@@ -28,6 +28,9 @@ _chunk: ContextVar[int] = ContextVar("chunk", default=CHUNK)
 CHUNK_RULE = "torch_chunk_gated_delta_rule"
 # the mask builder a hybrid model calls for its linear-attention layers, looked up in its modeling module
 MASK = "create_recurrent_attention_mask"
+# transformers' Gated DeltaNet classes that `_gated_delta_net_forward` computes (Qwen3.5's and Qwen3.5-MoE's: one
+# forward; Qwen3-Next's: its projections fused, `_projections`)
+DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 
 
 def unit_lower_inverse(a: Tensor) -> Tensor:
@@ -124,7 +127,7 @@ def _recurrent_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor |
 
 def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache: Any = None,
                              attention_mask: Tensor | None = None, **_: Any) -> Tensor:
-    """Qwen3.5's `Qwen3_5GatedDeltaNet.forward` as one path for any number of new tokens after any cache: transformers
+    """Qwen3.5's `Qwen3_5GatedDeltaNet.forward` (and its kin's, `DELTA_NETS`) as one path for any number of new tokens after any cache: transformers
     branches on a one-token step (its recurrent kernel and in-place conv update), which a traced graph would keep as an
     assertion on the step's length; the chunked rule (`chunk_gated_delta_rule`) computes the same for one token. The
     conv reads the cached last `kernel` inputs before the new ones (zeros before a prompt, as the causal conv pads),
@@ -136,10 +139,11 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
     batch, length, _ = hidden_states.shape
     layer = cache.layers[self.layer_idx] if cache is not None else None
     cached = layer is not None and layer.is_conv_states_initialized[0]
-    mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (batch, conv channels, length)
-    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
-    beta = self.in_proj_b(hidden_states).sigmoid()
-    g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+    mixed, z, b, a = _projections(self, hidden_states)
+    mixed = mixed.transpose(1, 2)  # (batch, conv channels, length)
+    z = z.reshape(batch, length, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     kernel = self.conv1d.kernel_size[0]
     weight = self.conv1d.weight  # (channels, 1, kernel): depthwise
     history = layer.conv_states[0][..., -kernel:].to(mixed.dtype) if cached else \
@@ -168,6 +172,19 @@ def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache
     return self.out_proj(out.reshape(batch, length, -1))
 
 
+def _projections(self: torch.nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A Gated DeltaNet's input projections: the conv's channels [q | k | v] (batch, length, 2 key dims + value dim),
+    the output gate z, beta's and the decay's logits b and a. Qwen3.5 projects each apart; Qwen3-Next fuses q, k, v, z
+    in `in_proj_qkvz` and b, a in `in_proj_ba`, grouped by key head, which its own method orders."""
+    if not hasattr(self, "in_proj_qkvz"):
+        return (self.in_proj_qkv(hidden_states), self.in_proj_z(hidden_states), self.in_proj_b(hidden_states),
+                self.in_proj_a(hidden_states))
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden_states),
+                                                                   self.in_proj_ba(hidden_states))
+    mixed = torch.cat([t.flatten(2) for t in (query, key, value)], dim=-1)  # (batch, length, conv channels)
+    return mixed, z, b, a
+
+
 def chunk_for(length: int) -> int:
     """The chunk length an export traced on `length` new tokens computes with: `CHUNK` where that length spans more
     than one chunk, else the largest power of two below it (a model whose positions end within one chunk), so that
@@ -187,7 +204,7 @@ def traced_chunk(chunk: int) -> Iterator[None]:
 
 def _delta_nets(model: torch.nn.Module) -> list[type]:
     """The classes of the model's Gated DeltaNet layers (Qwen3.5's) that `_gated_delta_net_forward` computes."""
-    return sorted({type(m) for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"},
+    return sorted({type(m) for m in model.modules() if type(m).__name__ in DELTA_NETS},
                   key=lambda c: c.__module__)
 
 

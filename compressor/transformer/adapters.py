@@ -208,11 +208,12 @@ class FamilyAdapter:
         (`linear_attention`) reads that mixer as its attention, whose heads stay whole; every other block, this
         record. Told apart by the block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one:
         ask before removing, or ask `dense_ffn_layers`."""
+        record = self
+        if self.dense_down is not None and _has(block, self.dense_down):
+            record = _dense_record(record)
         if self.linear_attention is not None and _has(block, self.linear_attention):
-            return _recurrent_record(self)
-        if self.dense_down is None or not _has(block, self.dense_down):
-            return self
-        return _dense_record(self)
+            record = _recurrent_record(record)  # Qwen3-Next's: a block may have both
+        return record
 
     @property
     def experts(self) -> bool:
@@ -306,10 +307,14 @@ LATENT_MOE = replace(GROUPED_MOE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj
 # multi-head latent attention over Llama's MLP (MiniCPM3, Youtu-LLM)
 LATENT = replace(LLAMA_LIKE, q="self_attn.q_b_proj", k="self_attn.kv_b_proj", v="self_attn.kv_b_proj",
                  latent_attention=True, head_count_attrs=("self_attn.num_heads",))
-# Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
+# Qwen2-MoE's FFNs: Qwen3-MoE's experts beside a shared expert that every token visits, scaled by its own sigmoid gate
+QWEN2_MOE = replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.shared_expert.down_proj",
+                    shared_up=("mlp.shared_expert.up_proj", "mlp.shared_expert.gate_proj"),
+                    shared_key="shared_expert_intermediate_size")
 # Qwen3.5 (its language model, qwen3_5_text): Gated DeltaNet mixers (linear_attn) in three of every four layers, Qwen3's
 # attention with an output gate (q_proj: [q_h | gate_h] a head) in the fourth, Llama's MLP in every layer
 QWEN3_5 = replace(LLAMA_LIKE, gated_query=True, linear_attention="linear_attn")
+# Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
                kv_count_attrs=("self_attn.num_key_value_heads",), config_head_count=True)
@@ -516,9 +521,13 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen3_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size", **DENSE_MLP),
     # Qwen2-MoE: Qwen3-MoE's experts (q/k/v biases, no q/k norms) beside a shared expert that every token visits,
     # scaled by its own sigmoid gate: its neurons are pruned as a unit of their own
-    "qwen2_moe": replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.shared_expert.down_proj",
-                         shared_up=("mlp.shared_expert.up_proj", "mlp.shared_expert.gate_proj"),
-                         shared_key="shared_expert_intermediate_size", **DENSE_MLP),
+    "qwen2_moe": replace(QWEN2_MOE, **DENSE_MLP),
+    # Qwen3.5-MoE (its language model, qwen3_5_moe_text): Qwen3.5's Gated DeltaNet and gated-query attention layers,
+    # each with Qwen2-MoE's routed experts beside a gated shared expert (renormalised top-k, no dense layers)
+    "qwen3_5_moe_text": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn"),
+    # Qwen3-Next: the same layers, its DeltaNet's projections fused (in_proj_qkvz, in_proj_ba), dense FFN layers by
+    # mlp_only_layers / decoder_sparse_step, routing weights renormalised by its config (norm_topk_prob)
+    "qwen3_next": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn", **DENSE_MLP),
     # GLM-4.5 / 4.6 (glm4_moe): dense FFNs in the first first_k_dense_replace layers, then routed experts chosen by
     # sigmoid scores within the best groups (`experts.routes_itself`) beside ungated shared experts; partial rotary.
     # dots.llm1 (dots1): the same layers with Qwen3's per-head q/k norms; EXAONE-MoE (exaone_moe): its dense layers
@@ -570,13 +579,12 @@ REFUSED: dict[str, str] = {
                    "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
     "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
               "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
-    "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers are not a prunable unit yet",
     "qwen3_5": "Qwen3.5 checkpoints with a vision tower are multimodal (images and text in one model); their "
                "language model alone is supported, saved as a qwen3_5_text checkpoint: "
                "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out)",
-    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
-                    "Qwen3.5-MoE's experts beside its Gated DeltaNet layers are not supported yet; the dense Qwen3.5 "
-                    "language model (qwen3_5_text) and Qwen3-MoE (qwen3_moe) are"),
+    "qwen3_5_moe": "Qwen3.5-MoE checkpoints with a vision tower are multimodal (images and text in one model); their "
+                   "language model alone is supported, saved as a qwen3_5_moe_text checkpoint: "
+                   "Qwen3_5MoeForCausalLM.from_pretrained(path).save_pretrained(out)",
     **dict.fromkeys(("llama4", "llama4_text"),
                     "Llama 4's experts read their input scaled by the router's sigmoid score, which ONNX Runtime's "
                     "MoE operator (it scales the experts' outputs) does not compute; Llama 3 (llama) is supported"),
@@ -653,6 +661,8 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                "mixer routing picks two)"),
     "qwen3_moe": _QWEN_MOE,
     "qwen2_moe": _QWEN_MOE,
+    "qwen3_5_moe_text": _QWEN_MOE,
+    "qwen3_next": _NOT_SWIGLU,  # without experts (num_experts 0) every layer is its dense FFN: pruned as such
     "glm4_moe": _GROUPED,
     "dots1": _GROUPED,
     "exaone_moe": _GROUPED,

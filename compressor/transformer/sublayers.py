@@ -128,6 +128,9 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
     if kind == ATTENTION and not adapter_for(model).attention_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
                                       "layer reads: an attention alone is not removed (whole layers are)")
+    if kind == ATTENTION and adapter_for(model).linear_attention and softmax_attentions(model) == [index]:
+        raise UnsupportedArchitecture(f"layer {index}'s attention is the last one beside linear-attention layers: "
+                                      "transformers runs such a hybrid decoder's cache with one at least")
     if kind == ATTENTION and adapter_for(model).causal and kv_layers(model) == 1:
         raise UnsupportedArchitecture(f"layer {index}'s attention is the last one left: a decoder without any would "
                                       "read no context, and its KV cache (empty) would give every decoded token "
@@ -202,6 +205,14 @@ def renumber_caches(model: nn.Module) -> None:
 def kv_layers(model: nn.Module) -> int:
     """How many KV caches the model keeps: its blocks with an attention."""
     return sum(not is_removed(model, i, ATTENTION) for i in range(len(layers(model))))
+
+
+def softmax_attentions(model: nn.Module) -> list[int]:
+    """The blocks whose token mixer is a (softmax) attention, not removed: all of them but linear-attention mixers'
+    (`FamilyAdapter.recurrent`). A hybrid decoder (Qwen3.5, Qwen3-Next) keeps one: transformers sizes every layer's
+    mask by an attention layer's cache and fails on a cache of linear-attention layers alone."""
+    return [i for i in range(len(layers(model)))
+            if not adapter_at(model, i).recurrent and not is_removed(model, i, ATTENTION)]
 
 
 def removed_sublayers(model: nn.Module) -> list[tuple[int, str]]:

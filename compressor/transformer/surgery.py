@@ -46,7 +46,7 @@ from .adapters import (
 )
 from .attention import use_gathered_attention
 from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
-from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches
+from .sublayers import ATTENTION, FFN, is_removed, remove_sublayer, renumber_caches, softmax_attentions
 
 MANIFEST = "osscar_widths.json"
 
@@ -500,8 +500,8 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
 
 def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
     """Refuse, before any work, layers that `remove_layers` cannot remove: indices out of range or repeated (every
-    bad one listed), all of them, any in a family whose blocks differ by their place, or a first layer built unlike
-    the others."""
+    bad one listed), all of them, any in a family whose blocks differ by their place, a first layer built unlike
+    the others, or a hybrid decoder's last attention layers (`softmax_attentions`)."""
     n = len(layers(model))
     bad = sorted({i for i in indices if not 0 <= i < n} | {i for i in indices if list(indices).count(i) > 1})
     if bad:
@@ -515,6 +515,10 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
                                       "other one shifts its windows): a model rebuilt from its config with fewer "
                                       "blocks would misplace them, so no layer is removed whole (its attention or FFN "
                                       "alone can be)")
+    if adapter_for(model).linear_attention and set(softmax_attentions(model)) <= set(indices):
+        raise UnsupportedArchitecture(f"removing layers {sorted(indices)} leaves {model.config.model_type} no attention "
+                                      "beside its linear-attention layers: transformers runs such a hybrid decoder's "
+                                      "cache with one at least")
     if 0 in indices and adapter_for(model).first_layer_fixed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "

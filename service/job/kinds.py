@@ -83,7 +83,7 @@ from compressor.transformer.refine import default_config as block_refine
 from compressor.transformer.refine import model_config, reconstruct_model
 from compressor.transformer.remote import MODULE as REMOTE_MODULE
 from compressor.transformer.sensitivity import Sensitivity, output_sensitivity
-from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer
+from compressor.transformer.sublayers import ATTENTION, FFN, check_removable, remove_sublayer, softmax_attentions
 from compressor.transformer.surgery import (
     check_removable_layers,
     in_features,
@@ -791,11 +791,13 @@ class _TransformerJob:
         in the curves' units, weighed by what each move saves: a layer's attention and its FFN cost unequally).
         A move overlapping an earlier one (a layer after one of its sub-layers, a sub-layer after its layer) is
         left out; a layer's two sub-layers together are its removal (`_split`). A move that would leave no layer
-        at all (a shallow model has its best moves in every layer), or a decoder no attention, is left out."""
+        at all (a shallow model has its best moves in every layer), or a decoder no attention (a hybrid one no
+        softmax attention beside its linear ones), is left out."""
         costs = self._unit_costs()
         units = self._units()
         n = dims(self.dense).layers
         whole, partial, deaf = set(), set(), set()  # deaf: layers without their attention (a decoder keeps one)
+        attentive = set(softmax_attentions(self.dense))  # a hybrid decoder keeps one beside its linear attentions
         for name, loss in sorted(self.removal_losses().items(), key=lambda item: item[1] / costs[item[0]]):
             index, kind = units[name]
             if index in whole or (kind is None and index in partial):
@@ -803,7 +805,7 @@ class _TransformerJob:
             gone = kind is None or index in partial  # the layer is then removed whole
             if gone and len(whole) + 1 >= n:
                 continue
-            if self.causal and kind != FFN and len(deaf | {index}) >= n:
+            if self.causal and kind != FFN and attentive <= deaf | {index}:
                 continue
             (whole if gone else partial).add(index)
             if kind != FFN:
@@ -894,13 +896,13 @@ class _TransformerJob:
             raise InputError(f"{', '.join(block_path(self.dense, i) for i in whole)}: "
                              f"{self.dense.config.model_type}'s layers are not removed whole (its blocks differ by "
                              "their place in a stage); name their attention and FFN alone")
+        attentions = set(softmax_attentions(self.dense)) - set(whole) - {i for i, k in subs if k == ATTENTION}
+        if self.causal and not attentions:
+            raise InputError(f"{', '.join(blocks)}: every attention would be gone; a decoder without any reads no "
+                             "context, a hybrid one's cache does not run in transformers (keep at least one)")
         check_removable_layers(self.dense, whole)
         for index, kind in subs:
             check_removable(self.dense, index, kind)
-        attentions = set(range(len(layers(self.dense)))) - set(whole) - {i for i, k in subs if k == ATTENTION}
-        if self.causal and not attentions:
-            raise InputError(f"{', '.join(blocks)}: every attention would be gone; a decoder without any reads no "
-                             "context (keep at least one)")
         self.removed_blocks = list(blocks)
 
     def planning_batches(self) -> list[dict[str, torch.Tensor]]:

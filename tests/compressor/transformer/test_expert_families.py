@@ -26,11 +26,12 @@ from .transformer_models import (
 MODELS = {**MODELS, **MOE_EXTRA}
 
 
-def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True) -> dict:
+def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True, half: bool = True) -> dict:
     """model.onnx (prefill) and decode.onnx (one new token, then a prefill of 8) of a pruned MoE decoder, and the
     export of its bf16 copy read in float32 through parametrized (renamed) modules, each within 1e-4 of PyTorch;
-    returns the example the graphs were exported on. `decode=False` checks the prefill graph alone: each export
-    takes 6-9 s here, so layouts whose decode step and half-precision read another test already covers skip them."""
+    returns the example the graphs were exported on. `decode=False` checks the prefill graph alone, `half=False` skips
+    the bf16 copy: each export takes 6-9 s here (18 s with a delta rule's scan), so layouts whose decode step or
+    half-precision read another test already covers skip them."""
     import copy
 
     from compressor.precision import float32_view
@@ -45,8 +46,10 @@ def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True) ->
     ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
     assert check_decode_parity(pruned, step, ids).max_abs_error < 1e-4
     assert check_decode_parity(pruned, step, ids, new=8).max_abs_error < 1e-4
-    half = copy.deepcopy(pruned).to(torch.bfloat16)
-    with float32_view(half) as view:
+    if not half:
+        return example
+    bf16 = copy.deepcopy(pruned).to(torch.bfloat16)
+    with float32_view(bf16) as view:
         path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
         assert check_hf_outputs(path, example, hf_reference(view, example, "logits")).max_abs_error < 1e-4
     return example
@@ -374,3 +377,76 @@ def test_deepseek_v2s_complex_rotary_is_rotated_in_real_arithmetic_within_overla
         torch.testing.assert_close(got, wanted)
     second.__exit__(None, None, None)
     assert modeling.apply_rotary_emb is original and not any("forward" in vars(m.model.rotary_emb) for m in models)
+
+
+def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_uniform_widths_alone(tmp_path):
+    """Qwen3.5-MoE's language model: every layer's routed experts and gated shared expert are pruned, the attention
+    layer's gated-query heads too, while the Gated DeltaNet mixers stay whole; a DeltaNet layer removed whole restates
+    layer_types; the graphs (a MoE node a layer beside the delta rule's scan; prefill, decode step carrying conv and
+    recurrent states) match PyTorch; uniform widths go to a config transformers loads
+    alone, and the multimodal checkpoint is refused with the line that saves its language model."""
+    import onnx
+
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import check_config
+    from compressor.transformer.surgery import query_heads, remove_layers
+
+    model = MOE_EXTRA["qwen3_5_moe_text"]()
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25, gqa="query-heads")
+    widths = {r.name: r.width_after for r in reports}
+    assert widths == {**{f"model.layers.{i}.mlp.experts": 24 for i in range(3)},
+                      **{f"model.layers.{i}.mlp.shared_expert.down_proj": 18 for i in range(3)},
+                      "model.layers.1.self_attn.o_proj": 3}  # no DeltaNet mixer among them
+    assert [query_heads(pruned, i) for i in range(3)] == [4, 3, 4]  # a DeltaNet layer's value columns, whole
+    remove_layers(pruned, [2])
+    assert pruned.config.layer_types == ["linear_attention", "full_attention"]
+    _exports_decodes_and_reads_half(pruned, tmp_path, half=False)  # a DeltaNet read in bf16: as any module
+    assert len([n for n in onnx.load(str(tmp_path / "model.onnx")).graph.node if n.op_type == "MoE"]) == 2
+
+    equal, _ = prune_transformer(model, data, {**{f"model.layers.{i}.mlp.experts": 16 for i in range(3)},
+                                               **{f"model.layers.{i}.mlp.shared_expert.down_proj": 12
+                                                  for i in range(3)}, "model.layers.1.self_attn.o_proj": 4})
+    assert save_standard(equal, tmp_path / "equal")
+    config = json.loads((tmp_path / "equal" / "config.json").read_text())
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (16, 12)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "equal")
+    torch.testing.assert_close(first_output(reloaded), first_output(equal))
+    with pytest.raises(UnsupportedArchitecture, match="saved as a qwen3_5_moe_text checkpoint"):
+        check_config({**model.config.to_dict(), "model_type": "qwen3_5_moe"}, "m")
+    with pytest.raises(UnsupportedArchitecture, match="SwiGLU"):
+        check_config({**model.config.to_dict(), "hidden_act": "gelu"}, "m")
+
+
+def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_a_delta_net():
+    """Qwen3-Next: Qwen3.5-MoE's layers with its DeltaNet's q, k, v, z fused in in_proj_qkvz (b, a in in_proj_ba),
+    grouped by key head: the exported graph orders them as its own forward does, over prompts of several chunks; a
+    layer with both a DeltaNet mixer and a dense FFN (mlp_only_layers) reads as both (`FamilyAdapter.at`), its FFN
+    pruned as a dense family's; a removed layer restates layer_types and mlp_only_layers; reloaded as pruned."""
+    import tempfile
+    from pathlib import Path
+
+    from compressor.transformer.adapters import adapter_for, check_config, dense_ffn_layers
+    from compressor.transformer.surgery import load_pruned, remove_layers, save_pruned
+    from exporters.onnx import check_hf_parity
+
+    model = MOE_EXTRA["qwen3_next"]()
+    check_config(model.config.to_dict(), "m")
+    assert dense_ffn_layers(model.config) == [False, False, True]
+    last = adapter_for(model).at(layers(model)[2])
+    assert (last.recurrent, last.down, last.experts, last.shared_down) == (True, "mlp.down_proj", False, None)
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25, gqa="query-heads")
+    assert {r.name: r.width_after for r in reports} == {
+        **{f"model.layers.{i}.mlp.experts": 24 for i in (0, 1)},
+        **{f"model.layers.{i}.mlp.shared_expert.down_proj": 18 for i in (0, 1)},
+        "model.layers.1.self_attn.o_proj": 3, "model.layers.2.mlp.down_proj": 15}
+    with tempfile.TemporaryDirectory() as tmp:
+        example = _exports_decodes_and_reads_half(pruned, Path(tmp), decode=False)  # Qwen3.5-MoE's test decodes
+        longer = example_inputs(pruned, batch=2, length=30, seed=1)  # two of the export's 16-token chunks
+        assert check_hf_parity(pruned, Path(tmp) / "model.onnx", longer, "logits").max_abs_error < 1e-4
+        remove_layers(pruned, [0])
+        assert pruned.config.layer_types == ["full_attention", "linear_attention"]
+        assert pruned.config.mlp_only_layers == [1]
+        save_pruned(pruned, Path(tmp) / "saved")
+        torch.testing.assert_close(first_output(load_pruned(Path(tmp) / "saved")), first_output(pruned))

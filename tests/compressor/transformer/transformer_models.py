@@ -263,7 +263,8 @@ MOE_MIXED = {
 # Mixture-of-Experts families beside MODELS' three: `test_experts.py` takes each through its MoE tests and an
 # end-to-end test of its own
 MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss, "olmoe": tiny_olmoe, "flex_olmo": tiny_flex_olmo,
-             "glm4_moe": tiny_glm4_moe}
+             "glm4_moe": tiny_glm4_moe, "qwen3_5_moe_text": lambda: tiny_qwen3_5_moe(),
+             "qwen3_next": lambda: tiny_qwen3_next()}  # (defined below)
 
 
 def _decoder(cls: str, config: str, **fields):
@@ -289,6 +290,25 @@ def tiny_qwen3_5(layer_types: tuple[str, ...] = ("linear_attention", "full_atten
     return _decoder("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", num_hidden_layers=len(layer_types),
                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                     layer_types=list(layer_types))
+
+
+def tiny_qwen3_5_moe(layer_types: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention")):
+    """Qwen3.5-MoE's language model: `tiny_qwen3_5`'s two layer kinds, each with 4 experts of 32 neurons (2 a token,
+    renormalised) beside a shared expert of 24 neurons under its sigmoid gate."""
+    return _decoder("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", num_hidden_layers=len(layer_types),
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=list(layer_types), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=24)
+
+
+def tiny_qwen3_next():
+    """Qwen3-Next: `tiny_qwen3_5_moe`'s layers with its DeltaNet's projections fused (in_proj_qkvz, in_proj_ba, grouped
+    by key head) and the last layer's FFN dense (mlp_only_layers: 20 neurons) under a DeltaNet mixer."""
+    return _decoder("Qwen3NextForCausalLM", "Qwen3NextConfig", num_hidden_layers=3, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"], num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=24,
+                    mlp_only_layers=[2])
 
 
 def tiny_smollm3():

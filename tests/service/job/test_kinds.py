@@ -105,6 +105,29 @@ def test_the_depth_order_leaves_a_decoder_one_attention():
         job.remove(["model.layers.0.self_attn.o_proj", "model.layers.1"])
 
 
+def test_the_depth_order_leaves_a_hybrid_decoder_one_softmax_attention(tmp_path):
+    """Qwen3.5's and Qwen3-Next's linear-attention layers read context, but transformers runs their cache only beside
+    an attention layer (its masks are sized by one): the last attention layer stays, whichever way it would go."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.sublayers import ATTENTION, check_removable
+    from compressor.transformer.surgery import check_removable_layers
+
+    from ...compressor.transformer.transformer_models import tiny_qwen3_5
+
+    job = TextJob.__new__(TextJob)
+    job.dense = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
+    job.tokens, job.causal = 16, True
+    job._removal_losses = {"model.layers.1": 0.1, "model.layers.1.self_attn.o_proj": 0.1, "model.layers.0": 0.2,
+                           "model.layers.2.mlp.down_proj": 0.3}
+    assert [name for name, _ in job.depth_order()] == ["model.layers.0", "model.layers.2.mlp.down_proj"]
+    with pytest.raises(InputError, match="a hybrid one's cache does not run in transformers"):
+        job.remove(["model.layers.1"])
+    with pytest.raises(UnsupportedArchitecture, match="no attention beside its linear-attention layers"):
+        check_removable_layers(job.dense, [1, 2])
+    with pytest.raises(UnsupportedArchitecture, match="the last one beside linear-attention layers"):
+        check_removable(job.dense, 1, ATTENTION)
+
+
 def test_a_transformers_depth_units_cost_their_share_of_the_multiply_adds():
     """What a depth plan models a transformer's options by (`removed_cost`): each layer its equal share, a layer's
     attention and FFN together the layer's, and the attention's share growing with the measured sequence length
