@@ -127,11 +127,12 @@ def _recurrent_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor |
 
 def _gated_delta_net_forward(self: torch.nn.Module, hidden_states: Tensor, cache: Any = None,
                              attention_mask: Tensor | None = None, **_: Any) -> Tensor:
-    """Qwen3.5's `Qwen3_5GatedDeltaNet.forward` (and its kin's, `DELTA_NETS`) as one path for any number of new tokens after any cache: transformers
-    branches on a one-token step (its recurrent kernel and in-place conv update), which a traced graph would keep as an
-    assertion on the step's length; the chunked rule (`chunk_gated_delta_rule`) computes the same for one token. The
-    conv reads the cached last `kernel` inputs before the new ones (zeros before a prompt, as the causal conv pads),
-    and the layer's states are replaced by the new ones."""
+    """Qwen3.5's `Qwen3_5GatedDeltaNet.forward` (and its kin's, `DELTA_NETS`) as one path for any number of new
+    tokens after any cache: transformers branches on a one-token step (its recurrent kernel and in-place conv
+    update), which a traced graph would keep as an assertion on the step's length; the chunked rule
+    (`chunk_gated_delta_rule`) computes the same for one token. The conv reads the cached last `kernel` inputs before
+    the new ones (zeros before a prompt, as the causal conv pads), and the layer's states are replaced by the new
+    ones."""
     from transformers.activations import ACT2FN
 
     if attention_mask is not None:  # padding tokens write nothing into the states

@@ -516,9 +516,9 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
                                       "blocks would misplace them, so no layer is removed whole (its attention or FFN "
                                       "alone can be)")
     if adapter_for(model).linear_attention and set(softmax_attentions(model)) <= set(indices):
-        raise UnsupportedArchitecture(f"removing layers {sorted(indices)} leaves {model.config.model_type} no attention "
-                                      "beside its linear-attention layers: transformers runs such a hybrid decoder's "
-                                      "cache with one at least")
+        raise UnsupportedArchitecture(f"removing layers {sorted(indices)} leaves {model.config.model_type} no "
+                                      "attention beside its linear-attention layers: transformers runs such a hybrid "
+                                      "decoder's cache with one at least")
     if 0 in indices and adapter_for(model).first_layer_fixed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "

@@ -442,7 +442,7 @@ def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_
         **{f"model.layers.{i}.mlp.shared_expert.down_proj": 18 for i in (0, 1)},
         "model.layers.1.self_attn.o_proj": 3, "model.layers.2.mlp.down_proj": 15}
     with tempfile.TemporaryDirectory() as tmp:
-        example = _exports_decodes_and_reads_half(pruned, Path(tmp), decode=False)  # Qwen3.5-MoE's test decodes
+        _exports_decodes_and_reads_half(pruned, Path(tmp), decode=False)  # Qwen3.5-MoE's test decodes
         longer = example_inputs(pruned, batch=2, length=30, seed=1)  # two of the export's 16-token chunks
         assert check_hf_parity(pruned, Path(tmp) / "model.onnx", longer, "logits").max_abs_error < 1e-4
         remove_layers(pruned, [0])
