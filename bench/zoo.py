@@ -93,6 +93,12 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("gemma", _lm("GemmaForCausalLM", "GemmaConfig", head_dim=8, **GQA), "text"),
     ("gemma2", _lm("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, sliding_window=16, **GQA), "text"),
     ("gemma3_text", _lm("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=16, **GQA), "text"),
+    # Gemma 4's language model: global layers of their own head size and KV heads (values are keys), per-layer input
+    # embeddings; five sliding-window layers to a global one (its default)
+    ("gemma4_text", _lm("Gemma4ForCausalLM", "Gemma4TextConfig", head_dim=16, global_head_dim=32, sliding_window=16,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=16,
+                        vocab_size_per_layer_input=50, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        **{**GQA, "num_hidden_layers": 6}), "text"),
     ("phi3", _lm("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2, **GQA), "text"),
     # Phi-4-mini's rotary: a partial one with longrope scaling (windows of 32 tokens pass its original 16), tied
     ("phi3-longrope", _lm("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2,

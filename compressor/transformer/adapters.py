@@ -175,6 +175,18 @@ class FamilyAdapter:
     # linear layers of the base model reading one block of inputs per layer, layer after layer (ESM's contact head:
     # every layer's every head's attention map, layers x heads inputs): a removed layer's block of columns goes with it
     layer_columns: tuple[str, ...] = ()
+    # ... whose outputs hold one block per layer (a Linear's rows, an Embedding's columns: Gemma 4's per-layer input
+    # embeddings, packed layer after layer, and their projection from the embeddings)
+    layer_outputs: tuple[str, ...] = ()
+    # a block's scalar buffer that multiplies its whole output stream, residual included (Gemma 4's layer_scalar):
+    # a removed block's scalar is folded into the next kept one, whose updates reach the stream through the norms of
+    # `scaled_norms` (divided by it) and which reads the raw stream through the linears of `scaled_reads` (multiplied)
+    # the layer kind (`layer_types`) the config makes the last layer whatever it states (Gemma 4's full_attention):
+    # a removal must leave such a layer last
+    last_layer_kind: str | None = None
+    layer_scale: str | None = None
+    scaled_norms: tuple[str, ...] = ()
+    scaled_reads: tuple[str, ...] = ()
     # the embedding a base model serves where it is not its last hidden state (CLIP's and SigLIP's vision towers:
     # pooler_output, the [CLS] state after post_layernorm or SigLIP's attention-pooling head): the export's first output
     # (what the job scores), the last hidden state after it
@@ -209,9 +221,9 @@ class FamilyAdapter:
         record. Told apart by the block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one:
         ask before removing, or ask `dense_ffn_layers`."""
         record = self
-        if self.dense_down is not None and _has(block, self.dense_down):
+        if self.dense_down is not None and has_module(block, self.dense_down):
             record = _dense_record(record)
-        if self.linear_attention is not None and _has(block, self.linear_attention):
+        if self.linear_attention is not None and has_module(block, self.linear_attention):
             record = _recurrent_record(record)  # Qwen3-Next's: a block may have both
         return record
 
@@ -226,7 +238,8 @@ class FamilyAdapter:
         return len(self.up) + int(self.fused_up)
 
 
-def _has(block: nn.Module, path: str) -> bool:
+def has_module(block: nn.Module, path: str) -> bool:
+    """Whether `block` has a module at `path` (an attribute set to None, as Gemma 4's missing v_proj, is none)."""
     return _submodule(block, path) is not None
 
 
@@ -467,6 +480,14 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "gemma": LLAMA_LIKE,
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
+    # Gemma 4's language model: Gemma 3's layout, global layers of their own head size and KV heads (per_layer_config;
+    # with attention_k_eq_v their values are their keys: no v_proj), a scalar on each block's output stream, and
+    # per-layer input embeddings (PLE) added to each block's stream through a gate and a projection of its own
+    "gemma4_text": replace(GEMMA2_LIKE, layer_outputs=("embed_tokens_per_layer", "per_layer_model_projection"),
+                           layer_scale="layer_scalar", scaled_reads=("per_layer_input_gate",),
+                           last_layer_kind="full_attention",
+                           scaled_norms=("post_attention_layernorm", "post_feedforward_layernorm",
+                                         "post_per_layer_input_norm")),
     "phi3": PHI3,
     # Llama's layout under other names for what the pruned widths do not touch: SmolLM3 (rotary-free layers),
     # Granite (scalar multipliers of the embeddings, the attention, each residual update and the logits), OLMo
@@ -575,10 +596,10 @@ VISION_FAMILIES = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "di
 REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 checkpoints with a vision tower are multimodal (images and text in one model); their "
               "language model alone, saved as a gemma3_text checkpoint (Gemma3ForCausalLM), is supported",
-    "gemma4_text": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and "
-                   "its head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
-    "gemma4": "Gemma 4's layers that reuse earlier layers' keys and values, its per-layer input embeddings and its "
-              "head size per layer are not supported yet; Gemma 3 (gemma3_text) is",
+    "gemma4": "Gemma 4 checkpoints with vision and audio towers are multimodal; their language model alone is "
+              "supported, saved as a gemma4_text checkpoint: m = Gemma4ForConditionalGeneration.from_pretrained(path); "
+              "lm = Gemma4ForCausalLM(m.config.text_config); lm.model, lm.lm_head = m.model.language_model, "
+              "m.lm_head; lm.save_pretrained(out)",
     "qwen3_5": "Qwen3.5 checkpoints with a vision tower are multimodal (images and text in one model); their "
                "language model alone is supported, saved as a qwen3_5_text checkpoint: "
                "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out)",
@@ -661,7 +682,12 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                "mixer routing picks two)"),
     "qwen3_moe": _QWEN_MOE,
     "qwen2_moe": _QWEN_MOE,
-    "qwen3_5_moe_text": _QWEN_MOE,
+    "gemma4_text": (lambda c: bool(int(c.get("num_kv_shared_layers") or 0)) or bool(c.get("enable_moe_block")),
+                    "Gemma 4 is supported without layers that reuse earlier layers' keys and values "
+                    "(num_kv_shared_layers 0) and without Mixture-of-Experts blocks beside its FFN (enable_moe_block "
+                    "false); such layers are not pruned yet"),
+    "qwen3_5_moe_text": (lambda c: _not_silu(c) or not _experts_count(c.get),
+                         "Qwen3.5-MoE is supported with SwiGLU experts (hidden_act silu) and num_experts 1 or more"),
     "qwen3_next": _NOT_SWIGLU,  # without experts (num_experts 0) every layer is its dense FFN: pruned as such
     "glm4_moe": _GROUPED,
     "dots1": _GROUPED,
@@ -887,12 +913,16 @@ def stage_exit(model: nn.Module, index: int) -> nn.Module | None:
     return getattr(model.get_submodule(layers_path(model))[stage], adapter.stage_exit, None)
 
 
-def dims(model: nn.Module) -> TransformerDims:
-    """The model's sizes, from its config (the one place the size fields are read). A family in stages (Swin)
-    gives its first stage's heads and width (`block_hidden` per block); its head size is the same in every stage
-    (`check_config`)."""
+def dims(model: nn.Module, index: int | None = None) -> TransformerDims:
+    """The model's sizes, from its config (the one place the size fields are read); with `index`, block `index`'s
+    where the config states sizes per layer (transformers' `per_layer_config`: Gemma 4's global layers' head size
+    and KV heads), else the config's own values. A family in stages (Swin) gives its first stage's heads and width
+    (`block_hidden` per block); its head size is the same in every stage (`check_config`)."""
     config = model.config
     adapter = adapter_for(model)
+    if getattr(config, "is_heterogeneous", False):
+        # a layer's view holds its overrides; the global config refuses to read a per-layer field without one
+        config = config.per_layer_config[index] if index is not None else _global_view(config)
     heads_value = getattr(config, adapter.heads_key)
     if adapter.stage_blocks is not None:
         heads = int(heads_value[0])
@@ -905,6 +935,15 @@ def dims(model: nn.Module) -> TransformerDims:
     if adapter.latent_attention:  # each head's keys and values its own; the output projection's inputs a head
         kv_heads, head_dim = heads, int(config.v_head_dim)
     return TransformerDims(int(config.num_hidden_layers), heads, kv_heads, head_dim, hidden)
+
+
+def _global_view(config: Any) -> Any:
+    """A copy of a per-layer config (`per_layer_config`) reading its fields' global values."""
+    import copy
+
+    view = copy.copy(config)
+    view.__dict__.pop("_heterogeneity_spec", None)
+    return view
 
 
 def kv_heads_of(adapter: FamilyAdapter, get: Callable[[str], Any], heads: int) -> int:

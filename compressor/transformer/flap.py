@@ -91,6 +91,9 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if not adapter.heads_prunable or adapter.linear_attention is not None:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
                                       "'s attention heads are not a prunable unit (in every layer)")
+    if getattr(model.config, "is_heterogeneous", False):  # one head size in the allocation
+        raise UnsupportedArchitecture(f"FLAP weighs every head as one size; {model.config.model_type}'s layers state "
+                                      "heads of their own sizes (per_layer_config)")
     if adapter.latent_attention:  # a head's rows come from latents of their own widths, not 4 x head_dim x hidden
         raise UnsupportedArchitecture(f"FLAP weighs a head as 4 x head_dim x hidden parameters; "
                                       f"{model.config.model_type}'s multi-head latent attention heads are not")

@@ -30,7 +30,7 @@ from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path
 from .models import build_hf_model, hf_model_class
-from .surgery import MANIFEST, save_config_and_widths, state_to_save
+from .surgery import MANIFEST, restate_depth, save_config_and_widths, state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,64 @@ class _MergedTensor:
         return tensor
 
 
+def _few_blocks_config(config: Any) -> tuple[Any, int]:
+    """A copy of `config` building as few blocks as it can: one, or one of each layer kind where the config states
+    fields per layer (Gemma 4's `per_layer_config`: its model builds rotary tables per kind and checks every kind it
+    caches has a layer), each block's per-layer fields those of the first layer of its kind; and how many."""
+    small = copy.deepcopy(config)
+    if not getattr(config, "is_heterogeneous", False):
+        small.num_hidden_layers = 1
+        return small, 1
+    kinds = list(config.layer_types)
+    firsts = sorted({kinds.index(kind) for kind in kinds})
+    overrides = config._heterogeneity_spec.per_layer_overrides
+    small.per_layer_config = None
+    small.num_hidden_layers = len(firsts)
+    small.layer_types = [kinds[i] for i in firsts]
+    small.per_layer_config = {new: dict(overrides[old]) for new, old in enumerate(firsts) if old in overrides}
+    return small, len(firsts)
+
+
+def _restate_layer_fields(small: Any, config: Any) -> None:
+    """`small` (the few-blocks model's config) given `config`'s depth and per-layer fields again."""
+    overrides = config._heterogeneity_spec.per_layer_overrides if getattr(config, "is_heterogeneous", False) \
+        else None
+    if overrides is not None:
+        small.per_layer_config = None
+    small.num_hidden_layers = config.num_hidden_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        small.layer_types = list(config.layer_types)
+    if overrides is not None:
+        small.per_layer_config = {i: dict(fields) for i, fields in overrides.items()}
+
+
+def _widen_layer_outputs(model: nn.Module, built: int, count: int) -> None:
+    """The modules beside the blocks holding one output block per layer (`FamilyAdapter.layer_outputs`: Gemma 4's
+    per-layer input embeddings), built for `built` layers, given the shape of `count` (their weights are read from
+    the checkpoint next)."""
+    owner = owner_of(model, layers_path(model))[0]
+    for path in adapter_for(model).layer_outputs:
+        module = _owned(owner, path)
+        if module is None:
+            continue
+        weight = module.weight
+        if isinstance(module, nn.Embedding):
+            shape = (weight.shape[0], weight.shape[1] // built * count)
+            module.embedding_dim = shape[1]
+        else:
+            shape = (weight.shape[0] // built * count, weight.shape[1])
+            module.out_features = shape[0]
+        module.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device),
+                                     requires_grad=weight.requires_grad)
+
+
+def _owned(owner: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return owner.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 class StreamedCheckpoint:
     """A `BlockSource` over a local HF directory of safetensors weights (see the module docstring)."""
 
@@ -219,13 +277,14 @@ class StreamedCheckpoint:
                                           "on a host with the memory for it)")
         # everything but the blocks, real (non-persistent buffers such as rotary tables included), from
         # a one-block model; its block is the template for those buffers
-        small_config = copy.deepcopy(config)
-        small_config.num_hidden_layers = 1
+        small_config, kept = _few_blocks_config(config)
         self.model = build_hf_model(cls, small_config, init_weights=False)  # every weight is read next
         self._template = layers(self.model)[0]
         owner, name = owner_of(self.model, layers_path(self.model))
         setattr(owner, name, layers(skeleton))
-        self.model.config.num_hidden_layers = config.num_hidden_layers
+        _restate_layer_fields(self.model.config, config)
+        restate_depth(self.model)
+        _widen_layer_outputs(self.model, kept, config.num_hidden_layers)
         adapter_for(self.model)  # refuses unsupported families before any work
         self.where = self._model_names(self.where)
         self.prefix = layers_path(self.model) + "."

@@ -61,12 +61,14 @@ from .adapters import (
     FIXED_HEADS,
     LINEAR_MIXER,
     FamilyAdapter,
+    TransformerDims,
     adapter_at,
     adapter_for,
     block_hidden,
     block_lists,
     block_path,
     dims,
+    has_module,
     layers,
     stage_exit,
     stage_of,
@@ -437,7 +439,7 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     saved only once the KV head empties. A block of a later stage (Swin) sees a share of the tokens at a wider
     stream. `shared`: one neuron of a MoE layer's shared expert (`FamilyAdapter.shared_down`), which every token
     visits."""
-    adapter, d = adapter_at(model, index), dims(model)  # a MoE family's dense layer: its own FFN
+    adapter, d = adapter_at(model, index), dims(model, index)  # a MoE family's dense layer: its own FFN
     hidden = block_hidden(model, index)
     share = adapter.stage_tokens ** stage_of(model, index)[0]
     if kind == "attention_heads" and adapter.latent_attention:  # a head's query, key / value and output rows
@@ -452,13 +454,29 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
             sequence_length = min(sequence_length, int(getattr(model.config, adapter.window_key)) ** 2)
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         q = 2 if adapter.gated_query else 1  # a gated query's rows: its query's and its gate's
-        projections = hidden * d.head_dim * ((q + 1) * heads + 2 * heads / d.group)  # q and o; k and v shared
+        owner, _, name = adapter.v.rpartition(".")
+        attention = layers(model)[index].get_submodule(owner) if has_module(layers(model)[index], owner) else None
+        kv = 1 if attention is not None and getattr(attention, name, False) is None else 2  # Gemma 4's global
+        # layers' values are their keys (v_proj None)
+        projections = hidden * d.head_dim * ((q + 1) * heads + kv * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
     if shared:  # its input projections' rows and its down projection's column, at every token
         return share * float(hidden * (1 + len(adapter.shared_up)))
     if adapter.experts:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
         return share * float(hidden * 3 * int(getattr(model.config, adapter.experts_per_token_key)))
     return share * float(hidden * (1 + adapter.up_matrices))
+
+
+def stand_in_scale(model: nn.Module, block: nn.Module) -> Tensor | None:
+    """What a removed block leaves of the stream besides the stream itself: its output scalar
+    (`FamilyAdapter.layer_scale`, Gemma 4's; `remove_layers` carries it into the next kept block), or None."""
+    path = adapter_for(model).layer_scale
+    return None if path is None else getattr(block, path).detach()
+
+
+def _head_rows(d: TransformerDims, gqa: str) -> int:
+    """The output projection's input columns of one prunable head unit: a query head's, or a KV group's."""
+    return d.head_dim if gqa == "query-heads" else d.group * d.head_dim
 
 
 def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
@@ -566,7 +584,6 @@ def prune_blocks(
         source.load(0)  # the first block computes the bias every block is handed (a streamed one: read early)
     streams = capture_block_inputs(model, batches, device, activation_dtype)
     source.release_rest()  # a streamed checkpoint's embeddings and head leave memory until it is written
-    head_rows = d.head_dim if gqa == "query-heads" else d.group * d.head_dim  # rows of one head group
     prune_heads_by = prune_query_heads if gqa == "query-heads" else prune_heads
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
@@ -583,9 +600,12 @@ def prune_blocks(
         _host_ready(device)  # the streams' asynchronous copies have landed
         here = block_path(model, i)
         if i in skip:  # removed whole: the dense stream goes through it, the pruned one past it
+            scale = stand_in_scale(model, block)  # (times its output scalar, as `remove_layers` leaves it)
             with torch.no_grad():
                 for s in streams:
                     s.hidden = _offload(_run(block, s.hidden, s, device), activation_dtype)
+                    if scale is not None:
+                        s.pruned = s.pruned * scale.to(s.pruned)
             emit(progress, Progress(REMOVED, here, i + 1, d.layers), log)
             _to_stored(block, stored)
             source.store(i)
@@ -672,7 +692,7 @@ def prune_blocks(
                 for handle in (h1, h2, *(h for _, h in gates)):
                     handle.remove()
             finished = stats.finish(center)
-            g = head_rows if kind == ATTENTION else 1
+            g = _head_rows(dims(model, i), gqa) if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
             _check_finite(name, finished, activation_dtype)
             num_prune = planned_prune(name, groups, ratio)
@@ -1033,7 +1053,8 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
             kept = heads - planned_prune(f"{here}.{record.o}", heads, plan) if prunable else heads
             if kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
-                spread = sorted(range(heads), key=lambda h: (h % d.group, h // d.group)) if single else range(heads)
+                group = dims(resized, i).group  # (Gemma 4's global layers: their own)
+                spread = sorted(range(heads), key=lambda h: (h % group, h // group)) if single else range(heads)
                 keep = torch.tensor(sorted(spread[:kept]))
                 (prune_query_heads if single else prune_heads)(resized, i, keep)
             if (i, FFN) in sublayers:
@@ -1103,9 +1124,11 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
                                        token_cap) if compensate else None)
                 kinds.append((kind, update))
         outputs, stream, update_energy = [], 0.0, 0.0
+        scale = stand_in_scale(model, block)  # a removed block leaves the stream times its output scalar
         for s in streams:
             out = _run(block, s.hidden, s, device)
-            update_energy += float(_rows(out - s.hidden.to(out), s).square().sum())
+            left = s.hidden.to(out) if scale is None else s.hidden.to(out) * scale.to(out)
+            update_energy += float(_rows(out - left, s).square().sum())
             stream += float(_rows(s.hidden, s).square().sum())
             outputs.append(_offload(out, activation_dtype))  # the next block's input; compared with below
         stream = max(stream, 1e-30)

@@ -40,6 +40,7 @@ from .adapters import (
     base_path,
     dense_ffn_layers,
     dims,
+    has_module,
     layers,
     layers_path,
     restate_dense_ffn_layers,
@@ -188,10 +189,15 @@ def _query_width(model: nn.Module, layer: nn.Module) -> int:
     return in_features(projection(layer, adapter_for(model).at(layer).o))
 
 
+def _index_of(model: nn.Module, layer: nn.Module) -> int:
+    """The index of block `layer` among the model's blocks."""
+    return next(i for i, block in enumerate(layers(model)) if block is layer)
+
+
 def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Tensor, o_weight: Tensor | None) -> None:
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones) in q/k/v and the output
     projection, and every count the attention reads (its attributes, its config view)."""
-    adapter, hd = adapter_for(model).at(layer), dims(model).head_dim
+    adapter, hd = adapter_for(model).at(layer), dims(model, _index_of(model, layer)).head_dim
     if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
         why = LINEAR_MIXER if adapter.recurrent else \
             f"{FIXED_HEADS}, so removing a head would renormalise every kept one"
@@ -212,7 +218,8 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
     else:  # a gated query's head is its query rows and its gate's (`FamilyAdapter.gated_query`)
         keep_output_rows(projection(layer, adapter.q), group_rows(heads, 2 * hd) if adapter.gated_query else q_rows)
         keep_output_rows(projection(layer, adapter.k), kv_rows)
-        keep_output_rows(projection(layer, adapter.v), kv_rows)
+        if has_module(layer, adapter.v):  # none in Gemma 4's global layers: their values are their keys
+            keep_output_rows(projection(layer, adapter.v), kv_rows)
     modules = dict(layer.named_modules())
     for path in adapter.per_head_outputs:  # where the block has them
         if path in modules:
@@ -344,14 +351,14 @@ class LayerConfig:
 def head_groups(model: nn.Module, index: int) -> int:
     """Prunable head groups of block `index`: KV heads under GQA, heads otherwise."""
     _check_whole_groups(model, index)
-    d = dims(model)
+    d = dims(model, index)
     return _query_width(model, layers(model)[index]) // (d.head_dim * d.group)
 
 
 def _check_whole_groups(model: nn.Module, index: int) -> None:
     """Groups are `group` query heads over one KV head each: not so once query heads were pruned one by one."""
     mapping = getattr(_attention(model, layers(model)[index]), "kv_map", None)
-    group = dims(model).group
+    group = dims(model, index).group
     if mapping is not None and list(mapping) != [h // group for h in range(len(mapping))]:
         raise ValueError(f"layer {index}'s query heads were pruned one by one (KV heads {list(mapping)}): its heads "
                          "are no longer whole groups; prune them with prune_query_heads")
@@ -361,7 +368,7 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
                 o_weight: Tensor | None = None) -> None:
     """Keep head groups `keep_groups` of block `index` (see head_groups); o_weight: the refit output
     projection (out x kept query-head rows)."""
-    layer, d = layers(model)[index], dims(model)
+    layer, d = layers(model)[index], dims(model, index)
     if is_removed(model, index, ATTENTION):
         raise ValueError(f"layer {index}'s attention is removed: it has no heads to keep")
     _check_whole_groups(model, index)
@@ -375,7 +382,7 @@ def query_heads(model: nn.Module, index: int) -> int:
     """Query heads of block `index` (0 once its attention is removed)."""
     if is_removed(model, index, ATTENTION):
         return 0
-    return _query_width(model, layers(model)[index]) // dims(model).head_dim
+    return _query_width(model, layers(model)[index]) // dims(model, index).head_dim
 
 
 def ffn_width(model: nn.Module, index: int) -> int:
@@ -395,7 +402,7 @@ def kv_index(model: nn.Module, index: int) -> Tensor:
     """The KV head each query head of block `index` reads (h // group until query heads were pruned)."""
     mapping = getattr(_attention(model, layers(model)[index]), "kv_map", None)
     if mapping is None:
-        return torch.arange(query_heads(model, index)) // dims(model).group
+        return torch.arange(query_heads(model, index)) // dims(model, index).group
     return torch.tensor(mapping, dtype=torch.long)
 
 
@@ -404,7 +411,7 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
     """Keep query heads `keep_heads` of block `index`, one by one; a KV head stays while a kept query
     head reads it. o_weight: the refit output projection (out x kept query-head rows). Without GQA this
     is `prune_heads`."""
-    if dims(model).group == 1:
+    if dims(model, index).group == 1:
         prune_heads(model, index, keep_heads, o_weight)
         return
     mapping = kv_index(model, index)
@@ -416,7 +423,7 @@ def prune_query_heads(model: nn.Module, index: int, keep_heads: Sequence[int] | 
         _keep_heads(model, layers(model)[index], keep, kv_keep, o_weight)
         return
     if not hasattr(_attention(model, layers(model)[index]), "kv_map") and torch.equal(
-            keep, group_rows(kv_keep, dims(model).group)):
+            keep, group_rows(kv_keep, dims(model, index).group)):
         # whole groups kept (every head, say, where only the FFN narrows): the family's own attention reads them,
         # and a model without a gathered layer loads in transformers with its remote code, or its config alone
         prune_heads(model, index, kv_keep, o_weight)
@@ -428,7 +435,7 @@ def _multi_query(model: nn.Module, index: int) -> bool:
     """Whether block `index` runs multi-query attention as its family's own code (`FamilyAdapter.multi_query_key`;
     no gathered map)."""
     attention = _attention(model, layers(model)[index])
-    return adapter_for(model).multi_query_key is not None and dims(model).kv_heads == 1 and \
+    return adapter_for(model).multi_query_key is not None and dims(model, index).kv_heads == 1 and \
         not hasattr(attention, "kv_map")
 
 
@@ -477,7 +484,11 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     kept = [block for i, block in enumerate(blocks) if i not in gone]
     for new, (old, block) in enumerate((i, b) for i, b in enumerate(blocks) if i not in gone):
         _keep_inverse_layer_scaling(block, old, new)
+    _fold_layer_scales(model, blocks, gone)
     config = model.config
+    overrides = _per_layer_overrides(config)
+    if overrides is not None:  # re-stated for the kept layers below, once the config says their number
+        config.per_layer_config = None
     dense = dense_ffn_layers(config)  # a MoE family's layers with a dense FFN, as the config states them
     if dense is not None and len(dense) == len(blocks):
         restate_dense_ffn_layers(config, [flag for i, flag in enumerate(dense) if i not in gone])
@@ -489,19 +500,99 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     left = [i for i in range(len(blocks)) if i not in gone]
     _restate_backbone_outputs(config, left, len(blocks))
     _keep_layer_columns(model, left, len(blocks))
+    _keep_layer_outputs(model, left, len(blocks))
     key = adapter_for(model).depth_scale_key
     if key is not None and getattr(config, key, None) is not None:  # key / sqrt(layers) the same with fewer layers
         setattr(config, key, float(getattr(config, key)) * math.sqrt(len(kept) / len(blocks)))
     owner, name = owner_of(model, layers_path(model))
     setattr(owner, name, nn.ModuleList(kept))
     config.num_hidden_layers = len(kept)
+    if overrides is not None:
+        config.per_layer_config = {new: overrides[old] for new, old in enumerate(left) if old in overrides}
+    restate_depth(model)
     renumber_caches(model)
+
+
+def restate_depth(model: nn.Module) -> None:
+    """What the model's base computed from its depth as it was built, from the config's depth now: Gemma 4's first
+    layer reading earlier layers' keys and values (`first_kv_shared_layer_idx`, none without such layers: the
+    depth itself)."""
+    owner = owner_of(model, layers_path(model))[0]
+    if hasattr(owner, "first_kv_shared_layer_idx"):
+        config = model.config
+        owner.first_kv_shared_layer_idx = config.num_hidden_layers - int(getattr(config, "num_kv_shared_layers", 0))
+
+
+def _per_layer_overrides(config: Any) -> dict[int, dict] | None:
+    """A config's per-layer fields (transformers' `per_layer_config`: layer index -> the fields that layer states
+    otherwise), or None where it has none."""
+    if not getattr(config, "is_heterogeneous", False):
+        return None
+    return {int(i): dict(fields) for i, fields in config._heterogeneity_spec.per_layer_overrides.items()}
+
+
+def _fold_layer_scales(model: nn.Module, blocks: Sequence[nn.Module], gone: set[int]) -> None:
+    """A removed block's output scalar (`FamilyAdapter.layer_scale`: it multiplies the whole stream, so a removed
+    block is the stream times its scalar) carried by the next kept block: that block's scalar is multiplied by it,
+    its updates (through the norms of `scaled_norms`) divided by it, its raw reads of the stream (`scaled_reads`)
+    multiplied, so that it adds the same updates to a stream that lacks the factor and gives out the same stream
+    (its input norms read the stream's direction only). After the last kept block the final norm reads the
+    direction only: nothing to carry."""
+    adapter = adapter_for(model)
+    if adapter.layer_scale is None:
+        return
+    carried = None  # the product of the removed blocks' scalars since the last kept one
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            scale = getattr(block, adapter.layer_scale)
+            if i in gone:
+                carried = scale.clone() if carried is None else carried * scale
+                continue
+            if carried is None:
+                continue
+            scale.mul_(carried.to(scale))
+            for path in adapter.scaled_norms:
+                norm = _submodule_or_none(block, path)
+                if norm is not None and getattr(norm, "weight", None) is not None:
+                    norm.weight.div_(carried.to(norm.weight))
+            for path in adapter.scaled_reads:
+                linear = _submodule_or_none(block, path)
+                if linear is not None:
+                    linear.weight.mul_(carried.to(linear.weight))
+            carried = None
+
+
+def _submodule_or_none(block: nn.Module, path: str) -> nn.Module | None:
+    return block.get_submodule(path) if has_module(block, path) else None
+
+
+def _keep_layer_outputs(model: nn.Module, kept: Sequence[int], count: int) -> None:
+    """The output blocks of the kept layers in each module of `FamilyAdapter.layer_outputs` (beside the blocks' list:
+    one equal block of a Linear's rows or an Embedding's columns per layer of the `count`, layer after layer)."""
+    owner = owner_of(model, layers_path(model))[0]  # the text model of a causal LM, or the base model itself
+    for path in adapter_for(model).layer_outputs:
+        if not has_module(owner, path):  # a config without them (Gemma 4 without per-layer embeddings)
+            continue
+        module = owner.get_submodule(path)
+        full = path
+        embedding = isinstance(module, nn.Embedding)
+        width = module.weight.shape[1] if embedding else out_features(module)
+        assert width % count == 0, (full, width, count)
+        block = width // count
+        keep = torch.cat([torch.arange(i * block, (i + 1) * block) for i in kept])
+        if embedding:
+            module.weight = nn.Parameter(module.weight.data[:, keep.to(module.weight.device)].clone(),
+                                         requires_grad=module.weight.requires_grad)
+            module.embedding_dim = len(keep)
+        else:
+            keep_output_rows(module, keep)
 
 
 def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
     """Refuse, before any work, layers that `remove_layers` cannot remove: indices out of range or repeated (every
     bad one listed), all of them, any in a family whose blocks differ by their place, a first layer built unlike
-    the others, or a hybrid decoder's last attention layers (`softmax_attentions`)."""
+    the others, a hybrid decoder's last attention layers (`softmax_attentions`), or layers that would leave a layer
+    of another kind last than the config rebuilds last (`FamilyAdapter.last_layer_kind`)."""
     n = len(layers(model))
     bad = sorted({i for i in indices if not 0 <= i < n} | {i for i in indices if list(indices).count(i) > 1})
     if bad:
@@ -519,6 +610,12 @@ def check_removable_layers(model: nn.Module, indices: Sequence[int]) -> None:
         raise UnsupportedArchitecture(f"removing layers {sorted(indices)} leaves {model.config.model_type} no "
                                       "attention beside its linear-attention layers: transformers runs such a hybrid "
                                       "decoder's cache with one at least")
+    kind, kinds = adapter_for(model).last_layer_kind, getattr(model.config, "layer_types", None)
+    last = max(set(range(n)) - set(indices))
+    if kind is not None and kinds is not None and kinds[last] != kind:
+        raise UnsupportedArchitecture(f"removing layers {sorted(indices)} leaves layer {last} ({kinds[last]}) last, "
+                                      f"which {model.config.model_type}'s config rebuilds as {kind}: its last layer "
+                                      f"must stay a {kind} one")
     if 0 in indices and adapter_for(model).first_layer_fixed:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s first layer is built unlike the others (a model "
                                       "rebuilt from its config could not load the second in its place): it is "
@@ -704,7 +801,7 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
         elif _multi_query(model, i):  # any number of query heads over the one KV head
             _keep_heads(model, layers(model)[i], torch.arange(heads[i]), torch.arange(1), None)
         else:
-            prune_heads(model, i, range(heads[i] // d.group))
+            prune_heads(model, i, range(heads[i] // dims(model, i).group))  # (Gemma 4's global layers: their own)
         if "bias_rows" in manifest:
             rows = manifest["bias_rows"][i]
             if len(rows) != heads[i]:

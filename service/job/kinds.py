@@ -688,6 +688,15 @@ class ConvJob:
                           refine_steps=self._refine_steps(bool(removed)), depth=self.depth)
 
 
+def _removable(model: nn.Module, indices: list[int]) -> bool:
+    """Whether `remove_layers` takes these layers (`check_removable_layers`)."""
+    try:
+        check_removable_layers(model, indices)
+    except (ValueError, UnsupportedArchitecture):
+        return False
+    return True
+
+
 def _streamed(request: CompressRequest) -> bool:
     """Whether a transformer job streams its checkpoint: asked (--stream), or on by itself where pruning it in memory
     would take more than STREAM_SHARE of the available memory (Mixture-of-Experts checkpoints too: a streamed block
@@ -804,6 +813,8 @@ class _TransformerJob:
                 continue
             gone = kind is None or index in partial  # the layer is then removed whole
             if gone and len(whole) + 1 >= n:
+                continue
+            if gone and not _removable(self.dense, sorted(whole | {index})):  # e.g. Gemma 4's last layer
                 continue
             if self.causal and kind != FFN and attentive <= deaf | {index}:
                 continue

@@ -39,6 +39,7 @@ from .transformer_models import (
     MOE_MIXED,
     example_inputs,
     first_output,
+    tiny_gemma4,
     tiny_qwen3_5,
 )
 
@@ -169,6 +170,67 @@ def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tm
 
     save_pruned(pruned, tmp_path / "saved")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+
+
+def test_gemma4_prunes_heads_of_each_layers_size_and_removes_layers_with_their_embeddings_and_scalars(tmp_path):
+    """Gemma 4: each layer's heads are its own size (the global layer's 16, stated in per_layer_config, over one KV head
+    whose values are its keys), pruned as such; a removed layer takes its block of the per-layer input embeddings
+    and their projection, is renumbered out of per_layer_config, and leaves its output scalar to the next kept layer,
+    so the shallower model is the one whose removed layer scaled the stream and did nothing else; uniform widths
+    load in transformers alone; KV-sharing and MoE layouts are refused (exports, decode step and reload: the
+    Llama-shaped families' test)."""
+    model = tiny_gemma4(layers=4)
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    pruned, _ = prune_transformer(model, data, 0.3, gqa="query-heads")
+    assert [query_heads(pruned, i) for i in range(4)] == [3] * 4
+    assert layers(pruned)[3].self_attn.q_proj.weight.shape == (3 * 16, 32)  # the global layer's heads of 16
+
+    reference = copy.deepcopy(pruned)
+    scaled = layers(reference)[1]
+    scaled.forward = lambda hidden_states, *_, **__: hidden_states * scaled.layer_scalar  # layer 1, scalar only
+    example = example_inputs(pruned, batch=2, length=10)
+    remove_layers(pruned, [1])
+    torch.testing.assert_close(first_output(pruned, example), first_output(reference, example))
+    assert pruned.model.embed_tokens_per_layer.weight.shape[1] == 3 * 8
+    assert pruned.config.to_dict()["per_layer_config"] == {"2": {"head_dim": 16, "num_key_value_heads": 1}}
+
+    uniform = tiny_gemma4()
+    for i in range(3):
+        prune_ffn(uniform, i, range(12))
+        prune_query_heads(uniform, i, [0, 1])  # the sliding layers' first KV group, the global layer's one KV head
+    remove_layers(uniform, [0])
+    assert save_standard(uniform, tmp_path / "standard")
+    torch.testing.assert_close(first_output(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "standard")),
+                               first_output(uniform))
+    for fields in ({"num_kv_shared_layers": 1}, {"enable_moe_block": True}):
+        with pytest.raises(UnsupportedArchitecture, match="reuse earlier layers' keys and values"):
+            check_config({**model.config.to_dict(), **fields}, "m")
+
+
+def test_gemma4s_last_layer_stays_global_its_removal_losses_count_the_scalar_and_flap_is_refused(tmp_path):
+    """Gemma 4's config rebuilds its last layer as a global one: a removal leaving a sliding-window layer last is
+    refused. A block whose updates are nothing leaves its stream times its scalar, which is what its removal leaves
+    too: its removal loss is nothing (the identity's would be (1 - scalar)^2). An FFN-only pruning (no query-head
+    map in the manifest) reloads each layer's head groups by its own group size; FLAP, one head size, is refused."""
+    from compressor.transformer.pipeline import removal_losses
+    from compressor.transformer.surgery import check_removable_layers
+
+    model = tiny_gemma4(layers=4)
+    with pytest.raises(UnsupportedArchitecture, match=r"leaves layer 2 \(sliding_attention\) last"):
+        check_removable_layers(model, [3])
+    check_removable_layers(model, [1, 2])
+    with torch.no_grad():
+        layers(model)[1].post_attention_layernorm.weight.zero_()
+        layers(model)[1].post_feedforward_layernorm.weight.zero_()
+        layers(model)[1].post_per_layer_input_norm.weight.zero_()
+    data = [example_inputs(model, batch=2, length=8, seed=i) for i in range(2)]
+    losses = [r.layer for r in removal_losses(model, data, sublayers=False)]
+    assert losses[1] < 1e-10 < losses[2]
+    with pytest.raises(UnsupportedArchitecture, match="heads of their own sizes"):
+        flap_structure(model, data, 0.9)
+    prune_ffn(model, 0, range(12))
+    save_pruned(model, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(model))
 
 
 def test_a_uniformly_pruned_qwen3_5_loads_in_transformers_alone(tmp_path):

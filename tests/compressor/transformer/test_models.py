@@ -242,25 +242,27 @@ def test_the_longest_sequence_leaves_roberta_its_positions_after_padding():
     assert max_sequence(transformers.BertModel(transformers.BertConfig(**common))) == 34
 
 
-def test_no_supported_family_reads_per_layer_config_so_non_uniform_widths_keep_their_manifest():
+def test_of_the_supported_families_gemma_4_alone_reads_per_layer_config_and_for_its_head_sizes_alone():
     """transformers 5.x can state per-layer widths in a config (`per_layer_config`), but only families whose
-    modeling code reads it build their layers from it (Gemma 4 and a few others). None of the families here
-    does in the installed release, so their non-uniform outputs keep osscar_widths.json + load_pruned (the
-    README's table of families says so). A release that teaches one of them fails this test: that family
-    should then save `per_layer_config` instead."""
+    modeling code reads it build their layers from it. Of the families here, the installed release's Gemma 4 alone
+    does, and for its layers' head size and KV heads alone (its global layers'): its config keeps them, restated when
+    layers go, while its query heads and FFN widths are read from the global config, so unequal ones keep
+    osscar_widths.json + load_pruned (the README's table of families says so). A release that teaches a family more
+    fails this test: that family should then save `per_layer_config` for them."""
     import inspect
+    import re
 
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     from compressor.transformer.adapters import ADAPTERS
 
-    readers = []
+    readers = {}
     for model_type in sorted(ADAPTERS):
-        module = inspect.getmodule(getattr(transformers, MODEL_MAPPING_NAMES[model_type]))
-        if "per_layer_config" in inspect.getsource(module):
-            readers.append(model_type)
-    assert readers == []
+        source = inspect.getsource(inspect.getmodule(getattr(transformers, MODEL_MAPPING_NAMES[model_type])))
+        if "per_layer_config" in source:
+            readers[model_type] = set(re.findall(r"layer_config\.(\w+)", source))
+    assert readers == {"gemma4_text": {"head_dim", "num_key_value_heads"}}
 
 
 def test_an_encoder_classifier_keeps_its_head_and_other_heads_are_dropped(tmp_path):

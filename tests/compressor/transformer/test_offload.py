@@ -13,7 +13,15 @@ from compressor.transformer.offload import StreamedCheckpoint
 from compressor.transformer.pipeline import prune_blocks, prune_transformer
 from compressor.transformer.surgery import MANIFEST, load_pruned, widths
 
-from .transformer_models import MODELS, MOE_EXTRA, MOE_MIXED, example_inputs, first_output, tiny_qwen3_5
+from .transformer_models import (
+    MODELS,
+    MOE_EXTRA,
+    MOE_MIXED,
+    example_inputs,
+    first_output,
+    tiny_gemma4,
+    tiny_qwen3_5,
+)
 
 
 def data(model):
@@ -59,6 +67,16 @@ def test_every_moe_family_streams_as_it_prunes_in_memory(name, tmp_path):
     attention and dense layers streamed as they are pruned in memory."""
     family, _, mixed = name.partition(":")
     model = MOE_MIXED[family][0]() if mixed else MOE_EXTRA[family]()
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    out, expected = _streamed_and_in_memory(model, tmp_path)
+    torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_gemma4_streams_its_per_layer_head_sizes_and_embeddings_as_it_prunes_in_memory(tmp_path):
+    """Gemma 4's global layer (heads of its own size, values that are its keys), its per-layer input embeddings
+    beside the blocks and each block's output scalar (a buffer in the checkpoint) stream as they are pruned in
+    memory."""
+    model = tiny_gemma4()
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     out, expected = _streamed_and_in_memory(model, tmp_path)
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)

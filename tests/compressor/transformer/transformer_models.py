@@ -311,6 +311,20 @@ def tiny_qwen3_next():
                     mlp_only_layers=[2])
 
 
+def tiny_gemma4(layers: int = 3, **fields):
+    """Gemma 4's language model: sliding-window layers of 4 heads of 8 over 2 KV heads, then a global layer of 4 heads
+    of 16 over one KV head whose values are its keys (attention_k_eq_v: no v_proj), stated per layer
+    (per_layer_config); per-layer input embeddings of 8 a layer; each block's output scalar set unequal to one."""
+    model = _decoder("Gemma4ForCausalLM", "Gemma4TextConfig", num_hidden_layers=layers, sliding_window=4,
+                     layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], global_head_dim=16,
+                     num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+                     vocab_size_per_layer_input=VOCAB, **fields)
+    with torch.no_grad():
+        for i, block in enumerate(model.model.layers):
+            block.layer_scalar.fill_(0.6 + 0.3 * i)
+    return model
+
+
 def tiny_smollm3():
     """Llama with rotary-free layers (no_rope_layers: the second layer has no positions)."""
     return _decoder("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0], use_sliding_window=False)
@@ -408,6 +422,8 @@ LLAMA_SHAPED = {
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
     # a Gated DeltaNet layer (kept whole) before a gated-query attention layer (`test_adapters.py` exports both kinds)
     "qwen3_5_text": tiny_qwen3_5,
+    # global layers of their own head size over values that are keys, per-layer input embeddings, output scalars
+    "gemma4_text": lambda: tiny_gemma4(),
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
     # attention (one KV head in c_attn, [q | k | v]) and learned positions
     "gptj": lambda: _seeded(transformers.GPTJForCausalLM, transformers.GPTJConfig(

@@ -932,7 +932,8 @@ def test_uniform_widths_are_rounded_only_when_round_to_is_given(model_and_data, 
 
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "convnextv2"}, "'convnextv2' is not supported: ConvNeXt V2's GRN layers"),
-    ({"model_type": "gemma4_text"}, "reuse earlier layers' keys and values"),
+    ({"model_type": "gemma4_text", "num_kv_shared_layers": 2}, "reuse earlier layers' keys and values"),
+    ({"model_type": "gemma4", "text_config": {}}, "Gemma4ForCausalLM(m.config.text_config)"),
     ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}, "weights are quantized (mxfp4)"),
     ({"model_type": "phimoe", "num_experts_per_tok": 4}, "two experts a token"),
     ({"model_type": "qwen2_moe", "num_experts": 0}, "with num_experts 0 every layer is a dense FFN"),
