@@ -598,8 +598,8 @@ REFUSED: dict[str, str] = {
               "language model alone, saved as a gemma3_text checkpoint (Gemma3ForCausalLM), is supported",
     "gemma4": "Gemma 4 checkpoints with vision and audio towers are multimodal; their language model alone is "
               "supported, saved as a gemma4_text checkpoint: m = Gemma4ForConditionalGeneration.from_pretrained(path); "
-              "lm = Gemma4ForCausalLM(m.config.text_config); lm.model, lm.lm_head = m.model.language_model, "
-              "m.lm_head; lm.save_pretrained(out)",
+              "with torch.device('meta'): lm = Gemma4ForCausalLM(m.config.text_config); "
+              "lm.model, lm.lm_head = m.model.language_model, m.lm_head; lm.save_pretrained(out)",
     "qwen3_5": "Qwen3.5 checkpoints with a vision tower are multimodal (images and text in one model); their "
                "language model alone is supported, saved as a qwen3_5_text checkpoint: "
                "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out)",

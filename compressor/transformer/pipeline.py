@@ -1093,7 +1093,8 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
                    activation_dtype: torch.dtype = torch.float32, sublayers: bool = True,
                    compensate: bool = True, token_cap: float | None = None) -> list[RemovalLoss]:
     """Each block's removal loss in the currency of the width curves: ||block(h) - h||^2 / ||h||^2 over the
-    counted tokens of the calibration batches (dense model, one pass); with `sublayers`, also its attention's
+    counted tokens of the calibration batches (dense model, one pass; a block whose output scalar c stays with the
+    stream, `stand_in_scale`: ||block(h) - c h||^2 / ||c h||^2); with `sublayers`, also its attention's
     and its FFN's alone: ||block(h) - block'(h)||^2 / ||h||^2, block' the block with that sub-layer's update
     made its calibration mean (`compensate`; zeros otherwise; weighted by `token_cap`), as `prune_blocks`
     removes it.
@@ -1129,7 +1130,7 @@ def removal_losses(model: nn.Module, batches: Sequence[dict[str, Tensor]], devic
             out = _run(block, s.hidden, s, device)
             left = s.hidden.to(out) if scale is None else s.hidden.to(out) * scale.to(out)
             update_energy += float(_rows(out - left, s).square().sum())
-            stream += float(_rows(s.hidden, s).square().sum())
+            stream += float(_rows(left, s).square().sum())  # the stream it leaves: its update relative to that
             outputs.append(_offload(out, activation_dtype))  # the next block's input; compared with below
         stream = max(stream, 1e-30)
         alone: dict[str, float] = {}
