@@ -210,12 +210,19 @@ def test_gemma4_prunes_heads_of_each_layers_size_and_removes_layers_with_their_e
 def test_gemma4s_last_layer_stays_global_its_removal_losses_count_the_scalar_and_flap_is_refused(tmp_path):
     """Gemma 4's config rebuilds its last layer as a global one: a removal leaving a sliding-window layer last is
     refused. A block whose updates are nothing leaves its stream times its scalar, which is what its removal leaves
-    too: its removal loss is nothing (the identity's would be (1 - scalar)^2). An FFN-only pruning (no query-head
+    too: its removal loss is nothing (the identity's would be (1 - scalar)^2); a block's loss is relative to that
+    stream, the same whatever its scalar. An FFN-only pruning (no query-head
     map in the manifest) reloads each layer's head groups by its own group size; FLAP, one head size, is refused."""
     from compressor.transformer.pipeline import removal_losses
     from compressor.transformer.surgery import check_removable_layers
 
     model = tiny_gemma4(layers=4)
+    data = [example_inputs(model, batch=2, length=8, seed=i) for i in range(2)]
+    scaled = []  # a block's removal loss, relative to the stream it leaves, whatever its scalar
+    for scalar in (0.5, 2.0):
+        layers(model)[1].layer_scalar.fill_(scalar)
+        scaled.append(removal_losses(model, data, sublayers=False)[1].layer)
+    assert scaled[0] == pytest.approx(scaled[1], rel=1e-4) and scaled[0] > 1e-3
     with pytest.raises(UnsupportedArchitecture, match=r"leaves layer 2 \(sliding_attention\) last"):
         check_removable_layers(model, [3])
     check_removable_layers(model, [1, 2])
@@ -223,7 +230,6 @@ def test_gemma4s_last_layer_stays_global_its_removal_losses_count_the_scalar_and
         layers(model)[1].post_attention_layernorm.weight.zero_()
         layers(model)[1].post_feedforward_layernorm.weight.zero_()
         layers(model)[1].post_per_layer_input_norm.weight.zero_()
-    data = [example_inputs(model, batch=2, length=8, seed=i) for i in range(2)]
     losses = [r.layer for r in removal_losses(model, data, sublayers=False)]
     assert losses[1] < 1e-10 < losses[2]
     with pytest.raises(UnsupportedArchitecture, match="heads of their own sizes"):
