@@ -814,8 +814,8 @@ class _TransformerJob:
             gone = kind is None or index in partial  # the layer is then removed whole
             if gone and len(whole) + 1 >= n:
                 continue
-            if gone and not _removable(self.dense, sorted(whole | {index})):  # e.g. Gemma 4's last layer
-                continue
+            if gone and adapter_for(self.dense).whole_layers and not _removable(self.dense, sorted(whole | {index})):
+                continue  # e.g. Gemma 4's last layer (a Swin block named by both sub-layers keeps its norms)
             if self.causal and kind != FFN and attentive <= deaf | {index}:
                 continue
             (whole if gone else partial).add(index)

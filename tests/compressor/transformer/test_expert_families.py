@@ -26,12 +26,12 @@ from .transformer_models import (
 MODELS = {**MODELS, **MOE_EXTRA}
 
 
-def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True, half: bool = True) -> dict:
+def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True) -> dict:
     """model.onnx (prefill) and decode.onnx (one new token, then a prefill of 8) of a pruned MoE decoder, and the
     export of its bf16 copy read in float32 through parametrized (renamed) modules, each within 1e-4 of PyTorch;
-    returns the example the graphs were exported on. `decode=False` checks the prefill graph alone, `half=False` skips
-    the bf16 copy: each export takes 6-9 s here (18 s with a delta rule's scan), so layouts whose decode step or
-    half-precision read another test already covers skip them."""
+    returns the example the graphs were exported on. `decode=False` checks the prefill graph alone: each export
+    takes 6-9 s here (18 s with a delta rule's scan), so layouts whose decode step and half-precision read another
+    test already covers skip them."""
     import copy
 
     from compressor.precision import float32_view
@@ -46,8 +46,6 @@ def _exports_decodes_and_reads_half(pruned, tmp_path, *, decode: bool = True, ha
     ids = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(1))
     assert check_decode_parity(pruned, step, ids).max_abs_error < 1e-4
     assert check_decode_parity(pruned, step, ids, new=8).max_abs_error < 1e-4
-    if not half:
-        return example
     bf16 = copy.deepcopy(pruned).to(torch.bfloat16)
     with float32_view(bf16) as view:
         path = export_hf_onnx(view, example, tmp_path / "half.onnx", output_name="logits", max_length=32)
@@ -382,9 +380,9 @@ def test_deepseek_v2s_complex_rotary_is_rotated_in_real_arithmetic_within_overla
 def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_uniform_widths_alone(tmp_path):
     """Qwen3.5-MoE's language model: every layer's routed experts and gated shared expert are pruned, the attention
     layer's gated-query heads too, while the Gated DeltaNet mixers stay whole; a DeltaNet layer removed whole restates
-    layer_types; the graphs (a MoE node a layer beside the delta rule's scan; prefill, decode step carrying conv and
-    recurrent states) match PyTorch; uniform widths go to a config transformers loads
-    alone, and the multimodal checkpoint is refused with the line that saves its language model."""
+    layer_types; the graph (a MoE node a layer beside the delta rule's scan) matches PyTorch; uniform widths go to a
+    config transformers loads alone, and the multimodal checkpoint is refused with the line that saves its language
+    model."""
     import onnx
 
     from compressor.errors import UnsupportedArchitecture
@@ -401,7 +399,8 @@ def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_unifor
     assert [query_heads(pruned, i) for i in range(3)] == [4, 3, 4]  # a DeltaNet layer's value columns, whole
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
-    _exports_decodes_and_reads_half(pruned, tmp_path, half=False)  # a DeltaNet read in bf16: as any module
+    # its decode step composes Qwen3.5's DeltaNet states (their own test) with MoE layers' (the MoE families')
+    _exports_decodes_and_reads_half(pruned, tmp_path, decode=False)
     assert len([n for n in onnx.load(str(tmp_path / "model.onnx")).graph.node if n.op_type == "MoE"]) == 2
 
     equal, _ = prune_transformer(model, data, {**{f"model.layers.{i}.mlp.experts": 16 for i in range(3)},
