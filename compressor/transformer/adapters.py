@@ -240,7 +240,7 @@ class FamilyAdapter:
 
 def has_module(block: nn.Module, path: str) -> bool:
     """Whether `block` has a module at `path` (an attribute set to None, as Gemma 4's missing v_proj, is none)."""
-    return _submodule(block, path) is not None
+    return submodule(block, path) is not None
 
 
 @functools.cache
@@ -836,7 +836,7 @@ def _located(model: nn.Module) -> tuple[str, str]:
             return name, adapter.layers
     for start in range(1, len(parts)):
         path = ".".join(parts[start:])
-        if isinstance(_submodule(model, path), nn.ModuleList):
+        if isinstance(submodule(model, path), nn.ModuleList):
             return "", path
     raise UnsupportedArchitecture(f"no {adapter.layers!r} in {type(model).__name__}")
 
@@ -854,7 +854,8 @@ def base_path(model: nn.Module) -> str:
     return _located(model)[0]
 
 
-def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+def submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at `path` in `model`, or None where there is none (or the attribute is None)."""
     try:
         return model.get_submodule(path)
     except AttributeError:

@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
-from .adapters import adapter_for, layers, layers_path
+from .adapters import adapter_for, layers, layers_path, submodule
 from .models import build_hf_model, hf_model_class
-from .surgery import MANIFEST, restate_depth, save_config_and_widths, state_to_save
+from .surgery import MANIFEST, per_layer_overrides, restate_depth, save_config_and_widths, state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -176,25 +176,24 @@ def _few_blocks_config(config: Any) -> tuple[Any, int]:
         return small, 1
     kinds = list(config.layer_types)
     firsts = sorted({kinds.index(kind) for kind in kinds})
-    overrides = config._heterogeneity_spec.per_layer_overrides
+    overrides = per_layer_overrides(config)
     small.per_layer_config = None
     small.num_hidden_layers = len(firsts)
     small.layer_types = [kinds[i] for i in firsts]
-    small.per_layer_config = {new: dict(overrides[old]) for new, old in enumerate(firsts) if old in overrides}
+    small.per_layer_config = {new: overrides[old] for new, old in enumerate(firsts) if old in overrides}
     return small, len(firsts)
 
 
 def _restate_layer_fields(small: Any, config: Any) -> None:
     """`small` (the few-blocks model's config) given `config`'s depth and per-layer fields again."""
-    overrides = config._heterogeneity_spec.per_layer_overrides if getattr(config, "is_heterogeneous", False) \
-        else None
+    overrides = per_layer_overrides(config)
     if overrides is not None:
         small.per_layer_config = None
     small.num_hidden_layers = config.num_hidden_layers
     if isinstance(getattr(config, "layer_types", None), list):
         small.layer_types = list(config.layer_types)
     if overrides is not None:
-        small.per_layer_config = {i: dict(fields) for i, fields in overrides.items()}
+        small.per_layer_config = overrides
 
 
 def _widen_layer_outputs(model: nn.Module, built: int, count: int) -> None:
@@ -203,7 +202,7 @@ def _widen_layer_outputs(model: nn.Module, built: int, count: int) -> None:
     the checkpoint next)."""
     owner = owner_of(model, layers_path(model))[0]
     for path in adapter_for(model).layer_outputs:
-        module = _owned(owner, path)
+        module = submodule(owner, path)
         if module is None:
             continue
         weight = module.weight
@@ -215,13 +214,6 @@ def _widen_layer_outputs(model: nn.Module, built: int, count: int) -> None:
             module.out_features = shape[0]
         module.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device),
                                      requires_grad=weight.requires_grad)
-
-
-def _owned(owner: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return owner.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 class StreamedCheckpoint:

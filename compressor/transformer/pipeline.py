@@ -68,10 +68,10 @@ from .adapters import (
     block_lists,
     block_path,
     dims,
-    has_module,
     layers,
     stage_exit,
     stage_of,
+    submodule,
 )
 from .experts import (
     ALIGN,
@@ -455,9 +455,8 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         heads = 1 if gqa == "query-heads" else d.group  # query heads in one group
         q = 2 if adapter.gated_query else 1  # a gated query's rows: its query's and its gate's
         owner, _, name = adapter.v.rpartition(".")
-        attention = layers(model)[index].get_submodule(owner) if has_module(layers(model)[index], owner) else None
-        kv = 1 if attention is not None and getattr(attention, name, False) is None else 2  # Gemma 4's global
-        # layers' values are their keys (v_proj None)
+        attention = submodule(layers(model)[index], owner)  # Gemma 4's global layers' values are their keys:
+        kv = 1 if attention is not None and getattr(attention, name, False) is None else 2  # v_proj None
         projections = hidden * d.head_dim * ((q + 1) * heads + kv * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
     if shared:  # its input projections' rows and its down projection's column, at every token

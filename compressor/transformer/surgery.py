@@ -44,6 +44,7 @@ from .adapters import (
     layers,
     layers_path,
     restate_dense_ffn_layers,
+    submodule,
 )
 from .attention import use_gathered_attention
 from .experts import expert_hidden, expert_width, is_experts, keep_expert_neurons
@@ -486,7 +487,7 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         _keep_inverse_layer_scaling(block, old, new)
     _fold_layer_scales(model, blocks, gone)
     config = model.config
-    overrides = _per_layer_overrides(config)
+    overrides = per_layer_overrides(config)
     if overrides is not None:  # re-stated for the kept layers below, once the config says their number
         config.per_layer_config = None
     dense = dense_ffn_layers(config)  # a MoE family's layers with a dense FFN, as the config states them
@@ -523,7 +524,7 @@ def restate_depth(model: nn.Module) -> None:
         owner.first_kv_shared_layer_idx = config.num_hidden_layers - int(getattr(config, "num_kv_shared_layers", 0))
 
 
-def _per_layer_overrides(config: Any) -> dict[int, dict] | None:
+def per_layer_overrides(config: Any) -> dict[int, dict] | None:
     """A config's per-layer fields (transformers' `per_layer_config`: layer index -> the fields that layer states
     otherwise), or None where it has none."""
     if not getattr(config, "is_heterogeneous", False):
@@ -552,18 +553,14 @@ def _fold_layer_scales(model: nn.Module, blocks: Sequence[nn.Module], gone: set[
                 continue
             scale.mul_(carried.to(scale))
             for path in adapter.scaled_norms:
-                norm = _submodule_or_none(block, path)
+                norm = submodule(block, path)
                 if norm is not None and getattr(norm, "weight", None) is not None:
                     norm.weight.div_(carried.to(norm.weight))
             for path in adapter.scaled_reads:
-                linear = _submodule_or_none(block, path)
+                linear = submodule(block, path)
                 if linear is not None:
                     linear.weight.mul_(carried.to(linear.weight))
             carried = None
-
-
-def _submodule_or_none(block: nn.Module, path: str) -> nn.Module | None:
-    return block.get_submodule(path) if has_module(block, path) else None
 
 
 def _keep_layer_outputs(model: nn.Module, kept: Sequence[int], count: int) -> None:
@@ -571,13 +568,12 @@ def _keep_layer_outputs(model: nn.Module, kept: Sequence[int], count: int) -> No
     one equal block of a Linear's rows or an Embedding's columns per layer of the `count`, layer after layer)."""
     owner = owner_of(model, layers_path(model))[0]  # the text model of a causal LM, or the base model itself
     for path in adapter_for(model).layer_outputs:
-        if not has_module(owner, path):  # a config without them (Gemma 4 without per-layer embeddings)
+        module = submodule(owner, path)
+        if module is None:  # a config without them (Gemma 4 without per-layer embeddings)
             continue
-        module = owner.get_submodule(path)
-        full = path
         embedding = isinstance(module, nn.Embedding)
         width = module.weight.shape[1] if embedding else out_features(module)
-        assert width % count == 0, (full, width, count)
+        assert width % count == 0, (path, width, count)
         block = width // count
         keep = torch.cat([torch.arange(i * block, (i + 1) * block) for i in kept])
         if embedding:
