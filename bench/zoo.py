@@ -90,6 +90,11 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("qwen3_5_text", _lm("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", head_dim=8, linear_key_head_dim=8,
                          linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
                          **{**GQA, "num_hidden_layers": 4}), "text"),
+    # LFM2: gated short convolutions beside attention layers (LFM2-350M's 16 layers hold 6 attentions), a SwiGLU FFN
+    # of 2/3 of intermediate_size rounded to block_multiple_of (96 neurons)
+    ("lfm2", _lm("Lfm2ForCausalLM", "Lfm2Config", layer_types=["conv", "conv", "full_attention", "conv"],
+                 block_multiple_of=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 **{**GQA, "num_hidden_layers": 4, "intermediate_size": 144}), "text"),
     ("gemma", _lm("GemmaForCausalLM", "GemmaConfig", head_dim=8, **GQA), "text"),
     ("gemma2", _lm("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, sliding_window=16, **GQA), "text"),
     ("gemma3_text", _lm("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=16, **GQA), "text"),
@@ -186,6 +191,11 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     # Qwen3-MoE with a dense FFN layer between its MoE layers (mlp_only_layers)
     ("qwen3_moe_mixed", _lm("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=96, **{**GQA, "num_hidden_layers": 3}, mlp_only_layers=[1]), "text"),
+    # LFM2-MoE: LFM2's layer kinds, a dense first layer (num_dense_layers), then experts picked by sigmoid scores plus
+    # the block's expert bias (zeros at init), renormalised
+    ("lfm2_moe", _lm("Lfm2MoeForCausalLM", "Lfm2MoeConfig", layer_types=["conv", "full_attention", "conv"],
+                     num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**GQA, "num_hidden_layers": 3}), "text"),
     # GLM-4.5: a dense first layer, then experts chosen by grouped sigmoid routing beside ungated shared experts
     ("glm4_moe", _lm("Glm4MoeForCausalLM", "Glm4MoeConfig", head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
                      n_group=2, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=96, n_shared_experts=1,

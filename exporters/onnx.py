@@ -21,7 +21,7 @@ from torch import fx
 from compressor.precision import float32_view
 from compressor.transformer.adapters import ADAPTERS, adapter_at, max_sequence
 from compressor.transformer.attention import GATHERED
-from compressor.transformer.experts import experts_as_operator, routes_itself, routing_settled
+from compressor.transformer.experts import experts_as_operator, kept_in_float32, routing_settled
 from compressor.transformer.sublayers import kv_layers
 
 from .experts import translation_table
@@ -488,9 +488,10 @@ class Float16(torch.nn.Module):
                 buffer.data = kept[name].detach().clone()
         # a grouped sigmoid router (GLM-4.5's) is kept in float32 as transformers keeps it in a half model, with the
         # model's own values: its correction bias rounded to float16 would pick other experts than the model does
+        # (LFM2-MoE's router and its block's bias run in the model's dtype there, and here)
         originals = dict(model.named_modules())
         for name, module in self.model.named_modules():
-            if routes_itself(module):
+            if kept_in_float32(module):
                 module.float().load_state_dict(originals[name].state_dict())
         if hasattr(model, "config"):
             self.config = model.config
@@ -760,72 +761,88 @@ def check_hf_parity(model: torch.nn.Module, path: str | Path, inputs: dict[str, 
 class _DecodeStep(torch.nn.Module):
     """One decoding step of a HF causal LM with its KV cache as plain tensors: (input_ids, attention_mask,
     past key/value per layer with an attention) -> (logits, present key/value of those layers). Layers may have
-    different KV head counts (pruned models). A layer mixing tokens by linear attention (`recurrent_layers`) carries
-    its conv state (batch, channels, kernel) and its recurrent state (batch, value heads, key size, value size) in
-    its key's and value's places."""
+    different KV head counts (pruned models). A layer mixing tokens by linear attention (`layer_states`) carries
+    its conv state (batch, channels, kernel) and, where it has one, its recurrent state (batch, value heads, key size,
+    value size) instead."""
 
     def __init__(self, model: torch.nn.Module, layers: int) -> None:
         super().__init__()
         self.model, self.layers = model, layers
-        self.recurrent = recurrent_layers(model)
+        self.states = layer_states(model)
         # rotary positions of a hybrid cache are counted along the mask: its first layer may keep no positions
-        self.positions = _positions_from_mask(model) or any(self.recurrent)
+        self.positions = _positions_from_mask(model) or _hybrid(self.states)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cache = _cache_of(self.model, past, self.recurrent)
+        cache = _cache_of(self.model, past, self.states)
         extra = {}
         if self.positions:  # the new tokens' positions: the last columns of the whole mask's count
             extra["position_ids"] = mask_positions(attention_mask)[:, -input_ids.shape[1]:]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                          **{_cache_argument(self.model): cache}, **extra)
-        return (out.logits, *_state_of(_returned_cache(out), self.layers, self.recurrent))
+        return (out.logits, *_state_of(_returned_cache(out), self.states))
 
 
-def recurrent_layers(model: torch.nn.Module) -> list[bool]:
-    """Whether each cached layer mixes tokens by linear attention (`FamilyAdapter.linear_attention`: Qwen3.5's
-    Gated DeltaNet); empty where the family has no such layers. Their attentions are never removed alone, so the
-    cached layers are the blocks."""
+# what a cached layer carries from one step to the next: an attention's keys and values; a linear-attention mixer's
+# conv state and recurrent state (Gated DeltaNet), or its conv state alone (LFM2's short convolution)
+KEY_VALUE, CONV_RECURRENT, CONV = ("key", "value"), ("conv", "recurrent"), ("conv",)
+
+
+def layer_states(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """What each cached layer carries (`KEY_VALUE`, `CONV_RECURRENT`, `CONV`). A linear-attention mixer
+    (`FamilyAdapter.linear_attention`) is never removed alone, so the cached layers are the blocks of such a family."""
     family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None or family.linear_attention is None:
-        return []
-    return [adapter_at(model, i).recurrent for i in range(kv_layers(model))]
+        return [KEY_VALUE] * kv_layers(model)
+    linear = CONV_RECURRENT if family.linear_recurrent_state else CONV
+    return [linear if adapter_at(model, i).recurrent else KEY_VALUE for i in range(kv_layers(model))]
 
 
-def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], recurrent: list[bool]) -> Any:
-    """The model's cache holding `past` (two tensors a layer). A linear-attention layer's states are copies (its
-    layer updates them in place), marked as following earlier tokens: zeros are the states of no token at all."""
+def _hybrid(states: list[tuple[str, ...]]) -> bool:
+    """Whether some cached layer mixes tokens by linear attention."""
+    return any(s != KEY_VALUE for s in states)
+
+
+def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], states: list[tuple[str, ...]]) -> Any:
+    """The model's cache holding `past` (each layer's `states`, in turn). A linear-attention layer's states are copies
+    (its layer updates them in place), marked as following earlier tokens: zeros are the states of no token at all."""
     from transformers import DynamicCache
 
-    if not any(recurrent):
+    if not _hybrid(states):
         cache = DynamicCache()
         for i in range(len(past) // 2):
             cache.update(past[2 * i], past[2 * i + 1], i)
         return cache
     cache = DynamicCache(config=model.config)  # a linear-attention layer's slot where the config builds one
-    for i, linear in enumerate(recurrent):
-        first, second = past[2 * i], past[2 * i + 1]
+    tensors = iter(past)
+    for i, names in enumerate(states):
+        given = dict(zip(names, itertools.islice(tensors, len(names)), strict=True))
         layer = cache.layers[i]
-        if not linear:
-            layer.update(first, second)
+        if names == KEY_VALUE:
+            layer.update(given["key"], given["value"])
             continue
-        layer.device, layer.dtype = first.device, first.dtype
-        layer.conv_states[0], layer.recurrent_states[0] = first.clone(), second.clone()
-        layer.conv_kernel_size[0] = first.shape[-1]
-        layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+        conv = given["conv"]
+        layer.device, layer.dtype = conv.device, conv.dtype
+        layer.conv_states[0] = conv.clone()
+        layer.conv_kernel_size[0] = conv.shape[-1]
+        layer.is_conv_states_initialized[0] = True
+        if "recurrent" in given:
+            layer.recurrent_states[0] = given["recurrent"].clone()
+            layer.is_recurrent_states_initialized[0] = True
         layer.has_previous_state[0] = True
     # its token count stays 0: the step's positions come from the mask (`_DecodeStep.positions`), never the cache
     return cache
 
 
-def _state_of(cache: Any, layers: int, recurrent: list[bool]) -> list[torch.Tensor]:
-    """Two tensors per cached layer: its keys and values, or a linear-attention layer's conv and recurrent states."""
+def _state_of(cache: Any, states: list[tuple[str, ...]]) -> list[torch.Tensor]:
+    """Each cached layer's `states` in turn: its keys and values, or a linear-attention layer's conv state (and
+    recurrent state)."""
     out = []
-    for i, layer in enumerate(cache.layers[:layers]):
-        if recurrent and recurrent[i]:
-            out += [layer.conv_states[0], layer.recurrent_states[0]]
-        else:
+    for layer, names in zip(cache.layers, states, strict=False):  # a config's cache may hold more layers
+        if names == KEY_VALUE:
             out += [layer.keys, layer.values]
+        else:
+            out += [layer.conv_states[0], *([layer.recurrent_states[0]] if "recurrent" in names else [])]
     return out
 
 
@@ -841,18 +858,18 @@ def _returned_cache(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
-def decode_step_names(layers: int, recurrent: list[bool] | None = None) -> tuple[list[str], list[str]]:
+def decode_step_names(layers: int, states: list[tuple[str, ...]] | None = None) -> tuple[list[str], list[str]]:
     """The decode step's input and output names: optimum's past_key_values.N.key / present.N.value for a layer with
-    an attention; past_conv.N / past_recurrent.N and present_conv.N / present_recurrent.N for a linear-attention
-    layer's states (N the layer's index)."""
+    an attention; past_conv.N (and past_recurrent.N) / present_conv.N (and present_recurrent.N) for a linear-attention
+    layer's states (`layer_states`; N the layer's index)."""
     past, present = [], []
-    for i in range(layers):
-        if recurrent and recurrent[i]:
-            past += [f"past_conv.{i}", f"past_recurrent.{i}"]
-            present += [f"present_conv.{i}", f"present_recurrent.{i}"]
+    for i, names in enumerate(states if states is not None else [KEY_VALUE] * layers):
+        if names == KEY_VALUE:
+            past += [f"past_key_values.{i}.{part}" for part in names]
+            present += [f"present.{i}.{part}" for part in names]
         else:
-            past += [f"past_key_values.{i}.{part}" for part in ("key", "value")]
-            present += [f"present.{i}.{part}" for part in ("key", "value")]
+            past += [f"past_{part}.{i}" for part in names]
+            present += [f"present_{part}.{i}" for part in names]
     return ["input_ids", "attention_mask", *past], ["logits", *present]
 
 
@@ -862,13 +879,13 @@ def _past_of(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     model builds from its config keeps only a sliding layer's last window, which is not what the graph takes."""
     from transformers import DynamicCache
 
-    recurrent = recurrent_layers(model)
+    states = layer_states(model)
     # a linear-attention layer's slot is the one its config builds (no sliding-window layer beside such layers)
-    empty = DynamicCache(config=model.config) if any(recurrent) else DynamicCache()
+    empty = DynamicCache(config=model.config) if _hybrid(states) else DynamicCache()
     with torch.no_grad():
         cache = _returned_cache(model(input_ids=ids, use_cache=True, **{_cache_argument(model): empty}))
     # the attentions left are numbered 0, 1, ... (`sublayers`): one cache layer each, none for a removed attention
-    return _state_of(cache, kv_layers(model), recurrent)
+    return _state_of(cache, states)
 
 
 def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: str | Path, *,
@@ -881,11 +898,12 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     Input and output names follow the
     optimum convention (past_key_values.N.key / present.N.value); N counts the layers that keep an attention
     (a removed one keeps no cache)."""
-    layers, recurrent = kv_layers(model), recurrent_layers(model)
+    layers, states = kv_layers(model), layer_states(model)
+    recurrent = any(names == CONV_RECURRENT for names in states)  # a Gated DeltaNet, whose rule runs by chunks
     # two new tokens, so the export does not specialise the step to one; linear attention's, over more than one of its
     # chunks (a step of one chunk would be traced as one)
-    new = min(CHUNK + 2, max_length) if any(recurrent) else 2
-    if any(recurrent):  # a past of two tokens: within any max_length
+    new = min(CHUNK + 2, max_length) if recurrent else 2
+    if recurrent:  # a past of two tokens: within any max_length
         example_ids = tiled(example_ids, new + 2)
     past_len = example_ids.shape[1] - new
     if past_len < 2:
@@ -896,9 +914,9 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     step, length = torch.export.Dim("sequence", min=1, max=max_length), torch.export.Dim("past", min=0, max=max_length)
     total = torch.export.Dim("total", min=1, max=2 * max_length)  # past + sequence
     # a linear-attention layer's states have no length: only their batch varies
-    per_layer = [{0: batch} if recurrent and recurrent[i // 2] else {0: batch, 2: length} for i in range(len(past))]
+    per_layer = [{0: batch, 2: length} if names == KEY_VALUE else {0: batch} for names in states for _ in names]
     dynamic = ({0: batch, 1: step}, {0: batch, 1: total}, tuple(per_layer))
-    inputs, outputs = decode_step_names(layers, recurrent)
+    inputs, outputs = decode_step_names(layers, states)
     # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
     # both compute the same attention. Pruned query heads keep their gathered attention (eager's repeat_kv
     # assumes even groups); it never sets is_causal for the one-token step.
@@ -906,7 +924,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     if previous != GATHERED:
         model.config._attn_implementation = "eager"
     try:
-        chunked = traced_chunk(chunk_for(new)) if any(recurrent) else contextlib.nullcontext()
+        chunked = traced_chunk(chunk_for(new)) if recurrent else contextlib.nullcontext()
         with chunked:
             return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
                            weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,
@@ -970,6 +988,6 @@ def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Ten
 def _empty_past(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each cached layer's key and value with no position yet: (batch, its KV heads, 0, head size); a linear-attention
     layer's states of no token, zeros."""
-    recurrent = recurrent_layers(model)
-    return [torch.zeros_like(t) if recurrent and recurrent[i // 2] else t[:, :, :0]
-            for i, t in enumerate(_past_of(model, ids[:, :1]))]
+    kinds = [names == KEY_VALUE for names in layer_states(model) for _ in names]
+    return [t[:, :, :0] if attention else torch.zeros_like(t)
+            for attention, t in zip(kinds, _past_of(model, ids[:, :1]), strict=True)]

@@ -22,9 +22,8 @@ from ..errors import UnsupportedArchitecture
 FIXED_HEADS = "a norm spans all the heads' queries and keys together"
 # the `layer_types` entry of a layer built with a linear-attention mixer (transformers' name: Qwen3.5's, Qwen3-Next's)
 LINEAR_LAYER = "linear_attention"
-# ... why a linear-attention mixer's heads are not (`FamilyAdapter.linear_attention`)
-LINEAR_MIXER = ("a linear-attention (Gated DeltaNet) mixer's heads share its causal conv and each value head reads a "
-                "key head of a group: kept whole, with the mixer")
+# ... why a linear-attention mixer is kept whole where its units are not prunable (`FamilyAdapter.linear_heads` off)
+LINEAR_MIXER = "a linear-attention mixer of this family is kept whole: its units are not prunable"
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,9 @@ class FamilyAdapter:
     causal: bool = False
     # the config key of the FFN width (a pruned model whose layers kept equal widths says it there)
     ffn_key: str = "intermediate_size"
+    # config fields set beside a stated FFN width, so that the family builds that width as it stands (LFM2's
+    # block_auto_adjust_ff_dim, which otherwise builds 2/3 of intermediate_size rounded to block_multiple_of)
+    ffn_config: tuple[tuple[str, Any], ...] = ()
     # the config carries head_dim: the head count can change without changing the head size (otherwise
     # the head size is hidden / heads, and only an FFN-only pruning can be said in the config)
     config_head_dim: bool = False
@@ -203,6 +205,15 @@ class FamilyAdapter:
     # `linear_attn`: a causal conv and a gated delta rule whose state is a matrix a head, not a KV cache): kept whole
     # (neither a head nor the mixer alone is a unit), its FFN pruned as any other; `at` gives such a block's record
     linear_attention: str | None = None
+    # ... the `layer_types` entry of the blocks built with it (transformers' "linear_attention"; LFM2's "conv")
+    linear_layer_type: str = LINEAR_LAYER
+    # ... whether its units are prunable (`surgery.prune_mixer_units`): a Gated DeltaNet's key heads, each with the
+    # value heads that read it; a gated short convolution's channels (LFM2's, each its own B, C and x rows, filter
+    # and output column); else it stays whole
+    linear_heads: bool = False
+    # ... whether it carries a recurrent state from token to token beside its conv state (Gated DeltaNet's, a matrix a
+    # value head; LFM2's short convolution carries its conv state alone): the decode step's states of such a layer
+    linear_recurrent_state: bool = True
     # this record is a block's linear-attention mixer's (`at`): `o` its output projection, heads kept whole
     recurrent: bool = False
 
@@ -246,11 +257,12 @@ def has_module(block: nn.Module, path: str) -> bool:
 @functools.cache
 def _recurrent_record(adapter: FamilyAdapter) -> FamilyAdapter:
     """`adapter` for its blocks with a linear-attention mixer (`FamilyAdapter.linear_attention`): the mixer's input
-    and output projections in the attention's place, its heads kept whole, never removed alone."""
+    and output projections in the attention's place, never removed alone; its key groups a unit where
+    `linear_heads` (pruned by `surgery.prune_mixer_units`), else it stays whole."""
     mixer = adapter.linear_attention
     return replace(adapter, q=f"{mixer}.in_proj_qkv", k=f"{mixer}.in_proj_qkv", v=f"{mixer}.in_proj_qkv",
-                   o=f"{mixer}.out_proj", heads_prunable=False, attention_alone=False, gated_query=False,
-                   head_rows=(), kv_head_rows=(), recurrent=True)
+                   o=f"{mixer}.out_proj", heads_prunable=adapter.linear_heads, attention_alone=False,
+                   gated_query=False, head_rows=(), kv_head_rows=(), recurrent=True)
 
 
 @functools.cache
@@ -326,7 +338,14 @@ QWEN2_MOE = replace(MOE_LIKE, ffn_key="moe_intermediate_size", shared_down="mlp.
                     shared_key="shared_expert_intermediate_size")
 # Qwen3.5 (its language model, qwen3_5_text): Gated DeltaNet mixers (linear_attn) in three of every four layers, Qwen3's
 # attention with an output gate (q_proj: [q_h | gate_h] a head) in the fourth, Llama's MLP in every layer
-QWEN3_5 = replace(LLAMA_LIKE, gated_query=True, linear_attention="linear_attn")
+QWEN3_5 = replace(LLAMA_LIKE, gated_query=True, linear_attention="linear_attn", linear_heads=True)
+# LFM2 (Liquid AI): Llama's attention (out_proj, per-head q/k norms) in some layers, a gated short convolution in the
+# others (`conv`: in_proj gives B, C and x, the output C * conv(B * x) through out_proj, its channels pruned as a unit,
+# its conv state the decode step's), a SwiGLU FFN under feed_forward (w1 the gate, w3 up, w2 down) sized from
+# intermediate_size by block_auto_adjust_ff_dim unless that is off
+LFM2 = replace(LLAMA_LIKE, o="self_attn.out_proj", up=("feed_forward.w3", "feed_forward.w1"), down="feed_forward.w2",
+               linear_attention="conv", linear_layer_type="conv", linear_recurrent_state=False, linear_heads=True,
+               ffn_config=(("block_auto_adjust_ff_dim", False),))
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -477,6 +496,13 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen2": LLAMA_LIKE,
     "qwen3": LLAMA_LIKE,
     "qwen3_5_text": QWEN3_5,
+    "lfm2": LFM2,
+    # LFM2-MoE (LFM2-8B-A1B): LFM2's layers, the FFNs after the first num_dense_layers MoE layers under feed_forward
+    # (3-D experts; a router, gate, picking by sigmoid scores plus the block's expert_bias, its weights renormalised
+    # and scaled by routed_scaling_factor: `experts.BLOCK_BIASED_ROUTERS`); its dense FFNs sized by intermediate_size
+    "lfm2_moe": replace(LFM2, up=(), down="feed_forward.experts", experts_per_token_key="num_experts_per_tok",
+                        ffn_key="moe_intermediate_size", ffn_config=(), dense_up=("feed_forward.w3", "feed_forward.w1"),
+                        dense_down="feed_forward.w2"),
     "gemma": LLAMA_LIKE,
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
@@ -545,10 +571,11 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "qwen2_moe": replace(QWEN2_MOE, **DENSE_MLP),
     # Qwen3.5-MoE (its language model, qwen3_5_moe_text): Qwen3.5's Gated DeltaNet and gated-query attention layers,
     # each with Qwen2-MoE's routed experts beside a gated shared expert (renormalised top-k, no dense layers)
-    "qwen3_5_moe_text": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn"),
+    "qwen3_5_moe_text": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn", linear_heads=True),
     # Qwen3-Next: the same layers, its DeltaNet's projections fused (in_proj_qkvz, in_proj_ba), dense FFN layers by
     # mlp_only_layers / decoder_sparse_step, routing weights renormalised by its config (norm_topk_prob)
-    "qwen3_next": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn", **DENSE_MLP),
+    "qwen3_next": replace(QWEN2_MOE, gated_query=True, linear_attention="linear_attn", linear_heads=True,
+                          **DENSE_MLP),
     # GLM-4.5 / 4.6 (glm4_moe): dense FFNs in the first first_k_dense_replace layers, then routed experts chosen by
     # sigmoid scores within the best groups (`experts.routes_itself`) beside ungated shared experts; partial rotary.
     # dots.llm1 (dots1): the same layers with Qwen3's per-head q/k norms; EXAONE-MoE (exaone_moe): its dense layers
@@ -606,6 +633,11 @@ REFUSED: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5-MoE checkpoints with a vision tower are multimodal (images and text in one model); their "
                    "language model alone is supported, saved as a qwen3_5_moe_text checkpoint: "
                    "Qwen3_5MoeForCausalLM.from_pretrained(path).save_pretrained(out)",
+    "lfm2_vl": "LFM2-VL checkpoints hold a vision tower beside the language model (images and text in one model); "
+               "their language model alone is supported, saved as an lfm2 checkpoint: "
+               "m = Lfm2VlForConditionalGeneration.from_pretrained(path); with torch.device('meta'): "
+               "lm = Lfm2ForCausalLM(m.config.text_config); lm.model, lm.lm_head = m.model.language_model, m.lm_head; "
+               "lm.save_pretrained(out)",
     **dict.fromkeys(("llama4", "llama4_text"),
                     "Llama 4's experts read their input scaled by the router's sigmoid score, which ONNX Runtime's "
                     "MoE operator (it scales the experts' outputs) does not compute; Llama 3 (llama) is supported"),
@@ -729,9 +761,8 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
 def dense_ffn_layers(config: Any) -> list[bool] | None:
     """Which layers a MoE family's config (object or config.json dict) builds with a dense FFN, per layer, or None
     where it builds every FFN alike: EXAONE-MoE's `mlp_layer_types` ("dense" / "sparse"); ERNIE 4.5's MoE range and
-    interval; GLM-4.5's and dots.llm1's
-    first `first_k_dense_replace`; Qwen2- / Qwen3-MoE's `mlp_only_layers` and every layer but each
-    `decoder_sparse_step`-th."""
+    interval; GLM-4.5's and dots.llm1's first `first_k_dense_replace`, LFM2-MoE's first `num_dense_layers`; Qwen2- /
+    Qwen3-MoE's `mlp_only_layers` and every layer but each `decoder_sparse_step`-th."""
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
     model_type, n = get("model_type"), int(get("num_hidden_layers") or 0)
     if model_type not in ADAPTERS or ADAPTERS[model_type].dense_down is None:
@@ -741,8 +772,9 @@ def dense_ffn_layers(config: Any) -> list[bool] | None:
     if get("moe_layer_interval") is not None:  # ERNIE 4.5: MoE from start to end (-1: the last), every interval-th
         start, end = _ernie_moe_range(get, n)
         return [not ((i + 1) % int(get("moe_layer_interval")) == 0 and start <= i <= end) for i in range(n)]
-    if get("first_k_dense_replace") is not None:
-        return [i < int(get("first_k_dense_replace")) for i in range(n)]
+    for key in ("first_k_dense_replace", "num_dense_layers"):  # GLM-4.5's, LFM2-MoE's: the first k
+        if get(key) is not None:
+            return [i < int(get(key)) for i in range(n)]
     only, step = set(get("mlp_only_layers") or ()), int(get("decoder_sparse_step") or 1)
     experts = _experts_count(get)
     return [i in only or not experts or (i + 1) % step != 0 for i in range(n)]
@@ -768,8 +800,8 @@ def _experts_count(get: Callable[..., Any]) -> int:
 def restate_dense_ffn_layers(config: Any, dense: Sequence[bool]) -> None:
     """Set the config's keys of which layers have a dense FFN to `dense` (per layer, e.g. the kept ones once layers
     are removed): EXAONE-MoE's `mlp_layer_types` (its first_k_dense_replace, which only fills a missing list, set to
-    the leading dense layers), ERNIE 4.5's MoE range (one run), GLM-4.5's `first_k_dense_replace` (a prefix), Qwen's
-    `mlp_only_layers` (with decoder_sparse_step 1, which states any pattern)."""
+    the leading dense layers), ERNIE 4.5's MoE range (one run), GLM-4.5's `first_k_dense_replace` and LFM2-MoE's
+    `num_dense_layers` (a prefix), Qwen's `mlp_only_layers` (with decoder_sparse_step 1, which states any pattern)."""
     if getattr(config, "mlp_layer_types", None) is not None:
         config.mlp_layer_types = ["dense" if d else "sparse" for d in dense]
         if getattr(config, "first_k_dense_replace", None) is not None:
@@ -782,12 +814,13 @@ def restate_dense_ffn_layers(config: Any, dense: Sequence[bool]) -> None:
         # none left: a range past the last layer (not -1, which says the last one)
         config.moe_layer_start_index, config.moe_layer_end_index = (moe[0], moe[-1]) if moe else (len(dense),
                                                                                                  len(dense))
-    elif getattr(config, "first_k_dense_replace", None) is not None:
+    elif (key := next((name for name in ("first_k_dense_replace", "num_dense_layers")
+                       if getattr(config, name, None) is not None), None)) is not None:
         k = sum(dense)
         if list(dense) != [i < k for i in range(len(dense))]:
             raise ValueError(f"dense FFN layers {[i for i, d in enumerate(dense) if d]} are not the first ones, which "
-                             "is all first_k_dense_replace can state")
-        config.first_k_dense_replace = k
+                             f"is all {key} can state")
+        setattr(config, key, k)
     elif hasattr(config, "mlp_only_layers"):
         config.mlp_only_layers = [i for i, d in enumerate(dense) if d]
         config.decoder_sparse_step = 1

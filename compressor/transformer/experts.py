@@ -201,6 +201,28 @@ def _normalised(router: nn.Module) -> bool:
 # routers that pick their experts by the sparse mixer (`sparse_mixer`), by class name; a half-precision model read
 # in float32 (`precision.float32_view`) has a parametrized subclass of them, so the whole MRO is read
 SPARSE_MIXER_ROUTERS = ("PhimoeTopKRouter",)
+# ... by sigmoid scores plus the bias their MoE block holds (`expert_bias`, passed to their forward), their weights
+# renormalised and scaled (LFM2-MoE's)
+BLOCK_BIASED_ROUTERS = ("Lfm2MoeTopKRouter",)
+
+
+def _block_biased(router: nn.Module) -> bool:
+    """Whether `router` is one of `BLOCK_BIASED_ROUTERS` (along the MRO, as `SPARSE_MIXER_ROUTERS`)."""
+    return any(cls.__name__ in BLOCK_BIASED_ROUTERS for cls in type(router).__mro__)
+
+
+def kept_in_float32(router: nn.Module) -> bool:
+    """Whether transformers keeps `router` in float32 in a half-precision model (`_keep_in_fp32_modules_strict`): the
+    routers that route themselves (`routes_itself`) but LFM2-MoE's, which runs in the model's dtype."""
+    return routes_itself(router) and not _block_biased(router)
+
+
+def _route(block: nn.Module, router: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A router that routes itself (`routes_itself`) on x (tokens, hidden): (logits, weights, index), as its forward
+    gives them, with its block's expert bias where it reads one (`BLOCK_BIASED_ROUTERS`)."""
+    if _block_biased(router):
+        return router(x, getattr(block, "expert_bias", None))
+    return router(x)
 
 
 def _mixer_eps(router: nn.Module) -> float | None:
@@ -215,9 +237,12 @@ def routes_itself(router: nn.Module) -> bool:
     computes: by sigmoid scores plus a correction bias, within the best groups of experts, its weights rescaled
     (GLM-4.5's, DeepSeek-V3's); by softmax scores within the groups of the best single experts, or greedily, its
     weights scaled and not renormalised (DeepSeek-V2's `topk_method`); by softmax scores plus a correction bias, the
-    scores renormalised as weights (ERNIE 4.5's `moe_statics`). Such a router's own forward gives the export
+    scores renormalised as weights (ERNIE 4.5's `moe_statics`); by sigmoid scores plus its block's bias, renormalised
+    and scaled (LFM2-MoE's, `BLOCK_BIASED_ROUTERS`). Such a router's own forward gives the export
     its picks and weights (`_as_operator`)."""
     if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus its correction bias pick, the scores weigh
+        return True
+    if _block_biased(router):  # LFM2-MoE: sigmoid scores (plus its block's bias) pick and weigh
         return True
     return hasattr(router, "topk_group") and (hasattr(router, "e_score_correction_bias")
                                               or getattr(router, "topk_method", None) is not None)
@@ -298,7 +323,7 @@ def _as_operator(block: nn.Module, hidden_states: Tensor, pair: bool = False) ->
     router = router_of(block)
     scale = None
     if routes_itself(router):  # its picks and weights as logits the node's softmax and top-k give back, renormalised
-        _, weights, index = router(x)  # (tokens, k) each
+        _, weights, index = _route(block, router, x)  # (tokens, k) each
         weights = weights.float()
         # (tokens, 1): the weights' sum, by which the output is scaled back (floored as the router floors its own)
         scale = weights.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -350,7 +375,7 @@ def routing_settled(model: nn.Module) -> Iterator[list[Tensor]]:
             found.append(_mixer_clear(logits, eps, margin))
             return
         if routes_itself(router):
-            found.append(_groups_clear(router, logits, margin))
+            found.append(_groups_clear(router, logits, margin, getattr(block, "expert_bias", None)))
             return
         k = int(router.top_k)
         top = logits.topk(min(k + 1, logits.shape[-1]), -1).values.float()
@@ -388,16 +413,23 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
     return clear
 
 
-def _groups_clear(router: nn.Module, logits: Tensor, margin: float) -> Tensor:
-    """Whether the choices of a router that routes itself (`routes_itself`: GLM-4.5's, DeepSeek-V2's, ERNIE 4.5's)
-    are clear of rounding at each token: its topk_group-th group ahead of the next by `margin`, and its k-th expert
-    within the chosen groups ahead of the next; (...,) bool."""
+def _groups_clear(router: nn.Module, logits: Tensor, margin: float, block_bias: Tensor | None = None) -> Tensor:
+    """Whether the choices of a router that routes itself (`routes_itself`: GLM-4.5's, DeepSeek-V2's, ERNIE 4.5's,
+    LFM2-MoE's, whose bias its block holds: `block_bias`) are clear of rounding at each token: its topk_group-th group
+    ahead of the next by `margin`, and its k-th expert within the chosen groups ahead of the next; (...,) bool."""
     method = getattr(router, "topk_method", None)
     # two scores are apart by more than `margin` times a size clamped to (low, high): sigmoid scores (about 0.5) by
     # `margin` itself, logits as a plain router's (by the first's magnitude); ERNIE's by a share of the two experts'
     # own softmax scores, which rounding moves, not the bias
     low, high, unbiased = 1.0, 1.0, None
-    if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
+    if _block_biased(router):  # LFM2-MoE: sigmoid scores plus its block's bias (where it has one), one group
+        scores = logits.float().sigmoid()
+        if block_bias is not None and router.use_expert_bias:
+            scores = scores + block_bias.float()
+        groups, chosen = 1, 1
+        by_group = scores.unflatten(-1, (1, -1))
+        group_scores = by_group.max(-1).values
+    elif hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus a correction bias, one group
         unbiased = logits.float().softmax(-1)
         scores = unbiased + router.moe_statics.e_score_correction_bias.float().squeeze(0)
         groups, chosen, low, high = 1, 1, 0.0, None
@@ -449,7 +481,8 @@ def check_exportable(block: nn.Module) -> None:
     act = getattr(block.experts, "act_fn", None)
     if interleaved(block.experts):  # gpt-oss's clamped SwiGLU: the node's swiglu with its alpha, beta and limit
         return
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' ACT2FN["silu"]
+    # torch's module, transformers' ACT2FN["silu"], or the function itself (LFM2-MoE's experts)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation") and act is not nn.functional.silu:
         raise ValueError(f"experts with activation {type(act).__name__} are not exported: ONNX Runtime's MoE "
                          "operator computes SwiGLU (SiLU-gated) experts")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS, LINEAR_LAYER, dense_ffn_layers, family_record, kv_heads_of
+from .adapters import ADAPTERS, dense_ffn_layers, family_record, kv_heads_of
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -196,9 +196,13 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     group = heads_before // kv_before
     heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
-    if adapter.linear_attention is not None:  # a linear-attention layer's mixer is whole: no head count to state
-        attends = [kind != LINEAR_LAYER for kind in config.get("layer_types") or []]
+    units = None  # a linear-attention mixer's kept units, the same in each such layer
+    if adapter.linear_attention is not None:  # a linear-attention layer's heads are no attention heads to state
+        attends = [kind != adapter.linear_layer_type for kind in config.get("layer_types") or []]
         if len(attends) != len(heads):
+            return None
+        units = {u for u, a in zip(manifest.get("mixer_units") or [], attends, strict=False) if not a}
+        if len(units) > 1:
             return None
         heads = [h for h, a in zip(heads, attends, strict=True) if a]
         maps = None if maps is None else [m for m, a in zip(maps, attends, strict=True) if a]
@@ -229,10 +233,17 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     out = dict(config)
     if ffn:
         out[ffn_key] = int(ffn[0])
+        out.update(adapter.ffn_config)
     if dense_ffn:
         out[adapter.dense_key] = int(dense_ffn[0])
     if shared:
         out[adapter.shared_key] = int(shared[0])
+    # a Gated DeltaNet's key groups (value heads per key head stay as they were); an LFM2 short convolution's channels
+    # are hidden_size's, which no key states apart: a pruned one does not build as saved (`_builds_as_saved`)
+    if units and "linear_num_key_heads" in config:
+        (groups,) = units
+        ratio = int(config["linear_num_value_heads"]) // int(config["linear_num_key_heads"])
+        out["linear_num_key_heads"], out["linear_num_value_heads"] = int(groups), int(groups) * ratio
     if (kept, kv_heads) != (heads_before, kv_before):
         if not adapter.config_head_dim:
             return None

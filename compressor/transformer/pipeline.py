@@ -91,9 +91,12 @@ from .surgery import (
     dense_weight,
     head_groups,
     in_features,
+    mixer_unit_width,
+    mixer_units,
     projection,
     prune_ffn,
     prune_heads,
+    prune_mixer_units,
     prune_query_heads,
     prune_shared_ffn,
     query_heads,
@@ -447,7 +450,9 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         qk = int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
         rows = (c.q_lora_rank or hidden) * qk + int(c.kv_lora_rank) * (int(c.qk_nope_head_dim) + int(c.v_head_dim))
         return share * float(rows + d.head_dim * hidden + sequence_length * (qk + d.head_dim))
-    if kind == "attention_heads" and adapter.recurrent:  # a linear-attention mixer: no head is a unit
+    if kind == "attention_heads" and adapter.recurrent and adapter.heads_prunable:
+        return share * _mixer_unit_cost(model, index)
+    if kind == "attention_heads" and adapter.recurrent:  # a linear-attention mixer without heads: whole
         return 0.0
     if kind == "attention_heads":
         if adapter.window_key is not None:
@@ -466,6 +471,22 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     return share * float(hidden * (1 + adapter.up_matrices))
 
 
+def _mixer_unit_cost(model: nn.Module, index: int) -> float:
+    """Multiply-adds per token of one unit of block `index`'s linear-attention mixer (`surgery.mixer_units`): a short
+    convolution's channel (its B, C and x rows, output column, conv taps); a Gated DeltaNet's key group (one key
+    head, the r value heads reading it): its query and key rows, its value heads' value, gate, beta and decay rows and
+    output columns, their conv taps, and each value head's state (key size x value size) read and written a token."""
+    mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
+    hidden = block_hidden(model, index)
+    if not hasattr(mixer, "num_k_heads"):  # LFM2's short convolution
+        return float(4 * hidden + int(mixer.conv.kernel_size[0]))
+    hk, hv = int(mixer.head_k_dim), int(mixer.head_v_dim)
+    r = int(mixer.num_v_heads) // int(mixer.num_k_heads)
+    rows = 2 * hk + 2 * r * hv + 2 * r  # q, k; v, z; b, a
+    taps = int(mixer.conv1d.kernel_size[0]) * (2 * hk + r * hv)
+    return float(hidden * (rows + r * hv) + taps + 4 * r * hk * hv)
+
+
 def stand_in_scale(model: nn.Module, block: nn.Module) -> Tensor | None:
     """What a removed block leaves of the stream besides the stream itself: its output scalar
     (`FamilyAdapter.layer_scale`, Gemma 4's; `remove_layers` carries it into the next kept block), or None."""
@@ -482,11 +503,18 @@ def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
     """Multiply-adds per token of block `index`'s attention that no head owns, which only its removal saves:
     multi-head latent attention's down-projections into the query latent and the shared key / value latent with its
     rotary key (`FamilyAdapter.latent_attention`); a linear-attention mixer's projections and its state's reads and
-    writes, all of it (`FamilyAdapter.linear_attention`); 0 elsewhere."""
-    if adapter_at(model, index).recurrent:  # a linear-attention mixer, whole: its projections and its state's update
+    writes, all of it, where its units are not prunable (`FamilyAdapter.linear_heads` off); 0 elsewhere (a Gated
+    DeltaNet's key groups, a short convolution's channels own its every part)."""
+    record = adapter_at(model, index)
+    if record.recurrent and record.heads_prunable:  # its units own all of it (`group_cost`)
+        return 0.0
+    if record.recurrent:  # a linear-attention mixer, whole: its projections and its state's update
         mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
-        weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear))
-        state = int(mixer.num_v_heads) * int(mixer.head_k_dim) * int(mixer.head_v_dim)  # a token reads and writes it
+        # its projections and its depthwise conv (a multiply-add a weight); LFM2's short conv has no state beyond it
+        weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear | nn.Conv1d))
+        state = 0
+        if adapter_for(model).linear_recurrent_state:  # Gated DeltaNet: a matrix a value head, read and written a token
+            state = int(mixer.num_v_heads) * int(mixer.head_k_dim) * int(mixer.head_v_dim)
         return float(weights + 4 * state)
     if not adapter_for(model).latent_attention:
         return 0.0
@@ -576,7 +604,8 @@ def prune_blocks(
     if not adapter.heads_prunable and not isinstance(ratio, Mapping) and ratio > 0:
         emit(progress, warning(f"{model.config.model_type}'s attention heads are not a prunable unit ({FIXED_HEADS}): "
                                "its attentions stay whole, the ratio prunes the FFN neurons"), log)
-    if adapter.linear_attention is not None and not isinstance(ratio, Mapping) and ratio > 0:
+    if adapter.linear_attention is not None and not adapter.linear_heads and not isinstance(ratio, Mapping) \
+            and ratio > 0:
         log.info("%s's linear-attention mixers stay whole (%s): the ratio prunes the FFN neurons and the attention "
                  "layers' heads", model.config.model_type, LINEAR_MIXER)
     if adapter.bias_relay is not None:
@@ -587,7 +616,7 @@ def prune_blocks(
     reports = []
     flat_warned = False  # a projection calibrated on fewer tokens than it keeps inputs: said once
     align_warned = False  # a MoE layer's experts keeping more neurons than planned (`experts.ALIGN`): said once
-    unplanned_warned = False  # a shared expert a width plan does not name (kept whole): said once
+    unplanned: set[str] = set()  # the units an earlier release's width plan does not name (kept whole): said once
     fitted = 0.0  # seconds the blocks' reconstructions took so far (of `refine.seconds`)
     # the blocks that will be fitted: not removed whole, not both sub-layers removed (they share the allowance)
     fitting = [j for j in range(d.layers) if j not in skip and not {(j, ATTENTION), (j, FFN)} <= set(sublayers)]
@@ -631,11 +660,14 @@ def prune_blocks(
             if kind == ATTENTION and not here_adapter.heads_prunable:  # OLMo 2's, a linear-attention mixer: whole
                 continue
             name = f"{here}.{path}"
-            if shared and isinstance(ratio, Mapping) and name not in ratio:  # a plan of an earlier release
-                if not unplanned_warned:
-                    unplanned_warned = True
-                    emit(progress, warning(f"{name}: the width plan names no width for it (a plan from before shared "
-                                           "experts were pruned): kept whole, as then; further such layers are not "
+            linear = kind == ATTENTION and here_adapter.recurrent  # a linear-attention mixer's units
+            # units that a plan of an earlier release does not name: kept whole, as then
+            unit = "shared experts" if shared else "linear-attention mixers' units" if linear else None
+            if unit is not None and isinstance(ratio, Mapping) and name not in ratio:
+                if unit not in unplanned:
+                    unplanned.add(unit)
+                    emit(progress, warning(f"{name}: the width plan names no width for it (a plan from before {unit} "
+                                           "were pruned): kept whole, as then; further such layers are not "
                                            "reported"), log)
                 continue
             solved = True
@@ -691,7 +723,7 @@ def prune_blocks(
                 for handle in (h1, h2, *(h for _, h in gates)):
                     handle.remove()
             finished = stats.finish(center)
-            g = _head_rows(dims(model, i), gqa) if kind == ATTENTION else 1
+            g = mixer_unit_width(model, i) if linear else _head_rows(dims(model, i), gqa) if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
             _check_finite(name, finished, activation_dtype)
             num_prune = planned_prune(name, groups, ratio)
@@ -703,7 +735,8 @@ def prune_blocks(
                         "so the solve cannot rank supports beyond its damping; calibrate on more tokens than a "
                         "projection keeps inputs (further such layers are not reported)")
                 emit(progress, warning(flat), log)  # a job's warnings also go to its report
-            cut = prune_heads_by if kind == ATTENTION else prune_shared_ffn if shared else prune_ffn
+            cut = prune_mixer_units if linear else prune_heads_by if kind == ATTENTION else \
+                prune_shared_ffn if shared else prune_ffn
             apply = functools.partial(_surgery, model, i, cut, proj, center)
             if choosing:
                 apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, block, path, W_hat, scale,
@@ -1045,12 +1078,18 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
             for kind in KINDS:
                 if (i, kind) in sublayers:  # removed alone: the plan need not name its width either
                     remove_sublayer(resized, i, kind)
-            heads = 0 if (i, ATTENTION) in sublayers else query_heads(resized, i) if single else head_groups(resized, i)
             here = block_path(resized, i)
             record = adapter.at(layers(resized)[i])  # a linear-attention block's mixer
-            prunable = heads and record.heads_prunable  # OLMo 2's heads stay whole, a linear-attention mixer too
+            linear = record.recurrent and record.heads_prunable  # a linear-attention mixer's units, in either gqa
+            heads = 0 if (i, ATTENTION) in sublayers else mixer_units(resized, i) if linear else \
+                query_heads(resized, i) if single else head_groups(resized, i)
+            prunable = heads and record.heads_prunable  # OLMo 2's heads stay whole, LFM2's short convolution too
+            if linear and isinstance(plan, Mapping) and f"{here}.{record.o}" not in plan:
+                prunable = False  # an earlier release's plan, which kept every linear-attention mixer whole
             kept = heads - planned_prune(f"{here}.{record.o}", heads, plan) if prunable else heads
-            if kept < heads:
+            if linear and kept < heads:
+                prune_mixer_units(resized, i, torch.arange(kept))
+            elif kept < heads:
                 # query head h reads KV head h // group: order by (rank within its KV group, KV head)
                 group = dims(resized, i).group  # (Gemma 4's global layers: their own)
                 spread = sorted(range(heads), key=lambda h: (h % group, h // group)) if single else range(heads)

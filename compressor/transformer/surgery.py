@@ -199,11 +199,15 @@ def _keep_heads(model: nn.Module, layer: nn.Module, heads: Tensor, kv_heads: Ten
     """Keep query heads `heads` and KV heads `kv_heads` (indices of the current ones) in q/k/v and the output
     projection, and every count the attention reads (its attributes, its config view)."""
     adapter, hd = adapter_for(model).at(layer), dims(model, _index_of(model, layer)).head_dim
-    if not adapter.heads_prunable and len(heads) < _query_width(model, layer) // hd:
+    narrowed = len(heads) < _query_width(model, layer) // hd
+    if not adapter.heads_prunable and narrowed:
         why = LINEAR_MIXER if adapter.recurrent else \
             f"{FIXED_HEADS}, so removing a head would renormalise every kept one"
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention heads are not a prunable unit: {why}")
-    if adapter.recurrent:  # a linear-attention mixer keeps every head: nothing to cut
+    if adapter.recurrent:  # a linear-attention mixer: its attention's heads are no unit of it
+        if narrowed:
+            raise ValueError(f"layer {_index_of(model, layer)} mixes tokens by linear attention, whose units are no "
+                             "attention heads: prune_mixer_units")
         return
     q_rows, kv_rows = group_rows(heads, hd), group_rows(kv_heads, hd)
     if adapter.latent_attention:  # each head's query rows and its key / value rows from the shared latent
@@ -379,6 +383,101 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     _keep_heads(model, layer, group_rows(keep, d.group), keep, o_weight)
 
 
+def _mixer(model: nn.Module, index: int) -> nn.Module:
+    """Block `index`'s linear-attention mixer whose units are prunable (`FamilyAdapter.linear_heads`), refusing any
+    other block."""
+    adapter = adapter_at(model, index)
+    if not (adapter.recurrent and adapter.heads_prunable):
+        raise ValueError(f"layer {index} has no linear-attention mixer with prunable units")
+    return layers(model)[index].get_submodule(adapter_for(model).linear_attention)
+
+
+def _short_conv(mixer: nn.Module) -> bool:
+    """Whether a linear-attention mixer is LFM2's gated short convolution (else a Gated DeltaNet)."""
+    return not hasattr(mixer, "num_k_heads")
+
+
+def mixer_units(model: nn.Module, index: int) -> int:
+    """Prunable units of block `index`'s linear-attention mixer: a Gated DeltaNet's key heads (each with the value
+    heads reading it), a short convolution's channels."""
+    mixer = _mixer(model, index)
+    return int(mixer.conv.in_channels) if _short_conv(mixer) else int(mixer.num_k_heads)
+
+
+def mixer_unit_width(model: nn.Module, index: int) -> int:
+    """The output projection's input columns of one unit of block `index`'s linear-attention mixer: a key group's
+    value heads', one channel's."""
+    mixer = _mixer(model, index)
+    if _short_conv(mixer):
+        return 1
+    return int(mixer.num_v_heads) // int(mixer.num_k_heads) * int(mixer.head_v_dim)
+
+
+def prune_mixer_units(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
+                      o_weight: Tensor | None = None) -> None:
+    """Keep units `keep` of block `index`'s linear-attention mixer (`mixer_units`); o_weight: the refit output
+    projection (out x kept columns). Every other unit's output is unchanged, so removing one equals zeroing its
+    output projection columns."""
+    mixer = _mixer(model, index)
+    if _short_conv(mixer):
+        _keep_conv_channels(mixer, check_keep(keep, int(mixer.conv.in_channels), f"layer {index} conv channels"),
+                            o_weight)
+    else:
+        _keep_key_groups(mixer, check_keep(keep, int(mixer.num_k_heads), f"layer {index} delta-net key heads"),
+                         o_weight)
+
+
+def _keep_depthwise(conv: nn.Conv1d, channels: Tensor) -> None:
+    """Keep `channels` of a depthwise conv (a channel's filter is its weight row)."""
+    conv.weight = nn.Parameter(conv.weight.data.index_select(0, channels.to(conv.weight.device)).clone(),
+                               requires_grad=False)
+    if conv.bias is not None:
+        conv.bias = nn.Parameter(conv.bias.data.index_select(0, channels.to(conv.bias.device)).clone(),
+                                 requires_grad=False)
+    conv.in_channels = conv.out_channels = conv.groups = channels.numel()
+
+
+def _keep_conv_channels(mixer: nn.Module, keep: Tensor, o_weight: Tensor | None) -> None:
+    """LFM2's short convolution y = C * conv(B * x), each channel c its own: its B, C and x rows of in_proj ([B | C |
+    x], a third each), its filter and its out_proj column."""
+    width = int(mixer.conv.in_channels)
+    keep_output_rows(mixer.in_proj, torch.cat([keep, width + keep, 2 * width + keep]))
+    _keep_depthwise(mixer.conv, keep)
+    keep_input_columns(mixer.out_proj, keep, o_weight)
+
+
+def _keep_key_groups(mixer: nn.Module, keep: Tensor, o_weight: Tensor | None) -> None:
+    """A Gated DeltaNet's key heads `keep`, each with the value heads that read it (value head j reads key head
+    j // (value heads / key heads)): their query and key rows, their value heads' value, output gate (z), beta (b) and
+    decay (a) rows, conv channels, decay parameters (A_log, dt_bias) and output projection columns. A value head's
+    state reads its own key head, the conv is per channel and the gated norm per head. Qwen3-Next's fused
+    projections hold each key group's rows together ([q_g | k_g | v_g | z_g], [b_g | a_g])."""
+    k_heads, v_heads = int(mixer.num_k_heads), int(mixer.num_v_heads)
+    hk, hv, ratio = int(mixer.head_k_dim), int(mixer.head_v_dim), v_heads // k_heads
+    values = group_rows(keep, ratio)  # the kept value heads
+    key_rows, value_rows = group_rows(keep, hk), group_rows(values, hv)
+    key_dim = k_heads * hk
+    # the conv's channels are [q | k | v] in every layout (Qwen3-Next's are concatenated so before the conv)
+    channels = torch.cat([key_rows, key_dim + key_rows, 2 * key_dim + value_rows])
+    if hasattr(mixer, "in_proj_qkvz"):  # per key group: [q_g | k_g | v_g | z_g] and [b_g | a_g]
+        keep_output_rows(mixer.in_proj_qkvz, group_rows(keep, 2 * hk + 2 * ratio * hv))
+        keep_output_rows(mixer.in_proj_ba, group_rows(keep, 2 * ratio))
+    else:
+        keep_output_rows(mixer.in_proj_qkv, channels)
+        keep_output_rows(mixer.in_proj_z, value_rows)
+        keep_output_rows(mixer.in_proj_b, values)
+        keep_output_rows(mixer.in_proj_a, values)
+    _keep_depthwise(mixer.conv1d, channels)
+    for name in ("A_log", "dt_bias"):  # one entry per value head
+        entries = getattr(mixer, name)
+        setattr(mixer, name, nn.Parameter(entries.data.index_select(0, values.to(entries.device)).clone(),
+                                          requires_grad=entries.requires_grad))
+    keep_input_columns(mixer.out_proj, value_rows, o_weight)
+    mixer.num_k_heads, mixer.num_v_heads = len(keep), len(values)
+    mixer.key_dim, mixer.value_dim = len(keep) * hk, len(values) * hv
+    mixer.conv_dim = channels.numel()
+
+
 def query_heads(model: nn.Module, index: int) -> int:
     """Query heads of block `index` (0 once its attention is removed)."""
     if is_removed(model, index, ATTENTION):
@@ -470,6 +569,9 @@ LEGACY_LAYER_PATTERNS: dict[str, Callable[[int, int], str]] = {
     # ModernBERT: layer 0 and every v-th after it global
     "global_attn_every_n_layers": lambda i, v: "sliding_attention" if i % v else "full_attention",
 }
+
+# ... and keys listing the layers of one type by index (LFM2's full_attn_idxs): key -> that type
+LEGACY_LAYER_INDICES: dict[str, str] = {"full_attn_idxs": "full_attention"}
 
 
 def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
@@ -666,6 +768,9 @@ def _restate_legacy_patterns(config: Any) -> None:
     if not isinstance(types, list | tuple):
         return
     n = len(types)
+    for key, kind in LEGACY_LAYER_INDICES.items():
+        if isinstance(getattr(config, key, None), list):
+            setattr(config, key, [i for i, t in enumerate(types) if t == kind])
     for key, rule in LEGACY_LAYER_PATTERNS.items():
         attributes = [a for a in (key, f"_{key}") if isinstance(getattr(config, a, None), int)]
         if not attributes:
@@ -735,9 +840,10 @@ def added_biases(model: nn.Module) -> list[str]:
 
 def widths(model: nn.Module) -> dict[str, list]:
     """What the config cannot say, per layer: kept query heads (`heads`), FFN width (`ffn`), a shared expert's
-    width (`shared`, where the family has one) and, once query heads were pruned one by one, the KV head each query
-    head reads (`kv_index`). A removed attention or FFN (`sublayers`) has width 0. Output projections given a bias
-    (`add_bias`) are listed as `biases`."""
+    width (`shared`, where the family has one), a linear-attention mixer's units (`mixer_units`: a Gated DeltaNet's
+    key groups, a short convolution's channels; 0 for an attention layer, where the family has such layers) and,
+    once query heads were pruned one by one, the KV head each query head reads (`kv_index`). A removed attention or
+    FFN (`sublayers`) has width 0. Output projections given a bias (`add_bias`) are listed as `biases`."""
     adapter = adapter_for(model)
     out: dict[str, list] = {"heads": [], "ffn": []}
     if adapter.shared_down is not None:
@@ -754,6 +860,9 @@ def widths(model: nn.Module) -> dict[str, list]:
             rows = getattr(layer.get_submodule(adapter.head_bias), "bias_rows", range(query_heads(model, i)))
             rows = rows if query_heads(model, i) else []
             out.setdefault("bias_rows", []).append(list(rows))
+    if adapter.linear_heads:  # each linear-attention mixer's kept units (0 for an attention layer)
+        out["mixer_units"] = [mixer_units(model, i) if adapter_at(model, i).recurrent else 0
+                               for i in range(len(layers(model)))]
     biases = added_biases(model)
     if biases:
         out["biases"] = biases
@@ -765,10 +874,15 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
     releases count KV groups (`head_groups`) instead of query heads."""
     n, d = len(layers(model)), dims(model)
     heads = [k * d.group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
-    maps, shared = manifest.get("kv_index"), manifest.get("shared")
+    maps, shared, units = manifest.get("kv_index"), manifest.get("shared"), manifest.get("mixer_units")
     if len(heads) != n or len(manifest.get("ffn", [])) != n or (maps is not None and len(maps) != n) \
-            or (shared is not None and len(shared) != n):
+            or (shared is not None and len(shared) != n) or (units is not None and len(units) != n):
         raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
+    recurrent = [adapter_at(model, i).recurrent for i in range(n)]
+    if units is not None and (not adapter_for(model).linear_heads or any(
+            (u != 0) != r or u < 0 for u, r in zip(units, recurrent, strict=True))):
+        raise ModelReferenceError(f"width manifest: mixer_units {units} are not units of the linear-attention "
+                                  f"layers {[i for i, r in enumerate(recurrent) if r]} (0 elsewhere)")
     if shared is not None and adapter_for(model).shared_down is None:
         raise ModelReferenceError(f"width manifest: shared expert widths for {model.config.model_type}, which has "
                                   "no shared expert")
@@ -781,10 +895,12 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
         raise ModelReferenceError(f"width manifest: shared expert widths {shared} for layers without one (a dense "
                                   "FFN's layers have 0)")
     for i in range(n):
-        if adapter_at(model, i).recurrent:  # a linear-attention mixer: kept whole
+        if recurrent[i]:  # a linear-attention mixer: whole, or its units kept
+            if units is not None and units[i] < mixer_units(model, i):
+                prune_mixer_units(model, i, range(units[i]))
             if heads[i] != query_heads(model, i):
-                raise ModelReferenceError(f"width manifest: layer {i} mixes tokens by linear attention, kept whole, "
-                                          f"but the manifest gives it {heads[i]} of {query_heads(model, i)} heads")
+                raise ModelReferenceError(f"width manifest: layer {i} mixes tokens by linear attention, whose width "
+                                          f"gives {query_heads(model, i)} heads, but the manifest gives it {heads[i]}")
         elif heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
             remove_sublayer(model, i, ATTENTION)
         elif maps is not None:

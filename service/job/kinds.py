@@ -88,6 +88,7 @@ from compressor.transformer.surgery import (
     check_removable_layers,
     in_features,
     load_pruned,
+    mixer_units,
     projection,
     query_heads,
     remove_layers,
@@ -840,9 +841,11 @@ class _TransformerJob:
         adapter, blocks = adapter_for(self.dense), layers(self.dense)
         costs = {}
         for name, (i, kind) in self._units().items():
-            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * query_heads(self.dense, i) \
-                + attention_fixed_cost(self.dense, i)  # latent attention's shared projections
-            here = adapter.at(blocks[i])  # a MoE family's layer with a dense FFN: that FFN
+            here = adapter.at(blocks[i])  # a MoE family's layer with a dense FFN, a linear-attention mixer: their own
+            linear = here.recurrent and here.heads_prunable  # a linear-attention mixer: its units
+            units = mixer_units(self.dense, i) if linear else query_heads(self.dense, i)
+            attention = group_cost(self.dense, ATTENTION, max(self.tokens, 1), index=i) * units \
+                + attention_fixed_cost(self.dense, i)  # latent attention's shared projections, a whole mixer
             ffn = group_cost(self.dense, FFN, 1, index=i) * in_features(projection(blocks[i], here.down))
             if here.shared_down is not None:  # Qwen2-MoE's shared expert goes with its FFN
                 ffn += group_cost(self.dense, FFN, 1, index=i, shared=True) * in_features(

@@ -229,8 +229,9 @@ def layer_curve(obs: LayerObservation, request: CompressRequest, convert: Callab
     statistics no damping factorises (an H at rounding level: an EfficientNet squeeze-excite conv fed ~zero inputs)
     has no curve to plan with: the allocation keeps it whole, and says so (the job used to end in a traceback)."""
     name, groups = obs.unit or obs.name, obs.H.shape[0] // obs.group_size  # the plan's entry (a MoE layer's experts)
-    # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons
-    multiple = 1 if obs.kind == "attention_heads" else request.round_to or ROUND_TO
+    # heads are already hardware-sized (head_dim rows): the multiple applies to channels and neurons (and to an LFM2
+    # short convolution's channels, its attention sub-layer's units of one row each)
+    multiple = 1 if obs.kind == "attention_heads" and obs.group_size > 1 else request.round_to or ROUND_TO
     multiple = math.lcm(multiple, obs.multiple)  # widths the layer can take at all (a MoE layer's experts)
     minimum = max(1, math.ceil(request.min_width * groups))
     allowed = allowed_widths(groups, multiple, minimum)

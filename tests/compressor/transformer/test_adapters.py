@@ -21,14 +21,27 @@ from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
 from compressor.transformer.surgery import (
     ffn_width,
     load_pruned,
+    mixer_units,
     prune_ffn,
     prune_heads,
+    prune_mixer_units,
     prune_query_heads,
     query_heads,
     remove_layers,
     save_pruned,
+    widths,
 )
-from exporters.onnx import check_decode_parity, check_hf_parity, export_decode_step, export_hf_onnx
+from exporters.onnx import (
+    CONV,
+    KEY_VALUE,
+    _past_of,
+    check_decode_parity,
+    check_hf_parity,
+    decode_step_names,
+    export_decode_step,
+    export_hf_onnx,
+    layer_states,
+)
 
 from .transformer_models import (
     ENCODER_SHAPED,
@@ -40,6 +53,7 @@ from .transformer_models import (
     example_inputs,
     first_output,
     tiny_gemma4,
+    tiny_lfm2,
     tiny_qwen3_5,
 )
 
@@ -135,22 +149,37 @@ def test_an_encoder_shaped_family_is_pruned_exported_and_reloaded(name, tmp_path
     torch.testing.assert_close(first_output(reloaded, example), first_output(pruned, example))
 
 
-def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers keep their mixers whole (their heads are no unit: a plan narrowing one and
-    a removal of one alone are refused) while their FFNs and the gated-query attention's heads are pruned; a DeltaNet
-    layer removed whole restates layer_types. The graphs, exported on 10 tokens, run prompts of 1 to 130 tokens
-    (several chunks of the delta rule's scan) and decode after any cache, one token or a prompt of two chunks, within
-    1e-4 of PyTorch (whose one-token step runs transformers' own recurrent kernel); reloaded as pruned."""
+def test_qwen3_5s_delta_nets_lose_whole_key_groups_and_export_at_any_length(tmp_path):
+    """A Qwen3.5 Gated DeltaNet's unit is a key head with the value heads reading it: removing one equals zeroing its
+    value heads' output columns (every other head's output is unchanged), and the pipeline solves the output
+    projection over such groups beside the gated-query attention's heads and the FFNs; a mixer removed alone is
+    refused, a DeltaNet layer removed whole restates layer_types. The graphs, exported on 10 tokens, run prompts of 1
+    to 130 tokens (several chunks of the delta rule's scan) and decode after any cache, one token or a prompt of two
+    chunks, within 1e-4 of PyTorch (whose one-token step runs transformers' own recurrent kernel); reloaded as
+    pruned."""
     model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
+    cut, reference = copy.deepcopy(model), copy.deepcopy(model)
+    prune_mixer_units(cut, 0, [1])  # key head 1 and its value heads 2 and 3
+    with torch.no_grad():
+        reference.model.layers[0].linear_attn.out_proj.weight[:, :16] = 0  # value heads 0 and 1's 8 columns each
+    mixer = cut.model.layers[0].linear_attn
+    assert (mixer.num_k_heads, mixer.num_v_heads, mixer.conv1d.weight.shape[0], mixer.A_log.shape[0]) == (1, 2, 32, 2)
+    torch.testing.assert_close(first_output(cut), first_output(reference), rtol=1e-6, atol=1e-6)
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
-    with pytest.raises(UnsupportedArchitecture, match=r"linear-attention \(Gated DeltaNet\) mixer.s heads"):
-        resize_transformer(model, {"model.layers.0.linear_attn.out_proj": 2})
     with pytest.raises(UnsupportedArchitecture, match="layer 0 of qwen3_5_text mixes tokens by linear attention"):
         remove_sublayer(copy.deepcopy(model), 0, ATTENTION)
-    pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
-    assert {r.name for r in reports if r.kind == "attention_heads"} == {"model.layers.1.self_attn.o_proj"}
-    assert [query_heads(pruned, i) for i in range(3)] == [4, 3, 4]  # a linear layer's 32 value columns, whole
-    assert all(ffn_width(pruned, i) < 20 for i in range(3))
+    pruned, reports = prune_transformer(model, data, 0.5, gqa="query-heads")
+    assert {r.name: r.width_after for r in reports if r.kind == "attention_heads"} == {
+        "model.layers.0.linear_attn.out_proj": 1, "model.layers.1.self_attn.o_proj": 2,
+        "model.layers.2.linear_attn.out_proj": 1}
+    assert widths(pruned)["mixer_units"] == [1, 0, 1] and all(ffn_width(pruned, i) == 10 for i in range(3))
+    # a plan of an earlier release names no DeltaNet: they stay whole, as then, said once
+    earlier = {"model.layers.1.self_attn.o_proj": 2, **{f"model.layers.{i}.mlp.down_proj": 10 for i in range(3)}}
+    seen = []
+    kept, _ = prune_transformer(model, data, earlier, progress=seen.append)
+    assert [mixer_units(kept, i) for i in (0, 2)] == [2, 2]
+    assert len([p for p in seen if p.stage == WARNING and "kept whole, as then" in p.message]) == 1
+    assert mixer_units(resize_transformer(model, earlier), 2) == 2
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
 
@@ -170,6 +199,46 @@ def test_qwen3_5s_linear_attention_layers_stay_whole_and_export_at_any_length(tm
 
     save_pruned(pruned, tmp_path / "saved")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+
+
+def test_lfm2s_short_convolutions_lose_channels_carry_their_conv_state_and_uniform_widths_load_alone(tmp_path):
+    """An LFM2 short convolution's unit is a channel (its B, C and x rows, its filter, its output column): removing
+    some equals zeroing their output columns, and the decode step carries each such layer's conv state alone, as wide
+    as its channels. Removing a layer restates layer_types and full_attn_idxs. Uniform FFN and head widths are stated
+    in config.json with block_auto_adjust_ff_dim off (else the class would build 2/3 of the width stated), so
+    AutoModelForCausalLM builds the pruned model with no code of ours; pruned channels, which no config key states
+    apart from hidden_size, keep the manifest and the remote code that resizes them."""
+    model = tiny_lfm2(("conv", "full_attention", "conv"))
+    assert ffn_width(model, 0) == 20  # 2/3 of intermediate_size 30
+    cut, reference = copy.deepcopy(model), copy.deepcopy(model)
+    gone = [3, 7, 8, 20]
+    prune_mixer_units(cut, 0, [c for c in range(32) if c not in gone])
+    with torch.no_grad():
+        reference.model.layers[0].conv.out_proj.weight[:, gone] = 0
+    assert cut.model.layers[0].conv.in_proj.out_features == 3 * 28 and mixer_units(cut, 0) == 28
+    torch.testing.assert_close(first_output(cut), first_output(reference), rtol=1e-6, atol=1e-6)
+    states = layer_states(cut)
+    assert states == [CONV, KEY_VALUE, CONV]
+    assert decode_step_names(3, states)[0][2:] == ["past_conv.0", "past_key_values.1.key", "past_key_values.1.value",
+                                                   "past_conv.2"]
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert [tuple(t.shape) for t in _past_of(cut, ids)] == [(2, 28, 3), (2, 2, 5, 8), (2, 2, 5, 8), (2, 32, 3)]
+    assert not save_standard(cut, tmp_path / "channels")
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "channels", trust_remote_code=True)
+    for reloaded in (remote, load_pruned(tmp_path / "channels")):
+        torch.testing.assert_close(first_output(reloaded), first_output(cut))
+
+    for i in range(3):
+        prune_ffn(model, i, range(12))
+    prune_heads(model, 1, [1])  # the second KV group and its 2 query heads
+    remove_layers(model, [0])
+    assert model.config.layer_types == ["full_attention", "conv"] and model.config.full_attn_idxs == [0]
+    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"],
+            config["block_auto_adjust_ff_dim"]) == (2, 1, 12, False)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
 def test_gemma4_prunes_heads_of_each_layers_size_and_removes_layers_with_their_embeddings_and_scalars(tmp_path):
@@ -240,15 +309,25 @@ def test_gemma4s_last_layer_stays_global_its_removal_losses_count_the_scalar_and
 
 
 def test_a_uniformly_pruned_qwen3_5_loads_in_transformers_alone(tmp_path):
-    """Its attention layers' kept heads and every layer's FFN width, equal across layers, are stated in config.json (a
-    DeltaNet layer's whole mixer states nothing): AutoModelForCausalLM builds the pruned model with no code of ours."""
+    """Its attention layers' kept heads, its DeltaNets' kept key groups and every layer's FFN width, each equal across
+    the layers that have it, are stated in config.json: AutoModelForCausalLM builds the pruned model with no code of
+    ours. DeltaNets keeping unequal key groups keep the manifest and the remote code that resizes them."""
     model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
     for i in range(3):
         prune_ffn(model, i, range(12))
     prune_heads(model, 1, [1])  # the second KV group and its 2 query heads
+    unequal = copy.deepcopy(model)
+    prune_mixer_units(unequal, 0, [1])
+    assert not save_standard(unequal, tmp_path / "u")  # with the file that builds them: plain transformers loads it
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "u", trust_remote_code=True)
+    for reloaded in (remote, load_pruned(tmp_path / "u")):
+        torch.testing.assert_close(first_output(reloaded), first_output(unequal))
+    prune_mixer_units(model, 0, [1])
+    prune_mixer_units(model, 2, [0])
     assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
     config = json.loads((tmp_path / "s" / "config.json").read_text())
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (2, 1, 12)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"],
+            config["linear_num_key_heads"], config["linear_num_value_heads"]) == (2, 1, 12, 1, 2)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
     torch.testing.assert_close(first_output(reloaded), first_output(model))
 

@@ -1,6 +1,7 @@
 """Mixture-of-Experts families end to end, each with what is its own: Phi-3.5-MoE's sparse mixer, gpt-oss's layout,
 OLMoE's whole attentions, dense-FFN layers between MoE layers, grouped sigmoid routing, latent attention heads."""
 
+import copy
 import json
 
 import pytest
@@ -377,9 +378,9 @@ def test_deepseek_v2s_complex_rotary_is_rotated_in_real_arithmetic_within_overla
     assert modeling.apply_rotary_emb is original and not any("forward" in vars(m.model.rotary_emb) for m in models)
 
 
-def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_uniform_widths_alone(tmp_path):
+def test_qwen3_5_moe_prunes_its_experts_beside_delta_nets_and_loads_uniform_widths_alone(tmp_path):
     """Qwen3.5-MoE's language model: every layer's routed experts and gated shared expert are pruned, the attention
-    layer's gated-query heads too, while the Gated DeltaNet mixers stay whole; a DeltaNet layer removed whole restates
+    layer's gated-query heads and the Gated DeltaNets' key groups too; a DeltaNet layer removed whole restates
     layer_types; the graph (a MoE node a layer beside the delta rule's scan) matches PyTorch; uniform widths go to a
     config transformers loads alone, and the multimodal checkpoint is refused with the line that saves its language
     model."""
@@ -395,7 +396,8 @@ def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_unifor
     widths = {r.name: r.width_after for r in reports}
     assert widths == {**{f"model.layers.{i}.mlp.experts": 24 for i in range(3)},
                       **{f"model.layers.{i}.mlp.shared_expert.down_proj": 18 for i in range(3)},
-                      "model.layers.1.self_attn.o_proj": 3}  # no DeltaNet mixer among them
+                      "model.layers.1.self_attn.o_proj": 3,
+                      **{f"model.layers.{i}.linear_attn.out_proj": 2 for i in (0, 2)}}  # 2 key groups: a quarter is 0
     assert [query_heads(pruned, i) for i in range(3)] == [4, 3, 4]  # a DeltaNet layer's value columns, whole
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
@@ -405,10 +407,12 @@ def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_unifor
 
     equal, _ = prune_transformer(model, data, {**{f"model.layers.{i}.mlp.experts": 16 for i in range(3)},
                                                **{f"model.layers.{i}.mlp.shared_expert.down_proj": 12
-                                                  for i in range(3)}, "model.layers.1.self_attn.o_proj": 4})
+                                                  for i in range(3)}, "model.layers.1.self_attn.o_proj": 4,
+                                               **{f"model.layers.{i}.linear_attn.out_proj": 1 for i in (0, 2)}})
     assert save_standard(equal, tmp_path / "equal")
     config = json.loads((tmp_path / "equal" / "config.json").read_text())
-    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (16, 12)
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"], config["linear_num_key_heads"],
+            config["linear_num_value_heads"]) == (16, 12, 1, 2)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "equal")
     torch.testing.assert_close(first_output(reloaded), first_output(equal))
     with pytest.raises(UnsupportedArchitecture, match="saved as a qwen3_5_moe_text checkpoint"):
@@ -417,19 +421,25 @@ def test_qwen3_5_moe_prunes_its_experts_beside_whole_delta_nets_and_loads_unifor
         check_config({**model.config.to_dict(), "hidden_act": "gelu"}, "m")
 
 
-def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_a_delta_net():
+def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_a_mixer():
     """Qwen3-Next: Qwen3.5-MoE's layers with its DeltaNet's q, k, v, z fused in in_proj_qkvz (b, a in in_proj_ba),
-    grouped by key head: the exported graph orders them as its own forward does, over prompts of several chunks; a
+    grouped by key head: a key group's rows are cut from them together (removing one equals zeroing its value heads'
+    output columns) and the exported graph orders them as its own forward does, over prompts of several chunks; a
     layer with both a DeltaNet mixer and a dense FFN (mlp_only_layers) reads as both (`FamilyAdapter.at`), its FFN
     pruned as a dense family's; a removed layer restates layer_types and mlp_only_layers; reloaded as pruned."""
     import tempfile
     from pathlib import Path
 
     from compressor.transformer.adapters import adapter_for, check_config, dense_ffn_layers
-    from compressor.transformer.surgery import load_pruned, remove_layers, save_pruned
+    from compressor.transformer.surgery import load_pruned, prune_mixer_units, remove_layers, save_pruned
     from exporters.onnx import check_hf_parity
 
     model = MOE_EXTRA["qwen3_next"]()
+    cut, reference = copy.deepcopy(model), copy.deepcopy(model)
+    prune_mixer_units(cut, 2, [0])  # key head 0 and its value heads 0 and 1
+    with torch.no_grad():
+        reference.model.layers[2].linear_attn.out_proj.weight[:, 16:] = 0  # value heads 2 and 3's columns
+    torch.testing.assert_close(first_output(cut), first_output(reference), rtol=1e-6, atol=1e-6)
     check_config(model.config.to_dict(), "m")
     assert dense_ffn_layers(model.config) == [False, False, True]
     last = adapter_for(model).at(layers(model)[2])
@@ -439,7 +449,9 @@ def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_
     assert {r.name: r.width_after for r in reports} == {
         **{f"model.layers.{i}.mlp.experts": 24 for i in (0, 1)},
         **{f"model.layers.{i}.mlp.shared_expert.down_proj": 18 for i in (0, 1)},
-        "model.layers.1.self_attn.o_proj": 3, "model.layers.2.mlp.down_proj": 15}
+        "model.layers.1.self_attn.o_proj": 3, "model.layers.2.mlp.down_proj": 15,
+        **{f"model.layers.{i}.linear_attn.out_proj": 2 for i in (0, 2)}}
+    prune_mixer_units(pruned, 0, [1])  # the fused rows cut, then exported
     with tempfile.TemporaryDirectory() as tmp:
         _exports_decodes_and_reads_half(pruned, Path(tmp), decode=False)  # Qwen3.5-MoE's test decodes
         longer = example_inputs(pruned, batch=2, length=30, seed=1)  # two of the export's 16-token chunks
@@ -449,3 +461,55 @@ def test_qwen3_next_reads_its_fused_delta_net_projections_and_a_dense_ffn_under_
         assert pruned.config.mlp_only_layers == [1]
         save_pruned(pruned, Path(tmp) / "saved")
         torch.testing.assert_close(first_output(load_pruned(Path(tmp) / "saved")), first_output(pruned))
+
+
+def test_lfm2_moe_routes_by_its_blocks_bias_prunes_experts_beside_short_convolutions_and_restates_its_dense_layers(
+        tmp_path):
+    """LFM2-MoE: its router picks by sigmoid scores plus a bias its MoE block holds (passed to the router's forward);
+    the export's MoE node computes the router's own picks and weights (`experts.BLOCK_BIASED_ROUTERS`), within 1e-4
+    of PyTorch in the prefill graph (LFM2's test decodes its short convolutions' states, GLM-4.5's a node of routes
+    given). The first layer's dense FFN is pruned as a dense family's; removing it restates num_dense_layers; uniform
+    widths go to a config transformers loads alone."""
+    from compressor.transformer.adapters import adapter_for, check_config, dense_ffn_layers
+    from compressor.transformer.experts import _route, experts_as_operator
+    from compressor.transformer.pipeline import resize_transformer
+    from compressor.transformer.surgery import remove_layers
+    from exporters.onnx import Float16
+
+    model = MOE_EXTRA["lfm2_moe"]()
+    check_config({**model.config.to_dict(), "model_type": "lfm2_moe"}, "m")
+    assert dense_ffn_layers(model.config) == [True, False, False]
+    assert adapter_for(model).at(layers(model)[0]).down == "feed_forward.w2"
+    block = layers(model)[1].feed_forward
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    _, _, with_bias = _route(block, block.gate, x)
+    assert not torch.equal(with_bias, block.gate(x, torch.zeros(4))[2])  # the drawn bias moves some tokens' picks
+    feed = example_inputs(model, batch=2, length=9)
+    expected = first_output(model, feed)
+    with experts_as_operator(model):
+        torch.testing.assert_close(first_output(model, feed), expected, rtol=1e-5, atol=1e-6)
+
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25)
+    assert {r.name: r.width_after for r in reports} == {
+        "model.layers.0.feed_forward.w2": 15, "model.layers.1.self_attn.out_proj": 3,
+        **{f"model.layers.{i}.feed_forward.experts": 24 for i in (1, 2)},
+        **{f"model.layers.{i}.conv.out_proj": 24 for i in (0, 2)}}  # the short convolutions' channels
+    _exports_decodes_and_reads_half(pruned, tmp_path, decode=False)
+    # in float16 the router and its block's bias run in the model's dtype, as transformers runs a half LFM2-MoE
+    with torch.no_grad():
+        half = Float16(pruned)(**feed).logits
+    # (a token whose experts tie within float16's rounding may take others: the mean, not the peak)
+    assert half.dtype == torch.float32 and (half - first_output(pruned, feed)).abs().mean() < 1e-3
+
+    plan = {"model.layers.1.self_attn.out_proj": 2, "model.layers.0.feed_forward.w2": 12,
+            **{f"model.layers.{i}.feed_forward.experts": 16 for i in (1, 2)},
+            **{f"model.layers.{i}.conv.out_proj": 32 for i in (0, 2)}}  # whole: no config key states channels
+    resized = resize_transformer(model, plan)
+    remove_layers(resized, [0])  # the dense layer: none is left
+    assert resized.config.num_dense_layers == 0 and resized.config.layer_types == ["full_attention", "conv"]
+    assert save_standard(resized, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (config["moe_intermediate_size"], config["num_attention_heads"], config["num_dense_layers"]) == (16, 2, 0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(resized))

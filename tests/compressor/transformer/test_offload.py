@@ -20,6 +20,7 @@ from .transformer_models import (
     example_inputs,
     first_output,
     tiny_gemma4,
+    tiny_lfm2,
     tiny_qwen3_5,
 )
 
@@ -82,11 +83,13 @@ def test_gemma4_streams_its_per_layer_head_sizes_and_embeddings_as_it_prunes_in_
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)
 
 
-def test_qwen3_5_streams_its_linear_attention_layers_as_it_prunes_in_memory(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers (kept whole, their FFNs pruned) stream as its attention layers do; its loading
-    renames by a prefix change (a multimodal checkpoint's language model), which a streamed checkpoint reads as a
-    renaming (it was refused as a conversion)."""
-    model = tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention"))
+@pytest.mark.parametrize("build", [lambda: tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention")),
+                                   lambda: tiny_lfm2(("conv", "full_attention", "conv"))], ids=["qwen3_5", "lfm2"])
+def test_linear_attention_layers_stream_as_they_prune_in_memory(build, tmp_path):
+    """Qwen3.5's Gated DeltaNet layers and LFM2's short convolutions (kept whole, their FFNs pruned) stream as the
+    attention layers beside them do; Qwen3.5's loading renames by a prefix change (a multimodal checkpoint's language
+    model), which a streamed checkpoint reads as a renaming (it was refused as a conversion)."""
+    model = build()
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     out, expected = _streamed_and_in_memory(model, tmp_path)
     torch.testing.assert_close(first_output(load_pruned(out)), first_output(expected), rtol=1e-4, atol=1e-4)

@@ -264,7 +264,7 @@ MOE_MIXED = {
 # end-to-end test of its own
 MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss, "olmoe": tiny_olmoe, "flex_olmo": tiny_flex_olmo,
              "glm4_moe": tiny_glm4_moe, "qwen3_5_moe_text": lambda: tiny_qwen3_5_moe(),
-             "qwen3_next": lambda: tiny_qwen3_next()}  # (defined below)
+             "qwen3_next": lambda: tiny_qwen3_next(), "lfm2_moe": lambda: tiny_lfm2_moe()}  # (defined below)
 
 
 def _decoder(cls: str, config: str, **fields):
@@ -322,6 +322,29 @@ def tiny_gemma4(layers: int = 3, **fields):
     with torch.no_grad():
         for i, block in enumerate(model.model.layers):
             block.layer_scalar.fill_(0.6 + 0.3 * i)
+    return model
+
+
+def tiny_lfm2(layer_types: tuple[str, ...] = ("conv", "full_attention")):
+    """LFM2: gated short convolutions (kept whole) beside Llama-like attention layers with per-head q/k norms, each with
+    a SwiGLU FFN of 20 neurons, which the config sizes from intermediate_size 30 (block_auto_adjust_ff_dim: 2/3 of
+    it, rounded up to block_multiple_of); full_attn_idxs states the attention layers as real checkpoints do."""
+    return _decoder("Lfm2ForCausalLM", "Lfm2Config", num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                    full_attn_idxs=[i for i, t in enumerate(layer_types) if t == "full_attention"],
+                    intermediate_size=30, block_multiple_of=4)
+
+
+def tiny_lfm2_moe():
+    """LFM2-MoE: `tiny_lfm2`'s layer kinds (a short convolution, an attention, a short convolution), the first layer's
+    FFN dense (num_dense_layers: 20 neurons), the others' 4 experts of 32 neurons, 2 a token by sigmoid scores plus
+    the block's expert bias (drawn: it initialises to 0), renormalised and scaled by 2."""
+    model = _decoder("Lfm2MoeForCausalLM", "Lfm2MoeConfig", num_hidden_layers=3,
+                     layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=2.0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for block in model.model.layers[1:]:
+            block.feed_forward.expert_bias.copy_(torch.randn(4, generator=gen) * 0.05)
     return model
 
 
@@ -422,6 +445,8 @@ LLAMA_SHAPED = {
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
     # a Gated DeltaNet layer (kept whole) before a gated-query attention layer (`test_adapters.py` exports both kinds)
     "qwen3_5_text": tiny_qwen3_5,
+    # short convolutions (kept whole, their conv states the decode step's) around an attention layer; a sized FFN
+    "lfm2": lambda: tiny_lfm2(("conv", "full_attention", "conv")),
     # global layers of their own head size over values that are keys, per-layer input embeddings, output scalars
     "gemma4_text": lambda: tiny_gemma4(),
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
