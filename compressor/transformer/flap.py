@@ -88,9 +88,12 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if adapter.experts:
         raise UnsupportedArchitecture(f"FLAP scores a dense FFN's neurons; {model.config.model_type}'s FFN is a "
                                       "Mixture-of-Experts layer")
-    if not adapter.heads_prunable or adapter.linear_attention is not None:
+    if not adapter.heads_prunable:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
-                                      "'s attention heads are not a prunable unit (in every layer)")
+                                      "'s attention heads are not a prunable unit")
+    if adapter.linear_attention is not None:
+        raise UnsupportedArchitecture(f"FLAP allocates one budget over attention heads and FFN neurons; "
+                                      f"{model.config.model_type}'s linear-attention layers have other units")
     if getattr(model.config, "is_heterogeneous", False):  # one head size in the allocation
         raise UnsupportedArchitecture(f"FLAP weighs every head as one size; {model.config.model_type}'s layers state "
                                       "heads of their own sizes (per_layer_config)")

@@ -197,6 +197,8 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     heads = [k * group for k in manifest["head_groups"]] if "head_groups" in manifest else manifest.get("heads", [])
     ffn, maps = manifest.get("ffn", []), manifest.get("kv_index")
     units = None  # a linear-attention mixer's kept units, the same in each such layer
+    if "mixer_units" in manifest and adapter.linear_attention is None:
+        return None  # not this family's manifest: `load_pruned` refuses it with the reason
     if adapter.linear_attention is not None:  # a linear-attention layer's heads are no attention heads to state
         attends = [kind != adapter.linear_layer_type for kind in config.get("layer_types") or []]
         if len(attends) != len(heads):

@@ -123,8 +123,8 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
                                       "an attention or an FFN alone is not removed (whole layers are)")
     if kind == ATTENTION and adapter_at(model, index).recurrent:
         raise UnsupportedArchitecture(f"layer {index} of {model.config.model_type} mixes tokens by linear attention "
-                                      "(its state a matrix a head, carried by the decode step): that mixer is not "
-                                      "removed alone (whole layers are)")
+                                      "(its state carried by the decode step): that mixer is not removed alone (its "
+                                      "units and whole layers are)")
     if kind == ATTENTION and not adapter_for(model).attention_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
                                       "layer reads: an attention alone is not removed (whole layers are)")

@@ -851,8 +851,11 @@ def widths(model: nn.Module) -> dict[str, list]:
     gathered = any(hasattr(_attention(model, layer), "kv_map") for layer in layers(model))
     biased = adapter.head_bias is not None and any(hasattr(layer.get_submodule(adapter.head_bias), "bias_rows")
                                                    for layer in layers(model))
+    linear = [adapter.linear_heads and adapter_at(model, i).recurrent for i in range(len(layers(model)))]
     for i, layer in enumerate(layers(model)):
-        out["heads"].append(query_heads(model, i))
+        # a linear-attention layer's are its mixer's units (`mixer_units`; an earlier release wrote its out_proj's
+        # width in attention heads, of a whole mixer)
+        out["heads"].append(mixer_units(model, i) if linear[i] else query_heads(model, i))
         out["ffn"].append(ffn_width(model, i))
         if gathered:
             out.setdefault("kv_index", []).append(kv_index(model, i).tolist())
@@ -861,8 +864,7 @@ def widths(model: nn.Module) -> dict[str, list]:
             rows = rows if query_heads(model, i) else []
             out.setdefault("bias_rows", []).append(list(rows))
     if adapter.linear_heads:  # each linear-attention mixer's kept units (0 for an attention layer)
-        out["mixer_units"] = [mixer_units(model, i) if adapter_at(model, i).recurrent else 0
-                               for i in range(len(layers(model)))]
+        out["mixer_units"] = [mixer_units(model, i) if linear[i] else 0 for i in range(len(layers(model)))]
     biases = added_biases(model)
     if biases:
         out["biases"] = biases
@@ -879,10 +881,14 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
             or (shared is not None and len(shared) != n) or (units is not None and len(units) != n):
         raise ModelReferenceError(f"width manifest does not describe {n} layers: {manifest}")
     recurrent = [adapter_at(model, i).recurrent for i in range(n)]
-    if units is not None and (not adapter_for(model).linear_heads or any(
-            (u != 0) != r or u < 0 for u, r in zip(units, recurrent, strict=True))):
-        raise ModelReferenceError(f"width manifest: mixer_units {units} are not units of the linear-attention "
-                                  f"layers {[i for i, r in enumerate(recurrent) if r]} (0 elsewhere)")
+    if units is not None and not adapter_for(model).linear_heads:
+        raise ModelReferenceError(f"width manifest: mixer_units for {model.config.model_type}, which has no "
+                                  "linear-attention layers whose units are pruned")
+    if units is not None and any((u != 0) != r or u < 0 or (r and u > mixer_units(model, i))
+                                 for i, (u, r) in enumerate(zip(units, recurrent, strict=True))):
+        raise ModelReferenceError(f"width manifest: mixer_units {units} are not kept units of the linear-attention "
+                                  f"layers {[i for i, r in enumerate(recurrent) if r]} (0 elsewhere): "
+                                  f"{[mixer_units(model, i) if r else 0 for i, r in enumerate(recurrent)]} at most")
     if shared is not None and adapter_for(model).shared_down is None:
         raise ModelReferenceError(f"width manifest: shared expert widths for {model.config.model_type}, which has "
                                   "no shared expert")
@@ -895,12 +901,16 @@ def apply_widths(model: nn.Module, manifest: dict[str, list]) -> None:
         raise ModelReferenceError(f"width manifest: shared expert widths {shared} for layers without one (a dense "
                                   "FFN's layers have 0)")
     for i in range(n):
-        if recurrent[i]:  # a linear-attention mixer: whole, or its units kept
-            if units is not None and units[i] < mixer_units(model, i):
+        if recurrent[i] and units is not None:  # a linear-attention mixer's kept units (its heads say them too)
+            if heads[i] != units[i]:
+                raise ModelReferenceError(f"width manifest: layer {i}'s heads {heads[i]} are not its mixer_units "
+                                          f"{units[i]}")
+            if units[i] < mixer_units(model, i):
                 prune_mixer_units(model, i, range(units[i]))
+        elif recurrent[i]:  # an earlier release's: a whole mixer, its out_proj's width in attention heads
             if heads[i] != query_heads(model, i):
-                raise ModelReferenceError(f"width manifest: layer {i} mixes tokens by linear attention, whose width "
-                                          f"gives {query_heads(model, i)} heads, but the manifest gives it {heads[i]}")
+                raise ModelReferenceError(f"width manifest: layer {i} mixes tokens by linear attention, kept whole, "
+                                          f"but the manifest gives it {heads[i]} of {query_heads(model, i)} heads")
         elif heads[i] == 0:  # the attention removed: its stand-in's update is loaded with the weights
             remove_sublayer(model, i, ATTENTION)
         elif maps is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from compressor.errors import UnsupportedArchitecture
+from compressor.errors import ModelReferenceError, UnsupportedArchitecture
 from compressor.progress import WARNING
 from compressor.transformer.adapters import ADAPTERS, VARIANTS, adapter_for, check_config, family_record, layers
 from compressor.transformer.flap import flap_structure
@@ -19,6 +19,7 @@ from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
 from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
 from compressor.transformer.surgery import (
+    apply_widths,
     ffn_width,
     load_pruned,
     mixer_units,
@@ -223,6 +224,18 @@ def test_lfm2s_short_convolutions_lose_channels_carry_their_conv_state_and_unifo
                                                    "past_conv.2"]
     ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(0))
     assert [tuple(t.shape) for t in _past_of(cut, ids)] == [(2, 28, 3), (2, 2, 5, 8), (2, 2, 5, 8), (2, 32, 3)]
+    manifest = widths(cut)
+    assert (manifest["heads"], manifest["mixer_units"]) == ([28, 4, 32], [28, 0, 32])  # a mixer's heads: its units
+    with pytest.raises(ModelReferenceError, match=r"32, 0, 32\] at most"):
+        apply_widths(tiny_lfm2(("conv", "full_attention", "conv")),
+                     {**manifest, "mixer_units": [40, 0, 32], "heads": [40, 4, 32]})
+    llama = MODELS["llama"]()
+    with pytest.raises(ModelReferenceError, match="llama, which has no linear-attention layers"):
+        apply_widths(llama, {**widths(llama), "mixer_units": [0] * len(layers(llama))})
+    # an earlier release's manifest: no mixer_units, a whole mixer's out_proj width in attention heads (32 / 8)
+    earlier = tiny_lfm2(("conv", "full_attention", "conv"))
+    apply_widths(earlier, {"heads": [4, 4, 4], "ffn": [20, 12, 20]})
+    assert [mixer_units(earlier, i) for i in (0, 2)] == [32, 32] and ffn_width(earlier, 1) == 12
     assert not save_standard(cut, tmp_path / "channels")
     remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "channels", trust_remote_code=True)
     for reloaded in (remote, load_pruned(tmp_path / "channels")):

@@ -86,7 +86,7 @@ def test_gemma4_streams_its_per_layer_head_sizes_and_embeddings_as_it_prunes_in_
 @pytest.mark.parametrize("build", [lambda: tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention")),
                                    lambda: tiny_lfm2(("conv", "full_attention", "conv"))], ids=["qwen3_5", "lfm2"])
 def test_linear_attention_layers_stream_as_they_prune_in_memory(build, tmp_path):
-    """Qwen3.5's Gated DeltaNet layers and LFM2's short convolutions (kept whole, their FFNs pruned) stream as the
+    """Qwen3.5's Gated DeltaNet layers and LFM2's short convolutions (their units and FFNs pruned) stream as the
     attention layers beside them do; Qwen3.5's loading renames by a prefix change (a multimodal checkpoint's language
     model), which a streamed checkpoint reads as a renaming (it was refused as a conversion)."""
     model = build()

@@ -326,9 +326,9 @@ def tiny_gemma4(layers: int = 3, **fields):
 
 
 def tiny_lfm2(layer_types: tuple[str, ...] = ("conv", "full_attention")):
-    """LFM2: gated short convolutions (kept whole) beside Llama-like attention layers with per-head q/k norms, each with
-    a SwiGLU FFN of 20 neurons, which the config sizes from intermediate_size 30 (block_auto_adjust_ff_dim: 2/3 of
-    it, rounded up to block_multiple_of); full_attn_idxs states the attention layers as real checkpoints do."""
+    """LFM2: gated short convolutions (32 channels) beside Llama-like attention layers with per-head q/k norms, each
+    with a SwiGLU FFN of 20 neurons, which the config sizes from intermediate_size 30 (block_auto_adjust_ff_dim: 2/3
+    of it, rounded up to block_multiple_of); full_attn_idxs states the attention layers as real checkpoints do."""
     return _decoder("Lfm2ForCausalLM", "Lfm2Config", num_hidden_layers=len(layer_types), layer_types=list(layer_types),
                     full_attn_idxs=[i for i, t in enumerate(layer_types) if t == "full_attention"],
                     intermediate_size=30, block_multiple_of=4)
@@ -445,7 +445,7 @@ LLAMA_SHAPED = {
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
     # a Gated DeltaNet layer (kept whole) before a gated-query attention layer (`test_adapters.py` exports both kinds)
     "qwen3_5_text": tiny_qwen3_5,
-    # short convolutions (kept whole, their conv states the decode step's) around an attention layer; a sized FFN
+    # short convolutions (their channels pruned, their conv states the decode step's) around an attention layer
     "lfm2": lambda: tiny_lfm2(("conv", "full_attention", "conv")),
     # global layers of their own head size over values that are keys, per-layer input embeddings, output scalars
     "gemma4_text": lambda: tiny_gemma4(),
