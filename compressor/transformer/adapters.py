@@ -257,8 +257,8 @@ def has_module(block: nn.Module, path: str) -> bool:
 @functools.cache
 def _recurrent_record(adapter: FamilyAdapter) -> FamilyAdapter:
     """`adapter` for its blocks with a linear-attention mixer (`FamilyAdapter.linear_attention`): the mixer's input
-    and output projections in the attention's place, never removed alone; its key groups a unit where
-    `linear_heads` (pruned by `surgery.prune_mixer_units`), else it stays whole."""
+    and output projections in the attention's place, never removed alone; its units prunable where `linear_heads`
+    (`surgery.prune_mixer_units`), else it stays whole."""
     mixer = adapter.linear_attention
     return replace(adapter, q=f"{mixer}.in_proj_qkv", k=f"{mixer}.in_proj_qkv", v=f"{mixer}.in_proj_qkv",
                    o=f"{mixer}.out_proj", heads_prunable=adapter.linear_heads, attention_alone=False,

@@ -91,6 +91,8 @@ from .surgery import (
     dense_weight,
     head_groups,
     in_features,
+    is_short_conv,
+    linear_mixer,
     mixer_unit_width,
     mixer_units,
     projection,
@@ -476,9 +478,9 @@ def _mixer_unit_cost(model: nn.Module, index: int) -> float:
     convolution's channel (its B, C and x rows, output column, conv taps); a Gated DeltaNet's key group (one key
     head, the r value heads reading it): its query and key rows, its value heads' value, gate, beta and decay rows and
     output columns, their conv taps, and each value head's state (key size x value size) read and written a token."""
-    mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
+    mixer = linear_mixer(model, index)
     hidden = block_hidden(model, index)
-    if not hasattr(mixer, "num_k_heads"):  # LFM2's short convolution
+    if is_short_conv(mixer):  # LFM2's
         return float(4 * hidden + int(mixer.conv.kernel_size[0]))
     hk, hv = int(mixer.head_k_dim), int(mixer.head_v_dim)
     r = int(mixer.num_v_heads) // int(mixer.num_k_heads)

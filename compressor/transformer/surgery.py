@@ -383,7 +383,7 @@ def prune_heads(model: nn.Module, index: int, keep_groups: Sequence[int] | Tenso
     _keep_heads(model, layer, group_rows(keep, d.group), keep, o_weight)
 
 
-def _mixer(model: nn.Module, index: int) -> nn.Module:
+def linear_mixer(model: nn.Module, index: int) -> nn.Module:
     """Block `index`'s linear-attention mixer whose units are prunable (`FamilyAdapter.linear_heads`), refusing any
     other block."""
     adapter = adapter_at(model, index)
@@ -392,7 +392,7 @@ def _mixer(model: nn.Module, index: int) -> nn.Module:
     return layers(model)[index].get_submodule(adapter_for(model).linear_attention)
 
 
-def _short_conv(mixer: nn.Module) -> bool:
+def is_short_conv(mixer: nn.Module) -> bool:
     """Whether a linear-attention mixer is LFM2's gated short convolution (else a Gated DeltaNet)."""
     return not hasattr(mixer, "num_k_heads")
 
@@ -400,15 +400,15 @@ def _short_conv(mixer: nn.Module) -> bool:
 def mixer_units(model: nn.Module, index: int) -> int:
     """Prunable units of block `index`'s linear-attention mixer: a Gated DeltaNet's key heads (each with the value
     heads reading it), a short convolution's channels."""
-    mixer = _mixer(model, index)
-    return int(mixer.conv.in_channels) if _short_conv(mixer) else int(mixer.num_k_heads)
+    mixer = linear_mixer(model, index)
+    return int(mixer.conv.in_channels) if is_short_conv(mixer) else int(mixer.num_k_heads)
 
 
 def mixer_unit_width(model: nn.Module, index: int) -> int:
     """The output projection's input columns of one unit of block `index`'s linear-attention mixer: a key group's
     value heads', one channel's."""
-    mixer = _mixer(model, index)
-    if _short_conv(mixer):
+    mixer = linear_mixer(model, index)
+    if is_short_conv(mixer):
         return 1
     return int(mixer.num_v_heads) // int(mixer.num_k_heads) * int(mixer.head_v_dim)
 
@@ -418,8 +418,8 @@ def prune_mixer_units(model: nn.Module, index: int, keep: Sequence[int] | Tensor
     """Keep units `keep` of block `index`'s linear-attention mixer (`mixer_units`); o_weight: the refit output
     projection (out x kept columns). Every other unit's output is unchanged, so removing one equals zeroing its
     output projection columns."""
-    mixer = _mixer(model, index)
-    if _short_conv(mixer):
+    mixer = linear_mixer(model, index)
+    if is_short_conv(mixer):
         _keep_conv_channels(mixer, check_keep(keep, int(mixer.conv.in_channels), f"layer {index} conv channels"),
                             o_weight)
     else:
