@@ -95,6 +95,24 @@ FAMILIES: list[tuple[str, Callable[[], object], str]] = [
     ("lfm2", _lm("Lfm2ForCausalLM", "Lfm2Config", layer_types=["conv", "conv", "full_attention", "conv"],
                  block_multiple_of=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  **{**GQA, "num_hidden_layers": 4, "intermediate_size": 144}), "text"),
+    # Granite 4.0-H (granitemoehybrid): Mamba2 mixers in most layers, attention in the others, a fused SwiGLU FFN
+    # (shared_mlp) in every layer; Granite's multipliers
+    ("granitemoehybrid", _lm("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                             num_local_experts=0, shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
+                             mamba_d_state=8, mamba_chunk_size=8, embedding_multiplier=2.0, residual_multiplier=0.5,
+                             attention_multiplier=0.125, logits_scaling=2.0, position_embedding_type="rope",
+                             **{**GQA, "num_hidden_layers": 4}), "text"),
+    # Granite 4.0-H-Tiny / -Small: the same layers, each FFN routed experts (softmax top-k) beside the fused shared
+    # SwiGLU FFN; attention without positions (position_embedding_type nope, as Granite 4.0-H's)
+    ("granitemoehybrid_moe", _lm("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                                 layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                 num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=96,
+                                 mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+                                 position_embedding_type="nope", **{**GQA, "num_hidden_layers": 3}), "text"),
+    # Bamba: Mamba2 mixers beside Llama's attention in the layers attn_layer_indices names, Llama's MLP
+    ("bamba", _lm("BambaForCausalLM", "BambaConfig", attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16,
+                  mamba_d_state=8, mamba_chunk_size=8, **{**GQA, "num_hidden_layers": 4}), "text"),
     ("gemma", _lm("GemmaForCausalLM", "GemmaConfig", head_dim=8, **GQA), "text"),
     ("gemma2", _lm("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, sliding_window=16, **GQA), "text"),
     ("gemma3_text", _lm("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, sliding_window=16, **GQA), "text"),

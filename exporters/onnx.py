@@ -28,8 +28,8 @@ from .experts import translation_table
 from .recurrent import (
     CHUNK,
     chunk_for,
-    has_delta_nets,
-    scanned_delta_rule,
+    has_chunked_scans,
+    scanned_linear_attention,
     spanning_chunks,
     tiled,
     traced_chunk,
@@ -164,7 +164,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], path: str | Path, *,
     with torch.no_grad(), _kept_tensor_attributes(module), exact_constant_rules(), contextlib.ExitStack() as stack:
         try:
             stack.enter_context(_real_rotary(module))
-            stack.enter_context(scanned_delta_rule(module))  # linear attention's chunks as a Scan: any length
+            stack.enter_context(scanned_linear_attention(module))  # linear attention by chunks: any length
             if stack.enter_context(experts_as_operator(module)):  # MoE layers as ONNX Runtime's MoE node
                 options = {**options, "custom_translation_table": translation_table()}
             program = torch.onnx.export(module, args, dynamo=True, verbose=False, **options)
@@ -544,11 +544,17 @@ class _NamedInputs(torch.nn.Module):
         super().__init__()
         self.model, self.names, self.output = model, names, output
         self.positions = _positions_from_mask(model) and "attention_mask" in names
+        # a hybrid decoder builds no cache: filling a linear-attention layer's conv state branches on the prompt's
+        # length against the conv's (a graph would keep prompts of at least that many tokens only)
+        family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
+        self.uncached = family is not None and family.linear_attention is not None
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         named = dict(zip(self.names, inputs, strict=True))
         if self.positions:
             named["position_ids"] = mask_positions(named["attention_mask"])
+        if self.uncached:
+            named["use_cache"] = False
         out = self.model(**named)
         if isinstance(self.output, str):
             return getattr(out, self.output)
@@ -578,7 +584,7 @@ def export_hf_onnx(
     a dynamic batch, a dynamic sequence length for token inputs, and `output_name` (last_hidden_state,
     logits) as the first output, or the outputs of a tuple of names in order."""
     chunked = contextlib.nullcontext()
-    if has_delta_nets(model):  # linear attention traced over several of its chunks: nothing specialised to one
+    if has_chunked_scans(model):  # linear attention traced over several of its chunks: nothing specialised to one
         example, chunk = spanning_chunks(example, max_length or max_sequence(model))
         chunked = traced_chunk(chunk)
     names = tuple(example)

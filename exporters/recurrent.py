@@ -1,10 +1,14 @@
-"""Linear attention (Qwen3.5's Gated DeltaNet) in a graph that runs any sequence length.
+"""Linear attention (Qwen3.5's Gated DeltaNet, Mamba2's selective scan) in a graph that runs any sequence length.
 
 transformers computes the gated delta rule chunk by chunk, its recurrent state carried from one chunk of 64 tokens to
 the next in a Python loop over `sequence_length // 64`: torch.export unrolls that loop for the traced length, so an
 exported graph would run that length only. During an export `scanned_delta_rule` puts in its place the same
 computation with the loop over chunks as a `torch.ops.higher_order.scan` (ONNX's Scan), and the triangular solve
 inside a chunk, which ONNX has no operator for, by recursive blocks (`unit_lower_inverse`).
+
+Mamba2's scan (state space duality) has no loop, but transformers adds its skip term to the padded sequence before
+cutting the padding off, an equality of the padded length with the chunks' that the tracer can only keep by tying the
+traced length to its remainder modulo the chunk: `ssd_chunk_scan` computes the same with the padding cut first.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ MASK = "create_recurrent_attention_mask"
 # transformers' Gated DeltaNet classes that `_gated_delta_net_forward` computes (Qwen3.5's and Qwen3.5-MoE's: one
 # forward; Qwen3-Next's: its projections fused, `_projections`)
 DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+# the module-level function a Mamba2 mixer's scan calls for a prompt (and, from a cache, for several new tokens), looked
+# up in its modeling module at call time (Granite 4.0-H's, Bamba's, NemotronH's)
+SSD_SCAN = "mamba2_chunk_scan"
 
 
 def unit_lower_inverse(a: Tensor) -> Tensor:
@@ -112,6 +119,62 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     state, out = scan(step, state, chunks)
     out = out.movedim(0, 2).flatten(2, 3).narrow(2, 0, length)  # (batch, heads, length, value size)
     return out.transpose(1, 2).to(dtype).contiguous(), state if output_final_state else None
+
+
+def _segment_sum(x: Tensor) -> Tensor:
+    """(..., n) -> (..., n, n): entry [i, j] the sum of x over positions j+1 .. i (0 on the diagonal), -inf above it
+    (so that its exp is the decay from position j to i, 0 where j is later), by a cumulative sum of masked copies."""
+    n = x.shape[-1]
+    below = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+    sums = x[..., None].expand(*x.shape, n).masked_fill(~below, 0).cumsum(-2)
+    return sums.masked_fill(~below.logical_or(torch.eye(n, dtype=torch.bool, device=x.device)), float("-inf"))
+
+
+def ssd_chunk_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                   D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
+                   dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+                   return_final_states: bool = False, **_: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """transformers' `mamba2_chunk_scan` (same arguments and results; its chunk length `_chunk`'s, `traced_chunk`),
+    the skip term added after the padding is cut (`D x`, on the unpadded input).
+
+    hidden_states: (batch, length, heads, head size); dt: (batch, length, heads); A: (heads,); B, C: (batch, length,
+    groups, state size), each group read by heads / groups consecutive heads; initial_states: (batch, heads, head size,
+    state size). Returns (batch, length, heads, head size) in float32, and the final state where asked."""
+    chunk = _chunk.get()
+    batch, length, heads, _ = hidden_states.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1]).float()
+    x = hidden_states.float()
+    B, C = (t.float().repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))  # (batch, length, heads, state)
+    pad = (chunk - length % chunk) % chunk
+
+    def chunked(t: Tensor) -> Tensor:  # (batch, length, ...) -> (batch, chunks, chunk, ...)
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
+
+    decay = chunked(A.float() * dt).permute(0, 3, 1, 2)  # (batch, heads, chunks, chunk): log-decay a position
+    xs, Bs, Cs = chunked(x * dt[..., None]), chunked(B), chunked(C)  # (batch, chunks, chunk, heads, ...)
+    cumulative = decay.cumsum(-1)
+    # within a chunk: an attention-like product of C and B weighted by the decay between the two positions
+    within = torch.einsum("bclhn,bcshn->bhcls", Cs, Bs) * _segment_sum(decay).exp()
+    y_diag = torch.einsum("bhcls,bcshp->bclhp", within, xs)
+    # each chunk's contribution to the state at its end, then the states at the chunks' starts
+    to_end = (cumulative[..., -1:] - cumulative).exp()  # (batch, heads, chunks, chunk)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bs, to_end, xs)
+    first = (initial_states[:, None].float() if initial_states is not None
+             else states.new_zeros(states.shape[0], 1, *states.shape[2:]))
+    states = torch.cat([first, states], dim=1)  # (batch, chunks + 1, heads, head size, state size)
+    across = _segment_sum(F.pad(cumulative[..., -1], (1, 0))).exp()  # (batch, heads, chunks + 1, chunks + 1)
+    states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+    starts, final = states[:, :-1], states[:, -1]
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cs, starts, cumulative.exp())
+    out = (y_diag + y_off).reshape(batch, -1, heads, x.shape[-1]).narrow(1, 0, length)
+    if D is not None:
+        out = out + D.float()[:, None] * x
+    return (out, final) if return_final_states else out
 
 
 def _recurrent_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor | None, cache: Any = None,
@@ -209,9 +272,16 @@ def _delta_nets(model: torch.nn.Module) -> list[type]:
                   key=lambda c: c.__module__)
 
 
-def has_delta_nets(model: torch.nn.Module) -> bool:
-    """Whether the model (or a wrapper of it) has Gated DeltaNet layers, which an export traces over several chunks."""
-    return bool(_delta_nets(model))
+def _ssd_modules(model: torch.nn.Module) -> list[Any]:
+    """The modeling modules of the model's Mamba2 mixers (a state size, and a module-level `SSD_SCAN` they call)."""
+    found = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "ssm_state_size")}
+    return sorted((m for m in found if hasattr(m, SSD_SCAN)), key=lambda m: m.__name__)
+
+
+def has_chunked_scans(model: torch.nn.Module) -> bool:
+    """Whether the model (or a wrapper of it) has linear-attention layers that compute by chunks (Gated DeltaNet's,
+    Mamba2's), which an export traces over several chunks."""
+    return bool(_delta_nets(model) or _ssd_modules(model))
 
 
 def spanning_chunks(example: dict[str, Tensor], limit: int | None) -> tuple[dict[str, Tensor], int]:
@@ -233,19 +303,21 @@ def tiled(tokens: Tensor, length: int) -> Tensor:
 
 
 @contextlib.contextmanager
-def scanned_delta_rule(model: torch.nn.Module) -> Iterator[bool]:
+def scanned_linear_attention(model: torch.nn.Module) -> Iterator[bool]:
     """Within the block, the model's Gated DeltaNet layers run `_gated_delta_net_forward` (one path for any number of
-    tokens, the chunks as a Scan) and their masks `_recurrent_mask`: an export that runs any length, from any cache;
-    yields whether the model has such layers."""
-    classes = _delta_nets(model)
+    tokens, the chunks as a Scan), its Mamba2 mixers' scans `ssd_chunk_scan`, and their masks `_recurrent_mask`: an
+    export that runs any length, from any cache; yields whether the model has such layers."""
+    classes, ssd = _delta_nets(model), _ssd_modules(model)
     modules = [sys.modules[c.__module__] for c in classes]
     saved = [(c, "forward", c.forward) for c in classes]
     saved += [(m, name, getattr(m, name)) for m in modules for name in (CHUNK_RULE, MASK) if hasattr(m, name)]
-    replacements = {"forward": _gated_delta_net_forward, CHUNK_RULE: chunk_gated_delta_rule, MASK: _recurrent_mask}
+    saved += [(m, name, getattr(m, name)) for m in ssd for name in (SSD_SCAN, MASK) if hasattr(m, name)]
+    replacements = {"forward": _gated_delta_net_forward, CHUNK_RULE: chunk_gated_delta_rule, MASK: _recurrent_mask,
+                    SSD_SCAN: ssd_chunk_scan}
     for owner, name, _ in saved:
         setattr(owner, name, replacements[name])
     try:
-        yield bool(classes)
+        yield bool(classes or ssd)
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)

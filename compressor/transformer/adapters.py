@@ -164,6 +164,11 @@ class FamilyAdapter:
     # whether the shared expert's output is scaled by its own sigmoid gate (Qwen2-MoE) or added as it is (GLM-4.5's
     # mlp.shared_experts, whose width n_shared_experts x moe_intermediate_size no config key states alone)
     shared_gated: bool = True
+    # the shared expert's gate and up are one projection, [gate | up] (Granite 4.0-H's shared_mlp.input_linear)
+    shared_fused_up: bool = False
+    # whether an FFN alone can be removed: not where its shared expert lies outside the MoE block, beside it in the
+    # layer (Granite 4.0-H's shared_mlp), which a stand-in of the block would leave computing
+    ffn_alone: bool = True
     # a MoE family's layers whose FFN is dense (GLM-4.5's first first_k_dense_replace layers; Qwen2- / Qwen3-MoE's
     # mlp_only_layers, decoder_sparse_step): that FFN's input and output projections and the config key of its width
     # (`at` gives the record as it applies to such a block; `dense_ffn_layers` says which layers the config builds so)
@@ -346,6 +351,23 @@ QWEN3_5 = replace(LLAMA_LIKE, gated_query=True, linear_attention="linear_attn", 
 LFM2 = replace(LLAMA_LIKE, o="self_attn.out_proj", up=("feed_forward.w3", "feed_forward.w1"), down="feed_forward.w2",
                linear_attention="conv", linear_layer_type="conv", linear_recurrent_state=False, linear_heads=True,
                ffn_config=(("block_auto_adjust_ff_dim", False),))
+# Granite 4.0-H (granitemoehybrid): Mamba2 mixers (`mamba`: in_proj gives the gate z, x, B, C and the time steps, a
+# depthwise causal conv over x, B, C, the selective scan whose state is head_dim x ssm_state_size a head, a norm gated
+# by z over each group of heads, out_proj) in most layers, Llama's attention in the others, and in every layer a SwiGLU
+# FFN whose gate and up are one projection (shared_mlp.input_linear: [gate | up]); Granite's scalar multipliers
+GRANITE_HYBRID = replace(LLAMA_LIKE, up=("shared_mlp.input_linear",), down="shared_mlp.output_linear", fused_up=True,
+                         ffn_key="shared_intermediate_size", linear_attention="mamba")
+# ... with Mixture-of-Experts layers (num_local_experts > 0: Granite 4.0-H-Tiny, -Small): routed experts
+# (block_sparse_moe: Mixtral's softmax top-k routing and 3-D experts) beside the fused SwiGLU FFN, their shared expert
+GRANITE_HYBRID_MOE = replace(GRANITE_HYBRID, up=(), down="block_sparse_moe.experts", fused_up=False,
+                             ffn_key="intermediate_size", experts_per_token_key="num_experts_per_tok",
+                             shared_down="shared_mlp.output_linear", shared_up=("shared_mlp.input_linear",),
+                             shared_gated=False, shared_fused_up=True, shared_key="shared_intermediate_size",
+                             ffn_alone=False)
+# Bamba (IBM): Granite 4.0-H's Mamba2 mixers beside Llama's attention in the layers of attn_layer_indices, Llama's MLP
+# under feed_forward
+BAMBA = replace(LLAMA_LIKE, up=("feed_forward.up_proj", "feed_forward.gate_proj"), down="feed_forward.down_proj",
+                linear_attention="mamba")
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -522,6 +544,8 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     # HunYuan (per-head q/k norms, as Qwen3's)
     "smollm3": LLAMA_LIKE,
     "granite": LLAMA_LIKE,
+    "granitemoehybrid": GRANITE_HYBRID,
+    "bamba": BAMBA,
     "olmo": LLAMA_LIKE,
     "helium": replace(LLAMA_LIKE, config_head_dim=False),  # its o_proj is hidden x hidden whatever the heads
     "ministral": LLAMA_LIKE,
@@ -602,6 +626,7 @@ VARIANTS: dict[str, tuple[Callable[[dict], bool], FamilyAdapter]] = {
     "dinov2_with_registers": (lambda c: bool(c.get("use_swiglu_ffn")), DINOV2_SWIGLU),
     "dinov3_vit": (lambda c: bool(c.get("use_gated_mlp")), DINOV3_GATED),
     "gpt_bigcode": (lambda c: not c.get("multi_query", True), GPT_BIGCODE_MHA),
+    "granitemoehybrid": (lambda c: int(c.get("num_local_experts") or 0) > 0, GRANITE_HYBRID_MOE),
     # T5 v1.1, Flan-T5, T5-XXL, mT5: feed_forward_proj "gated-gelu"; UMT5 without it
     "t5": (lambda c: str(c.get("feed_forward_proj", "relu")).startswith("gated-"), T5_GATED),
     "mt5": (lambda c: str(c.get("feed_forward_proj", "gated-gelu")).startswith("gated-"), T5_GATED),
@@ -713,6 +738,7 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                "Phi-3.5-MoE is supported with SwiGLU experts (hidden_act silu) and two experts a token (its sparse "
                "mixer routing picks two)"),
     "qwen3_moe": _QWEN_MOE,
+    "granitemoehybrid": (lambda c: int(c.get("num_local_experts") or 0) > 0 and _not_silu(c), _NOT_SWIGLU[1]),
     "qwen2_moe": _QWEN_MOE,
     "gemma4_text": (lambda c: bool(int(c.get("num_kv_shared_layers") or 0)) or bool(c.get("enable_moe_block")),
                     "Gemma 4 is supported without layers that reuse earlier layers' keys and values "

@@ -9,12 +9,12 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ModelReferenceError, UnsupportedArchitecture
-from .adapters import ADAPTERS, dense_ffn_layers, family_record, kv_heads_of
+from .adapters import ADAPTERS, FamilyAdapter, dense_ffn_layers, family_record, kv_heads_of
 
 if TYPE_CHECKING:  # transformers is imported where it is used: importing this module stays cheap
     from transformers import PretrainedConfig
@@ -200,7 +200,7 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
     if "mixer_units" in manifest and adapter.linear_attention is None:
         return None  # not this family's manifest: `load_pruned` refuses it with the reason
     if adapter.linear_attention is not None:  # a linear-attention layer's heads are no attention heads to state
-        attends = [kind != adapter.linear_layer_type for kind in config.get("layer_types") or []]
+        attends = [kind != adapter.linear_layer_type for kind in _layer_kinds(config, adapter)]
         if len(attends) != len(heads):
             return None
         units = {u for u, a in zip(manifest.get("mixer_units") or [], attends, strict=False) if not a}
@@ -256,10 +256,32 @@ def standard_config(config: dict, manifest: dict) -> dict | None:
         if adapter.kv_heads_key is not None:
             out[key(adapter.kv_heads_key, adapter.kv_heads_key)] = kv_heads
     try:  # what transformers itself accepts: Llama's config still wants hidden_size % heads == 0
-        transformers.CONFIG_MAPPING[model_type].from_dict(out)
+        config_object(transformers.CONFIG_MAPPING[model_type], out)
     except Exception:  # its validators raise ValueError, or huggingface_hub's validation error
         return None
     return out
+
+
+def _layer_kinds(config: dict, adapter: FamilyAdapter) -> list[str]:
+    """Each layer's kind as config.json states it: its `layer_types`, or the indices of one kind's layers where the
+    config class computes the list from them (Bamba's attn_layer_indices), the others linear-attention layers."""
+    from .surgery import LEGACY_LAYER_INDICES
+
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    for key, kind in LEGACY_LAYER_INDICES.items():
+        if isinstance(config.get(key), list):
+            return [kind if i in config[key] else adapter.linear_layer_type
+                    for i in range(int(config["num_hidden_layers"]))]
+    return []
+
+
+def config_object(cls: type, config: dict) -> Any:
+    """config.json's dict as its config class `cls` reads it from a file: transformers writes the floats JSON has no
+    literal for as objects ({"__float__": "Infinity"}: Mamba2's time_step_limit), which from_pretrained decodes and
+    from_dict does not."""
+    decode = getattr(cls, "_decode_special_floats", None)
+    return cls.from_dict(decode(config) if decode is not None else config)
 
 
 def write_config(path: Path, config: dict) -> None:
@@ -282,7 +304,7 @@ def _builds_as_saved(directory: Path, config: dict) -> bool:
     if cls is None:
         return True
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in cls(cls.config_class.from_dict(config)).state_dict().items()}
+        shapes = {name: tuple(t.shape) for name, t in cls(config_object(cls.config_class, config)).state_dict().items()}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as saved:
             for name in saved.keys():  # noqa: SIM118 (safe_open is no mapping)

@@ -467,7 +467,7 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
         projections = hidden * d.head_dim * ((q + 1) * heads + kv * heads / d.group)  # q and o; k and v shared
         return share * float(projections + 2 * sequence_length * d.head_dim * heads)
     if shared:  # its input projections' rows and its down projection's column, at every token
-        return share * float(hidden * (1 + len(adapter.shared_up)))
+        return share * float(hidden * (1 + len(adapter.shared_up) + int(adapter.shared_fused_up)))
     if adapter.experts:  # one neuron of every expert: a token passes through top-k of them (SwiGLU)
         return share * float(hidden * 3 * int(getattr(model.config, adapter.experts_per_token_key)))
     return share * float(hidden * (1 + adapter.up_matrices))
@@ -487,6 +487,14 @@ def _mixer_unit_cost(model: nn.Module, index: int) -> float:
     rows = 2 * hk + 2 * r * hv + 2 * r  # q, k; v, z; b, a
     taps = int(mixer.conv1d.kernel_size[0]) * (2 * hk + r * hv)
     return float(hidden * (rows + r * hv) + taps + 4 * r * hk * hv)
+
+
+def recurrent_state_size(mixer: nn.Module) -> int:
+    """Entries of a linear-attention mixer's recurrent state, each read and written a token: a Gated DeltaNet's, key
+    size x value size a value head; a Mamba2 mixer's, head size x state size a head."""
+    if hasattr(mixer, "ssm_state_size"):  # Mamba2
+        return int(mixer.num_heads) * int(mixer.head_dim) * int(mixer.ssm_state_size)
+    return int(mixer.num_v_heads) * int(mixer.head_k_dim) * int(mixer.head_v_dim)
 
 
 def stand_in_scale(model: nn.Module, block: nn.Module) -> Tensor | None:
@@ -514,9 +522,7 @@ def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
         mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
         # its projections and its depthwise conv (a multiply-add a weight); LFM2's short conv has no state beyond it
         weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear | nn.Conv1d))
-        state = 0
-        if adapter_for(model).linear_recurrent_state:  # Gated DeltaNet: a matrix a value head, read and written a token
-            state = int(mixer.num_v_heads) * int(mixer.head_k_dim) * int(mixer.head_v_dim)
+        state = recurrent_state_size(mixer) if adapter_for(model).linear_recurrent_state else 0
         return float(weights + 4 * state)
     if not adapter_for(model).latent_attention:
         return 0.0

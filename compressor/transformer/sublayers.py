@@ -125,6 +125,9 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
         raise UnsupportedArchitecture(f"layer {index} of {model.config.model_type} mixes tokens by linear attention "
                                       "(its state carried by the decode step): that mixer is not removed alone (its "
                                       "units and whole layers are)")
+    if kind == FFN and not adapter_for(model).ffn_alone:
+        raise UnsupportedArchitecture(f"{model.config.model_type}'s FFN is its MoE block and a shared expert beside "
+                                      "it in the layer: an FFN alone is not removed (whole layers are)")
     if kind == ATTENTION and not adapter_for(model).attention_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
                                       "layer reads: an attention alone is not removed (whole layers are)")

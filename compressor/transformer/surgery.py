@@ -169,9 +169,11 @@ def prune_shared_ffn(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
     if is_removed(model, index, FFN):
         raise ValueError(f"layer {index}'s FFN is removed: its shared expert has no neurons to keep")
     down = projection(layer, adapter.shared_down)
-    keep = check_keep(keep, in_features(down), f"layer {index} shared expert neurons")
+    width = in_features(down)
+    keep = check_keep(keep, width, f"layer {index} shared expert neurons")
+    rows = torch.cat([keep, width + keep]) if adapter.shared_fused_up else keep  # [gate | up]: the neuron in each half
     for path in adapter.shared_up:
-        keep_output_rows(projection(layer, path), keep)
+        keep_output_rows(projection(layer, path), rows)
     keep_input_columns(down, keep, down_weight)
 
 
@@ -570,8 +572,9 @@ LEGACY_LAYER_PATTERNS: dict[str, Callable[[int, int], str]] = {
     "global_attn_every_n_layers": lambda i, v: "sliding_attention" if i % v else "full_attention",
 }
 
-# ... and keys listing the layers of one type by index (LFM2's full_attn_idxs): key -> that type
-LEGACY_LAYER_INDICES: dict[str, str] = {"full_attn_idxs": "full_attention"}
+# ... and keys listing the layers of one type by index (LFM2's full_attn_idxs; Bamba's attn_layer_indices, from which
+# its config computes `layer_types`): key -> that type
+LEGACY_LAYER_INDICES: dict[str, str] = {"full_attn_idxs": "full_attention", "attn_layer_indices": "full_attention"}
 
 
 def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
@@ -598,7 +601,13 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     for key in PER_LAYER_CONFIG:
         values = getattr(config, key, None)
         if isinstance(values, list | tuple) and len(values) == len(blocks):
-            setattr(config, key, [v for i, v in enumerate(values) if i not in gone])
+            values = [v for i, v in enumerate(values) if i not in gone]
+            if _settable(config, key):
+                setattr(config, key, values)
+                continue
+            for source, kind in LEGACY_LAYER_INDICES.items():  # computed from the keys it reads (Bamba's)
+                if isinstance(getattr(config, source, None), list):
+                    setattr(config, source, [i for i, v in enumerate(values) if v == kind])
     _restate_legacy_patterns(config)
     left = [i for i in range(len(blocks)) if i not in gone]
     _restate_backbone_outputs(config, left, len(blocks))
@@ -614,6 +623,13 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         config.per_layer_config = {new: overrides[old] for new, old in enumerate(left) if old in overrides}
     restate_depth(model)
     renumber_caches(model)
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Whether the config stores `key` (Bamba's layer_types is a property computed from attn_layer_indices)."""
+    name = getattr(type(config), "attribute_map", {}).get(key, key)
+    found = getattr(type(config), name, None)
+    return not (isinstance(found, property) and found.fset is None)
 
 
 def restate_depth(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ from exporters.recurrent import (
     MASK,
     chunk_for,
     chunk_gated_delta_rule,
-    scanned_delta_rule,
+    scanned_linear_attention,
     spanning_chunks,
     unit_lower_inverse,
 )
@@ -85,9 +85,9 @@ def test_the_export_patches_are_undone_after_the_block_even_on_error():
     model = tiny_qwen3_5()
     cls = type(model.model.layers[0].linear_attn)
     originals = cls.forward, getattr(qwen3_5, CHUNK_RULE), getattr(qwen3_5, MASK)
-    with pytest.raises(RuntimeError, match="inside"), scanned_delta_rule(model) as found:
+    with pytest.raises(RuntimeError, match="inside"), scanned_linear_attention(model) as found:
         assert found and getattr(qwen3_5, CHUNK_RULE) is chunk_gated_delta_rule and cls.forward is not originals[0]
         raise RuntimeError("inside")
     assert (cls.forward, getattr(qwen3_5, CHUNK_RULE), getattr(qwen3_5, MASK)) == originals
-    with scanned_delta_rule(torch.nn.Linear(2, 2)) as found:
+    with scanned_linear_attention(torch.nn.Linear(2, 2)) as found:
         assert not found and getattr(qwen3_5, CHUNK_RULE) is originals[1]

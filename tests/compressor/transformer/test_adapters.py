@@ -13,7 +13,15 @@ import transformers
 
 from compressor.errors import ModelReferenceError, UnsupportedArchitecture
 from compressor.progress import WARNING
-from compressor.transformer.adapters import ADAPTERS, VARIANTS, adapter_for, check_config, family_record, layers
+from compressor.transformer.adapters import (
+    ADAPTERS,
+    VARIANTS,
+    adapter_at,
+    adapter_for,
+    check_config,
+    family_record,
+    layers,
+)
 from compressor.transformer.flap import flap_structure
 from compressor.transformer.models import save_standard
 from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
@@ -54,6 +62,7 @@ from .transformer_models import (
     example_inputs,
     first_output,
     tiny_gemma4,
+    tiny_granite_hybrid,
     tiny_lfm2,
     tiny_qwen3_5,
 )
@@ -97,7 +106,8 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
     # both units pruned by the pipeline (single query heads: a layer may keep 3 of 4), then a layer removed
     pruned, reports = prune_transformer(model, data, 0.3, gqa="query-heads")
     assert {r.kind for r in reports} >= {"ffn_neurons"} and any(r.width_after < r.width_before for r in reports)
-    assert sum(query_heads(pruned, i) for i in range(2)) < 8
+    attentions = [i for i in range(2) if not adapter_at(model, i).recurrent]  # a linear-attention mixer has no heads
+    assert sum(query_heads(pruned, i) for i in attentions) < 4 * len(attentions)
     assert torch.isfinite(first_output(pruned)).all()
     remove_layers(pruned, [0])
     if not adapter_for(pruned).normed_updates:  # its FFN alone too (Falcon adds into the FFN's output in place)
@@ -250,6 +260,72 @@ def test_lfm2s_short_convolutions_lose_channels_carry_their_conv_state_and_unifo
     config = json.loads((tmp_path / "s" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"],
             config["block_auto_adjust_ff_dim"]) == (2, 1, 12, False)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+
+
+def test_granite_4_h_keeps_its_mamba2_mixers_whole_carries_their_states_and_uniform_widths_load_alone(tmp_path):
+    """Granite 4.0-H: its Mamba2 mixers stay whole (their gated norm spans every head of a group, and the config states
+    their width only through hidden_size), their layers removable whole (layer_types restated); the attention's heads
+    and every layer's fused SwiGLU neurons are pruned. The graphs, exported on 10 tokens, run prompts of 1 to 30 tokens
+    (several of the scan's chunks of 8) and decode after any cache, one token (PyTorch's recurrent kernel) or a prompt,
+    the decode step carrying each mixer's conv state and scan state (batch, heads, head size, state size) within 1e-4;
+    uniform widths are stated in config.json, which AutoModelForCausalLM builds alone."""
+    model = tiny_granite_hybrid(("linear_attention", "full_attention", "linear_attention"))
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    with pytest.raises(UnsupportedArchitecture, match="layer 0 of granitemoehybrid mixes tokens by linear attention"):
+        remove_sublayer(copy.deepcopy(model), 0, ATTENTION)
+    pruned, reports = prune_transformer(model, data, 0.5, gqa="query-heads")
+    heads = {r.name: r.width_after for r in reports if r.kind == "attention_heads"}
+    assert heads == {"model.layers.1.self_attn.o_proj": 2}
+    assert all(ffn_width(pruned, i) == 10 for i in range(3))
+    assert all(layers(pruned)[i].mamba.out_proj.in_features == 64 for i in (0, 2))
+    remove_layers(pruned, [2])
+    assert pruned.config.layer_types == ["linear_attention", "full_attention"]
+
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
+    for length in (1, 30):
+        assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
+                               "logits").max_abs_error < 1e-4, length
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
+    session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
+                                                          "past_key_values.1.key", "past_key_values.1.value"]
+    ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
+    conv, scan, key, _ = (tuple(t.shape) for t in _past_of(pruned, ids[:, :5]))
+    assert (conv, scan, key[2:]) == ((3, 80, 4), (3, 4, 16, 8), (5, 8))  # x, B and C's channels; heads x 16 x 8
+    for rows, new in ((3, 1), (3, 20), (1, 30)):  # after 29 and 10 tokens, and a prompt into an empty cache
+        assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
+
+    save_pruned(pruned, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+
+    for i in range(3):
+        prune_ffn(model, i, range(12))
+    prune_heads(model, 1, [1])  # the second KV group and its 2 query heads
+    remove_layers(model, [0])
+    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["shared_intermediate_size"],
+            config["layer_types"]) == (2, 1, 12, ["full_attention", "linear_attention"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+
+
+def test_bamba_restates_the_attention_indices_its_layer_kinds_are_computed_from(tmp_path):
+    """Bamba's config computes layer_types from attn_layer_indices (no setter): removing a layer restates the indices,
+    and config.json, which then holds no layer_types, still states uniform widths (the layer kinds read from them)."""
+    model = LLAMA_SHAPED["bamba"]()
+    assert model.config.layer_types == ["linear_attention", "full_attention"]
+    for i in range(2):
+        prune_ffn(model, i, range(12))
+    prune_heads(model, 1, [1])
+    remove_layers(model, [0])
+    assert (model.config.attn_layer_indices, model.config.layer_types) == ([0], ["full_attention"])
+    assert save_standard(model, tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert "layer_types" not in config and (config["attn_layer_indices"], config["intermediate_size"]) == ([0], 12)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
     torch.testing.assert_close(first_output(reloaded), first_output(model))
 

@@ -513,3 +513,41 @@ def test_lfm2_moe_routes_by_its_blocks_bias_prunes_experts_beside_short_convolut
     assert (config["moe_intermediate_size"], config["num_attention_heads"], config["num_dense_layers"]) == (16, 2, 0)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(first_output(reloaded), first_output(resized))
+
+
+def test_granite_4_h_moe_prunes_experts_and_its_fused_shared_expert_beside_mamba2_mixers(tmp_path):
+    """Granite 4.0-H-Tiny's layout: each layer's routed experts (Mixtral's routing) and the fused SwiGLU shared expert
+    beside them in the layer (shared_mlp: [gate | up] rows) are pruned as two units, the Mamba2 mixers kept whole; an
+    FFN alone is not removed (its shared expert lies outside the MoE block), whole layers are. Exported within 1e-4;
+    uniform widths go to a config transformers loads alone."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import adapter_for, check_config
+    from compressor.transformer.pipeline import resize_transformer
+    from compressor.transformer.sublayers import FFN, remove_sublayer
+    from compressor.transformer.surgery import remove_layers
+
+    model = MOE_EXTRA["granitemoehybrid:moe"]()
+    check_config({**model.config.to_dict(), "model_type": "granitemoehybrid"}, "m")
+    assert adapter_for(model).shared_fused_up and adapter_for(model).down == "block_sparse_moe.experts"
+    with pytest.raises(UnsupportedArchitecture, match="an FFN alone is not removed"):
+        remove_sublayer(model, 1, FFN)
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25)
+    assert {r.name: r.width_after for r in reports} == {
+        "model.layers.1.self_attn.o_proj": 3,
+        **{f"model.layers.{i}.shared_mlp.output_linear": 15 for i in range(3)},
+        **{f"model.layers.{i}.block_sparse_moe.experts": 24 for i in range(3)}}
+    assert all(layers(pruned)[i].shared_mlp.input_linear.out_features == 30 for i in range(3))
+    _exports_decodes_and_reads_half(pruned, tmp_path, decode=False)
+
+    plan = {"model.layers.1.self_attn.o_proj": 2,
+            **{f"model.layers.{i}.shared_mlp.output_linear": 12 for i in range(3)},
+            **{f"model.layers.{i}.block_sparse_moe.experts": 16 for i in range(3)}}
+    resized = resize_transformer(model, plan)
+    remove_layers(resized, [2])
+    assert save_standard(resized, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (config["intermediate_size"], config["shared_intermediate_size"], config["num_attention_heads"],
+            config["layer_types"]) == (16, 12, 2, ["linear_attention", "full_attention"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(resized))

@@ -264,7 +264,8 @@ MOE_MIXED = {
 # end-to-end test of its own
 MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss, "olmoe": tiny_olmoe, "flex_olmo": tiny_flex_olmo,
              "glm4_moe": tiny_glm4_moe, "qwen3_5_moe_text": lambda: tiny_qwen3_5_moe(),
-             "qwen3_next": lambda: tiny_qwen3_next(), "lfm2_moe": lambda: tiny_lfm2_moe()}  # (defined below)
+             "qwen3_next": lambda: tiny_qwen3_next(), "lfm2_moe": lambda: tiny_lfm2_moe(),
+             "granitemoehybrid:moe": lambda: tiny_granite_hybrid_moe()}  # (defined below)
 
 
 def _decoder(cls: str, config: str, **fields):
@@ -323,6 +324,24 @@ def tiny_gemma4(layers: int = 3, **fields):
         for i, block in enumerate(model.model.layers):
             block.layer_scalar.fill_(0.6 + 0.3 * i)
     return model
+
+
+def tiny_granite_hybrid(layer_types: tuple[str, ...] = ("linear_attention", "full_attention"), **fields):
+    """Granite 4.0-H: Mamba2 mixers (4 heads of 16 over one group, state 8, chunks of 8 tokens) beside attention layers
+    without positions (position_embedding_type nope, as Granite 4.0-H's), a fused SwiGLU FFN of 20 neurons in each
+    layer (shared_mlp), Granite's multipliers set away from 1."""
+    return _decoder("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", num_hidden_layers=len(layer_types),
+                    layer_types=list(layer_types), shared_intermediate_size=20, mamba_n_heads=4, mamba_d_head=16,
+                    mamba_d_state=8, mamba_chunk_size=8, position_embedding_type="nope", embedding_multiplier=2.0,
+                    residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+                    **{"num_local_experts": 0, **fields})
+
+
+def tiny_granite_hybrid_moe():
+    """Granite 4.0-H-Tiny's layout: `tiny_granite_hybrid`'s layers (a Mamba2 mixer, an attention, a Mamba2 mixer), each
+    FFN 4 experts of 32 neurons, 2 a token by softmax top-k, beside a fused SwiGLU shared expert of 20 neurons."""
+    return tiny_granite_hybrid(("linear_attention", "full_attention", "linear_attention"), num_local_experts=4,
+                               num_experts_per_tok=2, intermediate_size=32)
 
 
 def tiny_lfm2(layer_types: tuple[str, ...] = ("conv", "full_attention")):
@@ -447,6 +466,11 @@ LLAMA_SHAPED = {
     "qwen3_5_text": tiny_qwen3_5,
     # short convolutions (their channels pruned, their conv states the decode step's) around an attention layer
     "lfm2": lambda: tiny_lfm2(("conv", "full_attention", "conv")),
+    # a Mamba2 mixer (kept whole, its conv and scan states the decode step's) before an attention without positions
+    "granitemoehybrid": tiny_granite_hybrid,
+    # Granite 4.0-H's mixers beside a rotary attention, its layer kinds stated by attn_layer_indices
+    "bamba": lambda: _decoder("BambaForCausalLM", "BambaConfig", attn_layer_indices=[1], mamba_n_heads=4,
+                              mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8),
     # global layers of their own head size over values that are keys, per-layer input embeddings, output scalars
     "gemma4_text": lambda: tiny_gemma4(),
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
