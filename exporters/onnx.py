@@ -31,6 +31,7 @@ from .recurrent import (
     has_chunked_scans,
     scanned_linear_attention,
     spanning_chunks,
+    stepped_scan,
     tiled,
     traced_chunk,
 )
@@ -931,7 +932,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
         model.config._attn_implementation = "eager"
     try:
         chunked = traced_chunk(chunk_for(new)) if recurrent else contextlib.nullcontext()
-        with chunked:
+        with chunked, stepped_scan():
             return _export(_DecodeStep(model.eval(), layers).eval(), (example_ids[:, past_len:], mask, *past), path,
                            weights=model, dynamic_shapes=dynamic, input_names=inputs, output_names=outputs,
                            opset_version=opset)

@@ -27,6 +27,10 @@ from torch import Tensor
 CHUNK = 64
 # the chunk length the exported graph computes with (`traced_chunk`)
 _chunk: ContextVar[int] = ContextVar("chunk", default=CHUNK)
+# the chunk length an exported decode step's Mamba2 scan computes with (`stepped_scan`): a one-token step is a padded
+# chunk, whose within-chunk products cost the chunk's length (any length gives the same outputs)
+SSD_STEP_CHUNK = 8
+_ssd_chunk: ContextVar[int | None] = ContextVar("ssd_chunk", default=None)
 # the module-level function a Gated DeltaNet layer calls for a prompt (and, from a cache, for several new tokens),
 # looked up in its modeling module at call time
 CHUNK_RULE = "torch_chunk_gated_delta_rule"
@@ -140,7 +144,7 @@ def ssd_chunk_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: T
     hidden_states: (batch, length, heads, head size); dt: (batch, length, heads); A: (heads,); B, C: (batch, length,
     groups, state size), each group read by heads / groups consecutive heads; initial_states: (batch, heads, head size,
     state size). Returns (batch, length, heads, head size) in float32, and the final state where asked."""
-    chunk = _chunk.get()
+    chunk = _ssd_chunk.get() or _chunk.get()
     batch, length, heads, _ = hidden_states.shape
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
@@ -257,6 +261,16 @@ def chunk_for(length: int) -> int:
 
 
 @contextlib.contextmanager
+def stepped_scan() -> Iterator[None]:
+    """Within the block, exported Mamba2 scans compute with chunks of `SSD_STEP_CHUNK` tokens (a decode step's)."""
+    token = _ssd_chunk.set(SSD_STEP_CHUNK)
+    try:
+        yield
+    finally:
+        _ssd_chunk.reset(token)
+
+
+@contextlib.contextmanager
 def traced_chunk(chunk: int) -> Iterator[None]:
     """Within the block, exported Gated DeltaNet layers compute with chunks of `chunk` tokens (`chunk_for`)."""
     token = _chunk.set(chunk)
@@ -266,15 +280,23 @@ def traced_chunk(chunk: int) -> Iterator[None]:
         _chunk.reset(token)
 
 
+def _class_of(module: torch.nn.Module) -> type:
+    """The module's transformers class: a half-precision model read in float32 (`precision.float32_view`) has
+    parametrized subclasses of it, which torch's parametrize module defines."""
+    from torch.nn.utils.parametrize import type_before_parametrizations
+
+    return type_before_parametrizations(module)
+
+
 def _delta_nets(model: torch.nn.Module) -> list[type]:
     """The classes of the model's Gated DeltaNet layers (Qwen3.5's) that `_gated_delta_net_forward` computes."""
-    return sorted({type(m) for m in model.modules() if type(m).__name__ in DELTA_NETS},
+    return sorted({_class_of(m) for m in model.modules() if _class_of(m).__name__ in DELTA_NETS},
                   key=lambda c: c.__module__)
 
 
 def _ssd_modules(model: torch.nn.Module) -> list[Any]:
     """The modeling modules of the model's Mamba2 mixers (a state size, and a module-level `SSD_SCAN` they call)."""
-    found = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "ssm_state_size")}
+    found = {sys.modules[_class_of(m).__module__] for m in model.modules() if hasattr(m, "ssm_state_size")}
     return sorted((m for m in found if hasattr(m, SSD_SCAN)), key=lambda m: m.__name__)
 
 

@@ -10,12 +10,16 @@ from exporters.recurrent import (
     MASK,
     chunk_for,
     chunk_gated_delta_rule,
+    has_chunked_scans,
     scanned_linear_attention,
     spanning_chunks,
+    ssd_chunk_scan,
+    stepped_scan,
+    traced_chunk,
     unit_lower_inverse,
 )
 
-from ..compressor.transformer.transformer_models import tiny_qwen3_5
+from ..compressor.transformer.transformer_models import tiny_granite_hybrid, tiny_qwen3_5
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 64])
@@ -91,3 +95,45 @@ def test_the_export_patches_are_undone_after_the_block_even_on_error():
     assert (cls.forward, getattr(qwen3_5, CHUNK_RULE), getattr(qwen3_5, MASK)) == originals
     with scanned_linear_attention(torch.nn.Linear(2, 2)) as found:
         assert not found and getattr(qwen3_5, CHUNK_RULE) is originals[1]
+
+
+@pytest.mark.parametrize("length, groups", [(1, 1), (21, 2), (70, 4)])
+def test_the_ssd_scan_is_transformers_mamba2_scan_with_any_chunk(length, groups):
+    """`ssd_chunk_scan` against transformers' own `mamba2_chunk_scan` (Granite 4.0-H's, chunks of 8): outputs and the
+    final state, from a given state, on chunks of 8 (the same products: within rounding), 4, 64 and the decode step's,
+    for a length shorter than a chunk and for several chunks, one group of heads or more."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+
+    gen = torch.Generator().manual_seed(length)
+    batch, heads, size, state = 2, 4, 16, 8
+    x, dt = torch.randn(batch, length, heads, size, generator=gen), torch.randn(batch, length, heads, generator=gen)
+    b, c = (torch.randn(batch, length, groups, state, generator=gen) for _ in range(2))
+    a = -2 * torch.rand(heads, generator=gen)  # the decay's rate: A < 0
+    d, bias = (torch.randn(heads, generator=gen) for _ in range(2))
+    start = torch.randn(batch, heads, size, state, generator=gen)
+    args = dict(chunk_size=8, D=d, dt_bias=bias, initial_states=start, dt_softplus=True, dt_limit=(0.0, 5.0),
+                return_final_states=True)
+    expected, final = granite.mamba2_chunk_scan(x, dt, a, b, c, **args)
+    for chunk in (8, 4, 64):
+        with traced_chunk(chunk):
+            out, last = ssd_chunk_scan(x, dt, a, b, c, **args)
+        assert out.dtype == torch.float32 and out.shape == (batch, length, heads, size)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, final, rtol=1e-4, atol=1e-4)
+    with stepped_scan():
+        torch.testing.assert_close(ssd_chunk_scan(x, dt, a, b, c, **args)[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_half_model_read_in_float32_has_its_scans_replaced():
+    """A bf16 checkpoint is exported through a float32 view (`precision.float32_view`) whose layers are parametrized
+    subclasses defined by torch: its Gated DeltaNets and Mamba2 mixers are still found and their scans replaced."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+
+    from compressor.precision import float32_view
+
+    original = granite.mamba2_chunk_scan
+    for build in (tiny_qwen3_5, tiny_granite_hybrid):
+        with float32_view(build().to(torch.bfloat16)) as view, scanned_linear_attention(view) as found:
+            assert has_chunked_scans(view) and found
+            assert build is tiny_qwen3_5 or granite.mamba2_chunk_scan is ssd_chunk_scan
+    assert granite.mamba2_chunk_scan is original
