@@ -25,15 +25,26 @@ def osscar_home(tmp_path_factory, monkeypatch):
     return home
 
 
-@pytest.fixture(autouse=True)
-def frozen_heap():
-    """After each test, its garbage collected and what it leaves alive (the import-time state, torch.export's and
-    transformers' caches) moved out of the collector's sight (`gc.freeze`): the pipeline collects after every block,
-    and a full collection over a worker's heap, which grows through a thousand tests, took ~1 s where the job's own
-    process takes milliseconds (the suite's family tests ran 10x slower in a worker than alone)."""
-    yield
+# every this many tests a worker collects its whole heap (frozen objects too) once
+FULL_COLLECTION_EVERY = 200
+_tests_run = [0]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test (its fixtures, monkeypatches and arguments released), its garbage is collected and what it
+    leaves alive (the import-time state, torch.export's and transformers' caches) is moved out of the collector's
+    sight (`gc.freeze`): the pipeline collects after every block, and a full collection over a worker's heap, which
+    grows through a thousand tests, took ~1 s where a job's own process takes milliseconds (the suite's family tests
+    ran 10x slower in a worker than alone). Frozen objects that later become cyclic garbage (a module fixture's graph,
+    a monkeypatched class) are collected every `FULL_COLLECTION_EVERY` tests."""
+    result = yield
+    _tests_run[0] += 1
+    if _tests_run[0] % FULL_COLLECTION_EVERY == 0:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
+    return result
 
 
 # most tests are single-threaded Python (exports, the service); each worker may hold a few GB

@@ -585,6 +585,12 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     check_removable_layers(model, indices)
     if not indices:
         return
+    for key in PER_LAYER_CONFIG:  # before anything changes: a list the config computes from keys not known here
+        if getattr(model.config, key, None) is not None and not _settable(model.config, key) and \
+                not _index_sources(model.config):
+            raise UnsupportedArchitecture(f"{model.config.model_type}'s config computes {key} from keys of its own, "
+                                          "which removed layers would leave stating another model: layers are not "
+                                          "removed whole")
     blocks = layers(model)
     gone = set(indices)
     kept = [block for i, block in enumerate(blocks) if i not in gone]
@@ -605,9 +611,8 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
             if _settable(config, key):
                 setattr(config, key, values)
                 continue
-            for source, kind in LEGACY_LAYER_INDICES.items():  # computed from the keys it reads (Bamba's)
-                if isinstance(getattr(config, source, None), list):
-                    setattr(config, source, [i for i, v in enumerate(values) if v == kind])
+            for source in _index_sources(config):  # computed from the keys it reads (Bamba's attn_layer_indices)
+                setattr(config, source, [i for i, v in enumerate(values) if v == LEGACY_LAYER_INDICES[source]])
     _restate_legacy_patterns(config)
     left = [i for i in range(len(blocks)) if i not in gone]
     _restate_backbone_outputs(config, left, len(blocks))
@@ -623,6 +628,13 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         config.per_layer_config = {new: overrides[old] for new, old in enumerate(left) if old in overrides}
     restate_depth(model)
     renumber_caches(model)
+
+
+def _index_sources(config: Any) -> list[str]:
+    """The keys of `LEGACY_LAYER_INDICES` the config holds: lists, or None for no layer of that kind (Bamba's
+    default)."""
+    return [key for key in LEGACY_LAYER_INDICES if hasattr(config, key) and
+            isinstance(getattr(config, key), list | type(None))]
 
 
 def _settable(config: Any, key: str) -> bool:

@@ -14,6 +14,7 @@ import transformers
 from compressor.errors import ModelReferenceError, UnsupportedArchitecture
 from compressor.precision import float32_view
 from compressor.progress import WARNING
+from compressor.transformer import surgery
 from compressor.transformer.adapters import (
     ADAPTERS,
     VARIANTS,
@@ -325,11 +326,17 @@ def test_granite_4_h_keeps_its_mamba2_mixers_whole_carries_their_states_and_unif
     torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
-def test_bamba_restates_the_attention_indices_its_layer_kinds_are_computed_from(tmp_path):
+def test_bamba_restates_the_attention_indices_its_layer_kinds_are_computed_from(tmp_path, monkeypatch):
     """Bamba's config computes layer_types from attn_layer_indices (no setter): removing a layer restates the indices,
-    and config.json, which then holds no layer_types, still states uniform widths (the layer kinds read from them)."""
+    and config.json, which then holds no layer_types, still states uniform widths (the layer kinds read from them). A
+    config computing its layer kinds from keys not known to the surgery is refused before anything changes."""
     model = LLAMA_SHAPED["bamba"]()
     assert model.config.layer_types == ["linear_attention", "full_attention"]
+    with monkeypatch.context() as patched:
+        patched.delitem(surgery.LEGACY_LAYER_INDICES, "attn_layer_indices")
+        with pytest.raises(UnsupportedArchitecture, match="computes layer_types from keys of its own"):
+            remove_layers(model, [0])
+    assert len(layers(model)) == model.config.num_hidden_layers == 2
     for i in range(2):
         prune_ffn(model, i, range(12))
     prune_heads(model, 1, [1])
