@@ -126,6 +126,26 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
     torch.testing.assert_close(first_output(reloaded), first_output(pruned))
 
 
+def _exports_a_hybrid(pruned, tmp_path, lengths, max_length=None) -> dict:
+    """model.onnx of a pruned hybrid decoder (layer 0 a linear-attention mixer, layer 1 an attention), exported on 10
+    tokens, at prompts of `lengths`; decode.onnx within 32 positions (traced on them, its chunks shrunk to span more
+    than one), its states named per layer, one token and 20 after a cache and a prompt into an empty one: each within
+    1e-4 of PyTorch. Returns the example the prefill graph was exported on."""
+    example = example_inputs(pruned, batch=2, length=10)
+    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=max_length)
+    for length in lengths:
+        assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
+                               "logits").max_abs_error < 1e-4, length
+    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
+    session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
+                                                          "past_key_values.1.key", "past_key_values.1.value"]
+    ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
+    for rows, new in ((3, 1), (3, 20), (1, 30)):  # after 29 and 10 tokens, and a prompt into an empty cache
+        assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
+    return example
+
+
 def _replays_its_blocks(model, data) -> None:
     """Each block replayed on its captured inputs gives what it gives inside the model (the family's own forward:
     multipliers, clipping, norms, layer scales, rotary tables)."""
@@ -200,19 +220,7 @@ def test_qwen3_5s_delta_nets_lose_whole_key_groups_and_export_at_any_length(tmp_
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
 
-    example = example_inputs(pruned, batch=2, length=10)
-    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits")
-    for length in (1, 130):
-        assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
-                               "logits").max_abs_error < 1e-4, length
-    # within 32 positions: the step is traced on them, its chunks shrunk to 16 tokens to span more than one
-    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
-    session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
-                                                          "past_key_values.1.key", "past_key_values.1.value"]
-    ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
-    for rows, new in ((3, 1), (3, 20), (1, 30)):  # after 29 and 10 tokens, and a prompt into an empty cache
-        assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
+    _exports_a_hybrid(pruned, tmp_path, (1, 130))
 
     save_pruned(pruned, tmp_path / "saved")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
@@ -289,20 +297,10 @@ def test_granite_4_h_keeps_its_mamba2_mixers_whole_carries_their_states_and_unif
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
 
-    example = example_inputs(pruned, batch=2, length=10)
-    path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=32)
-    for length in (1, 30):
-        assert check_hf_parity(pruned, path, example_inputs(pruned, batch=2, length=length, seed=length),
-                               "logits").max_abs_error < 1e-4, length
-    decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
-    session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
-                                                          "past_key_values.1.key", "past_key_values.1.value"]
-    ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
-    conv, scan, key, _ = (tuple(t.shape) for t in _past_of(pruned, ids[:, :5]))
+    example = _exports_a_hybrid(pruned, tmp_path, (1, 30), max_length=32)
+    ids = torch.randint(3, 50, (3, 5), generator=torch.Generator().manual_seed(1))
+    conv, scan, key, _ = (tuple(t.shape) for t in _past_of(pruned, ids))
     assert (conv, scan, key[2:]) == ((3, 80, 4), (3, 4, 16, 8), (5, 8))  # x, B and C's channels; heads x 16 x 8
-    for rows, new in ((3, 1), (3, 20), (1, 30)):  # after 29 and 10 tokens, and a prompt into an empty cache
-        assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
 
     save_pruned(pruned, tmp_path / "saved")
     torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
