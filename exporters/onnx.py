@@ -548,7 +548,7 @@ class _NamedInputs(torch.nn.Module):
         # a hybrid decoder builds no cache: filling a linear-attention layer's conv state branches on the prompt's
         # length against the conv's (a graph would keep prompts of at least that many tokens only)
         family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
-        self.uncached = family is not None and family.linear_attention is not None
+        self.uncached = family is not None and family.recurrent_mixers
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         named = dict(zip(self.names, inputs, strict=True))
@@ -770,7 +770,8 @@ class _DecodeStep(torch.nn.Module):
     past key/value per layer with an attention) -> (logits, present key/value of those layers). Layers may have
     different KV head counts (pruned models). A layer mixing tokens by linear attention (`layer_states`) carries
     its conv state (batch, channels, kernel) and, where it has one, its recurrent state (batch, value heads, key size,
-    value size) instead."""
+    value size) instead; a layer with a mixer beside its attention (Falcon-H1's) carries both, keys and values
+    first."""
 
     def __init__(self, model: torch.nn.Module, layers: int) -> None:
         super().__init__()
@@ -793,12 +794,17 @@ class _DecodeStep(torch.nn.Module):
 # what a cached layer carries from one step to the next: an attention's keys and values; a linear-attention mixer's
 # conv state and recurrent state (Gated DeltaNet), or its conv state alone (LFM2's short convolution)
 KEY_VALUE, CONV_RECURRENT, CONV = ("key", "value"), ("conv", "recurrent"), ("conv",)
+# a layer with a Mamba2 mixer beside its attention (`FamilyAdapter.parallel_mixer`): both layers' states
+BOTH = KEY_VALUE + CONV_RECURRENT
 
 
 def layer_states(model: torch.nn.Module) -> list[tuple[str, ...]]:
-    """What each cached layer carries (`KEY_VALUE`, `CONV_RECURRENT`, `CONV`). A linear-attention mixer
-    (`FamilyAdapter.linear_attention`) is never removed alone, so the cached layers are the blocks of such a family."""
+    """What each cached layer carries (`KEY_VALUE`, `CONV_RECURRENT`, `CONV`, `BOTH`). A linear-attention mixer
+    (`FamilyAdapter.linear_attention`) is never removed alone, nor an attention beside a parallel mixer, so the cached
+    layers are the blocks of such a family."""
     family = ADAPTERS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is not None and family.parallel_mixer is not None:
+        return [BOTH] * kv_layers(model)
     if family is None or family.linear_attention is None:
         return [KEY_VALUE] * kv_layers(model)
     linear = CONV_RECURRENT if family.linear_recurrent_state else CONV
@@ -825,8 +831,9 @@ def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], states: li
     for i, names in enumerate(states):
         given = dict(zip(names, itertools.islice(tensors, len(names)), strict=True))
         layer = cache.layers[i]
-        if names == KEY_VALUE:
+        if "key" in given:
             layer.update(given["key"], given["value"])
+        if "conv" not in given:
             continue
         conv = given["conv"]
         layer.device, layer.dtype = conv.device, conv.dtype
@@ -842,13 +849,13 @@ def _cache_of(model: torch.nn.Module, past: tuple[torch.Tensor, ...], states: li
 
 
 def _state_of(cache: Any, states: list[tuple[str, ...]]) -> list[torch.Tensor]:
-    """Each cached layer's `states` in turn: its keys and values, or a linear-attention layer's conv state (and
-    recurrent state)."""
+    """Each cached layer's `states` in turn: its keys and values, a linear-attention layer's conv state (and
+    recurrent state), or both."""
     out = []
     for layer, names in zip(cache.layers, states, strict=False):  # a config's cache may hold more layers
-        if names == KEY_VALUE:
+        if "key" in names:
             out += [layer.keys, layer.values]
-        else:
+        if "conv" in names:
             out += [layer.conv_states[0], *([layer.recurrent_states[0]] if "recurrent" in names else [])]
     return out
 
@@ -868,15 +875,12 @@ def _returned_cache(output: Any) -> Any:
 def decode_step_names(layers: int, states: list[tuple[str, ...]] | None = None) -> tuple[list[str], list[str]]:
     """The decode step's input and output names: optimum's past_key_values.N.key / present.N.value for a layer with
     an attention; past_conv.N (and past_recurrent.N) / present_conv.N (and present_recurrent.N) for a linear-attention
-    layer's states (`layer_states`; N the layer's index)."""
+    layer's states (`layer_states`; N the layer's index); both, in that order, for a layer with both."""
     past, present = [], []
     for i, names in enumerate(states if states is not None else [KEY_VALUE] * layers):
-        if names == KEY_VALUE:
-            past += [f"past_key_values.{i}.{part}" for part in names]
-            present += [f"present.{i}.{part}" for part in names]
-        else:
-            past += [f"past_{part}.{i}" for part in names]
-            present += [f"present_{part}.{i}" for part in names]
+        for part in names:
+            past.append(f"past_key_values.{i}.{part}" if part in KEY_VALUE else f"past_{part}.{i}")
+            present.append(f"present.{i}.{part}" if part in KEY_VALUE else f"present_{part}.{i}")
     return ["input_ids", "attention_mask", *past], ["logits", *present]
 
 
@@ -906,7 +910,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     optimum convention (past_key_values.N.key / present.N.value); N counts the layers that keep an attention
     (a removed one keeps no cache)."""
     layers, states = kv_layers(model), layer_states(model)
-    recurrent = any(names == CONV_RECURRENT for names in states)  # a Gated DeltaNet, whose rule runs by chunks
+    recurrent = any("recurrent" in names for names in states)  # a Gated DeltaNet's or Mamba2's scan, by chunks
     # two new tokens, so the export does not specialise the step to one; linear attention's, over more than one of its
     # chunks (a step of one chunk would be traced as one)
     new = min(CHUNK + 2, max_length) if recurrent else 2
@@ -921,7 +925,7 @@ def export_decode_step(model: torch.nn.Module, example_ids: torch.Tensor, path: 
     step, length = torch.export.Dim("sequence", min=1, max=max_length), torch.export.Dim("past", min=0, max=max_length)
     total = torch.export.Dim("total", min=1, max=2 * max_length)  # past + sequence
     # a linear-attention layer's states have no length: only their batch varies
-    per_layer = [{0: batch, 2: length} if names == KEY_VALUE else {0: batch} for names in states for _ in names]
+    per_layer = [{0: batch, 2: length} if part in KEY_VALUE else {0: batch} for names in states for part in names]
     dynamic = ({0: batch, 1: step}, {0: batch, 1: total}, tuple(per_layer))
     inputs, outputs = decode_step_names(layers, states)
     # the eager attention path traces with a symbolic past length (SDPA's is_causal flag does not, e.g. OPT);
@@ -995,6 +999,6 @@ def check_decode_parity(model: torch.nn.Module, path: str | Path, ids: torch.Ten
 def _empty_past(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each cached layer's key and value with no position yet: (batch, its KV heads, 0, head size); a linear-attention
     layer's states of no token, zeros."""
-    kinds = [names == KEY_VALUE for names in layer_states(model) for _ in names]
+    kinds = [part in KEY_VALUE for names in layer_states(model) for part in names]
     return [t[:, :, :0] if attention else torch.zeros_like(t)
             for attention, t in zip(kinds, _past_of(model, ids[:, :1]), strict=True)]

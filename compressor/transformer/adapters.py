@@ -207,20 +207,27 @@ class FamilyAdapter:
     # attention, whose output is scaled by sigmoid(gate) before o_proj), kept and removed with the head
     gated_query: bool = False
     # the token mixer that some blocks are built with instead of the attention (Qwen3.5's Gated DeltaNet,
-    # `linear_attn`: a causal conv and a gated delta rule whose state is a matrix a head, not a KV cache): kept whole
-    # (neither a head nor the mixer alone is a unit), its FFN pruned as any other; `at` gives such a block's record
+    # `linear_attn`: a causal conv and a gated delta rule whose state is a matrix a head, not a KV cache): never removed
+    # alone, its units pruned where `linear_heads` (else kept whole), its FFN pruned as any other; `at` gives such a
+    # block's record
     linear_attention: str | None = None
     # ... the `layer_types` entry of the blocks built with it (transformers' "linear_attention"; LFM2's "conv")
     linear_layer_type: str = LINEAR_LAYER
     # ... whether its units are prunable (`surgery.prune_mixer_units`): a Gated DeltaNet's key heads, each with the
     # value heads that read it; a gated short convolution's channels (LFM2's, each its own B, C and x rows, filter
-    # and output column); else it stays whole
+    # and output column); a Mamba2 mixer's groups, or heads in one group (`surgery.ssd_unit_heads`); else it stays
+    # whole
     linear_heads: bool = False
     # ... whether it carries a recurrent state from token to token beside its conv state (Gated DeltaNet's, a matrix a
     # value head; LFM2's short convolution carries its conv state alone): the decode step's states of such a layer
     linear_recurrent_state: bool = True
-    # this record is a block's linear-attention mixer's (`at`): `o` its output projection, heads kept whole
+    # this record is a block's linear-attention mixer's (`at`): `o` its output projection, its units the mixer's
+    # (`linear_heads`), no attention heads
     recurrent: bool = False
+    # a Mamba2 mixer beside the attention in every block, reading the same normed input, its output added to the
+    # attention's (Falcon-H1's `mamba`): kept whole, its conv and scan states carried by the decode step beside the
+    # layer's keys and values; an attention alone is not removed (the layer's cache holds both)
+    parallel_mixer: str | None = None
 
     @property
     def shared_gate(self) -> str | None:
@@ -233,7 +240,7 @@ class FamilyAdapter:
     def at(self, block: nn.Module) -> FamilyAdapter:
         """The record as it applies to `block`: a MoE family's block with a dense FFN (`dense_down`) reads that FFN's
         paths, width key and cost as a dense family's block does; a block built with a linear-attention mixer
-        (`linear_attention`) reads that mixer as its attention, whose heads stay whole; every other block, this
+        (`linear_attention`) reads that mixer as its attention, its units the mixer's own; every other block, this
         record. Told apart by the block's modules, so a block whose FFN was removed (`sublayers`) reads as a MoE one:
         ask before removing, or ask `dense_ffn_layers`."""
         record = self
@@ -242,6 +249,12 @@ class FamilyAdapter:
         if self.linear_attention is not None and has_module(block, self.linear_attention):
             record = _recurrent_record(record)  # Qwen3-Next's: a block may have both
         return record
+
+    @property
+    def recurrent_mixers(self) -> bool:
+        """Whether blocks mix tokens by a mixer whose state the decode step carries (`linear_attention` in some
+        blocks, `parallel_mixer` in every one)."""
+        return self.linear_attention is not None or self.parallel_mixer is not None
 
     @property
     def experts(self) -> bool:
@@ -356,7 +369,7 @@ LFM2 = replace(LLAMA_LIKE, o="self_attn.out_proj", up=("feed_forward.w3", "feed_
 # by z over each group of heads, out_proj) in most layers, Llama's attention in the others, and in every layer a SwiGLU
 # FFN whose gate and up are one projection (shared_mlp.input_linear: [gate | up]); Granite's scalar multipliers
 GRANITE_HYBRID = replace(LLAMA_LIKE, up=("shared_mlp.input_linear",), down="shared_mlp.output_linear", fused_up=True,
-                         ffn_key="shared_intermediate_size", linear_attention="mamba")
+                         ffn_key="shared_intermediate_size", linear_attention="mamba", linear_heads=True)
 # ... with Mixture-of-Experts layers (num_local_experts > 0: Granite 4.0-H-Tiny, -Small): routed experts
 # (block_sparse_moe: Mixtral's softmax top-k routing and 3-D experts) beside the fused SwiGLU FFN, their shared expert
 GRANITE_HYBRID_MOE = replace(GRANITE_HYBRID, up=(), down="block_sparse_moe.experts", fused_up=False,
@@ -364,10 +377,21 @@ GRANITE_HYBRID_MOE = replace(GRANITE_HYBRID, up=(), down="block_sparse_moe.exper
                              shared_down="shared_mlp.output_linear", shared_up=("shared_mlp.input_linear",),
                              shared_gated=False, shared_fused_up=True, shared_key="shared_intermediate_size",
                              ffn_alone=False)
+# Granite 3.x MoE (granitemoe: granite-3.1-1b-a400m, -3b-a800m): Granite 4.0-H-Tiny's routed experts
+# (block_sparse_moe) under Llama's attention in every layer; granitemoeshared (Granite 3.x MoE with a shared expert):
+# Granite 4.0-H-Tiny's layers with their Mamba2 mixers replaced by attention
+GRANITE_MOE_SHARED = replace(GRANITE_HYBRID_MOE, linear_attention=None, linear_heads=False)
+GRANITE_MOE = replace(GRANITE_MOE_SHARED, shared_down=None, shared_up=(), shared_key=None, shared_fused_up=False,
+                      ffn_alone=True)
 # Bamba (IBM): Granite 4.0-H's Mamba2 mixers beside Llama's attention in the layers of attn_layer_indices, Llama's MLP
 # under feed_forward
 BAMBA = replace(LLAMA_LIKE, up=("feed_forward.up_proj", "feed_forward.gate_proj"), down="feed_forward.down_proj",
-                linear_attention="mamba")
+                linear_attention="mamba", linear_heads=True)
+# Falcon-H1 (TII): in every layer a Mamba2 mixer (`mamba`, Granite 4.0-H's, kept whole) beside Llama's attention on the
+# same normed input, their outputs summed, then a SwiGLU FFN under feed_forward; muP multipliers on each path's input
+# and output (scalars, and one per in_proj section), which no pruned width changes
+FALCON_H1 = replace(LLAMA_LIKE, up=("feed_forward.up_proj", "feed_forward.gate_proj"), down="feed_forward.down_proj",
+                    parallel_mixer="mamba")
 # Phi-3 and Phi-4 (model_type phi3): Llama's layout with q/k/v fused into qkv_proj and gate/up into gate_up_proj
 PHI3 = replace(LLAMA_LIKE, q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj",
                up=("mlp.gate_up_proj",), fused_qkv=True, fused_up=True,
@@ -546,11 +570,18 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "granite": LLAMA_LIKE,
     "granitemoehybrid": GRANITE_HYBRID,
     "bamba": BAMBA,
+    "granitemoe": GRANITE_MOE,
+    "granitemoeshared": GRANITE_MOE_SHARED,
+    "falcon_h1": FALCON_H1,
     "olmo": LLAMA_LIKE,
     "helium": replace(LLAMA_LIKE, config_head_dim=False),  # its o_proj is hidden x hidden whatever the heads
     "ministral": LLAMA_LIKE,
     "ernie4_5": LLAMA_LIKE,
     "seed_oss": LLAMA_LIKE,
+    # checkpoints first served by remote code, now config classes of their own over transformers' Llama modeling
+    "exaone": LLAMA_LIKE,  # EXAONE 3.0 / 3.5
+    "internlm3": LLAMA_LIKE,
+    "iquestcoder": LLAMA_LIKE,
     "hunyuan_v1_dense": LLAMA_LIKE,
     # EXAONE 4: no norm before a sub-layer, one after it (as Gemma 2's second), per-head q/k norms, sliding windows
     "exaone4": GEMMA2_LIKE,
@@ -610,6 +641,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     # DeepSeek-V3 (and Kimi K2, saved as deepseek_v3): GLM-4.5's FFNs behind multi-head latent attention; GLM-4.7-Flash
     # (glm4_moe_lite): the same, its dense layers by mlp_layer_types
     "deepseek_v3": LATENT_MOE,
+    "mistral4": LATENT_MOE,  # Mistral Small 4: DeepSeek-V3's layout, its router softmax scores grouped by their top two
     "glm4_moe_lite": LATENT_MOE,
     # ERNIE 4.5 MoE (ernie4_5_moe): GLM-4.5's layers, routed by softmax scores plus a correction bias (its router's
     # moe_statics, `experts.routes_itself`), dense FFN layers outside the MoE range
@@ -672,6 +704,15 @@ REFUSED: dict[str, str] = {
     **{name: f"{label} checkpoints hold a text tower and a vision tower; prune the vision tower alone, saved as "
                  f"{name}_vision_model: {tower}.from_pretrained(path).save_pretrained(out)"
        for name, label, tower in (("clip", "CLIP", "CLIPVisionModel"), ("siglip", "SigLIP", "SiglipVisionModel"))},
+    "nemotron_h": "Nemotron-H's blocks each hold one sub-layer (a Mamba2 mixer, an attention, an MLP or a MoE layer, "
+                  "layers_block_type), where every supported decoder's block holds a token mixer and an FFN; not "
+                  "supported yet (the Mamba2 hybrids Granite 4.0-H, Bamba and Falcon-H1 are)",
+    "jamba": "Jamba's Mamba (1) mixers scan token by token (a selective scan that no exported graph runs at any "
+             "length yet); not supported yet (the Mamba2 hybrids Granite 4.0-H, Bamba and Falcon-H1 are)",
+    **dict.fromkeys(("zamba", "zamba2"),
+                    "Zamba's attention blocks are shared between layers (one set of weights, per-layer adapters), so "
+                    "neither a head nor a layer is any one layer's to remove; not supported (the Mamba2 hybrids "
+                    "Granite 4.0-H, Bamba and Falcon-H1 are)"),
     "convnextv2": "ConvNeXt V2's GRN layers scale each channel by its norm over the mean norm of all the block's "
                   "channels, so removing channels changes the kept ones; ConvNeXt (v1) is supported",
 }
@@ -697,14 +738,16 @@ _QWEN_MOE = (lambda c: _not_silu(c) or not _experts_count(c.get),
 
 
 def _grouping_error(c: dict) -> str | None:
-    """Why a grouped-routing config (GLM-4.5, dots.llm1, EXAONE-MoE) is refused, or None."""
+    """Why a grouped-routing config (GLM-4.5, dots.llm1, EXAONE-MoE, DeepSeek-V2 / V3, Mistral 4) is refused, or
+    None."""
     family = f"{c.get('model_type')} (grouped routing)"
     if _not_silu(c):
         return f"{family}: hidden_act {c.get('hidden_act')!r}; experts are exported as SwiGLU (hidden_act silu) only"
     experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 1)
     groups, chosen = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
     k = int(c.get("num_experts_per_tok") or 1)
-    least = 2  # a sigmoid router scores a group by its best two experts; DeepSeek-V2's by its best one
+    # a sigmoid router (Mistral 4's softmax one too) scores a group by its best two experts; DeepSeek-V2's by its best
+    least = 2
     if c.get("model_type") == "deepseek_v2":
         method = c.get("topk_method") or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
@@ -739,6 +782,11 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
                "mixer routing picks two)"),
     "qwen3_moe": _QWEN_MOE,
     "granitemoehybrid": (lambda c: int(c.get("num_local_experts") or 0) > 0 and _not_silu(c), _NOT_SWIGLU[1]),
+    "granitemoe": _NOT_SWIGLU,
+    "granitemoeshared": (lambda c: _not_silu(c) or not int(c.get("shared_intermediate_size") or 0),
+                         lambda c: _NOT_SWIGLU[1] if _not_silu(c) else
+                         "shared_intermediate_size 0 builds no shared expert: the model is Granite 3.x MoE, whose "
+                         "checkpoint holds the same weights; set model_type granitemoe in its config.json"),
     "qwen2_moe": _QWEN_MOE,
     "gemma4_text": (lambda c: bool(int(c.get("num_kv_shared_layers") or 0)) or bool(c.get("enable_moe_block")),
                     "Gemma 4 is supported without layers that reuse earlier layers' keys and values "
@@ -751,6 +799,7 @@ REFUSED_CONFIGS: dict[str, tuple[Callable[[dict], bool], str | Callable[[dict], 
     "dots1": _GROUPED,
     "exaone_moe": _GROUPED,
     "deepseek_v3": _GROUPED,
+    "mistral4": _GROUPED,
     "glm4_moe_lite": _GROUPED,
     "deepseek_v2": _GROUPED,
     "ernie4_5_moe": (lambda c: _not_silu(c) or int(c.get("moe_layer_interval") or 1) != 1

@@ -204,6 +204,9 @@ SPARSE_MIXER_ROUTERS = ("PhimoeTopKRouter",)
 # ... by sigmoid scores plus the bias their MoE block holds (`expert_bias`, passed to their forward), their weights
 # renormalised and scaled (LFM2-MoE's)
 BLOCK_BIASED_ROUTERS = ("Lfm2MoeTopKRouter",)
+# routers by softmax scores within the groups whose best two sum highest, in the model's dtype (their model keeps
+# nothing in float32): Mistral 4's
+SOFTMAX_GROUPED_ROUTERS = ("Mistral4TopkRouter",)
 
 
 def _block_biased(router: nn.Module) -> bool:
@@ -213,8 +216,13 @@ def _block_biased(router: nn.Module) -> bool:
 
 def kept_in_float32(router: nn.Module) -> bool:
     """Whether transformers keeps `router` in float32 in a half-precision model (`_keep_in_fp32_modules_strict`): the
-    routers that route themselves (`routes_itself`) but LFM2-MoE's, which runs in the model's dtype."""
-    return routes_itself(router) and not _block_biased(router)
+    routers that route themselves (`routes_itself`) but LFM2-MoE's and Mistral 4's, which run in the model's dtype."""
+    return routes_itself(router) and not _block_biased(router) and not _softmax_grouped(router)
+
+
+def _softmax_grouped(router: nn.Module) -> bool:
+    """Whether `router` is one of `SOFTMAX_GROUPED_ROUTERS` (along the MRO, as `SPARSE_MIXER_ROUTERS`)."""
+    return any(cls.__name__ in SOFTMAX_GROUPED_ROUTERS for cls in type(router).__mro__)
 
 
 def _route(block: nn.Module, router: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -238,14 +246,17 @@ def routes_itself(router: nn.Module) -> bool:
     (GLM-4.5's, DeepSeek-V3's); by softmax scores within the groups of the best single experts, or greedily, its
     weights scaled and not renormalised (DeepSeek-V2's `topk_method`); by softmax scores plus a correction bias, the
     scores renormalised as weights (ERNIE 4.5's `moe_statics`); by sigmoid scores plus its block's bias, renormalised
-    and scaled (LFM2-MoE's, `BLOCK_BIASED_ROUTERS`). Such a router's own forward gives the export
+    and scaled (LFM2-MoE's, `BLOCK_BIASED_ROUTERS`); by softmax scores within the groups whose top two sum highest
+    (Mistral 4's, `SOFTMAX_GROUPED_ROUTERS`). Such a router's own forward gives the export
     its picks and weights (`_as_operator`)."""
     if hasattr(router, "moe_statics"):  # ERNIE 4.5: softmax scores plus its correction bias pick, the scores weigh
         return True
     if _block_biased(router):  # LFM2-MoE: sigmoid scores (plus its block's bias) pick and weigh
         return True
+    # grouped: GLM-4.5's, DeepSeek-V3's (a correction bias), DeepSeek-V2's (topk_method), Mistral 4's
     return hasattr(router, "topk_group") and (hasattr(router, "e_score_correction_bias")
-                                              or getattr(router, "topk_method", None) is not None)
+                                              or getattr(router, "topk_method", None) is not None
+                                              or _softmax_grouped(router))
 
 
 def router_logits(router: nn.Module, x: Tensor) -> Tensor:
@@ -415,8 +426,9 @@ def _mixer_clear(logits: Tensor, eps: float, margin: float) -> Tensor:
 
 def _groups_clear(router: nn.Module, logits: Tensor, margin: float, block_bias: Tensor | None = None) -> Tensor:
     """Whether the choices of a router that routes itself (`routes_itself`: GLM-4.5's, DeepSeek-V2's, ERNIE 4.5's,
-    LFM2-MoE's, whose bias its block holds: `block_bias`) are clear of rounding at each token: its topk_group-th group
-    ahead of the next by `margin`, and its k-th expert within the chosen groups ahead of the next; (...,) bool."""
+    Mistral 4's, LFM2-MoE's, whose bias its block holds: `block_bias`) are clear of rounding at each token: its
+    topk_group-th group ahead of the next by `margin`, and its k-th expert within the chosen groups ahead of the next;
+    (...,) bool."""
     method = getattr(router, "topk_method", None)
     # two scores are apart by more than `margin` times a size clamped to (low, high): sigmoid scores (about 0.5) by
     # `margin` itself, logits as a plain router's (by the first's magnitude); ERNIE's by a share of the two experts'
@@ -442,6 +454,12 @@ def _groups_clear(router: nn.Module, logits: Tensor, margin: float, block_bias: 
         by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
         group_scores = by_group.max(-1).values  # (..., groups)
         chosen = int(router.topk_group) if groups > 1 else 1
+    elif _softmax_grouped(router):  # Mistral 4: softmax scores (apart by a share of the first), a group by its best two
+        scores, low, high = logits.float().softmax(-1), 0.0, None  # (..., experts)
+        groups = int(router.num_group)
+        by_group = scores.unflatten(-1, (groups, -1))  # (..., groups, experts per group)
+        group_scores = by_group.topk(min(2, by_group.shape[-1]), -1).values.sum(-1)  # (..., groups)
+        chosen = int(router.topk_group)
     else:  # sigmoid scores plus the correction bias, a group scored by its best two
         scores = logits.float().sigmoid() + router.e_score_correction_bias.float()  # (..., experts)
         groups = int(router.num_group)

@@ -91,6 +91,10 @@ def flap_structure(model: nn.Module, batches: Sequence[dict[str, Tensor]], keep:
     if not adapter.heads_prunable:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over heads and FFN neurons; {model.config.model_type}"
                                       "'s attention heads are not a prunable unit")
+    if adapter.parallel_mixer is not None:
+        raise UnsupportedArchitecture(f"FLAP allocates one budget over attention heads and FFN neurons; "
+                                      f"{model.config.model_type}'s layers run a recurrent mixer beside the attention, "
+                                      "which the budget does not weigh (an attention FLAP empties cannot go alone)")
     if adapter.linear_attention is not None:
         raise UnsupportedArchitecture(f"FLAP allocates one budget over attention heads and FFN neurons; "
                                       f"{model.config.model_type}'s linear-attention layers have other units")

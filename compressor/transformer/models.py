@@ -61,7 +61,8 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
 
     A config without `architectures` (converted checkpoints often have none) of a decoder-only family
     (`FamilyAdapter.causal`) gets the family's causal-LM class from transformers' auto mapping: its base
-    model would lack the LM head and the layer paths the adapters name."""
+    model would lack the LM head and the layer paths the adapters name. So does one naming a remote-code class of a
+    model type that transformers serves by another family's modeling (EXAONE 3.5's ExaoneForCausalLM)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -73,10 +74,18 @@ def hf_model_class(config: PretrainedConfig) -> tuple[type, bool]:
     adapter = ADAPTERS.get(config.model_type)
     if arch.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, arch) and adapter is not None:
         return getattr(transformers, arch), False  # a decoder's too (a reranker's or reward model's score head)
-    if not arch and adapter is not None and adapter.causal:
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
-        if hasattr(transformers, name):
-            return getattr(transformers, name), True
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
+    # no class named, or a remote-code class of a model type that transformers serves by another family's modeling
+    # (EXAONE 3.5's ExaoneForCausalLM by LlamaForCausalLM: the class it replaced; a custom class of a family with a
+    # modeling of its own is no such class: loaded as an unknown class is, its base model)
+    # (and the config transformers' own, not a remote one: the class would not read it)
+    own_config = config.model_type in transformers.CONFIG_MAPPING and \
+        type(config) is transformers.CONFIG_MAPPING[config.model_type]
+    replaced = arch.endswith(LM_HEAD_SUFFIXES) and not hasattr(transformers, arch) and hasattr(transformers, name) \
+        and getattr(getattr(transformers, name), "config_class", None) is not None \
+        and getattr(transformers, name).config_class.model_type != config.model_type and own_config
+    if (not arch or replaced) and adapter is not None and adapter.causal and hasattr(transformers, name):
+        return getattr(transformers, name), True
     return transformers.AutoModel, False
 
 
@@ -136,8 +145,11 @@ def load_transformer(reference: str, *, trust_remote_code: bool = False, weights
         model = load_pruned(path, cls)
     elif weights:
         # never a pickle (it could run code); in the checkpoint's own dtype: a bf16 model stays bf16 on the host
+        # a class serving another family's config (EXAONE 3.5's by LlamaForCausalLM) takes that config as loaded: its
+        # own would read config.json's keys under other names (num_layers, layer_norm_epsilon) as no field
+        own = getattr(cls, "config_class", None) in (None, type(config))
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
-                                    use_safetensors=True, dtype="auto").eval()
+                                    use_safetensors=True, dtype="auto", **({} if own else {"config": config})).eval()
     else:
         with torch.device("meta"):
             model = build_hf_model(cls, config)

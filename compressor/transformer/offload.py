@@ -30,7 +30,7 @@ from ..errors import ModelReferenceError, UnsupportedArchitecture
 from ..modules import owner_of
 from .adapters import adapter_for, layers, layers_path, submodule
 from .models import build_hf_model, hf_model_class
-from .surgery import MANIFEST, per_layer_overrides, restate_depth, save_config_and_widths, state_to_save
+from .surgery import MANIFEST, per_layer_overrides, restate_depth, save_config_and_widths, settable, state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,8 @@ def _restate_layer_fields(small: Any, config: Any) -> None:
     if overrides is not None:
         small.per_layer_config = None
     small.num_hidden_layers = config.num_hidden_layers
-    if isinstance(getattr(config, "layer_types", None), list):
+    # (a config computing layer_types, from its depth or from keys of its own, restates them with those)
+    if isinstance(getattr(config, "layer_types", None), list) and settable(small, "layer_types"):
         small.layer_types = list(config.layer_types)
     if overrides is not None:
         small.per_layer_config = overrides

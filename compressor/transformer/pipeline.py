@@ -92,6 +92,7 @@ from .surgery import (
     head_groups,
     in_features,
     is_short_conv,
+    is_ssd,
     linear_mixer,
     mixer_unit_width,
     mixer_units,
@@ -104,6 +105,7 @@ from .surgery import (
     query_heads,
     remove_layers,
     set_weight,
+    ssd_unit_heads,
 )
 
 log = logging.getLogger(__name__)
@@ -473,13 +475,38 @@ def group_cost(model: nn.Module, kind: str, sequence_length: int, gqa: str = "qu
     return share * float(hidden * (1 + adapter.up_matrices))
 
 
+def _one_group_ssd(model: nn.Module, index: int) -> bool:
+    """Whether block `index`'s linear-attention mixer is a Mamba2 mixer of one group (its units heads)."""
+    mixer = linear_mixer(model, index)
+    return is_ssd(mixer) and int(mixer.n_groups) == 1
+
+
+def parallel_mixer_cost(model: nn.Module, index: int) -> float:
+    """Multiply-adds per token of block `index`'s mixer beside its attention (`FamilyAdapter.parallel_mixer`:
+    Falcon-H1's Mamba2, kept whole): its projections and depthwise conv (a multiply-add a weight) and its state's reads
+    and writes, which only the layer's removal saves; 0 where the family has none."""
+    path = adapter_for(model).parallel_mixer
+    if path is None:
+        return 0.0
+    mixer = layers(model)[index].get_submodule(path)
+    weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear | nn.Conv1d))
+    return float(weights + 4 * recurrent_state_size(mixer))
+
+
 def _mixer_unit_cost(model: nn.Module, index: int) -> float:
-    """Multiply-adds per token of one unit of block `index`'s linear-attention mixer (`surgery.mixer_units`): a short
-    convolution's channel (its B, C and x rows, output column, conv taps); a Gated DeltaNet's key group (one key
-    head, the r value heads reading it): its query and key rows, its value heads' value, gate, beta and decay rows and
-    output columns, their conv taps, and each value head's state (key size x value size) read and written a token."""
+    """Multiply-adds per token of one unit of block `index`'s linear-attention mixer (`surgery.mixer_units`): a Mamba2
+    mixer's group or head (`surgery.ssd_unit_heads`: its heads' z, x and time-step rows, output columns, conv taps and
+    state, a group's B and C rows); a short convolution's channel (its B, C and x rows, output column, conv taps); a
+    Gated DeltaNet's key group (one key head, the r value heads reading it): its query and key rows, its value heads'
+    value, gate, beta and decay rows and output columns, their conv taps, and each value head's state (key size x value
+    size) read and written a token."""
     mixer = linear_mixer(model, index)
     hidden = block_hidden(model, index)
+    if is_ssd(mixer):  # a Mamba2 unit's heads: z, x and dt rows, output columns, conv taps, state; a group's B and C
+        r, size, taps = ssd_unit_heads(mixer), int(mixer.head_dim), int(mixer.conv1d.kernel_size[0])
+        shared = 2 * int(mixer.ssm_state_size) if int(mixer.n_groups) > 1 else 0
+        return float(hidden * (r * (3 * size + 1) + shared) + taps * (r * size + shared)
+                     + 4 * r * size * int(mixer.ssm_state_size))
     if is_short_conv(mixer):  # LFM2's
         return float(4 * hidden + int(mixer.conv.kernel_size[0]))
     hk, hv = int(mixer.head_k_dim), int(mixer.head_v_dim)
@@ -513,11 +540,16 @@ def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
     """Multiply-adds per token of block `index`'s attention that no head owns, which only its removal saves:
     multi-head latent attention's down-projections into the query latent and the shared key / value latent with its
     rotary key (`FamilyAdapter.latent_attention`); a linear-attention mixer's projections and its state's reads and
-    writes, all of it, where its units are not prunable (`FamilyAdapter.linear_heads` off); 0 elsewhere (a Gated
-    DeltaNet's key groups, a short convolution's channels own its every part)."""
+    writes, all of it, where its units are not prunable (`FamilyAdapter.linear_heads` off); a Mamba2 mixer's B and C
+    where it has one group (its heads the units); 0 elsewhere (a Gated DeltaNet's key groups, a short convolution's
+    channels, a Mamba2 mixer's groups own its every part)."""
     record = adapter_at(model, index)
-    if record.recurrent and record.heads_prunable:  # its units own all of it (`group_cost`)
-        return 0.0
+    if record.recurrent and record.heads_prunable:  # its units own all of it (`group_cost`) but a lone group's B and C
+        mixer = linear_mixer(model, index)
+        if not is_ssd(mixer) or int(mixer.n_groups) > 1:
+            return 0.0
+        shared = 2 * int(mixer.ssm_state_size)  # B's and C's rows and conv channels, which every head reads
+        return float(shared * (block_hidden(model, index) + int(mixer.conv1d.kernel_size[0])))
     if record.recurrent:  # a linear-attention mixer, whole: its projections and its state's update
         mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
         # its projections and its depthwise conv (a multiply-add a weight); LFM2's short conv has no state beyond it
@@ -730,6 +762,8 @@ def prune_blocks(
             finally:
                 for handle in (h1, h2, *(h for _, h in gates)):
                     handle.remove()
+            # a Mamba2 mixer's heads of one group: its inputs' mean squares (uncentred) rescale its gated norm
+            energy = stats.H.diagonal().clone() if linear and _one_group_ssd(model, i) else None
             finished = stats.finish(center)
             g = mixer_unit_width(model, i) if linear else _head_rows(dims(model, i), gqa) if kind == ATTENTION else 1
             groups = finished.H.shape[0] // g
@@ -745,6 +779,8 @@ def prune_blocks(
                 emit(progress, warning(flat), log)  # a job's warnings also go to its report
             cut = prune_mixer_units if linear else prune_heads_by if kind == ATTENTION else \
                 prune_shared_ffn if shared else prune_ffn
+            if energy is not None:
+                cut = functools.partial(prune_mixer_units, energy=energy)
             apply = functools.partial(_surgery, model, i, cut, proj, center)
             if choosing:
                 apply = functools.partial(_surgery_and_dense_rows, apply, choices, name, block, path, W_hat, scale,
@@ -1091,7 +1127,7 @@ def resize_transformer(model: nn.Module, plan: Widths, gqa: str = "query-heads",
             linear = record.recurrent and record.heads_prunable  # a linear-attention mixer's units, in either gqa
             heads = 0 if (i, ATTENTION) in sublayers else mixer_units(resized, i) if linear else \
                 query_heads(resized, i) if single else head_groups(resized, i)
-            prunable = heads and record.heads_prunable  # OLMo 2's heads stay whole, LFM2's short convolution too
+            prunable = heads and record.heads_prunable  # OLMo 2's heads stay whole
             if linear and isinstance(plan, Mapping) and f"{here}.{record.o}" not in plan:
                 prunable = False  # an earlier release's plan, which kept every linear-attention mixer whole
             kept = heads - planned_prune(f"{here}.{record.o}", heads, plan) if prunable else heads

@@ -128,6 +128,10 @@ def check_removable(model: nn.Module, index: int, kind: str) -> None:
     if kind == FFN and not adapter_for(model).ffn_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s FFN is its MoE block and a shared expert beside "
                                       "it in the layer: an FFN alone is not removed (whole layers are)")
+    if kind == ATTENTION and adapter_for(model).parallel_mixer is not None:
+        raise UnsupportedArchitecture(f"layer {index} of {model.config.model_type} runs a recurrent mixer beside its "
+                                      "attention, one cache layer holding the states of both: an attention alone is "
+                                      "not removed (whole layers are)")
     if kind == ATTENTION and not adapter_for(model).attention_alone:
         raise UnsupportedArchitecture(f"{model.config.model_type}'s attention returns the position bias every later "
                                       "layer reads: an attention alone is not removed (whole layers are)")

@@ -19,6 +19,7 @@ from its config, applies the widths and loads the weights, so save -> reload giv
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -394,34 +395,64 @@ def linear_mixer(model: nn.Module, index: int) -> nn.Module:
     return layers(model)[index].get_submodule(adapter_for(model).linear_attention)
 
 
+# the attribute a pruned Mamba2 mixer keeps its unit's head count in (`ssd_unit_heads`); private (a leading
+# underscore), so the remote code of a pruned model (`remote.py`) does not take it for a changed field
+UNIT_HEADS = "_osscar_unit_heads"
+
+
+def is_ssd(mixer: nn.Module) -> bool:
+    """Whether a linear-attention mixer is a Mamba2 mixer (a selective scan with a state size)."""
+    return hasattr(mixer, "ssm_state_size")
+
+
 def is_short_conv(mixer: nn.Module) -> bool:
-    """Whether a linear-attention mixer is LFM2's gated short convolution (else a Gated DeltaNet)."""
-    return not hasattr(mixer, "num_k_heads")
+    """Whether a linear-attention mixer is LFM2's gated short convolution (else a Gated DeltaNet or a Mamba2 mixer)."""
+    return not hasattr(mixer, "num_k_heads") and not is_ssd(mixer)
+
+
+def ssd_unit_heads(mixer: nn.Module) -> int:
+    """A Mamba2 mixer's heads in one of its units: a group's (its B and C rows, read by those heads alone) where it
+    was built with several; one head where it was built with one group, whose B and C every head reads. Read from the
+    mixer as built (`UNIT_HEADS`, set as it is first pruned): a mixer of several groups pruned to one keeps groups
+    as its units."""
+    built = getattr(mixer, UNIT_HEADS, None)
+    if built is not None:
+        return int(built)
+    groups = int(mixer.n_groups)
+    return int(mixer.num_heads) // groups if groups > 1 else 1
 
 
 def mixer_units(model: nn.Module, index: int) -> int:
     """Prunable units of block `index`'s linear-attention mixer: a Gated DeltaNet's key heads (each with the value
-    heads reading it), a short convolution's channels."""
+    heads reading it), a short convolution's channels, a Mamba2 mixer's groups (or heads, in one group)."""
     mixer = linear_mixer(model, index)
+    if is_ssd(mixer):
+        return int(mixer.num_heads) // ssd_unit_heads(mixer)
     return int(mixer.conv.in_channels) if is_short_conv(mixer) else int(mixer.num_k_heads)
 
 
 def mixer_unit_width(model: nn.Module, index: int) -> int:
     """The output projection's input columns of one unit of block `index`'s linear-attention mixer: a key group's
-    value heads', one channel's."""
+    value heads', one channel's, a Mamba2 unit's heads'."""
     mixer = linear_mixer(model, index)
+    if is_ssd(mixer):
+        return ssd_unit_heads(mixer) * int(mixer.head_dim)
     if is_short_conv(mixer):
         return 1
     return int(mixer.num_v_heads) // int(mixer.num_k_heads) * int(mixer.head_v_dim)
 
 
 def prune_mixer_units(model: nn.Module, index: int, keep: Sequence[int] | Tensor,
-                      o_weight: Tensor | None = None) -> None:
+                      o_weight: Tensor | None = None, energy: Tensor | None = None) -> None:
     """Keep units `keep` of block `index`'s linear-attention mixer (`mixer_units`); o_weight: the refit output
     projection (out x kept columns). Every other unit's output is unchanged, so removing one equals zeroing its
-    output projection columns."""
+    output projection columns (but a Mamba2 mixer's heads of one group: `energy`, each output projection input's
+    mean square on calibration data, rescales its gated norm, `_keep_ssd_units`)."""
     mixer = linear_mixer(model, index)
-    if is_short_conv(mixer):
+    if is_ssd(mixer):
+        _keep_ssd_units(mixer, check_keep(keep, mixer_units(model, index), f"layer {index} Mamba2 units"), o_weight,
+                        energy)
+    elif is_short_conv(mixer):
         _keep_conv_channels(mixer, check_keep(keep, int(mixer.conv.in_channels), f"layer {index} conv channels"),
                             o_weight)
     else:
@@ -446,6 +477,46 @@ def _keep_conv_channels(mixer: nn.Module, keep: Tensor, o_weight: Tensor | None)
     keep_output_rows(mixer.in_proj, torch.cat([keep, width + keep, 2 * width + keep]))
     _keep_depthwise(mixer.conv, keep)
     keep_input_columns(mixer.out_proj, keep, o_weight)
+
+
+def _keep_ssd_units(mixer: nn.Module, keep: Tensor, o_weight: Tensor | None, energy: Tensor | None = None) -> None:
+    """A Mamba2 mixer's units `keep` (`ssd_unit_heads`): each head's gate (z), x and time-step rows of in_proj ([z | x |
+    B | C | dt]), its x conv channels, A_log, D and dt_bias entries, its gated norm's weights and out_proj columns; a
+    kept group's B and C rows and conv channels. A head's scan reads its own x and time step and its group's B and C;
+    the gated norm normalises each group: with several groups a group removed leaves the others' outputs as they were,
+    with one group the kept heads are normalised over themselves, their outputs scaled by rms_all / rms_kept (the root
+    mean square of the gated scan over every channel, over the kept ones). Where `energy` gives each output projection
+    input's mean square (x_c = w_c g_c / rms_all, the norm's weight w), the kept norm weights are multiplied by that
+    factor's inverse on average: the root of the kept channels' mean of energy_c / w_c^2 over all channels' (an
+    approximation still, per token; the refit output projection and the job's measured loss account for the rest)."""
+    heads, size = int(mixer.num_heads), int(mixer.head_dim)
+    groups, state = int(mixer.n_groups), int(mixer.ssm_state_size)
+    inner, grouped = heads * size, groups * state  # x's channels; B's (and C's)
+    unit = ssd_unit_heads(mixer)
+    kept_groups = keep if groups > 1 else torch.zeros(1, dtype=torch.long, device=keep.device)
+    kept_heads = group_rows(keep, unit)
+    channels, states = group_rows(kept_heads, size), group_rows(kept_groups, state)  # of x; of B (and C)
+    keep_output_rows(mixer.in_proj, torch.cat([channels, inner + channels, 2 * inner + states,
+                                               2 * inner + grouped + states, 2 * inner + 2 * grouped + kept_heads]))
+    _keep_depthwise(mixer.conv1d, torch.cat([channels, inner + states, inner + grouped + states]))
+    for name in ("A_log", "D", "dt_bias"):  # one entry per head
+        entries = getattr(mixer, name)
+        setattr(mixer, name, nn.Parameter(entries.data.index_select(0, kept_heads.to(entries.device)).clone(),
+                                          requires_grad=entries.requires_grad))
+    norm = mixer.norm
+    scale = 1.0
+    if groups == 1 and energy is not None:  # each channel's normalised mean square, g_c^2 / rms(g)^2 on average
+        weight = norm.weight.detach().double().cpu()
+        relative = energy.detach().double().cpu() / weight.square().clamp(min=1e-12 * float(weight.square().max()))
+        scale = float((relative[channels.cpu()].mean() / relative.mean()).sqrt())
+    norm.weight = nn.Parameter(norm.weight.data.index_select(0, channels.to(norm.weight.device)).clone() * scale,
+                               requires_grad=False)
+    if groups == 1:
+        norm.group_size = channels.numel()
+    keep_input_columns(mixer.out_proj, channels, o_weight)
+    mixer.num_heads, mixer.n_groups, mixer.intermediate_size = kept_heads.numel(), kept_groups.numel(), channels.numel()
+    mixer.conv_dim = channels.numel() + 2 * states.numel()
+    setattr(mixer, UNIT_HEADS, unit)  # a unit stays what it was built as (several groups pruned to one: groups)
 
 
 def _keep_key_groups(mixer: nn.Module, keep: Tensor, o_weight: Tensor | None) -> None:
@@ -586,8 +657,8 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
     if not indices:
         return
     for key in PER_LAYER_CONFIG:  # before anything changes: a list the config computes from keys not known here
-        if getattr(model.config, key, None) is not None and not _settable(model.config, key) and \
-                not _index_sources(model.config):
+        if getattr(model.config, key, None) is not None and not settable(model.config, key) and \
+                not _index_sources(model.config) and not _follows_depth(model.config, key, indices):
             raise UnsupportedArchitecture(f"{model.config.model_type}'s config computes {key} from keys of its own, "
                                           "which removed layers would leave stating another model: layers are not "
                                           "removed whole")
@@ -608,7 +679,7 @@ def remove_layers(model: nn.Module, indices: Sequence[int]) -> None:
         values = getattr(config, key, None)
         if isinstance(values, list | tuple) and len(values) == len(blocks):
             values = [v for i, v in enumerate(values) if i not in gone]
-            if _settable(config, key):
+            if settable(config, key):
                 setattr(config, key, values)
                 continue
             for source in _index_sources(config):  # computed from the keys it reads (Bamba's attn_layer_indices)
@@ -637,8 +708,20 @@ def _index_sources(config: Any) -> list[str]:
             isinstance(getattr(config, key), list | type(None))]
 
 
-def _settable(config: Any, key: str) -> bool:
-    """Whether the config stores `key` (Bamba's layer_types is a property computed from attn_layer_indices)."""
+def _follows_depth(config: Any, key: str, gone: Sequence[int]) -> bool:
+    """Whether the config computes `key` from its depth alone, so that stating the new depth restates it (Falcon-H1's
+    layer_types, "hybrid" for every layer): a copy of the config told the depth left computes the kept layers' list."""
+    values, gone = getattr(config, key), set(gone)
+    if not isinstance(values, list | tuple) or len(values) != config.num_hidden_layers:
+        return False
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = config.num_hidden_layers - len(gone)
+    return list(getattr(probe, key)) == [v for i, v in enumerate(values) if i not in gone]
+
+
+def settable(config: Any, key: str) -> bool:
+    """Whether the config stores `key` (Bamba's layer_types is a property computed from attn_layer_indices,
+    Falcon-H1's from the depth)."""
     name = getattr(type(config), "attribute_map", {}).get(key, key)
     found = getattr(type(config), name, None)
     return not (isinstance(found, property) and found.fset is None)

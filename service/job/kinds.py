@@ -73,6 +73,7 @@ from compressor.transformer.pipeline import (
     UNCOMPENSATED,
     attention_fixed_cost,
     group_cost,
+    parallel_mixer_cost,
     prune_blocks,
     prune_transformer,
     removal_losses,
@@ -851,7 +852,9 @@ class _TransformerJob:
                 ffn += group_cost(self.dense, FFN, 1, index=i, shared=True) * in_features(
                     projection(blocks[i], here.shared_down))
             sublayer = {ATTENTION: attention, FFN: ffn}
-            costs[name] = sublayer[kind] if kind is not None else sum(sublayer.values())
+            # a layer's mixer beside its attention (Falcon-H1's), kept whole, goes with the layer alone
+            costs[name] = sublayer[kind] if kind is not None else \
+                sum(sublayer.values()) + parallel_mixer_cost(self.dense, i)
         return costs
 
     def curve_owner(self, name: str) -> str:

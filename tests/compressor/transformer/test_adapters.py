@@ -26,12 +26,20 @@ from compressor.transformer.adapters import (
 )
 from compressor.transformer.flap import flap_structure
 from compressor.transformer.models import save_standard
-from compressor.transformer.pipeline import _run, capture_block_inputs, prune_transformer, resize_transformer
+from compressor.transformer.pipeline import (
+    _run,
+    attention_fixed_cost,
+    capture_block_inputs,
+    group_cost,
+    prune_transformer,
+    resize_transformer,
+)
 from compressor.transformer.sublayers import ATTENTION, FFN, remove_sublayer
 from compressor.transformer.surgery import (
     apply_widths,
     ffn_width,
     load_pruned,
+    mixer_unit_width,
     mixer_units,
     prune_ffn,
     prune_heads,
@@ -66,6 +74,7 @@ from .transformer_models import (
     MOE_MIXED,
     example_inputs,
     first_output,
+    tiny_falcon_h1,
     tiny_gemma4,
     tiny_granite_hybrid,
     tiny_lfm2,
@@ -126,11 +135,15 @@ def test_a_llama_shaped_family_is_pruned_exported_decoded_and_reloaded(name, tmp
     torch.testing.assert_close(first_output(reloaded), first_output(pruned))
 
 
-def _exports_a_hybrid(pruned, tmp_path, lengths, max_length=None) -> dict:
+# the decode step's states of `_exports_a_hybrid`'s layers: a linear-attention mixer's, then an attention's
+HYBRID_STATES = ("past_conv.0", "past_recurrent.0", "past_key_values.1.key", "past_key_values.1.value")
+
+
+def _exports_a_hybrid(pruned, tmp_path, lengths, max_length=None, states=HYBRID_STATES) -> dict:
     """model.onnx of a pruned hybrid decoder (layer 0 a linear-attention mixer, layer 1 an attention), exported on 10
     tokens, at prompts of `lengths`; decode.onnx within 32 positions (traced on them, its chunks shrunk to span more
-    than one), its states named per layer, one token and 20 after a cache and a prompt into an empty one: each within
-    1e-4 of PyTorch. Returns the example the prefill graph was exported on."""
+    than one), its states named per layer (`states`), one token and 20 after a cache and a prompt into an empty one:
+    each within 1e-4 of PyTorch. Returns the example the prefill graph was exported on."""
     example = example_inputs(pruned, batch=2, length=10)
     path = export_hf_onnx(pruned, example, tmp_path / "model.onnx", output_name="logits", max_length=max_length)
     for length in lengths:
@@ -138,8 +151,7 @@ def _exports_a_hybrid(pruned, tmp_path, lengths, max_length=None) -> dict:
                                "logits").max_abs_error < 1e-4, length
     decode = export_decode_step(pruned, example["input_ids"], tmp_path / "decode.onnx", max_length=32)
     session = ort.InferenceSession(str(decode), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()][2:] == ["past_conv.0", "past_recurrent.0",
-                                                          "past_key_values.1.key", "past_key_values.1.value"]
+    assert [i.name for i in session.get_inputs()][2:] == list(states)
     ids = torch.randint(3, 50, (3, 30), generator=torch.Generator().manual_seed(1))
     for rows, new in ((3, 1), (3, 20), (1, 30)):  # after 29 and 10 tokens, and a prompt into an empty cache
         assert check_decode_parity(pruned, decode, ids[:rows], new=new).max_abs_error < 1e-4, (rows, new)
@@ -278,32 +290,38 @@ def test_lfm2s_short_convolutions_lose_channels_carry_their_conv_state_and_unifo
     torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
-def test_granite_4_h_keeps_its_mamba2_mixers_whole_carries_their_states_and_uniform_widths_load_alone(tmp_path):
-    """Granite 4.0-H: its Mamba2 mixers stay whole (their gated norm spans every head of a group, and the config states
-    their width only through hidden_size), their layers removable whole (layer_types restated); the attention's heads
-    and every layer's fused SwiGLU neurons are pruned. The graphs, exported on 10 tokens, run prompts of 1 to 30 tokens
-    (several of the scan's chunks of 8) and decode after any cache, one token (PyTorch's recurrent kernel) or a prompt,
-    the decode step carrying each mixer's conv state and scan state (batch, heads, head size, state size) within 1e-4;
-    uniform widths are stated in config.json, which AutoModelForCausalLM builds alone."""
+def test_granite_4_h_prunes_its_mamba2_heads_carries_their_states_and_uniform_widths_load_alone(tmp_path):
+    """Granite 4.0-H: its Mamba2 mixers lose heads (`test_a_mamba2_mixer_loses_whole_groups_or_heads_of_its_one_group`),
+    their layers removable whole (layer_types restated); the attention's heads and every layer's fused SwiGLU neurons
+    are pruned. The graphs, exported on 10 tokens, run prompts of 1 to 30 tokens (several of the scan's chunks of 8) and
+    decode after any cache, one token (PyTorch's recurrent kernel) or a prompt, the decode step carrying each mixer's
+    conv state and scan state (batch, heads, head size, state size) within 1e-4; uniform widths of the attentions and
+    FFNs are stated in config.json, which AutoModelForCausalLM builds alone (a mixer's heads are no config's)."""
     model = tiny_granite_hybrid(("linear_attention", "full_attention", "linear_attention"))
     data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
     with pytest.raises(UnsupportedArchitecture, match="layer 0 of granitemoehybrid mixes tokens by linear attention"):
         remove_sublayer(copy.deepcopy(model), 0, ATTENTION)
     pruned, reports = prune_transformer(model, data, 0.5, gqa="query-heads")
     heads = {r.name: r.width_after for r in reports if r.kind == "attention_heads"}
-    assert heads == {"model.layers.1.self_attn.o_proj": 2}
+    assert heads == {"model.layers.1.self_attn.o_proj": 2, "model.layers.0.mamba.out_proj": 2,
+                     "model.layers.2.mamba.out_proj": 2}
     assert all(ffn_width(pruned, i) == 10 for i in range(3))
-    assert all(layers(pruned)[i].mamba.out_proj.in_features == 64 for i in (0, 2))
+    for i in (0, 2):  # 2 heads of 16: z, x (32 rows each), B, C (8 each), dt (2); conv over x, B, C
+        mixer = layers(pruned)[i].mamba
+        assert (mixer.out_proj.in_features, mixer.in_proj.out_features, mixer.conv1d.in_channels) == (32, 82, 48)
     remove_layers(pruned, [2])
     assert pruned.config.layer_types == ["linear_attention", "full_attention"]
 
     example = _exports_a_hybrid(pruned, tmp_path, (1, 30), max_length=32)
     ids = torch.randint(3, 50, (3, 5), generator=torch.Generator().manual_seed(1))
     conv, scan, key, _ = (tuple(t.shape) for t in _past_of(pruned, ids))
-    assert (conv, scan, key[2:]) == ((3, 80, 4), (3, 4, 16, 8), (5, 8))  # x, B and C's channels; heads x 16 x 8
+    assert (conv, scan, key[2:]) == ((3, 48, 4), (3, 2, 16, 8), (5, 8))  # x, B and C's channels; heads x 16 x 8
 
-    save_pruned(pruned, tmp_path / "saved")
-    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+    # a mixer's heads are no config's: the manifest, and the remote code that builds the pruned mixers
+    assert not save_standard(pruned, tmp_path / "saved")
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    for reloaded in (remote, load_pruned(tmp_path / "saved")):
+        torch.testing.assert_close(first_output(reloaded), first_output(pruned))
     # a bf16 checkpoint is exported through a float32 view of it, whose mixers are parametrized subclasses: found too
     with float32_view(copy.deepcopy(pruned).to(torch.bfloat16)) as view:
         assert has_chunked_scans(view)
@@ -320,6 +338,95 @@ def test_granite_4_h_keeps_its_mamba2_mixers_whole_carries_their_states_and_unif
     config = json.loads((tmp_path / "s" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["shared_intermediate_size"],
             config["layer_types"]) == (2, 1, 12, ["full_attention", "linear_attention"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_a_mamba2_mixer_loses_whole_groups_or_heads_of_its_one_group(groups, tmp_path):
+    """A Mamba2 mixer's unit is a group of heads with its B and C rows where it has several groups: removing one equals
+    zeroing its heads' output projection columns, every other output unchanged. With one group (Granite 4.0-H's,
+    Bamba's) a unit is a head and the gated norm, over the group, normalises the kept heads over themselves; given the
+    output projection inputs' energies, the kept norm weights take the mean of what that changes (here, with heads
+    of unequal energies on inputs whose norm is not its epsilon's: a quarter of the error left or less). A mixer of
+    two groups pruned to one keeps a group as its unit, and reloads as pruned."""
+    model = tiny_granite_hybrid(("linear_attention", "full_attention"), mamba_n_groups=groups)
+    mixer = layers(model)[0].mamba
+    assert (mixer_units(model, 0), mixer_unit_width(model, 0)) == ((2, 32) if groups == 2 else (4, 16))
+    # a unit's z, x and time-step rows of 32 inputs, output columns, 4 conv taps a channel, 16 x 8 state entries read
+    # and written a head; a group's B and C (8 rows each) its own with two groups, every head's with one
+    per_head = 32 * (3 * 16 + 1) + 4 * 16 + 4 * 16 * 8
+    cost = 2 * per_head + (32 + 4) * 16 if groups == 2 else per_head
+    assert group_cost(model, "attention_heads", 10, index=0) == cost
+    assert attention_fixed_cost(model, 0) == (0 if groups == 2 else (32 + 4) * 16)
+    with torch.no_grad():  # heads 0 and 3 of small x: unequal energies
+        mixer.in_proj.weight[64:80] *= 0.2
+        mixer.in_proj.weight[112:128] *= 0.3
+    hidden = 30 * torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(0))
+    inputs = {}
+    hook = mixer.out_proj.register_forward_hook(lambda module, args, out: inputs.update(x=args[0]))
+    with torch.no_grad():
+        full = mixer(hidden)
+    hook.remove()
+    energy = inputs["x"].reshape(-1, 64).double().square().sum(0)
+    zeroed = copy.deepcopy(mixer)
+    width, drop = mixer_unit_width(model, 0), [1] if groups == 2 else [0, 3]
+    with torch.no_grad():
+        for unit in drop:
+            zeroed.out_proj.weight[:, unit * width:(unit + 1) * width] = 0
+        expected = zeroed(hidden)
+    assert (expected - full).norm() > 0.05 * full.norm()  # the removed units did contribute
+    errors = []
+    for given in (None, energy):
+        pruned = copy.deepcopy(model)
+        prune_mixer_units(pruned, 0, [u for u in range(mixer_units(model, 0)) if u not in drop], energy=given)
+        kept = layers(pruned)[0].mamba
+        # 2 heads of 16 left: group 0 of two, or heads 1 and 2 of one group; the norm over them
+        assert (kept.num_heads, kept.n_groups, kept.norm.weight.numel(), kept.norm.group_size) == (2, 1, 32, 32)
+        with torch.no_grad():
+            errors.append(float((kept(hidden) - expected).norm() / expected.norm()))
+    if groups == 2:
+        assert max(errors) < 1e-6  # every kept output computed as it was (the energies change nothing)
+        assert (mixer_units(pruned, 0), mixer_unit_width(pruned, 0)) == (1, 32)  # one group of 2 heads left
+        save_pruned(pruned, tmp_path / "saved")
+        torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+    else:
+        assert errors[0] > 0.1 and errors[1] < errors[0] / 4, errors
+
+
+def test_falcon_h1_keeps_its_parallel_mamba2_mixers_whole_and_its_decode_step_carries_both_states(tmp_path):
+    """Falcon-H1: in every layer a Mamba2 mixer beside the attention, kept whole; the heads and the SwiGLU neurons are
+    pruned around it, an attention alone is refused (the layer's cache holds both's states), whole layers go (the
+    config computes layer_types from the depth). The graphs, exported on 10 tokens, run prompts of 1 to 30 tokens
+    (several of the scan's chunks) and decode after any cache, the step carrying each layer's keys and values, then
+    its conv and scan states; uniform widths are stated in config.json, which AutoModelForCausalLM builds alone."""
+    model = tiny_falcon_h1(num_hidden_layers=3)
+    data = [example_inputs(model, batch=3, length=12, seed=i) for i in range(2)]
+    with pytest.raises(UnsupportedArchitecture, match="layer 1 of falcon_h1 runs a recurrent mixer beside"):
+        remove_sublayer(copy.deepcopy(model), 1, ATTENTION)
+    pruned, reports = prune_transformer(model, data, 0.5, gqa="query-heads")
+    assert {r.kind for r in reports} == {"attention_heads", "ffn_neurons"}
+    assert all(query_heads(pruned, i) == 2 and ffn_width(pruned, i) == 10 for i in range(3))
+    assert all(block.mamba.out_proj.in_features == 64 for block in layers(pruned))
+    remove_layers(pruned, [2])
+    assert pruned.config.layer_types == ["hybrid", "hybrid"]
+    states = ("past_key_values.0.key", "past_key_values.0.value", "past_conv.0", "past_recurrent.0",
+              "past_key_values.1.key", "past_key_values.1.value", "past_conv.1", "past_recurrent.1")
+    _exports_a_hybrid(pruned, tmp_path, (1, 30), max_length=32, states=states)
+    ids = torch.randint(3, 50, (3, 5), generator=torch.Generator().manual_seed(1))
+    key, _, conv, scan = (tuple(t.shape) for t in _past_of(pruned, ids)[:4])
+    assert (key[2:], conv, scan) == ((5, 8), (3, 80, 4), (3, 4, 16, 8))  # x, B and C's channels; heads x 16 x 8
+    save_pruned(pruned, tmp_path / "saved")
+    torch.testing.assert_close(first_output(load_pruned(tmp_path / "saved")), first_output(pruned))
+
+    for i in range(3):
+        prune_ffn(model, i, range(12))
+        prune_heads(model, i, [1])  # the second KV group and its 2 query heads
+    remove_layers(model, [0])
+    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["intermediate_size"], config["head_dim"]) == (2, 2, 1, 12, 8)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
     torch.testing.assert_close(first_output(reloaded), first_output(model))
 

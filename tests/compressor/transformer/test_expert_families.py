@@ -195,7 +195,7 @@ def test_a_dense_ffn_layer_between_moe_layers_is_pruned_exported_removed_and_rel
     assert dense_ffn_layers(resized.config) == [True, False]
     restated = {"glm4_moe": ("first_k_dense_replace", 1), "dots1": ("first_k_dense_replace", 1),
                 "deepseek_v3": ("first_k_dense_replace", 1), "deepseek_v2": ("first_k_dense_replace", 1),
-                "ernie4_5_moe": ("moe_layer_end_index", 1),
+                "mistral4": ("first_k_dense_replace", 1), "ernie4_5_moe": ("moe_layer_end_index", 1),
                 "qwen3_moe": ("mlp_only_layers", [0]),
                 "exaone_moe": ("mlp_layer_types", ["dense", "sparse"]),
                 "glm4_moe_lite": ("mlp_layer_types", ["dense", "sparse"])}[name]
@@ -517,7 +517,7 @@ def test_lfm2_moe_routes_by_its_blocks_bias_prunes_experts_beside_short_convolut
 
 def test_granite_4_h_moe_prunes_experts_and_its_fused_shared_expert_beside_mamba2_mixers(tmp_path):
     """Granite 4.0-H-Tiny's layout: each layer's routed experts (Mixtral's routing) and the fused SwiGLU shared expert
-    beside them in the layer (shared_mlp: [gate | up] rows) are pruned as two units, the Mamba2 mixers kept whole; an
+    beside them in the layer (shared_mlp: [gate | up] rows) are pruned as two units, the Mamba2 mixers' heads too; an
     FFN alone is not removed (its shared expert lies outside the MoE block), whole layers are. Exported within 1e-4;
     uniform widths go to a config transformers loads alone."""
     from compressor.errors import UnsupportedArchitecture
@@ -534,7 +534,7 @@ def test_granite_4_h_moe_prunes_experts_and_its_fused_shared_expert_beside_mamba
     data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
     pruned, reports = prune_transformer(model, data, 0.25)
     assert {r.name: r.width_after for r in reports} == {
-        "model.layers.1.self_attn.o_proj": 3,
+        "model.layers.1.self_attn.o_proj": 3, "model.layers.0.mamba.out_proj": 3, "model.layers.2.mamba.out_proj": 3,
         **{f"model.layers.{i}.shared_mlp.output_linear": 15 for i in range(3)},
         **{f"model.layers.{i}.block_sparse_moe.experts": 24 for i in range(3)}}
     assert all(layers(pruned)[i].shared_mlp.input_linear.out_features == 30 for i in range(3))
@@ -549,5 +549,48 @@ def test_granite_4_h_moe_prunes_experts_and_its_fused_shared_expert_beside_mamba
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert (config["intermediate_size"], config["shared_intermediate_size"], config["num_attention_heads"],
             config["layer_types"]) == (16, 12, 2, ["linear_attention", "full_attention"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(first_output(reloaded), first_output(resized))
+
+
+@pytest.mark.parametrize("name", ["granitemoe", "granitemoeshared"])
+def test_granite_3_moe_prunes_its_experts_and_shared_expert_and_reloads_alone(name, tmp_path):
+    """Granite 3.x MoE: Granite 4.0-H-Tiny's routed experts (block_sparse_moe) under Llama's attention in every layer,
+    granitemoeshared's fused SwiGLU shared expert beside them (an FFN alone then not removed: it lies outside the MoE
+    block); heads, experts' and shared neurons pruned, exported and decoded within 1e-4; uniform widths go to a config
+    transformers loads alone. A granitemoeshared config building no shared expert is refused, naming granitemoe."""
+    from compressor.errors import UnsupportedArchitecture
+    from compressor.transformer.adapters import adapter_for, check_config
+    from compressor.transformer.pipeline import resize_transformer
+    from compressor.transformer.sublayers import FFN, remove_sublayer
+    from compressor.transformer.surgery import remove_layers
+
+    model = MOE_EXTRA[name]()
+    shared = name == "granitemoeshared"
+    check_config({**model.config.to_dict(), "model_type": name}, "m")
+    assert adapter_for(model).down == "block_sparse_moe.experts" and adapter_for(model).linear_attention is None
+    assert adapter_for(model).ffn_alone is not shared
+    if shared:
+        with pytest.raises(UnsupportedArchitecture, match="an FFN alone is not removed"):
+            remove_sublayer(model, 1, FFN)
+        with pytest.raises(UnsupportedArchitecture, match="set model_type granitemoe"):
+            check_config({**model.config.to_dict(), "model_type": name, "shared_intermediate_size": 0}, "m")
+    data = [example_inputs(model, batch=4, length=16, seed=s) for s in range(2)]
+    pruned, reports = prune_transformer(model, data, 0.25)
+    assert {r.name: r.width_after for r in reports} == {
+        **{f"model.layers.{i}.self_attn.o_proj": 3 for i in range(2)},
+        **({f"model.layers.{i}.shared_mlp.output_linear": 15 for i in range(2)} if shared else {}),
+        **{f"model.layers.{i}.block_sparse_moe.experts": 24 for i in range(2)}}
+    _exports_decodes_and_reads_half(pruned, tmp_path, decode=shared)
+
+    plan = {**{f"model.layers.{i}.self_attn.o_proj": 2 for i in range(2)},
+            **({f"model.layers.{i}.shared_mlp.output_linear": 12 for i in range(2)} if shared else {}),
+            **{f"model.layers.{i}.block_sparse_moe.experts": 16 for i in range(2)}}
+    resized = resize_transformer(model, plan)
+    remove_layers(resized, [1])
+    assert save_standard(resized, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (config["intermediate_size"], config["num_attention_heads"], config["num_hidden_layers"]) == (16, 2, 1)
+    assert config.get("shared_intermediate_size") == (12 if shared else None)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(first_output(reloaded), first_output(resized))

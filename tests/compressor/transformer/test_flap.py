@@ -100,3 +100,15 @@ def test_flap_refuses_latent_attention_heads_whose_rows_it_does_not_weigh():
     model = LLAMA_SHAPED["minicpm3"]()
     with pytest.raises(UnsupportedArchitecture, match="minicpm3's multi-head latent attention heads are not"):
         flap_structure(model, [example_inputs(model)], 0.5)
+
+
+def test_flap_refuses_a_recurrent_mixer_beside_the_attention():
+    """Falcon-H1 runs a Mamba2 mixer beside each attention, which FLAP's budget over heads and neurons does not weigh,
+    and an attention it would empty cannot go alone (the layer's cache holds both): refused in one line."""
+    from compressor.errors import UnsupportedArchitecture
+
+    from .transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED["falcon_h1"]()
+    with pytest.raises(UnsupportedArchitecture, match="falcon_h1's layers run a recurrent mixer beside the attention"):
+        flap_structure(model, [example_inputs(model)], 0.5)

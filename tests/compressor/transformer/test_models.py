@@ -32,6 +32,27 @@ def test_a_decoder_without_architectures_loads_as_a_causal_lm(name, tmp_path):
         torch.testing.assert_close(loaded.model(**inputs).logits, model(**inputs).logits)
 
 
+@pytest.mark.parametrize("name, arch", [("exaone", "ExaoneForCausalLM"), ("internlm3", "InternLM3ForCausalLM")])
+def test_a_decoder_naming_a_remote_code_class_loads_as_transformers_causal_lm(name, arch, tmp_path):
+    """EXAONE 3.5's and InternLM3's checkpoints name their remote-code classes, which transformers serves by its Llama
+    modeling: loaded with their LM head, as a causal LM."""
+    from .transformer_models import LLAMA_SHAPED
+
+    model = LLAMA_SHAPED[name]()
+    model.save_pretrained(tmp_path / name)
+    config = json.loads((tmp_path / name / "config.json").read_text())
+    config["architectures"] = [arch]  # as the checkpoints' config.json names it (save_pretrained writes its own)
+    if name == "exaone":  # EXAONE 3.5's own keys, which only ExaoneConfig reads (LlamaConfig would build 32 layers)
+        config["num_layers"], config["layer_norm_epsilon"] = config.pop("num_hidden_layers"), config.pop("rms_norm_eps")
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    loaded = load_transformer(str(tmp_path / name))
+    assert type(loaded.model).__name__ == "LlamaForCausalLM" and loaded.output_name == "logits"
+    assert len(layers(loaded.model)) == 2 and loaded.model.config.rms_norm_eps == model.config.rms_norm_eps
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(**inputs).logits, model(**inputs).logits)
+
+
 def test_an_encoder_without_architectures_stays_the_base_model(tmp_path):
     loaded = load_transformer(str(_without_architectures(tiny_bert(), tmp_path / "bert")))
     assert type(loaded.model).__name__ == "BertModel" and loaded.output_name == "last_hidden_state"

@@ -14,11 +14,13 @@ from compressor.transformer.pipeline import prune_blocks, prune_transformer
 from compressor.transformer.surgery import MANIFEST, load_pruned, widths
 
 from .transformer_models import (
+    LLAMA_SHAPED,
     MODELS,
     MOE_EXTRA,
     MOE_MIXED,
     example_inputs,
     first_output,
+    tiny_falcon_h1,
     tiny_gemma4,
     tiny_lfm2,
     tiny_qwen3_5,
@@ -84,10 +86,13 @@ def test_gemma4_streams_its_per_layer_head_sizes_and_embeddings_as_it_prunes_in_
 
 
 @pytest.mark.parametrize("build", [lambda: tiny_qwen3_5(("linear_attention", "full_attention", "linear_attention")),
-                                   lambda: tiny_lfm2(("conv", "full_attention", "conv"))], ids=["qwen3_5", "lfm2"])
+                                   lambda: tiny_lfm2(("conv", "full_attention", "conv")), tiny_falcon_h1,
+                                   LLAMA_SHAPED["bamba"]], ids=["qwen3_5", "lfm2", "falcon_h1", "bamba"])
 def test_linear_attention_layers_stream_as_they_prune_in_memory(build, tmp_path):
     """Qwen3.5's Gated DeltaNet layers and LFM2's short convolutions (their units and FFNs pruned) stream as the
-    attention layers beside them do; Qwen3.5's loading renames by a prefix change (a multimodal checkpoint's language
+    attention layers beside them do, Falcon-H1's Mamba2 mixers beside its attentions (their muP vector, a buffer no
+    checkpoint holds, from the template block; its layer_types, computed from the depth, as Bamba's from
+    attn_layer_indices, are not set); Qwen3.5's loading renames by a prefix change (a multimodal checkpoint's language
     model), which a streamed checkpoint reads as a renaming (it was refused as a conversion)."""
     model = build()
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")

@@ -254,6 +254,8 @@ MOE_MIXED = {
     "deepseek_v3": (lambda: tiny_latent(first_k_dense_replace=1), 0),
     "glm4_moe_lite": (lambda: tiny_latent("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig"), 0),
     "ernie4_5_moe": (tiny_ernie_moe, 0),
+    # Mistral 4's: DeepSeek-V3's layers, its router's softmax scores within the groups whose best two sum highest
+    "mistral4": (lambda: tiny_latent("Mistral4ForCausalLM", "Mistral4Config", first_k_dense_replace=1), 0),
     # DeepSeek-V2's: its router's softmax scores within the groups of the best single experts
     "deepseek_v2": (lambda: tiny_latent("DeepseekV2ForCausalLM", "DeepseekV2Config", first_k_dense_replace=1,
                                         topk_method="group_limited_greedy"), 0),
@@ -265,7 +267,8 @@ MOE_MIXED = {
 MOE_EXTRA = {"phimoe": tiny_phimoe, "gpt_oss": tiny_gpt_oss, "olmoe": tiny_olmoe, "flex_olmo": tiny_flex_olmo,
              "glm4_moe": tiny_glm4_moe, "qwen3_5_moe_text": lambda: tiny_qwen3_5_moe(),
              "qwen3_next": lambda: tiny_qwen3_next(), "lfm2_moe": lambda: tiny_lfm2_moe(),
-             "granitemoehybrid:moe": lambda: tiny_granite_hybrid_moe()}  # (defined below)
+             "granitemoehybrid:moe": lambda: tiny_granite_hybrid_moe(),  # (defined below)
+             "granitemoe": lambda: tiny_granite_moe(), "granitemoeshared": lambda: tiny_granite_moe(shared=20)}
 
 
 def _decoder(cls: str, config: str, **fields):
@@ -337,11 +340,34 @@ def tiny_granite_hybrid(layer_types: tuple[str, ...] = ("linear_attention", "ful
                     **{"num_local_experts": 0, **fields})
 
 
+def tiny_granite_moe(shared: int = 0):
+    """Granite 3.x MoE: Llama's attention over 4 experts of 32 neurons (2 a token by softmax top-k) in each of 2
+    layers, Granite's multipliers set away from 1; `shared`: a fused SwiGLU shared expert of that many neurons beside
+    them (granitemoeshared)."""
+    fields = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+                  num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    if shared:
+        return _decoder("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", shared_intermediate_size=shared,
+                        **fields)
+    return _decoder("GraniteMoeForCausalLM", "GraniteMoeConfig", **fields)
+
+
 def tiny_granite_hybrid_moe():
     """Granite 4.0-H-Tiny's layout: `tiny_granite_hybrid`'s layers (a Mamba2 mixer, an attention, a Mamba2 mixer), each
     FFN 4 experts of 32 neurons, 2 a token by softmax top-k, beside a fused SwiGLU shared expert of 20 neurons."""
     return tiny_granite_hybrid(("linear_attention", "full_attention", "linear_attention"), num_local_experts=4,
                                num_experts_per_tok=2, intermediate_size=32)
+
+
+def tiny_falcon_h1(**fields):
+    """Falcon-H1: in each layer a Mamba2 mixer (4 heads of 16 over one group, state 8, chunks of 8 tokens, its gated
+    norm on) beside a rotary attention on the same input, a SwiGLU FFN of 20 neurons; every muP multiplier set away
+    from 1."""
+    return _decoder("FalconH1ForCausalLM", "FalconH1Config", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                    mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True, key_multiplier=0.7,
+                    attention_in_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=1.2,
+                    ssm_out_multiplier=0.9, mlp_multipliers=[1.1, 0.9], embedding_multiplier=2.0,
+                    lm_head_multiplier=0.5, ssm_multipliers=[1.0, 0.9, 1.1, 1.2, 0.8], **fields)
 
 
 def tiny_lfm2(layer_types: tuple[str, ...] = ("conv", "full_attention")):
@@ -442,6 +468,10 @@ LLAMA_SHAPED = {
     "ministral": lambda: _decoder("MinistralForCausalLM", "MinistralConfig"),
     "ernie4_5": lambda: _decoder("Ernie4_5ForCausalLM", "Ernie4_5Config"),
     "seed_oss": lambda: _decoder("SeedOssForCausalLM", "SeedOssConfig", attention_bias=True),
+    # configs of their own over Llama's modeling (LlamaForCausalLM, its model_type theirs)
+    "exaone": lambda: _decoder("LlamaForCausalLM", "ExaoneConfig"),
+    "internlm3": lambda: _decoder("LlamaForCausalLM", "InternLM3Config"),
+    "iquestcoder": lambda: _decoder("LlamaForCausalLM", "IQuestCoderConfig"),
     "hunyuan_v1_dense": lambda: _decoder("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config"),
     "glm": lambda: _decoder("GlmForCausalLM", "GlmConfig", partial_rotary_factor=0.5),
     "nemotron": lambda: _decoder("NemotronForCausalLM", "NemotronConfig", partial_rotary_factor=0.5),
@@ -462,15 +492,20 @@ LLAMA_SHAPED = {
     "minicpm3": lambda: _latent_dense("MiniCPM3ForCausalLM", "MiniCPM3Config", scale_emb=4.0, scale_depth=1.4,
                                       dim_model_base=8),
     "youtu": lambda: _latent_dense("YoutuForCausalLM", "YoutuConfig"),
-    # a Gated DeltaNet layer (kept whole) before a gated-query attention layer (`test_adapters.py` exports both kinds)
+    # a Gated DeltaNet layer (its key groups pruned) before a gated-query attention layer (`test_adapters.py` exports
+    # both kinds)
     "qwen3_5_text": tiny_qwen3_5,
     # short convolutions (their channels pruned, their conv states the decode step's) around an attention layer
     "lfm2": lambda: tiny_lfm2(("conv", "full_attention", "conv")),
-    # a Mamba2 mixer (kept whole, its conv and scan states the decode step's) before an attention without positions
+    # a Mamba2 mixer (its heads pruned, its conv and scan states the decode step's) before an attention without
+    # positions
     "granitemoehybrid": tiny_granite_hybrid,
     # Granite 4.0-H's mixers beside a rotary attention, its layer kinds stated by attn_layer_indices
     "bamba": lambda: _decoder("BambaForCausalLM", "BambaConfig", attn_layer_indices=[1], mamba_n_heads=4,
                               mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8),
+    # a Mamba2 mixer beside the attention in every layer (kept whole; the decode step carries each layer's keys and
+    # values and their conv and scan states), muP multipliers away from 1 on every path
+    "falcon_h1": lambda: tiny_falcon_h1(),
     # global layers of their own head size over values that are keys, per-layer input embeddings, output scalars
     "gemma4_text": lambda: tiny_gemma4(),
     # GPT-2-like blocks: GPT-J's separate q/k/v, interleaved partial rotary and parallel FFN; GPT-BigCode's multi-query
