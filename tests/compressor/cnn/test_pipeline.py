@@ -83,7 +83,10 @@ def test_resnet20_osscar_beats_mp_plus_with_coupled_streams_and_keeps_accuracy(s
     osscar, mp_plus = results["osscar"][1], results["mp+"][1]
     assert [r.width_after for r in osscar] == [plan[u.name] for u in groups]
     assert sum(r.kind == "coupled_channels" for r in osscar) == 3
-    assert all(a.relative_error <= b.relative_error for a, b in zip(osscar[:2], mp_plus[:2], strict=True))
+    # no worse than mp+ (the stem's coupled group keeps the same channels by both: equal up to the last bits, 1.7e-16
+    # apart on the VM of 2026-12-07, either way round on another CPU's kernels)
+    assert all(a.relative_error <= b.relative_error * (1 + 1e-9)
+               for a, b in zip(osscar[:2], mp_plus[:2], strict=True))
     # dense 91.6%; measured 66.7% (osscar) and 57.3% (mp+) on these 300 images
     assert results["osscar"][0] > max(0.60, results["mp+"][0])
 
