@@ -488,9 +488,14 @@ def parallel_mixer_cost(model: nn.Module, index: int) -> float:
     path = adapter_for(model).parallel_mixer
     if path is None:
         return 0.0
-    mixer = layers(model)[index].get_submodule(path)
+    return _whole_mixer_cost(layers(model)[index].get_submodule(path), recurrent=True)
+
+
+def _whole_mixer_cost(mixer: nn.Module, recurrent: bool) -> float:
+    """Multiply-adds per token of a mixer kept whole: its projections and depthwise conv (a multiply-add a weight) and,
+    where it carries a recurrent state (`recurrent`), that state read and written."""
     weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear | nn.Conv1d))
-    return float(weights + 4 * recurrent_state_size(mixer))
+    return float(weights + (4 * recurrent_state_size(mixer) if recurrent else 0))
 
 
 def _mixer_unit_cost(model: nn.Module, index: int) -> float:
@@ -552,10 +557,8 @@ def attention_fixed_cost(model: nn.Module, index: int = 0) -> float:
         return float(shared * (block_hidden(model, index) + int(mixer.conv1d.kernel_size[0])))
     if record.recurrent:  # a linear-attention mixer, whole: its projections and its state's update
         mixer = layers(model)[index].get_submodule(adapter_for(model).linear_attention)
-        # its projections and its depthwise conv (a multiply-add a weight); LFM2's short conv has no state beyond it
-        weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, nn.Linear | nn.Conv1d))
-        state = recurrent_state_size(mixer) if adapter_for(model).linear_recurrent_state else 0
-        return float(weights + 4 * state)
+        # LFM2's short conv has no state beyond its conv's
+        return _whole_mixer_cost(mixer, adapter_for(model).linear_recurrent_state)
     if not adapter_for(model).latent_attention:
         return 0.0
     c = model.config

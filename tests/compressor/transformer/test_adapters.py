@@ -158,6 +158,15 @@ def _exports_a_hybrid(pruned, tmp_path, lengths, max_length=None, states=HYBRID_
     return example
 
 
+def _standard_config(model, directory) -> dict:
+    """config.json of `model` saved with its widths stated there (no manifest), which AutoModelForCausalLM builds alone
+    with the model's outputs."""
+    assert save_standard(model, directory) and not (directory / "osscar_widths.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    torch.testing.assert_close(first_output(reloaded), first_output(model))
+    return json.loads((directory / "config.json").read_text())
+
+
 def _replays_its_blocks(model, data) -> None:
     """Each block replayed on its captured inputs gives what it gives inside the model (the family's own forward:
     multipliers, clipping, norms, layer scales, rotary tables)."""
@@ -421,12 +430,9 @@ def test_falcon_h1_keeps_its_parallel_mamba2_mixers_whole_and_its_decode_step_ca
         prune_ffn(model, i, range(12))
         prune_heads(model, i, [1])  # the second KV group and its 2 query heads
     remove_layers(model, [0])
-    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
-    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    config = _standard_config(model, tmp_path / "s")
     assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
             config["intermediate_size"], config["head_dim"]) == (2, 2, 1, 12, 8)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
-    torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
 def test_bamba_restates_the_attention_indices_its_layer_kinds_are_computed_from(tmp_path, monkeypatch):
@@ -535,12 +541,9 @@ def test_a_uniformly_pruned_qwen3_5_loads_in_transformers_alone(tmp_path):
         torch.testing.assert_close(first_output(reloaded), first_output(unequal))
     prune_mixer_units(model, 0, [1])
     prune_mixer_units(model, 2, [0])
-    assert save_standard(model, tmp_path / "s") and not (tmp_path / "s" / "osscar_widths.json").exists()
-    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    config = _standard_config(model, tmp_path / "s")
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"],
             config["linear_num_key_heads"], config["linear_num_value_heads"]) == (2, 1, 12, 1, 2)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
-    torch.testing.assert_close(first_output(reloaded), first_output(model))
 
 
 def test_a_backbone_config_names_the_stages_of_the_blocks_kept(caplog):
